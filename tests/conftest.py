@@ -1,0 +1,27 @@
+"""Test configuration: two XLA host devices (as on the 2-core machine), CPU, strict numerics.
+
+Rank promotion raises so silent broadcasting bugs fail (STYLE.md, Tests 7). Algebra tests that
+need float64 use ``jax.enable_x64`` locally.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+settings.load_profile("ci")
+
+
+@pytest.fixture
+def key():
+    return jax.random.key(0)
