@@ -1,0 +1,10 @@
+"""Federated algorithms, each a small set of pure functions (see :mod:`fedbayes.algorithms.base`)."""
+
+from fedbayes.algorithms.admm import admm
+from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.fedavg import fedavg
+from fedbayes.algorithms.feddyn import feddyn
+from fedbayes.algorithms.fedprox import fedprox
+from fedbayes.algorithms.server_opt import make_server_optimizer, scale_by_reddi
+
+__all__ = ["Algorithm", "admm", "fedavg", "feddyn", "fedprox", "make_server_optimizer", "scale_by_reddi"]

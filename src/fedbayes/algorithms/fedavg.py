@@ -1,0 +1,74 @@
+"""FedAvg (McMahan et al. 2017) with the server optimizers of Reddi et al. (2021).
+
+Spec section 2. Client: ``E`` epochs of the client optimizer on the mean loss from the broadcast
+``theta``; message ``g_k = theta - theta_k^(E)`` (pseudo-gradient). Server:
+``g = sum_k n_k g_k / sum_k n_k`` (or uniform weights), then ``theta <- theta + ServerOpt(g)``.
+FedAvgM / FedAdam / FedYogi / FedAdagrad are FedAvg with another server optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import optax
+
+from fedbayes import tree
+from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
+from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.inference.sgd import LocalTrainer, run_sgd
+
+
+class ServerState(NamedTuple):
+    """Server state of FedAvg-style methods: the model and the server optimizer state."""
+
+    params: optax.Params
+    opt_state: optax.OptState
+
+
+def local_delta_algorithm(
+    name: str,
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    penalty: Callable | None = None,
+) -> Algorithm:
+    """A stateless method whose client minimises ``mean loss + penalty(theta_server, w)``.
+
+    Args:
+      name: the algorithm's name.
+      trainer: local training configuration.
+      server_optimizer: optax transformation applied to the aggregated pseudo-gradient.
+      penalty: optional ``(server_params, w) -> scalar``; ``None`` is FedAvg.
+    """
+
+    def server_init(key, params):
+        del key
+        return ServerState(params=params, opt_state=server_optimizer.init(params))
+
+    def broadcast(state):
+        return state.params
+
+    def client_update(key, server_params, client_state, data):
+        pen = None if penalty is None else (lambda w: penalty(server_params, w))
+        local = run_sgd(key, server_params, data, trainer, pen)
+        return optax.tree.sub(server_params, local), client_state
+
+    def server_update(state, messages, weights):
+        g = tree.weighted_mean(messages, weights)
+        params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, g)
+        return ServerState(params=params, opt_state=opt_state)
+
+    return Algorithm(
+        name=name,
+        server_init=server_init,
+        broadcast=broadcast,
+        client_init=stateless_client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: state.params,
+        message_ok=finite_message,
+    )
+
+
+def fedavg(trainer: LocalTrainer, server_optimizer: optax.GradientTransformation) -> Algorithm:
+    """FedAvg: local training on the mean loss, weighted averaging of deltas (spec 2)."""
+    return local_delta_algorithm("fedavg", trainer, server_optimizer)

@@ -1,0 +1,32 @@
+"""FedProx (Li et al. 2020): FedAvg with a proximal term on the client.
+
+Spec section 3. The client approximately minimises
+``h_k(w) = mean_loss_k(w) + (mu / 2) ||w - theta||_2^2`` (the squared norm, as in the paper; the
+``bayes-admm`` code's unsquared norm is a known deviation, spec 3 pitfall). With ``mu = 0`` this is
+FedAvg.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.fedavg import local_delta_algorithm
+from fedbayes.inference.sgd import LocalTrainer
+
+
+def proximal_penalty(mu: float):
+    """``(theta, w) -> (mu/2) ||w - theta||^2`` (spec 3)."""
+
+    def penalty(theta, w):
+        diff = optax.tree.sub(w, theta)
+        return 0.5 * mu * optax.tree.vdot(diff, diff)
+
+    return penalty
+
+
+def fedprox(trainer: LocalTrainer, server_optimizer: optax.GradientTransformation, mu: float) -> Algorithm:
+    """FedProx with proximal strength ``mu >= 0``."""
+    if mu < 0:
+        raise ValueError(f"fedprox: mu must be >= 0; got {mu}")
+    return local_delta_algorithm("fedprox", trainer, server_optimizer, proximal_penalty(mu))

@@ -1,0 +1,5 @@
+"""Client inference methods: how a client turns its data and a server message into an estimate."""
+
+from fedbayes.inference.sgd import LocalTrainer, run_sgd
+
+__all__ = ["LocalTrainer", "run_sgd"]

@@ -1,0 +1,306 @@
+"""The round simulator: sample a cohort, run its clients together in one ``jit``, update the server.
+
+One round (DESIGN.md, "One round, as data flows"):
+
+1. **Sample** ``M`` clients uniformly without replacement with a key derived from (seed, round).
+2. **Gather** the cohort's index lists (into the training set, which sits on every device once)
+   and its client states from the host store.
+3. **Broadcast** the server message.
+4. **Client update**, in one ``jit``, in one of two layouts behind one interface:
+
+   * ``"sequential"`` (default on CPU): the cohort is split over the local devices with
+     ``shard_map``; each device runs its clients one after another (``lax.map``), each client with
+     its own trip count, so there is no padding waste. Clients are balanced over devices on the
+     host each round, longest first.
+   * ``"vmap"``: the cohort (client axis sharded over the devices) runs under ``jax.vmap``; each
+     client's loop is masked past its own step count, so every client takes exactly its steps.
+
+   Client ``k`` always uses the key ``fold_in(fold_in(client_root, round), k)``: results do not
+   depend on the cohort, its order, padding, the layout or the device split.
+5. **Validate** each message (``algorithm.message_ok``); a rejected client gets weight zero and
+   keeps its old state; the count is reported. **Server update**: the algorithm's weighted
+   aggregation and server optimizer, fused into the same program.
+6. **Scatter** new client states back to the store.
+
+Set ``XLA_FLAGS=--xla_force_host_platform_device_count=<cores>`` before JAX starts to get one XLA
+device per core (the CLI does this); with one device both layouts still work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fedbayes import tree
+from fedbayes.algorithms.base import Algorithm
+from fedbayes.data.batches import ClientData
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("auto", "sequential", "vmap")
+WEIGHTINGS = ("examples", "uniform")
+_AXIS = "clients"
+
+
+@dataclasses.dataclass(frozen=True)
+class Federation:
+    """Host-side federated training data: the pooled arrays and each client's indices into them."""
+
+    x: np.ndarray
+    y: np.ndarray
+    client_indices: tuple[np.ndarray, ...]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_indices)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
+
+
+class SimState(NamedTuple):
+    """Everything a run needs to continue: the next round, server state, client store."""
+
+    round: int
+    server_state: Any
+    client_states: Any  # pytree of host arrays [num_clients, ...], or () when stateless
+
+
+class RoundInfo(NamedTuple):
+    """What one round did."""
+
+    round: int
+    cohort: np.ndarray
+    rejected: np.ndarray  # client ids whose messages were rejected
+    bytes_up: int
+    bytes_down: int
+
+
+def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
+    """Longest-processing-time-first assignment of items to devices (balanced sums)."""
+    loads = np.zeros(num_devices)
+    groups: list[list[int]] = [[] for _ in range(num_devices)]
+    for i in np.argsort(-costs, kind="stable"):
+        d = int(np.argmin(loads))
+        groups[d].append(int(i))
+        loads[d] += costs[i]
+    return groups
+
+
+class Simulator:
+    """Runs rounds of a federated :class:`Algorithm` on a :class:`Federation`.
+
+    Args:
+      algorithm: the federated method.
+      federation: host-side data and client partition.
+      clients_per_round: cohort size ``M`` (``1 <= M <= K``).
+      seed: root seed; cohorts and every client's randomness derive from it.
+      weighting: ``"examples"`` (``q_k`` proportional to ``n_k``) or ``"uniform"``.
+      layout: ``"sequential"``, ``"vmap"`` or ``"auto"`` (sequential on CPU, vmap elsewhere).
+      devices: devices to shard the cohort over (default: all local devices).
+      fail_fast: raise on the first rejected client message instead of dropping it.
+    """
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        federation: Federation,
+        *,
+        clients_per_round: int,
+        seed: int = 0,
+        weighting: str = "examples",
+        layout: str = "auto",
+        devices: Sequence[jax.Device] | None = None,
+        fail_fast: bool = False,
+    ):
+        k = federation.num_clients
+        if not 1 <= clients_per_round <= k:
+            raise ValueError(f"clients_per_round must be between 1 and the number of clients ({k}); got {clients_per_round}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}; got {weighting!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+        if np.any(federation.sizes == 0):
+            raise ValueError("every client needs at least one example; got empty clients " f"{np.flatnonzero(federation.sizes == 0)[:10].tolist()}")
+        self.algorithm = algorithm
+        self.federation = federation
+        self.clients_per_round = clients_per_round
+        self.weighting = weighting
+        self.fail_fast = fail_fast
+        devices = list(devices) if devices is not None else jax.local_devices()
+        if layout == "auto":
+            layout = "sequential" if devices[0].platform == "cpu" else "vmap"
+        self.layout = layout
+        self.mesh = Mesh(np.array(devices), (_AXIS,))
+        self.num_devices = len(devices)
+        self._replicated = NamedSharding(self.mesh, P())
+        self._sharded = NamedSharding(self.mesh, P(_AXIS))
+        self.x = jax.device_put(federation.x, self._replicated)
+        self.y = jax.device_put(federation.y, self._replicated)
+        self.sizes = federation.sizes
+        self.n_max = int(self.sizes.max())
+        root = jax.random.key(seed)
+        self._client_root = jax.random.fold_in(root, 0)
+        self._sample_root = jax.random.fold_in(root, 1)
+        self._server_key = jax.random.fold_in(root, 2)
+        self._round_fn = jax.jit(self._round)
+        self._message_bytes: tuple[int, int] | None = None
+
+    # ----- state -----------------------------------------------------------------------------
+    def init(self, params) -> SimState:
+        """Initial state: ``server_init`` and every client's ``client_init`` (stored on the host)."""
+        server_state = self.algorithm.server_init(self._server_key, params)
+        template = self.algorithm.client_init(params)
+        k = self.federation.num_clients
+        client_states = jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], k, axis=0), template)
+        return SimState(round=0, server_state=server_state, client_states=client_states)
+
+    def server_params(self, state: SimState):
+        return self.algorithm.server_params(state.server_state)
+
+    # ----- cohort ----------------------------------------------------------------------------
+    def sample_cohort(self, round_idx: int) -> np.ndarray:
+        """Uniform sample without replacement of ``M`` client ids for ``round_idx`` (sorted)."""
+        k, m = self.federation.num_clients, self.clients_per_round
+        if m == k:
+            return np.arange(k)
+        key = jax.random.fold_in(self._sample_root, round_idx)
+        return np.sort(np.asarray(jax.random.choice(key, k, (m,), replace=False)))
+
+    def _layout_cohort(self, cohort: np.ndarray) -> np.ndarray:
+        """Orders the cohort into equal per-device blocks; ``-1`` marks padding slots."""
+        d = self.num_devices
+        if self.layout == "sequential" and d > 1:
+            groups = _lpt_assign(self.sizes[cohort].astype(np.float64), d)
+        else:
+            per = -(-len(cohort) // d)
+            groups = [list(range(i * per, min((i + 1) * per, len(cohort)))) for i in range(d)]
+        width = max(len(g) for g in groups)
+        slots = np.full((d, width), -1, dtype=np.int64)
+        for i, g in enumerate(groups):
+            slots[i, : len(g)] = cohort[g] if len(g) else []
+        return slots.reshape(-1)
+
+    def _gather(self, slots: np.ndarray):
+        real = slots >= 0
+        safe = np.where(real, slots, 0)
+        indices = np.zeros((len(slots), self.n_max), dtype=np.int32)
+        for row, cid in enumerate(slots):
+            if cid >= 0:
+                ix = self.federation.client_indices[cid]
+                indices[row, : len(ix)] = ix
+        num_examples = np.where(real, self.sizes[safe], 0).astype(np.int32)
+        if self.weighting == "examples":
+            weights = num_examples.astype(np.float32)
+        else:
+            weights = real.astype(np.float32)
+        return safe.astype(np.int32), indices, num_examples, weights
+
+    # ----- the compiled round ----------------------------------------------------------------
+    def _client_fn(self, message, round_key, x, y):
+        algorithm = self.algorithm
+
+        def one(cid, cstate, indices, n):
+            key = jax.random.fold_in(round_key, cid)
+            return algorithm.client_update(key, message, cstate, ClientData(x, y, indices, n))
+
+        return one
+
+    def _round(self, server_state, client_states, client_ids, indices, num_examples, weights, round_idx, x, y):
+        algorithm = self.algorithm
+        message = algorithm.broadcast(server_state)
+        round_key = jax.random.fold_in(self._client_root, round_idx)
+        if self.layout == "vmap":
+            one = self._client_fn(message, round_key, x, y)
+            messages, new_states = jax.vmap(one)(client_ids, client_states, indices, num_examples)
+        else:
+
+            def per_device(message, round_key, x, y, cids, cstates, idx, n):
+                one = self._client_fn(message, round_key, x, y)
+                return jax.lax.map(lambda a: one(*a), (cids, cstates, idx, n))
+
+            # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
+            # over devices and clients would no longer be independent (DESIGN.md).
+            messages, new_states = jax.shard_map(
+                per_device,
+                mesh=self.mesh,
+                in_specs=(P(), P(), P(), P(), P(_AXIS), P(_AXIS), P(_AXIS), P(_AXIS)),
+                out_specs=(P(_AXIS), P(_AXIS)),
+                check_vma=False,
+            )(message, round_key, x, y, client_ids, client_states, indices, num_examples)
+        ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
+        ok = jnp.logical_and(ok, weights > 0)
+        new_server = algorithm.server_update(server_state, messages, jnp.where(ok, weights, 0.0))
+
+        def keep(new, old):
+            mask = ok.reshape((-1,) + (1,) * (new.ndim - 1))
+            return jnp.where(mask, new, old)
+
+        new_states = jax.tree.map(keep, new_states, client_states)
+        return new_server, new_states, ok
+
+    def message_bytes(self, state: SimState) -> tuple[int, int]:
+        """``(down, up)`` bytes of one broadcast message and one client message."""
+        if self._message_bytes is None:
+            message = jax.eval_shape(self.algorithm.broadcast, state.server_state)
+            cstate = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state.client_states)
+            data = ClientData(
+                jax.ShapeDtypeStruct(self.x.shape, self.x.dtype),
+                jax.ShapeDtypeStruct(self.y.shape, self.y.dtype),
+                jax.ShapeDtypeStruct((self.n_max,), jnp.int32),
+                jax.ShapeDtypeStruct((), jnp.int32),
+            )
+            out, _ = jax.eval_shape(self.algorithm.client_update, jax.random.key(0), message, cstate, data)
+            self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
+        return self._message_bytes
+
+    def run_round(self, state: SimState) -> tuple[SimState, RoundInfo]:
+        """Runs round ``state.round`` and returns the next state and what happened."""
+        round_idx = state.round
+        cohort = self.sample_cohort(round_idx)
+        slots = self._layout_cohort(cohort)
+        client_ids, indices, num_examples, weights = self._gather(slots)
+        safe = client_ids.astype(np.int64)
+        cstates = jax.tree.map(lambda a: a[safe], state.client_states)
+        put = lambda a: jax.device_put(a, self._sharded)  # noqa: E731
+        new_server, new_cstates, ok = self._round_fn(
+            state.server_state,
+            jax.tree.map(put, cstates),
+            put(client_ids),
+            put(indices),
+            put(num_examples),
+            put(weights),
+            jnp.int32(round_idx),
+            self.x,
+            self.y,
+        )
+        ok = np.asarray(ok)
+        real = slots >= 0
+        rejected = slots[real & ~ok]
+        if len(rejected):
+            log.warning("round %d: rejected messages from clients %s", round_idx, rejected.tolist())
+            if self.fail_fast:
+                raise RuntimeError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()}")
+        client_states = state.client_states
+        if jax.tree.leaves(client_states):
+            rows = np.flatnonzero(real)
+            ids = slots[rows]
+
+            def scatter(store, new):
+                # In place: copying the whole [K, ...] store every round would cost O(K d).
+                store[ids] = np.asarray(new)[rows]
+                return store
+
+            client_states = jax.tree.map(scatter, client_states, new_cstates)
+        down, up = self.message_bytes(state)
+        m = len(cohort)
+        info = RoundInfo(round=round_idx, cohort=cohort, rejected=rejected, bytes_up=up * m, bytes_down=down * m)
+        return SimState(round_idx + 1, new_server, client_states), info
