@@ -19,4 +19,4 @@ demo: env
 	$(BIN)/fedbayes compare examples/fmnist_compare.toml --out runs/demo
 
 test: env
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2

@@ -157,11 +157,16 @@ class Simulator:
     # ----- state -----------------------------------------------------------------------------
     def init(self, params) -> SimState:
         """Initial state: ``server_init`` and every client's ``client_init`` (stored on the host)."""
-        server_state = self.algorithm.server_init(self._server_key, params)
+        server_state = self.place(self.algorithm.server_init(self._server_key, params))
         template = self.algorithm.client_init(params)
         k = self.federation.num_clients
         client_states = jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], k, axis=0), template)
         return SimState(round=0, server_state=server_state, client_states=client_states)
+
+    def place(self, server_state):
+        """Puts a server state on the devices as the round returns it (replicated), so that the
+        compiled round is reused from the first call on."""
+        return jax.device_put(server_state, self._replicated)
 
     def server_params(self, state: SimState):
         return self.algorithm.server_params(state.server_state)

@@ -1,0 +1,220 @@
+"""The ``fedbayes`` command line: run, compare, resume, datasets.
+
+No math lives here: commands parse and validate configs, then call :mod:`fedbayes.experiment`.
+Bad configs exit with code 2 and one line naming the field and what is allowed, before any work.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# One XLA host device per core, set before JAX starts (DESIGN.md, "Using every core").
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={os.cpu_count() or 1}"
+    ).strip()
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Annotated, Optional  # noqa: E402
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, read_toml, validate  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning as Bayesian inference, in JAX.")
+console = Console()
+if not console.is_terminal:
+    console = Console(width=160)  # logs and CI: do not squeeze tables into 80 columns
+err_console = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2):
+    err_console.print(message, markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+class RichReporter:
+    """A rich progress bar (round, accuracy, ETA) for terminals."""
+
+    def __init__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self.task = None
+
+    def start(self, name, total, done):
+        self.progress.start()
+        self.task = self.progress.add_task(name, total=total, completed=done, status="")
+
+    def update(self, round_idx, total, record):
+        status = None
+        if record is not None:
+            status = f"acc {record['accuracy']:.4f}" if "accuracy" in record else f"mse {record['mse']:.5f}"
+        self.progress.update(self.task, completed=round_idx, **({"status": status} if status else {}))
+
+    def stop(self):
+        self.progress.stop()
+
+
+def _reporter():
+    from fedbayes.experiment import PlainReporter
+
+    return RichReporter() if console.is_terminal else PlainReporter(lambda s: print(s, flush=True))
+
+
+def _load(path: Path, overrides: list[str]) -> RunConfig:
+    try:
+        return validate(apply_overrides(read_toml(path), overrides))
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def _run(config: RunConfig, out: Path, resume: bool = False) -> dict:
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.experiment import run_experiment
+
+    try:
+        return run_experiment(config, out, resume=resume, reporter=_reporter())
+    except DatasetNotFoundError as exc:
+        _fail(f"data error: {exc}", code=3)
+    except ValueError as exc:
+        _fail(f"error: {exc}")
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="experiment TOML file")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/<name>)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key, e.g. --set server.lr=0.5")] = None,
+):
+    """Run one experiment: metrics.jsonl, summary.json, config.toml, curves.png, checkpoints."""
+    cfg = _load(config, set_ or [])
+    out = out or Path("runs") / cfg.name
+    summary = _run(cfg, out)
+    _print_table({cfg.name: summary})
+    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, curves.png, checkpoints/)", highlight=False)
+
+
+@app.command()
+def resume(out: Annotated[Path, typer.Argument(help="the folder of an interrupted run")]):
+    """Resume an interrupted run from its newest checkpoint; ends as if it never stopped."""
+    cfg_path = out / "config.toml"
+    if not cfg_path.is_file():
+        _fail(f"error: {out} holds no config.toml; is it a fedbayes run folder?")
+    cfg = _load(cfg_path, [])
+    summary = _run(cfg, out, resume=True)
+    _print_table({cfg.name: summary})
+
+
+def _comparison(files: list[Path], overrides: list[str]) -> dict[str, RunConfig]:
+    """Variant name -> config, from one comparison file ([base] + [variants.*]) or several run files."""
+    runs: dict[str, RunConfig] = {}
+    for path in files:
+        try:
+            raw = read_toml(path)
+        except ConfigError as exc:
+            _fail(str(exc))
+        if "variants" in raw or "base" in raw:
+            unknown = set(raw) - {"base", "variants"}
+            if unknown:
+                _fail(f"config error: {path}: unknown top-level key(s) {sorted(unknown)} in a comparison file; allowed: base, variants")
+            variants = raw.get("variants") or {}
+            if not variants:
+                _fail(f"config error: {path}: variants: a comparison needs at least one [variants.NAME] table")
+            for name, update in variants.items():
+                merged = deep_merge(raw.get("base", {}), update)
+                merged.setdefault("name", name)
+                merged["name"] = name
+                try:
+                    runs[name] = validate(apply_overrides(merged, overrides))
+                except ConfigError as exc:
+                    _fail(f"{exc} (variant {name!r})")
+        else:
+            cfg = _load(path, overrides)
+            runs[cfg.name if cfg.name not in runs else f"{cfg.name}_{len(runs)}"] = cfg
+    return runs
+
+
+def _fmt(v, pct=False, digits=4):
+    if v is None:
+        return "—"
+    return f"{100 * v:.2f}" if pct else f"{v:.{digits}f}"
+
+
+def _print_table(summaries: dict[str, dict], threshold: float = 0.8) -> str:
+    """Prints the comparison table and returns it as Markdown."""
+    table = Table(title="fedbayes comparison" if len(summaries) > 1 else None)
+    cols = ["method", "algorithm", "server opt", "accuracy", "NLL", "ECE (%)", "best acc", f"rounds to {threshold:.0%}", "time (s)", "MB up"]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("method", "algorithm", "server opt") else "right")
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name, s in summaries.items():
+        f = s.get("final", {})
+        if "accuracy" in f:
+            rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
+            row = [name, s["algorithm"], s["server_optimizer"], _fmt(f["accuracy"]), _fmt(f["nll"]), _fmt(f["ece"], pct=True), _fmt(s.get("best_accuracy")), "—" if rt is None else str(rt)]
+        else:
+            row = [name, s["algorithm"], s["server_optimizer"], f"mse {_fmt(f.get('mse'), digits=5)}", "", "", "", ""]
+        row += [f"{f.get('seconds', 0):.1f}", f"{f.get('bytes_up', 0) / 1e6:.1f}"]
+        table.add_row(*row)
+        md.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    return "\n".join(md) + "\n"
+
+
+@app.command()
+def compare(
+    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML ([base] + [variants.NAME]) or several run TOMLs")],
+    out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every run")] = None,
+    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
+):
+    """Run several methods or configs and print one table and one overlaid plot."""
+    from fedbayes.experiment import read_metrics
+    from fedbayes.plotting import plot_curves
+
+    runs = _comparison(configs, set_ or [])
+    summaries = {}
+    for name, cfg in runs.items():
+        console.print(f"[bold]== {name}[/bold] ({cfg.algorithm.name}, server {cfg.server.optimizer})")
+        summaries[name] = _run(cfg, out / name)
+    md = _print_table(summaries, threshold)
+    curves = {name: read_metrics(out / name / "metrics.jsonl") for name in runs}
+    task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
+    plot = plot_curves(out / "compare.png", curves, title="comparison", task=task)
+    (out / "compare.md").write_text(md)
+    (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
+
+
+@app.command()
+def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to look in as well")] = None):
+    """List the datasets and whether each is present on this machine."""
+    from fedbayes.data import dataset_status
+
+    table = Table()
+    table.add_column("dataset")
+    table.add_column("present")
+    table.add_column("where / how to get it")
+    for name, present, detail in dataset_status(data_dir):
+        table.add_row(name, "yes" if present else "no", detail)
+    console.print(table)
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Experiment configuration: a validated, immutable description of one run.
+
+Configs are TOML files (see ``examples/``) parsed into :class:`RunConfig` by pydantic. Unknown
+keys, wrong types and impossible values (``clients_per_round > num_clients``, ``lr <= 0``,
+``alpha <= 0``, ...) are rejected before any work starts, with one line naming the field and what
+is allowed (:func:`format_validation_error`).
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
+PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
+MODELS = ("logreg", "mlp", "cnn", "linear")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    """Which data, how much of it, and how it is split over clients."""
+
+    dataset: Literal[DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
+    data_dir: str | None = None
+    fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (seed 001 uses 0.1 for FMNIST)")
+    num_clients: int = Field(10, ge=1)
+    partition: Literal[PARTITIONS] = "iid"  # type: ignore[valid-type]
+    alpha: float = Field(0.5, gt=0, description="Dirichlet label-skew concentration (partition = dirichlet)")
+    alpha1: float = Field(1.0, gt=0, description="two-level Dirichlet: client-size concentration")
+    alpha2: float = Field(0.5, gt=0, description="two-level Dirichlet: class-mix concentration")
+    classes_per_client: int = Field(2, ge=1, description="shards partition")
+    synthetic_alpha: float = Field(1.0, ge=0, description="synthetic_leaf: model heterogeneity")
+    synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
+    dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
+
+
+class ModelConfig(_Strict):
+    """The flax model."""
+
+    name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
+    hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
+
+
+class ClientConfig(_Strict):
+    """Local training: epochs, batch size and the client optax optimizer."""
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class ServerConfig(_Strict):
+    """Cohort size, client weighting and the server optimizer (spec 1.2)."""
+
+    clients_per_round: int = Field(10, ge=1)
+    weighting: Literal["examples", "uniform"] = "examples"
+    optimizer: Literal["sgd", "momentum", "adam", "yogi", "adagrad"] = "sgd"
+    lr: float = Field(1.0, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-3, gt=0)
+    variant: Literal["reddi", "optax"] = "reddi"
+    fail_fast: bool = False
+
+
+class FedAvgConfig(_Strict):
+    """FedAvg (spec 2); FedAvgM/FedAdam/FedYogi/FedAdagrad via ``server.optimizer``."""
+
+    name: Literal["fedavg"] = "fedavg"
+
+
+class FedProxConfig(_Strict):
+    """FedProx (spec 3)."""
+
+    name: Literal["fedprox"]
+    mu: float = Field(0.01, ge=0)
+
+
+class FedDynConfig(_Strict):
+    """FedDyn (spec 5)."""
+
+    name: Literal["feddyn"]
+    alpha: float = Field(0.01, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+
+
+class ADMMConfig(_Strict):
+    """Federated ADMM (spec 4.1)."""
+
+    name: Literal["admm"]
+    rho: float = Field(0.01, gt=0)
+    delta: float = Field(0.0, ge=0)
+
+
+AlgorithmConfig = Annotated[
+    Union[FedAvgConfig, FedProxConfig, FedDynConfig, ADMMConfig],
+    Field(discriminator="name"),
+]
+ALGORITHMS = ("fedavg", "fedprox", "feddyn", "admm")
+
+
+class RunConfig(_Strict):
+    """One experiment."""
+
+    name: str = "run"
+    seed: int = Field(0, ge=0)
+    rounds: int = Field(10, ge=1)
+    eval_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(5, ge=0, description="rounds between checkpoints; 0 = only at the end")
+    layout: Literal["auto", "sequential", "vmap"] = "auto"
+    eval_batch_size: int = Field(2000, ge=1)
+    ece_bins: int = Field(15, ge=1)
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    client: ClientConfig = ClientConfig()
+    server: ServerConfig = ServerConfig()
+    algorithm: AlgorithmConfig = FedAvgConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        if self.server.clients_per_round > self.data.num_clients:
+            raise ValueError(
+                f"server.clients_per_round: must be <= data.num_clients ({self.data.num_clients}); got {self.server.clients_per_round}"
+            )
+        regression = self.data.dataset == "least_squares"
+        if regression != (self.model.name == "linear"):
+            raise ValueError(
+                "model.name: the least_squares dataset needs model 'linear', and 'linear' needs least_squares; "
+                f"got model {self.model.name!r} with dataset {self.data.dataset!r}"
+            )
+        if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
+            raise ValueError(
+                "data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); "
+                f"got {self.data.dataset!r}"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already formatted as one line for the user."""
+
+
+def _allowed(err: dict) -> str:
+    ctx = err.get("ctx") or {}
+    if "expected" in ctx:
+        return "" if str(ctx["expected"]) in err["msg"] else f"allowed: {ctx['expected']}"
+    for key, word in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+        if key in ctx:
+            return f"allowed: {word} {ctx[key]}"
+    return ""
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel] = RunConfig) -> str:
+    """One line naming the first offending field, what is allowed and what was given."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in ALGORITHMS))
+    if err["type"] == "extra_forbidden":
+        parent = _section_model(model, err["loc"][:-1])
+        allowed = ", ".join(parent.model_fields) if parent is not None else ""
+        return f"config error: {loc}: unknown key; allowed keys here: {allowed}"
+    if err["type"] == "union_tag_invalid":
+        return f"config error: {loc or 'algorithm'}.name: unknown algorithm {err['input'].get('name')!r}; allowed: {', '.join(ALGORITHMS)}"
+    if err["type"] == "value_error":
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        return f"config error: {msg}" if ":" in msg.split(" ")[0] else f"config error: {loc}: {msg}"
+    allowed = _allowed(err)
+    given = err.get("input")
+    given_s = "" if isinstance(given, dict) else f"; got {given!r}"
+    return f"config error: {loc}: {err['msg']}" + (f" ({allowed})" if allowed else "") + given_s
+
+
+def _section_model(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, str) and part in ALGORITHMS:
+            return {"fedavg": FedAvgConfig, "fedprox": FedProxConfig, "feddyn": FedDynConfig, "admm": ADMMConfig}[part]
+        if part == "algorithm":
+            continue  # the next part is the discriminator tag
+        field = current.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            current = ann
+        else:
+            return None
+    return current
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"server.lr=0.5"`` -> ``(["server", "lr"], 0.5)``; values are read as TOML (strings may be bare)."""
+    if "=" not in item:
+        raise ConfigError(f"config error: --set {item!r}: expected key=value (e.g. server.lr=0.5)")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Returns a copy of ``raw`` with dotted ``key=value`` overrides applied."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config error: --set {item!r}: {part} is not a section")
+        node[path[-1]] = value
+    return out
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Recursively merges ``update`` into a copy of ``base`` (update wins)."""
+    out = copy.deepcopy(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    if "algorithm" in update and "name" in update["algorithm"]:
+        # Switching algorithm drops the old algorithm's keys (e.g. fedprox.mu when moving to feddyn).
+        out["algorithm"] = copy.deepcopy(update["algorithm"])
+    return out
+
+
+def validate(raw: dict) -> RunConfig:
+    """Validates a raw dict; raises :class:`ConfigError` with one line on failure."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def read_toml(path: str | Path) -> dict:
+    """Reads a TOML file; a missing file or a syntax error raises :class:`ConfigError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config error: {path}: no such file")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config error: {path}: invalid TOML: {exc}") from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Reads, overrides and validates a run config."""
+    return validate(apply_overrides(read_toml(path), list(overrides)))
+
+
+def to_toml(config: RunConfig) -> str:
+    """The resolved config as TOML (every default written out)."""
+    data = config.model_dump(mode="json", exclude_none=True)
+    return tomli_w.dumps(data)

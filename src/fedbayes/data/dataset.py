@@ -1,0 +1,119 @@
+"""The in-memory dataset every fedbayes loader returns.
+
+A :class:`Dataset` holds host (numpy) arrays for one train/test split. Federated structure is kept
+separately: either a natural partition (``client_ids``, for LEAF and synthetic federations) or a
+partition computed later by :mod:`fedbayes.data.partition` as index arrays into the train set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+TASKS = ("classification", "regression")
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A dataset's files are not on this machine. The message says how to get them."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """A train/test split held as numpy arrays.
+
+    Equality is identity (``eq=False``): element-wise array comparison has no single truth value.
+
+    Attributes:
+      name: short name, e.g. ``"fashion_mnist"``.
+      x_train: ``[N, *feature_shape]`` float32 features (int32 token ids for text).
+      y_train: ``[N]`` int32 labels (classification) or float32 targets (regression).
+      x_test: ``[N_test, *feature_shape]``, same dtype as ``x_train``.
+      y_test: ``[N_test]``, same dtype as ``y_train``.
+      num_classes: number of classes; 0 for regression.
+      task: ``"classification"`` or ``"regression"``.
+      client_ids: optional ``[N]`` int64 natural partition of the train set.
+      test_client_ids: optional ``[N_test]`` int64 natural partition of the test set.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    task: str
+    client_ids: np.ndarray | None = None
+    test_client_ids: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.task == "regression" and self.num_classes != 0:
+            raise ValueError(f"num_classes must be 0 for regression, got {self.num_classes}")
+        if self.task == "classification" and self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1 for classification, got {self.num_classes}")
+        for split, x, y, ids in (
+            ("train", self.x_train, self.y_train, self.client_ids),
+            ("test", self.x_test, self.y_test, self.test_client_ids),
+        ):
+            if x.shape[0] != y.shape[0] or y.ndim != 1:
+                raise ValueError(
+                    f"{self.name}: {split} features {x.shape} and targets {y.shape} do not align"
+                )
+            if ids is not None and ids.shape != y.shape:
+                raise ValueError(
+                    f"{self.name}: {split} client ids {ids.shape} do not align with targets "
+                    f"{y.shape}"
+                )
+        if self.x_train.shape[1:] != self.x_test.shape[1:]:
+            raise ValueError(
+                f"{self.name}: train feature shape {self.x_train.shape[1:]} differs from test "
+                f"{self.x_test.shape[1:]}"
+            )
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """Shape of one example, ``x_train.shape[1:]``."""
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def num_train(self) -> int:
+        """Number of training examples."""
+        return int(self.x_train.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        """Number of test examples."""
+        return int(self.x_test.shape[0])
+
+    def subsample(self, fraction: float, rng: np.random.Generator) -> Dataset:
+        """A random ``fraction`` of the train set, drawn without replacement; the test set is kept.
+
+        Seed B (001) trains its 10-client FMNIST runs on a random 10% of the training set per seed
+        (spec section 14.1). Kept examples stay in their original order and ``client_ids`` stays
+        aligned with them.
+
+        Args:
+          fraction: in ``(0, 1]``; ``round(fraction * N)`` examples are kept (at least one).
+          rng: the source of randomness.
+        """
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        n = self.num_train
+        size = max(1, int(round(fraction * n)))
+        keep = np.sort(rng.choice(n, size=size, replace=False))
+        return dataclasses.replace(
+            self,
+            x_train=self.x_train[keep],
+            y_train=self.y_train[keep],
+            client_ids=None if self.client_ids is None else self.client_ids[keep],
+        )
+
+    def __repr__(self) -> str:
+        clients = "" if self.client_ids is None else f", clients={len(np.unique(self.client_ids))}"
+        return (
+            f"Dataset(name={self.name!r}, task={self.task!r}, num_train={self.num_train}, "
+            f"num_test={self.num_test}, feature_shape={self.feature_shape}, "
+            f"x_dtype={self.x_train.dtype}, num_classes={self.num_classes}{clients})"
+        )

@@ -1,0 +1,274 @@
+"""One experiment from a validated config: build data, model and algorithm, run, record, resume.
+
+``run_experiment`` writes into its output folder:
+
+* ``config.toml``: the resolved config (every default written out; ``fedbayes run`` accepts it);
+* ``metrics.jsonl``: one line per evaluation (round, accuracy, nll, ece, loss, seconds,
+  bytes_up, bytes_down, rejected), round 0 being the initial model;
+* ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
+  the end;
+* ``summary.json`` and ``curves.png`` at the end.
+
+A run killed at any point and resumed (``resume=True``) continues from its newest complete
+checkpoint, drops the metric lines written after it, and ends with the same metrics as a run that
+never stopped (same machine and seed): every random choice derives from (seed, round, client).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+
+from fedbayes import algorithms as algs
+from fedbayes import metrics
+from fedbayes.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fedbayes.config import RunConfig, to_toml
+from fedbayes.data import load_dataset, partition
+from fedbayes.data.dataset import Dataset
+from fedbayes.evaluation import make_evaluator
+from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.models import init_params, loss_fn, make_model
+from fedbayes.plotting import plot_curves
+from fedbayes.simulate import Federation, Simulator, SimState
+
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
+FAULT_ENV = "FEDBAYES_FAULT_AFTER_ROUND"  # test hook: the process dies abruptly after this round
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything built from a config, ready to run."""
+
+    config: RunConfig
+    dataset: Dataset
+    federation: Federation
+    model: Any
+    params: Any
+    simulator: Simulator
+    evaluate: Callable[[Any], dict[str, float]]
+
+
+def load_data(config: RunConfig) -> Dataset:
+    """Loads the configured dataset (generated ones get their own parameters)."""
+    d = config.data
+    params: dict[str, Any] = {}
+    if d.dataset == "synthetic_leaf":
+        params = dict(num_clients=d.num_clients, alpha=d.synthetic_alpha, beta=d.synthetic_beta, dim=d.dim)
+    elif d.dataset == "least_squares":
+        params = dict(num_clients=d.num_clients, dim=d.dim)
+    if d.fraction < 1.0:
+        params["fraction"] = d.fraction
+    return load_dataset(d.dataset, data_dir=d.data_dir, seed=config.seed, **params)
+
+
+def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
+    """Partitions the training set over clients with a generator seeded by ``config.seed``."""
+    d = config.data
+    rng = np.random.default_rng([config.seed, 2])
+    params: dict[str, Any] = {}
+    if d.partition == "dirichlet":
+        params = {"alpha": d.alpha}
+    elif d.partition == "two_level_dirichlet":
+        params = {"alpha1": d.alpha1, "alpha2": d.alpha2}
+    elif d.partition == "shards":
+        params = {"classes_per_client": d.classes_per_client}
+    elif d.partition == "natural":
+        params = {"client_ids": dataset.client_ids}
+    return partition(d.partition, dataset.y_train, d.num_clients, rng, **params)
+
+
+def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
+    c = config.client
+    if c.optimizer == "sgd":
+        opt = optax.sgd(c.lr, momentum=c.momentum or None)
+    else:
+        opt = optax.adam(c.lr)
+    if c.weight_decay > 0:
+        opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+    return opt
+
+
+def build_algorithm(config: RunConfig, trainer: LocalTrainer, num_clients: int) -> algs.Algorithm:
+    s = config.server
+    server_opt = algs.make_server_optimizer(
+        s.optimizer, s.lr, momentum=s.momentum, b1=s.beta1, b2=s.beta2, tau=s.tau, variant=s.variant
+    )
+    a = config.algorithm
+    if a.name == "fedavg":
+        return algs.fedavg(trainer, server_opt)
+    if a.name == "fedprox":
+        return algs.fedprox(trainer, server_opt, a.mu)
+    if a.name == "feddyn":
+        return algs.feddyn(trainer, server_opt, alpha=a.alpha, num_clients=num_clients, weight_decay=a.weight_decay)
+    if a.name == "admm":
+        return algs.admm(trainer, server_opt, rho=a.rho, num_clients=num_clients, delta=a.delta)
+    raise ValueError(f"algorithm.name: unknown {a.name!r}")
+
+
+def build_experiment(config: RunConfig) -> Experiment:
+    dataset = load_data(config)
+    parts = split_clients(config, dataset)
+    federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
+    kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
+    model = make_model(config.model.name, dataset.num_classes, **kwargs)
+    params = init_params(model, jax.random.fold_in(jax.random.key(config.seed), 3), dataset.feature_shape)
+    trainer = LocalTrainer(loss_fn(model, dataset.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
+    algorithm = build_algorithm(config, trainer, federation.num_clients)
+    simulator = Simulator(
+        algorithm,
+        federation,
+        clients_per_round=config.server.clients_per_round,
+        seed=config.seed,
+        weighting=config.server.weighting,
+        layout=config.layout,
+        fail_fast=config.server.fail_fast,
+    )
+    evaluate = make_evaluator(
+        lambda p, x: model.apply({"params": p}, x),
+        dataset.x_test,
+        dataset.y_test,
+        task=dataset.task,
+        batch_size=config.eval_batch_size,
+        num_bins=config.ece_bins,
+    )
+    return Experiment(config, dataset, federation, model, params, simulator, evaluate)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line torn by a kill: everything after it is dropped too
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def summarize(config: RunConfig, records: list[dict], task: str) -> dict:
+    """Final metrics and curve summaries (spec 13.2) of one run."""
+    last = records[-1] if records else {}
+    summary: dict[str, Any] = {
+        "name": config.name,
+        "algorithm": config.algorithm.name,
+        "server_optimizer": config.server.optimizer,
+        "rounds": config.rounds,
+        "final": {k: v for k, v in last.items() if k != "round"},
+    }
+    if task == "classification" and records:
+        rounds = [r["round"] for r in records]
+        acc = [r["accuracy"] for r in records]
+        summary["best_accuracy"] = float(max(acc))
+        # seed 001 Table 3: the first round whose accuracy reaches the threshold (no smoothing).
+        summary["rounds_to"] = {f"{t:.2f}": metrics.rounds_to_threshold(rounds, acc, t, window=1) for t in THRESHOLDS}
+        summary["final_mean_3"] = metrics.final_mean(acc, 3)
+        for w in (10, 100):
+            m = metrics.running_mean(acc, w)
+            summary[f"running_mean_{w}"] = None if np.isnan(m[-1]) else float(m[-1])
+    return summary
+
+
+class PlainReporter:
+    """Progress as plain lines (when output is not a terminal)."""
+
+    def __init__(self, echo: Callable[[str], None] = print):
+        self.echo = echo
+
+    def start(self, name: str, total: int, done: int) -> None:
+        self.echo(f"[{name}] rounds {done}/{total}")
+
+    def update(self, round_idx: int, total: int, record: dict | None) -> None:
+        if record is not None:
+            self.echo(format_record(record, total))
+
+    def stop(self) -> None:
+        pass
+
+
+def format_record(r: dict, total: int) -> str:
+    if "accuracy" in r:
+        body = f"acc {r['accuracy']:.4f}  nll {r['nll']:.4f}  ece {100 * r['ece']:.2f}%"
+    else:
+        body = f"mse {r['mse']:.5f}"
+    rej = f"  rejected {r['rejected']}" if r.get("rejected") else ""
+    return f"round {r['round']:>4}/{total}  {body}  {r['seconds']:.1f}s{rej}"
+
+
+def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None) -> dict:
+    """Runs (or resumes) one experiment and returns its summary (see the module docstring)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoints"
+    metrics_path = out / "metrics.jsonl"
+    reporter = reporter or PlainReporter()
+    exp = build_experiment(config)
+    sim = exp.simulator
+    state = sim.init(exp.params)
+    counters = {"seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "rejected": 0}
+    records: list[dict] = []
+    ckpt = latest_checkpoint(ckpt_dir) if resume else None
+    if ckpt is not None:
+        state, meta = load_checkpoint(ckpt, state)
+        state = state._replace(server_state=sim.place(state.server_state))
+        counters = meta["counters"]
+        records = [r for r in read_metrics(metrics_path) if r["round"] <= state.round]
+    else:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    _write_atomic(out / "config.toml", to_toml(config))
+    _write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
+
+    def record(round_idx: int) -> dict:
+        m = exp.evaluate(sim.server_params(state))
+        r = {"round": round_idx, **m, **counters}
+        r["seconds"] = round(r["seconds"], 3)
+        records.append(r)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        return r
+
+    fault = int(os.environ.get(FAULT_ENV, "-1"))
+    reporter.start(config.name, config.rounds, state.round)
+    if state.round == 0 and not records:
+        reporter.update(0, config.rounds, record(0))
+    try:
+        while state.round < config.rounds:
+            t0 = time.perf_counter()
+            state, info = sim.run_round(state)
+            jax.block_until_ready(state.server_state)
+            counters["seconds"] += time.perf_counter() - t0
+            counters["bytes_up"] += info.bytes_up
+            counters["bytes_down"] += info.bytes_down
+            counters["rejected"] += len(info.rejected)
+            r = state.round
+            rec = record(r) if (r % config.eval_every == 0 or r == config.rounds) else None
+            if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):
+                save_checkpoint(ckpt_dir, state, {"counters": counters, "name": config.name})
+            reporter.update(r, config.rounds, rec)
+            if r == fault:
+                os._exit(137)
+    finally:
+        reporter.stop()
+    task = exp.dataset.task
+    summary = summarize(config, records, task)
+    _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    plot_curves(out / "curves.png", {config.name: records}, title=config.name, task=task)
+    return summary

@@ -1,0 +1,120 @@
+"""Flax (linen) models and the per-example mean loss that clients minimise.
+
+Every model maps float32 inputs ``[batch, *feature_shape]`` to logits ``[batch, num_classes]``
+(``"linear"``: predictions ``[batch]``). Models are used only through the pure functions
+``model.init`` / ``model.apply`` on the ``params`` collection, so parameters are plain pytrees
+that the algorithms can add, scale, stack and vmap over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedbayes.models.cnn import CNN
+from fedbayes.models.logreg import LinearRegression, LogisticRegression
+from fedbayes.models.mlp import MLP
+
+__all__ = [
+    "CNN",
+    "MLP",
+    "MODELS",
+    "TASKS",
+    "LinearRegression",
+    "LogisticRegression",
+    "init_params",
+    "loss_fn",
+    "make_model",
+]
+
+MODELS: tuple[str, ...] = ("logreg", "mlp", "cnn", "linear")
+TASKS: tuple[str, ...] = ("classification", "regression")
+
+
+def make_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
+    """Builds a model by name.
+
+    Args:
+        name: one of :data:`MODELS`: ``"logreg"`` (:class:`LogisticRegression`), ``"mlp"``
+            (:class:`MLP`, accepts ``hidden=(200, 100)``), ``"cnn"`` (:class:`CNN`, accepts
+            ``padding="SAME"``) or ``"linear"`` (:class:`LinearRegression`).
+        num_classes: number of classes, at least 2. Ignored by ``"linear"``, whose output is one
+            scalar per example.
+        **kwargs: further module attributes; an attribute the model does not have raises
+            ``TypeError``.
+
+    Raises:
+        ValueError: for an unknown name or, for a classifier, ``num_classes < 2``.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    if name == "linear":
+        return LinearRegression(**kwargs)
+    if num_classes < 2:
+        raise ValueError(f"model {name!r} needs num_classes >= 2, got {num_classes}")
+    if name == "logreg":
+        return LogisticRegression(num_classes=num_classes, **kwargs)
+    if name == "mlp":
+        if "hidden" in kwargs:
+            # Module attributes must be hashable; accept any sequence of widths.
+            kwargs["hidden"] = tuple(int(h) for h in kwargs["hidden"])
+        return MLP(num_classes=num_classes, **kwargs)
+    return CNN(num_classes=num_classes, **kwargs)
+
+
+def init_params(model: nn.Module, key: jax.Array, feature_shape: Sequence[int]) -> Any:
+    """Initial parameters of ``model``: the ``params`` collection, float32.
+
+    Args:
+        model: a module from :func:`make_model`.
+        key: a PRNG key (typed ``jax.random.key`` or raw ``jax.random.PRNGKey``).
+        feature_shape: shape of one example, e.g. ``(28, 28, 1)`` or ``(30,)``.
+
+    Returns:
+        The parameter pytree, initialised from a dummy float32 batch of one example.
+    """
+    dummy = jnp.zeros((1, *feature_shape), jnp.float32)
+    # One compiled program for all initialisers: cheaper than compiling each op eagerly.
+    params = jax.jit(model.init)(key, dummy)["params"]
+    return jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+
+
+def loss_fn(model: nn.Module, task: str) -> Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]:
+    """The masked mean per-example loss, the objective ``\\bar\\ell_k`` of spec Sec. 0.
+
+    Returns ``f(params, x, y, mask)`` with ``x`` float32 ``[batch, *feature_shape]``, ``mask``
+    float32 ``[batch]`` (1 for a real example, 0 for padding) and
+
+        f = sum_i mask_i * l_i / max(sum_i mask_i, 1),
+
+    where ``l_i = -log softmax(model(x_i))[y_i]`` for ``task="classification"`` (``y`` int
+    labels ``[batch]``) and ``l_i = 0.5 (model(x_i) - y_i)^2`` for ``task="regression"`` (``y``
+    float32 ``[batch]``). Padded examples contribute exactly zero to the loss and its gradient
+    (their labels may be anything, even out of range; their features must be finite). A batch
+    that is all padding has loss 0.
+
+    Raises:
+        ValueError: for a task not in :data:`TASKS`.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
+
+    def per_example(out: jax.Array, y: jax.Array, valid: jax.Array) -> jax.Array:
+        if task == "classification":
+            # Padded labels may be out of range; a safe label keeps the loss finite there.
+            labels = jnp.where(valid, y, jnp.zeros_like(y))
+            return optax.softmax_cross_entropy_with_integer_labels(out, labels)
+        return 0.5 * jnp.square(out - y)
+
+    def loss(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+        out = model.apply({"params": params}, x)
+        valid = mask > 0
+        per = jnp.where(valid, per_example(out, y, valid), jnp.zeros((), out.dtype))
+        return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    return loss

@@ -1,0 +1,299 @@
+"""Tests for fedbayes.models: shapes, parameter counts, jit/vmap, factory errors, masked loss."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedbayes.models import (
+    CNN,
+    MLP,
+    MODELS,
+    LinearRegression,
+    LogisticRegression,
+    init_params,
+    loss_fn,
+    make_model,
+)
+
+NUM_CLASSES = 10
+FEATURE_SHAPES = [(28, 28, 1), (8, 8, 1), (30,)]
+IMAGE_SHAPES = [(28, 28, 1), (8, 8, 1)]
+
+
+def _random_params(model, feature_shape, seed=0):
+    """Random parameters with init_params' structure, shapes and dtypes, drawn with NumPy.
+
+    Compiling JAX's initialisers for every distinct shape dominates this file's run time, and
+    tests of output shapes, vmap and masking do not need them (init_params is tested below).
+    """
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda s: jnp.asarray(0.1 * rng.standard_normal(s.shape), s.dtype),
+        _param_shapes(model, feature_shape),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _model_and_params(name, feature_shape):
+    model = make_model(name, NUM_CLASSES)
+    return model, _random_params(model, feature_shape)
+
+
+def _param_shapes(model, feature_shape):
+    """Parameter shapes without running the initialisers."""
+    return jax.eval_shape(lambda k: init_params(model, k, feature_shape), jax.random.key(0))
+
+
+def _num_params(params):
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+
+def _inputs(seed, feature_shape, batch=5):
+    # NumPy, not jax.random: no per-shape compilation.
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((batch, *feature_shape)), jnp.float32)
+
+
+def _cases():
+    """(name, feature_shape) pairs on which each model is defined."""
+    for name in MODELS:
+        for shape in FEATURE_SHAPES:
+            if name == "cnn" and len(shape) != 3:
+                continue
+            yield name, shape
+
+
+def test_models_tuple():
+    assert MODELS == ("logreg", "mlp", "cnn", "linear")
+
+
+@pytest.mark.parametrize(("name", "feature_shape"), list(_cases()))
+def test_output_shape_and_dtype(name, feature_shape):
+    model, params = _model_and_params(name, feature_shape)
+    out = model.apply({"params": params}, _inputs(1, feature_shape))
+    expected = (5,) if name == "linear" else (5, NUM_CLASSES)
+    assert out.shape == expected
+    assert out.dtype == jnp.float32
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    assert np.all(np.isfinite(out))
+
+
+def test_factory_classes():
+    assert isinstance(make_model("logreg", 3), LogisticRegression)
+    assert isinstance(make_model("mlp", 3), MLP)
+    assert isinstance(make_model("cnn", 3), CNN)
+    assert isinstance(make_model("linear", 3), LinearRegression)
+
+
+def test_init_params_is_params_collection_only():
+    params = _param_shapes(make_model("logreg", 4), (30,))
+    assert set(params) == {"dense"}
+    assert params["dense"]["kernel"].shape == (30, 4)
+    assert params["dense"]["bias"].shape == (4,)
+
+
+def test_init_params_structure_and_dtype():
+    model = make_model("cnn", NUM_CLASSES)  # the model with the most layer types
+    params = init_params(model, jax.random.key(0), (8, 8, 1))
+    expected = _param_shapes(model, (8, 8, 1))
+    assert jax.tree.structure(params) == jax.tree.structure(expected)
+    for p, e in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        assert p.shape == e.shape
+        assert p.dtype == jnp.float32
+        assert np.all(np.isfinite(p))
+
+
+def test_init_params_accepts_raw_and_typed_keys():
+    model = make_model("logreg", NUM_CLASSES)
+    typed = init_params(model, jax.random.key(0), (8, 8, 1))
+    raw = init_params(model, jax.random.PRNGKey(0), (8, 8, 1))
+    assert jax.tree.structure(typed) == jax.tree.structure(raw)
+    # Different keys give different initialisations (the key is really used).
+    other = init_params(model, jax.random.key(1), (8, 8, 1))
+    assert not np.array_equal(typed["dense"]["kernel"], other["dense"]["kernel"])
+
+
+def test_mlp_parameter_count_seed_001():
+    params = _model_and_params("mlp", (784,))[1]
+    assert _num_params(params) == 784 * 200 + 200 + 200 * 100 + 100 + 100 * 10 + 10
+    # Image inputs are flattened: the same count on 28x28x1.
+    assert _num_params(_model_and_params("mlp", (28, 28, 1))[1]) == _num_params(params)
+
+
+def test_mlp_custom_hidden():
+    model = make_model("mlp", 4, hidden=[16, 8, 6])
+    assert model.hidden == (16, 8, 6)
+    params = _param_shapes(model, (30,))
+    assert [params[f"hidden_{i}"]["kernel"].shape for i in range(3)] == [(30, 16), (16, 8), (8, 6)]
+    assert params["output"]["kernel"].shape == (6, 4)
+
+
+def test_linear_models_parameter_count():
+    assert _num_params(_model_and_params("logreg", (28, 28, 1))[1]) == 784 * 10 + 10
+    assert _num_params(_model_and_params("linear", (30,))[1]) == 30 + 1
+
+
+def _lenet_count(in_channels, flat):
+    conv = 5 * 5 * in_channels * 6 + 6 + 5 * 5 * 6 * 16 + 16
+    return conv + flat * 120 + 120 + 120 * 84 + 84 + 84 * 10 + 10
+
+
+def test_cnn_valid_padding_is_the_paper_network():
+    # Seed 004 App.: linear layers of 400, 120, 84 on 32x32x3 with unpadded 5x5 convolutions.
+    # Shapes only (jax.eval_shape): no need to run the initialisers.
+    model = make_model("cnn", 10, padding="VALID")
+    params = _param_shapes(model, (32, 32, 3))
+    assert params["dense_0"]["kernel"].shape == (400, 120)
+    assert _num_params(params) == _lenet_count(3, 400) == 62006
+    params = _param_shapes(model, (28, 28, 1))
+    assert params["dense_0"]["kernel"].shape == (16 * 4 * 4, 120)
+
+
+@pytest.mark.parametrize(("feature_shape", "side"), [((28, 28, 1), 7), ((8, 8, 1), 2)])
+def test_cnn_same_padding_shapes(feature_shape, side):
+    params = _model_and_params("cnn", feature_shape)[1]
+    assert params["conv_0"]["kernel"].shape == (5, 5, 1, 6)
+    assert params["conv_1"]["kernel"].shape == (5, 5, 6, 16)
+    assert params["dense_0"]["kernel"].shape == (16 * side * side, 120)
+    assert params["dense_1"]["kernel"].shape == (120, 84)
+    assert params["output"]["kernel"].shape == (84, 10)
+    assert _num_params(params) == _lenet_count(1, 16 * side * side)
+
+
+def test_cnn_accepts_images_without_channel_axis():
+    model, params = _model_and_params("cnn", (8, 8, 1))
+    x = _inputs(2, (8, 8))
+    np.testing.assert_array_equal(
+        model.apply({"params": params}, x), model.apply({"params": params}, x[..., None])
+    )
+
+
+def test_cnn_rejects_flat_inputs(key):
+    with pytest.raises(ValueError, match="images"):
+        _param_shapes(make_model("cnn", 10), (30,))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_jit_and_vmap_over_stacked_params(name):
+    feature_shape = (8, 8, 1)
+    model = make_model(name, NUM_CLASSES)
+    members = [_random_params(model, feature_shape, seed) for seed in range(3)]
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *members)
+    x = _inputs(4, feature_shape)
+
+    def apply(params, x):
+        return model.apply({"params": params}, x)
+
+    batched = jax.jit(jax.vmap(apply, in_axes=(0, None)))(stacked, x)
+    assert batched.shape == (3, 5, NUM_CLASSES)
+    for i, params in enumerate(members):
+        # Batched and unbatched convolutions/matmuls may use different XLA kernels.
+        np.testing.assert_allclose(batched[i], apply(params, x), rtol=1e-5, atol=1e-6)
+    # The members differ, so a broadcast bug (same output for all) would fail here.
+    assert not np.allclose(batched[0], batched[1])
+
+
+def test_make_model_errors():
+    with pytest.raises(ValueError, match="logreg, mlp, cnn, linear"):
+        make_model("resnet", 10)
+    with pytest.raises(ValueError, match="num_classes"):
+        make_model("logreg", 1)
+    with pytest.raises(TypeError):
+        make_model("logreg", 10, hidden=(5,))
+
+
+# ------------------------------------------------------------------------------------------------
+# loss_fn
+# ------------------------------------------------------------------------------------------------
+
+LOSS_CASES = [
+    ("logreg", "classification", (30,)),
+    ("mlp", "classification", (30,)),
+    ("cnn", "classification", (8, 8, 1)),
+    ("linear", "regression", (30,)),
+]
+
+
+def _batch(seed, task, feature_shape, batch=6):
+    x = _inputs(seed, feature_shape, batch)
+    rng = np.random.default_rng(seed + 1000)
+    if task == "classification":
+        y = jnp.asarray(rng.integers(0, NUM_CLASSES, batch), jnp.int32)
+    else:
+        y = jnp.asarray(rng.standard_normal(batch), jnp.float32)
+    return x, y
+
+
+@pytest.mark.parametrize(("name", "task", "feature_shape"), LOSS_CASES)
+def test_loss_all_ones_mask_is_plain_mean(name, task, feature_shape):
+    model, params = _model_and_params(name, feature_shape)
+    x, y = _batch(5, task, feature_shape)
+    out = model.apply({"params": params}, x)
+    if task == "classification":
+        expected = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(out, y))
+    else:
+        expected = jnp.mean(0.5 * (out - y) ** 2)
+    loss = loss_fn(model, task)(params, x, y, jnp.ones((6,), jnp.float32))
+    # float32 sum-then-divide vs mean: a few ulps.
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "task", "feature_shape"), LOSS_CASES)
+def test_loss_mask_ignores_padding(name, task, feature_shape):
+    model, params = _model_and_params(name, feature_shape)
+    f = jax.jit(jax.value_and_grad(loss_fn(model, task)))
+    x, y = _batch(6, task, feature_shape)
+    mask = jnp.array([1, 1, 0, 1, 1, 0], jnp.float32)
+    valid = np.flatnonzero(np.asarray(mask))
+
+    loss, grad = f(params, x, y, mask)
+    # Different finite features and arbitrary (even out-of-range) labels in the padded rows.
+    x2 = x.at[2].set(100.0).at[5].set(-3.0)
+    y2 = y.at[2].set(99).at[5].set(-1) if task == "classification" else y.at[2].set(1e3)
+    loss2, grad2 = f(params, x2, y2, mask)
+    np.testing.assert_array_equal(loss2, loss)
+    jax.tree.map(np.testing.assert_array_equal, grad2, grad)
+
+    # Equals the plain mean over the valid rows alone.
+    loss3, grad3 = f(params, x[valid], y[valid], jnp.ones((valid.size,), jnp.float32))
+    # Different batch size: different summation order in float32.
+    np.testing.assert_allclose(loss3, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grad3, grad)
+
+    # The mask really selects rows: masking out a different row changes the loss.
+    other = f(params, x, y, jnp.array([0, 1, 1, 1, 1, 0], jnp.float32))[0]
+    assert not np.isclose(other, loss)
+
+
+def test_loss_all_padding_is_zero():
+    model, params = _model_and_params("logreg", (30,))
+    x, y = _batch(7, "classification", (30,))
+    value, grad = jax.value_and_grad(loss_fn(model, "classification"))(
+        params, x, y, jnp.zeros((6,), jnp.float32)
+    )
+    assert value == 0.0
+    assert all(np.all(g == 0) for g in jax.tree.leaves(grad))
+
+
+def test_loss_regression_golden_number():
+    # Hand-computed: a model with w = 0, b = 0 predicts 0; loss = 0.5 * mean(y^2) over valid rows.
+    model = make_model("linear", 0)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _param_shapes(model, (3,)))
+    x = jnp.ones((3, 3), jnp.float32)
+    y = jnp.array([1.0, 2.0, 50.0], jnp.float32)
+    loss = loss_fn(model, "regression")(params, x, y, jnp.array([1.0, 1.0, 0.0], jnp.float32))
+    assert loss == pytest.approx(0.5 * (1.0 + 4.0) / 2)
+
+
+def test_loss_fn_unknown_task():
+    with pytest.raises(ValueError, match="classification, regression"):
+        loss_fn(make_model("logreg", 3), "ranking")
+
+
+def test_modules_are_flax_modules():
+    assert all(isinstance(make_model(n, 3), nn.Module) for n in MODELS)

@@ -1,0 +1,240 @@
+"""The simulator: exact per-client semantics, layouts agree with a plain per-client loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedbayes import tree
+from fedbayes.algorithms import admm, fedavg, feddyn, fedprox
+from fedbayes.algorithms.base import Algorithm
+from fedbayes.data.batches import ClientData
+from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.simulate import Federation, Simulator
+
+from helpers import digits_federation, logreg_setup
+
+SIZES = (37, 90, 213, 11, 150)  # unequal on purpose, incl. a client smaller than one batch
+
+
+def plain_loop_round(sim: Simulator, state):
+    """Reference: one round as a Python loop over the cohort, one client at a time, no vmap."""
+    alg = sim.algorithm
+    cohort = sim.sample_cohort(state.round)
+    message = alg.broadcast(state.server_state)
+    round_key = jax.random.fold_in(sim._client_root, state.round)
+    msgs, new_states = [], []
+    client_update = jax.jit(alg.client_update)  # one client at a time; jit only to keep tests fast
+    for cid in cohort:
+        ix = sim.federation.client_indices[cid]
+        idx = np.zeros(sim.n_max, np.int32)
+        idx[: len(ix)] = ix
+        data = ClientData(jnp.asarray(sim.federation.x), jnp.asarray(sim.federation.y), jnp.asarray(idx), jnp.int32(len(ix)))
+        cstate = jax.tree.map(lambda a: a[cid], state.client_states)
+        m, s = client_update(jax.random.fold_in(round_key, int(cid)), message, cstate, data)
+        msgs.append(m)
+        new_states.append(s)
+    w = jnp.asarray(sim.sizes[cohort], jnp.float32) if sim.weighting == "examples" else jnp.ones(len(cohort))
+    server = alg.server_update(state.server_state, tree.stack(msgs), w)
+    return server, cohort, new_states
+
+
+def _algorithms(trainer, k):
+    return {
+        "fedavg": fedavg(trainer, optax.sgd(1.0)),
+        "fedavgm": fedavg(trainer, optax.sgd(1.0, momentum=0.9)),
+        "fedprox": fedprox(trainer, optax.sgd(1.0), mu=0.1),
+        "feddyn": feddyn(trainer, optax.sgd(1.0), alpha=0.1, num_clients=k, weight_decay=1e-3),
+        "admm": admm(trainer, optax.sgd(1.0), rho=0.1, num_clients=k),
+    }
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedprox", "feddyn", "admm"])
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_layouts_equal_plain_per_client_loop(name, layout):
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    alg = _algorithms(trainer, fed.num_clients)[name]
+    sim = Simulator(alg, fed, clients_per_round=3, seed=4, layout=layout)
+    state = sim.init(params)
+    for _ in range(2):  # two rounds: server optimizer and client state carry over
+        ref_server, cohort, ref_states = plain_loop_round(sim, state)
+        state, info = sim.run_round(state)
+        np.testing.assert_array_equal(info.cohort, cohort)
+        for a, b in zip(jax.tree.leaves(state.server_state), jax.tree.leaves(ref_server)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+        for cid, ref in zip(cohort, ref_states):
+            for a, b in zip(jax.tree.leaves(jax.tree.map(lambda s: s[cid], state.client_states)), jax.tree.leaves(ref)):
+                np.testing.assert_allclose(a, np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def _step_counter():
+    """An 'algorithm' whose message is its client's number of local steps (loss gradient = 1, lr 1)."""
+    trainer = LocalTrainer(lambda p, x, y, m: jnp.sum(p["w"]), optax.sgd(1.0), 3, 8)
+    return fedavg(trainer, optax.sgd(1.0)), {"w": jnp.zeros(())}
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_every_client_takes_exactly_its_own_steps(layout):
+    sizes = (1, 7, 8, 9, 40, 17)
+    fed = digits_federation(sizes)
+    alg, params = _step_counter()
+    sim = Simulator(alg, fed, clients_per_round=len(sizes), seed=0, layout=layout)
+    state = sim.init(params)
+    cohort = sim.sample_cohort(0)
+    slots = sim._layout_cohort(cohort)
+    ids, idx, n, w = sim._gather(slots)
+    put = lambda a: jax.device_put(a, sim._sharded)  # noqa: E731
+    # run the compiled round and read each client's message through a weight vector e_k
+    steps = []
+    for k in range(len(slots)):
+        if slots[k] < 0:
+            continue
+        onehot = np.zeros(len(slots), np.float32)
+        onehot[k] = 1.0
+        new_server, _, ok = sim._round_fn(state.server_state, (), put(ids), put(idx), put(n), put(onehot), jnp.int32(0), sim.x, sim.y)
+        steps.append((int(slots[k]), -float(new_server.params["w"])))
+    for cid, s in steps:
+        assert s == 3 * -(-sizes[cid] // 8), (cid, s)
+
+
+def test_sampling_is_seeded_uniform_without_replacement():
+    fed = digits_federation((20,) * 12)
+    alg, params = _step_counter()
+    sim = Simulator(alg, fed, clients_per_round=5, seed=7)
+    a = [sim.sample_cohort(r) for r in range(50)]
+    b = [Simulator(alg, fed, clients_per_round=5, seed=7).sample_cohort(r) for r in range(3)]
+    for c in a:
+        assert len(set(c.tolist())) == 5 and c.min() >= 0 and c.max() < 12
+    np.testing.assert_array_equal(a[0], b[0])
+    assert len({tuple(c) for c in a}) > 10
+    counts = np.bincount(np.concatenate(a), minlength=12)
+    assert counts.min() > 0  # every client is sampled at some point in 50 rounds
+
+
+def test_fedprox_with_mu_zero_equals_fedavg():
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup()
+    out = []
+    for alg in (fedavg(trainer, optax.sgd(1.0)), fedprox(trainer, optax.sgd(1.0), mu=0.0)):
+        sim = Simulator(alg, fed, clients_per_round=4, seed=1)
+        state = sim.init(params)
+        for _ in range(2):
+            state, _ = sim.run_round(state)
+        out.append(sim.server_params(state))
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_fedprox_pulls_clients_towards_the_server():
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup(lr=0.5, epochs=3)
+    norms = []
+    for mu in (0.0, 1.0):  # lr * mu = 0.5 keeps local SGD stable
+        sim = Simulator(fedprox(trainer, optax.sgd(1.0), mu=mu), fed, clients_per_round=5, seed=1)
+        state, _ = sim.run_round(sim.init(params))
+        delta = optax.tree.sub(sim.server_params(state), params)
+        norms.append(float(optax.tree.norm(delta)))
+    assert norms[1] < 0.5 * norms[0]
+
+
+def test_feddyn_equals_admm_under_full_participation():
+    """Spec 4.2: with full participation, FedDyn (alpha = rho, no weight decay) == ADMM (delta = 0)."""
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup()
+    k = fed.num_clients
+    out = []
+    for alg in (feddyn(trainer, optax.sgd(1.0), alpha=0.5, num_clients=k), admm(trainer, optax.sgd(1.0), rho=0.5, num_clients=k)):
+        sim = Simulator(alg, fed, clients_per_round=k, seed=2, weighting="uniform")
+        state = sim.init(params)
+        for _ in range(3):
+            state, _ = sim.run_round(state)
+        out.append(sim.server_params(state))
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5)  # same math, different summation order
+
+
+def test_one_step_fedavg_is_weighted_average_of_client_models():
+    """Spec 2: server SGD with lr 1 == sum_k (n_k / n) theta_k."""
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup(epochs=1)
+    sim = Simulator(fedavg(trainer, optax.sgd(1.0)), fed, clients_per_round=5, seed=0)
+    state = sim.init(params)
+    _, cohort, _ = plain_loop_round(sim, state)
+    new, _ = sim.run_round(state)
+    # client models from the loop reference: theta_k = theta - g_k
+    alg = sim.algorithm
+    thetas = []
+    for cid in cohort:
+        ix = fed.client_indices[cid]
+        idx = np.zeros(sim.n_max, np.int32)
+        idx[: len(ix)] = ix
+        data = ClientData(jnp.asarray(fed.x), jnp.asarray(fed.y), jnp.asarray(idx), jnp.int32(len(ix)))
+        g, _ = alg.client_update(jax.random.fold_in(jax.random.fold_in(sim._client_root, 0), int(cid)), params, (), data)
+        thetas.append(optax.tree.sub(params, g))
+    w = fed.sizes[cohort] / fed.sizes[cohort].sum()
+    avg = jax.tree.map(lambda *ls: sum(wi * l for wi, l in zip(w, ls)), *thetas)
+    for a, b in zip(jax.tree.leaves(sim.server_params(new)), jax.tree.leaves(avg)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _poisoned(alg: Algorithm, bad_client: int) -> Algorithm:
+    """Wraps an algorithm so that one client sends NaNs (its client id is read from its data)."""
+
+    def client_update(key, message, state, data):
+        m, s = alg.client_update(key, message, state, data)
+        bad = data.indices[0] == BAD_FIRST_INDEX[0]
+        m = jax.tree.map(lambda a: jnp.where(bad, jnp.nan, a), m)
+        return m, s
+
+    return alg._replace(client_update=client_update)
+
+
+BAD_FIRST_INDEX = [None]
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_rejected_message_is_not_applied_and_state_is_kept(layout):
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup()
+    k = fed.num_clients
+    BAD_FIRST_INDEX[0] = int(fed.client_indices[1][0])
+    base = admm(trainer, optax.sgd(1.0), rho=0.1, num_clients=k)
+    sim_bad = Simulator(_poisoned(base, 1), fed, clients_per_round=k, seed=0, layout=layout)
+    state0 = sim_bad.init(params)
+    state, info = sim_bad.run_round(state0)
+    assert info.rejected.tolist() == [1]
+    assert all(np.isfinite(np.asarray(l)).all() for l in jax.tree.leaves(state.server_state))
+    for a, b in zip(jax.tree.leaves(state.client_states), jax.tree.leaves(state0.client_states)):
+        np.testing.assert_array_equal(a[1], b[1])  # the rejected client's state is unchanged
+    # the server equals a run in which client 1 had weight zero: ADMM keeps its old contribution
+    sim_ok = Simulator(base, fed, clients_per_round=k, seed=0, layout=layout)
+    ref_state, _ = sim_ok.run_round(sim_ok.init(params))
+    assert not np.allclose(jax.tree.leaves(ref_state.server_state)[0], jax.tree.leaves(state.server_state)[0])
+    sim_ff = Simulator(_poisoned(base, 1), fed, clients_per_round=k, seed=0, layout=layout, fail_fast=True)
+    with pytest.raises(RuntimeError, match=r"clients \[1\]"):
+        sim_ff.run_round(sim_ff.init(params))
+
+
+def test_invalid_arguments_raise_clear_errors():
+    fed = digits_federation(SIZES)
+    alg, params = _step_counter()
+    with pytest.raises(ValueError, match="clients_per_round"):
+        Simulator(alg, fed, clients_per_round=6)
+    with pytest.raises(ValueError, match="weighting"):
+        Simulator(alg, fed, clients_per_round=2, weighting="bogus")
+    with pytest.raises(ValueError, match="layout"):
+        Simulator(alg, fed, clients_per_round=2, layout="bogus")
+    empty = Federation(fed.x, fed.y, (fed.client_indices[0], np.zeros(0, np.int64)))
+    with pytest.raises(ValueError, match="at least one example"):
+        Simulator(alg, empty, clients_per_round=1)
+
+
+def test_bytes_are_counted_from_message_shapes():
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup()
+    sim = Simulator(fedavg(trainer, optax.sgd(1.0)), fed, clients_per_round=3, seed=0)
+    _, info = sim.run_round(sim.init(params))
+    per = (64 * 10 + 10) * 4
+    assert info.bytes_down == 3 * per and info.bytes_up == 3 * per
