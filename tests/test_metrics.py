@@ -101,8 +101,8 @@ def test_nll_eps():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_nll_matches_sklearn_log_loss(seed):
     probs, labels = _random_problem(seed, n=50, c=5, concentration=2.0)
-    probs = probs / probs.sum(axis=1, keepdims=True)  # exactly what sklearn would renormalise
-    expected = log_loss(labels, probs.astype(np.float64), labels=np.arange(5))
+    p64 = probs.astype(np.float64)
+    expected = log_loss(labels, p64 / p64.sum(axis=1, keepdims=True), labels=np.arange(5))
     # float32 logs and sum.
     np.testing.assert_allclose(nll(probs, labels), expected, rtol=1e-5)
 
@@ -158,19 +158,42 @@ def test_classification_metrics_jit():
 # ------------------------------------------------------------------------------------------------
 
 
+MAX_N, MAX_C = 200, 10
+
+
 @given(
-    n=st.integers(1, 200),
-    c=st.integers(2, 10),
-    num_bins=st.integers(1, 30),
+    n=st.integers(1, MAX_N),
+    c=st.integers(2, MAX_C),
+    num_bins=st.sampled_from([1, 2, 7, 15, 30]),
     concentration=st.sampled_from([0.1, 0.5, 2.0]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_ece_matches_numpy_loop(n, c, num_bins, concentration, seed):
     probs, labels = _random_problem(seed, n, c, concentration)
-    value = ece(jnp.asarray(probs), jnp.asarray(labels), num_bins=num_bins)
+    # Padded to one shape so that the examples share compiled kernels: zero-probability classes
+    # (never the argmax or the max) and masked rows holding garbage.
+    padded = np.full((MAX_N, MAX_C), np.nan, np.float32)
+    padded[:n] = 0.0
+    padded[:n, :c] = probs
+    padded_labels = np.full(MAX_N, -7, np.int32)
+    padded_labels[:n] = labels
+    mask = (np.arange(MAX_N) < n).astype(np.float32)
+    value = ece(jnp.asarray(padded), jnp.asarray(padded_labels), num_bins, jnp.asarray(mask))
     assert 0.0 <= value <= 1.0
     # float32 sums against the float64 reference.
     np.testing.assert_allclose(value, _ece_reference(probs, labels, num_bins), rtol=1e-5, atol=1e-6)
+
+
+def test_ece_unmasked_equals_masked_prefix():
+    probs, labels = _random_problem(8, n=30, c=4)
+    mask = np.concatenate([np.ones(20), np.zeros(10)]).astype(np.float32)
+    np.testing.assert_allclose(
+        ece(probs, labels, 15, mask),
+        ece(probs[:20], labels[:20], 15),
+        rtol=1e-6,  # different float32 summation length
+    )
+    np.testing.assert_allclose(nll(probs, labels, mask=mask), nll(probs[:20], labels[:20]), rtol=1e-6)
+    assert accuracy(probs, labels, mask) == accuracy(probs[:20], labels[:20])
 
 
 def test_ece_perfectly_calibrated_is_zero():

@@ -29,11 +29,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated le
 console = Console()
 if not console.is_terminal:
     console = Console(width=160)  # logs and CI: do not squeeze tables into 80 columns
-err_console = Console(stderr=True)
 
 
 def _fail(message: str, code: int = 2):
-    err_console.print(message, markup=False, highlight=False)
+    print(message, file=sys.stderr, flush=True)  # one unwrapped line, whatever the terminal width
     raise typer.Exit(code)
 
 

@@ -15,10 +15,15 @@ w*k rounds, so pass ``window = ceil(w_rounds / k)`` to approximate a window of `
 rounds.
 
 ECE is returned as a fraction in [0, 1]; reports show it in percent (spec Sec. 13.1).
+
+The public device-side functions are wrapped in ``jax.jit`` (``num_bins`` static), so an eager
+call on the host compiles one program per input shape instead of one per primitive; inside an
+outer ``jit`` they are simply inlined.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -96,7 +101,9 @@ def bin_index(confidence: jax.Array, num_bins: int) -> jax.Array:
     """
     if num_bins < 1:
         raise ValueError(f"num_bins must be >= 1, got {num_bins}")
-    edges = jnp.arange(num_bins + 1, dtype=confidence.dtype) / num_bins
+    # On the host: NumPy divides exactly (correctly rounded), while XLA may compile a division by
+    # a constant into a multiplication by its reciprocal, which moves some edges by one ulp.
+    edges = jnp.asarray(np.arange(num_bins + 1, dtype=confidence.dtype) / num_bins)
     # searchsorted(side="left") returns j with e_{j-1} < c <= e_j, i.e. bin j - 1.
     idx = jnp.searchsorted(edges, confidence, side="left") - 1
     return jnp.clip(idx, 0, num_bins - 1).astype(jnp.int32)
@@ -133,14 +140,21 @@ def _full_mask(labels: jax.Array) -> jax.Array:
     return jnp.ones(labels.shape, jnp.float32)
 
 
+def _safe_labels(labels: jax.Array, mask: jax.Array, num_classes: int) -> jax.Array:
+    """Labels with padded rows set to 0, so that gathers never read out of range."""
+    return jnp.clip(jnp.where(mask > 0, labels, jnp.zeros_like(labels)), 0, num_classes - 1)
+
+
 def _probability_stats(
     probs: jax.Array, labels: jax.Array, mask: jax.Array, num_bins: int, eps: float
 ) -> ClassificationStats:
-    p_true = jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
+    safe = _safe_labels(labels, mask, probs.shape[-1])
+    p_true = jnp.take_along_axis(probs, safe[:, None], axis=-1)[:, 0]
     correct = jnp.argmax(probs, axis=-1) == labels
     return _stats(jnp.max(probs, axis=-1), correct, -jnp.log(p_true + eps), mask, num_bins)
 
 
+@functools.partial(jax.jit, static_argnames=("num_bins",))
 def classification_stats(
     logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, num_bins: int = 15
 ) -> ClassificationStats:
@@ -162,11 +176,9 @@ def classification_stats(
     """
     if mask is None:
         mask = _full_mask(labels)
-    num_classes = logits.shape[-1]
-    safe_labels = jnp.where(mask > 0, labels, jnp.zeros_like(labels))
-    safe_labels = jnp.clip(safe_labels, 0, num_classes - 1)
+    safe = _safe_labels(labels, mask, logits.shape[-1])
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    log_p_true = jnp.take_along_axis(log_probs, safe_labels[:, None], axis=-1)[:, 0]
+    log_p_true = jnp.take_along_axis(log_probs, safe[:, None], axis=-1)[:, 0]
     correct = jnp.argmax(log_probs, axis=-1) == labels
     confidence = jnp.exp(jnp.max(log_probs, axis=-1))
     return _stats(confidence, correct, -log_p_true, mask, num_bins)
@@ -179,11 +191,13 @@ def init_stats(num_bins: int = 15, dtype: jnp.dtype = jnp.float32) -> Classifica
     return ClassificationStats(zero, zero, zero, bins, bins, bins)
 
 
+@jax.jit
 def merge_stats(a: ClassificationStats, b: ClassificationStats) -> ClassificationStats:
     """Statistics of the union of two disjoint sets of examples (elementwise sum)."""
     return jax.tree.map(jnp.add, a, b)
 
 
+@jax.jit
 def finalize_stats(stats: ClassificationStats) -> dict[str, jax.Array]:
     """Metrics from accumulated statistics (spec Sec. 13.1).
 
@@ -205,6 +219,7 @@ def finalize_stats(stats: ClassificationStats) -> dict[str, jax.Array]:
     }
 
 
+@functools.partial(jax.jit, static_argnames=("num_bins",))
 def classification_metrics(
     logits: jax.Array, labels: jax.Array, num_bins: int = 15
 ) -> dict[str, jax.Array]:
@@ -216,25 +231,40 @@ def classification_metrics(
     return finalize_stats(classification_stats(logits, labels, None, num_bins))
 
 
-def accuracy(probs: jax.Array, labels: jax.Array) -> jax.Array:
-    """Top-1 accuracy ``(1/n) sum_i [argmax_c p_ic = y_i]`` (spec Sec. 13.1).
+def _mask_or_ones(mask: jax.Array | None, labels: jax.Array) -> jax.Array:
+    return _full_mask(labels) if mask is None else mask
+
+
+@jax.jit
+def accuracy(probs: jax.Array, labels: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Top-1 accuracy ``sum_i m_i [argmax_c p_ic = y_i] / sum_i m_i`` (spec Sec. 13.1).
 
     ``probs`` ``[n, C]`` may be probabilities, logits or log-probabilities (argmax is the same);
-    ties go to the lowest class index.
+    ties go to the lowest class index. ``mask`` (float ``[n]``, default all ones) excludes padded
+    rows.
     """
-    return jnp.mean((jnp.argmax(probs, axis=-1) == labels).astype(jnp.float32))
+    stats = _probability_stats(probs, labels, _mask_or_ones(mask, labels), 1, 0.0)
+    return stats.correct / stats.count
 
 
-def nll(probs: jax.Array, labels: jax.Array, eps: float = 0.0) -> jax.Array:
-    """Mean negative log-likelihood ``(1/n) sum_i -log(p_{i y_i} + eps)``, natural log.
+@jax.jit
+def nll(
+    probs: jax.Array, labels: jax.Array, eps: float = 0.0, mask: jax.Array | None = None
+) -> jax.Array:
+    """Mean negative log-likelihood ``sum_i m_i (-log(p_{i y_i} + eps)) / sum_i m_i``, natural log.
 
     Spec Sec. 13.1; BFL-P (seed E) uses ``eps = 1e-8``. ``probs`` ``[n, C]`` are probabilities;
-    for logits use :func:`classification_metrics`, which works in log space.
+    for logits use :func:`classification_metrics`, which works in log space. ``mask`` as in
+    :func:`accuracy`.
     """
-    return _probability_stats(probs, labels, _full_mask(labels), 1, eps).nll / labels.shape[0]
+    stats = _probability_stats(probs, labels, _mask_or_ones(mask, labels), 1, eps)
+    return stats.nll / stats.count
 
 
-def ece(probs: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("num_bins",))
+def ece(
+    probs: jax.Array, labels: jax.Array, num_bins: int = 15, mask: jax.Array | None = None
+) -> jax.Array:
     """Expected calibration error with equal-width confidence bins (spec Sec. 13.1, seed A).
 
     ``ECE = sum_b (|I_b| / n) |acc(I_b) - conf(I_b)|``, where ``conf`` is the maximum predicted
@@ -245,8 +275,9 @@ def ece(probs: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
         probs: ``[n, C]`` predicted probabilities.
         labels: int ``[n]`` true classes.
         num_bins: number of bins B (default 15; BFL-P's code uses 100).
+        mask: float ``[n]``, 1 for a real example and 0 for padding; ``None`` means all real.
     """
-    stats = _probability_stats(probs, labels, _full_mask(labels), num_bins, 0.0)
+    stats = _probability_stats(probs, labels, _mask_or_ones(mask, labels), num_bins, 0.0)
     return jnp.sum(jnp.abs(stats.bin_correct - stats.bin_confidence)) / stats.count
 
 
@@ -255,6 +286,7 @@ def ece(probs: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
+@jax.jit
 def regression_metrics(
     pred: jax.Array, y: jax.Array, mask: jax.Array | None = None
 ) -> dict[str, jax.Array]:
