@@ -238,3 +238,17 @@ def test_bytes_are_counted_from_message_shapes():
     _, info = sim.run_round(sim.init(params))
     per = (64 * 10 + 10) * 4
     assert info.bytes_down == 3 * per and info.bytes_up == 3 * per
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_round_compiles_once_across_changing_cohorts(layout):
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup(epochs=1)
+    sim = Simulator(admm(trainer, optax.sgd(1.0), rho=0.1, num_clients=fed.num_clients), fed, clients_per_round=3, seed=0, layout=layout)
+    state = sim.init(params)
+    cohorts = set()
+    for _ in range(4):
+        state, info = sim.run_round(state)
+        cohorts.add(tuple(info.cohort))
+    assert len(cohorts) > 1
+    assert sim._round_fn._cache_size() == 1

@@ -32,7 +32,7 @@ from fedbayes import algorithms as algs
 from fedbayes import metrics
 from fedbayes.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.config import RunConfig, to_toml
-from fedbayes.data import load_dataset, partition
+from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset
 from fedbayes.evaluation import make_evaluator
 from fedbayes.inference.sgd import LocalTrainer
@@ -82,7 +82,10 @@ def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
     elif d.partition == "shards":
         params = {"classes_per_client": d.classes_per_client}
     elif d.partition == "natural":
-        params = {"client_ids": dataset.client_ids}
+        parts = natural(dataset.client_ids)
+        if len(parts) != d.num_clients:
+            raise ValueError(f"data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients}")
+        return parts
     return partition(d.partition, dataset.y_train, d.num_clients, rng, **params)
 
 

@@ -8,6 +8,7 @@ that the algorithms can add, scale, stack and vmap over.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +68,13 @@ def make_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
     return CNN(num_classes=num_classes, **kwargs)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init(model: nn.Module, key: jax.Array, dummy: jax.Array) -> Any:
+    # One compiled program for all initialisers (cheaper than compiling each op eagerly), cached
+    # across calls: linen modules hash and compare by their attributes.
+    return model.init(key, dummy)
+
+
 def init_params(model: nn.Module, key: jax.Array, feature_shape: Sequence[int]) -> Any:
     """Initial parameters of ``model``: the ``params`` collection, float32.
 
@@ -79,12 +87,14 @@ def init_params(model: nn.Module, key: jax.Array, feature_shape: Sequence[int]) 
         The parameter pytree, initialised from a dummy float32 batch of one example.
     """
     dummy = jnp.zeros((1, *feature_shape), jnp.float32)
-    # One compiled program for all initialisers: cheaper than compiling each op eagerly.
-    params = jax.jit(model.init)(key, dummy)["params"]
+    params = _init(model, key, dummy)["params"]
     return jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
 
 
-def loss_fn(model: nn.Module, task: str) -> Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]:
+LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def loss_fn(model: nn.Module, task: str) -> LossFn:
     """The masked mean per-example loss, the objective ``\\bar\\ell_k`` of spec Sec. 0.
 
     Returns ``f(params, x, y, mask)`` with ``x`` float32 ``[batch, *feature_shape]``, ``mask``
