@@ -129,13 +129,6 @@ def _all(tree: PyTree) -> jax.Array:
     return result
 
 
-def _sum_leaves(leaf_sums: list[jax.Array]) -> jax.Array:
-    total = leaf_sums[0]
-    for s in leaf_sums[1:]:
-        total = total + s
-    return total
-
-
 def to_diag(g: Gaussian) -> DiagGaussian:
     """Promotes a Gaussian to the diagonal family: lambda I -> diag(lambda, ..., lambda).
 
@@ -306,7 +299,7 @@ def uniform_like(params: PyTree) -> DiagGaussian:
 
 
 def damp(old: Gaussian, new: Gaussian, delta: float | jax.Array) -> Gaussian:
-    """Damped update: old^(1 - delta) new^delta, i.e. natural parameters (1 - delta) old + delta new.
+    """Damped update old^(1 - delta) new^delta: natural parameters (1 - delta) old + delta new.
 
     Seed 000 Sec. 2.2.3 and App. A.1 (q_k^new ∝ q_k^(1 - delta) (q_tilted / q_cavity)^delta);
     spec 7.1, 7.7. Written as a convex combination so that ``delta = 1`` returns ``new`` and
@@ -419,13 +412,10 @@ def log_prob(g: Gaussian, x: PyTree) -> jax.Array:
     """
     d = to_diag(g)
 
-    def leaf(eta, lam, xi):
-        loc = eta / lam
-        return jnp.sum(0.5 * (jnp.log(lam) - _LOG_2PI) - 0.5 * lam * jnp.square(xi - loc))
+    def terms(eta, lam, xi):
+        return 0.5 * (jnp.log(lam) - _LOG_2PI) - 0.5 * lam * jnp.square(xi - eta / lam)
 
-    return _sum_leaves(
-        jax.tree.leaves(jax.tree.map(leaf, d.precision_mean, d.precision, x))
-    )
+    return optax.tree.sum(jax.tree.map(terms, d.precision_mean, d.precision, x))
 
 
 def kl(p: Gaussian, q: Gaussian) -> jax.Array:
@@ -445,15 +435,13 @@ def kl(p: Gaussian, q: Gaussian) -> jax.Array:
     """
     dp, dq = to_diag(p), to_diag(q)
 
-    def leaf(eta_p, lam_p, eta_q, lam_q):
+    def terms(eta_p, lam_p, eta_q, lam_q):
         ratio = lam_q / lam_p
         diff = eta_p / lam_p - eta_q / lam_q
-        return 0.5 * jnp.sum(ratio - 1 - jnp.log(ratio) + lam_q * jnp.square(diff))
+        return 0.5 * (ratio - 1 - jnp.log(ratio) + lam_q * jnp.square(diff))
 
-    return _sum_leaves(
-        jax.tree.leaves(
-            jax.tree.map(leaf, dp.precision_mean, dp.precision, dq.precision_mean, dq.precision)
-        )
+    return optax.tree.sum(
+        jax.tree.map(terms, dp.precision_mean, dp.precision, dq.precision_mean, dq.precision)
     )
 
 
@@ -466,9 +454,8 @@ def entropy(g: Gaussian) -> jax.Array:
     Returns:
       A scalar.
     """
-    d = to_diag(g)
-    return _sum_leaves(
-        [jnp.sum(0.5 * (1 + _LOG_2PI - jnp.log(lam))) for lam in jax.tree.leaves(d.precision)]
+    return optax.tree.sum(
+        jax.tree.map(lambda lam: 0.5 * (1 + _LOG_2PI - jnp.log(lam)), to_diag(g).precision)
     )
 
 

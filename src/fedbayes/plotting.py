@@ -5,11 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 _PANELS = {
     "classification": (("accuracy", "test accuracy", 1.0), ("nll", "test NLL", 1.0), ("ece", "test ECE (%)", 100.0)),
     "regression": (("mse", "test MSE", 1.0), ("loss", "test loss", 1.0)),
@@ -25,6 +20,11 @@ def plot_curves(path: str | Path, runs: Mapping[str, Sequence[dict]], *, title: 
       title: figure title.
       task: ``"classification"`` or ``"regression"`` (which metrics to draw).
     """
+    import matplotlib  # imported here: pyplot costs about a second at start-up
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     panels = _PANELS[task]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), constrained_layout=True)
     for ax, (key, label, scale) in zip(axes, panels):
