@@ -11,7 +11,6 @@ import pytest
 
 from fedbayes import tree as ftree
 
-
 NUM = 3  # clients on the leading axis; one size throughout so eager compiles are shared
 
 
@@ -28,7 +27,9 @@ def test_weighted_sum_matches_numpy():
     stacked = _stacked(0)
     weights = jnp.asarray(np.asarray([0.5, 2.0, -1.0], np.float32))
     got = ftree.weighted_sum(stacked, weights)
-    want = jax.tree.map(lambda x: np.einsum("m,m...->...", np.asarray(weights), np.asarray(x)), stacked)
+    want = jax.tree.map(
+        lambda x: np.einsum("m,m...->...", np.asarray(weights), np.asarray(x)), stacked
+    )
     assert jax.tree.structure(got) == jax.tree.structure(stacked)
     # float32 accumulation order differs from numpy's einsum.
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6), got, want)
@@ -76,7 +77,9 @@ def test_weighted_mean_matches_numpy_average():
     stacked = _stacked(1)
     weights = jnp.asarray(np.asarray([3.0, 0.0, 7.0], np.float32))
     got = ftree.weighted_mean(stacked, weights)
-    want = jax.tree.map(lambda x: np.average(np.asarray(x), axis=0, weights=np.asarray(weights)), stacked)
+    want = jax.tree.map(
+        lambda x: np.average(np.asarray(x), axis=0, weights=np.asarray(weights)), stacked
+    )
     # float32 accumulation order differs from numpy's.
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6), got, want)
 
@@ -104,14 +107,24 @@ def test_weighted_reductions_under_jit_and_vmap():
     eager = (ftree.weighted_sum(stacked, weights), ftree.weighted_mean(stacked, weights))
     both = jax.jit(lambda s, w: (ftree.weighted_sum(s, w), ftree.weighted_mean(s, w)))
     # XLA may fuse and reorder the float32 reduction.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), both(stacked, weights), eager)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+        both(stacked, weights),
+        eager,
+    )
     # vmap over an outer batch of two rounds (under jit: one compile, not one per primitive).
-    batched = jax.tree.map(lambda x: jnp.asarray(np.stack([np.asarray(x), 2 * np.asarray(x)])), stacked)
+    batched = jax.tree.map(
+        lambda x: jnp.asarray(np.stack([np.asarray(x), 2 * np.asarray(x)])), stacked
+    )
     out = jax.jit(jax.vmap(both, in_axes=(0, None)))(batched, weights)
     for got, want in zip(out, eager, strict=True):
         # Same float32 reductions, possibly reordered by vmap.
-        jax.tree.map(lambda o, e: np.testing.assert_allclose(o[0], e, rtol=1e-6, atol=1e-6), got, want)
-        jax.tree.map(lambda o, e: np.testing.assert_allclose(o[1], 2 * e, rtol=1e-6, atol=1e-6), got, want)
+        jax.tree.map(
+            lambda o, e: np.testing.assert_allclose(o[0], e, rtol=1e-6, atol=1e-6), got, want
+        )
+        jax.tree.map(
+            lambda o, e: np.testing.assert_allclose(o[1], 2 * e, rtol=1e-6, atol=1e-6), got, want
+        )
 
 
 def test_num_params_and_tree_bytes_golden():
@@ -145,7 +158,10 @@ def test_num_params_works_on_tracers():
 
 def test_all_finite():
     ones = np.ones((2, 2), np.float32)
-    good = {"a": jnp.asarray(ones), "b": [jnp.asarray(np.zeros(3, np.float32)), jnp.asarray(np.arange(3))]}
+    good = {
+        "a": jnp.asarray(ones),
+        "b": [jnp.asarray(np.zeros(3, np.float32)), jnp.asarray(np.arange(3))],
+    }
     assert bool(ftree.all_finite(good))
     assert bool(ftree.all_finite({}))
     for bad_value in (np.nan, np.inf, -np.inf):
@@ -160,7 +176,10 @@ def test_all_finite():
 
 def test_stack_unstack_round_trip():
     trees = [
-        {"a": jnp.asarray(np.full((2,), float(i))), "b": (jnp.asarray(i), jnp.asarray(np.full((1, 3), i)))}
+        {
+            "a": jnp.asarray(np.full((2,), float(i))),
+            "b": (jnp.asarray(i), jnp.asarray(np.full((1, 3), i))),
+        }
         for i in range(3)
     ]
     stacked = ftree.stack(trees)
