@@ -39,3 +39,16 @@ def test_structure_mismatch_is_a_clear_error(tmp_path):
     wrong_shape = SimState(0, {"w": np.zeros((2, 2), np.float32), "opt": (np.int32(0),)}, {"dual": np.zeros((4, 3), np.float32)})
     with pytest.raises(ValueError, match="shape"):
         load_checkpoint(path, wrong_shape)
+
+
+def test_typed_prng_keys_round_trip_and_dtypes_are_checked(tmp_path):
+    import jax
+
+    key = jax.random.key(3)
+    state = SimState(1, {"w": np.ones(2, np.float32), "key": key}, ())
+    path = save_checkpoint(tmp_path, state, {})
+    restored, _ = load_checkpoint(path, SimState(0, {"w": np.zeros(2, np.float32), "key": jax.random.key(0)}, ()))
+    assert jax.dtypes.issubdtype(restored.server_state["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(restored.server_state["key"]), jax.random.key_data(key))
+    with pytest.raises(ValueError, match="dtype"):
+        load_checkpoint(path, SimState(0, {"w": np.zeros(2, np.float64), "key": jax.random.key(0)}, ()))

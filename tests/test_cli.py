@@ -165,3 +165,32 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
 def test_resume_needs_a_run_folder(tmp_path):
     res = runner.invoke(app, ["resume", str(tmp_path)])
     assert res.exit_code == 2 and "config.toml" in res.output
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model.name=cnn", "data.dataset=breast_cancer"], "model.name: 'cnn' needs image data"),
+        (["data.num_clients=5000", "server.clients_per_round=4"], "data.partition (dirichlet, data.num_clients = 5000"),
+    ],
+)
+def test_data_dependent_config_errors_exit_2_naming_the_field(tmp_path, overrides, needle):
+    args = ["run", str(write(tmp_path)), "--out", str(tmp_path / "o")]
+    for o in overrides:
+        args += ["--set", o]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and res.output.startswith("config error: ")
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_compare_checks_every_variant_before_training_any(tmp_path):
+    p = tmp_path / "cmp.toml"
+    p.write_text(
+        '[base]\nrounds = 2\n[base.data]\ndataset = "digits"\nnum_clients = 5\n[base.server]\nclients_per_round = 5\n'
+        '[variants.good]\n[variants.bad]\nmodel = { name = "cnn" }\ndata = { dataset = "breast_cancer" }\n'
+    )
+    out = tmp_path / "o"
+    res = runner.invoke(app, ["compare", str(p), "--out", str(out)])
+    assert res.exit_code == 2 and "variant 'bad'" in res.output and "model.name" in res.output
+    assert not (out / "good").exists()  # nothing trained

@@ -203,7 +203,10 @@ def test_rejected_message_is_not_applied_and_state_is_kept(layout):
     base = admm(trainer, optax.sgd(1.0), rho=0.1, num_clients=k)
     sim_bad = Simulator(_poisoned(base, 1), fed, clients_per_round=k, seed=0, layout=layout)
     state0 = sim_bad.init(params)
+    before = jax.tree.map(np.copy, state0.client_states)
     state, info = sim_bad.run_round(state0)
+    for a, b in zip(jax.tree.leaves(state0.client_states), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)  # run_round is pure: the caller's state is untouched
     assert info.rejected.tolist() == [1]
     assert all(np.isfinite(np.asarray(l)).all() for l in jax.tree.leaves(state.server_state))
     for a, b in zip(jax.tree.leaves(state.client_states), jax.tree.leaves(state0.client_states)):

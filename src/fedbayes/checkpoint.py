@@ -33,6 +33,8 @@ def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any]
     arrays: dict[str, np.ndarray] = {}
     for prefix, t in (("server", state.server_state), ("client", state.client_states)):
         for i, leaf in enumerate(jax.tree.leaves(t)):
+            if _is_key(leaf):  # typed PRNG keys are stored as their raw key data
+                leaf = jax.random.key_data(leaf)
             arrays[f"{prefix}_{i:05d}"] = np.asarray(leaf)
     arrays["meta"] = np.frombuffer(json.dumps({**meta, "round": state.round}).encode(), dtype=np.uint8)
     final = checkpoint_path(directory, state.round)
@@ -61,6 +63,10 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def _is_key(leaf) -> bool:
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
 def _restore(template, arrays, prefix: str, path: Path):
     leaves, treedef = jax.tree.flatten(template)
     stored = sorted(k for k in arrays.files if k.startswith(prefix + "_"))
@@ -69,8 +75,16 @@ def _restore(template, arrays, prefix: str, path: Path):
     out = []
     for k, leaf in zip(stored, leaves):
         a = arrays[k]
+        if _is_key(leaf):
+            want = jax.random.key_data(leaf)
+            if a.shape != want.shape or a.dtype != want.dtype:
+                raise ValueError(f"{path}: {prefix} key {k} has shape {a.shape} {a.dtype}, the run expects {want.shape} {want.dtype}")
+            out.append(jax.random.wrap_key_data(a, impl=jax.random.key_impl(leaf)))
+            continue
         if a.shape != np.shape(leaf):
             raise ValueError(f"{path}: {prefix} array {k} has shape {a.shape}, the run expects {np.shape(leaf)}")
+        if a.dtype != np.asarray(leaf).dtype:
+            raise ValueError(f"{path}: {prefix} array {k} has dtype {a.dtype}, the run expects {np.asarray(leaf).dtype}")
         out.append(a)
     return jax.tree.unflatten(treedef, out)
 
@@ -82,5 +96,5 @@ def load_checkpoint(path: str | Path, template: SimState) -> tuple[SimState, dic
         meta = json.loads(arrays["meta"].tobytes().decode())
         server = _restore(template.server_state, arrays, "server", path)
         clients = _restore(template.client_states, arrays, "client", path)
-        clients = jax.tree.map(np.array, clients)  # writable host copies
+        clients = jax.tree.map(np.array, clients)  # host copies
     return SimState(round=int(meta["round"]), server_state=server, client_states=clients), meta

@@ -12,7 +12,7 @@ import sys
 # One XLA host device per core, set before JAX starts (DESIGN.md, "Using every core").
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={os.cpu_count() or 1}"
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1}"
     ).strip()
 
 import json  # noqa: E402
@@ -87,8 +87,8 @@ def _run(config: RunConfig, out: Path, resume: bool = False) -> dict:
         return run_experiment(config, out, resume=resume, reporter=_reporter())
     except DatasetNotFoundError as exc:
         _fail(f"data error: {exc}", code=3)
-    except ValueError as exc:
-        _fail(f"error: {exc}")
+    except ConfigError as exc:
+        _fail(str(exc))
 
 
 @app.command()
@@ -151,8 +151,13 @@ def _fmt(v, pct=False, digits=4):
     return f"{100 * v:.2f}" if pct else f"{v:.{digits}f}"
 
 
-def _print_table(summaries: dict[str, dict], threshold: float = 0.8) -> str:
-    """Prints the comparison table and returns it as Markdown."""
+def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dict[str, list[dict]] | None = None) -> str:
+    """Prints the comparison table and returns it as Markdown.
+
+    "rounds to" is the first evaluated round whose accuracy reaches ``threshold`` (seed 001,
+    Table 3), computed from the curves when given (any threshold), else from the summary.
+    """
+    from fedbayes.metrics import rounds_to_threshold
     table = Table(title="fedbayes comparison" if len(summaries) > 1 else None)
     cols = ["method", "algorithm", "server opt", "accuracy", "NLL", "ECE (%)", "best acc", f"rounds to {threshold:.0%}", "time (s)", "MB up"]
     for c in cols:
@@ -161,7 +166,11 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8) -> str:
     for name, s in summaries.items():
         f = s.get("final", {})
         if "accuracy" in f:
-            rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
+            if curves and curves.get(name):
+                recs = curves[name]
+                rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
+            else:
+                rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
             row = [name, s["algorithm"], s["server_optimizer"], _fmt(f["accuracy"]), _fmt(f["nll"]), _fmt(f["ece"], pct=True), _fmt(s.get("best_accuracy")), "—" if rt is None else str(rt)]
         else:
             row = [name, s["algorithm"], s["server_optimizer"], f"mse {_fmt(f.get('mse'), digits=5)}", "", "", "", ""]
@@ -183,13 +192,23 @@ def compare(
     from fedbayes.experiment import read_metrics
     from fedbayes.plotting import plot_curves
 
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.experiment import prepare_data
+
     runs = _comparison(configs, set_ or [])
+    for name, cfg in runs.items():  # every variant's data and model are checked before any trains
+        try:
+            prepare_data(cfg)
+        except DatasetNotFoundError as exc:
+            _fail(f"data error: {exc}", code=3)
+        except ConfigError as exc:
+            _fail(f"{exc} (variant {name!r})")
     summaries = {}
     for name, cfg in runs.items():
         console.print(f"[bold]== {name}[/bold] ({cfg.algorithm.name}, server {cfg.server.optimizer})")
         summaries[name] = _run(cfg, out / name)
-    md = _print_table(summaries, threshold)
     curves = {name: read_metrics(out / name / "metrics.jsonl") for name in runs}
+    md = _print_table(summaries, threshold, curves)
     task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
     plot = plot_curves(out / "compare.png", curves, title="comparison", task=task)
     (out / "compare.md").write_text(md)

@@ -300,7 +300,9 @@ class Simulator:
             ids = slots[rows]
 
             def scatter(store, new):
-                # In place: copying the whole [K, ...] store every round would cost O(K d).
+                # A new store: the caller's state stays valid (pure update). This copies the
+                # [K, ...] store each round, which is cheap at the scale of an in-memory store.
+                store = store.copy()
                 store[ids] = np.asarray(new)[rows]
                 return store
 

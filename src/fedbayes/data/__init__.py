@@ -10,6 +10,7 @@ from fedbayes.data.idx import load_fashion_mnist, load_mnist, read_idx
 from fedbayes.data.leaf import ALL_LETTERS, NUM_LETTERS, load_leaf, text_to_ids
 from fedbayes.data.partition import (
     PARTITIONERS,
+    PartitionError,
     dirichlet_label,
     iid,
     label_distribution,
@@ -31,6 +32,7 @@ from fedbayes.data.synthetic import (
 __all__ = [
     "ALL_LETTERS",
     "DATASETS",
+    "PartitionError",
     "Dataset",
     "DatasetInfo",
     "DatasetNotFoundError",

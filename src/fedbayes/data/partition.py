@@ -21,6 +21,11 @@ import numpy as np
 PARTITIONERS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 
 
+
+class PartitionError(ValueError):
+    """No split with the requested properties could be drawn (e.g. every client non-empty)."""
+
+
 def _check_num_clients(num_clients, num_examples: int) -> None:
     if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
@@ -82,7 +87,7 @@ def dirichlet_label(
 
     Raises:
       ValueError: invalid parameters, or ``min_size * num_clients > N`` (the loop could never end).
-      RuntimeError: no draw met ``min_size`` within ``max_tries`` attempts.
+      PartitionError: no draw met ``min_size`` within ``max_tries`` attempts.
     """
     labels = _labels(labels)
     n = labels.shape[0]
@@ -113,7 +118,7 @@ def dirichlet_label(
                 sizes[k] += len(piece)
         if sizes.min() >= min_size:
             return [rng.permutation(np.concatenate(b)).astype(np.int64) for b in buckets]
-    raise RuntimeError(
+    raise PartitionError(
         f"dirichlet_label: no split with every client holding >= min_size={min_size} examples "
         f"after {max_tries} tries (alpha={alpha}, num_clients={num_clients}, N={n}); raise alpha "
         "or lower min_size"
@@ -127,6 +132,8 @@ def two_level_dirichlet(
     alpha1: float = 1.0,
     alpha2: float = 0.5,
     dataset_proportion: float = 1.0,
+    min_size: int = 1,
+    max_tries: int = 1000,
 ) -> list[np.ndarray]:
     """Two-level Dirichlet split of seed 001 (Swaroop et al. 2025, App. E.1; spec 14.1).
 
@@ -145,6 +152,15 @@ def two_level_dirichlet(
     ``alpha1 = alpha2 = 1e15`` for the homogeneous split. Rounding is half-to-even (``np.rint``).
     If every client's demand for a class underflows to 0 (tiny alpha2), that class is shared in
     proportion to ``pi`` instead of dividing by 0.
+
+    Our addition: the draw of ``pi`` and ``phi`` is repeated until every client holds at least
+    ``min_size`` examples (default 1). Seed 001's procedure can leave a client empty (about 1% of
+    seeds for 10 clients on Fashion-MNIST, 23% for 100 clients), and an empty client cannot train;
+    the same repeat-until loop is part of NIID-Bench's Dirichlet split (spec 14.2).
+
+    Raises:
+      ValueError: invalid parameters.
+      PartitionError: no draw met ``min_size`` within ``max_tries`` attempts.
     """
     labels = _labels(labels)
     n = labels.shape[0]
@@ -154,22 +170,30 @@ def two_level_dirichlet(
     if not (isinstance(dataset_proportion, numbers.Real) and 0.0 < dataset_proportion <= 1.0):
         raise ValueError(f"dataset_proportion must be in (0, 1], got {dataset_proportion!r}")
     classes = np.unique(labels)
-    pi = rng.dirichlet(np.full(num_clients, float(alpha1)))
-    phi = rng.dirichlet(np.full(classes.size, float(alpha2)), size=num_clients)  # [K, C]
-    demand = pi[:, None] * phi
-    buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-    for c, label in enumerate(classes):
-        members = rng.permutation(np.flatnonzero(labels == label))
-        members = members[: int(np.rint(dataset_proportion * members.size))]
-        column = demand[:, c]
-        share = column / column.sum() if column.sum() > 0 else pi
-        lengths = np.rint(members.size * share).astype(np.int64)
-        lengths[lengths == 1] = 2
-        ends = np.minimum(np.cumsum(lengths), members.size)
-        starts = np.concatenate([[0], ends[:-1]])
-        for k in range(num_clients):
-            buckets[k].append(members[starts[k] : ends[k]])
-    return [np.concatenate(b).astype(np.int64) for b in buckets]
+    by_class = [np.flatnonzero(labels == label) for label in classes]
+    for _ in range(max_tries):
+        pi = rng.dirichlet(np.full(num_clients, float(alpha1)))
+        phi = rng.dirichlet(np.full(classes.size, float(alpha2)), size=num_clients)  # [K, C]
+        demand = pi[:, None] * phi
+        buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for c, members in enumerate(by_class):
+            members = rng.permutation(members)
+            members = members[: int(np.rint(dataset_proportion * members.size))]
+            column = demand[:, c]
+            share = column / column.sum() if column.sum() > 0 else pi
+            lengths = np.rint(members.size * share).astype(np.int64)
+            lengths[lengths == 1] = 2
+            ends = np.minimum(np.cumsum(lengths), members.size)
+            starts = np.concatenate([[0], ends[:-1]])
+            for k in range(num_clients):
+                buckets[k].append(members[starts[k] : ends[k]])
+        if min(sum(len(p) for p in b) for b in buckets) >= min_size:
+            return [np.concatenate(b).astype(np.int64) for b in buckets]
+    raise PartitionError(
+        f"two_level_dirichlet: no split with every client holding >= min_size={min_size} examples "
+        f"after {max_tries} tries (alpha1={alpha1}, alpha2={alpha2}, num_clients={num_clients}, N={n}); "
+        "use fewer clients or larger alphas"
+    )
 
 
 def shards(
@@ -224,7 +248,7 @@ def natural(client_ids) -> list[np.ndarray]:
 _PARAMS: dict[str, tuple[str, ...]] = {
     "iid": (),
     "dirichlet": ("alpha", "min_size", "max_tries"),
-    "two_level_dirichlet": ("alpha1", "alpha2", "dataset_proportion"),
+    "two_level_dirichlet": ("alpha1", "alpha2", "dataset_proportion", "min_size", "max_tries"),
     "shards": ("classes_per_client",),
     "natural": ("client_ids",),
 }
