@@ -8,42 +8,61 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedbayes.data.batches import ClientData, epoch_orders, get_batch, num_local_steps
+from fedbayes.data.batches import ClientData, get_batch, layout_orders, num_local_steps, size_class
 
 
-N_MAX = 64  # fixed padded length: hypothesis varies the traced size n, so programs compile once
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _all_batches(order, offset, n, batch, max_steps):
+    x = jnp.arange(5000, dtype=jnp.float32)
+    data = ClientData(x, x, order, offset, n)
+    xb, _, mb = jax.vmap(lambda s: get_batch(data, s, batch))(jnp.arange(max_steps))
+    return xb, mb
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _all_batches(key, n, batch, epochs):
-    x = jnp.arange(1000, dtype=jnp.float32)
-    data = ClientData(x, x, jnp.arange(500, 500 + N_MAX, dtype=jnp.int32), n)
-    orders = epoch_orders(key, data, epochs, batch)
-    max_steps = epochs * -(-N_MAX // batch)
-    xb, _, mb = jax.vmap(lambda s: get_batch(data, orders, s, batch))(jnp.arange(max_steps))
-    return xb, mb, num_local_steps(n, batch, epochs)
+@given(
+    sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
+    batch=st.sampled_from([1, 5, 16, 64]),
+    epochs=st.sampled_from([1, 3]),
+    seed=st.integers(0, 99),
+)
+def test_each_client_sees_each_example_once_per_epoch(sizes, batch, epochs, seed):
+    starts = np.cumsum([0] + sizes[:-1]) + 100
+    positions = [np.arange(s, s + n) for s, n in zip(starts, sizes)]
+    ids = list(range(len(sizes)))
+    order, offsets, used = layout_orders(seed, 3, ids, positions, epochs, batch)
+    assert used == epochs * sum(sizes) and len(order) >= used + batch
+    max_steps = epochs * -(-max(sizes) // batch)
+    for k, n in enumerate(sizes):
+        xb, mb = _all_batches(jnp.asarray(order), jnp.int32(offsets[k]), jnp.int32(n), batch, max_steps)
+        xb, mb = np.asarray(xb), np.asarray(mb)
+        spe = -(-n // batch)
+        assert int(num_local_steps(n, batch, epochs)) == epochs * spe
+        for e in range(epochs):
+            seen = []
+            for b in range(spe):
+                m = mb[e * spe + b]
+                # only the last batch of an epoch may be partial
+                assert m.sum() == (batch if b < spe - 1 else n - batch * (spe - 1))
+                seen.extend(xb[e * spe + b][m > 0].astype(int).tolist())
+            assert sorted(seen) == positions[k].tolist()
 
 
-@given(n=st.integers(1, N_MAX), batch=st.sampled_from([1, 5, 16, 64]), epochs=st.sampled_from([1, 3]), seed=st.integers(0, 99))
-def test_each_epoch_visits_every_example_once(n, batch, epochs, seed):
-    xb, mb, steps = _all_batches(jax.random.key(seed), jnp.int32(n), batch, epochs)
-    xb, mb, steps = np.asarray(xb), np.asarray(mb), int(steps)
-    spe = -(-n // batch)
-    assert steps == epochs * spe
-    for e in range(epochs):
-        seen = []
-        for b in range(spe):
-            m = mb[e * spe + b]
-            # only the last batch of an epoch may be partial
-            assert m.sum() == (batch if b < spe - 1 else n - batch * (spe - 1))
-            seen.extend(xb[e * spe + b][m > 0].astype(int).tolist())
-        assert sorted(seen) == list(range(500, 500 + n))
+def test_shuffles_depend_on_client_round_and_seed_only():
+    pos = [np.arange(50), np.arange(50, 90)]
+    a, off_a, _ = layout_orders(0, 5, [3, 7], pos, 2, 8)
+    b, off_b, _ = layout_orders(0, 5, [7, 3], pos[::-1], 2, 8)  # other cohort order
+    np.testing.assert_array_equal(a[: 100], b[off_b[1] : off_b[1] + 100])  # client 3 unchanged
+    c, _, _ = layout_orders(0, 6, [3, 7], pos, 2, 8)
+    assert not np.array_equal(a[:50], c[:50])  # next round reshuffles
+    assert not np.array_equal(a[:50], a[50:100])  # epochs differ
 
 
-def test_shuffles_differ_between_epochs_and_keys():
-    x = jnp.arange(100, dtype=jnp.float32)
-    data = ClientData(x, x, jnp.arange(100, dtype=jnp.int32), jnp.int32(100))
-    o = np.asarray(epoch_orders(jax.random.key(0), data, 2, 10))
-    o2 = np.asarray(epoch_orders(jax.random.key(1), data, 2, 10))
-    assert not np.array_equal(o[0], o[1])
-    assert not np.array_equal(o[0], o2[0])
+def test_padding_slots_take_no_room():
+    order, offsets, used = layout_orders(0, 0, [2, -1, 4], [np.arange(10), np.zeros(0, np.int64), np.arange(10, 13)], 1, 4)
+    assert used == 13 and offsets.tolist() == [0, 10, 10]
+
+
+@given(st.integers(1, 10**7))
+def test_size_classes_pad_at_most_20_percent(n):
+    c = size_class(n, minimum=1)
+    assert c >= n and (c - n) / c <= 0.2 + 1e-12 or c <= 8

@@ -230,6 +230,36 @@ def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to lo
     console.print(table)
 
 
+@app.command()
+def bench(
+    json_: Annotated[bool, typer.Option("--json", help="print one JSON object keyed by workload instead of the table")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat (under two minutes on 2 cores)")] = False,
+    workload: Annotated[Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable); limit_b32 always runs")] = None,
+    repeats: Annotated[Optional[int], typer.Option(min=1, help="repeat every workload this many times and report medians")] = None,
+    rounds: Annotated[Optional[int], typer.Option(min=1, help="steady-state rounds per federated workload")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="folder holding the dataset")] = None,
+):
+    """Round throughput, compile time and peak memory against this machine's compute limit."""
+    import dataclasses
+
+    from fedbayes import bench as fb
+
+    settings = fb.QUICK if quick else fb.FULL
+    changes = {k: v for k, v in (("repeats", repeats), ("rounds", rounds), ("data_dir", data_dir and str(data_dir))) if v is not None}
+    settings = dataclasses.replace(settings, **changes)
+    title = fb.describe_run(settings, quick)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
+    log(title)
+    try:
+        results = fb.run_bench(settings, workload, log=log)
+    except fb.BenchError as exc:
+        _fail(f"bench error: {exc}", code=3)
+    if json_:
+        print(json.dumps(results))
+    else:
+        console.print(fb.rich_table(results, title=title))
+
+
 def main():
     app()
 

@@ -2,9 +2,13 @@
 
 One round (DESIGN.md, "One round, as data flows"):
 
-1. **Sample** ``M`` clients uniformly without replacement with a key derived from (seed, round).
-2. **Gather** the cohort's index lists (into the training set, which sits on every device once)
-   and its client states from the host store.
+1. **Sample** ``M`` clients uniformly without replacement from a generator seeded by
+   (seed, round), in ``O(M)`` (Floyd's algorithm): round time does not grow with ``K``.
+2. **Gather**: draw each client's epoch shuffles on the host and lay the cohort out in one flat
+   order buffer of positions (:mod:`fedbayes.data.batches`: no per-client padding, the buffer's
+   tail padded to a size class, under 20%); positions index the training set, which sits on every
+   device once, or, for an on-demand federation (:class:`GeneratedFederation`), the cohort's
+   freshly generated data. Gather the cohort's client states from the host store.
 3. **Broadcast** the server message.
 4. **Client update**, in one ``jit``, in one of two layouts behind one interface:
 
@@ -15,8 +19,9 @@ One round (DESIGN.md, "One round, as data flows"):
    * ``"vmap"``: the cohort (client axis sharded over the devices) runs under ``jax.vmap``; each
      client's loop is masked past its own step count, so every client takes exactly its steps.
 
-   Client ``k`` always uses the key ``fold_in(fold_in(client_root, round), k)``: results do not
-   depend on the cohort, its order, padding, the layout or the device split.
+   Client ``k`` always uses the key ``fold_in(fold_in(client_root, round), k)`` and the shuffles
+   of ``default_rng([seed, round, k, 1])``: results do not depend on the cohort, its order,
+   padding, the layout or the device split.
 5. **Validate** each message (``algorithm.message_ok``); a rejected client gets weight zero and
    keeps its old state; the count is reported. **Server update**: the algorithm's weighted
    aggregation and server optimizer, fused into the same program.
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from fedbayes import tree
 from fedbayes.algorithms.base import Algorithm
-from fedbayes.data.batches import ClientData
+from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,10 @@ _AXIS = "clients"
 
 @dataclasses.dataclass(frozen=True)
 class Federation:
-    """Host-side federated training data: the pooled arrays and each client's indices into them."""
+    """Host-side federated training data: the pooled arrays and each client's indices into them.
+
+    The pooled arrays are put on every device once; a round only sends the cohort's order buffer.
+    """
 
     x: np.ndarray
     y: np.ndarray
@@ -66,6 +74,30 @@ class Federation:
         return np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
 
 
+@dataclasses.dataclass(frozen=True)
+class GeneratedFederation:
+    """A federation whose clients' data is generated from their ids on demand, never materialised.
+
+    Attributes:
+      sizes: ``[K]`` client sizes (known up front, e.g. drawn from a heavy-tailed law).
+      client_data: ``client_id -> (x [n_k, ...], y [n_k])``, deterministic in the id.
+      feature_shape, x_dtype, y_dtype: what ``client_data`` returns.
+    """
+
+    sizes: np.ndarray
+    client_data: Callable[[int], tuple[np.ndarray, np.ndarray]]
+    feature_shape: tuple[int, ...]
+    x_dtype: Any = np.float32
+    y_dtype: Any = np.int32
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.sizes)
+
+
+AnyFederation = Union[Federation, GeneratedFederation]
+
+
 class SimState(NamedTuple):
     """Everything a run needs to continue: the next round, server state, client store."""
 
@@ -75,13 +107,33 @@ class SimState(NamedTuple):
 
 
 class RoundInfo(NamedTuple):
-    """What one round did."""
+    """What one round did.
+
+    ``padding_waste`` is the share of padded entries in the cohort's order buffer (and, for a
+    generated federation, its feature buffer); ``step_waste`` the share of masked no-op client
+    steps (0 in the sequential layout, where each client runs exactly its own steps).
+    """
 
     round: int
     cohort: np.ndarray
     rejected: np.ndarray  # client ids whose messages were rejected
     bytes_up: int
     bytes_down: int
+    padding_waste: float = 0.0
+    step_waste: float = 0.0
+
+
+def sample_without_replacement(rng: np.random.Generator, num_items: int, num_samples: int) -> np.ndarray:
+    """Uniform sample of ``num_samples`` distinct items of ``range(num_items)`` in ``O(num_samples)``.
+
+    Floyd's algorithm (Bentley & Floyd 1987): every subset is equally likely, and the cost does not
+    depend on ``num_items`` (a permutation of 342,477 clients per round would).
+    """
+    chosen: set[int] = set()
+    for j in range(num_items - num_samples, num_items):
+        t = int(rng.integers(0, j + 1))
+        chosen.add(j if t in chosen else t)
+    return np.sort(np.fromiter(chosen, dtype=np.int64, count=num_samples))
 
 
 def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
@@ -96,11 +148,12 @@ def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
 
 
 class Simulator:
-    """Runs rounds of a federated :class:`Algorithm` on a :class:`Federation`.
+    """Runs rounds of a federated :class:`Algorithm` on a federation.
 
     Args:
       algorithm: the federated method.
-      federation: host-side data and client partition.
+      federation: a :class:`Federation` (pooled data, on the devices once) or a
+        :class:`GeneratedFederation` (each cohort's data generated on demand).
       clients_per_round: cohort size ``M`` (``1 <= M <= K``).
       seed: root seed; cohorts and every client's randomness derive from it.
       weighting: ``"examples"`` (``q_k`` proportional to ``n_k``) or ``"uniform"``.
@@ -112,7 +165,7 @@ class Simulator:
     def __init__(
         self,
         algorithm: Algorithm,
-        federation: Federation,
+        federation: AnyFederation,
         *,
         clients_per_round: int,
         seed: int = 0,
@@ -128,13 +181,16 @@ class Simulator:
             raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}; got {weighting!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-        if np.any(federation.sizes == 0):
-            raise ValueError("every client needs at least one example; got empty clients " f"{np.flatnonzero(federation.sizes == 0)[:10].tolist()}")
+        sizes = np.asarray(federation.sizes, dtype=np.int64)
+        if np.any(sizes <= 0):
+            raise ValueError("every client needs at least one example; got empty clients " f"{np.flatnonzero(sizes <= 0)[:10].tolist()}")
         self.algorithm = algorithm
         self.federation = federation
         self.clients_per_round = clients_per_round
         self.weighting = weighting
         self.fail_fast = fail_fast
+        self.seed = seed
+        self.sizes = sizes
         devices = list(devices) if devices is not None else jax.local_devices()
         if layout == "auto":
             layout = "sequential" if devices[0].platform == "cpu" else "vmap"
@@ -143,13 +199,14 @@ class Simulator:
         self.num_devices = len(devices)
         self._replicated = NamedSharding(self.mesh, P())
         self._sharded = NamedSharding(self.mesh, P(_AXIS))
-        self.x = jax.device_put(federation.x, self._replicated)
-        self.y = jax.device_put(federation.y, self._replicated)
-        self.sizes = federation.sizes
-        self.n_max = int(self.sizes.max())
+        self.generated = isinstance(federation, GeneratedFederation)
+        if self.generated:
+            self.x = self.y = None
+        else:
+            self.x = jax.device_put(federation.x, self._replicated)
+            self.y = jax.device_put(federation.y, self._replicated)
         root = jax.random.key(seed)
         self._client_root = jax.random.fold_in(root, 0)
-        self._sample_root = jax.random.fold_in(root, 1)
         self._server_key = jax.random.fold_in(root, 2)
         self._round_fn = jax.jit(self._round)
         self._message_bytes: tuple[int, int] | None = None
@@ -177,8 +234,7 @@ class Simulator:
         k, m = self.federation.num_clients, self.clients_per_round
         if m == k:
             return np.arange(k)
-        key = jax.random.fold_in(self._sample_root, round_idx)
-        return np.sort(np.asarray(jax.random.choice(key, k, (m,), replace=False)))
+        return sample_without_replacement(np.random.default_rng([self.seed, round_idx, 0]), k, m)
 
     def _layout_cohort(self, cohort: np.ndarray) -> np.ndarray:
         """Orders the cohort into equal per-device blocks; ``-1`` marks padding slots."""
@@ -194,53 +250,78 @@ class Simulator:
             slots[i, : len(g)] = cohort[g] if len(g) else []
         return slots.reshape(-1)
 
-    def _gather(self, slots: np.ndarray):
+    def _cohort_data(self, slots: np.ndarray):
+        """Pooled features for the cohort and each slot's positions in them.
+
+        A pooled federation returns its device-resident arrays and the clients' own indices; a
+        generated one generates the cohort's clients, concatenates them and pads the tail to a
+        size class (so that shapes, and compiles, repeat).
+        """
+        if not self.generated:
+            return self.x, self.y, [self.federation.client_indices[c] if c >= 0 else np.zeros(0, np.int64) for c in slots], 0.0
+        fed = self.federation
+        xs, ys, positions, used = [], [], [], 0
+        for cid in slots:
+            if cid < 0:
+                positions.append(np.zeros(0, np.int64))
+                continue
+            x, y = fed.client_data(int(cid))
+            xs.append(np.asarray(x, fed.x_dtype))
+            ys.append(np.asarray(y, fed.y_dtype))
+            positions.append(np.arange(used, used + len(y)))
+            used += len(y)
+        total = size_class(used)
+        x = np.zeros((total, *fed.feature_shape), fed.x_dtype)
+        y = np.zeros((total,), fed.y_dtype)
+        x[:used] = np.concatenate(xs)
+        y[:used] = np.concatenate(ys)
+        x, y = jax.device_put((x, y), self._replicated)
+        return x, y, positions, 1.0 - used / total
+
+    def _gather(self, round_idx: int, slots: np.ndarray):
+        """Host side of a round: data, order buffer, offsets, sizes and weights of every slot."""
         real = slots >= 0
-        safe = np.where(real, slots, 0)
-        indices = np.zeros((len(slots), self.n_max), dtype=np.int32)
-        for row, cid in enumerate(slots):
-            if cid >= 0:
-                ix = self.federation.client_indices[cid]
-                indices[row, : len(ix)] = ix
-        num_examples = np.where(real, self.sizes[safe], 0).astype(np.int32)
-        if self.weighting == "examples":
-            weights = num_examples.astype(np.float32)
-        else:
-            weights = real.astype(np.float32)
-        return safe.astype(np.int32), indices, num_examples, weights
+        x, y, positions, feature_waste = self._cohort_data(slots)
+        order, offsets, used = layout_orders(
+            self.seed, round_idx, slots, positions, self.algorithm.local_epochs, self.algorithm.local_batch_size
+        )
+        num_examples = np.where(real, self.sizes[np.where(real, slots, 0)], 0).astype(np.int32)
+        weights = num_examples.astype(np.float32) if self.weighting == "examples" else real.astype(np.float32)
+        padding = max(feature_waste, 1.0 - used / len(order))
+        return x, y, order, offsets, num_examples, weights, padding
 
     # ----- the compiled round ----------------------------------------------------------------
-    def _client_fn(self, message, round_key, x, y):
+    def _client_fn(self, message, round_key, x, y, order):
         algorithm = self.algorithm
 
-        def one(cid, cstate, indices, n):
+        def one(cid, cstate, offset, n):
             key = jax.random.fold_in(round_key, cid)
-            return algorithm.client_update(key, message, cstate, ClientData(x, y, indices, n))
+            return algorithm.client_update(key, message, cstate, ClientData(x, y, order, offset, n))
 
         return one
 
-    def _round(self, server_state, client_states, client_ids, indices, num_examples, weights, round_idx, x, y):
+    def _round(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order):
         algorithm = self.algorithm
         message = algorithm.broadcast(server_state)
         round_key = jax.random.fold_in(self._client_root, round_idx)
         if self.layout == "vmap":
-            one = self._client_fn(message, round_key, x, y)
-            messages, new_states = jax.vmap(one)(client_ids, client_states, indices, num_examples)
+            one = self._client_fn(message, round_key, x, y, order)
+            messages, new_states = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
         else:
 
-            def per_device(message, round_key, x, y, cids, cstates, idx, n):
-                one = self._client_fn(message, round_key, x, y)
-                return jax.lax.map(lambda a: one(*a), (cids, cstates, idx, n))
+            def per_device(message, round_key, x, y, order, cids, cstates, offs, n):
+                one = self._client_fn(message, round_key, x, y, order)
+                return jax.lax.map(lambda a: one(*a), (cids, cstates, offs, n))
 
             # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
             # over devices and clients would no longer be independent (DESIGN.md).
             messages, new_states = jax.shard_map(
                 per_device,
                 mesh=self.mesh,
-                in_specs=(P(), P(), P(), P(), P(_AXIS), P(_AXIS), P(_AXIS), P(_AXIS)),
+                in_specs=(P(), P(), P(), P(), P(), P(_AXIS), P(_AXIS), P(_AXIS), P(_AXIS)),
                 out_specs=(P(_AXIS), P(_AXIS)),
                 check_vma=False,
-            )(message, round_key, x, y, client_ids, client_states, indices, num_examples)
+            )(message, round_key, x, y, order, client_ids, client_states, offsets, num_examples)
         ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
         ok = jnp.logical_and(ok, weights > 0)
         new_server = algorithm.server_update(server_state, messages, jnp.where(ok, weights, 0.0))
@@ -257,38 +338,46 @@ class Simulator:
         if self._message_bytes is None:
             message = jax.eval_shape(self.algorithm.broadcast, state.server_state)
             cstate = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state.client_states)
-            data = ClientData(
-                jax.ShapeDtypeStruct(self.x.shape, self.x.dtype),
-                jax.ShapeDtypeStruct(self.y.shape, self.y.dtype),
-                jax.ShapeDtypeStruct((self.n_max,), jnp.int32),
-                jax.ShapeDtypeStruct((), jnp.int32),
-            )
+            if self.generated:
+                fed = self.federation
+                x = jax.ShapeDtypeStruct((256, *fed.feature_shape), fed.x_dtype)
+                y = jax.ShapeDtypeStruct((256,), fed.y_dtype)
+            else:
+                x = jax.ShapeDtypeStruct(self.x.shape, self.x.dtype)
+                y = jax.ShapeDtypeStruct(self.y.shape, self.y.dtype)
+            scalar = jax.ShapeDtypeStruct((), jnp.int32)
+            order = jax.ShapeDtypeStruct((2 * self.algorithm.local_batch_size + 256,), jnp.int32)
+            data = ClientData(x, y, order, scalar, scalar)
             out, _ = jax.eval_shape(self.algorithm.client_update, jax.random.key(0), message, cstate, data)
             self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
         return self._message_bytes
 
     def run_round(self, state: SimState) -> tuple[SimState, RoundInfo]:
-        """Runs round ``state.round`` and returns the next state and what happened."""
+        """Runs round ``state.round`` and returns the next state and what happened.
+
+        Pure: ``state`` (its client store included) is left as it was.
+        """
         round_idx = state.round
         cohort = self.sample_cohort(round_idx)
         slots = self._layout_cohort(cohort)
-        client_ids, indices, num_examples, weights = self._gather(slots)
-        safe = client_ids.astype(np.int64)
+        x, y, order, offsets, num_examples, weights, padding = self._gather(round_idx, slots)
+        real = slots >= 0
+        safe = np.where(real, slots, 0)
         cstates = jax.tree.map(lambda a: a[safe], state.client_states)
         put = lambda a: jax.device_put(a, self._sharded)  # noqa: E731
         new_server, new_cstates, ok = self._round_fn(
             state.server_state,
             jax.tree.map(put, cstates),
-            put(client_ids),
-            put(indices),
+            put(safe.astype(np.int32)),
+            put(offsets),
             put(num_examples),
             put(weights),
             jnp.int32(round_idx),
-            self.x,
-            self.y,
+            x,
+            y,
+            jax.device_put(order, self._replicated),
         )
         ok = np.asarray(ok)
-        real = slots >= 0
         rejected = slots[real & ~ok]
         if len(rejected):
             log.warning("round %d: rejected messages from clients %s", round_idx, rejected.tolist())
@@ -309,5 +398,9 @@ class Simulator:
             client_states = jax.tree.map(scatter, client_states, new_cstates)
         down, up = self.message_bytes(state)
         m = len(cohort)
-        info = RoundInfo(round=round_idx, cohort=cohort, rejected=rejected, bytes_up=up * m, bytes_down=down * m)
+        steps = num_local_steps(num_examples, self.algorithm.local_batch_size, self.algorithm.local_epochs)
+        step_waste = 0.0
+        if self.layout == "vmap" and steps.max() > 0:
+            step_waste = float(1.0 - steps.sum() / (len(slots) * steps.max()))
+        info = RoundInfo(round_idx, cohort, rejected, up * m, down * m, float(padding), step_waste)
         return SimState(round_idx + 1, new_server, client_states), info

@@ -91,4 +91,6 @@ def admm(
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=finite_message,
+        local_epochs=trainer.num_epochs,
+        local_batch_size=trainer.batch_size,
     )

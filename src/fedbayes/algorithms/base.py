@@ -12,6 +12,9 @@ An :class:`Algorithm` is a named tuple of pure functions (STYLE.md, "Shapes wort
 * ``message_ok(server_state, client_message) -> bool``: the server's acceptance test for one
   message (DESIGN.md, "Messages and their validation"); a rejected client gets weight zero and
   keeps its old state.
+* ``local_epochs``, ``local_batch_size``: how many shuffled passes over its data a client makes
+  and with which minibatch size; the simulator lays out that many epochs per client
+  (:mod:`fedbayes.data.batches`) and knows each client's step count ``E * ceil(n_k / B)``.
 
 The simulator vmaps (or maps) ``client_update`` over a cohort; the Flower adapter calls the same
 functions one client at a time. Point-estimate and posterior methods share this interface.
@@ -38,6 +41,8 @@ class Algorithm(NamedTuple):
     server_update: Callable[[Any, Any, jax.Array], Any]
     server_params: Callable[[Any], Any]
     message_ok: Callable[[Any, Any], jax.Array]
+    local_epochs: int = 1
+    local_batch_size: int = 1
 
 
 def finite_message(server_state, message) -> jax.Array:

@@ -91,6 +91,8 @@ def feddyn(
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=finite_message,
+        local_epochs=trainer.num_epochs,
+        local_batch_size=trainer.batch_size,
     )
 
 

@@ -1,80 +1,115 @@
-"""Device-side view of one client's data: padded index lists, per-epoch shuffles, masked batches.
+"""One client's data as the client update sees it: shuffled epochs laid out in a flat order buffer.
 
-The whole training set lives on the device once (DESIGN.md, "Put the training data on every
-device once"); a client is a padded list of indices into it plus its true size ``num_examples``.
-Client k takes exactly ``num_epochs * ceil(n_k / B)`` steps, the last batch of each epoch partial
-(masked), with its own shuffle per epoch drawn from its own key. Padded positions never reach a
-gradient: their mask is zero.
+Features live on the device once (the whole training set, or the cohort's generated data for an
+on-demand federation; DESIGN.md "Put the training data on every device once"). The simulator
+draws each client's shuffles on the host and lays the cohort out in one flat int32 buffer:
+client k's ``E`` epochs, each a permutation of its ``n_k`` positions, one after the other from
+``offset_k``. Client k takes exactly ``E * ceil(n_k / B)`` steps; step ``s`` of epoch
+``e = s // ceil(n_k/B)`` reads ``B`` entries from ``offset_k + e * n_k + b * B`` and masks those
+past ``n_k`` (the partial last batch). Nothing is padded per client: only the buffer's tail
+(at least one batch, so that a slice never runs off the end).
+
+A client's shuffles come from ``numpy.random.default_rng([seed, round, client, 1])``: they do not
+depend on which other clients share its cohort, on the layout or on the device split.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class ClientData(NamedTuple):
-    """One client's data as the client update sees it.
+    """One client's data.
 
     Attributes:
-      x: all training features on the device, ``[N, *feature_shape]`` (shared, not per client).
-      y: all training targets, ``[N]``.
-      indices: ``[n_max]`` int32 positions in ``x``; entries at or past ``num_examples`` are padding.
-      num_examples: int32 scalar, the client's true size ``n_k``.
+      x: pooled features ``[N, *feature_shape]`` (shared by the cohort).
+      y: pooled targets ``[N]``.
+      order: the cohort's flat order buffer ``[L]`` int32 of positions in ``x`` (shared).
+      offset: int32 scalar, where this client's epochs start in ``order``.
+      num_examples: int32 scalar, the client's size ``n_k`` (0 for a padding slot).
     """
 
     x: jax.Array
     y: jax.Array
-    indices: jax.Array
+    order: jax.Array
+    offset: jax.Array
     num_examples: jax.Array
 
 
-# vmap axes: features and targets are shared by the cohort, indices and sizes are per client.
-CLIENT_AXES = ClientData(x=None, y=None, indices=0, num_examples=0)
+# vmap axes: features, targets and the order buffer are shared; offsets and sizes are per client.
+CLIENT_AXES = ClientData(x=None, y=None, order=None, offset=0, num_examples=0)
 
 
-def steps_per_epoch(num_examples: jax.Array, batch_size: int) -> jax.Array:
+def steps_per_epoch(num_examples, batch_size: int):
     """``ceil(n_k / B)``: one step per (possibly partial) batch."""
     return (num_examples + batch_size - 1) // batch_size
 
 
-def num_local_steps(num_examples: jax.Array, batch_size: int, num_epochs: int) -> jax.Array:
+def num_local_steps(num_examples, batch_size: int, num_epochs: int):
     """Total local steps of a client: ``E * ceil(n_k / B)``."""
     return num_epochs * steps_per_epoch(num_examples, batch_size)
 
 
-def epoch_orders(key: jax.Array, data: ClientData, num_epochs: int, batch_size: int) -> jax.Array:
-    """Per-epoch random orders of a client's valid positions, ``[num_epochs, padded_len]``.
-
-    Each row lists the positions ``0..n_k-1`` in a random order first, then padding positions.
-    Padding sorts last because it gets the key ``2 > any uniform draw``. Rows are padded to a
-    multiple of ``batch_size`` so that every batch is a fixed-size slice.
-    """
-    n_max = data.indices.shape[0]
-    padded_len = -(-n_max // batch_size) * batch_size
-    positions = jnp.arange(padded_len)
-    valid = positions < data.num_examples
-
-    def one(k):
-        u = jax.random.uniform(k, (padded_len,))
-        return jnp.argsort(jnp.where(valid, u, 2.0)).astype(jnp.int32)
-
-    return jax.vmap(one)(jax.random.split(key, num_epochs))
-
-
-def get_batch(data: ClientData, orders: jax.Array, step: jax.Array, batch_size: int):
-    """The ``step``-th local minibatch: ``(x, y, mask)`` with ``mask`` float32 ``[batch_size]``.
-
-    Epoch ``e = step // ceil(n_k/B)`` and batch ``b = step % ceil(n_k/B)``; the batch is
-    positions ``b*B .. b*B+B-1`` of epoch ``e``'s order, masked past ``n_k``.
-    """
+def get_batch(data: ClientData, step: jax.Array, batch_size: int):
+    """The ``step``-th local minibatch ``(x, y, mask)``; ``mask`` is float32 ``[batch_size]``."""
     spe = jnp.maximum(steps_per_epoch(data.num_examples, batch_size), 1)
     epoch, b = step // spe, step % spe
-    start = b * batch_size
-    pos = jax.lax.dynamic_slice(orders[epoch], (start,), (batch_size,))
-    mask = (start + jnp.arange(batch_size)) < data.num_examples
-    n_max = data.indices.shape[0]
-    idx = data.indices[jnp.clip(pos, 0, n_max - 1)]
-    return data.x[idx], data.y[idx], mask.astype(jnp.float32)
+    start = data.offset + epoch * data.num_examples + b * batch_size
+    pos = jax.lax.dynamic_slice(data.order, (start,), (batch_size,))
+    mask = (b * batch_size + jnp.arange(batch_size)) < data.num_examples
+    return data.x[pos], data.y[pos], mask.astype(jnp.float32)
+
+
+def client_rng(seed: int, round_idx: int, client_id: int) -> np.random.Generator:
+    """The host generator of one client's shuffles in one round."""
+    return np.random.default_rng([seed, round_idx, client_id, 1])
+
+
+def size_class(n: int, minimum: int = 256) -> int:
+    """Rounds ``n`` up to ``2^k * {1, 1.25, 1.5, 1.75}``: at most 20% padding, few distinct shapes."""
+    n = max(int(n), minimum)
+    top = 1 << (n - 1).bit_length()  # the power of two >= n
+    for frac in (0.5, 0.625, 0.75, 0.875):
+        if top * frac >= n:
+            return int(top * frac)
+    return top
+
+
+def layout_orders(
+    seed: int,
+    round_idx: int,
+    client_ids: Sequence[int],
+    positions: Sequence[np.ndarray],
+    num_epochs: int,
+    batch_size: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Builds a cohort's order buffer on the host.
+
+    Args:
+      seed, round_idx: the run's seed and the round (with the client id they seed the shuffles).
+      client_ids: the cohort's client ids (``-1`` marks a padding slot: no data).
+      positions: each client's positions in the pooled features (empty for padding slots).
+      num_epochs: epochs ``E`` laid out per client.
+      batch_size: ``B``; the buffer keeps at least one batch of tail padding.
+
+    Returns:
+      ``(order, offsets, used)``: the buffer ``[L]`` int32 with ``L = size_class(used + B)``,
+      per-client offsets ``[M]`` int32, and the number of used entries.
+    """
+    chunks, offsets, used = [], [], 0
+    for cid, pos in zip(client_ids, positions):
+        offsets.append(used)
+        if cid < 0 or len(pos) == 0:
+            continue
+        rng = client_rng(seed, round_idx, int(cid))
+        for _ in range(num_epochs):
+            chunks.append(rng.permutation(pos))
+        used += num_epochs * len(pos)
+    order = np.zeros(size_class(used + batch_size), dtype=np.int32)
+    if chunks:
+        order[:used] = np.concatenate(chunks)
+    return order, np.asarray(offsets, dtype=np.int32), used

@@ -4,6 +4,9 @@ A client minimises its mean loss plus an algorithm-specific penalty (FedProx's p
 FedDyn's linear correction, ADMM's dual term) for ``E`` epochs of its optax optimizer, starting
 from the broadcast parameters (spec section 2, "Client").
 
+The epochs' shuffles arrive laid out in ``data.order`` (:mod:`fedbayes.data.batches`): the
+simulator must lay out ``trainer.num_epochs`` epochs (``Algorithm.local_epochs``).
+
 The loop has a per-client trip count ``E * ceil(n_k / B)``. Run alone (or one client after
 another on a device) it takes exactly that many steps. Under ``jax.vmap`` JAX batches the loop
 into one that runs to the cohort's longest client and holds every finished client's parameters
@@ -19,7 +22,7 @@ from typing import Callable, NamedTuple
 import jax
 import optax
 
-from fedbayes.data.batches import ClientData, epoch_orders, get_batch, num_local_steps
+from fedbayes.data.batches import ClientData, get_batch, num_local_steps
 
 LossFn = Callable[..., jax.Array]  # (params, x, y, mask) -> mean loss over the valid examples
 
@@ -52,13 +55,13 @@ def run_sgd(
     Minimises ``loss_fn(theta; batch) + penalty(theta)`` with ``trainer.optimizer``.
 
     Args:
-      key: the client's key for this round (its shuffles).
+      key: the client's key for this round (unused by plain SGD; the shuffles are in ``data``).
       params: starting parameters (the broadcast model).
       data: the client's data.
       trainer: local training configuration.
       penalty: optional ``params -> scalar`` added to every minibatch loss.
     """
-    orders = epoch_orders(key, data, trainer.num_epochs, trainer.batch_size)
+    del key  # shuffles come laid out in data.order (drawn on the host per client and round)
     total = num_local_steps(data.num_examples, trainer.batch_size, trainer.num_epochs)
 
     def objective(p, x, y, m):
@@ -69,7 +72,7 @@ def run_sgd(
 
     def body(step, carry):
         p, opt_state = carry
-        x, y, m = get_batch(data, orders, step, trainer.batch_size)
+        x, y, m = get_batch(data, step, trainer.batch_size)
         grads = grad_fn(p, x, y, m)
         updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state

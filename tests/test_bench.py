@@ -1,0 +1,101 @@
+"""The benchmark's code paths on tiny sizes (digits, 2 rounds). No timing is asserted: speed is
+measured on demand with ``fedbayes bench``, never in the test suite."""
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from fedbayes import bench as fb
+from fedbayes.cli import app
+
+TINY = fb.BenchSettings(dataset="digits", hidden=(16,), large_batch=128, rounds=2, limit_reps=2, repeats=1)
+REQUIRED = ("examples_per_s", "ratio_to_limit", "compile_s", "peak_rss_mb", "round_s")
+
+
+def _positive_finite(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def repeat():
+    """One repeat of every registered workload, measured in this process."""
+    rep = {}
+    for name, w in fb.WORKLOADS.items():
+        if isinstance(w, fb.LimitWorkload):
+            shares = 2 if w.per_core else 1
+            rep[name] = fb.limit_entry([fb.measure_limit(w, TINY, share=i, num_shares=shares) for i in range(shares)])
+        else:
+            rep[name] = fb.federated_entry(fb.measure_federated(w, TINY))
+    return rep
+
+
+def test_every_workload_reports_the_required_numbers(repeat):
+    results = json.loads(json.dumps(fb.summarize([repeat])))
+    assert list(results) == list(fb.WORKLOADS)
+    for name, entry in results.items():
+        for k in REQUIRED:
+            assert k in entry, (name, k)
+        for k in ("examples_per_s", "ratio_to_limit", "peak_rss_mb", "round_s"):
+            assert _positive_finite(entry[k]), (name, k, entry[k])
+        assert math.isfinite(entry["compile_s"])
+    assert results[fb.REFERENCE]["ratio_to_limit"] == 1.0
+    assert results[fb.REFERENCE]["processes"] == 2
+    fed = results["fedavg"]
+    assert _positive_finite(fed["startup_s"]) and fed["rounds"] == TINY.rounds
+    assert fed["examples_per_round"] == 1437  # digits' train split, all 10 clients, one epoch
+    assert results["fedavg_100"]["rounds"] == fb.steady_rounds(fb.WORKLOADS["fedavg_100"], TINY)
+    assert results["fedavg_100"]["clients_per_round"] == 10
+    assert results["fedavg_dirichlet"]["client_sizes"]["min"] < results["fedavg_dirichlet"]["client_sizes"]["max"]
+
+
+def test_repeats_are_medians_with_ranges_and_ratios_within_each_repeat(repeat):
+    slower = {name: {**e, "examples_per_s": e["examples_per_s"] / 2} for name, e in repeat.items()}
+    results = fb.summarize([repeat, slower, repeat])
+    fed = results["fedavg"]
+    assert fed["repeats"] == 3
+    assert fed["examples_per_s"] == repeat["fedavg"]["examples_per_s"]
+    assert fed["examples_per_s_range"] == [slower["fedavg"]["examples_per_s"], repeat["fedavg"]["examples_per_s"]]
+    # Halving everything in one repeat leaves that repeat's ratio unchanged.
+    ratio = repeat["fedavg"]["examples_per_s"] / repeat[fb.REFERENCE]["examples_per_s"]
+    assert fed["ratio_range"] == pytest.approx([ratio, ratio])
+    assert "fedavg" in fb.markdown(results) and len(fb.rows(results)) == len(results)
+
+
+def test_profile_rows_name_functions(repeat):
+    raw = fb.measure_federated(fb.WORKLOADS["fedavg"], TINY, profile_top=5)
+    assert len(raw["profile"]) == 5
+    assert all(r["own_s"] >= 0 and r["calls"] > 0 and r["function"] for r in raw["profile"])
+
+
+def test_pinned_limit_processes_start_together_and_report():
+    raws = fb.run_limit_processes(fb.WORKLOADS[fb.REFERENCE], TINY)
+    assert len(raws) == fb.num_cores()
+    assert sum(r["examples"] for r in raws) == 1437
+    entry = fb.limit_entry(raws)
+    assert _positive_finite(entry["examples_per_s"]) and entry["processes"] == len(raws)
+
+
+def test_xla_flags_replace_device_count_and_threading():
+    flags = fb.xla_flags("--foo --xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=true", device_count=1, single_thread=True)
+    assert flags.split() == ["--foo", "--xla_force_host_platform_device_count=1", *fb.SINGLE_THREAD_FLAGS]
+
+
+def test_missing_data_and_unknown_workloads_are_clear_errors(tmp_path):
+    with pytest.raises(fb.BenchError, match="fashion_mnist is not on this machine.*apt-get install dataset-fashion-mnist"):
+        fb.check_dataset(fb.BenchSettings(data_dir=str(tmp_path)))
+    with pytest.raises(fb.BenchError, match="unknown workload"):
+        fb.resolve_names(["fedsomething"])
+    assert fb.resolve_names(["fedavg"]) == [fb.REFERENCE, "fedavg"]
+    res = CliRunner().invoke(app, ["bench", "--workload", "fedsomething"])
+    assert res.exit_code == 3 and "unknown workload" in res.output
+
+
+def test_cli_json_is_one_object_keyed_by_workload(repeat, monkeypatch):
+    monkeypatch.setattr(fb, "run_bench", lambda settings, names, log: fb.summarize([repeat]))
+    res = CliRunner().invoke(app, ["bench", "--quick", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert set(out) == set(fb.WORKLOADS)
+    assert all(set(REQUIRED) <= set(e) for e in out.values())
