@@ -250,3 +250,15 @@ def test_round_compiles_once_across_changing_cohorts(layout):
     assert len(cohorts) > 1
     # one compile per size class of the cohort's order buffer, not one per round
     assert sim._round_fn._cache_size() <= len({len(sim._gather(r, sim._layout_cohort(sim.sample_cohort(r)))[2]) for r in range(4)})
+
+
+def test_floyd_sampling_is_uniform_over_subsets():
+    from collections import Counter
+
+    from fedbayes.simulate import sample_without_replacement
+
+    rng = np.random.default_rng(0)
+    counts = Counter(tuple(sample_without_replacement(rng, 6, 3)) for _ in range(20000))
+    assert len(counts) == 20  # every 3-subset of 6 occurs
+    chi2 = sum((c - 1000) ** 2 / 1000 for c in counts.values())
+    assert chi2 < 43.8  # chi-square, 19 degrees of freedom, p = 0.001

@@ -33,9 +33,8 @@ device per core (the CLI does this); with one device both layouts still work.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Any, Callable, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from fedbayes import tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
+from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -54,48 +54,6 @@ WEIGHTINGS = ("examples", "uniform")
 _AXIS = "clients"
 
 
-@dataclasses.dataclass(frozen=True)
-class Federation:
-    """Host-side federated training data: the pooled arrays and each client's indices into them.
-
-    The pooled arrays are put on every device once; a round only sends the cohort's order buffer.
-    """
-
-    x: np.ndarray
-    y: np.ndarray
-    client_indices: tuple[np.ndarray, ...]
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.client_indices)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
-
-
-@dataclasses.dataclass(frozen=True)
-class GeneratedFederation:
-    """A federation whose clients' data is generated from their ids on demand, never materialised.
-
-    Attributes:
-      sizes: ``[K]`` client sizes (known up front, e.g. drawn from a heavy-tailed law).
-      client_data: ``client_id -> (x [n_k, ...], y [n_k])``, deterministic in the id.
-      feature_shape, x_dtype, y_dtype: what ``client_data`` returns.
-    """
-
-    sizes: np.ndarray
-    client_data: Callable[[int], tuple[np.ndarray, np.ndarray]]
-    feature_shape: tuple[int, ...]
-    x_dtype: Any = np.float32
-    y_dtype: Any = np.int32
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.sizes)
-
-
-AnyFederation = Union[Federation, GeneratedFederation]
 
 
 class SimState(NamedTuple):

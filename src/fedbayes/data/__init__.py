@@ -6,6 +6,12 @@ Partitioners (spec section 14) turn a train set into per-client index arrays.
 """
 
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.data.federation import (
+    Federation,
+    GeneratedFederation,
+    heavy_tailed_sizes,
+    synthetic_heavy_tailed_federation,
+)
 from fedbayes.data.idx import load_fashion_mnist, load_mnist, read_idx
 from fedbayes.data.leaf import ALL_LETTERS, NUM_LETTERS, load_leaf, text_to_ids
 from fedbayes.data.partition import (
@@ -32,6 +38,10 @@ from fedbayes.data.synthetic import (
 __all__ = [
     "ALL_LETTERS",
     "DATASETS",
+    "Federation",
+    "GeneratedFederation",
+    "heavy_tailed_sizes",
+    "synthetic_heavy_tailed_federation",
     "PartitionError",
     "Dataset",
     "DatasetInfo",
