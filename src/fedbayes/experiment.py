@@ -38,7 +38,7 @@ from fedbayes.evaluation import make_evaluator
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.plotting import plot_curves
-from fedbayes.simulate import Federation, Simulator, SimState
+from fedbayes.simulate import Federation, Simulator
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
 FAULT_ENV = "FEDBAYES_FAULT_AFTER_ROUND"  # test hook: the process dies abruptly after this round

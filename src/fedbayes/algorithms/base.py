@@ -45,6 +45,24 @@ class Algorithm(NamedTuple):
     local_batch_size: int = 1
 
 
+def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, client_update, server_update) -> Algorithm:
+    """An :class:`Algorithm` whose server state has a ``params`` field that is both broadcast and
+    evaluated, whose messages are accepted when finite, and whose clients train with ``trainer``
+    (a :class:`fedbayes.inference.LocalTrainer`): FedAvg, FedProx, FedDyn, ADMM."""
+    return Algorithm(
+        name=name,
+        server_init=server_init,
+        broadcast=lambda state: state.params,
+        client_init=client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: state.params,
+        message_ok=finite_message,
+        local_epochs=trainer.num_epochs,
+        local_batch_size=trainer.batch_size,
+    )
+
+
 def finite_message(server_state, message) -> jax.Array:
     """Default acceptance test: every value of the message is finite."""
     del server_state

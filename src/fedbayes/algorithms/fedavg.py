@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import optax
 
 from fedbayes import tree
-from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
+from fedbayes.algorithms.base import Algorithm, point_estimate_algorithm, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
@@ -44,9 +44,6 @@ def local_delta_algorithm(
         del key
         return ServerState(params=params, opt_state=server_optimizer.init(params))
 
-    def broadcast(state):
-        return state.params
-
     def client_update(key, server_params, client_state, data):
         pen = None if penalty is None else (lambda w: penalty(server_params, w))
         local = run_sgd(key, server_params, data, trainer, pen)
@@ -57,17 +54,13 @@ def local_delta_algorithm(
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, g)
         return ServerState(params=params, opt_state=opt_state)
 
-    return Algorithm(
-        name=name,
+    return point_estimate_algorithm(
+        name,
+        trainer,
         server_init=server_init,
-        broadcast=broadcast,
         client_init=stateless_client_init,
         client_update=client_update,
         server_update=server_update,
-        server_params=lambda state: state.params,
-        message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
     )
 
 

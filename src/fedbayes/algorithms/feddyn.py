@@ -25,7 +25,7 @@ from typing import NamedTuple
 import optax
 
 from fedbayes import tree
-from fedbayes.algorithms.base import Algorithm, finite_message, participation_mask
+from fedbayes.algorithms.base import Algorithm, participation_mask, point_estimate_algorithm
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
@@ -82,17 +82,13 @@ def feddyn(
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, pseudo_grad)
         return ServerState(params, h, opt_state)
 
-    return Algorithm(
-        name="feddyn",
+    return point_estimate_algorithm(
+        "feddyn",
+        trainer,
         server_init=server_init,
-        broadcast=lambda state: state.params,
         client_init=client_init,
         client_update=client_update,
         server_update=server_update,
-        server_params=lambda state: state.params,
-        message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
     )
 
 
