@@ -66,3 +66,23 @@ def test_padding_slots_take_no_room():
 def test_size_classes_pad_at_most_20_percent(n):
     c = size_class(n, minimum=1)
     assert c >= n and (c - n) / c <= 0.2 + 1e-12 or c <= 8
+
+
+def test_numpy_streams_of_a_run_are_distinct():
+    """Cohort sampling, shuffles, subsample and partition use different seed sequences (numpy
+    drops trailing zeros of a seed list, so [s, 1, 0] would equal [s, 1])."""
+    from fedbayes.data.batches import client_rng
+    from fedbayes.simulate import cohort_rng
+
+    seed = 0
+    streams = {
+        "subsample": np.random.default_rng([seed, 1]),
+        "partition": np.random.default_rng([seed, 2]),
+        "cohort r1": cohort_rng(seed, 1),
+        "cohort r2": cohort_rng(seed, 2),
+        "shuffle r1 c0": client_rng(seed, 1, 0),
+        "shuffle r2 c0": client_rng(seed, 2, 0),
+        "shuffle r0 c1": client_rng(seed, 0, 1),
+    }
+    draws = {k: tuple(g.integers(0, 2**31, 4)) for k, g in streams.items()}
+    assert len(set(draws.values())) == len(draws)

@@ -20,7 +20,7 @@ One round (DESIGN.md, "One round, as data flows"):
      client's loop is masked past its own step count, so every client takes exactly its steps.
 
    Client ``k`` always uses the key ``fold_in(fold_in(client_root, round), k)`` and the shuffles
-   of ``default_rng([seed, round, k, 1])``: results do not depend on the cohort, its order,
+   of ``default_rng([seed, 12, round, k])``: results do not depend on the cohort, its order,
    padding, the layout or the device split.
 5. **Validate** each message (``algorithm.message_ok``); a rejected client gets weight zero and
    keeps its old state; the count is reported. **Server update**: the algorithm's weighted
@@ -79,6 +79,12 @@ class RoundInfo(NamedTuple):
     bytes_down: int
     padding_waste: float = 0.0
     step_waste: float = 0.0
+
+
+def cohort_rng(seed: int, round_idx: int) -> np.random.Generator:
+    """The generator of round ``round_idx``'s cohort (tag 11: a stream of its own; see
+    :func:`fedbayes.data.batches.client_rng`)."""
+    return np.random.default_rng([seed, 11, round_idx])
 
 
 def sample_without_replacement(rng: np.random.Generator, num_items: int, num_samples: int) -> np.ndarray:
@@ -192,7 +198,7 @@ class Simulator:
         k, m = self.federation.num_clients, self.clients_per_round
         if m == k:
             return np.arange(k)
-        return sample_without_replacement(np.random.default_rng([self.seed, round_idx, 0]), k, m)
+        return sample_without_replacement(cohort_rng(self.seed, round_idx), k, m)
 
     def _layout_cohort(self, cohort: np.ndarray) -> np.ndarray:
         """Orders the cohort into equal per-device blocks; ``-1`` marks padding slots."""

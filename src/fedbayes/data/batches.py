@@ -9,7 +9,7 @@ client k's ``E`` epochs, each a permutation of its ``n_k`` positions, one after 
 past ``n_k`` (the partial last batch). Nothing is padded per client: only the buffer's tail
 (at least one batch, so that a slice never runs off the end).
 
-A client's shuffles come from ``numpy.random.default_rng([seed, round, client, 1])``: they do not
+A client's shuffles come from ``numpy.random.default_rng([seed, 12, round, client])``: they do not
 depend on which other clients share its cohort, on the layout or on the device split.
 """
 
@@ -65,8 +65,13 @@ def get_batch(data: ClientData, step: jax.Array, batch_size: int):
 
 
 def client_rng(seed: int, round_idx: int, client_id: int) -> np.random.Generator:
-    """The host generator of one client's shuffles in one round."""
-    return np.random.default_rng([seed, round_idx, client_id, 1])
+    """The host generator of one client's shuffles in one round.
+
+    Tag 12 keeps this stream apart from the run's other numpy streams (``[seed, 1]`` subsample,
+    ``[seed, 2]`` partition, ``[seed, 7]`` generated sizes, ``[seed, 11, round]`` cohorts); numpy
+    drops trailing zeros of a seed list, so a tag must not sit at the end.
+    """
+    return np.random.default_rng([seed, 12, round_idx, client_id])
 
 
 def size_class(n: int, minimum: int = 256) -> int:
