@@ -102,7 +102,7 @@ class BenchSettings:
     lr: float = 0.05
     rounds: int = 10
     limit_reps: int = 8
-    repeats: int = 3
+    repeats: int = 5
     seed: int = 0
 
 
@@ -123,7 +123,7 @@ class FederatedWorkload:
       alpha: Dirichlet concentration (``partition="dirichlet"`` only).
       rounds_scale: steady rounds are ``ceil(settings.rounds * rounds_scale)`` (small rounds get
         more of them, so that each workload is timed over a similar number of examples).
-      description: one line for the table.
+      description: one line, reported as the entry's ``description``.
     """
 
     name: str
@@ -144,7 +144,7 @@ class LimitWorkload:
       name: registry key and JSON key.
       large_batch: use ``settings.large_batch`` instead of the clients' ``batch_size``.
       per_core: one pinned single-threaded process per core (True) or one process on all cores.
-      description: one line for the table.
+      description: one line, reported as the entry's ``description``.
     """
 
     name: str
@@ -233,7 +233,8 @@ def measure_federated(
         the profiler.
 
     Returns:
-      ``first_round_s``, ``round_s`` (list, steady rounds), ``examples`` (list, per steady round),
+      ``first_round_s``, ``round_s`` (list, steady rounds), ``examples``, ``padding_waste`` and
+      ``step_waste`` (lists, per steady round, the last two as the simulator reports them),
       ``startup_s``, ``startup_parts``, ``peak_rss_mb`` and a description of the layout.
     """
     t_enter = time.time()
@@ -261,7 +262,7 @@ def measure_federated(
     t_first = time.time()
 
     sizes = federation.sizes
-    times, examples = [], []
+    times, examples, padding, step_waste = [], [], [], []
     profiler = None
     if profile_top > 0:
         import cProfile
@@ -274,12 +275,16 @@ def measure_federated(
         jax.block_until_ready(state.server_state)
         times.append(time.perf_counter() - t0)
         examples.append(int(sizes[np.asarray(info.cohort)].sum()) * settings.epochs)
+        padding.append(float(info.padding_waste))
+        step_waste.append(float(info.step_waste))
     start = spawn_time if spawn_time is not None else t_enter
     out: dict[str, Any] = {
         "kind": "federated",
         "first_round_s": t_first - t_built,
         "round_s": times,
         "examples": examples,
+        "padding_waste": padding,
+        "step_waste": step_waste,
         "startup_s": t_first - start,
         "startup_parts": {
             "interpreter_and_imports_s": t_imported - start,
@@ -288,7 +293,7 @@ def measure_federated(
             "first_round_s": t_first - t_built,
         },
         "peak_rss_mb": peak_rss_mb(),
-        "layout": getattr(sim, "layout", "?"),
+        "layout": sim.layout,
         "devices": len(jax.local_devices()),
         "num_clients": workload.num_clients,
         "clients_per_round": workload.clients_per_round,
@@ -399,8 +404,10 @@ def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
         "startup_s": raw["startup_s"],
         "startup_parts": dict(raw["startup_parts"]),
         "peak_rss_mb": raw["peak_rss_mb"],
-        "examples_per_round": statistics.median(raw["examples"]),
+        "examples_per_round": statistics.median_low(raw["examples"]),
         "rounds": len(raw["round_s"]),
+        "padding_waste": statistics.median(raw["padding_waste"]),
+        "step_waste": statistics.median(raw["step_waste"]),
     }
     for k in ("num_clients", "clients_per_round", "partition", "layout", "devices", "client_sizes", "profile"):
         if k in raw:
@@ -427,7 +434,9 @@ def _median_tree(values: list[Any]) -> Any:
     first = values[0]
     if isinstance(first, bool) or first is None:
         return first
-    if isinstance(first, (int, float)):
+    if isinstance(first, int):
+        return statistics.median_low(values)  # counts stay integers
+    if isinstance(first, float):
         return statistics.median(values)
     if isinstance(first, dict):
         return {k: _median_tree([v[k] for v in values if k in v]) for k in first}
@@ -604,7 +613,7 @@ def run_bench(
 
 
 # ----- presentation -----------------------------------------------------------------------------
-COLUMNS = ("workload", "examples/s", "ratio to limit", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients", "what")
+COLUMNS = ("workload", "examples/s", "ratio to limit", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients / processes")
 
 
 def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
@@ -612,7 +621,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
     out = []
     for name, e in results.items():
         ratio = f"{e['ratio_to_limit']:.2f}"
-        if "ratio_range" in e:
+        if "ratio_range" in e and name != REFERENCE:
             ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"
         if "clients_per_round" in e:
             clients = f"{e['clients_per_round']} of {e['num_clients']}, {e['partition']}"
@@ -629,7 +638,6 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                 startup,
                 f"{e['peak_rss_mb']:,.0f}",
                 clients,
-                e.get("description", ""),
             ]
         )
     return out
@@ -648,7 +656,7 @@ def rich_table(results: dict[str, dict[str, Any]], title: str | None = None):
 
     table = Table(title=title)
     for c in COLUMNS:
-        table.add_column(c, justify="left" if c in ("workload", "clients", "what") else "right")
+        table.add_column(c, justify="left" if c in ("workload", COLUMNS[-1]) else "right")
     for r in rows(results):
         table.add_row(*r)
     return table
