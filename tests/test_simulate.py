@@ -262,3 +262,17 @@ def test_floyd_sampling_is_uniform_over_subsets():
     assert len(counts) == 20  # every 3-subset of 6 occurs
     chi2 = sum((c - 1000) ** 2 / 1000 for c in counts.values())
     assert chi2 < 43.8  # chi-square, 19 degrees of freedom, p = 0.001
+
+
+def test_device_assignment_is_balanced_with_a_fixed_shape():
+    from fedbayes.simulate import _lpt_assign
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        costs = rng.lognormal(5, 1.5, 10)
+        groups = _lpt_assign(costs, 2)
+        assert sorted(sum(groups, [])) == list(range(10))
+        assert [len(g) for g in groups] == [5, 5]  # the same shape every round
+        loads = [costs[g].sum() for g in groups]
+        # within the largest item of a perfect split (LPT's guarantee, with the slot cap)
+        assert max(loads) - costs.sum() / 2 <= costs.max() + 1e-9

@@ -101,11 +101,18 @@ def sample_without_replacement(rng: np.random.Generator, num_items: int, num_sam
 
 
 def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
-    """Longest-processing-time-first assignment of items to devices (balanced sums)."""
+    """Longest-processing-time-first assignment with equal slot counts per device.
+
+    Items go, longest first, to the least-loaded device that still has a free slot; every device
+    gets ``ceil(n / num_devices)`` slots at most, so the cohort's padded shape (and the compiled
+    round) is the same every round, whatever the sizes.
+    """
+    capacity = -(-len(costs) // num_devices)
     loads = np.zeros(num_devices)
     groups: list[list[int]] = [[] for _ in range(num_devices)]
     for i in np.argsort(-costs, kind="stable"):
-        d = int(np.argmin(loads))
+        open_devices = [d for d in range(num_devices) if len(groups[d]) < capacity]
+        d = min(open_devices, key=lambda j: loads[j])
         groups[d].append(int(i))
         loads[d] += costs[i]
     return groups
@@ -246,9 +253,11 @@ class Simulator:
         """Host side of a round: data, order buffer, offsets, sizes and weights of every slot."""
         real = slots >= 0
         x, y, positions, feature_waste = self._cohort_data(slots)
-        order, offsets, used = layout_orders(
-            self.seed, round_idx, slots, positions, self.algorithm.local_epochs, self.algorithm.local_batch_size
-        )
+        epochs, batch = self.algorithm.local_epochs, self.algorithm.local_batch_size
+        # A generated cohort's feature buffer already has a size class; tying the order buffer's
+        # length to it keeps one shape (one compile) per class instead of one per pair of classes.
+        length = epochs * x.shape[0] + batch if self.generated else None
+        order, offsets, used = layout_orders(self.seed, round_idx, slots, positions, epochs, batch, length)
         num_examples = np.where(real, self.sizes[np.where(real, slots, 0)], 0).astype(np.int32)
         weights = num_examples.astype(np.float32) if self.weighting == "examples" else real.astype(np.float32)
         padding = max(feature_waste, 1.0 - used / len(order))

@@ -91,6 +91,7 @@ def layout_orders(
     positions: Sequence[np.ndarray],
     num_epochs: int,
     batch_size: int,
+    length: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Builds a cohort's order buffer on the host.
 
@@ -100,10 +101,11 @@ def layout_orders(
       positions: each client's positions in the pooled features (empty for padding slots).
       num_epochs: epochs ``E`` laid out per client.
       batch_size: ``B``; the buffer keeps at least one batch of tail padding.
+      length: the buffer length ``L`` (at least ``used + B``); default ``size_class(used + B)``.
 
     Returns:
-      ``(order, offsets, used)``: the buffer ``[L]`` int32 with ``L = size_class(used + B)``,
-      per-client offsets ``[M]`` int32, and the number of used entries.
+      ``(order, offsets, used)``: the buffer ``[L]`` int32, per-client offsets ``[M]`` int32, and
+      the number of used entries.
     """
     chunks, offsets, used = [], [], 0
     for cid, pos in zip(client_ids, positions):
@@ -114,7 +116,11 @@ def layout_orders(
         for _ in range(num_epochs):
             chunks.append(rng.permutation(pos))
         used += num_epochs * len(pos)
-    order = np.zeros(size_class(used + batch_size), dtype=np.int32)
+    if length is None:
+        length = size_class(used + batch_size)
+    if length < used + batch_size:
+        raise ValueError(f"order buffer length {length} < used entries + batch size ({used} + {batch_size})")
+    order = np.zeros(length, dtype=np.int32)
     if chunks:
         order[:used] = np.concatenate(chunks)
     return order, np.asarray(offsets, dtype=np.int32), used
