@@ -45,9 +45,11 @@ from jax.sharding import PartitionSpec as P
 from fedbayes import tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
-from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation  # noqa: F401 (re-exported)
+from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation
 
 log = logging.getLogger(__name__)
+
+__all__ = ["Federation", "GeneratedFederation", "RoundInfo", "SimState", "Simulator", "cohort_rng", "sample_without_replacement"]
 
 LAYOUTS = ("auto", "sequential", "vmap")
 WEIGHTINGS = ("examples", "uniform")
