@@ -115,8 +115,8 @@ def test_datasets_lists_presence():
     assert "digits" in res.output and "fashion_mnist" in res.output
 
 
-def _cli(args, env_extra=None):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", **(env_extra or {}))
+def _cli(args, env_extra=None, cache="off"):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(cache), **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "fedbayes.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
@@ -134,13 +134,15 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     """
     cfg = write(tmp_path, rounds=6, ckpt=2, algorithm="admm")
     full, broken = tmp_path / "full", tmp_path / "broken"
-    r = _cli(["run", str(cfg), "--out", str(full)])
+    cache = tmp_path / "xla-cache"  # the later processes reuse the first one's compiled programs
+    r = _cli(["run", str(cfg), "--out", str(full)], cache=cache)
     assert r.returncode == 0, r.stderr
-    r = _cli(["run", str(cfg), "--out", str(broken)], {FAULT_ENV: "3"})
+    assert any(cache.iterdir())  # the persistent compilation cache was written
+    r = _cli(["run", str(cfg), "--out", str(broken)], {FAULT_ENV: "3"}, cache=cache)
     assert r.returncode == 137
     assert [x["round"] for x in read_metrics(broken / "metrics.jsonl")] == [0, 1, 2, 3]
     assert not (broken / "summary.json").exists()
-    r = _cli(["resume", str(broken)])
+    r = _cli(["resume", str(broken)], cache=cache)
     assert r.returncode == 0, r.stderr
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(broken / "metrics.jsonl")
     assert _strip(a) == _strip(b)
@@ -194,3 +196,22 @@ def test_compare_checks_every_variant_before_training_any(tmp_path):
     res = runner.invoke(app, ["compare", str(p), "--out", str(out)])
     assert res.exit_code == 2 and "variant 'bad'" in res.output and "model.name" in res.output
     assert not (out / "good").exists()  # nothing trained
+
+
+def test_compilation_cache_folder_and_off_switch(tmp_path, monkeypatch):
+    import jax
+
+    from fedbayes.cli import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        monkeypatch.setenv("FEDBAYES_CACHE", "off")
+        assert enable_compilation_cache() is None
+        monkeypatch.setenv("FEDBAYES_CACHE", str(tmp_path / "c"))
+        assert enable_compilation_cache() == str(tmp_path / "c") and (tmp_path / "c").is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+        monkeypatch.delenv("FEDBAYES_CACHE")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        assert enable_compilation_cache() == str(tmp_path / "xdg" / "fedbayes" / "xla")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

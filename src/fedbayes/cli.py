@@ -25,6 +25,34 @@ from rich.table import Table  # noqa: E402
 
 from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, read_toml, validate  # noqa: E402
 
+CACHE_ENV = "FEDBAYES_CACHE"
+
+
+def enable_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache for CLI runs; returns its folder or None.
+
+    Compiled rounds, evaluators and initialisers are reused across processes, which cuts a
+    repeated run's fixed start-up (about 7 s cold to under 3 s warm for FedAvg on Fashion-MNIST,
+    docs/results/bench.md). Folder: ``$FEDBAYES_CACHE``, else ``$XDG_CACHE_HOME/fedbayes/xla``,
+    else ``~/.cache/fedbayes/xla``; ``FEDBAYES_CACHE=off`` disables it. Capped at 2 GB (JAX
+    evicts the least recently used entries).
+    """
+    import jax
+
+    setting = os.environ.get(CACHE_ENV, "")
+    if setting.lower() in ("off", "0", "false", "no"):
+        return None
+    folder = setting or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fedbayes", "xla")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None  # a read-only home: run without the cache
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", 2 * 1024**3)
+    return folder
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning as Bayesian inference, in JAX.")
 console = Console()
 if not console.is_terminal:
@@ -261,6 +289,7 @@ def bench(
 
 
 def main():
+    enable_compilation_cache()
     app()
 
 
