@@ -1,0 +1,134 @@
+"""Iterate-averaged SGD as a posterior sampler (IASG; Mandt et al. 2017; seed 003 Algorithm 4).
+
+Constant-learning-rate SGD is a Markov chain whose stationary distribution approximates the
+posterior around a mode; averaging ``K_s`` consecutive iterates gives one approximately
+independent sample (seed 003 Sec. 4, Alg. 4; spec 6.3):
+
+1. ``burn_in_steps`` optimiser steps;
+2. ``num_samples`` times: ``steps_per_sample`` steps, whose **average** iterate is sample ``x_s``
+   (or, with ``average=False``, the last iterate: FedEP's end-of-epoch samples, seed 000 fn. 4);
+   then ``discard_steps`` steps that yield nothing.
+
+The optimiser state (e.g. the momentum buffer) carries through the whole chain, as in TFF's
+``fed_pa_schedule``. Step counts may be traced (per-client values under ``vmap``); the number of
+samples is static (it fixes the output shape).
+
+:func:`epoch_samples` is the practical variant of seed 003 (App. A fn. 11; TFF): one sample per
+local epoch, the average of that epoch's iterates, skipping the first ``skip_epochs`` epochs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
+from fedbayes.inference.sgd import LocalTrainer
+
+PyTree = Any
+
+
+def iasg(
+    params: PyTree,
+    batch_fn: Callable[[jax.Array], Any],
+    grad_fn: Callable[..., PyTree],
+    optimizer: optax.GradientTransformation,
+    *,
+    burn_in_steps,
+    steps_per_sample,
+    num_samples: int,
+    discard_steps=0,
+    average: bool = True,
+) -> tuple[PyTree, PyTree]:
+    """Runs the IASG chain from ``params``.
+
+    Args:
+      params: the starting point (the broadcast model).
+      batch_fn: ``step -> batch`` (a tuple passed to ``grad_fn`` after the parameters); ``step``
+        counts every optimiser step of the chain from 0.
+      grad_fn: ``(params, *batch) -> gradient`` of the objective.
+      optimizer: the client optax transformation (its state is initialised here).
+      burn_in_steps, steps_per_sample, discard_steps: step counts (ints or int scalars).
+      num_samples: ``l``, static.
+      average: record the mean of each stretch's iterates (IASG) or its last iterate.
+
+    Returns:
+      ``(samples, last)``: a pytree whose leaves have a leading axis ``l`` and the chain's last
+      iterate.
+    """
+
+    def step(s, carry):
+        p, opt_state = carry
+        grads = grad_fn(p, *batch_fn(s))
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    burn_in_steps = jnp.asarray(burn_in_steps, jnp.int32)
+    steps_per_sample = jnp.asarray(steps_per_sample, jnp.int32)
+    discard_steps = jnp.asarray(discard_steps, jnp.int32)
+    carry = jax.lax.fori_loop(0, burn_in_steps, step, (params, optimizer.init(params)))
+    stride = steps_per_sample + discard_steps
+    samples = jax.tree.map(lambda p: jnp.zeros((num_samples, *jnp.shape(p)), jnp.result_type(p)), params)
+
+    def one_sample(j, state):
+        carry, samples = state
+        start = burn_in_steps + j * stride
+
+        def avg_step(i, c):
+            (p, opt_state), total = c
+            p, opt_state = step(start + i, (p, opt_state))
+            return (p, opt_state), optax.tree.add(total, p) if average else total
+
+        total0 = optax.tree.zeros_like(carry[0])
+        carry, total = jax.lax.fori_loop(0, steps_per_sample, avg_step, (carry, total0))
+        if average:
+            count = jnp.maximum(steps_per_sample, 1).astype(jnp.float32)
+            sample = jax.tree.map(lambda t: (t / count).astype(t.dtype), total)
+        else:
+            sample = carry[0]
+        samples = jax.tree.map(lambda buf, x: buf.at[j].set(x), samples, sample)
+        carry = jax.lax.fori_loop(start + steps_per_sample, start + stride, step, carry)
+        return carry, samples
+
+    carry, samples = jax.lax.fori_loop(0, num_samples, one_sample, (carry, samples))
+    return samples, carry[0]
+
+
+def epoch_samples(
+    params: PyTree,
+    data: ClientData,
+    trainer: LocalTrainer,
+    *,
+    skip_epochs: int = 1,
+    average: bool = True,
+    penalty: Callable[[PyTree], jax.Array] | None = None,
+) -> tuple[PyTree, PyTree]:
+    """One sample per local epoch after the first ``skip_epochs`` (seed 003's benchmarks; spec 6.3).
+
+    Runs exactly ``trainer.num_epochs`` epochs of ``trainer.optimizer`` on the client's mean loss
+    (plus ``penalty``), the same trajectory as :func:`fedbayes.inference.run_sgd`, and returns
+    ``l = num_epochs - skip_epochs`` samples: each epoch's mean iterate (``average=True``, FedPA)
+    or its last iterate (``average=False``, FedEP's SG-MCMC step), with the last iterate.
+    """
+    num_samples = trainer.num_epochs - skip_epochs
+    if num_samples < 0:
+        raise ValueError(f"skip_epochs ({skip_epochs}) must be <= the number of local epochs ({trainer.num_epochs})")
+    spe = steps_per_epoch(data.num_examples, trainer.batch_size)
+
+    def objective(p, x, y, m):
+        loss = trainer.loss_fn(p, x, y, m)
+        return loss if penalty is None else loss + penalty(p)
+
+    return iasg(
+        params,
+        lambda s: get_batch(data, s, trainer.batch_size),
+        jax.grad(objective),
+        trainer.optimizer,
+        burn_in_steps=skip_epochs * spe,
+        steps_per_sample=spe,
+        num_samples=num_samples,
+        average=average,
+    )
