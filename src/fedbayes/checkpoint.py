@@ -4,6 +4,10 @@ A checkpoint is written to a temporary name, flushed to disk and renamed into pl
 killed at any moment leaves either the previous complete checkpoint or the new one, never a torn
 file (DESIGN.md, "State that persists"). Leaves are stored in the pytree's flatten order and
 restored into a template of the same structure, which is checked leaf by leaf.
+
+A :class:`~fedbayes.store.DiskStore` is not copied into the checkpoint: the checkpoint records
+which store (path, id) and its round; the store's undo logs from before that round are then
+dropped, and loading rolls the store back to that round (``fedbayes.store``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import numpy as np
 
 from fedbayes.simulate import SimState
+from fedbayes.store import DiskStore
 
 _NAME = re.compile(r"^round_(\d{6,})\.npz$")
 
@@ -31,7 +36,12 @@ def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, np.ndarray] = {}
-    for prefix, t in (("server", state.server_state), ("client", state.client_states)):
+    store = state.client_states if isinstance(state.client_states, DiskStore) else None
+    if store is not None:
+        if store.round != state.round:
+            raise ValueError(f"save_checkpoint: the client store is at round {store.round}, the state at round {state.round}")
+        meta = {**meta, "client_store": store.describe()}
+    for prefix, t in (("server", state.server_state), ("client", () if store is not None else state.client_states)):
         for i, leaf in enumerate(jax.tree.leaves(t)):
             if _is_key(leaf):  # typed PRNG keys are stored as their raw key data
                 leaf = jax.random.key_data(leaf)
@@ -44,6 +54,8 @@ def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any]
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
+    if store is not None:
+        store.checkpointed(state.round)
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return final
@@ -90,11 +102,26 @@ def _restore(template, arrays, prefix: str, path: Path):
 
 
 def load_checkpoint(path: str | Path, template: SimState) -> tuple[SimState, dict[str, Any]]:
-    """Restores a :class:`SimState` shaped like ``template``; returns it and the stored metadata."""
+    """Restores a :class:`SimState` shaped like ``template``; returns it and the stored metadata.
+
+    When ``template`` holds a :class:`~fedbayes.store.DiskStore`, it must be the store the
+    checkpoint recorded (same id); it is rolled back to the checkpoint's round and returned.
+    """
     path = Path(path)
     with np.load(path) as arrays:
         meta = json.loads(arrays["meta"].tobytes().decode())
         server = _restore(template.server_state, arrays, "server", path)
-        clients = _restore(template.client_states, arrays, "client", path)
-        clients = jax.tree.map(np.array, clients)  # host copies
+        store, recorded = template.client_states, meta.get("client_store")
+        if isinstance(store, DiskStore):
+            if recorded is None:
+                raise ValueError(f"{path}: checkpoint holds the client states in memory, the run expects a disk client store")
+            if recorded["uuid"] != store.uuid:
+                raise ValueError(f"{path}: checkpoint belongs to the client store {recorded['path']} (id {recorded['uuid']}), not to {store.path}")
+            store.rollback(int(meta["round"]))
+            clients = store
+        else:
+            if recorded is not None:
+                raise ValueError(f"{path}: checkpoint refers to a disk client store at {recorded['path']}, the run keeps client states in memory")
+            clients = _restore(template.client_states, arrays, "client", path)
+            clients = jax.tree.map(np.array, clients)  # host copies
     return SimState(round=int(meta["round"]), server_state=server, client_states=clients), meta

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
 PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
@@ -104,11 +104,75 @@ class ADMMConfig(_Strict):
     delta: float = Field(0.0, ge=0)
 
 
+class FedPAConfig(_Strict):
+    """FedPA (spec 6): one IASG sample per local epoch after the first ``skip_epochs``."""
+
+    name: Literal["fedpa"]
+    rho: Union[float, str] = Field(0.01, description="shrinkage rho >= 0, or 'oas' / 'rblw' to choose it from the samples")
+    burn_in_rounds: int = Field(0, ge=0, description="rounds run as FedAvg before sampling")
+    skip_epochs: int = Field(1, ge=0, description="epochs per round that yield no sample")
+
+    @field_validator("rho")
+    @classmethod
+    def _rho(cls, v):
+        if isinstance(v, str) and v not in ("oas", "rblw") or not isinstance(v, str) and not v >= 0:
+            raise ValueError(f"must be a number >= 0 or one of 'oas', 'rblw'; got {v!r}")
+        return v
+
+
+class _EPConfig(_Strict):
+    """Shared settings of FedEP and FedSEP (spec 7; seed 000 Table 7)."""
+
+    method: Literal["identity", "mcmc", "laplace", "ngvi"] = Field(
+        "identity", description="client tilted inference: identity (I), mcmc (M), laplace (L) or ngvi (V)"
+    )
+    scale: float = Field(500.0, gt=0, description="c, the local-precision scale")
+    weight_decay: float = Field(1e-4, ge=0, description="lambda_wd: weight decay as a prior of precision lambda_wd n_k")
+    initial_precision: float = Field(0.0, ge=0, description="lambda_0 (identity method; NGVI's s_0)")
+    mcmc_shrinkage: float = Field(1e-4, ge=0, le=1, description="mcmc method: variance shrinkage towards 1")
+    clip_ratio: float = Field(2.0, ge=0, description="Fisher clipping to mean +- ratio * std (0: off)")
+    laplace_epochs: int = Field(5, ge=1)
+    ngvi_epochs: int = Field(5, ge=1)
+    ngvi_samples: int = Field(5, ge=1)
+    ngvi_beta: float = Field(0.99, ge=0, lt=1)
+    damping: float | None = Field(None, gt=0, le=1, description="delta; default 1 / clients_per_round")
+    delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
+    burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
+    init: Literal["benchmark", "uniform"] = "benchmark"
+    prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
+    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
+
+
+class FedEPConfig(_EPConfig):
+    """FedEP (spec 7): stateful clients keep their sites."""
+
+    name: Literal["fedep"]
+    improper_sites: Literal["reject", "allow"] = Field(
+        "reject", description="a message whose site precision turns non-positive: reject it, or allow it (EP factors may be improper)"
+    )
+
+
+class FedSEPConfig(_EPConfig):
+    """FedSEP (spec 7.9): stateless clients, one shared average site."""
+
+    name: Literal["fedsep"]
+    sep_power: Literal["data_fraction", "one_over_k"] = "data_fraction"
+
+
 AlgorithmConfig = Annotated[
-    Union[FedAvgConfig, FedProxConfig, FedDynConfig, ADMMConfig],
+    Union[FedAvgConfig, FedProxConfig, FedDynConfig, ADMMConfig, FedPAConfig, FedEPConfig, FedSEPConfig],
     Field(discriminator="name"),
 ]
-ALGORITHMS = ("fedavg", "fedprox", "feddyn", "admm")
+ALGORITHMS = ("fedavg", "fedprox", "feddyn", "admm", "fedpa", "fedep", "fedsep")
+ALGORITHM_CONFIGS = {
+    "fedavg": FedAvgConfig,
+    "fedprox": FedProxConfig,
+    "feddyn": FedDynConfig,
+    "admm": ADMMConfig,
+    "fedpa": FedPAConfig,
+    "fedep": FedEPConfig,
+    "fedsep": FedSEPConfig,
+}
 
 
 class RunConfig(_Strict):
@@ -120,6 +184,8 @@ class RunConfig(_Strict):
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(5, ge=0, description="rounds between checkpoints; 0 = only at the end")
     layout: Literal["auto", "sequential", "vmap"] = "auto"
+    store: Literal["memory", "disk"] = Field("memory", description="where client states live between rounds; disk for large federations")
+    store_dir: str | None = Field(None, description="folder of the disk client store; default <out>/client_store")
     eval_batch_size: int = Field(2000, ge=1)
     ece_bins: int = Field(15, ge=1)
     data: DataConfig = DataConfig()
@@ -139,6 +205,16 @@ class RunConfig(_Strict):
             raise ValueError(
                 "model.name: the least_squares dataset needs model 'linear', and 'linear' needs least_squares; "
                 f"got model {self.model.name!r} with dataset {self.data.dataset!r}"
+            )
+        skip = getattr(self.algorithm, "skip_epochs", None)
+        if skip is not None and self.client.epochs <= skip:
+            raise ValueError(
+                f"client.epochs: {self.algorithm.name} takes one sample per epoch after algorithm.skip_epochs ({skip}), "
+                f"so it needs epochs > {skip}; got {self.client.epochs}"
+            )
+        if getattr(self.algorithm, "method", None) == "mcmc" and self.client.epochs < 2:
+            raise ValueError(
+                f"client.epochs: the mcmc method estimates a variance from one sample per epoch, so it needs epochs >= 2; got {self.client.epochs}"
             )
         if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
             raise ValueError(
@@ -185,7 +261,7 @@ def _section_model(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None
     current: Any = model
     for part in loc:
         if isinstance(part, str) and part in ALGORITHMS:
-            return {"fedavg": FedAvgConfig, "fedprox": FedProxConfig, "feddyn": FedDynConfig, "admm": ADMMConfig}[part]
+            return ALGORITHM_CONFIGS[part]
         if part == "algorithm":
             continue  # the next part is the discriminator tag
         field = current.model_fields.get(part) if isinstance(part, str) else None

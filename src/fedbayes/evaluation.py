@@ -11,6 +11,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from fedbayes import metrics
 
@@ -28,13 +29,7 @@ def make_evaluator(
       num_bins: ECE bins.
     """
     n = len(x)
-    batch_size = min(batch_size, n)
-    num_batches = -(-n // batch_size)
-    pad = num_batches * batch_size - n
-    xb = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]).reshape(num_batches, batch_size, *x.shape[1:])
-    yb = np.concatenate([y, np.zeros((pad,), y.dtype)]).reshape(num_batches, batch_size)
-    mb = (np.arange(num_batches * batch_size) < n).astype(np.float32).reshape(num_batches, batch_size)
-    xb, yb, mb = jax.device_put((xb, yb, mb))
+    xb, yb, mb = _batches(x, y, batch_size)
 
     if task == "classification":
 
@@ -62,5 +57,55 @@ def make_evaluator(
 
     def evaluate(params) -> dict[str, float]:
         return {k: float(v) for k, v in run(params).items()}
+
+    return evaluate
+
+
+def _batches(x: np.ndarray, y: np.ndarray, batch_size: int):
+    """The evaluation set on the device as ``[num_batches, batch, ...]`` with a validity mask."""
+    n = len(x)
+    batch_size = min(batch_size, n)
+    num_batches = -(-n // batch_size)
+    pad = num_batches * batch_size - n
+    xb = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]).reshape(num_batches, batch_size, *x.shape[1:])
+    yb = np.concatenate([y, np.zeros((pad,), y.dtype)]).reshape(num_batches, batch_size)
+    mb = (np.arange(num_batches * batch_size) < n).astype(np.float32).reshape(num_batches, batch_size)
+    return jax.device_put((xb, yb, mb))
+
+
+def make_marginal_evaluator(
+    apply_fn: Callable, x: np.ndarray, y: np.ndarray, *, num_samples: int = 10, batch_size: int = 2000, num_bins: int = 15
+) -> Callable[..., dict[str, float]]:
+    """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction.
+
+    Seed 000 Sec. 3.3 (spec 13.1): draw ``S = num_samples`` parameter vectors
+    ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average the
+    softmax probabilities ``p(y | x) = mean_s softmax(f(x; theta_s))``, and compute accuracy, NLL
+    and ECE of the averaged probabilities. The same ``theta_s`` serve every test batch. With
+    ``variance = 0`` every sample is the mean, so the result equals the point prediction.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+    xb, yb, mb = _batches(x, y, batch_size)
+
+    @jax.jit
+    def run(key, mean, variance):
+        keys = optax.tree.split_key_like(key, mean)
+        thetas = jax.tree.map(
+            lambda k, m, v: m[None] + jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance
+        )
+
+        def body(acc, batch):
+            xs, ys, ms = batch
+            log_probs = jax.vmap(lambda t: jax.nn.log_softmax(apply_fn(t, xs), axis=-1))(thetas)
+            # log of the mean probability, stably: logsumexp over samples minus log S.
+            log_mean = jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(num_samples))
+            return metrics.merge_stats(acc, metrics.classification_stats(log_mean, ys, ms, num_bins)), None
+
+        stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), (xb, yb, mb))
+        return metrics.finalize_stats(stats)
+
+    def evaluate(key, mean, variance) -> dict[str, float]:
+        return {k: float(v) for k, v in run(key, mean, variance).items()}
 
     return evaluate

@@ -34,8 +34,9 @@ from fedbayes.checkpoint import latest_checkpoint, load_checkpoint, save_checkpo
 from fedbayes.config import ConfigError, RunConfig, to_toml
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
-from fedbayes.evaluation import make_evaluator
+from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
 from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.plotting import plot_curves
 from fedbayes.simulate import Federation, Simulator
@@ -54,7 +55,7 @@ class Experiment:
     model: Any
     params: Any
     simulator: Simulator
-    evaluate: Callable[[Any], dict[str, float]]
+    evaluate: Callable[[Any], dict[str, float]]  # server state -> metrics
 
 
 def load_data(config: RunConfig) -> Dataset:
@@ -134,7 +135,9 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return opt
 
 
-def build_algorithm(config: RunConfig, trainer: LocalTrainer, num_clients: int) -> algs.Algorithm:
+def build_algorithm(
+    config: RunConfig, trainer: LocalTrainer, num_clients: int, *, total_examples: int = 0, apply_fn=None, task: str = "classification"
+) -> algs.Algorithm:
     s = config.server
     server_opt = algs.make_server_optimizer(
         s.optimizer, s.lr, momentum=s.momentum, b1=s.beta1, b2=s.beta2, tau=s.tau, variant=s.variant
@@ -148,17 +151,43 @@ def build_algorithm(config: RunConfig, trainer: LocalTrainer, num_clients: int) 
         return algs.feddyn(trainer, server_opt, alpha=a.alpha, num_clients=num_clients, weight_decay=a.weight_decay)
     if a.name == "admm":
         return algs.admm(trainer, server_opt, rho=a.rho, num_clients=num_clients, delta=a.delta)
+    if a.name == "fedpa":
+        return algs.fedpa(trainer, server_opt, rho=a.rho, burn_in_rounds=a.burn_in_rounds, skip_epochs=a.skip_epochs)
+    if a.name in ("fedep", "fedsep"):
+        settings = TiltedSettings(
+            scale=a.scale, weight_decay=a.weight_decay, initial_precision=a.initial_precision, mcmc_shrinkage=a.mcmc_shrinkage,
+            clip_ratio=a.clip_ratio, laplace_epochs=a.laplace_epochs, ngvi_epochs=a.ngvi_epochs, ngvi_samples=a.ngvi_samples,
+            ngvi_beta=a.ngvi_beta,
+        )  # fmt: skip
+        if a.init == "benchmark" and settings.alpha_cov <= 0:
+            raise ConfigError(
+                "config error: algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; "
+                "set weight_decay or initial_precision > 0, or init = 'uniform'"
+            )
+        inference = make_tilted_inference(a.method, trainer, settings, apply_fn=apply_fn, task=task)
+        common = dict(
+            total_examples=total_examples, num_clients=num_clients, damping=a.damping or 1.0 / s.clients_per_round,
+            alpha_cov=settings.alpha_cov, burn_in_rounds=a.burn_in_rounds, init=a.init, prior_precision=a.prior_precision,
+            delta_clip=a.delta_clip,
+        )  # fmt: skip
+        if a.name == "fedep":
+            return algs.fedep(trainer, server_opt, inference, allow_improper_sites=a.improper_sites == "allow", **common)
+        return algs.fedsep(trainer, server_opt, inference, sep_power=a.sep_power, **common)
     raise ValueError(f"algorithm.name: unknown {a.name!r}")
 
 
-def build_experiment(config: RunConfig) -> Experiment:
+def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
+    """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
     dataset, parts = prepare_data(config)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
     kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
     model = make_model(config.model.name, dataset.num_classes, **kwargs)
     params = init_params(model, jax.random.fold_in(jax.random.key(config.seed), 3), dataset.feature_shape)
     trainer = LocalTrainer(loss_fn(model, dataset.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
-    algorithm = build_algorithm(config, trainer, federation.num_clients)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    algorithm = build_algorithm(
+        config, trainer, federation.num_clients, total_examples=int(sum(federation.sizes)), apply_fn=apply_fn, task=dataset.task
+    )
     simulator = Simulator(
         algorithm,
         federation,
@@ -167,16 +196,42 @@ def build_experiment(config: RunConfig) -> Experiment:
         weighting=config.server.weighting,
         layout=config.layout,
         fail_fast=config.server.fail_fast,
+        store=config.store,
+        store_dir=config.store_dir or store_dir,
     )
     evaluate = make_evaluator(
-        lambda p, x: model.apply({"params": p}, x),
-        dataset.x_test,
-        dataset.y_test,
-        task=dataset.task,
-        batch_size=config.eval_batch_size,
-        num_bins=config.ece_bins,
+        apply_fn, dataset.x_test, dataset.y_test, task=dataset.task, batch_size=config.eval_batch_size, num_bins=config.ece_bins
     )
+    if algorithm.server_posterior is not None and dataset.task == "classification":
+        evaluate = _with_marginal(evaluate, algorithm, config, apply_fn, dataset)
+    else:
+        evaluate = _on_state(evaluate, algorithm)
     return Experiment(config, dataset, federation, model, params, simulator, evaluate)
+
+
+def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig, apply_fn, dataset: Dataset):
+    """Adds the marginalised prediction over ``S`` samples of ``q_g`` (``accuracy_marg``,
+    ``nll_marg``, ``ece_marg``; seed 000 Table 5) to the point metrics. The samples' key depends on
+    the seed and the round only, so a resumed run draws the same ones."""
+    marginal = make_marginal_evaluator(
+        apply_fn, dataset.x_test, dataset.y_test, num_samples=config.algorithm.marginal_samples,
+        batch_size=config.eval_batch_size, num_bins=config.ece_bins,
+    )  # fmt: skip
+    root = jax.random.fold_in(jax.random.key(config.seed), 5)
+
+    def evaluate(server_state) -> dict[str, float]:
+        out = evaluate_point(algorithm.server_params(server_state))
+        mean, variance = algorithm.server_posterior(server_state)
+        key = jax.random.fold_in(root, int(server_state.round))
+        out.update({f"{k}_marg": v for k, v in marginal(key, mean, variance).items() if k in ("accuracy", "nll", "ece")})
+        return out
+
+    return evaluate
+
+
+def _on_state(evaluate_point, algorithm: algs.Algorithm):
+    """The point evaluation of the server state's model."""
+    return lambda server_state: evaluate_point(algorithm.server_params(server_state))
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -258,26 +313,27 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
     ckpt_dir = out / "checkpoints"
     metrics_path = out / "metrics.jsonl"
     reporter = reporter or PlainReporter()
-    exp = build_experiment(config)
+    exp = build_experiment(config, store_dir=out / "client_store")
     sim = exp.simulator
-    state = sim.init(exp.params)
+    ckpt = latest_checkpoint(ckpt_dir) if resume else None
+    if ckpt is None:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
+    state = sim.init(exp.params, resume=ckpt is not None)  # resume: open the disk store, not rewrite it
     counters = {"seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "rejected": 0}
     records: list[dict] = []
-    ckpt = latest_checkpoint(ckpt_dir) if resume else None
     if ckpt is not None:
         state, meta = load_checkpoint(ckpt, state)
         state = state._replace(server_state=sim.place(state.server_state))
         counters = meta["counters"]
         records = [r for r in read_metrics(metrics_path) if r["round"] <= state.round]
     else:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
         for stale in ("summary.json", "curves.png"):  # a killed fresh run must not look finished
             (out / stale).unlink(missing_ok=True)
     _write_atomic(out / "config.toml", to_toml(config))
     _write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
 
     def record(round_idx: int) -> dict:
-        m = exp.evaluate(sim.server_params(state))
+        m = exp.evaluate(state.server_state)
         r = {"round": round_idx, **m, **counters}
         r["seconds"] = round(r["seconds"], 3)
         records.append(r)
@@ -292,7 +348,7 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
     try:
         while state.round < config.rounds:
             t0 = time.perf_counter()
-            state, info = sim.run_round(state)
+            state, info = sim.run_round(state, donate=True)  # the old state is dropped: no store copy
             jax.block_until_ready(state.server_state)
             counters["seconds"] += time.perf_counter() - t0
             counters["bytes_up"] += info.bytes_up

@@ -25,7 +25,8 @@ One round (DESIGN.md, "One round, as data flows"):
 5. **Validate** each message (``algorithm.message_ok``); a rejected client gets weight zero and
    keeps its old state; the count is reported. **Server update**: the algorithm's weighted
    aggregation and server optimizer, fused into the same program.
-6. **Scatter** new client states back to the store.
+6. **Scatter** new client states back to the store (:mod:`fedbayes.store`: stacked host arrays,
+   or a :class:`~fedbayes.store.DiskStore` for federations whose states do not fit in memory).
 
 Set ``XLA_FLAGS=--xla_force_host_platform_device_count=<cores>`` before JAX starts to get one XLA
 device per core (the CLI does this); with one device both layouts still work.
@@ -46,12 +47,14 @@ from fedbayes import tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
 from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation
+from fedbayes.store import DiskStore, MemoryStore, as_store
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Federation", "GeneratedFederation", "RoundInfo", "SimState", "Simulator", "cohort_rng", "sample_without_replacement"]
 
 LAYOUTS = ("auto", "sequential", "vmap")
+STORES = ("memory", "disk")
 WEIGHTINGS = ("examples", "uniform")
 _AXIS = "clients"
 
@@ -63,7 +66,7 @@ class SimState(NamedTuple):
 
     round: int
     server_state: Any
-    client_states: Any  # pytree of host arrays [num_clients, ...], or () when stateless
+    client_states: Any  # pytree of host arrays [num_clients, ...], a DiskStore, or () when stateless
 
 
 class RoundInfo(NamedTuple):
@@ -133,6 +136,9 @@ class Simulator:
       layout: ``"sequential"``, ``"vmap"`` or ``"auto"`` (sequential on CPU, vmap elsewhere).
       devices: devices to shard the cohort over (default: all local devices).
       fail_fast: raise on the first rejected client message instead of dropping it.
+      store: where client states live: ``"memory"`` (stacked host arrays) or ``"disk"`` (a
+        :class:`~fedbayes.store.DiskStore` in ``store_dir``, for large federations).
+      store_dir: the disk store's folder (needed with ``store="disk"``).
     """
 
     def __init__(
@@ -146,8 +152,14 @@ class Simulator:
         layout: str = "auto",
         devices: Sequence[jax.Device] | None = None,
         fail_fast: bool = False,
+        store: str = "memory",
+        store_dir: str | None = None,
     ):
         k = federation.num_clients
+        if store not in STORES:
+            raise ValueError(f"store must be one of {', '.join(STORES)}; got {store!r}")
+        if store == "disk" and store_dir is None:
+            raise ValueError("store='disk' needs store_dir, the folder of the client store")
         if not 1 <= clients_per_round <= k:
             raise ValueError(f"clients_per_round must be between 1 and the number of clients ({k}); got {clients_per_round}")
         if weighting not in WEIGHTINGS:
@@ -164,6 +176,8 @@ class Simulator:
         self.fail_fast = fail_fast
         self.seed = seed
         self.sizes = sizes
+        self.store = store
+        self.store_dir = store_dir
         devices = list(devices) if devices is not None else jax.local_devices()
         if layout == "auto":
             layout = "sequential" if devices[0].platform == "cpu" else "vmap"
@@ -185,12 +199,20 @@ class Simulator:
         self._message_bytes: tuple[int, int] | None = None
 
     # ----- state -----------------------------------------------------------------------------
-    def init(self, params) -> SimState:
-        """Initial state: ``server_init`` and every client's ``client_init`` (stored on the host)."""
+    def init(self, params, *, resume: bool = False) -> SimState:
+        """Initial state: ``server_init`` and every client's ``client_init`` in the client store.
+
+        ``resume=True`` opens an existing disk store instead of writing it anew (a checkpoint's
+        :func:`~fedbayes.checkpoint.load_checkpoint` then rolls it back to its round); the memory
+        store ignores it. Stateless algorithms keep ``()`` whatever the store.
+        """
         server_state = self.place(self.algorithm.server_init(self._server_key, params))
         template = self.algorithm.client_init(params)
         k = self.federation.num_clients
-        client_states = jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], k, axis=0), template)
+        if self.store == "disk" and jax.tree.leaves(template):
+            client_states = (DiskStore.open(self.store_dir, template, k) if resume else DiskStore.create(self.store_dir, template, k)).held
+        else:
+            client_states = MemoryStore.create(template, k).held
         return SimState(round=0, server_state=server_state, client_states=client_states)
 
     def place(self, server_state):
@@ -312,7 +334,7 @@ class Simulator:
         """``(down, up)`` bytes of one broadcast message and one client message."""
         if self._message_bytes is None:
             message = jax.eval_shape(self.algorithm.broadcast, state.server_state)
-            cstate = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state.client_states)
+            cstate = as_store(state.client_states).row_spec()
             if self.generated:
                 fed = self.federation
                 x = jax.ShapeDtypeStruct((256, *fed.feature_shape), fed.x_dtype)
@@ -327,10 +349,13 @@ class Simulator:
             self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
         return self._message_bytes
 
-    def run_round(self, state: SimState) -> tuple[SimState, RoundInfo]:
+    def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
         """Runs round ``state.round`` and returns the next state and what happened.
 
-        Pure: ``state`` (its client store included) is left as it was.
+        With a memory store, pure: ``state`` (its client store included) is left as it was, at the
+        price of copying the store; ``donate=True`` updates the store in place instead, for callers
+        that drop ``state``. A disk store is always updated in place (atomically, see
+        :mod:`fedbayes.store`), so only its newest state can be continued.
         """
         round_idx = state.round
         cohort = self.sample_cohort(round_idx)
@@ -338,7 +363,8 @@ class Simulator:
         x, y, order, offsets, num_examples, weights, padding = self._gather(round_idx, slots)
         real = slots >= 0
         safe = np.where(real, slots, 0)
-        cstates = jax.tree.map(lambda a: a[safe], state.client_states)
+        store = as_store(state.client_states)
+        cstates = store.gather(safe, round_idx)
         put = lambda a: jax.device_put(a, self._sharded)  # noqa: E731
         new_server, new_cstates, ok = self._round_fn(
             state.server_state,
@@ -361,16 +387,8 @@ class Simulator:
         client_states = state.client_states
         if jax.tree.leaves(client_states):
             rows = np.flatnonzero(real)
-            ids = slots[rows]
-
-            def scatter(store, new):
-                # A new store: the caller's state stays valid (pure update). This copies the
-                # [K, ...] store each round, which is cheap at the scale of an in-memory store.
-                store = store.copy()
-                store[ids] = np.asarray(new)[rows]
-                return store
-
-            client_states = jax.tree.map(scatter, client_states, new_cstates)
+            new_rows = jax.tree.map(lambda a: np.asarray(a)[rows], new_cstates)
+            client_states = store.scatter(slots[rows], new_rows, round_idx, donate=donate).held
         down, up = self.message_bytes(state)
         m = len(cohort)
         steps = num_local_steps(num_examples, self.algorithm.local_batch_size, self.algorithm.local_epochs)

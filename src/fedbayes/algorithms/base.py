@@ -12,6 +12,9 @@ An :class:`Algorithm` is a named tuple of pure functions (STYLE.md, "Shapes wort
 * ``message_ok(server_state, client_message) -> bool``: the server's acceptance test for one
   message (DESIGN.md, "Messages and their validation"); a rejected client gets weight zero and
   keeps its old state.
+* ``server_posterior(server_state) -> (mean, variance)`` (optional, Bayesian methods): the
+  diagonal Gaussian ``q_g`` in moments, for marginalised predictions (spec 13.1); ``None`` for
+  point-estimate methods.
 * ``local_epochs``, ``local_batch_size``: how many shuffled passes over its data a client makes
   and with which minibatch size; the simulator lays out that many epochs per client
   (:mod:`fedbayes.data.batches`) and knows each client's step count ``E * ceil(n_k / B)``.
@@ -43,6 +46,7 @@ class Algorithm(NamedTuple):
     message_ok: Callable[[Any, Any], jax.Array]
     local_epochs: int = 1
     local_batch_size: int = 1
+    server_posterior: Callable[[Any], tuple[Any, Any]] | None = None
 
 
 def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, client_update, server_update) -> Algorithm:

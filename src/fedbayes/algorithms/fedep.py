@@ -1,0 +1,362 @@
+"""FedEP and FedSEP: federated expectation propagation (Guo et al., ICLR 2023; seed 000).
+
+Spec section 7. The global approximation is ``q_g ∝ p_0 prod_k q_k`` with diagonal Gaussian sites
+``q_k`` in natural parameters (:mod:`fedbayes.gaussian`). In a round, client ``k``:
+
+1. forms the cavity ``q_{-k} = q_g / q_k`` (FedEP) or ``q_g^{1 - n_k/N}`` (FedSEP; or ``1 - 1/K``),
+2. approximates its tilted distribution ``p(D_k | theta) q_{-k}`` by ``q^_{\\k}``
+   (:mod:`fedbayes.inference.tilted`: identity / mcmc / laplace / ngvi),
+3. sends the damped update ``delta * Delta_k`` with ``Delta_k = q^_{\\k} / q_g`` (natural-parameter
+   difference; optionally clipped to a joint global norm ``G`` first),
+4. FedEP only: updates its site, ``(eta_k, Lambda_k) <- (eta_k, Lambda_k) + ClientOpt(delta Delta_k)``.
+
+The server sets ``(eta_g, Lambda_g) <- (eta_g, Lambda_g) + ServerOpt(sum_k delta Delta_k)``: damping
+as adaptive optimisation on natural parameters (seed 000 Sec. 2.2.3, App. A.1; spec 1.3, 7.7). With
+``delta = 1`` and plain SGD at lr 1 this is undamped EP: ``q_k <- q^_{\\k} / q_{-k}``,
+``q_g <- q_g prod_k (q^_{\\k} / q_g)``. Optax transformations descend, so they receive ``-sum``.
+
+**Burn-in** (spec 7.3, benchmark semantics): the first ``burn_in_rounds`` rounds are FedAvg with
+the server optimizer; the model is kept as ``q_g = (theta, 1)`` so that ``mean(q_g) = theta``.
+Then ``q_g`` becomes ``N(theta_burn, 1 / (alpha_cov N))`` (times the prior) and the
+natural-parameter optimizer starts fresh. A client's site starts as ``q_g^{n_k / N}`` when the client
+is first sampled after burn-in (``Lambda_k = alpha_cov n_k``, ``mu_k = mu_g``): for every client
+sampled in the first EP round this is exactly the benchmark initialisation; for a client first
+sampled later it is FedSEP's estimate of its share of that round's ``q_g``, which needs no
+``K x d`` initial write. ``init="uniform"`` is the paper's initialisation instead: uniform global
+and sites (times the prior), with the sampler starting from the burn-in model where ``Lambda_g = 0``.
+
+**Robustness** (spec 7.10): a client whose cavity is improper (a negative precision) or whose new
+site precision would be non-positive (unless ``allow_improper_sites``) flags its message; :func:`message_ok` also rejects a message
+with non-finite values or one that would make ``Lambda_g + delta Delta Lambda_k`` non-positive. The
+simulator gives a rejected client weight zero and keeps its old site; ``fail_fast`` raises. Should
+the aggregated optimizer step still leave a coordinate of ``Lambda_g`` non-positive (momentum
+overshoot), that coordinate keeps its old value.
+
+Clients of FedSEP keep no state; clients of FedEP keep their site and their site-optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedbayes import gaussian, tree
+from fedbayes.algorithms.base import Algorithm, participation_mask, stateless_client_init
+from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.gaussian import DiagGaussian
+from fedbayes.inference.sgd import LocalTrainer, run_sgd
+from fedbayes.inference.tilted import TiltedInference
+
+PyTree = Any
+INITS = ("benchmark", "uniform")
+SEP_POWERS = ("data_fraction", "one_over_k")
+
+__all__ = ["ClientState", "INITS", "Message", "SEP_POWERS", "ServerState", "fedep", "fedsep", "posterior_moments"]
+
+
+class ServerState(NamedTuple):
+    """FedEP/FedSEP server state.
+
+    Attributes:
+      q: the global approximation ``q_g`` (during burn-in ``(theta, 1)``).
+      fedavg_opt_state: the server optimizer's state over ``theta`` during burn-in.
+      opt_state: the natural-parameter optimizer's state (fresh at the end of burn-in).
+      round: rounds done.
+      anchor: ``init="uniform"`` only: the sampler's start where ``Lambda_g = 0`` (else ``None``).
+    """
+
+    q: DiagGaussian
+    fedavg_opt_state: optax.OptState
+    opt_state: optax.OptState
+    round: jax.Array
+    anchor: PyTree = None
+
+
+class Broadcast(NamedTuple):
+    """What clients receive: ``q_g``, whether this is an EP round, and the uniform-init anchor."""
+
+    q: DiagGaussian
+    ep: jax.Array
+    anchor: PyTree = None
+
+
+class Message(NamedTuple):
+    """A client's message: the damped natural-parameter update (burn-in: ``(theta - theta_k, 0)``)
+    and the client's own validity flag."""
+
+    delta: DiagGaussian
+    ok: jax.Array
+
+
+class ClientState(NamedTuple):
+    """A FedEP site, its optimizer state, and whether it has been initialised."""
+
+    site: DiagGaussian
+    opt_state: optax.OptState
+    initialized: jax.Array
+
+
+def _checked_cavity(cavity: DiagGaussian, q: DiagGaussian, rtol: float = 1e-5) -> tuple[DiagGaussian, jax.Array]:
+    """The cavity with float round-off below zero clamped to 0, and whether it is proper enough to
+    serve as a prior: finite, and no precision below ``-rtol * Lambda_g`` (a truly negative cavity
+    precision means the site outweighs the global: the client is rejected, spec 7.10)."""
+    tol_ok = jax.tree.map(lambda c, g: jnp.all(c >= -rtol * jnp.abs(g)), cavity.precision, q.precision)
+    ok = jnp.logical_and(tree.all_finite(cavity), jnp.all(jnp.stack(jax.tree.leaves(tol_ok))))
+    clamped = DiagGaussian(precision_mean=cavity.precision_mean, precision=jax.tree.map(lambda c: jnp.maximum(c, 0.0), cavity.precision))
+    return clamped, ok
+
+
+def _positive(precision: PyTree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(lam > 0) for lam in jax.tree.leaves(precision)]))
+
+
+def _safe_mean(q: DiagGaussian, fallback: PyTree) -> PyTree:
+    return jax.tree.map(
+        lambda eta, lam, f: jnp.where(lam > 0, eta / jnp.where(lam > 0, lam, 1.0), f), q.precision_mean, q.precision, fallback
+    )
+
+
+def _clip_joint(d: DiagGaussian, max_norm: float | None) -> DiagGaussian:
+    if max_norm is None:
+        return d
+    norm = optax.tree.norm(d)
+    return optax.tree.scale(jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30)), d)
+
+
+def _ep_algorithm(
+    name: str,
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    inference: TiltedInference,
+    *,
+    stateful: bool,
+    total_examples: int,
+    num_clients: int,
+    damping: float,
+    alpha_cov: float,
+    site_optimizer: optax.GradientTransformation | None,
+    burn_in_rounds: int,
+    init: str,
+    prior_precision: float,
+    delta_clip: float | None,
+    sep_power: str,
+    allow_improper_sites: bool = False,
+) -> Algorithm:
+    if init not in INITS:
+        raise ValueError(f"{name}: init must be one of {', '.join(INITS)}; got {init!r}")
+    if sep_power not in SEP_POWERS:
+        raise ValueError(f"{name}: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
+    if not damping > 0:
+        raise ValueError(f"{name}: damping must be > 0; got {damping}")
+    if init == "benchmark" and not alpha_cov > 0:
+        raise ValueError(f"{name}: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; got {alpha_cov}")
+    if prior_precision < 0:
+        raise ValueError(f"{name}: prior_precision must be >= 0; got {prior_precision}")
+    if burn_in_rounds < 0:
+        raise ValueError(f"{name}: burn_in_rounds must be >= 0; got {burn_in_rounds}")
+    if delta_clip is not None and not delta_clip > 0:
+        raise ValueError(f"{name}: delta_clip must be > 0 (or None); got {delta_clip}")
+    site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
+    total = float(total_examples)
+    uniform = init == "uniform"
+
+    def ep_start(theta) -> tuple[DiagGaussian, PyTree]:
+        """``q_g`` at the start of EP from the model ``theta`` (spec 7.3), and the anchor."""
+        if uniform:
+            lam = optax.tree.full_like(theta, prior_precision)
+            return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=lam), theta
+        lam = optax.tree.full_like(theta, alpha_cov * total + prior_precision)
+        return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, theta), precision=lam), None
+
+    def model_q(theta) -> DiagGaussian:
+        return DiagGaussian(precision_mean=theta, precision=optax.tree.ones_like(theta))
+
+    def server_init(key, params):
+        del key
+        if burn_in_rounds > 0:
+            q, anchor = model_q(params), (params if uniform else None)
+        else:
+            q, anchor = ep_start(params)
+        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor)
+
+    def broadcast(state):
+        return Broadcast(state.q, state.round >= burn_in_rounds, state.anchor)
+
+    def client_init(params):
+        if not stateful:
+            return stateless_client_init(params)
+        site = gaussian.uniform_like(params)
+        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_))
+
+    def client_update(key, message: Broadcast, cstate, data):
+        q = message.q
+        n = data.num_examples.astype(jnp.float32)
+
+        def burn_in():
+            theta = q.precision_mean  # Lambda = 1 during burn-in
+            last = run_sgd(key, theta, data, trainer)
+            delta = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
+            return Message(delta, jnp.ones((), jnp.bool_)), cstate
+
+        def ep_round():
+            share = n / total
+            rest = (total - n) / total  # exactly 0 when one client holds all the data
+            if stateful:
+                if uniform:
+                    fresh_site, fresh_cavity = gaussian.uniform_like(q.precision), q
+                else:
+                    fresh_site, fresh_cavity = gaussian.power(q, share), gaussian.power(q, rest)
+                pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(cstate.initialized, a, b), old, new)  # noqa: E731
+                site = pick(cstate.site, fresh_site)
+                cavity = pick(gaussian.quotient(q, cstate.site), fresh_cavity)
+            else:
+                frac = rest if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
+                cavity = gaussian.power(q, frac)
+            cavity, cavity_ok = _checked_cavity(cavity, q)
+            start = _safe_mean(q, message.anchor if uniform else q.precision_mean)
+            tilted = inference(key, start, cavity, data)
+            delta = optax.tree.scale(damping, _clip_joint(gaussian.delta(tilted, q), delta_clip))
+            if not stateful:
+                return Message(delta, cavity_ok), cstate
+            updates, opt_state = site_optimizer.update(optax.tree.scale(-1.0, delta), cstate.opt_state, site)
+            new_site = optax.apply_updates(site, updates)
+            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, _positive(new_site.precision))
+            return Message(delta, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_))
+
+        if burn_in_rounds == 0:
+            return ep_round()
+        return jax.lax.cond(message.ep, ep_round, burn_in)
+
+    def fedavg_server(state, messages, weights):
+        g = tree.weighted_mean(messages.delta.precision_mean, weights)
+        theta, fopt = apply_server_optimizer(server_optimizer, state.q.precision_mean, state.fedavg_opt_state, g)
+        done = state.round + 1 >= burn_in_rounds
+        q_ep, anchor_ep = ep_start(theta)
+        q = jax.tree.map(lambda a, b: jnp.where(done, a, b), q_ep, model_q(theta))
+        anchor = None if not uniform else theta
+        del anchor_ep
+        return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor)
+
+    def ep_server(state, messages, weights):
+        total_delta = tree.weighted_sum(messages.delta, participation_mask(weights))
+        q, opt_state = apply_server_optimizer(server_optimizer, state.q, state.opt_state, optax.tree.scale(-1.0, total_delta))
+        # Guard: a coordinate whose precision would become non-positive keeps its old value.
+        keep = jax.tree.map(lambda lam: lam > 0, q.precision)
+        q = DiagGaussian(
+            precision_mean=jax.tree.map(jnp.where, keep, q.precision_mean, state.q.precision_mean),
+            precision=jax.tree.map(jnp.where, keep, q.precision, state.q.precision),
+        )
+        return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor)
+
+    def server_update(state, messages, weights):
+        if burn_in_rounds == 0:
+            return ep_server(state, messages, weights)
+        return jax.lax.cond(state.round >= burn_in_rounds, ep_server, fedavg_server, state, messages, weights)
+
+    def message_ok(state, message):
+        lam_after = jax.tree.map(jnp.add, state.q.precision, message.delta.precision)
+        return jnp.logical_and(jnp.logical_and(tree.all_finite(message.delta), message.ok), _positive(lam_after))
+
+    def server_params(state):
+        return _safe_mean(state.q, state.q.precision_mean)
+
+    def server_posterior(state):
+        return posterior_moments(state, burn_in_rounds)
+
+    return Algorithm(
+        name=name,
+        server_init=server_init,
+        broadcast=broadcast,
+        client_init=client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=server_params,
+        message_ok=message_ok,
+        local_epochs=trainer.num_epochs,
+        local_batch_size=trainer.batch_size,
+        server_posterior=server_posterior,
+    )
+
+
+def posterior_moments(state: ServerState, burn_in_rounds: int) -> tuple[PyTree, PyTree]:
+    """``(mean, variance)`` of ``q_g`` for marginalised predictions (spec 7.7, 13.1); during
+    burn-in the model is a point estimate (variance 0)."""
+    q = state.q
+    in_ep = state.round >= burn_in_rounds
+    mean = _safe_mean(q, q.precision_mean)
+    var = jax.tree.map(lambda lam: jnp.where(jnp.logical_and(in_ep, lam > 0), 1.0 / jnp.where(lam > 0, lam, 1.0), 0.0), q.precision)
+    return mean, var
+
+
+def fedep(
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    inference: TiltedInference,
+    *,
+    total_examples: int,
+    num_clients: int,
+    damping: float,
+    alpha_cov: float,
+    site_optimizer: optax.GradientTransformation | None = None,
+    burn_in_rounds: int = 0,
+    init: str = "benchmark",
+    prior_precision: float = 0.0,
+    delta_clip: float | None = None,
+    allow_improper_sites: bool = False,
+) -> Algorithm:
+    """Stateful FedEP (seed 000 Alg. 1; spec 7.1-7.7).
+
+    Args:
+      trainer: local training of the burn-in rounds and of the SG-MCMC step.
+      server_optimizer: optax transformation for the burn-in model and for ``(eta_g, Lambda_g)``
+        (separate states; the latter starts fresh after burn-in).
+      inference: a :data:`fedbayes.inference.tilted.TiltedInference` (one of the four methods).
+      total_examples: ``N``, all clients' examples (site init ``q_g^{n_k/N}``).
+      num_clients: ``K``.
+      damping: ``delta`` (seed 000's default ``1 / M``).
+      alpha_cov: per-example precision of the benchmark initialisation, ``c (lambda_0 + lambda_wd)``.
+      site_optimizer: ClientOpt on the sites (default: the server optimizer's configuration,
+        seed 000 Table 7).
+      burn_in_rounds: FedAvg rounds before EP.
+      init: ``"benchmark"`` (spec 7.3 [I]) or ``"uniform"`` (the paper's).
+      prior_precision: precision of a zero-mean Gaussian prior ``p_0`` (0: none).
+      delta_clip: optional joint global-norm clip ``G`` of ``(Delta eta, Delta Lambda)``.
+      allow_improper_sites: accept a site whose precision turns non-positive somewhere. EP sites
+        are factors and may be improper (spec 1.1); the default rejects such a message (the
+        robust server of issue 4). The mcmc method's rescaling (spec 7.6 M.3) redistributes the
+        cavity's precision and routinely gives such sites, so it needs ``True`` to follow the
+        paper, whose code has no guard (spec 7.10).
+    """
+    return _ep_algorithm(
+        "fedep", trainer, server_optimizer, inference, stateful=True, total_examples=total_examples, num_clients=num_clients,
+        damping=damping, alpha_cov=alpha_cov, site_optimizer=site_optimizer, burn_in_rounds=burn_in_rounds, init=init,
+        prior_precision=prior_precision, delta_clip=delta_clip, sep_power="data_fraction", allow_improper_sites=allow_improper_sites,
+    )  # fmt: skip
+
+
+def fedsep(
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    inference: TiltedInference,
+    *,
+    total_examples: int,
+    num_clients: int,
+    damping: float,
+    alpha_cov: float,
+    burn_in_rounds: int = 0,
+    init: str = "benchmark",
+    prior_precision: float = 0.0,
+    delta_clip: float | None = None,
+    sep_power: str = "data_fraction",
+) -> Algorithm:
+    """Stateless FedSEP (seed 000 Sec. 2.2.4; spec 7.9): ``q_g ∝ p_0 f^K`` with one shared average
+    site, so the cavity is ``q_g^{1 - n_k/N}`` (``sep_power="data_fraction"``, the reference code)
+    or ``q_g^{1 - 1/K}`` (``"one_over_k"``, textbook SEP). Arguments as :func:`fedep`."""
+    return _ep_algorithm(
+        "fedsep", trainer, server_optimizer, inference, stateful=False, total_examples=total_examples, num_clients=num_clients,
+        damping=damping, alpha_cov=alpha_cov, site_optimizer=None, burn_in_rounds=burn_in_rounds, init=init,
+        prior_precision=prior_precision, delta_clip=delta_clip, sep_power=sep_power,
+    )  # fmt: skip

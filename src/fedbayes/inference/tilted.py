@@ -1,0 +1,200 @@
+"""FedEP's approximate tilted inference: four client methods (seed 000 Sec. 2.2.2, Algs. 2-5).
+
+Client ``k`` approximates its tilted distribution ``p_k(theta) q_{-k}(theta)`` (likelihood times
+cavity) by a diagonal Gaussian ``q^_{\\k}`` (spec 7.5-7.6). Every method starts with the same
+**SG-MCMC step**: ``E`` epochs of the client optimizer from the broadcast mean ``mu_g`` on the
+per-example-scaled tilted objective
+
+    F_k(theta) = (1/n_k) [ l_k(theta) + theta^T diag(Lambda_p) theta / 2 - eta_p^T theta ],
+
+where the tilted prior ``(eta_p, Lambda_p) = (eta_c, Lambda_c + lambda_wd n_k)`` is the cavity plus
+weight decay as an extra prior (spec 7.5); the parameters at the **end** of each epoch are the
+samples (no within-epoch averaging; seed 000 fn. 4). ``mu^`` is their mean and ``sigma^2`` their
+unbiased diagonal variance. The methods differ in the tilted precision
+``Lambda^ = Lambda_c + c L_k`` (``c`` the local-precision scale, ``alpha_cov = c (lambda_0 +
+lambda_wd)``):
+
+* ``identity`` (I): ``L_k = n_k (lambda_0 + lambda_wd)``, i.e. ``Lambda^ = Lambda_c + alpha_cov n_k``.
+* ``mcmc`` (M): ``Lambda_raw = clip(1 / (s + (1 - s) sigma^2))`` (shrinkage ``s`` towards 1), rescaled
+  to the norm of the identity method's ``Lambda_c + alpha_cov n_k`` (the samples set the shape).
+* ``laplace`` (L): ``L_k = clip(F_k) + lambda_wd n_k`` with ``F_k = n_k mean_x (grad log p(y~|x, mu^))^2``
+  and ``y~`` sampled from the model (Kunstner et al. 2019), over ``T_L`` passes (seed 000 Eq. 4).
+* ``ngvi`` (V): seed 000 Alg. 5 with the tilted prior as the prior: ``s <- beta s + (1 - beta) clip(F_bar)``
+  per minibatch, ``F_bar`` the sampled-label Fisher averaged over ``N_V`` draws
+  ``theta ~ N(mu^, 1 / (n_k s + Lambda_p))``; ``L_k = n_k s + lambda_wd n_k``. The mean stays ``mu^``
+  (the reference runs use ``mu_learning_rate = 0``).
+
+Finally ``eta^ = Lambda^ mu^``. A method is a function
+``infer(key, start, cavity, data) -> DiagGaussian`` (:data:`TiltedInference`); the FedEP algorithm
+takes any such function (tests plug in exact Gaussian inference).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
+from fedbayes.gaussian import DiagGaussian
+from fedbayes.inference.fisher import ApplyFn, batch_fisher, clip_by_spread, sampled_log_likelihood, tree_scale_to_norm
+from fedbayes.inference.iasg import epoch_samples
+from fedbayes.inference.sgd import LocalTrainer
+
+PyTree = Any
+TiltedInference = Callable[[jax.Array, PyTree, DiagGaussian, ClientData], DiagGaussian]
+METHODS = ("identity", "mcmc", "laplace", "ngvi")
+
+__all__ = ["METHODS", "TiltedInference", "TiltedSettings", "make_tilted_inference", "sgmcmc_moments"]
+
+
+class TiltedSettings(NamedTuple):
+    """Hyperparameters of the client methods (seed 000 Table 7; spec 7.8).
+
+    Attributes:
+      scale: ``c``, the local-precision scale (500 in the reference CIFAR-100 runs).
+      weight_decay: ``lambda_wd``, a zero-mean prior of precision ``lambda_wd n_k`` per client.
+      initial_precision: ``lambda_0`` (identity method's extra precision; NGVI's ``s_0``).
+      mcmc_shrinkage: ``s`` of the MCMC method (1e-4).
+      clip_ratio: ``kappa`` of the Fisher clipping (2; ``<= 0`` disables it).
+      laplace_epochs: ``T_L`` passes over the data for the Laplace Fisher.
+      ngvi_epochs, ngvi_samples, ngvi_beta: ``T_V``, ``N_V`` and ``beta`` of NGVI.
+    """
+
+    scale: float = 500.0
+    weight_decay: float = 1e-4
+    initial_precision: float = 0.0
+    mcmc_shrinkage: float = 1e-4
+    clip_ratio: float = 2.0
+    laplace_epochs: int = 5
+    ngvi_epochs: int = 5
+    ngvi_samples: int = 5
+    ngvi_beta: float = 0.99
+
+    @property
+    def alpha_cov(self) -> float:
+        """Per-example local precision of the identity method, ``c (lambda_0 + lambda_wd)``."""
+        return self.scale * (self.initial_precision + self.weight_decay)
+
+
+def tilted_prior(cavity: DiagGaussian, num_examples: jax.Array, weight_decay: float) -> DiagGaussian:
+    """The cavity with weight decay as an extra zero-mean prior of precision ``lambda_wd n_k``."""
+    n = num_examples.astype(jnp.float32)
+    return DiagGaussian(
+        precision_mean=cavity.precision_mean,
+        precision=jax.tree.map(lambda lam: lam + (weight_decay * n).astype(lam.dtype), cavity.precision),
+    )
+
+
+def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, trainer: LocalTrainer) -> tuple[PyTree, PyTree]:
+    """The shared SG-MCMC step: mean and unbiased diagonal variance of the end-of-epoch iterates of
+    ``trainer`` on ``F_k`` (spec 7.6). With one epoch the variance is zero."""
+    del key  # shuffles come laid out in data.order
+    inv_n = 1.0 / jnp.maximum(data.num_examples, 1).astype(jnp.float32)
+
+    def penalty(theta):
+        quad = optax.tree.sum(jax.tree.map(lambda lam, t: jnp.sum(lam * jnp.square(t)), prior.precision, theta))
+        lin = optax.tree.vdot(prior.precision_mean, theta)
+        return inv_n * (0.5 * quad - lin)
+
+    samples, _ = epoch_samples(start, data, trainer, skip_epochs=0, average=False, penalty=penalty)
+    num = trainer.num_epochs
+    mean = jax.tree.map(lambda s: jnp.mean(s, axis=0), samples)
+    var = jax.tree.map(lambda s: jnp.var(s, axis=0, ddof=1) if num > 1 else jnp.zeros(s.shape[1:], s.dtype), samples)
+    return mean, var
+
+
+def _scan_batches(data: ClientData, trainer: LocalTrainer, passes: int, body, init):
+    """Runs ``body(carry, step, (x, y, mask))`` over ``passes`` epochs of minibatches, cycling
+    through the ``trainer.num_epochs`` epochs of shuffles laid out in ``data``."""
+    spe = steps_per_epoch(data.num_examples, trainer.batch_size)
+    laid_out = jnp.maximum(trainer.num_epochs * spe, 1)
+
+    def step(s, carry):
+        return body(carry, s, get_batch(data, s % laid_out, trainer.batch_size))
+
+    return jax.lax.fori_loop(0, passes * spe, step, init)
+
+
+def make_tilted_inference(
+    method: str,
+    trainer: LocalTrainer,
+    settings: TiltedSettings = TiltedSettings(),
+    *,
+    apply_fn: ApplyFn | None = None,
+    task: str = "classification",
+) -> TiltedInference:
+    """One of the four client methods as a :data:`TiltedInference` function.
+
+    Args:
+      method: ``"identity"``, ``"mcmc"``, ``"laplace"`` or ``"ngvi"`` (I / M / L / V of seed 000).
+      trainer: the SG-MCMC step's loss, optimizer, epochs (= samples) and batch size.
+      settings: :class:`TiltedSettings`.
+      apply_fn: ``(params, x) -> logits``; needed by ``laplace`` and ``ngvi``.
+      task: ``"classification"`` or ``"regression"`` (how labels are sampled for the Fisher).
+    """
+    if method not in METHODS:
+        raise ValueError(f"tilted inference method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method in ("laplace", "ngvi") and apply_fn is None:
+        raise ValueError(f"the {method} method needs the model's apply_fn")
+    if method == "mcmc" and trainer.num_epochs < 2:
+        raise ValueError(f"the mcmc method estimates a variance from one sample per epoch: it needs >= 2 local epochs; got {trainer.num_epochs}")
+    s = settings
+    loglik = sampled_log_likelihood(apply_fn, task) if apply_fn is not None else None
+
+    def laplace_fisher(key, mu, data):
+        def body(carry, step, batch):
+            total, count = carry
+            x, _, mask = batch
+            f = batch_fisher(loglik, mu, jax.random.fold_in(key, step), x, mask)
+            c = jnp.sum(mask)
+            return optax.tree.add_scale(total, c, f), count + c
+
+        total, count = _scan_batches(data, trainer, s.laplace_epochs, body, (optax.tree.zeros_like(mu), jnp.zeros(())))
+        return optax.tree.scale(1.0 / jnp.maximum(count, 1.0), total)
+
+    def ngvi_precision(key, mu, prior, data, n):
+        def body(state, step, batch):
+            x, _, mask = batch
+            k = jax.random.fold_in(key, step)
+            std = jax.tree.map(lambda sv, lam: jax.lax.rsqrt(n * sv + lam), state, prior.precision)
+            keys = jax.random.split(k, s.ngvi_samples)
+
+            def one(kj):
+                kd, kf = jax.random.split(kj)
+                leaves_keys = optax.tree.split_key_like(kd, mu)
+                theta = jax.tree.map(lambda kk, m, sd: m + sd * jax.random.normal(kk, m.shape, m.dtype), leaves_keys, mu, std)
+                return batch_fisher(loglik, theta, kf, x, mask)
+
+            f_bar = jax.tree.map(lambda f: jnp.mean(f, axis=0), jax.vmap(one)(keys))
+            f_bar = clip_by_spread(f_bar, s.clip_ratio)
+            # An all-padding batch carries no information: keep s.
+            has_data = jnp.sum(mask) > 0
+            new = jax.tree.map(lambda sv, f: s.ngvi_beta * sv + (1 - s.ngvi_beta) * f, state, f_bar)
+            return jax.tree.map(lambda a, b: jnp.where(has_data, a, b), new, state)
+
+        init = optax.tree.full_like(mu, s.initial_precision)
+        return _scan_batches(data, trainer, s.ngvi_epochs, body, init)
+
+    def infer(key, start, cavity: DiagGaussian, data: ClientData) -> DiagGaussian:
+        n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
+        prior = tilted_prior(cavity, data.num_examples, s.weight_decay)
+        key_mc, key_f = jax.random.split(key)
+        mu, var = sgmcmc_moments(key_mc, start, prior, data, trainer)
+        identity = jax.tree.map(lambda lam: lam + s.alpha_cov * n, cavity.precision)
+        if method == "identity":
+            lam = identity
+        elif method == "mcmc":
+            raw = jax.tree.map(lambda v: 1.0 / (s.mcmc_shrinkage + (1 - s.mcmc_shrinkage) * v), var)
+            lam = tree_scale_to_norm(clip_by_spread(raw, s.clip_ratio), identity)
+        elif method == "laplace":
+            fisher = clip_by_spread(optax.tree.scale(n, laplace_fisher(key_f, mu, data)), s.clip_ratio)
+            lam = jax.tree.map(lambda lc, f: lc + s.scale * (f + s.weight_decay * n), cavity.precision, fisher)
+        else:
+            sv = ngvi_precision(key_f, mu, prior, data, n)
+            lam = jax.tree.map(lambda lc, v: lc + s.scale * (n * v + s.weight_decay * n), cavity.precision, sv)
+        return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, mu), precision=lam)
+
+    return infer
