@@ -13,8 +13,8 @@ $(BIN)/fedbayes: pyproject.toml
 
 env: $(BIN)/fedbayes
 
-# Main job: FedAvg, FedAvgM, FedProx and FedDyn on Fashion-MNIST (10 clients, two-level Dirichlet
-# split, MLP); prints a table and writes runs/demo/compare.png.
+# Main job: FedAvg, FedAvgM, FedProx, FedDyn, FedPA, FedEP (I) and FedSEP (I) on Fashion-MNIST
+# (10 clients, two-level Dirichlet split, MLP); prints a table and writes runs/demo/compare.png.
 demo: env
 	$(BIN)/fedbayes compare examples/fmnist_compare.toml --out runs/demo
 

@@ -34,12 +34,13 @@ batch_size = 16
 clients_per_round = 4
 [algorithm]
 name = "{algorithm}"
+{extra}
 """
 
 
-def write(tmp_path, rounds=4, ckpt=2, algorithm="fedavg"):
+def write(tmp_path, rounds=4, ckpt=2, algorithm="fedavg", extra=""):
     p = tmp_path / "c.toml"
-    p.write_text(DIGITS.format(rounds=rounds, ckpt=ckpt, algorithm=algorithm))
+    p.write_text(DIGITS.format(rounds=rounds, ckpt=ckpt, algorithm=algorithm, extra=extra))
     return p
 
 
@@ -82,7 +83,7 @@ def test_run_writes_every_output(tmp_path):
 
 
 def test_compare_prints_one_table_and_one_plot(tmp_path):
-    base = DIGITS.format(rounds=2, ckpt=0, algorithm="fedavg").replace("[", "[base.").replace('name = "digits_test"', "")
+    base = DIGITS.format(rounds=2, ckpt=0, algorithm="fedavg", extra="").replace("[", "[base.").replace('name = "digits_test"', "")
     spec = "[base]\nrounds = 2\n" + base.replace("rounds = 2\n", "") + """
 [variants.fedavg]
 [variants.fedavgm]
@@ -128,11 +129,13 @@ def _strip(records):
 def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     """A process killed between checkpoints and resumed ends exactly as an uninterrupted run.
 
-    ADMM (stateful clients) with partial participation exercises the client store too. The kill
-    is abrupt (``os._exit`` after round 3, checkpoints every 2 rounds), so the last checkpoint is
-    at round 2 and round 3's metric line must be dropped and recomputed.
+    FedEP (stateful sites) with partial participation exercises the client store, the switch
+    from burn-in to EP (after round 2) and the marginalised metrics (their samples' key depends
+    on the round only). The kill is abrupt (``os._exit`` after round 3, checkpoints every 2
+    rounds), so the last checkpoint is at round 2 and round 3's metric line must be dropped and
+    recomputed.
     """
-    cfg = write(tmp_path, rounds=6, ckpt=2, algorithm="admm")
+    cfg = write(tmp_path, rounds=6, ckpt=2, algorithm="fedep", extra="burn_in_rounds = 2\nscale = 50.0\nweight_decay = 1e-3")
     full, broken = tmp_path / "full", tmp_path / "broken"
     cache = tmp_path / "xla-cache"  # the later processes reuse the first one's compiled programs
     r = _cli(["run", str(cfg), "--out", str(full)], cache=cache)
@@ -147,6 +150,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(broken / "metrics.jsonl")
     assert _strip(a) == _strip(b)
     assert json.loads((full / "summary.json").read_text())["final"]["accuracy"] == json.loads((broken / "summary.json").read_text())["final"]["accuracy"]
+    assert "accuracy_marg" in a[-1] and a[-1]["rejected"] == 0
     # the client store was restored too: final checkpoints agree array by array
     with np.load(full / "checkpoints" / "round_000006.npz") as fa, np.load(broken / "checkpoints" / "round_000006.npz") as fb:
         assert set(fa.files) == set(fb.files)

@@ -30,21 +30,28 @@ def test_example_is_valid(path):
     assert text.lstrip().startswith("#"), "examples open with a comment saying what they run"
 
 
-def test_demo_compares_the_four_baselines_on_fmnist_two_level():
+def test_demo_compares_baselines_fedpa_fedep_fedsep_on_fmnist_two_level():
     cfgs = {c.name: c for c in _configs(Path(EXAMPLES[0]).parent / "fmnist_compare.toml")}
-    assert set(cfgs) == {"fedavg", "fedavgm", "fedprox", "feddyn"}
+    assert set(cfgs) == {"fedavg", "fedavgm", "fedprox", "feddyn", "fedpa", "fedep", "fedsep"}
+    assert cfgs["fedep"].algorithm.method == "identity" and cfgs["fedsep"].algorithm.method == "identity"
     for c in cfgs.values():
         assert c.data.dataset == "fashion_mnist" and c.data.num_clients == 10
         assert c.data.partition == "two_level_dirichlet" and c.model.name == "mlp"
     assert cfgs["fedavgm"].server.optimizer == "momentum"
 
 
+def test_bayes_table_has_every_method():
+    cfgs = {c.name: c for c in _configs(Path(EXAMPLES[0]).parent / "fmnist_bayes_compare.toml")}
+    methods = {(c.algorithm.name, getattr(c.algorithm, "method", None)) for c in cfgs.values()}
+    assert methods == {("fedavg", None), ("fedpa", None)} | {(a, m) for a in ("fedep", "fedsep") for m in ("identity", "mcmc", "laplace", "ngvi")}
+
+
 @pytest.mark.parametrize(
-    "name", ["digits_fedprox.toml", "breast_cancer_admm.toml", "synthetic_leaf_fedavg.toml", "least_squares_fedavg.toml"]
+    "name", ["digits_fedprox.toml", "breast_cancer_admm.toml", "synthetic_leaf_fedavg.toml", "least_squares_fedavg.toml", "digits_fedpa_compare.toml"]
 )
 def test_available_examples_run(tmp_path, name):
     path = Path(EXAMPLES[0]).parent / name
-    cfg = load_config(path, ["rounds=2", "checkpoint_every=0"])
+    cfg = _configs(path)[-1].model_copy(update={"rounds": 2, "checkpoint_every": 0})  # a comparison: its last variant
     summary = run_experiment(cfg, tmp_path)
     final = summary["final"]
     assert all(v == v for v in final.values())  # no NaN

@@ -213,7 +213,7 @@ def test_fedep_equals_fedsep_in_the_first_round_after_benchmark_init():
 def test_each_method_runs_and_sharpens_the_posterior(method):
     fed = digits_federation()
     model, params, trainer = logreg_setup(lr=0.05, epochs=3, momentum=0.9)
-    settings = TiltedSettings(scale=50.0, weight_decay=1e-3, laplace_epochs=1, ngvi_epochs=1, ngvi_samples=2)
+    settings = TiltedSettings(scale=50.0, weight_decay=1e-3, laplace_epochs=1, ngvi_epochs=1, ngvi_samples=1)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     inference = make_tilted_inference(method, trainer, settings, apply_fn=apply_fn)
     n = int(sum(fed.sizes))

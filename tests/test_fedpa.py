@@ -30,9 +30,10 @@ def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(np.asarray(b)), 1e-300))
 
 
+# Few distinct shapes (each new shape compiles the eager ops again); the values vary freely.
 @given(
-    num=st.integers(1, 20),
-    dim=st.integers(1, 500),
+    num=st.sampled_from([1, 2, 3, 5, 8, 13, 20]),
+    dim=st.sampled_from([1, 2, 17, 120, 500]),
     rho=st.sampled_from([0.0, 1e-3, 0.01, 0.5, 1.0, 5.0]),
     seed=st.integers(0, 2**31 - 1),
 )

@@ -135,6 +135,7 @@ class _EPConfig(_Strict):
     ngvi_epochs: int = Field(5, ge=1)
     ngvi_samples: int = Field(5, ge=1)
     ngvi_beta: float = Field(0.99, ge=0, lt=1)
+    fisher_max_batches: int = Field(0, ge=0, description="laplace/ngvi: stop the Fisher passes after this many minibatches (0: all)")
     damping: float | None = Field(None, gt=0, le=1, description="delta; default 1 / clients_per_round")
     delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")

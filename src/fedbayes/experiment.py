@@ -157,7 +157,7 @@ def build_algorithm(
         settings = TiltedSettings(
             scale=a.scale, weight_decay=a.weight_decay, initial_precision=a.initial_precision, mcmc_shrinkage=a.mcmc_shrinkage,
             clip_ratio=a.clip_ratio, laplace_epochs=a.laplace_epochs, ngvi_epochs=a.ngvi_epochs, ngvi_samples=a.ngvi_samples,
-            ngvi_beta=a.ngvi_beta,
+            ngvi_beta=a.ngvi_beta, fisher_max_batches=a.fisher_max_batches,
         )  # fmt: skip
         if a.init == "benchmark" and settings.alpha_cov <= 0:
             raise ConfigError(
