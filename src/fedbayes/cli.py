@@ -183,11 +183,14 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dic
     """Prints the comparison table and returns it as Markdown.
 
     "rounds to" is the first evaluated round whose accuracy reaches ``threshold`` (seed 001,
-    Table 3), computed from the curves when given (any threshold), else from the summary.
+    Table 3), computed from the curves when given (any threshold), else from the summary. The
+    "marg." columns are the marginalised prediction of Bayesian methods (seed 000 Table 5); "—"
+    for point estimates.
     """
     from fedbayes.metrics import rounds_to_threshold
     table = Table(title="fedbayes comparison" if len(summaries) > 1 else None)
-    cols = ["method", "algorithm", "server opt", "accuracy", "NLL", "ECE (%)", "best acc", f"rounds to {threshold:.0%}", "time (s)", "MB up"]
+    cols = ["method", "algorithm", "server opt", "accuracy", "NLL", "ECE (%)", "acc marg.", "NLL marg.", "ECE marg. (%)"]
+    cols += ["best acc", f"rounds to {threshold:.0%}", "time (s)", "MB up"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("method", "algorithm", "server opt") else "right")
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -199,9 +202,11 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dic
                 rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
             else:
                 rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
-            row = [name, s["algorithm"], s["server_optimizer"], _fmt(f["accuracy"]), _fmt(f["nll"]), _fmt(f["ece"], pct=True), _fmt(s.get("best_accuracy")), "—" if rt is None else str(rt)]
+            row = [name, s["algorithm"], s["server_optimizer"], _fmt(f["accuracy"]), _fmt(f["nll"]), _fmt(f["ece"], pct=True)]
+            row += [_fmt(f.get("accuracy_marg")), _fmt(f.get("nll_marg")), _fmt(f.get("ece_marg"), pct=True)]
+            row += [_fmt(s.get("best_accuracy")), "—" if rt is None else str(rt)]
         else:
-            row = [name, s["algorithm"], s["server_optimizer"], f"mse {_fmt(f.get('mse'), digits=5)}", "", "", "", ""]
+            row = [name, s["algorithm"], s["server_optimizer"], f"mse {_fmt(f.get('mse'), digits=5)}", "", "", "", "", "", "", ""]
         row += [f"{f.get('seconds', 0):.1f}", f"{f.get('bytes_up', 0) / 1e6:.1f}"]
         table.add_row(*row)
         md.append("| " + " | ".join(row) + " |")
@@ -286,6 +291,11 @@ def bench(
         print(json.dumps(results))
     else:
         console.print(fb.rich_table(results, title=title))
+
+
+from fedbayes.toys.commands import toy_app  # noqa: E402  (toy quadratic | least-squares | niw)
+
+app.add_typer(toy_app, name="toy")
 
 
 def main():

@@ -105,33 +105,39 @@ def _dp_delta(x: jax.Array, x0: jax.Array, rho) -> jax.Array:
 
     Keeps ``Sigma~_t = I + rho (t-1) S_t`` implicitly through the rank-one updates
     ``Sigma~_t = Sigma~_{t-1} + gamma_t u_t u_t^T`` (``u_t = x_t - xbar_{t-1}``,
-    ``gamma_t = rho (t-1)/t``) and their Sherman-Morrison inverses ``v_j = Sigma~_{j-1}^{-1} u_j``:
-    ``d_t = Sigma~_t^{-1}(x0 - xbar_t)`` is updated as
+    ``gamma_t = rho (t-1)/t``) and their Sherman-Morrison inverses ``v_j = Sigma~_{j-1}^{-1} u_j``
+    (stored, ``O(l d)``): ``d_t = Sigma~_t^{-1}(x0 - xbar_t)`` is updated as
 
         d_t = d_{t-1} - (1/t) [1 + gamma_t (t u.d_{t-1} - u.v) / (1 + gamma_t u.v)] v,
 
     and ``Sigma_hat_l^{-1} = (1 + (l-1) rho) Sigma~_l^{-1}``. ``1 + gamma c >= 1``: no division is
-    ever unsafe. The loop over samples is unrolled (``l`` is static and small).
+    ever unsafe. Loops are ``fori_loop``s, so the compiled size does not grow with ``l``.
     """
-    num = x.shape[0]
-    rho = jnp.asarray(rho, x.dtype)
-    mean = x[0]
-    d = x0 - x[0]
-    vs: list[jax.Array] = []
-    cs: list[jax.Array] = []
-    for t in range(2, num + 1):
-        u = x[t - 1] - mean
-        v = u
-        for j, (vj, cj) in enumerate(zip(vs, cs), start=2):
-            gj = rho * (j - 1) / j
-            v = v - (gj * jnp.vdot(vj, u) / (1 + gj * cj)) * vj
+    num, dim = x.shape
+    dtype = x.dtype
+    rho = jnp.asarray(rho, dtype)
+
+    def gamma(t):  # t: 1-based sample number
+        return rho * (t - 1) / t
+
+    def add_sample(i, carry):  # i: 0-based index of the new sample, t = i + 1
+        mean, d, vs, cs = carry
+        t = (i + 1).astype(dtype)
+        u = x[i] - mean
+
+        def sherman_morrison(j, v):  # v <- Sigma~_j^{-1} ... applied for stored j = 1 .. i-1
+            g = gamma((j + 1).astype(dtype))
+            return v - (g * jnp.vdot(vs[j], u) / (1 + g * cs[j])) * vs[j]
+
+        v = jax.lax.fori_loop(1, i, sherman_morrison, u)
         c = jnp.vdot(u, v)
         a = jnp.vdot(u, d)
-        gt = rho * (t - 1) / t
-        d = d - ((1 + gt * (t * a - c) / (1 + gt * c)) / t) * v
-        vs.append(v)
-        cs.append(c)
-        mean = mean + (x[t - 1] - mean) / t
+        g = gamma(t)
+        d = d - ((1 + g * (t * a - c) / (1 + g * c)) / t) * v
+        return mean + (x[i] - mean) / t, d, vs.at[i].set(v), cs.at[i].set(c)
+
+    init = (x[0], x0 - x[0], jnp.zeros((num, dim), dtype), jnp.zeros((num,), dtype))
+    _, d, _, _ = jax.lax.fori_loop(1, num, add_sample, init)
     return (1 + (num - 1) * rho) * d
 
 
