@@ -1,6 +1,6 @@
 """A results table (Markdown) from finished run folders of ``fedbayes run`` / ``compare``.
 
-    python docs/results/make_table.py runs/fmnist_bayes --thresholds 0.80,0.85
+    .venv/bin/python docs/results/make_table.py runs/fmnist_bayes --thresholds 0.80,0.85
 
 Arguments are run folders (each with ``summary.json``) or comparison folders (each variant a
 subfolder); columns: final accuracy, NLL, ECE-15, their marginalised versions (Bayesian methods),
@@ -12,16 +12,20 @@ import argparse
 import json
 from pathlib import Path
 
+from fedbayes.experiment import read_metrics
+from fedbayes.metrics import rounds_to_threshold
+
 
 def _runs(paths):
+    """(name, summary, accuracy curve) of every finished run under ``paths``."""
     for p in map(Path, paths):
-        if (p / "summary.json").is_file():
-            yield p.name, json.loads((p / "summary.json").read_text())
-        elif (p / "compare.json").is_file():
-            yield from json.loads((p / "compare.json").read_text()).items()
-        else:
-            for sub in sorted(q for q in p.iterdir() if (q / "summary.json").is_file()):
-                yield sub.name, json.loads((sub / "summary.json").read_text())
+        runs = [p] if (p / "summary.json").is_file() else sorted(q for q in p.iterdir() if (q / "summary.json").is_file())
+        if (p / "compare.json").is_file():  # a comparison keeps its variants' order
+            order = list(json.loads((p / "compare.json").read_text()))
+            runs = [p / name for name in order]
+        for run in runs:
+            recs = read_metrics(run / "metrics.jsonl")
+            yield run.name, json.loads((run / "summary.json").read_text()), [r["round"] for r in recs], [r.get("accuracy") for r in recs]
 
 
 def _f(v, pct=False):
@@ -38,11 +42,12 @@ def main():
     cols += [f"rounds to {float(t):.0%}" for t in thr] + [f"rounds to {float(t):.0%} (rm10)" for t in thr] + ["rejected", "train s"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    for name, s in _runs(args.paths):
+    for name, s, rounds, acc in _runs(args.paths):
         f = s["final"]
         row = [name, _f(f["accuracy"]), _f(f["nll"]), _f(f["ece"], True), _f(f.get("accuracy_marg")), _f(f.get("nll_marg")), _f(f.get("ece_marg"), True)]
         row += [_f(s.get("best_accuracy"))]
-        row += [str(s["rounds_to"].get(t) or "—") for t in thr] + [str(s["rounds_to_rm10"].get(t) or "—") for t in thr]
+        for window in (1, 10):
+            row += [str(rounds_to_threshold(rounds, acc, float(t), window=window) or "—") for t in thr]
         row += [str(f.get("rejected", 0)), f"{f['seconds']:.0f}"]
         print("| " + " | ".join(row) + " |")
 
