@@ -1,39 +1,206 @@
-"""Where a federated round's time goes: the steady rounds of one workload under cProfile.
+"""Where a federated round's time goes: phases of the steady rounds, or cProfile's top functions.
 
-    .venv/bin/python benchmarks/profile_round.py [WORKLOAD] [--rounds N] [--top N]
+    .venv/bin/python benchmarks/profile_round.py [WORKLOAD ...] [--rounds N] [--mode phases|cprofile] [--top N] [--json]
 
-Runs the workload (default ``fedavg``) in a fresh process with one XLA host device per core,
-exactly as ``fedbayes bench`` does, but with the steady rounds under ``cProfile``; prints the
-functions with the most own time and their share of the profiled round time, then the start-up
-breakdown. Time spent waiting for the compiled round shows up in the call that blocks on its
-result; everything else is host-side Python (cohort sampling, gathering, dispatch).
+Runs each workload (default ``fedavg``; any federated key of ``fedbayes.bench.WORKLOADS``, e.g.
+``fedpa``, ``fedep``, ``fedavg_e3_100``) in a fresh process with one XLA host device per core,
+built exactly as ``fedbayes bench`` builds it (``run_round(state, donate=True)``).
+
+``--mode phases`` (default) wraps the simulator's steps with timers and splits the median steady
+round into:
+
+* ``cohort``: sampling the cohort and assigning it to devices (``sample_cohort``, ``_layout_cohort``);
+* ``host_layout``: drawing the clients' shuffles and laying out the order buffer (``_gather``);
+* ``store``: gathering and scattering the cohort's client states (``MemoryStore``/``DiskStore``;
+  0 for stateless methods);
+* ``device_put``: moving the round's host arrays to the devices;
+* ``program``: the compiled round (``jit`` of broadcast, every client's update, validation and
+  the server update), from the call until its outputs are ready;
+* ``to_host``: reading the acceptance flags and the new client states back;
+* ``python``: the rest of ``run_round`` (its own Python, dispatch, the ``RoundInfo``).
+
+It then times the compiled program again on its own, the same inputs called back to back
+(``program_alone``): if that equals ``program``, the host adds nothing but the other phases.
+
+``--mode cprofile`` is the older view: the steady rounds under cProfile, functions with the most
+own time (``fedbayes.bench.measure_federated(profile_top=...)``).
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import statistics
+import subprocess
 import sys
+import time
 
 from fedbayes import bench as fb
+
+PHASES = ("cohort", "host_layout", "store", "device_put", "program", "to_host", "python")
+
+
+class _Proxy:
+    """A module with a few attributes replaced."""
+
+    def __init__(self, module, **replaced):
+        self._module = module
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def measure_phases(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *, store: str = "memory", store_dir: str | None = None) -> dict:
+    """Builds the workload as ``fedbayes bench`` does and times the phases of its steady rounds."""
+    import jax
+    import numpy as np
+
+    from fedbayes import simulate
+    from fedbayes import store as store_mod
+    from fedbayes.data import partition
+
+    dataset = fb._load(settings)
+    params_p = {"alpha": workload.alpha} if workload.partition == "dirichlet" else {}
+    parts = partition(workload.partition, dataset.y_train, workload.num_clients, np.random.default_rng([settings.seed, 2]), **params_p)
+    epochs = fb.workload_epochs(workload, settings)
+    params, trainer, apply_fn = fb._model_and_trainer(settings, dataset, settings.batch_size, epochs)
+    federation = simulate.Federation(dataset.x_train, dataset.y_train, tuple(parts))
+    ctx = fb.BuildContext(workload.num_clients, workload.clients_per_round, int(sum(federation.sizes)), apply_fn, dataset.task)
+    sim = simulate.Simulator(
+        fb.ALGORITHMS[workload.algorithm](trainer, ctx), federation, clients_per_round=workload.clients_per_round,
+        seed=settings.seed, store=store, store_dir=store_dir,
+    )  # fmt: skip
+    state = sim.init(params)
+    state, _ = sim.run_round(state, donate=True)  # compile
+    jax.block_until_ready(state.server_state)
+
+    acc = dict.fromkeys(PHASES, 0.0)
+
+    def timed(phase, fn, block=False):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if block:
+                jax.block_until_ready(out)
+            acc[phase] += time.perf_counter() - t0
+            return out
+
+        return wrapper
+
+    last_args = {}
+
+    def program(*a):
+        last_args["a"] = a
+        return jax.block_until_ready(round_fn(*a))
+
+    round_fn = sim._round_fn
+    sim.sample_cohort = timed("cohort", sim.sample_cohort)
+    sim._layout_cohort = timed("cohort", sim._layout_cohort)
+    sim._gather = timed("host_layout", sim._gather)
+    sim._round_fn = timed("program", program)
+    originals = []
+    for cls in (store_mod.MemoryStore, store_mod.DiskStore):
+        for meth in ("gather", "scatter"):
+            originals.append((cls, meth, getattr(cls, meth)))
+            setattr(cls, meth, timed("store", getattr(cls, meth)))
+    # simulate's own module references only: jax and numpy stay untouched for everyone else.
+    simulate.jax = _Proxy(jax, device_put=timed("device_put", jax.device_put))
+    simulate.np = _Proxy(np, asarray=timed("to_host", np.asarray))
+    per_round = []
+    totals = []
+    try:
+        for _ in range(fb.steady_rounds(workload, settings)):
+            for k in acc:
+                acc[k] = 0.0
+            t0 = time.perf_counter()
+            state, _ = sim.run_round(state, donate=True)
+            jax.block_until_ready(state.server_state)
+            total = time.perf_counter() - t0
+            # Host arrays read inside the store's own methods count as store, not to_host.
+            acc["python"] = total - sum(v for k, v in acc.items() if k != "python")
+            per_round.append(dict(acc))
+            totals.append(total)
+    finally:
+        simulate.jax, simulate.np = jax, np
+        for cls, meth, fn in originals:
+            setattr(cls, meth, fn)
+    alone = []
+    for _ in range(max(3, len(totals) // 2)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(round_fn(*last_args["a"]))
+        alone.append(time.perf_counter() - t0)
+    round_s = statistics.median(totals)
+    phases = {k: statistics.median([r[k] for r in per_round]) for k in PHASES}
+    examples = int(sum(federation.sizes[c] for c in sim.sample_cohort(1))) * epochs
+    return {
+        "workload": workload.name,
+        "store": store,
+        "rounds": len(totals),
+        "round_s": round_s,
+        "examples_per_s": examples / round_s,
+        "phases_s": phases,
+        "phases_share": {k: v / round_s for k, v in phases.items()},
+        "program_alone_s": statistics.median(alone),
+        "peak_rss_mb": fb.peak_rss_mb(),
+    }
+
+
+def _spawn_phases(name: str, settings: fb.BenchSettings) -> dict:
+    flags = fb.xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=fb.num_cores())
+    spec = json.dumps({"workload": name, "settings": dataclasses.asdict(settings)})
+    res = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=flags))
+    if res.returncode != 0:
+        raise fb.BenchError(f"profile worker {name} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def print_phases(r: dict) -> None:
+    ms = lambda s: f"{1000 * s:8.1f}"  # noqa: E731
+    print(f"{r['workload']}: median of {r['rounds']} steady rounds {1000 * r['round_s']:.1f} ms ({r['examples_per_s']:,.0f} examples/s); "
+          f"program alone {1000 * r['program_alone_s']:.1f} ms; peak RSS {r['peak_rss_mb']:,.0f} MB")  # fmt: skip
+    for k in PHASES:
+        print(f"  {k:<12}{ms(r['phases_s'][k])} ms {100 * r['phases_share'][k]:6.1f}%")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workload", nargs="?", default="fedavg", choices=[n for n, w in fb.WORKLOADS.items() if isinstance(w, fb.FederatedWorkload)])
-    parser.add_argument("--rounds", type=int, default=10)
+    federated = [n for n, w in fb.WORKLOADS.items() if isinstance(w, fb.FederatedWorkload)]
+    parser.add_argument("workloads", nargs="*", metavar="WORKLOAD", help=f"default: fedavg; one of {', '.join(federated)}")
+    parser.add_argument("--mode", choices=("phases", "cprofile"), default="phases")
+    parser.add_argument("--rounds", type=int, default=10, help="steady rounds (scaled by the workload's rounds_scale)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--dataset", default=fb.FULL.dataset)
+    parser.add_argument("--json", action="store_true", help="phases: one JSON object per workload")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        s = dict(spec["settings"])
+        s["hidden"] = tuple(s["hidden"])
+        print(json.dumps(measure_phases(fb.WORKLOADS[spec["workload"]], fb.BenchSettings(**s))))
+        return 0
+    unknown = [n for n in args.workloads if n not in federated]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; known: {', '.join(federated)}")
     settings = dataclasses.replace(fb.FULL, rounds=args.rounds, dataset=args.dataset)
     fb.check_dataset(settings)
-    raw = fb.run_federated_process(fb.WORKLOADS[args.workload], settings, profile_top=args.top)
-    entry = fb.federated_entry(raw)
-    total = sum(raw["round_s"])
-    print(f"{args.workload}: {entry['rounds']} steady rounds under cProfile, {total:.3f} s, median round {entry['round_s']:.4f} s, {entry['examples_per_s']:,.0f} examples/s (profiler on)")
-    print(f"{'own s':>8} {'share':>6} {'cum s':>8} {'calls':>7}  function")
-    for r in raw["profile"]:
-        print(f"{r['own_s']:8.3f} {100 * r['own_share']:5.1f}% {r['cum_s']:8.3f} {r['calls']:7d}  {r['function']}")
-    parts = ", ".join(f"{k} {v:.2f}" for k, v in raw["startup_parts"].items())
-    print(f"start-up {raw['startup_s']:.2f} s: {parts}")
+    for name in args.workloads or ["fedavg"]:
+        if args.mode == "phases":
+            r = _spawn_phases(name, settings)
+            print(json.dumps(r)) if args.json else print_phases(r)
+            continue
+        raw = fb.run_federated_process(fb.WORKLOADS[name], settings, profile_top=args.top)
+        entry = fb.federated_entry(raw)
+        total = sum(raw["round_s"])
+        print(f"{name}: {entry['rounds']} steady rounds under cProfile, {total:.3f} s, median round {entry['round_s']:.4f} s, {entry['examples_per_s']:,.0f} examples/s (profiler on)")
+        print(f"{'own s':>8} {'share':>6} {'cum s':>8} {'calls':>7}  function")
+        for r in raw["profile"]:
+            print(f"{r['own_s']:8.3f} {100 * r['own_share']:5.1f}% {r['cum_s']:8.3f} {r['calls']:7d}  {r['function']}")
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in raw["startup_parts"].items())
+        print(f"start-up {raw['startup_s']:.2f} s: {parts}")
     return 0
 
 

@@ -48,6 +48,21 @@ def test_every_workload_reports_the_required_numbers(repeat):
     assert results["fedavg_dirichlet"]["client_sizes"]["min"] < results["fedavg_dirichlet"]["client_sizes"]["max"]
 
 
+def test_posterior_workloads_report_ratios_to_fedavg_at_the_same_epochs(repeat):
+    results = json.loads(json.dumps(fb.summarize([repeat])))
+    for name, base in (("fedpa", "fedavg_e3"), ("fedep", "fedavg_e3"), ("fedpa_100", "fedavg_e3_100"), ("fedep_100", "fedavg_e3_100")):
+        entry = results[name]
+        assert entry["algorithm"] == name.split("_")[0] and entry["epochs"] == 3 == results[base]["epochs"]
+        assert entry["baseline"] == base and _positive_finite(entry["startup_s"])
+        assert entry[fb.BASELINE_RATIO] == pytest.approx(entry["examples_per_s"] / results[base]["examples_per_s"])
+        assert entry["clients_per_round"] == results[base]["clients_per_round"] and entry["num_clients"] == results[base]["num_clients"]
+    assert results["fedpa"]["examples_per_round"] == results["fedep"]["examples_per_round"] == 3 * 1437  # 3 epochs of every client
+    assert fb.BASELINE_RATIO not in results["fedavg"] and fb.BASELINE_RATIO not in results["fedavg_e3"]
+    assert all(fb.WORKLOADS[n].algorithm in fb.ALGORITHMS for n in results if isinstance(fb.WORKLOADS[n], fb.FederatedWorkload))
+    table = fb.markdown(results)
+    assert "vs FedAvg" in table and "3 epochs" in table
+
+
 def test_repeats_are_medians_with_ranges_and_ratios_within_each_repeat(repeat):
     slower = {name: {**e, "examples_per_s": e["examples_per_s"] / 2} for name, e in repeat.items()}
     results = fb.summarize([repeat, slower, repeat])
@@ -58,6 +73,10 @@ def test_repeats_are_medians_with_ranges_and_ratios_within_each_repeat(repeat):
     # Halving everything in one repeat leaves that repeat's ratio unchanged.
     ratio = repeat["fedavg"]["examples_per_s"] / repeat[fb.REFERENCE]["examples_per_s"]
     assert fed["ratio_range"] == pytest.approx([ratio, ratio])
+    # So does the ratio to FedAvg at the same epochs.
+    vs = repeat["fedpa"]["examples_per_s"] / repeat["fedavg_e3"]["examples_per_s"]
+    assert results["fedpa"][fb.BASELINE_RATIO] == pytest.approx(vs)
+    assert results["fedpa"][fb.BASELINE_RATIO + "_range"] == pytest.approx([vs, vs])
     assert "fedavg" in fb.markdown(results) and len(fb.rows(results)) == len(results)
 
 
@@ -86,6 +105,7 @@ def test_missing_data_and_unknown_workloads_are_clear_errors(tmp_path):
     with pytest.raises(fb.BenchError, match="unknown workload"):
         fb.resolve_names(["fedsomething"])
     assert fb.resolve_names(["fedavg"]) == [fb.REFERENCE, "fedavg"]
+    assert fb.resolve_names(["fedep_100"]) == [fb.REFERENCE, "fedavg_e3_100", "fedep_100"]  # its baseline runs with it
     res = CliRunner().invoke(app, ["bench", "--workload", "fedsomething"])
     assert res.exit_code == 3 and "unknown workload" in res.output
 
@@ -95,5 +115,6 @@ def test_cli_json_is_one_object_keyed_by_workload(repeat, monkeypatch):
     res = CliRunner().invoke(app, ["bench", "--quick", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert set(out) == set(fb.WORKLOADS)
+    assert set(out) == set(fb.WORKLOADS) and {"fedpa", "fedep"} <= set(out)
     assert all(set(REQUIRED) <= set(e) for e in out.values())
+    assert all(fb.BASELINE_RATIO in out[k] for k in ("fedpa", "fedep"))

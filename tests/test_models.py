@@ -122,6 +122,16 @@ def test_init_params_accepts_raw_and_typed_keys():
     assert not np.array_equal(typed["dense"]["kernel"], other["dense"]["kernel"])
 
 
+def test_init_params_fast_compile_is_bit_identical_to_default_compile():
+    # init_params compiles at LLVM -O1 for a faster start-up; the parameters must be exactly what
+    # the default compile gives (every experiment's starting point).
+    model = make_model("mlp", NUM_CLASSES, hidden=(16,))
+    fast = init_params(model, jax.random.key(3), (8, 8, 1))
+    default = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8, 8, 1), jnp.float32)))(jax.random.key(3))["params"]
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(default), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_mlp_parameter_count_seed_001():
     params = _model_and_params("mlp", (784,))[1]
     assert _num_params(params) == 784 * 200 + 200 + 200 * 100 + 100 + 100 * 10 + 10

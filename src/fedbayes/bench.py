@@ -4,11 +4,14 @@ Issue 5, item 1. Run on demand, never timed in the test suite. Every workload ru
 fresh Python process, so that its start-up, compile time and peak memory are its own, and so
 that its XLA flags can be set before JAX starts.
 
-Workloads (Fashion-MNIST, the MLP (200, 100), batch 32, one local epoch of client SGD):
+Workloads (Fashion-MNIST, the MLP (200, 100), batch 32, client SGD; one local epoch unless the
+workload sets ``epochs``):
 
 * **Federated** (:class:`FederatedWorkload`): the :class:`~fedbayes.simulate.Simulator` with
   one XLA host device per core (``--xla_force_host_platform_device_count=<cores>``, as the CLI
-  sets it). The first round is timed on its own; then ``rounds`` further rounds, each timed to
+  sets it), running FedAvg, FedPA or FedEP (scaled identity, stateful sites in the memory store).
+  The first round is timed on its own; then ``rounds`` further rounds, each
+  ``run_round(state, donate=True)`` (as ``run_experiment`` runs them) timed to
   ``block_until_ready`` on the new server state.
 
   - ``round_s``: median steady-state round time (the rounds after the first);
@@ -34,13 +37,15 @@ Workloads (Fashion-MNIST, the MLP (200, 100), batch 32, one local epoch of clien
     threading, one device).
 
 ``ratio_to_limit`` is a workload's ``examples_per_s`` over ``limit_b32``'s **measured in the
-same repeat**; with several repeats every number is the median over repeats (``*_range`` gives
-min and max of the throughput and the ratio). ``peak_rss_mb`` is the peak resident set of the
+same repeat**, and ``ratio_to_fedavg`` (FedPA, FedEP) over its ``baseline``'s, FedAvg on the same
+federation with the same local epochs, in the same repeat; with several repeats every number is
+the median over repeats (``*_range`` gives min and max of the throughput and the ratios). ``peak_rss_mb`` is the peak resident set of the
 process that ran the workload (``ru_maxrss``), for ``limit_b32`` the largest of its processes.
 
 The workloads are a registry keyed by name (:data:`WORKLOADS`); algorithms that federated
-workloads run are a registry too (:data:`ALGORITHMS`). A new method adds a builder there and its
-workloads here (e.g. ``"fedpa"``, ``"fedep"``); nothing else changes.
+workloads run are a registry too (:data:`ALGORITHMS`, builders from a
+:class:`~fedbayes.inference.sgd.LocalTrainer` and a :class:`BuildContext`). A new method adds a
+builder there and its workloads here; nothing else changes.
 
 This module imports no JAX at top level: the parent process only starts workers and formats
 their results. Workers are ``python -m fedbayes.bench <spec-json>``.
@@ -59,7 +64,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULT_PREFIX = "FEDBAYES_BENCH_RESULT "
 READY = "FEDBAYES_BENCH_READY"
@@ -124,6 +129,12 @@ class FederatedWorkload:
       rounds_scale: steady rounds are ``ceil(settings.rounds * rounds_scale)`` (small rounds get
         more of them, so that each workload is timed over a similar number of examples).
       description: one line, reported as the entry's ``description``.
+      epochs: local epochs per round (``None``: ``settings.epochs``). FedPA needs at least 2
+        (one IASG sample per epoch after the first); FedEP's SG-MCMC step takes one sample per
+        epoch.
+      baseline: another federated workload (FedAvg at the same epochs and federation) whose
+        ``examples_per_s`` **in the same repeat** is the denominator of this workload's
+        ``ratio_to_fedavg``; it always runs with this one.
     """
 
     name: str
@@ -134,6 +145,8 @@ class FederatedWorkload:
     alpha: float = 0.5
     rounds_scale: float = 1.0
     description: str = ""
+    epochs: int | None = None
+    baseline: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,20 +177,72 @@ WORKLOADS: dict[str, Workload] = {
         FederatedWorkload("fedavg", "fedavg", 10, 10, description="FedAvg, 10 of 10 IID clients"),
         FederatedWorkload("fedavg_100", "fedavg", 100, 10, rounds_scale=5.0, description="FedAvg, 10 of 100 IID clients"),
         FederatedWorkload("fedavg_dirichlet", "fedavg", 10, 10, partition="dirichlet", alpha=0.5, description="FedAvg, 10 of 10, Dirichlet(0.5) label split"),
+        # Posterior methods against FedAvg at the same local epochs (3: FedPA's 2 IASG samples
+        # after one mixing epoch; FedEP's SG-MCMC takes 3 end-of-epoch samples).
+        FederatedWorkload("fedavg_e3", "fedavg", 10, 10, epochs=3, rounds_scale=0.5, description="FedAvg, 10 of 10 IID clients, 3 epochs"),
+        FederatedWorkload("fedpa", "fedpa", 10, 10, epochs=3, rounds_scale=0.5, baseline="fedavg_e3", description="FedPA (rho 0.01, 2 samples), 10 of 10 IID clients, 3 epochs"),
+        FederatedWorkload("fedep", "fedep", 10, 10, epochs=3, rounds_scale=0.5, baseline="fedavg_e3", description="FedEP (identity, stateful sites), 10 of 10 IID clients, 3 epochs"),
+        FederatedWorkload("fedavg_e3_100", "fedavg", 100, 10, epochs=3, rounds_scale=2.0, description="FedAvg, 10 of 100 IID clients, 3 epochs"),
+        FederatedWorkload("fedpa_100", "fedpa", 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description="FedPA, 10 of 100 IID clients, 3 epochs"),
+        FederatedWorkload("fedep_100", "fedep", 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description="FedEP (identity, stateful sites), 10 of 100 IID clients, 3 epochs"),
     )
 }
+BASELINE_RATIO = "ratio_to_fedavg"  # a workload's examples_per_s over its baseline's, same repeat
 
 
-def _fedavg(trainer):
+class BuildContext(NamedTuple):
+    """What an algorithm builder may need besides the trainer (FedEP: ``N``, ``K``, ``M``)."""
+
+    num_clients: int
+    clients_per_round: int
+    total_examples: int
+    apply_fn: Callable[..., Any]
+    task: str
+
+
+def _fedavg(trainer, ctx: BuildContext):
     import optax
 
     from fedbayes.algorithms import fedavg
 
+    del ctx
     return fedavg(trainer, optax.sgd(1.0))
 
 
-# Algorithm name -> builder from a LocalTrainer. FedPA and FedEP add theirs when they exist.
-ALGORITHMS: dict[str, Callable[[Any], Any]] = {"fedavg": _fedavg}
+def _fedpa(trainer, ctx: BuildContext):
+    import optax
+
+    from fedbayes.algorithms import fedpa
+
+    del ctx
+    return fedpa(trainer, optax.sgd(1.0), rho=0.01, skip_epochs=1)
+
+
+def _fedep(trainer, ctx: BuildContext, *, stateful: bool = True):
+    """FedEP (or stateless FedSEP) with the scaled-identity client method, as
+    :func:`fedbayes.experiment.build_algorithm` builds it from a default config (damping ``1/M``,
+    :class:`~fedbayes.inference.tilted.TiltedSettings` defaults, no burn-in)."""
+    import optax
+
+    from fedbayes.algorithms import fedep, fedsep
+    from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
+
+    settings = TiltedSettings()
+    inference = make_tilted_inference("identity", trainer, settings, apply_fn=ctx.apply_fn, task=ctx.task)
+    kwargs = dict(total_examples=ctx.total_examples, num_clients=ctx.num_clients, damping=1.0 / ctx.clients_per_round, alpha_cov=settings.alpha_cov)
+    build = fedep if stateful else fedsep
+    return build(trainer, optax.sgd(1.0), inference, **kwargs)
+
+
+# Algorithm name -> builder from a LocalTrainer and a BuildContext.
+ALGORITHMS: dict[str, Callable[[Any, BuildContext], Any]] = {
+    "fedavg": _fedavg,
+    "fedpa": _fedpa,
+    "fedep": _fedep,
+    "fedsep": lambda trainer, ctx: _fedep(trainer, ctx, stateful=False),
+}
+
+
 
 
 def num_cores() -> int:
@@ -197,7 +262,8 @@ def _load(settings: BenchSettings):
     return load_dataset(settings.dataset, data_dir=settings.data_dir, seed=settings.seed)
 
 
-def _model_and_trainer(settings: BenchSettings, dataset, batch_size: int):
+def _model_and_trainer(settings: BenchSettings, dataset, batch_size: int, epochs: int | None = None):
+    """``(params, trainer, apply_fn)`` of the MLP; ``epochs`` overrides ``settings.epochs``."""
     import jax
     import optax
 
@@ -206,8 +272,12 @@ def _model_and_trainer(settings: BenchSettings, dataset, batch_size: int):
 
     model = make_model("mlp", dataset.num_classes, hidden=settings.hidden)
     params = init_params(model, jax.random.key(settings.seed), dataset.feature_shape)
-    trainer = LocalTrainer(loss_fn(model, dataset.task), optax.sgd(settings.lr), settings.epochs, batch_size)
-    return params, trainer
+    trainer = LocalTrainer(loss_fn(model, dataset.task), optax.sgd(settings.lr), epochs or settings.epochs, batch_size)
+    return params, trainer, lambda p, x: model.apply({"params": p}, x)
+
+
+def workload_epochs(workload: "FederatedWorkload", settings: BenchSettings) -> int:
+    return workload.epochs or settings.epochs
 
 
 def steady_rounds(workload: FederatedWorkload, settings: BenchSettings) -> int:
@@ -252,12 +322,16 @@ def measure_federated(
     params_p = {"alpha": workload.alpha} if workload.partition == "dirichlet" else {}
     parts = partition(workload.partition, dataset.y_train, workload.num_clients, rng, **params_p)
     t_data = time.time()
-    params, trainer = _model_and_trainer(settings, dataset, settings.batch_size)
+    epochs = workload_epochs(workload, settings)
+    params, trainer, apply_fn = _model_and_trainer(settings, dataset, settings.batch_size, epochs)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
-    sim = Simulator(ALGORITHMS[workload.algorithm](trainer), federation, clients_per_round=workload.clients_per_round, seed=settings.seed)
+    ctx = BuildContext(workload.num_clients, workload.clients_per_round, int(sum(federation.sizes)), apply_fn, dataset.task)
+    sim = Simulator(ALGORITHMS[workload.algorithm](trainer, ctx), federation, clients_per_round=workload.clients_per_round, seed=settings.seed)
     state = sim.init(params)
     t_built = time.time()
-    state, _ = sim.run_round(state)
+    # donate=True: the bench drops each old state, as run_experiment does (a stateful method's
+    # memory store is then updated in place instead of copied every round).
+    state, _ = sim.run_round(state, donate=True)
     jax.block_until_ready(state.server_state)
     t_first = time.time()
 
@@ -271,10 +345,10 @@ def measure_federated(
         profiler.enable()
     for _ in range(steady_rounds(workload, settings)):
         t0 = time.perf_counter()
-        state, info = sim.run_round(state)
+        state, info = sim.run_round(state, donate=True)
         jax.block_until_ready(state.server_state)
         times.append(time.perf_counter() - t0)
-        examples.append(int(sizes[np.asarray(info.cohort)].sum()) * settings.epochs)
+        examples.append(int(sizes[np.asarray(info.cohort)].sum()) * epochs)
         padding.append(float(info.padding_waste))
         step_waste.append(float(info.step_waste))
     start = spawn_time if spawn_time is not None else t_enter
@@ -297,6 +371,8 @@ def measure_federated(
         "devices": len(jax.local_devices()),
         "num_clients": workload.num_clients,
         "clients_per_round": workload.clients_per_round,
+        "epochs": epochs,
+        "algorithm": workload.algorithm,
         "partition": workload.partition if workload.partition != "dirichlet" else f"dirichlet({workload.alpha:g})",
         "client_sizes": {"min": int(sizes.min()), "median": float(np.median(sizes)), "max": int(sizes.max())},
     }
@@ -322,10 +398,13 @@ def _central_epoch(loss, optimizer, num_examples: int, batch_size: int):
     """One jit-compiled epoch of shuffled minibatch training over ``num_examples`` examples.
 
     The last batch is partial and masked, exactly as a client's is (``fedbayes.models.loss_fn``).
+    Compiled with the simulator round's XLA options, so that the per-step code is the clients'.
     """
     import jax
     import jax.numpy as jnp
     import optax
+
+    from fedbayes.simulate import round_compiler_options
 
     steps = -(-num_examples // batch_size)
     pad = steps * batch_size - num_examples
@@ -345,7 +424,7 @@ def _central_epoch(loss, optimizer, num_examples: int, batch_size: int):
 
         return jax.lax.fori_loop(0, steps, body, (params, opt_state))
 
-    return jax.jit(epoch)
+    return jax.jit(epoch, compiler_options=round_compiler_options(jax.devices()[0].platform))
 
 
 def measure_limit(
@@ -372,7 +451,7 @@ def measure_limit(
     bounds = np.linspace(0, dataset.num_train, num_shares + 1).astype(np.int64)
     lo, hi = int(bounds[share]), int(bounds[share + 1])
     batch_size = settings.large_batch if workload.large_batch else settings.batch_size
-    params, trainer = _model_and_trainer(settings, dataset, batch_size)
+    params, trainer, _ = _model_and_trainer(settings, dataset, batch_size)
     x = jax.device_put(dataset.x_train[lo:hi])
     y = jax.device_put(dataset.y_train[lo:hi])
     epoch = _central_epoch(trainer.loss_fn, trainer.optimizer, hi - lo, batch_size)
@@ -409,7 +488,7 @@ def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
         "padding_waste": statistics.median(raw["padding_waste"]),
         "step_waste": statistics.median(raw["step_waste"]),
     }
-    for k in ("num_clients", "clients_per_round", "partition", "layout", "devices", "client_sizes", "profile"):
+    for k in ("num_clients", "clients_per_round", "epochs", "algorithm", "partition", "layout", "devices", "client_sizes", "profile"):
         if k in raw:
             entry[k] = raw[k]
     return entry
@@ -447,9 +526,10 @@ def summarize(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
     """Combines per-repeat entries into one JSON-ready object keyed by workload.
 
     Each repeat maps workload name -> entry (from :func:`federated_entry` / :func:`limit_entry`)
-    and must hold :data:`REFERENCE`. ``ratio_to_limit`` is computed within each repeat, then every
-    numeric field is the median over repeats; with several repeats ``examples_per_s_range`` and
-    ``ratio_range`` give [min, max].
+    and must hold :data:`REFERENCE`. ``ratio_to_limit`` is computed within each repeat, and so is
+    ``ratio_to_fedavg`` (a workload's throughput over its ``baseline``'s, when both ran); then
+    every numeric field is the median over repeats; with several repeats
+    ``examples_per_s_range``, ``ratio_range`` and ``ratio_to_fedavg_range`` give [min, max].
     """
     if not repeats:
         raise BenchError("no measurements to summarize")
@@ -462,17 +542,30 @@ def summarize(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
         for rep in repeats:
             e = dict(rep[name])
             e["ratio_to_limit"] = e["examples_per_s"] / rep[REFERENCE]["examples_per_s"]
+            base = _baseline(name)
+            if base is not None and base in rep:
+                e[BASELINE_RATIO] = e["examples_per_s"] / rep[base]["examples_per_s"]
             entries.append(e)
         merged = _median_tree(entries)
         merged["repeats"] = len(entries)
         if len(entries) > 1:
             merged["examples_per_s_range"] = [min(e["examples_per_s"] for e in entries), max(e["examples_per_s"] for e in entries)]
             merged["ratio_range"] = [min(e["ratio_to_limit"] for e in entries), max(e["ratio_to_limit"] for e in entries)]
+            if BASELINE_RATIO in merged:
+                got = [e[BASELINE_RATIO] for e in entries if BASELINE_RATIO in e]
+                merged[BASELINE_RATIO + "_range"] = [min(got), max(got)]
         w = WORKLOADS.get(name)
         if w is not None:
             merged["description"] = w.description
+            if _baseline(name) is not None and BASELINE_RATIO in merged:
+                merged["baseline"] = _baseline(name)
         out[name] = merged
     return out
+
+
+def _baseline(name: str) -> str | None:
+    w = WORKLOADS.get(name)
+    return w.baseline if isinstance(w, FederatedWorkload) else None
 
 
 # ----- running workers --------------------------------------------------------------------------
@@ -576,13 +669,14 @@ def check_dataset(settings: BenchSettings) -> None:
 
 
 def resolve_names(names: Sequence[str] | None) -> list[str]:
-    """The workloads to run, in registry order, always with :data:`REFERENCE` (the denominator)."""
+    """The workloads to run, in registry order, always with :data:`REFERENCE` (the denominator)
+    and with each named workload's ``baseline``."""
     if not names:
         return list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise BenchError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
-    wanted = set(names) | {REFERENCE}
+    wanted = set(names) | {REFERENCE} | {b for b in map(_baseline, names) if b is not None}
     return [n for n in WORKLOADS if n in wanted]
 
 
@@ -613,7 +707,7 @@ def run_bench(
 
 
 # ----- presentation -----------------------------------------------------------------------------
-COLUMNS = ("workload", "examples/s", "ratio to limit", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients / processes")
+COLUMNS = ("workload", "examples/s", "ratio to limit", "vs FedAvg", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients / processes")
 
 
 def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
@@ -623,8 +717,16 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
         ratio = f"{e['ratio_to_limit']:.2f}"
         if "ratio_range" in e and name != REFERENCE:
             ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"
+        vs = ""
+        if BASELINE_RATIO in e:
+            vs = f"{e[BASELINE_RATIO]:.2f}"
+            if BASELINE_RATIO + "_range" in e:
+                lo, hi = e[BASELINE_RATIO + "_range"]
+                vs += f" ({lo:.2f}-{hi:.2f})"
         if "clients_per_round" in e:
             clients = f"{e['clients_per_round']} of {e['num_clients']}, {e['partition']}"
+            if e.get("epochs", 1) != 1:
+                clients += f", {e['epochs']} epochs"
         else:
             clients = f"{e['processes']} process{'es' if e['processes'] > 1 else ''}, batch {e['batch_size']}"
         startup = f"{e['startup_s']:.1f}" if "startup_s" in e else ""
@@ -633,6 +735,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                 name,
                 f"{e['examples_per_s']:,.0f}",
                 ratio,
+                vs,
                 f"{e['round_s']:.3f}",
                 f"{e['compile_s']:.2f}",
                 startup,
@@ -668,7 +771,7 @@ def describe_run(settings: BenchSettings, quick: bool) -> str:
 
     return (
         f"fedbayes bench{' --quick' if quick else ''}: {settings.dataset}, MLP {settings.hidden}, batch {settings.batch_size}, "
-        f"{settings.epochs} epoch; {num_cores()} cores; jax {version('jax')}; {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"{settings.epochs} local epoch unless a workload says otherwise; {num_cores()} cores; jax {version('jax')}; {time.strftime('%Y-%m-%d %H:%M')}; "
         f"{settings.repeats} repeat{'s' if settings.repeats > 1 else ''}"
     )
 

@@ -34,6 +34,7 @@ device per core (the CLI does this); with one device both layouts still work.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, NamedTuple, Sequence
 
@@ -50,6 +51,25 @@ from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederat
 from fedbayes.store import DiskStore, MemoryStore, as_store
 
 log = logging.getLogger(__name__)
+
+# XLA:CPU (jax 0.10) hands dots and reductions to YNNPACK by default. Its reductions over a short
+# axis ran about 40x slower than XLA's own loops on the development machine (the mean over FedEP's
+# 3 SG-MCMC samples, [3, 784, 200]: 6.2 ms against 0.14 ms), about 10 ms per FedEP client and
+# round; the round keeps YNNPACK for dots only (docs/results/bench.md, "Where time goes").
+_CPU_ROUND_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+@functools.cache
+def round_compiler_options(platform: str) -> dict[str, str] | None:
+    """XLA options of the compiled round on ``platform``: ``None`` (XLA's defaults) except on CPU,
+    and also there when this XLA does not know the option (checked once by a tiny compile)."""
+    if platform != "cpu":
+        return None
+    try:
+        jax.jit(lambda: 0, compiler_options=_CPU_ROUND_OPTIONS).lower().compile()
+    except Exception:  # an XLA without YNNPACK fusions: nothing to restrict
+        return None
+    return dict(_CPU_ROUND_OPTIONS)
 
 __all__ = ["Federation", "GeneratedFederation", "RoundInfo", "SimState", "Simulator", "cohort_rng", "sample_without_replacement"]
 
@@ -195,7 +215,7 @@ class Simulator:
         root = jax.random.key(seed)
         self._client_root = jax.random.fold_in(root, 0)
         self._server_key = jax.random.fold_in(root, 2)
-        self._round_fn = jax.jit(self._round)
+        self._round_fn = jax.jit(self._round, compiler_options=round_compiler_options(devices[0].platform))
         self._message_bytes: tuple[int, int] | None = None
 
     # ----- state -----------------------------------------------------------------------------
