@@ -276,3 +276,13 @@ def test_device_assignment_is_balanced_with_a_fixed_shape():
         loads = [costs[g].sum() for g in groups]
         # within the largest item of a perfect split (LPT's guarantee, with the slot cap)
         assert max(loads) - costs.sum() / 2 <= costs.max() + 1e-9
+
+
+def test_round_compiler_options_keep_ynnpack_for_dots_only_on_cpu():
+    # XLA:CPU's YNNPACK reductions over short axes were ~40x slower than XLA's loops (FedEP's
+    # mean over its samples; docs/results/bench.md); the round keeps YNNPACK for dots only.
+    from fedbayes.simulate import round_compiler_options
+
+    assert round_compiler_options("gpu") is None
+    opts = round_compiler_options("cpu")
+    assert opts is None or opts == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
