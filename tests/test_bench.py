@@ -4,6 +4,7 @@ measured on demand with ``fedbayes bench``, never in the test suite."""
 import json
 import math
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -78,12 +79,30 @@ def test_repeats_are_medians_with_ranges_and_ratios_within_each_repeat(repeat):
     assert results["fedpa"][fb.BASELINE_RATIO] == pytest.approx(vs)
     assert results["fedpa"][fb.BASELINE_RATIO + "_range"] == pytest.approx([vs, vs])
     assert "fedavg" in fb.markdown(results) and len(fb.rows(results)) == len(results)
+    results["fedpa"].update({fb.PAIRED_RATIO: 0.9, fb.PAIRED_RATIO + "_range": [0.8, 1.0]})
+    assert "0.90 (0.80-1.00)" in fb.markdown(results)
 
 
 def test_profile_rows_name_functions(repeat):
     raw = fb.measure_federated(fb.WORKLOADS["fedavg"], TINY, profile_top=5)
     assert len(raw["profile"]) == 5
     assert all(r["own_s"] >= 0 and r["calls"] > 0 and r["function"] for r in raw["profile"])
+
+
+def test_paired_rounds_interleave_workloads_and_give_per_pass_ratios():
+    raw = fb.measure_paired(["fedavg_e3", "fedpa", "fedep"], TINY, rounds=2)
+    assert all(len(raw["round_s"][n]) == 2 and all(t > 0 for t in raw["round_s"][n]) for n in ("fedavg_e3", "fedpa", "fedep"))
+    assert raw["examples"]["fedpa"] == [3 * 1437] * 2  # every client, 3 epochs, each pass
+    ratios = fb.paired_ratios(raw, "fedavg_e3")
+    assert set(ratios) == {"fedpa", "fedep"}
+    assert ratios["fedpa"][1] == pytest.approx(raw["round_s"]["fedavg_e3"][1] / raw["round_s"]["fedpa"][1])
+    results = {"fedpa": {}, "fedep": {}}
+    fb.add_paired(results, raw, "fedavg_e3")
+    assert results["fedep"][fb.PAIRED_RATIO] == pytest.approx(float(np.median(ratios["fedep"])))
+    assert results["fedep"][fb.PAIRED_RATIO + "_range"] == [min(ratios["fedep"]), max(ratios["fedep"])]
+    assert fb.paired_groups(fb.resolve_names(["fedpa", "fedep_100"])) == {"fedavg_e3": ["fedavg_e3", "fedpa"], "fedavg_e3_100": ["fedavg_e3_100", "fedep_100"]}
+    with pytest.raises(fb.BenchError, match="federated workloads only"):
+        fb.measure_paired([fb.REFERENCE, "fedavg"], TINY, rounds=1)
 
 
 def test_pinned_limit_processes_start_together_and_report():

@@ -38,7 +38,9 @@ workload sets ``epochs``):
 
 ``ratio_to_limit`` is a workload's ``examples_per_s`` over ``limit_b32``'s **measured in the
 same repeat**, and ``ratio_to_fedavg`` (FedPA, FedEP) over its ``baseline``'s, FedAvg on the same
-federation with the same local epochs, in the same repeat; with several repeats every number is
+federation with the same local epochs, in the same repeat; ``paired_ratio_to_fedavg`` is that
+ratio again from one process that runs the workload and its baseline with their rounds
+interleaved (median over the pairs of rounds), free of the noise between processes; with several repeats every number is
 the median over repeats (``*_range`` gives min and max of the throughput and the ratios). ``peak_rss_mb`` is the peak resident set of the
 process that ran the workload (``ru_maxrss``), for ``limit_b32`` the largest of its processes.
 
@@ -112,7 +114,9 @@ class BenchSettings:
 
 
 FULL = BenchSettings()
-QUICK = BenchSettings(rounds=3, limit_reps=3, repeats=1)
+# A smoke check under two minutes on 2 cores (119 s with rounds=3 and 11 workloads, quiet; the
+# 3-epoch 10-of-10 workloads then time one steady round each).
+QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +192,7 @@ WORKLOADS: dict[str, Workload] = {
     )
 }
 BASELINE_RATIO = "ratio_to_fedavg"  # a workload's examples_per_s over its baseline's, same repeat
+PAIRED_RATIO = "paired_ratio_to_fedavg"  # the same, from rounds interleaved in one process
 
 
 class BuildContext(NamedTuple):
@@ -284,6 +289,80 @@ def steady_rounds(workload: FederatedWorkload, settings: BenchSettings) -> int:
     return max(1, math.ceil(settings.rounds * workload.rounds_scale))
 
 
+def workload_partition(workload: FederatedWorkload, settings: BenchSettings, dataset) -> list:
+    """The workload's clients: index arrays into the training set (seeded by ``settings.seed``)."""
+    import numpy as np
+
+    from fedbayes.data import partition
+
+    params_p = {"alpha": workload.alpha} if workload.partition == "dirichlet" else {}
+    return partition(workload.partition, dataset.y_train, workload.num_clients, np.random.default_rng([settings.seed, 2]), **params_p)
+
+
+def build_simulator(workload: FederatedWorkload, settings: BenchSettings, dataset, parts=None, **simulator_kwargs):
+    """``(simulator, initial state)`` of a federated workload, as every benchmark builds it.
+
+    ``parts`` defaults to :func:`workload_partition`; ``simulator_kwargs`` go to
+    :class:`~fedbayes.simulate.Simulator` (e.g. ``store="disk"``).
+    """
+    from fedbayes.simulate import Federation, Simulator
+
+    if workload.algorithm not in ALGORITHMS:
+        raise BenchError(f"workload {workload.name!r}: unknown algorithm {workload.algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    parts = workload_partition(workload, settings, dataset) if parts is None else parts
+    params, trainer, apply_fn = _model_and_trainer(settings, dataset, settings.batch_size, workload_epochs(workload, settings))
+    federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
+    ctx = BuildContext(workload.num_clients, workload.clients_per_round, int(sum(federation.sizes)), apply_fn, dataset.task)
+    algorithm = ALGORITHMS[workload.algorithm](trainer, ctx)
+    sim = Simulator(algorithm, federation, clients_per_round=workload.clients_per_round, seed=settings.seed, **simulator_kwargs)
+    return sim, sim.init(params)
+
+
+def measure_paired(names: Sequence[str], settings: BenchSettings, rounds: int | None = None) -> dict[str, Any]:
+    """Times federated workloads in this one process, their rounds interleaved.
+
+    Every workload is built and compiled (two rounds), then ``rounds`` passes each run one round
+    of every workload in turn (default: the first workload's :func:`steady_rounds`). Paired
+    rounds saw the same machine state, so the ratio of their times is far less noisy than a ratio
+    of separate processes' medians (on the 2-core development VM a fresh process's throughput
+    varies by up to +-25%).
+
+    Returns:
+      ``{"round_s": {name: [seconds per pass]}, "examples": {name: [examples per pass]}}``.
+    """
+    import jax
+
+    dataset = _load(settings)
+    workloads = [WORKLOADS[n] for n in names]
+    if not all(isinstance(w, FederatedWorkload) for w in workloads):
+        raise BenchError(f"paired timing takes federated workloads only; got {list(names)}")
+    runs = []
+    for w in workloads:
+        sim, state = build_simulator(w, settings, dataset)
+        for _ in range(2):
+            state, _ = sim.run_round(state, donate=True)
+        jax.block_until_ready(state.server_state)
+        runs.append([sim, state])
+    times: dict[str, list[float]] = {n: [] for n in names}
+    examples: dict[str, list[int]] = {n: [] for n in names}
+    for _ in range(rounds or steady_rounds(workloads[0], settings)):
+        for w, run in zip(workloads, runs):
+            sim, state = run
+            t0 = time.perf_counter()
+            state, info = sim.run_round(state, donate=True)
+            jax.block_until_ready(state.server_state)
+            times[w.name].append(time.perf_counter() - t0)
+            examples[w.name].append(int(sim.federation.sizes[info.cohort].sum()) * workload_epochs(w, settings))
+            run[1] = state
+    return {"kind": "paired", "round_s": times, "examples": examples}
+
+
+def paired_ratios(raw: dict[str, Any], baseline: str) -> dict[str, list[float]]:
+    """Per pass, each workload's throughput over ``baseline``'s in the same pass."""
+    rate = {n: [e / t for e, t in zip(raw["examples"][n], raw["round_s"][n])] for n in raw["round_s"]}
+    return {n: [a / b for a, b in zip(r, rate[baseline])] for n, r in rate.items() if n != baseline}
+
+
 def measure_federated(
     workload: FederatedWorkload,
     settings: BenchSettings,
@@ -311,23 +390,14 @@ def measure_federated(
     import jax
     import numpy as np
 
-    from fedbayes.data import partition
-    from fedbayes.simulate import Federation, Simulator
+    import fedbayes.simulate  # noqa: F401  (imports counted before the data step, as before)
 
-    if workload.algorithm not in ALGORITHMS:
-        raise BenchError(f"workload {workload.name!r}: unknown algorithm {workload.algorithm!r}; known: {', '.join(ALGORITHMS)}")
     t_imported = time.time()
     dataset = _load(settings)
-    rng = np.random.default_rng([settings.seed, 2])
-    params_p = {"alpha": workload.alpha} if workload.partition == "dirichlet" else {}
-    parts = partition(workload.partition, dataset.y_train, workload.num_clients, rng, **params_p)
+    parts = workload_partition(workload, settings, dataset)
     t_data = time.time()
-    epochs = workload_epochs(workload, settings)
-    params, trainer, apply_fn = _model_and_trainer(settings, dataset, settings.batch_size, epochs)
-    federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
-    ctx = BuildContext(workload.num_clients, workload.clients_per_round, int(sum(federation.sizes)), apply_fn, dataset.task)
-    sim = Simulator(ALGORITHMS[workload.algorithm](trainer, ctx), federation, clients_per_round=workload.clients_per_round, seed=settings.seed)
-    state = sim.init(params)
+    sim, state = build_simulator(workload, settings, dataset, parts)
+    federation, epochs = sim.federation, workload_epochs(workload, settings)
     t_built = time.time()
     # donate=True: the bench drops each old state, as run_experiment does (a stateful method's
     # memory store is then updated in place instead of copied every round).
@@ -657,6 +727,36 @@ def run_limit_processes(workload: LimitWorkload, settings: BenchSettings) -> lis
             e.close()
 
 
+def run_paired_process(names: Sequence[str], settings: BenchSettings, rounds: int) -> dict[str, Any]:
+    """Runs :func:`measure_paired` for ``names`` in a fresh process with one XLA device per core."""
+    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
+    with tempfile.TemporaryFile("w+") as err:
+        spec = {"paired": list(names), "rounds": rounds, "settings": _settings_dict(settings)}
+        proc = _spawn(spec, flags, err)
+        proc.stdin.close()
+        return _read_result(proc, err, "paired " + "+".join(names))
+
+
+def paired_groups(names: Sequence[str]) -> dict[str, list[str]]:
+    """``baseline -> [baseline, *workloads measured against it]`` among ``names``."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        base = _baseline(n)
+        if base is not None and base in names:
+            groups.setdefault(base, [base]).append(n)
+    return groups
+
+
+def add_paired(results: dict[str, dict[str, Any]], raw: dict[str, Any], baseline: str) -> None:
+    """Adds :data:`PAIRED_RATIO` (median over passes), its ``_range`` and ``paired_rounds`` to
+    each non-baseline workload's entry of ``results``."""
+    for name, ratios in paired_ratios(raw, baseline).items():
+        entry = results.setdefault(name, {})
+        entry[PAIRED_RATIO] = statistics.median(ratios)
+        entry[PAIRED_RATIO + "_range"] = [min(ratios), max(ratios)]
+        entry["paired_rounds"] = len(ratios)
+
+
 def check_dataset(settings: BenchSettings) -> None:
     """Raises :class:`BenchError` saying how to get the data when it is not on this machine."""
     from fedbayes.data import DATASETS
@@ -688,7 +788,9 @@ def run_bench(
 ) -> dict[str, dict[str, Any]]:
     """Runs the workloads ``settings.repeats`` times, each in its own process(es), interleaved
     (all workloads of repeat 1, then of repeat 2, ...) so that a change in machine load affects
-    workloads and limit alike, and returns :func:`summarize`'s object."""
+    workloads and limit alike, and returns :func:`summarize`'s object; then each group of
+    workloads that share a ``baseline`` runs once more in one process (:func:`measure_paired`,
+    ``steady_rounds * repeats`` interleaved rounds), which adds :data:`PAIRED_RATIO`."""
     check_dataset(settings)
     names = resolve_names(names)
     repeats = []
@@ -703,11 +805,19 @@ def run_bench(
                 rep[name] = federated_entry(run_federated_process(w, settings))
             log(f"repeat {r + 1}/{settings.repeats}  {name:<18} {rep[name]['examples_per_s']:>10,.0f} examples/s  ({time.perf_counter() - t0:.1f} s)")
         repeats.append(rep)
-    return summarize(repeats)
+    results = summarize(repeats)
+    # The posterior methods against FedAvg once more, rounds interleaved in one process: the same
+    # ratio as ratio_to_fedavg without the process-to-process noise.
+    for base, group in paired_groups(names).items():
+        rounds = steady_rounds(WORKLOADS[base], settings) * settings.repeats
+        t0 = time.perf_counter()
+        add_paired(results, run_paired_process(group, settings, rounds), base)
+        log(f"paired        {' + '.join(group):<40} {rounds} interleaved rounds each ({time.perf_counter() - t0:.1f} s)")
+    return results
 
 
 # ----- presentation -----------------------------------------------------------------------------
-COLUMNS = ("workload", "examples/s", "ratio to limit", "vs FedAvg", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients / processes")
+COLUMNS = ("workload", "examples/s", "ratio to limit", "vs FedAvg", "vs FedAvg, paired", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients / processes")
 
 
 def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
@@ -723,6 +833,10 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
             if BASELINE_RATIO + "_range" in e:
                 lo, hi = e[BASELINE_RATIO + "_range"]
                 vs += f" ({lo:.2f}-{hi:.2f})"
+        paired = ""
+        if PAIRED_RATIO in e:
+            lo, hi = e[PAIRED_RATIO + "_range"]
+            paired = f"{e[PAIRED_RATIO]:.2f} ({lo:.2f}-{hi:.2f})"
         if "clients_per_round" in e:
             clients = f"{e['clients_per_round']} of {e['num_clients']}, {e['partition']}"
             if e.get("epochs", 1) != 1:
@@ -736,6 +850,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                 f"{e['examples_per_s']:,.0f}",
                 ratio,
                 vs,
+                paired,
                 f"{e['round_s']:.3f}",
                 f"{e['compile_s']:.2f}",
                 startup,
@@ -784,6 +899,9 @@ def _worker(argv: Sequence[str]) -> None:
     s = dict(spec["settings"])
     s["hidden"] = tuple(s["hidden"])
     settings = BenchSettings(**s)
+    if "paired" in spec:
+        print(RESULT_PREFIX + json.dumps(measure_paired(spec["paired"], settings, spec.get("rounds"))), flush=True)
+        return
     workload = WORKLOADS[spec["workload"]]
     if isinstance(workload, LimitWorkload):
 

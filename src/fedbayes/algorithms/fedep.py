@@ -205,13 +205,15 @@ def _ep_algorithm(
             share = n / total
             rest = (total - n) / total  # exactly 0 when one client holds all the data
             if stateful:
-                if uniform:
-                    fresh_site, fresh_cavity = gaussian.uniform_like(q.precision), q
-                else:
-                    fresh_site, fresh_cavity = gaussian.power(q, share), gaussian.power(q, rest)
-                pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(cstate.initialized, a, b), old, new)  # noqa: E731
-                site = pick(cstate.site, fresh_site)
-                cavity = pick(gaussian.quotient(q, cstate.site), fresh_cavity)
+
+                def fresh():
+                    if uniform:
+                        return gaussian.uniform_like(q.precision), q
+                    return gaussian.power(q, share), gaussian.power(q, rest)
+
+                # lax.cond, not a select: a client run on its own (the sequential layout) computes
+                # only the branch it takes; under vmap this is a select again.
+                site, cavity = jax.lax.cond(cstate.initialized, lambda: (cstate.site, gaussian.quotient(q, cstate.site)), fresh)
             else:
                 frac = rest if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
                 cavity = gaussian.power(q, frac)

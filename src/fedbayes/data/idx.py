@@ -161,7 +161,11 @@ def _load_idx_dataset(name: str, folder: Path) -> Dataset:
             )
 
     def images(a):
-        return (a.astype(np.float32) / np.float32(255.0))[..., None]
+        # Divide in place: one 188 MB float32 array for Fashion-MNIST's train set instead of two
+        # (a fresh process pays for every new page; 0.4-1.0 s -> 0.4 s, same values).
+        x = a.astype(np.float32)
+        x /= np.float32(255.0)
+        return x[..., None]
 
     return Dataset(
         name=name,
