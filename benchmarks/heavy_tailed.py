@@ -23,9 +23,9 @@ import statistics
 import sys
 import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cores}").strip()
+from fedbayes import hostdevices  # noqa: E402  (no JAX: sets XLA_FLAGS before JAX starts)
+
+hostdevices.configure()  # laid out as the CLI lays itself out
 
 import jax  # noqa: E402
 import optax  # noqa: E402

@@ -113,11 +113,6 @@ def test_pinned_limit_processes_start_together_and_report():
     assert _positive_finite(entry["examples_per_s"]) and entry["processes"] == len(raws)
 
 
-def test_xla_flags_replace_device_count_and_threading():
-    flags = fb.xla_flags("--foo --xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=true", device_count=1, single_thread=True)
-    assert flags.split() == ["--foo", "--xla_force_host_platform_device_count=1", *fb.SINGLE_THREAD_FLAGS]
-
-
 def test_missing_data_and_unknown_workloads_are_clear_errors(tmp_path):
     with pytest.raises(fb.BenchError, match="fashion_mnist is not on this machine.*apt-get install dataset-fashion-mnist"):
         fb.check_dataset(fb.BenchSettings(data_dir=str(tmp_path)))

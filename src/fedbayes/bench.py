@@ -68,12 +68,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from fedbayes.hostdevices import host_device_flags, num_cores, xla_flags
+
 RESULT_PREFIX = "FEDBAYES_BENCH_RESULT "
 READY = "FEDBAYES_BENCH_READY"
 GO = "go"
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-# The single-threaded XLA CPU flags of the JAX FAQ; with one pinned core per process.
-SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
 
 class BenchError(RuntimeError):
@@ -248,11 +247,6 @@ ALGORITHMS: dict[str, Callable[[Any, BuildContext], Any]] = {
 }
 
 
-
-
-def num_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def peak_rss_mb() -> float:
@@ -639,16 +633,6 @@ def _baseline(name: str) -> str | None:
 
 
 # ----- running workers --------------------------------------------------------------------------
-def xla_flags(base: str, *, device_count: int, single_thread: bool = False) -> str:
-    """``base`` with any device-count or threading flag replaced by the ones a worker needs."""
-    drop = (_DEVICE_COUNT_FLAG, "--xla_cpu_multi_thread_eigen", "intra_op_parallelism_threads")
-    kept = [f for f in base.split() if not f.startswith(drop)]
-    kept.append(f"{_DEVICE_COUNT_FLAG}={device_count}")
-    if single_thread:
-        kept.extend(SINGLE_THREAD_FLAGS)
-    return " ".join(kept)
-
-
 def _spawn(spec: dict[str, Any], env_flags: str, stderr) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS=env_flags)
     return subprocess.Popen(
@@ -680,8 +664,9 @@ def _settings_dict(settings: BenchSettings) -> dict[str, Any]:
 
 
 def run_federated_process(workload: FederatedWorkload, settings: BenchSettings, *, profile_top: int = 0) -> dict[str, Any]:
-    """Runs one federated workload in a fresh process with one XLA host device per core."""
-    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
+    """Runs one federated workload in a fresh process laid out as the CLI lays itself out (one XLA
+    host device per core, :func:`fedbayes.hostdevices.host_device_flags`)."""
+    flags = host_device_flags(os.environ.get("XLA_FLAGS", ""), num_cores())
     with tempfile.TemporaryFile("w+") as err:
         spec = {"workload": workload.name, "settings": _settings_dict(settings), "spawn_time": time.time(), "profile_top": profile_top}
         proc = _spawn(spec, flags, err)
@@ -728,8 +713,8 @@ def run_limit_processes(workload: LimitWorkload, settings: BenchSettings) -> lis
 
 
 def run_paired_process(names: Sequence[str], settings: BenchSettings, rounds: int) -> dict[str, Any]:
-    """Runs :func:`measure_paired` for ``names`` in a fresh process with one XLA device per core."""
-    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
+    """Runs :func:`measure_paired` for ``names`` in a fresh process laid out as the CLI's."""
+    flags = host_device_flags(os.environ.get("XLA_FLAGS", ""), num_cores())
     with tempfile.TemporaryFile("w+") as err:
         spec = {"paired": list(names), "rounds": rounds, "settings": _settings_dict(settings)}
         proc = _spawn(spec, flags, err)

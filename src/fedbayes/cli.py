@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-# One XLA host device per core, set before JAX starts (DESIGN.md, "Using every core").
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1}"
-    ).strip()
+from fedbayes import hostdevices
+
+# One XLA host device per core, set before JAX starts (DESIGN.md, "Using every core"). A device
+# count already in XLA_FLAGS is kept.
+hostdevices.configure()
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
