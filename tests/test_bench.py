@@ -103,6 +103,9 @@ def test_paired_rounds_interleave_workloads_and_give_per_pass_ratios():
     assert fb.paired_groups(fb.resolve_names(["fedpa", "fedep_100"])) == {"fedavg_e3": ["fedavg_e3", "fedpa"], "fedavg_e3_100": ["fedavg_e3_100", "fedep_100"]}
     with pytest.raises(fb.BenchError, match="federated workloads only"):
         fb.measure_paired([fb.REFERENCE, "fedavg"], TINY, rounds=1)
+    # Ratios are of throughputs: a pass that trains twice the examples in the same time is 2x.
+    uneven = {"round_s": {"a": [1.0, 2.0], "b": [1.0, 1.0]}, "examples": {"a": [100, 100], "b": [200, 100]}}
+    assert fb.paired_ratios(uneven, "a") == {"b": [2.0, 2.0]}
 
 
 def test_pinned_limit_processes_start_together_and_report():

@@ -209,6 +209,32 @@ def test_fedep_equals_fedsep_in_the_first_round_after_benchmark_init():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("init", ["benchmark", "uniform"])
+def test_stateful_sites_agree_across_layouts_and_in_place_updates(init):
+    # Two devices (conftest): the vmap layout (a GPU's) and the sequential one (a CPU's) must give
+    # the same sites, also when the store is updated in place; a constant per-client leaf
+    # (`initialized`) must come back split by client in both.
+    fed = digits_federation()
+    model, params, trainer = logreg_setup(lr=0.05, epochs=2)
+    settings = TiltedSettings(scale=50.0, weight_decay=1e-3)
+    inference = make_tilted_inference("identity", trainer, settings)
+    algo = fedep(trainer, optax.sgd(1.0), inference, total_examples=int(sum(fed.sizes)), num_clients=5, damping=1 / 3, alpha_cov=settings.alpha_cov, init=init)
+    assert len(jax.devices()) == 2
+    finals = []
+    for layout, donate in (("sequential", False), ("vmap", False), ("vmap", True), ("sequential", True)):
+        sim = Simulator(algo, fed, clients_per_round=3, seed=2, layout=layout)
+        state = sim.init(params)
+        for _ in range(3):
+            state, info = sim.run_round(state, donate=donate)
+            assert len(info.rejected) == 0
+        finals.append(state)
+    assert np.asarray(finals[0].client_states.initialized).sum() >= 3
+    for other in finals[1:]:
+        np.testing.assert_array_equal(other.client_states.initialized, finals[0].client_states.initialized)
+        for a, b in zip(jax.tree.leaves(other.client_states.site), jax.tree.leaves(finals[0].client_states.site)):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("method", ["identity", "mcmc", "laplace", "ngvi"])
 def test_each_method_runs_and_sharpens_the_posterior(method):
     fed = digits_federation()

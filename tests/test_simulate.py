@@ -205,6 +205,17 @@ def test_rejected_message_is_not_applied_and_state_is_kept(layout):
     assert all(np.isfinite(np.asarray(l)).all() for l in jax.tree.leaves(state.server_state))
     for a, b in zip(jax.tree.leaves(state.client_states), jax.tree.leaves(state0.client_states)):
         np.testing.assert_array_equal(a[1], b[1])  # the rejected client's state is unchanged
+        assert not np.array_equal(np.delete(a, 1, axis=0), np.delete(b, 1, axis=0))  # the others moved
+    # In place (donate=True, written device block by device block), the same states result, and
+    # the accepted clients' rows are those of a plain per-client loop.
+    donated, _ = sim_bad.run_round(sim_bad.init(params), donate=True)
+    for a, b in zip(jax.tree.leaves(donated.client_states), jax.tree.leaves(state.client_states)):
+        np.testing.assert_array_equal(a, b)
+    _, cohort, ref_states = plain_loop_round(sim_bad, sim_bad.init(params))
+    for cid, ref in zip(cohort, ref_states):
+        if cid != 1:
+            for a, b in zip(jax.tree.leaves(jax.tree.map(lambda t: t[cid], donated.client_states)), jax.tree.leaves(ref)):
+                np.testing.assert_allclose(a, np.asarray(b), atol=1e-5, rtol=1e-5)
     # the server equals a run in which client 1 had weight zero: ADMM keeps its old contribution
     sim_ok = Simulator(base, fed, clients_per_round=k, seed=0, layout=layout)
     ref_state, _ = sim_ok.run_round(sim_ok.init(params))

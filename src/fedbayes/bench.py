@@ -326,10 +326,10 @@ def measure_paired(names: Sequence[str], settings: BenchSettings, rounds: int | 
     """
     import jax
 
-    dataset = _load(settings)
-    workloads = [WORKLOADS[n] for n in names]
+    workloads = [WORKLOADS.get(n) for n in names]
     if not all(isinstance(w, FederatedWorkload) for w in workloads):
         raise BenchError(f"paired timing takes federated workloads only; got {list(names)}")
+    dataset = _load(settings)
     runs = []
     for w in workloads:
         sim, state = build_simulator(w, settings, dataset)

@@ -53,5 +53,5 @@ def configure(environ: MutableMapping[str, str] = os.environ) -> bool:
     base = environ.get("XLA_FLAGS", "")
     if DEVICE_COUNT_FLAG in base:
         return False
-    environ["XLA_FLAGS"] = host_device_flags(base, num_cores())
+    environ["XLA_FLAGS"] = f"{base} {DEVICE_COUNT_FLAG}={num_cores()}".strip()  # the user's other flags stay
     return True

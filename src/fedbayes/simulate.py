@@ -324,6 +324,9 @@ class Simulator:
         if self.layout == "vmap":
             one = self._client_fn(message, round_key, x, y, order)
             messages, new_states = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
+            # Keep every state leaf split by client, as the sequential layout's shard_map does: XLA
+            # would replicate a leaf that does not depend on the client (a constant flag).
+            new_states = jax.lax.with_sharding_constraint(new_states, self._sharded)
         else:
 
             def per_device(message, round_key, x, y, order, cids, cstates, offs, n):
@@ -392,13 +395,20 @@ class Simulator:
             new_rows = jax.tree.map(lambda a: np.asarray(a)[rows], new_states)
             return store.scatter(slots[rows], new_rows, round_idx, donate=donate).held
         leaves, treedef = jax.tree.flatten(new_states)
-        blocks: dict[tuple[int, int], list[np.ndarray]] = {}
-        for a in leaves:
-            for shard in a.addressable_shards:
-                start, stop, _ = shard.index[0].indices(len(slots))
-                blocks.setdefault((start, stop), []).append(np.asarray(shard.data))
+        width = len(slots) // self.num_devices  # slots come in equal per-device blocks
+        bounds = [(i * width, (i + 1) * width) for i in range(self.num_devices)]
+
+        def blocks_of(a):
+            if a.sharding.is_equivalent_to(self._sharded, a.ndim):
+                views = {shard.index[0].indices(len(slots))[:2]: np.asarray(shard.data) for shard in a.addressable_shards}
+                return [views[b] for b in bounds]
+            host = np.asarray(a)  # laid out otherwise (e.g. replicated): slice one host copy
+            return [host[start:stop] for start, stop in bounds]
+
+        per_leaf = [blocks_of(a) for a in leaves]
         owned = donate  # once copied (donate=False), later blocks may write in place
-        for (start, stop), arrays in sorted(blocks.items()):
+        for b, (start, stop) in enumerate(bounds):
+            arrays = [blocks[b] for blocks in per_leaf]
             sel = keep[start:stop]
             if not sel.any():
                 continue
