@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     fb.check_dataset(fb.FULL)
     root = tempfile.mkdtemp(prefix="fedbayes-fedep-scale-", dir=args.dir)
-    flags = fb.host_device_flags(os.environ.get("XLA_FLAGS", ""), fb.num_cores())
+    flags = fb.xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=fb.num_cores())
     results = []
     try:
         for mode in modes:

@@ -144,7 +144,7 @@ def measure_phases(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *
 
 
 def _spawn_phases(name: str, settings: fb.BenchSettings) -> dict:
-    flags = fb.host_device_flags(os.environ.get("XLA_FLAGS", ""), fb.num_cores())
+    flags = fb.xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=fb.num_cores())
     spec = json.dumps({"workload": name, "settings": dataclasses.asdict(settings)})
     res = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=flags))
     if res.returncode != 0:

@@ -4,7 +4,7 @@ from fedbayes import hostdevices as hd
 
 
 def test_one_device_per_core_with_default_threading():
-    flags = hd.host_device_flags("--foo --xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=9", 4)
+    flags = hd.xla_flags("--foo --xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=9", device_count=4)
     assert flags.split() == ["--foo", f"{hd.DEVICE_COUNT_FLAG}=4"]
 
 

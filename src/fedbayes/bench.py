@@ -68,7 +68,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from fedbayes.hostdevices import host_device_flags, num_cores, xla_flags
+from fedbayes.hostdevices import num_cores, xla_flags
 
 RESULT_PREFIX = "FEDBAYES_BENCH_RESULT "
 READY = "FEDBAYES_BENCH_READY"
@@ -113,8 +113,8 @@ class BenchSettings:
 
 
 FULL = BenchSettings()
-# A smoke check under two minutes on 2 cores (119 s with rounds=3 and 11 workloads, quiet; the
-# 3-epoch 10-of-10 workloads then time one steady round each).
+# A smoke check under two minutes on 2 cores (94 s quiet, paired stage included; the 3-epoch
+# 10-of-10 workloads then time one steady round each).
 QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1)
 
 
@@ -665,8 +665,8 @@ def _settings_dict(settings: BenchSettings) -> dict[str, Any]:
 
 def run_federated_process(workload: FederatedWorkload, settings: BenchSettings, *, profile_top: int = 0) -> dict[str, Any]:
     """Runs one federated workload in a fresh process laid out as the CLI lays itself out (one XLA
-    host device per core, :func:`fedbayes.hostdevices.host_device_flags`)."""
-    flags = host_device_flags(os.environ.get("XLA_FLAGS", ""), num_cores())
+    host device per core)."""
+    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
     with tempfile.TemporaryFile("w+") as err:
         spec = {"workload": workload.name, "settings": _settings_dict(settings), "spawn_time": time.time(), "profile_top": profile_top}
         proc = _spawn(spec, flags, err)
@@ -714,7 +714,7 @@ def run_limit_processes(workload: LimitWorkload, settings: BenchSettings) -> lis
 
 def run_paired_process(names: Sequence[str], settings: BenchSettings, rounds: int) -> dict[str, Any]:
     """Runs :func:`measure_paired` for ``names`` in a fresh process laid out as the CLI's."""
-    flags = host_device_flags(os.environ.get("XLA_FLAGS", ""), num_cores())
+    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
     with tempfile.TemporaryFile("w+") as err:
         spec = {"paired": list(names), "rounds": rounds, "settings": _settings_dict(settings)}
         proc = _spawn(spec, flags, err)

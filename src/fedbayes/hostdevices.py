@@ -22,7 +22,7 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # The single-threaded XLA CPU flags of the JAX FAQ (the compute limit's processes use them).
 SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
-__all__ = ["DEVICE_COUNT_FLAG", "SINGLE_THREAD_FLAGS", "configure", "host_device_flags", "num_cores", "xla_flags"]
+__all__ = ["DEVICE_COUNT_FLAG", "SINGLE_THREAD_FLAGS", "configure", "num_cores", "xla_flags"]
 
 
 def num_cores() -> int:
@@ -39,12 +39,6 @@ def xla_flags(base: str, *, device_count: int, single_thread: bool = False) -> s
     if single_thread:
         kept.extend(SINGLE_THREAD_FLAGS)
     return " ".join(kept)
-
-
-def host_device_flags(base: str, cores: int) -> str:
-    """``base`` with ``cores`` host devices and XLA's default threading (any device-count or
-    threading flag in ``base`` replaced)."""
-    return xla_flags(base, device_count=cores)
 
 
 def configure(environ: MutableMapping[str, str] = os.environ) -> bool:
