@@ -176,7 +176,7 @@ def _setup(cid: int, spec: dict):
         dataset = fb._load(settings)
         parts = partition("iid", dataset.y_train, spec["clients"], np.random.default_rng([settings.seed, 2]))
         params, trainer, _ = fb._model_and_trainer(settings, dataset, settings.batch_size)
-        step = jax.jit(lambda p, x, y, order, n: run_sgd(None, p, ClientData(x, y, order, np.int32(0), n), trainer))
+        step = jax.jit(lambda p, x, y, order, n: run_sgd(jax.random.key(0), p, ClientData(x, y, order, np.int32(0), n), trainer)[0])
         _CACHE["base"] = (settings, dataset, parts, trainer, step, jax.tree.structure(params))
     settings, dataset, parts, trainer, step, treedef = _CACHE["base"]
     if cid not in _CACHE:

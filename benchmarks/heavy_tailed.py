@@ -46,15 +46,15 @@ def measure(num_clients: int, per_round: int, rounds: int, seed: int = 0) -> dic
     times, per_example, host, waste, examples = [], [], [], [], []
     compiles = 0
     for r in range(rounds + 1):
-        cached = sim._round_fn._cache_size()
+        cached = sim.num_compiled_rounds()
         t0 = time.perf_counter()
         cohort = sim.sample_cohort(state.round)
-        sim._gather(state.round, sim._layout_cohort(cohort))  # host work alone, timed apart
+        sim.gather(state.round, sim.layout_cohort(cohort))  # host work alone, timed apart
         t1 = time.perf_counter()
         state, info = sim.run_round(state)
         jax.block_until_ready(state.server_state)
         t2 = time.perf_counter()
-        if sim._round_fn._cache_size() > cached:
+        if sim.num_compiled_rounds() > cached:
             compiles += 1  # a new size class of the cohort's buffers: compiled once, then cached
             continue
         n = int(fed.sizes[info.cohort].sum())

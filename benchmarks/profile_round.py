@@ -9,8 +9,8 @@ built exactly as ``fedbayes bench`` builds it (``run_round(state, donate=True)``
 ``--mode phases`` (default) wraps the simulator's steps with timers and splits the median steady
 round into:
 
-* ``cohort``: sampling the cohort and assigning it to devices (``sample_cohort``, ``_layout_cohort``);
-* ``host_layout``: drawing the clients' shuffles and laying out the order buffer (``_gather``);
+* ``cohort``: sampling the cohort and assigning it to devices (``sample_cohort``, ``layout_cohort``);
+* ``host_layout``: drawing the clients' shuffles and laying out the order buffer (``gather``);
 * ``store``: the cohort's client states from the store onto the devices and back into the store,
   transfers included (``Simulator._put_states`` and ``_write_back``;
   0 for stateless methods);
@@ -97,8 +97,8 @@ def measure_phases(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *
 
     round_fn = sim._round_fn
     sim.sample_cohort = timed("cohort", sim.sample_cohort)
-    sim._layout_cohort = timed("cohort", sim._layout_cohort)
-    sim._gather = timed("host_layout", sim._gather)
+    sim.layout_cohort = timed("cohort", sim.layout_cohort)
+    sim.gather = timed("host_layout", sim.gather)
     sim._round_fn = timed("program", program)
     # The cohort's states: gathered onto the devices, and written back (transfers included).
     sim._put_states = timed("store", sim._put_states, block=True)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from sklearn.datasets import load_digits
 
+from fedbayes import round as protocol
+from fedbayes import tree
+from fedbayes.data.batches import ClientData, layout_orders
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
-from fedbayes.simulate import Federation
+from fedbayes.simulate import Federation, Simulator
 
 
 def digits_federation(sizes=(37, 90, 213, 11, 150), seed=0) -> Federation:
@@ -28,3 +32,31 @@ def logreg_setup(lr=0.1, epochs=2, batch_size=16, momentum=None):
     params = init_params(model, jax.random.key(1), (8, 8, 1))
     trainer = LocalTrainer(loss_fn(model, "classification"), optax.sgd(lr, momentum=momentum), epochs, batch_size)
     return model, params, trainer
+
+
+def single_client_data(sim: Simulator, round_idx: int, cid: int) -> ClientData:
+    """One client's data built alone (its own order buffer at offset 0), not as part of a cohort."""
+    ix = sim.federation.client_indices[cid]
+    order, offsets, _ = layout_orders(sim.seed, round_idx, [cid], [ix], sim.algorithm.local_epochs, sim.algorithm.local_batch_size)
+    return ClientData(jnp.asarray(sim.federation.x), jnp.asarray(sim.federation.y), jnp.asarray(order), jnp.int32(offsets[0]), jnp.int32(len(ix)))
+
+
+def plain_loop_round(sim: Simulator, state, client_update=None):
+    """Reference: one round as a Python loop over the cohort, one client at a time, no vmap,
+    through the public round protocol (cohort, keys, weights, server step). Returns the new server
+    state, the cohort, each client's new state and the acceptance flags. ``client_update``
+    replaces the algorithm's (e.g. one that poisons a client)."""
+    alg = sim.algorithm
+    cohort = protocol.sample_cohort(sim.seed, state.round, sim.federation.num_clients, sim.clients_per_round)
+    message = alg.broadcast(state.server_state)
+    msgs, new_states = [], []
+    update = jax.jit(client_update or alg.client_update)  # one client at a time; jit only to keep tests fast
+    for cid in cohort:
+        data = single_client_data(sim, state.round, cid)
+        cstate = jax.tree.map(lambda a: a[cid], state.client_states)
+        m, s, _ = update(protocol.client_key(sim.seed, state.round, int(cid)), message, cstate, data)
+        msgs.append(m)
+        new_states.append(s)
+    w = jnp.asarray(protocol.client_weights(sim.sizes[cohort], sim.weighting))
+    server, ok, _ = protocol.server_step(alg, state.server_state, tree.stack(msgs), w, protocol.server_key(sim.seed, state.round))
+    return server, cohort, new_states, np.asarray(ok)

@@ -15,6 +15,7 @@ from fedbayes.config import ConfigError, validate
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
+from fedbayes.inference.sgd import training_info
 from fedbayes.inference.fisher import batch_fisher, clip_by_spread, sampled_log_likelihood
 from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
 from fedbayes.simulate import Federation, Simulator
@@ -51,13 +52,13 @@ def exact_inference(dim, bad_clients=()):
             hit = jnp.abs(mu[0] - value) < 1e-6
             bad = jnp.full_like(out.precision, jnp.nan) if kind == "nan" else -jnp.abs(out.precision)
             out = DiagGaussian(precision_mean=out.precision_mean, precision=jnp.where(hit, bad, out.precision))
-        return out
+        return out, training_info(jnp.zeros(()), 0)
 
     return infer
 
 
 def _null_trainer(epochs=1):
-    return LocalTrainer(lambda p, x, y, m: jnp.zeros(()), optax.sgd(0.0), epochs, 1)
+    return LocalTrainer(lambda p, k, x, y, m: jnp.zeros(()), optax.sgd(0.0), epochs, 1)
 
 
 def _ep(ctor, fed, *, damping=1.0, lr=1.0, init="uniform", clients_per_round=None, bad=(), **kw):

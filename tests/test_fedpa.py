@@ -167,14 +167,15 @@ def _client(num_epochs=3, batch_size=16, n=90):
 
 def test_epoch_samples_follow_the_sgd_trajectory():
     params, trainer, data = _client()
-    samples, last = jax.jit(lambda p, d: epoch_samples(p, d, trainer, skip_epochs=1))(params, data)
-    np.testing.assert_array_equal(jax.tree.leaves(last)[0], jax.tree.leaves(jax.jit(lambda p, d: run_sgd(None, p, d, trainer))(params, data))[0])
+    key = jax.random.key(0)
+    samples, last, _ = jax.jit(lambda p, d: epoch_samples(key, p, d, trainer, skip_epochs=1))(params, data)
+    np.testing.assert_array_equal(jax.tree.leaves(last)[0], jax.tree.leaves(jax.jit(lambda p, d: run_sgd(key, p, d, trainer)[0])(params, data))[0])
     assert jax.tree.leaves(samples)[0].shape[0] == 2
     # Without averaging, sample j is the last iterate of epoch j + skip.
-    snaps, _ = jax.jit(lambda p, d: epoch_samples(p, d, trainer, skip_epochs=0, average=False))(params, data)
+    snaps, _, _ = jax.jit(lambda p, d: epoch_samples(key, p, d, trainer, skip_epochs=0, average=False))(params, data)
     np.testing.assert_array_equal(jax.tree.leaves(snaps)[0][-1], jax.tree.leaves(last)[0])
     one = LocalTrainer(trainer.loss_fn, trainer.optimizer, 1, trainer.batch_size)
-    first = jax.jit(lambda p, d: run_sgd(None, p, d, one))(params, data)
+    first = jax.jit(lambda p, d: run_sgd(key, p, d, one)[0])(params, data)
     np.testing.assert_allclose(jax.tree.leaves(snaps)[0][0], jax.tree.leaves(first)[0], rtol=1e-6, atol=1e-7)
 
 
@@ -249,7 +250,7 @@ def test_sampling_round_applies_the_weighted_shrinkage_deltas():
     for k, n in enumerate((40, 70)):
         order, offsets, _ = layout_orders(1, 0, [k], [fed.client_indices[k]], 4, 16)
         data = ClientData(jnp.asarray(fed.x), jnp.asarray(fed.y), jnp.asarray(order), jnp.int32(0), jnp.int32(n))
-        samples, _ = epoch_samples(params, data, trainer, skip_epochs=1)
+        samples, _, _ = epoch_samples(jax.random.key(0), params, data, trainer, skip_epochs=1)
         deltas.append(shrinkage_delta(samples, params, 0.3))
     want = jax.tree.map(lambda p, d0, d1: p - (40 * d0 + 70 * d1) / 110, params, *deltas)
     for a, b in zip(jax.tree.leaves(sim.server_params(new)), jax.tree.leaves(want)):

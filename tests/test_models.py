@@ -252,7 +252,7 @@ def test_loss_all_ones_mask_is_plain_mean(name, task, feature_shape):
         expected = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(out, y))
     else:
         expected = jnp.mean(0.5 * (out - y) ** 2)
-    loss = loss_fn(model, task)(params, x, y, jnp.ones((6,), jnp.float32))
+    loss = loss_fn(model, task)(params, jax.random.key(0), x, y, jnp.ones((6,), jnp.float32))
     # float32 sum-then-divide vs mean: a few ulps.
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
 
@@ -260,7 +260,8 @@ def test_loss_all_ones_mask_is_plain_mean(name, task, feature_shape):
 @pytest.mark.parametrize(("name", "task", "feature_shape"), LOSS_CASES)
 def test_loss_mask_ignores_padding(name, task, feature_shape):
     model, params = _model_and_params(name, feature_shape)
-    f = jax.jit(jax.value_and_grad(loss_fn(model, task)))
+    keyed = loss_fn(model, task)
+    f = jax.jit(jax.value_and_grad(lambda p, x, y, m: keyed(p, jax.random.key(0), x, y, m)))
     x, y = _batch(6, task, feature_shape)
     mask = jnp.array([1, 1, 0, 1, 1, 0], jnp.float32)
     valid = np.flatnonzero(np.asarray(mask))
@@ -290,7 +291,7 @@ def test_loss_all_padding_is_zero():
     model, params = _model_and_params("logreg", (30,))
     x, y = _batch(7, "classification", (30,))
     value, grad = jax.jit(jax.value_and_grad(loss_fn(model, "classification")))(
-        params, x, y, jnp.zeros((6,), jnp.float32)
+        params, jax.random.key(0), x, y, jnp.zeros((6,), jnp.float32)
     )
     assert value == 0.0
     assert all(np.all(g == 0) for g in jax.tree.leaves(grad))
@@ -302,7 +303,7 @@ def test_loss_regression_golden_number():
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _param_shapes(model, (3,)))
     x = jnp.ones((3, 3), jnp.float32)
     y = jnp.array([1.0, 2.0, 50.0], jnp.float32)
-    loss = loss_fn(model, "regression")(params, x, y, jnp.array([1.0, 1.0, 0.0], jnp.float32))
+    loss = loss_fn(model, "regression")(params, jax.random.key(0), x, y, jnp.array([1.0, 1.0, 0.0], jnp.float32))
     assert loss == pytest.approx(0.5 * (1.0 + 4.0) / 2)
 
 

@@ -6,42 +6,15 @@ import numpy as np
 import optax
 import pytest
 
-from fedbayes import tree
+from fedbayes import round as protocol
 from fedbayes.algorithms import admm, fedavg, feddyn, fedprox
 from fedbayes.algorithms.base import Algorithm
-from fedbayes.data.batches import ClientData, layout_orders
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.simulate import Federation, Simulator
 
-from helpers import digits_federation, logreg_setup
+from helpers import digits_federation, logreg_setup, plain_loop_round, single_client_data
 
 SIZES = (37, 90, 213, 11, 150)  # unequal on purpose, incl. a client smaller than one batch
-
-
-def single_client_data(sim: Simulator, round_idx: int, cid: int) -> ClientData:
-    """One client's data built alone (its own order buffer at offset 0), not as part of a cohort."""
-    ix = sim.federation.client_indices[cid]
-    order, offsets, _ = layout_orders(sim.seed, round_idx, [cid], [ix], sim.algorithm.local_epochs, sim.algorithm.local_batch_size)
-    return ClientData(jnp.asarray(sim.federation.x), jnp.asarray(sim.federation.y), jnp.asarray(order), jnp.int32(offsets[0]), jnp.int32(len(ix)))
-
-
-def plain_loop_round(sim: Simulator, state):
-    """Reference: one round as a Python loop over the cohort, one client at a time, no vmap."""
-    alg = sim.algorithm
-    cohort = sim.sample_cohort(state.round)
-    message = alg.broadcast(state.server_state)
-    round_key = jax.random.fold_in(sim._client_root, state.round)
-    msgs, new_states = [], []
-    client_update = jax.jit(alg.client_update)  # one client at a time; jit only to keep tests fast
-    for cid in cohort:
-        data = single_client_data(sim, state.round, cid)
-        cstate = jax.tree.map(lambda a: a[cid], state.client_states)
-        m, s = client_update(jax.random.fold_in(round_key, int(cid)), message, cstate, data)
-        msgs.append(m)
-        new_states.append(s)
-    w = jnp.asarray(sim.sizes[cohort], jnp.float32) if sim.weighting == "examples" else jnp.ones(len(cohort))
-    server = alg.server_update(state.server_state, tree.stack(msgs), w)
-    return server, cohort, new_states
 
 
 def _algorithms(trainer, k):
@@ -63,7 +36,7 @@ def test_layouts_equal_plain_per_client_loop(name, layout):
     sim = Simulator(alg, fed, clients_per_round=3, seed=4, layout=layout)
     state = sim.init(params)
     for _ in range(2):  # two rounds: server optimizer and client state carry over
-        ref_server, cohort, ref_states = plain_loop_round(sim, state)
+        ref_server, cohort, ref_states, _ = plain_loop_round(sim, state)
         state, info = sim.run_round(state)
         np.testing.assert_array_equal(info.cohort, cohort)
         for a, b in zip(jax.tree.leaves(state.server_state), jax.tree.leaves(ref_server)):
@@ -75,7 +48,7 @@ def test_layouts_equal_plain_per_client_loop(name, layout):
 
 def _step_counter():
     """An 'algorithm' whose message is its client's number of local steps (loss gradient = 1, lr 1)."""
-    trainer = LocalTrainer(lambda p, x, y, m: jnp.sum(p["w"]), optax.sgd(1.0), 3, 8)
+    trainer = LocalTrainer(lambda p, k, x, y, m: jnp.sum(p["w"]), optax.sgd(1.0), 3, 8)
     return fedavg(trainer, optax.sgd(1.0)), {"w": jnp.zeros(())}
 
 
@@ -86,8 +59,9 @@ def test_every_client_takes_exactly_its_own_steps(layout):
     alg, params = _step_counter()
     sim = Simulator(alg, fed, clients_per_round=len(sizes), seed=0, layout=layout)
     state = sim.init(params)
-    slots = sim._layout_cohort(sim.sample_cohort(0))
-    x, y, order, offsets, n, w, _ = sim._gather(0, slots)
+    slots = sim.layout_cohort(sim.sample_cohort(0))
+    x, y, order, offsets, n, w, _ = sim.gather(0, slots)
+    program = jax.jit(sim.round_program)
     put = lambda a: jax.device_put(a, sim._sharded)  # noqa: E731
     ids = np.where(slots >= 0, slots, 0).astype(np.int32)
     # run the compiled round and read each client's message through a weight vector e_k
@@ -96,7 +70,7 @@ def test_every_client_takes_exactly_its_own_steps(layout):
             continue
         onehot = np.zeros(len(slots), np.float32)
         onehot[k] = 1.0
-        new_server, _, ok = sim._round_fn(state.server_state, (), put(ids), put(offsets), put(n), put(onehot), jnp.int32(0), x, y, order)
+        new_server, _, ok, _, _ = program(state.server_state, (), put(ids), put(offsets), put(n), put(onehot), jnp.int32(0), x, y, order)
         assert -float(new_server.params["w"]) == 3 * -(-sizes[slots[k]] // 8), slots[k]
 
 
@@ -162,14 +136,14 @@ def test_one_step_fedavg_is_weighted_average_of_client_models():
     _, params, trainer = logreg_setup(epochs=1)
     sim = Simulator(fedavg(trainer, optax.sgd(1.0)), fed, clients_per_round=5, seed=0)
     state = sim.init(params)
-    _, cohort, _ = plain_loop_round(sim, state)
+    _, cohort, _, _ = plain_loop_round(sim, state)
     new, _ = sim.run_round(state)
     # client models from the loop reference: theta_k = theta - g_k
     alg = sim.algorithm
     thetas = []
     for cid in cohort:
         data = single_client_data(sim, 0, cid)
-        g, _ = alg.client_update(jax.random.fold_in(jax.random.fold_in(sim._client_root, 0), int(cid)), params, (), data)
+        g, _, _ = alg.client_update(protocol.client_key(sim.seed, 0, int(cid)), params, (), data)
         thetas.append(optax.tree.sub(params, g))
     w = fed.sizes[cohort] / fed.sizes[cohort].sum()
     avg = jax.tree.map(lambda *ls: sum(wi * l for wi, l in zip(w, ls)), *thetas)
@@ -181,10 +155,10 @@ def _poisoned(alg: Algorithm, bad_size: int) -> Algorithm:
     """Wraps an algorithm so that the client of size ``bad_size`` (sizes are distinct) sends NaNs."""
 
     def client_update(key, message, state, data):
-        m, s = alg.client_update(key, message, state, data)
+        m, s, info = alg.client_update(key, message, state, data)
         bad = data.num_examples == bad_size
         m = jax.tree.map(lambda a: jnp.where(bad, jnp.nan, a), m)
-        return m, s
+        return m, s, info
 
     return alg._replace(client_update=client_update)
 
@@ -211,7 +185,7 @@ def test_rejected_message_is_not_applied_and_state_is_kept(layout):
     donated, _ = sim_bad.run_round(sim_bad.init(params), donate=True)
     for a, b in zip(jax.tree.leaves(donated.client_states), jax.tree.leaves(state.client_states)):
         np.testing.assert_array_equal(a, b)
-    _, cohort, ref_states = plain_loop_round(sim_bad, sim_bad.init(params))
+    _, cohort, ref_states, _ = plain_loop_round(sim_bad, sim_bad.init(params))
     for cid, ref in zip(cohort, ref_states):
         if cid != 1:
             for a, b in zip(jax.tree.leaves(jax.tree.map(lambda t: t[cid], donated.client_states)), jax.tree.leaves(ref)):
@@ -260,7 +234,7 @@ def test_round_compiles_once_across_changing_cohorts(layout):
         cohorts.add(tuple(info.cohort))
     assert len(cohorts) > 1
     # one compile per size class of the cohort's order buffer, not one per round
-    assert sim._round_fn._cache_size() <= len({len(sim._gather(r, sim._layout_cohort(sim.sample_cohort(r)))[2]) for r in range(4)})
+    assert sim.num_compiled_rounds() <= len({len(sim.gather(r, sim.layout_cohort(sim.sample_cohort(r)))[2]) for r in range(4)})
 
 
 def test_floyd_sampling_is_uniform_over_subsets():

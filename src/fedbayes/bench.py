@@ -483,7 +483,7 @@ def _central_epoch(loss, optimizer, num_examples: int, batch_size: int):
             start = i * batch_size
             idx = jax.lax.dynamic_slice(perm, (start,), (batch_size,))
             mask = ((start + jnp.arange(batch_size)) < num_examples).astype(jnp.float32)
-            updates, s = optimizer.update(grad_fn(p, x[idx], y[idx], mask), s, p)
+            updates, s = optimizer.update(grad_fn(p, key, x[idx], y[idx], mask), s, p)
             return optax.apply_updates(p, updates), s
 
         return jax.lax.fori_loop(0, steps, body, (params, opt_state))

@@ -14,15 +14,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from fedbayes.algorithms import registry
+from fedbayes.hparams import HParams
 
 DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
 PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 MODELS = ("logreg", "mlp", "cnn", "linear")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = HParams
 
 
 class DataConfig(_Strict):
@@ -75,105 +77,12 @@ class ServerConfig(_Strict):
     fail_fast: bool = False
 
 
-class FedAvgConfig(_Strict):
-    """FedAvg (spec 2); FedAvgM/FedAdam/FedYogi/FedAdagrad via ``server.optimizer``."""
-
-    name: Literal["fedavg"] = "fedavg"
-
-
-class FedProxConfig(_Strict):
-    """FedProx (spec 3)."""
-
-    name: Literal["fedprox"]
-    mu: float = Field(0.01, ge=0)
-
-
-class FedDynConfig(_Strict):
-    """FedDyn (spec 5)."""
-
-    name: Literal["feddyn"]
-    alpha: float = Field(0.01, gt=0)
-    weight_decay: float = Field(1e-4, ge=0)
-
-
-class ADMMConfig(_Strict):
-    """Federated ADMM (spec 4.1)."""
-
-    name: Literal["admm"]
-    rho: float = Field(0.01, gt=0)
-    delta: float = Field(0.0, ge=0)
-
-
-class FedPAConfig(_Strict):
-    """FedPA (spec 6): one IASG sample per local epoch after the first ``skip_epochs``."""
-
-    name: Literal["fedpa"]
-    rho: Union[float, str] = Field(0.01, description="shrinkage rho >= 0, or 'oas' / 'rblw' to choose it from the samples")
-    burn_in_rounds: int = Field(0, ge=0, description="rounds run as FedAvg before sampling")
-    skip_epochs: int = Field(1, ge=0, description="epochs per round that yield no sample")
-
-    @field_validator("rho")
-    @classmethod
-    def _rho(cls, v):
-        if isinstance(v, str) and v not in ("oas", "rblw") or not isinstance(v, str) and not v >= 0:
-            raise ValueError(f"must be a number >= 0 or one of 'oas', 'rblw'; got {v!r}")
-        return v
-
-
-class _EPConfig(_Strict):
-    """Shared settings of FedEP and FedSEP (spec 7; seed 000 Table 7)."""
-
-    method: Literal["identity", "mcmc", "laplace", "ngvi"] = Field(
-        "identity", description="client tilted inference: identity (I), mcmc (M), laplace (L) or ngvi (V)"
-    )
-    scale: float = Field(500.0, gt=0, description="c, the local-precision scale")
-    weight_decay: float = Field(1e-4, ge=0, description="lambda_wd: weight decay as a prior of precision lambda_wd n_k")
-    initial_precision: float = Field(0.0, ge=0, description="lambda_0 (identity method; NGVI's s_0)")
-    mcmc_shrinkage: float = Field(1e-4, ge=0, le=1, description="mcmc method: variance shrinkage towards 1")
-    clip_ratio: float = Field(2.0, ge=0, description="Fisher clipping to mean +- ratio * std (0: off)")
-    laplace_epochs: int = Field(5, ge=1)
-    ngvi_epochs: int = Field(5, ge=1)
-    ngvi_samples: int = Field(5, ge=1)
-    ngvi_beta: float = Field(0.99, ge=0, lt=1)
-    fisher_max_batches: int = Field(0, ge=0, description="laplace/ngvi: stop the Fisher passes after this many minibatches (0: all)")
-    damping: float | None = Field(None, gt=0, le=1, description="delta; default 1 / clients_per_round")
-    delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
-    burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
-    init: Literal["benchmark", "uniform"] = "benchmark"
-    prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
-    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
-
-
-class FedEPConfig(_EPConfig):
-    """FedEP (spec 7): stateful clients keep their sites."""
-
-    name: Literal["fedep"]
-    improper_sites: Literal["reject", "allow"] = Field(
-        "reject", description="a message whose site precision turns non-positive: reject it, or allow it (EP factors may be improper)"
-    )
-
-
-class FedSEPConfig(_EPConfig):
-    """FedSEP (spec 7.9): stateless clients, one shared average site."""
-
-    name: Literal["fedsep"]
-    sep_power: Literal["data_fraction", "one_over_k"] = "data_fraction"
-
-
-AlgorithmConfig = Annotated[
-    Union[FedAvgConfig, FedProxConfig, FedDynConfig, ADMMConfig, FedPAConfig, FedEPConfig, FedSEPConfig],
-    Field(discriminator="name"),
-]
-ALGORITHMS = ("fedavg", "fedprox", "feddyn", "admm", "fedpa", "fedep", "fedsep")
-ALGORITHM_CONFIGS = {
-    "fedavg": FedAvgConfig,
-    "fedprox": FedProxConfig,
-    "feddyn": FedDynConfig,
-    "admm": ADMMConfig,
-    "fedpa": FedPAConfig,
-    "fedep": FedEPConfig,
-    "fedsep": FedSEPConfig,
-}
+# The algorithm sections come from the registry: each method declares its settings once, in its
+# own module (fedbayes.algorithms.<method>), and the union below is built from them.
+ALGORITHM_CONFIGS = {spec.name: spec.hparams for spec in registry.builtin_specs()}
+ALGORITHMS = tuple(ALGORITHM_CONFIGS)
+AlgorithmConfig = Annotated[Union[tuple(ALGORITHM_CONFIGS.values())], Field(discriminator="name")]  # type: ignore[valid-type]
+FedAvgConfig = ALGORITHM_CONFIGS["fedavg"]
 
 
 class RunConfig(_Strict):

@@ -4,7 +4,8 @@
 
 * ``config.toml``: the resolved config (every default written out; ``fedbayes run`` accepts it);
 * ``metrics.jsonl``: one line per evaluation (round, accuracy, nll, ece, loss, seconds,
-  bytes_up, bytes_down, rejected), round 0 being the initial model;
+  bytes_up, bytes_down, rejected; and ``train_loss``, the round's clients' training loss, after
+  round 0), round 0 being the initial model;
 * ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
   the end;
 * ``summary.json`` and ``curves.png`` at the end.
@@ -30,13 +31,14 @@ import optax
 
 from fedbayes import algorithms as algs
 from fedbayes import metrics
+from fedbayes import round as protocol
+from fedbayes.algorithms import registry
 from fedbayes.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.config import ConfigError, RunConfig, to_toml
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
 from fedbayes.inference.sgd import LocalTrainer
-from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.plotting import plot_curves
 from fedbayes.simulate import Federation, Simulator
@@ -55,7 +57,7 @@ class Experiment:
     model: Any
     params: Any
     simulator: Simulator
-    evaluate: Callable[[Any], dict[str, float]]  # server state -> metrics
+    evaluate: Callable[[Any, int], dict[str, float]]  # (server state, round) -> metrics
 
 
 def load_data(config: RunConfig) -> Dataset:
@@ -79,7 +81,7 @@ def load_data(config: RunConfig) -> Dataset:
 def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
     """Partitions the training set over clients with a generator seeded by ``config.seed``."""
     d = config.data
-    rng = np.random.default_rng([config.seed, 2])
+    rng = protocol.partition_rng(config.seed)
     params: dict[str, Any] = {}
     if d.partition == "dirichlet":
         params = {"alpha": d.alpha}
@@ -135,45 +137,16 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return opt
 
 
-def build_algorithm(
-    config: RunConfig, trainer: LocalTrainer, num_clients: int, *, total_examples: int = 0, apply_fn=None, task: str = "classification"
-) -> algs.Algorithm:
+def build_context(config: RunConfig, trainer: LocalTrainer, federation: registry.FederationInfo, *, apply_fn=None, task: str = "classification") -> registry.BuildContext:
+    """What the registry's builders need besides the algorithm's own settings: no data."""
     s = config.server
-    server_opt = algs.make_server_optimizer(
-        s.optimizer, s.lr, momentum=s.momentum, b1=s.beta1, b2=s.beta2, tau=s.tau, variant=s.variant
-    )
-    a = config.algorithm
-    if a.name == "fedavg":
-        return algs.fedavg(trainer, server_opt)
-    if a.name == "fedprox":
-        return algs.fedprox(trainer, server_opt, a.mu)
-    if a.name == "feddyn":
-        return algs.feddyn(trainer, server_opt, alpha=a.alpha, num_clients=num_clients, weight_decay=a.weight_decay)
-    if a.name == "admm":
-        return algs.admm(trainer, server_opt, rho=a.rho, num_clients=num_clients, delta=a.delta)
-    if a.name == "fedpa":
-        return algs.fedpa(trainer, server_opt, rho=a.rho, burn_in_rounds=a.burn_in_rounds, skip_epochs=a.skip_epochs)
-    if a.name in ("fedep", "fedsep"):
-        settings = TiltedSettings(
-            scale=a.scale, weight_decay=a.weight_decay, initial_precision=a.initial_precision, mcmc_shrinkage=a.mcmc_shrinkage,
-            clip_ratio=a.clip_ratio, laplace_epochs=a.laplace_epochs, ngvi_epochs=a.ngvi_epochs, ngvi_samples=a.ngvi_samples,
-            ngvi_beta=a.ngvi_beta, fisher_max_batches=a.fisher_max_batches,
-        )  # fmt: skip
-        if a.init == "benchmark" and settings.alpha_cov <= 0:
-            raise ConfigError(
-                "config error: algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; "
-                "set weight_decay or initial_precision > 0, or init = 'uniform'"
-            )
-        inference = make_tilted_inference(a.method, trainer, settings, apply_fn=apply_fn, task=task)
-        common = dict(
-            total_examples=total_examples, num_clients=num_clients, damping=a.damping or 1.0 / s.clients_per_round,
-            alpha_cov=settings.alpha_cov, burn_in_rounds=a.burn_in_rounds, init=a.init, prior_precision=a.prior_precision,
-            delta_clip=a.delta_clip,
-        )  # fmt: skip
-        if a.name == "fedep":
-            return algs.fedep(trainer, server_opt, inference, allow_improper_sites=a.improper_sites == "allow", **common)
-        return algs.fedsep(trainer, server_opt, inference, sep_power=a.sep_power, **common)
-    raise ValueError(f"algorithm.name: unknown {a.name!r}")
+    server_opt = algs.make_server_optimizer(s.optimizer, s.lr, momentum=s.momentum, b1=s.beta1, b2=s.beta2, tau=s.tau, variant=s.variant)
+    return registry.BuildContext(trainer, server_opt, federation, s.clients_per_round, apply_fn, task)
+
+
+def build_algorithm(config: RunConfig, trainer: LocalTrainer, federation: registry.FederationInfo, *, apply_fn=None, task: str = "classification") -> algs.Algorithm:
+    """The configured algorithm, through the registry (no data needed: a deployment can call it)."""
+    return registry.build(config.algorithm, build_context(config, trainer, federation, apply_fn=apply_fn, task=task))
 
 
 def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
@@ -182,12 +155,10 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
     kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
     model = make_model(config.model.name, dataset.num_classes, **kwargs)
-    params = init_params(model, jax.random.fold_in(jax.random.key(config.seed), 3), dataset.feature_shape)
+    params = init_params(model, protocol.params_key(config.seed), dataset.feature_shape)
     trainer = LocalTrainer(loss_fn(model, dataset.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    algorithm = build_algorithm(
-        config, trainer, federation.num_clients, total_examples=int(sum(federation.sizes)), apply_fn=apply_fn, task=dataset.task
-    )
+    algorithm = build_algorithm(config, trainer, registry.FederationInfo.from_sizes(federation.sizes), apply_fn=apply_fn, task=dataset.task)
     simulator = Simulator(
         algorithm,
         federation,
@@ -217,12 +188,11 @@ def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig,
         apply_fn, dataset.x_test, dataset.y_test, num_samples=config.algorithm.marginal_samples,
         batch_size=config.eval_batch_size, num_bins=config.ece_bins,
     )  # fmt: skip
-    root = jax.random.fold_in(jax.random.key(config.seed), 5)
 
-    def evaluate(server_state) -> dict[str, float]:
+    def evaluate(server_state, round_idx: int) -> dict[str, float]:
         out = evaluate_point(algorithm.server_params(server_state))
         mean, variance = algorithm.server_posterior(server_state)
-        key = jax.random.fold_in(root, int(server_state.round))
+        key = protocol.evaluation_key(config.seed, round_idx)
         out.update({f"{k}_marg": v for k, v in marginal(key, mean, variance).items() if k in ("accuracy", "nll", "ece")})
         return out
 
@@ -231,7 +201,17 @@ def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig,
 
 def _on_state(evaluate_point, algorithm: algs.Algorithm):
     """The point evaluation of the server state's model."""
-    return lambda server_state: evaluate_point(algorithm.server_params(server_state))
+    return lambda server_state, round_idx: evaluate_point(algorithm.server_params(server_state))
+
+
+def train_loss(info) -> float | None:
+    """The round's training loss: the mean over its accepted clients of their mean minibatch loss,
+    weighted by their example counts (``None`` when no client was accepted)."""
+    c = info.clients
+    w = np.where(c["accepted"], c["num_examples"], 0).astype(np.float64)
+    if not w.sum():
+        return None
+    return float(np.sum(w * np.where(c["accepted"], c["loss"], 0.0)) / w.sum())
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -332,9 +312,11 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
     _write_atomic(out / "config.toml", to_toml(config))
     _write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
 
-    def record(round_idx: int) -> dict:
-        m = exp.evaluate(state.server_state)
+    def record(round_idx: int, info=None) -> dict:
+        m = exp.evaluate(state.server_state, round_idx)
         r = {"round": round_idx, **m, **counters}
+        if info is not None:
+            r["train_loss"] = train_loss(info)
         r["seconds"] = round(r["seconds"], 3)
         records.append(r)
         with open(metrics_path, "a") as f:
@@ -355,7 +337,7 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             counters["bytes_down"] += info.bytes_down
             counters["rejected"] += len(info.rejected)
             r = state.round
-            rec = record(r) if (r % config.eval_every == 0 or r == config.rounds) else None
+            rec = record(r, info) if (r % config.eval_every == 0 or r == config.rounds) else None
             if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):
                 save_checkpoint(ckpt_dir, state, {"counters": counters, "name": config.name})
             reporter.update(r, config.rounds, rec)

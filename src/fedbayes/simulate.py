@@ -19,12 +19,13 @@ One round (DESIGN.md, "One round, as data flows"):
    * ``"vmap"``: the cohort (client axis sharded over the devices) runs under ``jax.vmap``; each
      client's loop is masked past its own step count, so every client takes exactly its steps.
 
-   Client ``k`` always uses the key ``fold_in(fold_in(client_root, round), k)`` and the shuffles
-   of ``default_rng([seed, 12, round, k])``: results do not depend on the cohort, its order,
-   padding, the layout or the device split.
-5. **Validate** each message (``algorithm.message_ok``); a rejected client gets weight zero and
-   keeps its old state; the count is reported. **Server update**: the algorithm's weighted
-   aggregation and server optimizer, fused into the same program.
+   Client ``k`` always uses the key :func:`fedbayes.round.client_key` and the shuffles of
+   :func:`fedbayes.round.shuffle_rng`: results do not depend on the cohort, its order, padding,
+   the layout or the device split.
+5. **Server step** (:func:`fedbayes.round.server_step`, fused into the same program): validate
+   each message (``algorithm.message_ok``; a rejected client gets weight zero and keeps its old
+   state; the count is reported), aggregate (the algorithm's rule, or the ``aggregator`` given),
+   update the server.
 6. **Scatter** new client states back to the store (:mod:`fedbayes.store`: stacked host arrays,
    or a :class:`~fedbayes.store.DiskStore` for federations whose states do not fit in memory).
 
@@ -44,10 +45,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fedbayes import round as protocol
 from fedbayes import tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
 from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation
+from fedbayes.round import WEIGHTINGS, cohort_rng, sample_without_replacement
 from fedbayes.store import DiskStore, MemoryStore, as_store
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,6 @@ __all__ = ["Federation", "GeneratedFederation", "RoundInfo", "SimState", "Simula
 
 LAYOUTS = ("auto", "sequential", "vmap")
 STORES = ("memory", "disk")
-WEIGHTINGS = ("examples", "uniform")
 _AXIS = "clients"
 
 
@@ -104,25 +106,8 @@ class RoundInfo(NamedTuple):
     bytes_down: int
     padding_waste: float = 0.0
     step_waste: float = 0.0
-
-
-def cohort_rng(seed: int, round_idx: int) -> np.random.Generator:
-    """The generator of round ``round_idx``'s cohort (tag 11: a stream of its own; see
-    :func:`fedbayes.data.batches.client_rng`)."""
-    return np.random.default_rng([seed, 11, round_idx])
-
-
-def sample_without_replacement(rng: np.random.Generator, num_items: int, num_samples: int) -> np.ndarray:
-    """Uniform sample of ``num_samples`` distinct items of ``range(num_items)`` in ``O(num_samples)``.
-
-    Floyd's algorithm (Bentley & Floyd 1987): every subset is equally likely, and the cost does not
-    depend on ``num_items`` (a permutation of 342,477 clients per round would).
-    """
-    chosen: set[int] = set()
-    for j in range(num_items - num_samples, num_items):
-        t = int(rng.integers(0, j + 1))
-        chosen.add(j if t in chosen else t)
-    return np.sort(np.fromiter(chosen, dtype=np.int64, count=num_samples))
+    clients: dict[str, np.ndarray] | None = None  # per cohort client (in cohort order): num_examples and its info
+    server: dict[str, float] | None = None  # the server update's info
 
 
 def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
@@ -159,6 +144,8 @@ class Simulator:
       store: where client states live: ``"memory"`` (stacked host arrays) or ``"disk"`` (a
         :class:`~fedbayes.store.DiskStore` in ``store_dir``, for large federations).
       store_dir: the disk store's folder (needed with ``store="disk"``).
+      aggregator: an :data:`fedbayes.aggregators.Aggregator` replacing the algorithm's own rule
+        (e.g. a robust rule or one that adds DP noise); ``None`` keeps the algorithm's.
     """
 
     def __init__(
@@ -174,6 +161,7 @@ class Simulator:
         fail_fast: bool = False,
         store: str = "memory",
         store_dir: str | None = None,
+        aggregator=None,
     ):
         k = federation.num_clients
         if store not in STORES:
@@ -198,6 +186,7 @@ class Simulator:
         self.sizes = sizes
         self.store = store
         self.store_dir = store_dir
+        self.aggregator = aggregator
         devices = list(devices) if devices is not None else jax.local_devices()
         if layout == "auto":
             layout = "sequential" if devices[0].platform == "cpu" else "vmap"
@@ -212,10 +201,7 @@ class Simulator:
         else:
             self.x = jax.device_put(federation.x, self._replicated)
             self.y = jax.device_put(federation.y, self._replicated)
-        root = jax.random.key(seed)
-        self._client_root = jax.random.fold_in(root, 0)
-        self._server_key = jax.random.fold_in(root, 2)
-        self._round_fn = jax.jit(self._round, compiler_options=round_compiler_options(devices[0].platform))
+        self._round_fn = jax.jit(self.round_program, compiler_options=round_compiler_options(devices[0].platform))
         self._message_bytes: tuple[int, int] | None = None
 
     # ----- state -----------------------------------------------------------------------------
@@ -226,7 +212,7 @@ class Simulator:
         :func:`~fedbayes.checkpoint.load_checkpoint` then rolls it back to its round); the memory
         store ignores it. Stateless algorithms keep ``()`` whatever the store.
         """
-        server_state = self.place(self.algorithm.server_init(self._server_key, params))
+        server_state = self.place(self.algorithm.server_init(protocol.server_init_key(self.seed), params))
         template = self.algorithm.client_init(params)
         k = self.federation.num_clients
         if self.store == "disk" and jax.tree.leaves(template):
@@ -246,12 +232,9 @@ class Simulator:
     # ----- cohort ----------------------------------------------------------------------------
     def sample_cohort(self, round_idx: int) -> np.ndarray:
         """Uniform sample without replacement of ``M`` client ids for ``round_idx`` (sorted)."""
-        k, m = self.federation.num_clients, self.clients_per_round
-        if m == k:
-            return np.arange(k)
-        return sample_without_replacement(cohort_rng(self.seed, round_idx), k, m)
+        return protocol.sample_cohort(self.seed, round_idx, self.federation.num_clients, self.clients_per_round)
 
-    def _layout_cohort(self, cohort: np.ndarray) -> np.ndarray:
+    def layout_cohort(self, cohort: np.ndarray) -> np.ndarray:
         """Orders the cohort into equal per-device blocks; ``-1`` marks padding slots."""
         d = self.num_devices
         if self.layout == "sequential" and d > 1:
@@ -293,8 +276,9 @@ class Simulator:
         x, y = jax.device_put((x, y), self._replicated)
         return x, y, positions, 1.0 - used / total
 
-    def _gather(self, round_idx: int, slots: np.ndarray):
-        """Host side of a round: data, order buffer, offsets, sizes and weights of every slot."""
+    def gather(self, round_idx: int, slots: np.ndarray):
+        """Host side of a round: ``(x, y, order, offsets, num_examples, weights, padding)`` of
+        the slots (see :meth:`layout_cohort`)."""
         real = slots >= 0
         x, y, positions, feature_waste = self._cohort_data(slots)
         epochs, batch = self.algorithm.local_epochs, self.algorithm.local_batch_size
@@ -303,51 +287,58 @@ class Simulator:
         length = epochs * x.shape[0] + batch if self.generated else None
         order, offsets, used = layout_orders(self.seed, round_idx, slots, positions, epochs, batch, length)
         num_examples = np.where(real, self.sizes[np.where(real, slots, 0)], 0).astype(np.int32)
-        weights = num_examples.astype(np.float32) if self.weighting == "examples" else real.astype(np.float32)
+        weights = protocol.client_weights(num_examples, self.weighting)
         padding = max(feature_waste, 1.0 - used / len(order))
         return x, y, order, offsets, num_examples, weights, padding
 
     # ----- the compiled round ----------------------------------------------------------------
-    def _client_fn(self, message, round_key, x, y, order):
-        algorithm = self.algorithm
+    def _client_fn(self, message, round_idx, x, y, order):
+        algorithm, round_key = self.algorithm, protocol.client_round_key(self.seed, round_idx)
 
         def one(cid, cstate, offset, n):
-            key = jax.random.fold_in(round_key, cid)
+            key = jax.random.fold_in(round_key, cid)  # = protocol.client_key(seed, round_idx, cid)
             return algorithm.client_update(key, message, cstate, ClientData(x, y, order, offset, n))
 
         return one
 
-    def _round(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order):
+    def round_program(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order):
+        """The compiled round (:meth:`run_round` calls it jitted): the cohort's client updates in
+        the simulator's layout, then :func:`fedbayes.round.server_step`. Returns the new server
+        state, the new client states (every slot's; only accepted rows are written back), the
+        acceptance flags, the clients' info and the server's info."""
         algorithm = self.algorithm
         message = algorithm.broadcast(server_state)
-        round_key = jax.random.fold_in(self._client_root, round_idx)
         if self.layout == "vmap":
-            one = self._client_fn(message, round_key, x, y, order)
-            messages, new_states = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
+            one = self._client_fn(message, round_idx, x, y, order)
+            messages, new_states, infos = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
             # Keep every state leaf split by client, as the sequential layout's shard_map does: XLA
             # would replicate a leaf that does not depend on the client (a constant flag).
             new_states = jax.lax.with_sharding_constraint(new_states, self._sharded)
         else:
 
-            def per_device(message, round_key, x, y, order, cids, cstates, offs, n):
-                one = self._client_fn(message, round_key, x, y, order)
+            def per_device(message, round_idx, x, y, order, cids, cstates, offs, n):
+                one = self._client_fn(message, round_idx, x, y, order)
                 return jax.lax.map(lambda a: one(*a), (cids, cstates, offs, n))
 
             # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
             # over devices and clients would no longer be independent (DESIGN.md).
-            messages, new_states = jax.shard_map(
+            messages, new_states, infos = jax.shard_map(
                 per_device,
                 mesh=self.mesh,
                 in_specs=(P(), P(), P(), P(), P(), P(_AXIS), P(_AXIS), P(_AXIS), P(_AXIS)),
-                out_specs=(P(_AXIS), P(_AXIS)),
+                out_specs=(P(_AXIS), P(_AXIS), P(_AXIS)),
                 check_vma=False,
-            )(message, round_key, x, y, order, client_ids, client_states, offsets, num_examples)
-        ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
-        ok = jnp.logical_and(ok, weights > 0)
-        new_server = algorithm.server_update(server_state, messages, jnp.where(ok, weights, 0.0))
+            )(message, round_idx, x, y, order, client_ids, client_states, offsets, num_examples)
+        server_key = protocol.server_key(self.seed, round_idx)
+        new_server, ok, server_info = protocol.server_step(algorithm, server_state, messages, weights, server_key, self.aggregator)
         # A rejected client keeps its old state: run_round writes back only the accepted rows
         # (no select over every client's state here, one pass less over the cohort's states).
-        return new_server, new_states, ok
+        return new_server, new_states, ok, infos, server_info
+
+    def num_compiled_rounds(self) -> int:
+        """How many programs the round has compiled so far (one per size class of the cohort's
+        order buffer; a fixed cohort shape compiles once)."""
+        return self._round_fn._cache_size()
 
     def message_bytes(self, state: SimState) -> tuple[int, int]:
         """``(down, up)`` bytes of one broadcast message and one client message."""
@@ -364,7 +355,7 @@ class Simulator:
             scalar = jax.ShapeDtypeStruct((), jnp.int32)
             order = jax.ShapeDtypeStruct((2 * self.algorithm.local_batch_size + 256,), jnp.int32)
             data = ClientData(x, y, order, scalar, scalar)
-            out, _ = jax.eval_shape(self.algorithm.client_update, jax.random.key(0), message, cstate, data)
+            out, _, _ = jax.eval_shape(self.algorithm.client_update, jax.random.key(0), message, cstate, data)
             self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
         return self._message_bytes
 
@@ -429,13 +420,13 @@ class Simulator:
         """
         round_idx = state.round
         cohort = self.sample_cohort(round_idx)
-        slots = self._layout_cohort(cohort)
-        x, y, order, offsets, num_examples, weights, padding = self._gather(round_idx, slots)
+        slots = self.layout_cohort(cohort)
+        x, y, order, offsets, num_examples, weights, padding = self.gather(round_idx, slots)
         real = slots >= 0
         safe = np.where(real, slots, 0)
         store = as_store(state.client_states)
         put = lambda a: jax.device_put(a, self._sharded)  # noqa: E731
-        new_server, new_cstates, ok = self._round_fn(
+        new_server, new_cstates, ok, client_info, server_info = self._round_fn(
             state.server_state,
             self._put_states(store, safe, round_idx),
             put(safe.astype(np.int32)),
@@ -463,5 +454,10 @@ class Simulator:
         step_waste = 0.0
         if self.layout == "vmap" and steps.max() > 0:
             step_waste = float(1.0 - steps.sum() / (len(slots) * steps.max()))
-        info = RoundInfo(round_idx, cohort, rejected, up * m, down * m, float(padding), step_waste)
+        # Per-client facts in cohort order (slots hold the cohort in device blocks, -1 for padding).
+        order_in_cohort = np.argsort(np.where(real, slots, np.iinfo(np.int64).max), kind="stable")[:m]
+        clients = {"client": slots[order_in_cohort], "num_examples": num_examples[order_in_cohort], "accepted": (real & ok)[order_in_cohort]}
+        clients.update({k: np.asarray(v)[order_in_cohort] for k, v in client_info.items()})
+        server = {k: np.asarray(v).item() for k, v in server_info.items()}
+        info = RoundInfo(round_idx, cohort, rejected, up * m, down * m, float(padding), step_waste, clients, server)
         return SimState(round_idx + 1, new_server, client_states), info

@@ -18,13 +18,14 @@ full participation it coincides with FedADMM and FedDyn (``alpha = rho``, no wei
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import optax
+from pydantic import Field
 
-from fedbayes import tree
-from fedbayes.algorithms.base import Algorithm, participation_mask, point_estimate_algorithm
+from fedbayes.algorithms.base import Algorithm, point_estimate_algorithm
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 
@@ -69,18 +70,19 @@ def admm(
             diff = optax.tree.sub(w, w_g)
             return optax.tree.vdot(state.dual, w) + 0.5 * rho * optax.tree.vdot(diff, diff)
 
-        w_k = run_sgd(key, w_g, data, trainer, penalty)
+        w_k, info = run_sgd(key, w_g, data, trainer, penalty)
         dual = optax.tree.add_scale(state.dual, rho, optax.tree.sub(w_k, w_g))
         contribution = optax.tree.add_scale(w_k, 1.0 / rho, dual)
         message = optax.tree.sub(contribution, state.contribution)
-        return message, ClientState(dual=dual, contribution=contribution)
+        return message, ClientState(dual=dual, contribution=contribution), info
 
-    def server_update(state, messages, weights):
-        consensus_sum = optax.tree.add(state.consensus_sum, tree.weighted_sum(messages, participation_mask(weights)))
+    def server_update(state, aggregate, key):
+        del key
+        consensus_sum = optax.tree.add(state.consensus_sum, aggregate.total)
         target = optax.tree.scale(rho / (num_clients * rho + delta), consensus_sum)
         pseudo_grad = optax.tree.sub(state.params, target)
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, pseudo_grad)
-        return ServerState(params, consensus_sum, opt_state)
+        return ServerState(params, consensus_sum, opt_state), {}
 
     return point_estimate_algorithm(
         "admm",
@@ -90,3 +92,15 @@ def admm(
         client_update=client_update,
         server_update=server_update,
     )
+
+
+class ADMMConfig(HParams):
+    """Federated ADMM (spec 4.1)."""
+
+    name: Literal["admm"]
+    rho: float = Field(0.01, gt=0, description="ADMM penalty rho")
+    delta: float = Field(0.0, ge=0, description="global regulariser delta")
+
+
+def build(hp: ADMMConfig, ctx) -> Algorithm:
+    return admm(ctx.trainer, ctx.server_optimizer, rho=hp.rho, num_clients=ctx.federation.num_clients, delta=hp.delta)

@@ -1,52 +1,93 @@
 """The algorithm interface: a federated method is a few pure functions over messages.
 
-An :class:`Algorithm` is a named tuple of pure functions (STYLE.md, "Shapes worth keeping"):
+An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols below):
 
 * ``server_init(key, params) -> server_state``
 * ``broadcast(server_state) -> server_message`` (what every sampled client receives)
 * ``client_init(params) -> client_state`` (persistent per-client state; ``()`` when stateless)
-* ``client_update(key, server_message, client_state, data) -> (client_message, client_state)``
-* ``server_update(server_state, client_messages, weights) -> server_state``: messages stacked on
-  axis 0, ``weights[m] >= 0`` (zero for padded or rejected clients)
+* ``client_update(key, server_message, client_state, data) -> (client_message, client_state, info)``
+* ``server_update(server_state, aggregate, key) -> (server_state, info)``: ``aggregate`` is the
+  :class:`~fedbayes.aggregators.Aggregate` of the round's accepted messages, made by the
+  algorithm's ``aggregator`` (or one that wraps or replaces it: a robust rule, DP noise)
 * ``server_params(server_state) -> params``: the point estimate used for evaluation
 * ``message_ok(server_state, client_message) -> bool``: the server's acceptance test for one
-  message (DESIGN.md, "Messages and their validation"); a rejected client gets weight zero and
-  keeps its old state.
+  message (finite values, matching structure, proper precisions); a rejected client gets weight
+  zero and keeps its old state.
 * ``server_posterior(server_state) -> (mean, variance)`` (optional, Bayesian methods): the
-  diagonal Gaussian ``q_g`` in moments, for marginalised predictions (spec 13.1); ``None`` for
-  point-estimate methods.
+  diagonal Gaussian ``q_g`` in moments, for marginalised predictions; ``None`` for point methods.
+* ``aggregator``: the method's own aggregation rule (default :func:`fedbayes.aggregators.weighted`).
 * ``local_epochs``, ``local_batch_size``: how many shuffled passes over its data a client makes
   and with which minibatch size; the simulator lays out that many epochs per client
   (:mod:`fedbayes.data.batches`) and knows each client's step count ``E * ceil(n_k / B)``.
 
-The simulator vmaps (or maps) ``client_update`` over a cohort; the Flower adapter calls the same
-functions one client at a time. Point-estimate and posterior methods share this interface.
+``info`` outputs are dicts of scalar arrays with a fixed structure per algorithm (as blackjax's
+kernels return ``(state, info)``): the client's mean training loss and step count
+(:func:`fedbayes.inference.sgd.training_info`), the server's counts. The round protocol (:func:`fedbayes.round.server_step`) adds validation and aggregation;
+the simulator runs ``client_update`` for a cohort inside one ``jit``, a deployment calls the same
+functions one client at a time.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from fedbayes import tree
+from fedbayes import aggregators, tree
+from fedbayes.aggregators import Aggregate
+from fedbayes.data.batches import ClientData
+
+PyTree = Any
+Info = dict[str, jax.Array]
+
+__all__ = [
+    "Algorithm",
+    "ClientUpdateFn",
+    "Info",
+    "ServerUpdateFn",
+    "finite_message",
+    "participation_mask",
+    "point_estimate_algorithm",
+    "stateless_client_init",
+]
+
+
+class ServerInitFn(Protocol):
+    def __call__(self, key: jax.Array, params: PyTree) -> PyTree: ...
+
+
+class ClientUpdateFn(Protocol):
+    def __call__(self, key: jax.Array, message: PyTree, client_state: PyTree, data: ClientData) -> tuple[PyTree, PyTree, Info]: ...
+
+
+class ServerUpdateFn(Protocol):
+    def __call__(self, server_state: PyTree, aggregate: Aggregate, key: jax.Array) -> tuple[PyTree, Info]: ...
+
+
+class MessageOkFn(Protocol):
+    def __call__(self, server_state: PyTree, message: PyTree) -> jax.Array: ...
+
+
+class PosteriorFn(Protocol):
+    def __call__(self, server_state: PyTree) -> tuple[PyTree, PyTree]: ...
 
 
 class Algorithm(NamedTuple):
     """A federated algorithm as pure functions (see the module docstring)."""
 
     name: str
-    server_init: Callable[..., Any]
-    broadcast: Callable[[Any], Any]
-    client_init: Callable[[Any], Any]
-    client_update: Callable[..., tuple[Any, Any]]
-    server_update: Callable[[Any, Any, jax.Array], Any]
-    server_params: Callable[[Any], Any]
-    message_ok: Callable[[Any, Any], jax.Array]
+    server_init: ServerInitFn
+    broadcast: Any  # server_state -> message
+    client_init: Any  # params -> client_state
+    client_update: ClientUpdateFn
+    server_update: ServerUpdateFn
+    server_params: Any  # server_state -> params
+    message_ok: MessageOkFn
     local_epochs: int = 1
     local_batch_size: int = 1
-    server_posterior: Callable[[Any], tuple[Any, Any]] | None = None
+    server_posterior: PosteriorFn | None = None
+    aggregator: aggregators.Aggregator = aggregators.weighted
 
 
 def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, client_update, server_update) -> Algorithm:

@@ -8,13 +8,13 @@ FedAvgM / FedAdam / FedYogi / FedAdagrad are FedAvg with another server optimize
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import optax
 
-from fedbayes import tree
 from fedbayes.algorithms.base import Algorithm, point_estimate_algorithm, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 
@@ -46,13 +46,13 @@ def local_delta_algorithm(
 
     def client_update(key, server_params, client_state, data):
         pen = None if penalty is None else (lambda w: penalty(server_params, w))
-        local = run_sgd(key, server_params, data, trainer, pen)
-        return optax.tree.sub(server_params, local), client_state
+        local, info = run_sgd(key, server_params, data, trainer, pen)
+        return optax.tree.sub(server_params, local), client_state, info
 
-    def server_update(state, messages, weights):
-        g = tree.weighted_mean(messages, weights)
-        params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, g)
-        return ServerState(params=params, opt_state=opt_state)
+    def server_update(state, aggregate, key):
+        del key
+        params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, aggregate.mean)
+        return ServerState(params=params, opt_state=opt_state), {}
 
     return point_estimate_algorithm(
         name,
@@ -67,3 +67,13 @@ def local_delta_algorithm(
 def fedavg(trainer: LocalTrainer, server_optimizer: optax.GradientTransformation) -> Algorithm:
     """FedAvg: local training on the mean loss, weighted averaging of deltas (spec 2)."""
     return local_delta_algorithm("fedavg", trainer, server_optimizer)
+
+
+class FedAvgConfig(HParams):
+    """FedAvg (spec 2); FedAvgM/FedAdam/FedYogi/FedAdagrad via ``server.optimizer``."""
+
+    name: Literal["fedavg"] = "fedavg"
+
+
+def build(hp: FedAvgConfig, ctx) -> Algorithm:
+    return fedavg(ctx.trainer, ctx.server_optimizer)

@@ -20,13 +20,14 @@ step is passed to the server optimizer as the pseudo-gradient ``theta^{t-1} - th
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import optax
+from pydantic import Field
 
-from fedbayes import tree
-from fedbayes.algorithms.base import Algorithm, participation_mask, point_estimate_algorithm
+from fedbayes.algorithms.base import Algorithm, point_estimate_algorithm
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 
@@ -68,19 +69,18 @@ def feddyn(
                 + 0.5 * weight_decay * optax.tree.vdot(w, w)
             )
 
-        local = run_sgd(key, theta, data, trainer, penalty)
+        local, info = run_sgd(key, theta, data, trainer, penalty)
         message = optax.tree.sub(theta, local)  # g_k = theta^{t-1} - theta_k
         new_grad = optax.tree.add_scale(grad_k, alpha, message)  # grad_k - alpha (theta_k - theta)
-        return message, new_grad
+        return message, new_grad, info
 
-    def server_update(state, messages, weights):
-        mask = participation_mask(weights)
-        h = optax.tree.add_scale(state.h, alpha / num_clients, tree.weighted_sum(messages, mask))
-        mean_g = tree.weighted_mean(messages, mask)
-        # theta^{t-1} - theta^t = mean g_k + h / alpha
-        pseudo_grad = optax.tree.add_scale(mean_g, 1.0 / alpha, h)
+    def server_update(state, aggregate, key):
+        del key
+        h = optax.tree.add_scale(state.h, alpha / num_clients, aggregate.total)
+        # theta^{t-1} - theta^t = mean g_k + h / alpha (uniform mean over the cohort)
+        pseudo_grad = optax.tree.add_scale(aggregate.uniform_mean(), 1.0 / alpha, h)
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, pseudo_grad)
-        return ServerState(params, h, opt_state)
+        return ServerState(params, h, opt_state), {}
 
     return point_estimate_algorithm(
         "feddyn",
@@ -92,4 +92,16 @@ def feddyn(
     )
 
 
-__all__ = ["feddyn", "ServerState"]
+class FedDynConfig(HParams):
+    """FedDyn (spec 5)."""
+
+    name: Literal["feddyn"]
+    alpha: float = Field(0.01, gt=0, description="dynamic regularisation alpha")
+    weight_decay: float = Field(1e-4, ge=0, description="local weight decay lambda")
+
+
+def build(hp: FedDynConfig, ctx) -> Algorithm:
+    return feddyn(ctx.trainer, ctx.server_optimizer, alpha=hp.alpha, num_clients=ctx.federation.num_clients, weight_decay=hp.weight_decay)
+
+
+__all__ = ["FedDynConfig", "ServerState", "feddyn"]

@@ -37,24 +37,26 @@ Clients of FedSEP keep no state; clients of FedEP keep their site and their site
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from pydantic import Field, model_validator
 
 from fedbayes import gaussian, tree
-from fedbayes.algorithms.base import Algorithm, participation_mask, stateless_client_init
+from fedbayes.algorithms._sites import all_positive, checked_cavity, clip_joint_norm, guard_positive, optimizer_step, safe_mean
+from fedbayes.algorithms.base import Algorithm, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
-from fedbayes.inference.tilted import TiltedInference
+from fedbayes.inference.tilted import METHODS, TiltedInference, TiltedSettings, make_tilted_inference
 
 PyTree = Any
 INITS = ("benchmark", "uniform")
 SEP_POWERS = ("data_fraction", "one_over_k")
 
-__all__ = ["ClientState", "INITS", "Message", "SEP_POWERS", "ServerState", "fedep", "fedsep", "posterior_moments"]
+__all__ = ["ClientState", "EPConfig", "FedEPConfig", "FedSEPConfig", "INITS", "Message", "SEP_POWERS", "ServerState", "fedep", "fedsep", "posterior_moments"]
 
 
 class ServerState(NamedTuple):
@@ -97,33 +99,6 @@ class ClientState(NamedTuple):
     site: DiagGaussian
     opt_state: optax.OptState
     initialized: jax.Array
-
-
-def _checked_cavity(cavity: DiagGaussian, q: DiagGaussian, rtol: float = 1e-5) -> tuple[DiagGaussian, jax.Array]:
-    """The cavity with float round-off below zero clamped to 0, and whether it is proper enough to
-    serve as a prior: finite, and no precision below ``-rtol * Lambda_g`` (a truly negative cavity
-    precision means the site outweighs the global: the client is rejected, spec 7.10)."""
-    tol_ok = jax.tree.map(lambda c, g: jnp.all(c >= -rtol * jnp.abs(g)), cavity.precision, q.precision)
-    ok = jnp.logical_and(tree.all_finite(cavity), jnp.all(jnp.stack(jax.tree.leaves(tol_ok))))
-    clamped = DiagGaussian(precision_mean=cavity.precision_mean, precision=jax.tree.map(lambda c: jnp.maximum(c, 0.0), cavity.precision))
-    return clamped, ok
-
-
-def _positive(precision: PyTree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(lam > 0) for lam in jax.tree.leaves(precision)]))
-
-
-def _safe_mean(q: DiagGaussian, fallback: PyTree) -> PyTree:
-    return jax.tree.map(
-        lambda eta, lam, f: jnp.where(lam > 0, eta / jnp.where(lam > 0, lam, 1.0), f), q.precision_mean, q.precision, fallback
-    )
-
-
-def _clip_joint(d: DiagGaussian, max_norm: float | None) -> DiagGaussian:
-    if max_norm is None:
-        return d
-    norm = optax.tree.norm(d)
-    return optax.tree.scale(jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30)), d)
 
 
 def _ep_algorithm(
@@ -197,9 +172,9 @@ def _ep_algorithm(
 
         def burn_in():
             theta = q.precision_mean  # Lambda = 1 during burn-in
-            last = run_sgd(key, theta, data, trainer)
+            last, info = run_sgd(key, theta, data, trainer)
             delta = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
-            return Message(delta, jnp.ones((), jnp.bool_)), cstate
+            return Message(delta, jnp.ones((), jnp.bool_)), cstate, info
 
         def ep_round():
             share = n / total
@@ -217,53 +192,46 @@ def _ep_algorithm(
             else:
                 frac = rest if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
                 cavity = gaussian.power(q, frac)
-            cavity, cavity_ok = _checked_cavity(cavity, q)
-            start = _safe_mean(q, message.anchor if uniform else q.precision_mean)
-            tilted = inference(key, start, cavity, data)
-            delta = optax.tree.scale(damping, _clip_joint(gaussian.delta(tilted, q), delta_clip))
+            cavity, cavity_ok = checked_cavity(cavity, q)
+            start = safe_mean(q, message.anchor if uniform else q.precision_mean)
+            tilted, info = inference(key, start, cavity, data)
+            delta = optax.tree.scale(damping, clip_joint_norm(gaussian.delta(tilted, q), delta_clip))
             if not stateful:
-                return Message(delta, cavity_ok), cstate
-            updates, opt_state = site_optimizer.update(optax.tree.scale(-1.0, delta), cstate.opt_state, site)
-            new_site = optax.apply_updates(site, updates)
-            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, _positive(new_site.precision))
-            return Message(delta, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_))
+                return Message(delta, cavity_ok), cstate, info
+            new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, delta)
+            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, all_positive(new_site.precision))
+            return Message(delta, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
 
         if burn_in_rounds == 0:
             return ep_round()
         return jax.lax.cond(message.ep, ep_round, burn_in)
 
-    def fedavg_server(state, messages, weights):
-        g = tree.weighted_mean(messages.delta.precision_mean, weights)
+    def fedavg_server(state, aggregate):
+        g = aggregate.mean.delta.precision_mean
         theta, fopt = apply_server_optimizer(server_optimizer, state.q.precision_mean, state.fedavg_opt_state, g)
         done = state.round + 1 >= burn_in_rounds
-        q_ep, anchor_ep = ep_start(theta)
+        q_ep, _ = ep_start(theta)
         q = jax.tree.map(lambda a, b: jnp.where(done, a, b), q_ep, model_q(theta))
         anchor = None if not uniform else theta
-        del anchor_ep
-        return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor)
+        return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor), {"precision_guarded": jnp.zeros((), jnp.int32)}
 
-    def ep_server(state, messages, weights):
-        total_delta = tree.weighted_sum(messages.delta, participation_mask(weights))
-        q, opt_state = apply_server_optimizer(server_optimizer, state.q, state.opt_state, optax.tree.scale(-1.0, total_delta))
-        # Guard: a coordinate whose precision would become non-positive keeps its old value.
-        keep = jax.tree.map(lambda lam: lam > 0, q.precision)
-        q = DiagGaussian(
-            precision_mean=jax.tree.map(jnp.where, keep, q.precision_mean, state.q.precision_mean),
-            precision=jax.tree.map(jnp.where, keep, q.precision, state.q.precision),
-        )
-        return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor)
+    def ep_server(state, aggregate):
+        q, opt_state = optimizer_step(server_optimizer, state.q, state.opt_state, aggregate.total.delta)
+        q, guarded = guard_positive(q, state.q)
+        return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor), {"precision_guarded": guarded}
 
-    def server_update(state, messages, weights):
+    def server_update(state, aggregate, key):
+        del key
         if burn_in_rounds == 0:
-            return ep_server(state, messages, weights)
-        return jax.lax.cond(state.round >= burn_in_rounds, ep_server, fedavg_server, state, messages, weights)
+            return ep_server(state, aggregate)
+        return jax.lax.cond(state.round >= burn_in_rounds, ep_server, fedavg_server, state, aggregate)
 
     def message_ok(state, message):
         lam_after = jax.tree.map(jnp.add, state.q.precision, message.delta.precision)
-        return jnp.logical_and(jnp.logical_and(tree.all_finite(message.delta), message.ok), _positive(lam_after))
+        return jnp.logical_and(jnp.logical_and(tree.all_finite(message.delta), message.ok), all_positive(lam_after))
 
     def server_params(state):
-        return _safe_mean(state.q, state.q.precision_mean)
+        return safe_mean(state.q, state.q.precision_mean)
 
     def server_posterior(state):
         return posterior_moments(state, burn_in_rounds)
@@ -288,7 +256,7 @@ def posterior_moments(state: ServerState, burn_in_rounds: int) -> tuple[PyTree, 
     burn-in the model is a point estimate (variance 0)."""
     q = state.q
     in_ep = state.round >= burn_in_rounds
-    mean = _safe_mean(q, q.precision_mean)
+    mean = safe_mean(q, q.precision_mean)
     var = jax.tree.map(lambda lam: jnp.where(jnp.logical_and(in_ep, lam > 0), 1.0 / jnp.where(lam > 0, lam, 1.0), 0.0), q.precision)
     return mean, var
 
@@ -362,3 +330,60 @@ def fedsep(
         damping=damping, alpha_cov=alpha_cov, site_optimizer=None, burn_in_rounds=burn_in_rounds, init=init,
         prior_precision=prior_precision, delta_clip=delta_clip, sep_power=sep_power,
     )  # fmt: skip
+
+
+class EPConfig(TiltedSettings):
+    """Settings shared by FedEP and FedSEP (spec 7; seed 000 Table 7): the client method's
+    (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones."""
+
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "identity", description="client tilted inference: identity (I), mcmc (M), laplace (L) or ngvi (V)"
+    )
+    damping: float | None = Field(None, gt=0, le=1, description="delta; default 1 / clients_per_round")
+    delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
+    burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
+    init: Literal[INITS] = Field("benchmark", description="benchmark (spec 7.3) or uniform (the paper's)")  # type: ignore[valid-type]
+    prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
+    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
+
+    @model_validator(mode="after")
+    def _benchmark_needs_alpha_cov(self):
+        if self.init == "benchmark" and not self.alpha_cov > 0:
+            raise ValueError(
+                "algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; "
+                "set weight_decay or initial_precision > 0, or init = 'uniform'"
+            )
+        return self
+
+
+class FedEPConfig(EPConfig):
+    """FedEP (spec 7): stateful clients keep their sites."""
+
+    name: Literal["fedep"]
+    improper_sites: Literal["reject", "allow"] = Field(
+        "reject", description="a message whose site precision turns non-positive: reject it, or allow it (EP factors may be improper)"
+    )
+
+
+class FedSEPConfig(EPConfig):
+    """FedSEP (spec 7.9): stateless clients, one shared average site."""
+
+    name: Literal["fedsep"]
+    sep_power: Literal[SEP_POWERS] = Field("data_fraction", description="cavity power: 1 - n_k/N or 1 - 1/K")  # type: ignore[valid-type]
+
+
+def _common(hp: EPConfig, ctx) -> dict:
+    inference = make_tilted_inference(hp.method, ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
+    return dict(
+        inference=inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
+        damping=hp.damping or 1.0 / ctx.clients_per_round, alpha_cov=hp.alpha_cov, burn_in_rounds=hp.burn_in_rounds,
+        init=hp.init, prior_precision=hp.prior_precision, delta_clip=hp.delta_clip,
+    )  # fmt: skip
+
+
+def build_fedep(hp: FedEPConfig, ctx) -> Algorithm:
+    return fedep(ctx.trainer, ctx.server_optimizer, allow_improper_sites=hp.improper_sites == "allow", **_common(hp, ctx))
+
+
+def build_fedsep(hp: FedSEPConfig, ctx) -> Algorithm:
+    return fedsep(ctx.trainer, ctx.server_optimizer, sep_power=hp.sep_power, **_common(hp, ctx))

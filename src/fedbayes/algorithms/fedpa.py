@@ -22,23 +22,24 @@ theta_last``, bit for bit); afterwards each client returns the shrinkage delta o
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
+from pydantic import Field, field_validator
 
-from fedbayes import tree
 from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.hparams import HParams
 from fedbayes.inference.iasg import epoch_samples
 from fedbayes.inference.sgd import LocalTrainer
 
 PyTree = Any
 RHO_METHODS = ("oas", "rblw")
 
-__all__ = ["RHO_METHODS", "ServerState", "dense_shrinkage_delta", "fedpa", "shrinkage_delta", "shrinkage_rho"]
+__all__ = ["FedPAConfig", "RHO_METHODS", "ServerState", "dense_shrinkage_delta", "fedpa", "shrinkage_delta", "shrinkage_rho"]
 
 
 def _flatten_samples(samples: PyTree, theta: PyTree) -> tuple[jax.Array, jax.Array, Any]:
@@ -237,21 +238,20 @@ def fedpa(
         return Broadcast(state.params, state.round >= burn_in_rounds)
 
     def client_update(key, message, client_state, data):
-        del key  # shuffles come laid out in data.order
         theta = message.params
-        samples, last = epoch_samples(theta, data, trainer, skip_epochs=skip_epochs)
+        samples, last, info = epoch_samples(key, theta, data, trainer, skip_epochs=skip_epochs)
         fedavg_delta = optax.tree.sub(theta, last)
         delta = jax.lax.cond(
             message.sampling,
             lambda: shrinkage_delta(samples, theta, rho),
             lambda: fedavg_delta,
         )
-        return delta, client_state
+        return delta, client_state, info
 
-    def server_update(state, messages, weights):
-        g = tree.weighted_mean(messages, weights)
-        params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, g)
-        return ServerState(params, opt_state, state.round + 1)
+    def server_update(state, aggregate, key):
+        del key
+        params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, aggregate.mean)
+        return ServerState(params, opt_state, state.round + 1), {}
 
     return Algorithm(
         name="fedpa",
@@ -265,3 +265,23 @@ def fedpa(
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
     )
+
+
+class FedPAConfig(HParams):
+    """FedPA (spec 6): one IASG sample per local epoch after the first ``skip_epochs``."""
+
+    name: Literal["fedpa"]
+    rho: Union[float, str] = Field(0.01, description="shrinkage rho >= 0, or 'oas' / 'rblw' to choose it from the samples")
+    burn_in_rounds: int = Field(0, ge=0, description="rounds run as FedAvg before sampling")
+    skip_epochs: int = Field(1, ge=0, description="epochs per round that yield no sample")
+
+    @field_validator("rho")
+    @classmethod
+    def _rho(cls, v):
+        if isinstance(v, str) and v not in RHO_METHODS or not isinstance(v, str) and not v >= 0:
+            raise ValueError(f"must be a number >= 0 or one of {', '.join(repr(m) for m in RHO_METHODS)}; got {v!r}")
+        return v
+
+
+def build(hp: FedPAConfig, ctx) -> Algorithm:
+    return fedpa(ctx.trainer, ctx.server_optimizer, rho=hp.rho, burn_in_rounds=hp.burn_in_rounds, skip_epochs=hp.skip_epochs)

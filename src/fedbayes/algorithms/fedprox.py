@@ -8,10 +8,14 @@ FedAvg.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import optax
+from pydantic import Field
 
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.algorithms.fedavg import local_delta_algorithm
+from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer
 
 
@@ -30,3 +34,14 @@ def fedprox(trainer: LocalTrainer, server_optimizer: optax.GradientTransformatio
     if mu < 0:
         raise ValueError(f"fedprox: mu must be >= 0; got {mu}")
     return local_delta_algorithm("fedprox", trainer, server_optimizer, proximal_penalty(mu))
+
+
+class FedProxConfig(HParams):
+    """FedProx (spec 3)."""
+
+    name: Literal["fedprox"]
+    mu: float = Field(0.01, ge=0, description="proximal strength mu (0: FedAvg)")
+
+
+def build(hp: FedProxConfig, ctx) -> Algorithm:
+    return fedprox(ctx.trainer, ctx.server_optimizer, hp.mu)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedbayes.round import shuffle_rng
+
 
 class ClientData(NamedTuple):
     """One client's data.
@@ -65,13 +67,9 @@ def get_batch(data: ClientData, step: jax.Array, batch_size: int):
 
 
 def client_rng(seed: int, round_idx: int, client_id: int) -> np.random.Generator:
-    """The host generator of one client's shuffles in one round.
-
-    Tag 12 keeps this stream apart from the run's other numpy streams (``[seed, 1]`` subsample,
-    ``[seed, 2]`` partition, ``[seed, 7]`` generated sizes, ``[seed, 11, round]`` cohorts); numpy
-    drops trailing zeros of a seed list, so a tag must not sit at the end.
-    """
-    return np.random.default_rng([seed, 12, round_idx, client_id])
+    """The host generator of one client's shuffles in one round (:func:`fedbayes.round.shuffle_rng`,
+    where every stream's tag is kept)."""
+    return shuffle_rng(seed, round_idx, client_id)
 
 
 def size_class(n: int, minimum: int = 256) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from fedbayes.data import idx, leaf, sklearn_data, synthetic
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.round import subsample_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +181,7 @@ def load_dataset(
         )
     dataset = info.loader(data_dir, seed, **params)
     if fraction is not None:
-        dataset = dataset.subsample(fraction, np.random.default_rng([seed, 1]))
+        dataset = dataset.subsample(fraction, subsample_rng(seed))
     return dataset
 
 

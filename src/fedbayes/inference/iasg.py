@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
-from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.inference.sgd import LocalTrainer, objective_fn, training_info
 
 PyTree = Any
 
@@ -42,7 +42,8 @@ def iasg(
     num_samples: int,
     discard_steps=0,
     average: bool = True,
-) -> tuple[PyTree, PyTree]:
+    has_aux: bool = False,
+):
     """Runs the IASG chain from ``params``.
 
     Args:
@@ -54,17 +55,20 @@ def iasg(
       burn_in_steps, steps_per_sample, discard_steps: step counts (ints or int scalars).
       num_samples: ``l``, static.
       average: record the mean of each stretch's iterates (IASG) or its last iterate.
+      has_aux: ``grad_fn`` returns ``(gradient, value)`` with a scalar ``value`` (the minibatch
+        loss), summed over every step of the chain.
 
     Returns:
       ``(samples, last)``: a pytree whose leaves have a leading axis ``l`` and the chain's last
-      iterate.
+      iterate; with ``has_aux``, ``(samples, last, value_sum)``.
     """
 
     def update(s, carry):
-        p, opt_state = carry
-        grads = grad_fn(p, *batch_fn(s))
+        p, opt_state, total = carry
+        out = grad_fn(p, *batch_fn(s))
+        grads, value = out if has_aux else (out, 0.0)
         updates, opt_state = optimizer.update(grads, opt_state, p)
-        return updates, (optax.apply_updates(p, updates), opt_state)
+        return updates, (optax.apply_updates(p, updates), opt_state, total + value)
 
     def step(s, carry):
         return update(s, carry)[1]
@@ -72,7 +76,7 @@ def iasg(
     burn_in_steps = jnp.asarray(burn_in_steps, jnp.int32)
     steps_per_sample = jnp.asarray(steps_per_sample, jnp.int32)
     discard_steps = jnp.asarray(discard_steps, jnp.int32)
-    carry = jax.lax.fori_loop(0, burn_in_steps, step, (params, optimizer.init(params)))
+    carry = jax.lax.fori_loop(0, burn_in_steps, step, (params, optimizer.init(params), jnp.zeros((), jnp.float32)))
     stride = steps_per_sample + discard_steps
     samples = jax.tree.map(lambda p: jnp.zeros((num_samples, *jnp.shape(p)), jnp.result_type(p)), params)
 
@@ -103,10 +107,11 @@ def iasg(
         return carry, samples
 
     carry, samples = jax.lax.fori_loop(0, num_samples, one_sample, (carry, samples))
-    return samples, carry[0]
+    return (samples, carry[0], carry[2]) if has_aux else (samples, carry[0])
 
 
 def epoch_samples(
+    key: jax.Array,
     params: PyTree,
     data: ClientData,
     trainer: LocalTrainer,
@@ -114,30 +119,30 @@ def epoch_samples(
     skip_epochs: int = 1,
     average: bool = True,
     penalty: Callable[[PyTree], jax.Array] | None = None,
-) -> tuple[PyTree, PyTree]:
+) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
     """One sample per local epoch after the first ``skip_epochs`` (seed 003's benchmarks; spec 6.3).
 
     Runs exactly ``trainer.num_epochs`` epochs of ``trainer.optimizer`` on the client's mean loss
-    (plus ``penalty``), the same trajectory as :func:`fedbayes.inference.run_sgd`, and returns
-    ``l = num_epochs - skip_epochs`` samples: each epoch's mean iterate (``average=True``, FedPA)
-    or its last iterate (``average=False``, FedEP's SG-MCMC step), with the last iterate.
+    (plus ``penalty``), the same trajectory as :func:`fedbayes.inference.run_sgd` (step ``s``
+    passes ``fold_in(key, s)`` to the loss), and returns ``l = num_epochs - skip_epochs``
+    samples: each epoch's mean iterate (``average=True``, FedPA) or its last iterate
+    (``average=False``, FedEP's SG-MCMC step), the last iterate and the client's info
+    (:func:`fedbayes.inference.sgd.training_info`).
     """
     num_samples = trainer.num_epochs - skip_epochs
     if num_samples < 0:
         raise ValueError(f"skip_epochs ({skip_epochs}) must be <= the number of local epochs ({trainer.num_epochs})")
     spe = steps_per_epoch(data.num_examples, trainer.batch_size)
-
-    def objective(p, x, y, m):
-        loss = trainer.loss_fn(p, x, y, m)
-        return loss if penalty is None else loss + penalty(p)
-
-    return iasg(
+    grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
+    samples, last, loss_sum = iasg(
         params,
-        lambda s: get_batch(data, s, trainer.batch_size),
-        jax.grad(objective),
+        lambda s: (jax.random.fold_in(key, s), *get_batch(data, s, trainer.batch_size)),
+        grad_fn,
         trainer.optimizer,
         burn_in_steps=skip_epochs * spe,
         steps_per_sample=spe,
         num_samples=num_samples,
         average=average,
+        has_aux=True,
     )
+    return samples, last, training_info(loss_sum, trainer.num_epochs * spe)

@@ -25,58 +25,51 @@ lambda_wd)``):
   (the reference runs use ``mu_learning_rate = 0``).
 
 Finally ``eta^ = Lambda^ mu^``. A method is a function
-``infer(key, start, cavity, data) -> DiagGaussian`` (:data:`TiltedInference`); the FedEP algorithm
+``infer(key, start, cavity, data) -> (DiagGaussian, info)`` (:data:`TiltedInference`; ``info`` is the SG-MCMC step's training info); the FedEP algorithm
 takes any such function (tests plug in exact Gaussian inference).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+from pydantic import Field
 
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.hparams import HParams
 from fedbayes.inference.fisher import ApplyFn, batch_fisher, clip_by_spread, sampled_log_likelihood, tree_scale_to_norm
 from fedbayes.inference.iasg import epoch_samples
 from fedbayes.inference.sgd import LocalTrainer
 
 PyTree = Any
-TiltedInference = Callable[[jax.Array, PyTree, DiagGaussian, ClientData], DiagGaussian]
+TiltedInference = Callable[[jax.Array, PyTree, DiagGaussian, ClientData], tuple[DiagGaussian, dict]]
 METHODS = ("identity", "mcmc", "laplace", "ngvi")
 
 __all__ = ["METHODS", "TiltedInference", "TiltedSettings", "make_tilted_inference", "sgmcmc_moments"]
 
 
-class TiltedSettings(NamedTuple):
-    """Hyperparameters of the client methods (seed 000 Table 7; spec 7.8).
+class TiltedSettings(HParams):
+    """Hyperparameters of the client methods (seed 000 Table 7; spec 7.8), validated on creation.
 
-    Attributes:
-      scale: ``c``, the local-precision scale (500 in the reference CIFAR-100 runs).
-      weight_decay: ``lambda_wd``, a zero-mean prior of precision ``lambda_wd n_k`` per client.
-      initial_precision: ``lambda_0`` (identity method's extra precision; NGVI's ``s_0``).
-      mcmc_shrinkage: ``s`` of the MCMC method (1e-4).
-      clip_ratio: ``kappa`` of the Fisher clipping (2; ``<= 0`` disables it).
-      laplace_epochs: ``T_L`` passes over the data for the Laplace Fisher.
-      ngvi_epochs, ngvi_samples, ngvi_beta: ``T_V``, ``N_V`` and ``beta`` of NGVI.
-      fisher_max_batches: if > 0, the Laplace and NGVI loops stop after this many minibatches
-        (of the shuffled passes, so a random subset of the client's data; the Laplace estimate
-        ``n_k * mean`` stays unbiased). Per-example gradients cost far more than a training step
-        on a CPU, so this keeps L and V affordable there; 0 follows the paper (every pass).
+    ``fisher_max_batches > 0`` stops the Laplace and NGVI loops after that many minibatches (of the
+    shuffled passes, so a random subset of the client's data; the Laplace estimate ``n_k * mean``
+    stays unbiased); 0 follows the paper (every pass).
     """
 
-    scale: float = 500.0
-    weight_decay: float = 1e-4
-    initial_precision: float = 0.0
-    mcmc_shrinkage: float = 1e-4
-    clip_ratio: float = 2.0
-    laplace_epochs: int = 5
-    ngvi_epochs: int = 5
-    ngvi_samples: int = 5
-    ngvi_beta: float = 0.99
-    fisher_max_batches: int = 0
+    scale: float = Field(500.0, gt=0, description="c, the local-precision scale (500 in the reference CIFAR-100 runs)")
+    weight_decay: float = Field(1e-4, ge=0, description="lambda_wd: weight decay as a prior of precision lambda_wd n_k")
+    initial_precision: float = Field(0.0, ge=0, description="lambda_0 (identity method; NGVI's s_0)")
+    mcmc_shrinkage: float = Field(1e-4, ge=0, le=1, description="mcmc method: variance shrinkage towards 1")
+    clip_ratio: float = Field(2.0, ge=0, description="Fisher clipping to mean +- ratio * std (0: off)")
+    laplace_epochs: int = Field(5, ge=1, description="T_L, passes over the data for the Laplace Fisher")
+    ngvi_epochs: int = Field(5, ge=1, description="T_V, NGVI passes")
+    ngvi_samples: int = Field(5, ge=1, description="N_V, NGVI weight samples per minibatch")
+    ngvi_beta: float = Field(0.99, ge=0, lt=1, description="NGVI's moving-average factor beta")
+    fisher_max_batches: int = Field(0, ge=0, description="laplace/ngvi: stop the Fisher passes after this many minibatches (0: all)")
 
     @property
     def alpha_cov(self) -> float:
@@ -93,10 +86,9 @@ def tilted_prior(cavity: DiagGaussian, num_examples: jax.Array, weight_decay: fl
     )
 
 
-def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, trainer: LocalTrainer) -> tuple[PyTree, PyTree]:
+def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, trainer: LocalTrainer) -> tuple[PyTree, PyTree, dict]:
     """The shared SG-MCMC step: mean and unbiased diagonal variance of the end-of-epoch iterates of
-    ``trainer`` on ``F_k`` (spec 7.6). With one epoch the variance is zero."""
-    del key  # shuffles come laid out in data.order
+    ``trainer`` on ``F_k`` (spec 7.6), and the training info. With one epoch the variance is zero."""
     inv_n = 1.0 / jnp.maximum(data.num_examples, 1).astype(jnp.float32)
 
     def penalty(theta):
@@ -104,11 +96,11 @@ def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, tr
         lin = optax.tree.vdot(prior.precision_mean, theta)
         return inv_n * (0.5 * quad - lin)
 
-    samples, _ = epoch_samples(start, data, trainer, skip_epochs=0, average=False, penalty=penalty)
+    samples, _, info = epoch_samples(key, start, data, trainer, skip_epochs=0, average=False, penalty=penalty)
     num = trainer.num_epochs
     mean = jax.tree.map(lambda s: jnp.mean(s, axis=0), samples)
     var = jax.tree.map(lambda s: jnp.var(s, axis=0, ddof=1) if num > 1 else jnp.zeros(s.shape[1:], s.dtype), samples)
-    return mean, var
+    return mean, var, info
 
 
 def _scan_batches(data: ClientData, trainer: LocalTrainer, passes: int, body, init, max_batches: int = 0):
@@ -188,11 +180,11 @@ def make_tilted_inference(
         init = optax.tree.full_like(mu, s.initial_precision)
         return _scan_batches(data, trainer, s.ngvi_epochs, body, init, s.fisher_max_batches)
 
-    def infer(key, start, cavity: DiagGaussian, data: ClientData) -> DiagGaussian:
+    def infer(key, start, cavity: DiagGaussian, data: ClientData) -> tuple[DiagGaussian, dict]:
         n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
         prior = tilted_prior(cavity, data.num_examples, s.weight_decay)
         key_mc, key_f = jax.random.split(key)
-        mu, var = sgmcmc_moments(key_mc, start, prior, data, trainer)
+        mu, var, info = sgmcmc_moments(key_mc, start, prior, data, trainer)
         identity = jax.tree.map(lambda lam: lam + s.alpha_cov * n, cavity.precision)
         if method == "identity":
             lam = identity
@@ -205,6 +197,6 @@ def make_tilted_inference(
         else:
             sv = ngvi_precision(key_f, mu, prior, data, n)
             lam = jax.tree.map(lambda lc, v: lc + s.scale * (n * v + s.weight_decay * n), cavity.precision, sv)
-        return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, mu), precision=lam)
+        return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, mu), precision=lam), info
 
     return infer

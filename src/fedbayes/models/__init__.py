@@ -101,13 +101,14 @@ def init_params(model: nn.Module, key: jax.Array, feature_shape: Sequence[int]) 
     return jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
 
 
-LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def loss_fn(model: nn.Module, task: str) -> LossFn:
     """The masked mean per-example loss, the objective ``\\bar\\ell_k`` of spec Sec. 0.
 
-    Returns ``f(params, x, y, mask)`` with ``x`` float32 ``[batch, *feature_shape]``, ``mask``
+    Returns ``f(params, key, x, y, mask)`` (``key`` is ignored: these models are deterministic; it is
+    there for stochastic losses, see :class:`fedbayes.inference.LocalTrainer`) with ``x`` float32 ``[batch, *feature_shape]``, ``mask``
     float32 ``[batch]`` (1 for a real example, 0 for padding) and
 
         f = sum_i mask_i * l_i / max(sum_i mask_i, 1),
@@ -131,7 +132,8 @@ def loss_fn(model: nn.Module, task: str) -> LossFn:
             return optax.softmax_cross_entropy_with_integer_labels(out, labels)
         return 0.5 * jnp.square(out - y)
 
-    def loss(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+    def loss(params: Any, key: jax.Array, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+        del key
         out = model.apply({"params": params}, x)
         valid = mask > 0
         per = jnp.where(valid, per_example(out, y, valid), jnp.zeros((), out.dtype))
