@@ -6,7 +6,7 @@ stateless FedSEP (issue 4 done-when, issue 5 item 3).
 Fashion-MNIST split IID over ``--clients`` clients, the MLP ``--hidden`` (1024, 256: 1,068,810
 parameters), batch 32, ``--epochs`` local epochs, ``--cohort`` clients per round, the
 scaled-identity client method ("identity"), built as ``fedbayes bench`` builds FedEP
-(``fedbayes.bench.ALGORITHMS``: TiltedSettings defaults, damping 1/M, no burn-in). Each mode runs
+(``fedbayes.bench.build_algorithm``, the registry's defaults: TiltedSettings defaults, damping 1/M, no burn-in). Each mode runs
 in its own fresh process with one XLA host device per core:
 
 * ``fedsep``: stateless FedSEP (no client store);
@@ -39,6 +39,7 @@ import tempfile
 import time
 
 from fedbayes import bench as fb
+from fedbayes.hostdevices import num_cores, xla_flags
 
 MODES = ("fedsep", "fedep-disk", "fedep-memory")
 
@@ -55,12 +56,11 @@ def run_mode(mode: str, args: argparse.Namespace, folder: str) -> dict:
 
     t0 = time.perf_counter()
     settings = dataclasses.replace(fb.FULL, hidden=tuple(args.hidden))
-    dataset = fb._load(settings)
+    dataset = fb.load_data(settings)
     parts = partition("iid", dataset.y_train, args.clients, np.random.default_rng([settings.seed, 2]))
-    params, trainer, apply_fn = fb._model_and_trainer(settings, dataset, settings.batch_size, args.epochs)
+    params, trainer, apply_fn = fb.model_and_trainer(settings, dataset, settings.batch_size, args.epochs)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
-    ctx = fb.BuildContext(args.clients, args.cohort, int(sum(federation.sizes)), apply_fn, dataset.task)
-    algorithm = fb.ALGORITHMS["fedsep" if mode == "fedsep" else "fedep"](trainer, ctx)
+    algorithm = fb.build_algorithm("fedsep" if mode == "fedsep" else "fedep", trainer, federation.sizes, args.cohort, apply_fn, dataset.task)
     store = "disk" if mode == "fedep-disk" else "memory"
     sim = Simulator(algorithm, federation, clients_per_round=args.cohort, seed=settings.seed, store=store, store_dir=folder if store == "disk" else None)
     built_s = time.perf_counter() - t0
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     fb.check_dataset(fb.FULL)
     root = tempfile.mkdtemp(prefix="fedbayes-fedep-scale-", dir=args.dir)
-    flags = fb.xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=fb.num_cores())
+    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
     results = []
     try:
         for mode in modes:

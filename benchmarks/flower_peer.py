@@ -60,10 +60,10 @@ def flower_worker(spec: dict) -> dict:
 
     from fedbayes import bench as fb
 
-    settings = fb.BenchSettings(**{**spec["settings"], "hidden": tuple(spec["settings"]["hidden"])})
+    settings = fb.settings_from_dict(spec["settings"])
     num_clients = spec["clients"]
-    dataset = fb._load(settings)
-    params, _, _ = fb._model_and_trainer(settings, dataset, settings.batch_size)
+    dataset = fb.load_data(settings)
+    params, _, _ = fb.model_and_trainer(settings, dataset, settings.batch_size)
     leaves, treedef = jax.tree.flatten(params)
     initial = [np.asarray(a) for a in leaves]
     marks: list[tuple[str, int, float]] = []
@@ -172,10 +172,10 @@ def _setup(cid: int, spec: dict):
     from fedbayes.inference.sgd import run_sgd
 
     if "base" not in _CACHE:
-        settings = fb.BenchSettings(**{**spec["settings"], "hidden": tuple(spec["settings"]["hidden"])})
-        dataset = fb._load(settings)
+        settings = fb.settings_from_dict(spec["settings"])
+        dataset = fb.load_data(settings)
         parts = partition("iid", dataset.y_train, spec["clients"], np.random.default_rng([settings.seed, 2]))
-        params, trainer, _ = fb._model_and_trainer(settings, dataset, settings.batch_size)
+        params, trainer, _ = fb.model_and_trainer(settings, dataset, settings.batch_size)
         step = jax.jit(lambda p, x, y, order, n: run_sgd(jax.random.key(0), p, ClientData(x, y, order, np.int32(0), n), trainer)[0])
         _CACHE["base"] = (settings, dataset, parts, trainer, step, jax.tree.structure(params))
     settings, dataset, parts, trainer, step, treedef = _CACHE["base"]
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     ours = fb.federated_entry(fb.run_federated_process(workload, settings))
     ours["wall_s"] = time.time() - t0
 
-    spec = {"settings": fb._settings_dict(settings), "clients": args.clients, "rounds": args.rounds, "num_cpus": args.num_cpus, "spawn_time": time.time()}
+    spec = {"settings": fb.settings_to_dict(settings), "clients": args.clients, "rounds": args.rounds, "num_cpus": args.num_cpus, "spawn_time": time.time()}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), str(HERE), os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)  # Flower's actors run JAX as it comes
     res = subprocess.run([python, __file__, "--flower-worker", json.dumps(spec)], capture_output=True, text=True, env=env)

@@ -39,6 +39,7 @@ import sys
 import time
 
 from fedbayes import bench as fb
+from fedbayes.hostdevices import num_cores, xla_flags
 
 PHASES = ("cohort", "host_layout", "store", "device_put", "program", "to_host", "python")
 
@@ -61,7 +62,7 @@ def measure_phases(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *
 
     from fedbayes import simulate
 
-    dataset = fb._load(settings)
+    dataset = fb.load_data(settings)
     epochs = fb.workload_epochs(workload, settings)
     sim, state = fb.build_simulator(workload, settings, dataset, store=store, store_dir=store_dir)
     federation = sim.federation
@@ -144,8 +145,8 @@ def measure_phases(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *
 
 
 def _spawn_phases(name: str, settings: fb.BenchSettings) -> dict:
-    flags = fb.xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=fb.num_cores())
-    spec = json.dumps({"workload": name, "settings": dataclasses.asdict(settings)})
+    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
+    spec = json.dumps({"workload": name, "settings": fb.settings_to_dict(settings)})
     res = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=flags))
     if res.returncode != 0:
         raise fb.BenchError(f"profile worker {name} failed:\n{res.stderr[-3000:]}")
@@ -173,9 +174,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)
-        s = dict(spec["settings"])
-        s["hidden"] = tuple(s["hidden"])
-        print(json.dumps(measure_phases(fb.WORKLOADS[spec["workload"]], fb.BenchSettings(**s))))
+        print(json.dumps(measure_phases(fb.WORKLOADS[spec["workload"]], fb.settings_from_dict(spec["settings"]))))
         return 0
     unknown = [n for n in args.workloads if n not in federated]
     if unknown:

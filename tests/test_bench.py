@@ -3,6 +3,10 @@ measured on demand with ``fedbayes bench``, never in the test suite."""
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +14,8 @@ from typer.testing import CliRunner
 
 from fedbayes import bench as fb
 from fedbayes.cli import app
+from fedbayes.data import idx
+from fedbayes.hostdevices import num_cores
 
 TINY = fb.BenchSettings(dataset="digits", hidden=(16,), large_batch=128, rounds=2, limit_reps=2, repeats=1)
 REQUIRED = ("examples_per_s", "ratio_to_limit", "compile_s", "peak_rss_mb", "round_s")
@@ -59,7 +65,7 @@ def test_posterior_workloads_report_ratios_to_fedavg_at_the_same_epochs(repeat):
         assert entry["clients_per_round"] == results[base]["clients_per_round"] and entry["num_clients"] == results[base]["num_clients"]
     assert results["fedpa"]["examples_per_round"] == results["fedep"]["examples_per_round"] == 3 * 1437  # 3 epochs of every client
     assert fb.BASELINE_RATIO not in results["fedavg"] and fb.BASELINE_RATIO not in results["fedavg_e3"]
-    assert all(fb.WORKLOADS[n].algorithm in fb.ALGORITHMS for n in results if isinstance(fb.WORKLOADS[n], fb.FederatedWorkload))
+    assert all(fb.WORKLOADS[n].algorithm in fb.algorithm_names() for n in results if isinstance(fb.WORKLOADS[n], fb.FederatedWorkload))
     table = fb.markdown(results)
     assert "vs FedAvg" in table and "3 epochs" in table
 
@@ -110,14 +116,15 @@ def test_paired_rounds_interleave_workloads_and_give_per_pass_ratios():
 
 def test_pinned_limit_processes_start_together_and_report():
     raws = fb.run_limit_processes(fb.WORKLOADS[fb.REFERENCE], TINY)
-    assert len(raws) == fb.num_cores()
+    assert len(raws) == num_cores()
     assert sum(r["examples"] for r in raws) == 1437
     entry = fb.limit_entry(raws)
     assert _positive_finite(entry["examples_per_s"]) and entry["processes"] == len(raws)
 
 
-def test_missing_data_and_unknown_workloads_are_clear_errors(tmp_path):
-    with pytest.raises(fb.BenchError, match="fashion_mnist is not on this machine.*apt-get install dataset-fashion-mnist"):
+def test_missing_data_and_unknown_workloads_are_clear_errors(tmp_path, monkeypatch):
+    missing = "fashion_mnist is not on this machine.*apt-get install dataset-fashion-mnist"
+    with pytest.raises(fb.BenchError, match=missing):
         fb.check_dataset(fb.BenchSettings(data_dir=str(tmp_path)))
     with pytest.raises(fb.BenchError, match="unknown workload"):
         fb.resolve_names(["fedsomething"])
@@ -125,6 +132,35 @@ def test_missing_data_and_unknown_workloads_are_clear_errors(tmp_path):
     assert fb.resolve_names(["fedep_100"]) == [fb.REFERENCE, "fedavg_e3_100", "fedep_100"]  # its baseline runs with it
     res = CliRunner().invoke(app, ["bench", "--workload", "fedsomething"])
     assert res.exit_code == 3 and "unknown workload" in res.output
+    # This machine as if Fashion-MNIST were not installed ($FEDBAYES_DATA an empty folder, the
+    # Debian folder elsewhere): a wrong name is still reported as such, before any data is looked
+    # at, and a right one as the missing data.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv(idx.ENV_VAR, str(empty))
+    monkeypatch.setattr(idx, "FASHION_MNIST_SYSTEM_DIRS", (str(tmp_path / "no-debian-package"),))
+    with pytest.raises(fb.BenchError, match=missing):
+        fb.check_dataset(fb.QUICK)
+    res = CliRunner().invoke(app, ["bench", "--workload", "fedsomething"])
+    assert res.exit_code == 3 and "unknown workload" in res.output and "not on this machine" not in res.output
+    res = CliRunner().invoke(app, ["bench", "--quick", "--workload", "fedavg"])
+    assert res.exit_code == 3 and "fashion_mnist is not on this machine" in res.output
+
+
+def test_settings_survive_the_worker_spec_and_algorithms_are_built_by_name():
+    spec = json.loads(json.dumps({"settings": fb.settings_to_dict(TINY)}))
+    assert fb.settings_from_dict(spec["settings"]) == TINY  # hidden comes back a tuple
+    with pytest.raises(fb.BenchError, match="unknown algorithm 'fedsomething'"):
+        fb.build_algorithm("fedsomething", None, None)
+
+
+def test_the_parent_process_imports_no_jax():
+    # fedbayes bench sets each worker's XLA flags before JAX starts; the parent must not start it.
+    code = "import sys, fedbayes.bench, fedbayes.bench.run; assert 'jax' not in sys.modules, 'jax imported'"
+    src = str(Path(fb.__file__).parents[2])  # the fedbayes under test, not another installed one
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
 
 
 def test_cli_json_is_one_object_keyed_by_workload(repeat, monkeypatch):

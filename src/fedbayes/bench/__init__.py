@@ -1,0 +1,164 @@
+"""Round throughput against the machine's compute limit: the code behind ``fedbayes bench``.
+
+Issue 5, item 1. Run on demand, never timed in the test suite. Every workload runs in its own
+fresh Python process, so that its start-up, compile time and peak memory are its own, and so
+that its XLA flags can be set before JAX starts.
+
+Workloads (Fashion-MNIST, the MLP (200, 100), batch 32, client SGD; one local epoch unless the
+workload sets ``epochs``):
+
+* **Federated** (:class:`FederatedWorkload`): the :class:`~fedbayes.simulate.Simulator` with
+  one XLA host device per core (``--xla_force_host_platform_device_count=<cores>``, as the CLI
+  sets it), running FedAvg, FedPA or FedEP (scaled identity, stateful sites in the memory store).
+  The first round is timed on its own; then ``rounds`` further rounds, each
+  ``run_round(state, donate=True)`` (as ``run_experiment`` runs them) timed to
+  ``block_until_ready`` on the new server state.
+
+  - ``round_s``: median steady-state round time (the rounds after the first);
+  - ``examples_per_s``: median over the steady rounds of the client examples the round trained,
+    ``sum over the cohort of E * n_k``, divided by that round's time;
+  - ``compile_s``: first round time minus ``round_s`` (tracing, compilation, first transfers);
+  - ``startup_s``: wall time from just before the process was started to the end of its first
+    round: interpreter, imports, data, partition, model, first compile and round (issue 5 target
+    for ``fedavg``: under 5 s), broken down in ``startup_parts``.
+
+* **Limits** (:class:`LimitWorkload`): the same examples (the whole training set, one epoch per
+  repetition) trained centrally by one ``jit``-compiled ``lax.fori_loop`` over shuffled
+  minibatches with the same model, loss and client optimizer; no federation, no server.
+
+  - ``limit_b32``: at the clients' batch size, using every core the way that is known to use
+    them fully at small batch: one single-threaded process per core (pinned with
+    ``os.sched_setaffinity``; ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false
+    intra_op_parallelism_threads=1`` and one host device), each training an equal share of the
+    examples. The processes compile and warm up, wait for a common start signal, then run their
+    repetitions concurrently; ``examples_per_s`` is the sum of their rates (share / median
+    repetition time). ``round_s`` is the slowest process's median epoch time.
+  - ``limit_large_batch``: batch 1024 in one process that uses all cores (XLA's default
+    threading, one device).
+
+``ratio_to_limit`` is a workload's ``examples_per_s`` over ``limit_b32``'s **measured in the
+same repeat**, and ``ratio_to_fedavg`` (FedPA, FedEP) over its ``baseline``'s, FedAvg on the same
+federation with the same local epochs, in the same repeat; ``paired_ratio_to_fedavg`` is that
+ratio again from one process that runs the workload and its baseline with their rounds
+interleaved (median over the pairs of rounds), free of the noise between processes; with several repeats every number is
+the median over repeats (``*_range`` gives min and max of the throughput and the ratios). ``peak_rss_mb`` is the peak resident set of the
+process that ran the workload (``ru_maxrss``), for ``limit_b32`` the largest of its processes.
+
+The workloads are a registry keyed by name (:data:`WORKLOADS`); the algorithms that federated
+workloads run are built by :func:`build_algorithm` through :mod:`fedbayes.algorithms.registry`
+(every registered method, with its default settings). A new method adds its workloads to
+:data:`WORKLOADS`; nothing else changes.
+
+The package, one concept per module (everything public is exported here):
+
+* :mod:`~fedbayes.bench.workloads`: settings, the workload registry, names and data checks, the
+  algorithm builders, and :func:`build_simulator` (how every benchmark builds a workload);
+* :mod:`~fedbayes.bench.measure`: in-process measurement (federated rounds, the compute limit,
+  paired interleaved rounds, profiling);
+* :mod:`~fedbayes.bench.protocol`: the subprocess protocol (spawning workers, reading their
+  results, the worker's entry point);
+* :mod:`~fedbayes.bench.report`: entries, summaries over repeats, the Markdown and rich tables;
+* :mod:`~fedbayes.bench.run`: :func:`run_bench`, the driver behind ``fedbayes bench``.
+
+No module imports JAX at top level: the parent process only starts workers and formats their
+results. Workers are ``python -m fedbayes.bench <spec-json>`` (:mod:`fedbayes.bench.__main__`).
+"""
+
+
+from fedbayes.bench.measure import measure_federated, measure_limit, measure_paired, peak_rss_mb
+from fedbayes.bench.protocol import (
+    GO,
+    READY,
+    RESULT_PREFIX,
+    run_federated_process,
+    run_limit_processes,
+    run_paired_process,
+    settings_from_dict,
+    settings_to_dict,
+)
+from fedbayes.bench.report import (
+    BASELINE_RATIO,
+    COLUMNS,
+    PAIRED_RATIO,
+    add_paired,
+    describe_run,
+    federated_entry,
+    limit_entry,
+    markdown,
+    paired_ratios,
+    rich_table,
+    rows,
+    summarize,
+)
+from fedbayes.bench.run import paired_groups, run_bench
+from fedbayes.bench.workloads import (
+    algorithm_names,
+    FULL,
+    QUICK,
+    REFERENCE,
+    WORKLOADS,
+    BenchError,
+    BenchSettings,
+    FederatedWorkload,
+    LimitWorkload,
+    Workload,
+    baseline_of,
+    build_algorithm,
+    build_simulator,
+    check_dataset,
+    load_data,
+    model_and_trainer,
+    resolve_names,
+    steady_rounds,
+    workload_epochs,
+    workload_partition,
+)
+
+__all__ = [
+    "algorithm_names",
+    "BASELINE_RATIO",
+    "COLUMNS",
+    "FULL",
+    "GO",
+    "PAIRED_RATIO",
+    "QUICK",
+    "READY",
+    "REFERENCE",
+    "RESULT_PREFIX",
+    "WORKLOADS",
+    "BenchError",
+    "BenchSettings",
+    "FederatedWorkload",
+    "LimitWorkload",
+    "Workload",
+    "add_paired",
+    "baseline_of",
+    "build_algorithm",
+    "build_simulator",
+    "check_dataset",
+    "describe_run",
+    "federated_entry",
+    "limit_entry",
+    "load_data",
+    "markdown",
+    "measure_federated",
+    "measure_limit",
+    "measure_paired",
+    "model_and_trainer",
+    "paired_groups",
+    "paired_ratios",
+    "peak_rss_mb",
+    "resolve_names",
+    "rich_table",
+    "rows",
+    "run_bench",
+    "run_federated_process",
+    "run_limit_processes",
+    "run_paired_process",
+    "settings_from_dict",
+    "settings_to_dict",
+    "steady_rounds",
+    "summarize",
+    "workload_epochs",
+    "workload_partition",
+]

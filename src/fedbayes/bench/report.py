@@ -1,0 +1,204 @@
+"""From raw timings to what ``fedbayes bench`` reports: entries, summaries over repeats, tables.
+
+:func:`federated_entry` and :func:`limit_entry` turn one run's raw timings (from
+:mod:`fedbayes.bench.measure`) into its entry; :func:`summarize` combines repeats into the JSON
+object keyed by workload (the keys are described in :mod:`fedbayes.bench`);
+:func:`add_paired` adds the interleaved runs' ratios; :func:`markdown` and :func:`rich_table`
+present the object as one table of :data:`COLUMNS`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fedbayes.bench.workloads import REFERENCE, WORKLOADS, BenchError, BenchSettings, baseline_of
+from fedbayes.hostdevices import num_cores
+
+BASELINE_RATIO = "ratio_to_fedavg"  # a workload's examples_per_s over its baseline's, same repeat
+PAIRED_RATIO = "paired_ratio_to_fedavg"  # the same, from rounds interleaved in one process
+
+
+def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
+    """The reported numbers of one federated run (see the module docstring)."""
+    round_s = statistics.median(raw["round_s"])
+    rates = [n / t for n, t in zip(raw["examples"], raw["round_s"])]
+    entry = {
+        "examples_per_s": statistics.median(rates),
+        "round_s": round_s,
+        "compile_s": raw["first_round_s"] - round_s,
+        "first_round_s": raw["first_round_s"],
+        "startup_s": raw["startup_s"],
+        "startup_parts": dict(raw["startup_parts"]),
+        "peak_rss_mb": raw["peak_rss_mb"],
+        "examples_per_round": statistics.median_low(raw["examples"]),
+        "rounds": len(raw["round_s"]),
+        "padding_waste": statistics.median(raw["padding_waste"]),
+        "step_waste": statistics.median(raw["step_waste"]),
+    }
+    for k in ("num_clients", "clients_per_round", "epochs", "algorithm", "partition", "layout", "devices", "client_sizes", "profile"):
+        if k in raw:
+            entry[k] = raw[k]
+    return entry
+
+
+def limit_entry(raws: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The reported numbers of one limit run from its processes' raw timings (rates summed)."""
+    medians = [statistics.median(r["rep_s"]) for r in raws]
+    return {
+        "examples_per_s": sum(r["examples"] / m for r, m in zip(raws, medians)),
+        "round_s": max(medians),
+        "compile_s": statistics.median([r["first_s"] - m for r, m in zip(raws, medians)]),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in raws),
+        "examples_per_round": sum(r["examples"] for r in raws),
+        "rounds": min(len(r["rep_s"]) for r in raws),
+        "batch_size": raws[0]["batch_size"],
+        "processes": len(raws),
+    }
+
+
+def _median_tree(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, bool) or first is None:
+        return first
+    if isinstance(first, int):
+        return statistics.median_low(values)  # counts stay integers
+    if isinstance(first, float):
+        return statistics.median(values)
+    if isinstance(first, dict):
+        return {k: _median_tree([v[k] for v in values if k in v]) for k in first}
+    return first
+
+
+def summarize(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Combines per-repeat entries into one JSON-ready object keyed by workload.
+
+    Each repeat maps workload name -> entry (from :func:`federated_entry` / :func:`limit_entry`)
+    and must hold :data:`REFERENCE`. ``ratio_to_limit`` is computed within each repeat, and so is
+    ``ratio_to_fedavg`` (a workload's throughput over its ``baseline``'s, when both ran); then
+    every numeric field is the median over repeats; with several repeats
+    ``examples_per_s_range``, ``ratio_range`` and ``ratio_to_fedavg_range`` give [min, max].
+    """
+    if not repeats:
+        raise BenchError("no measurements to summarize")
+    for i, rep in enumerate(repeats):
+        if REFERENCE not in rep:
+            raise BenchError(f"repeat {i} lacks {REFERENCE!r}, the denominator of ratio_to_limit")
+    out: dict[str, dict[str, Any]] = {}
+    for name in repeats[0]:
+        entries = []
+        for rep in repeats:
+            e = dict(rep[name])
+            e["ratio_to_limit"] = e["examples_per_s"] / rep[REFERENCE]["examples_per_s"]
+            base = baseline_of(name)
+            if base is not None and base in rep:
+                e[BASELINE_RATIO] = e["examples_per_s"] / rep[base]["examples_per_s"]
+            entries.append(e)
+        merged = _median_tree(entries)
+        merged["repeats"] = len(entries)
+        if len(entries) > 1:
+            merged["examples_per_s_range"] = [min(e["examples_per_s"] for e in entries), max(e["examples_per_s"] for e in entries)]
+            merged["ratio_range"] = [min(e["ratio_to_limit"] for e in entries), max(e["ratio_to_limit"] for e in entries)]
+            if BASELINE_RATIO in merged:
+                got = [e[BASELINE_RATIO] for e in entries if BASELINE_RATIO in e]
+                merged[BASELINE_RATIO + "_range"] = [min(got), max(got)]
+        w = WORKLOADS.get(name)
+        if w is not None:
+            merged["description"] = w.description
+            if baseline_of(name) is not None and BASELINE_RATIO in merged:
+                merged["baseline"] = baseline_of(name)
+        out[name] = merged
+    return out
+
+
+def paired_ratios(raw: dict[str, Any], baseline: str) -> dict[str, list[float]]:
+    """Per pass, each workload's throughput over ``baseline``'s in the same pass."""
+    rate = {n: [e / t for e, t in zip(raw["examples"][n], raw["round_s"][n])] for n in raw["round_s"]}
+    return {n: [a / b for a, b in zip(r, rate[baseline])] for n, r in rate.items() if n != baseline}
+
+
+def add_paired(results: dict[str, dict[str, Any]], raw: dict[str, Any], baseline: str) -> None:
+    """Adds :data:`PAIRED_RATIO` (median over passes), its ``_range`` and ``paired_rounds`` to
+    each non-baseline workload's entry of ``results``."""
+    for name, ratios in paired_ratios(raw, baseline).items():
+        entry = results.setdefault(name, {})
+        entry[PAIRED_RATIO] = statistics.median(ratios)
+        entry[PAIRED_RATIO + "_range"] = [min(ratios), max(ratios)]
+        entry["paired_rounds"] = len(ratios)
+
+
+# ----- presentation -----------------------------------------------------------------------------
+COLUMNS = ("workload", "examples/s", "ratio to limit", "vs FedAvg", "vs FedAvg, paired", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients / processes")
+
+
+def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Table rows (strings) in :data:`COLUMNS` order."""
+    out = []
+    for name, e in results.items():
+        ratio = f"{e['ratio_to_limit']:.2f}"
+        if "ratio_range" in e and name != REFERENCE:
+            ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"
+        vs = ""
+        if BASELINE_RATIO in e:
+            vs = f"{e[BASELINE_RATIO]:.2f}"
+            if BASELINE_RATIO + "_range" in e:
+                lo, hi = e[BASELINE_RATIO + "_range"]
+                vs += f" ({lo:.2f}-{hi:.2f})"
+        paired = ""
+        if PAIRED_RATIO in e:
+            lo, hi = e[PAIRED_RATIO + "_range"]
+            paired = f"{e[PAIRED_RATIO]:.2f} ({lo:.2f}-{hi:.2f})"
+        if "clients_per_round" in e:
+            clients = f"{e['clients_per_round']} of {e['num_clients']}, {e['partition']}"
+            if e.get("epochs", 1) != 1:
+                clients += f", {e['epochs']} epochs"
+        else:
+            clients = f"{e['processes']} process{'es' if e['processes'] > 1 else ''}, batch {e['batch_size']}"
+        startup = f"{e['startup_s']:.1f}" if "startup_s" in e else ""
+        out.append(
+            [
+                name,
+                f"{e['examples_per_s']:,.0f}",
+                ratio,
+                vs,
+                paired,
+                f"{e['round_s']:.3f}",
+                f"{e['compile_s']:.2f}",
+                startup,
+                f"{e['peak_rss_mb']:,.0f}",
+                clients,
+            ]
+        )
+    return out
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    """The table as Markdown."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def rich_table(results: dict[str, dict[str, Any]], title: str | None = None):
+    """The table for a terminal (``rich``)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in COLUMNS:
+        table.add_column(c, justify="left" if c in ("workload", COLUMNS[-1]) else "right")
+    for r in rows(results):
+        table.add_row(*r)
+    return table
+
+
+def describe_run(settings: BenchSettings, quick: bool) -> str:
+    """One line: mode, cores, versions, date (jax's version read without importing it)."""
+    from importlib.metadata import version
+
+    return (
+        f"fedbayes bench{' --quick' if quick else ''}: {settings.dataset}, MLP {settings.hidden}, batch {settings.batch_size}, "
+        f"{settings.epochs} local epoch unless a workload says otherwise; {num_cores()} cores; jax {version('jax')}; {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"{settings.repeats} repeat{'s' if settings.repeats > 1 else ''}"
+    )

@@ -1,0 +1,64 @@
+"""``fedbayes bench``'s driver: every workload in its own process(es), repeats interleaved, then
+the paired runs; returns the summarized results (see :mod:`fedbayes.bench`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fedbayes.bench.protocol import run_federated_process, run_limit_processes, run_paired_process
+from fedbayes.bench.report import add_paired, federated_entry, limit_entry, summarize
+from fedbayes.bench.workloads import WORKLOADS, BenchSettings, LimitWorkload, baseline_of, check_dataset, resolve_names, steady_rounds
+
+
+def paired_groups(names: Sequence[str]) -> dict[str, list[str]]:
+    """``baseline -> [baseline, *workloads measured against it]`` among ``names``."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        base = baseline_of(n)
+        if base is not None and base in names:
+            groups.setdefault(base, [base]).append(n)
+    return groups
+
+
+def run_bench(
+    settings: BenchSettings,
+    names: Sequence[str] | None = None,
+    *,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, dict[str, Any]]:
+    """Runs the workloads ``settings.repeats`` times, each in its own process(es), interleaved
+    (all workloads of repeat 1, then of repeat 2, ...) so that a change in machine load affects
+    workloads and limit alike, and returns :func:`summarize`'s object; then each group of
+    workloads that share a ``baseline`` runs once more in one process (:func:`measure_paired`,
+    ``steady_rounds * repeats`` interleaved rounds), which adds :data:`PAIRED_RATIO`.
+
+    Raises:
+      BenchError: an unknown workload name (checked first, before any data is touched), a dataset
+        that is not on this machine, or a worker that failed.
+    """
+    names = resolve_names(names)
+    check_dataset(settings)
+    repeats = []
+    for r in range(settings.repeats):
+        rep = {}
+        for name in names:
+            w = WORKLOADS[name]
+            t0 = time.perf_counter()
+            if isinstance(w, LimitWorkload):
+                rep[name] = limit_entry(run_limit_processes(w, settings))
+            else:
+                rep[name] = federated_entry(run_federated_process(w, settings))
+            log(f"repeat {r + 1}/{settings.repeats}  {name:<18} {rep[name]['examples_per_s']:>10,.0f} examples/s  ({time.perf_counter() - t0:.1f} s)")
+        repeats.append(rep)
+    results = summarize(repeats)
+    # The posterior methods against FedAvg once more, rounds interleaved in one process: the same
+    # ratio as ratio_to_fedavg without the process-to-process noise.
+    for base, group in paired_groups(names).items():
+        rounds = steady_rounds(WORKLOADS[base], settings) * settings.repeats
+        t0 = time.perf_counter()
+        add_paired(results, run_paired_process(group, settings, rounds), base)
+        log(f"paired        {' + '.join(group):<40} {rounds} interleaved rounds each ({time.perf_counter() - t0:.1f} s)")
+    return results
+
