@@ -151,7 +151,7 @@ def test_settings_survive_the_worker_spec_and_algorithms_are_built_by_name():
     spec = json.loads(json.dumps({"settings": fb.settings_to_dict(TINY)}))
     assert fb.settings_from_dict(spec["settings"]) == TINY  # hidden comes back a tuple
     with pytest.raises(fb.BenchError, match="unknown algorithm 'fedsomething'"):
-        fb.build_algorithm("fedsomething", None, None)
+        fb.build_algorithm("fedsomething", None, (), 1, None, "classification")
 
 
 def test_the_parent_process_imports_no_jax():
