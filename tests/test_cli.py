@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedbayes.cli import app
-from fedbayes.experiment import FAULT_ENV, read_metrics
+from fedbayes.experiment import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -116,9 +116,11 @@ def test_datasets_lists_presence():
     assert "digits" in res.output and "fashion_mnist" in res.output
 
 
-def _cli(args, env_extra=None, cache="off"):
+def _cli(args, env_extra=None, cache="off", die_after=None):
+    """The CLI in its own process; ``die_after=R`` kills it abruptly after round R (tests/killed_run.py)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(cache), **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "fedbayes.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    entry = ["-m", "fedbayes.cli"] if die_after is None else [str(Path(__file__).with_name("killed_run.py")), str(die_after)]
+    return subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
 def _strip(records):
@@ -141,7 +143,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     r = _cli(["run", str(cfg), "--out", str(full)], cache=cache)
     assert r.returncode == 0, r.stderr
     assert any(cache.iterdir())  # the persistent compilation cache was written
-    r = _cli(["run", str(cfg), "--out", str(broken)], {FAULT_ENV: "3"}, cache=cache)
+    r = _cli(["run", str(cfg), "--out", str(broken)], cache=cache, die_after=3)
     assert r.returncode == 137
     assert [x["round"] for x in read_metrics(broken / "metrics.jsonl")] == [0, 1, 2, 3]
     assert not (broken / "summary.json").exists()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fedbayes.algorithms import admm, fedavg
 from fedbayes.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.config import validate
-from fedbayes.experiment import FAULT_ENV, PlainReporter, read_metrics, run_experiment
+from fedbayes.experiment import PlainReporter, read_metrics, run_experiment
 from fedbayes.simulate import SimState, Simulator
 from fedbayes.store import DiskStore, MemoryStore, as_store
 
@@ -259,8 +259,9 @@ def test_killed_run_with_a_disk_store_resumes_to_the_same_metrics(tmp_path):
     cfg = validate(tomllib.loads(cfg_path.read_text()))
     quiet = PlainReporter(lambda s: None)
     broken, memory = tmp_path / "broken", tmp_path / "memory"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", FEDBAYES_CACHE="off", **{FAULT_ENV: "3"})
-    r = subprocess.run([sys.executable, "-m", "fedbayes.cli", "run", str(cfg_path), "--out", str(broken)], capture_output=True, text=True, env=env, cwd=ROOT)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", FEDBAYES_CACHE="off")
+    killed_run = str(Path(__file__).with_name("killed_run.py"))  # the CLI, killed abruptly after round 3
+    r = subprocess.run([sys.executable, killed_run, "3", "run", str(cfg_path), "--out", str(broken)], capture_output=True, text=True, env=env, cwd=ROOT)
     assert r.returncode == 137, r.stderr
     meta = json.loads((broken / "client_store" / "store.json").read_text())
     assert meta["round"] == 3 and [p.name for p in sorted((broken / "client_store").glob("undo_*"))] == ["undo_000002.bin"]

@@ -44,7 +44,6 @@ from fedbayes.plotting import plot_curves
 from fedbayes.simulate import Federation, Simulator
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
-FAULT_ENV = "FEDBAYES_FAULT_AFTER_ROUND"  # test hook: the process dies abruptly after this round
 
 
 @dataclasses.dataclass
@@ -323,7 +322,6 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             f.write(json.dumps(r) + "\n")
         return r
 
-    fault = int(os.environ.get(FAULT_ENV, "-1"))
     reporter.start(config.name, config.rounds, state.round)
     if state.round == 0 and not records:
         reporter.update(0, config.rounds, record(0))
@@ -341,8 +339,6 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):
                 save_checkpoint(ckpt_dir, state, {"counters": counters, "name": config.name})
             reporter.update(r, config.rounds, rec)
-            if r == fault:
-                os._exit(137)
     finally:
         reporter.stop()
     task = exp.dataset.task
