@@ -63,11 +63,13 @@ def _floating(leaf) -> bool:
 
 
 def _reduce(fn, messages: PyTree, weights: jax.Array) -> PyTree:
-    """``fn`` over the floating part of ``messages``; other leaves reduce to zeros."""
-    return jax.tree.map(
-        lambda x: fn(x, weights) if _floating(x) else jnp.zeros(jnp.shape(x)[1:], jnp.result_type(x)),
-        messages,
-    )
+    """``fn`` over the floating leaves of ``messages`` (in one call, so that they share one
+    normaliser: per-leaf calls compile to a program whose last bits differ); other leaves reduce to
+    zeros."""
+    leaves, treedef = jax.tree.flatten(messages)
+    floating = [x for x in leaves if _floating(x)]
+    reduced = iter(fn(floating, weights))
+    return treedef.unflatten([next(reduced) if _floating(x) else jnp.zeros(jnp.shape(x)[1:], jnp.result_type(x)) for x in leaves])
 
 
 def weighted(messages: PyTree, weights: jax.Array, key: jax.Array | None = None) -> Aggregate:
