@@ -5,6 +5,7 @@ here; the real Fashion-MNIST test runs only where Debian's package is installed.
 import dataclasses
 import gzip
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -175,7 +176,10 @@ def test_load_mnist_from_env_and_missing(tmp_path, monkeypatch):
         load_mnist()
 
 
-@pytest.mark.skipif(not SYSTEM_FMNIST.is_dir(), reason="dataset-fashion-mnist is not installed")
+@pytest.mark.skipif(
+    not SYSTEM_FMNIST.is_dir() or os.environ.get("FEDBAYES_NO_SYSTEM_DATA", "") not in ("", "0"),
+    reason="dataset-fashion-mnist is not installed (or hidden by FEDBAYES_NO_SYSTEM_DATA)",
+)
 def test_real_fashion_mnist(monkeypatch):
     monkeypatch.delenv("FEDBAYES_DATA", raising=False)
     ds = load_fashion_mnist()

@@ -24,7 +24,7 @@ def make_evaluator(
     Args:
       apply_fn: ``(params, x) -> logits`` (or predictions for regression).
       x, y: host arrays of the evaluation set.
-      task: ``"classification"`` (accuracy, nll, ece, loss) or ``"regression"`` (mse, rmse, loss).
+      task: ``"classification"`` (accuracy, nll, ece) or ``"regression"`` (mse, rmse).
       batch_size: evaluation batch size.
       num_bins: ECE bins.
     """
@@ -53,7 +53,7 @@ def make_evaluator(
 
             sse, _ = jax.lax.scan(body, jnp.zeros(()), (xb, yb, mb))
             mse = sse / n
-            return {"mse": mse, "rmse": jnp.sqrt(mse), "loss": 0.5 * mse}
+            return {"mse": mse, "rmse": jnp.sqrt(mse)}
 
     def evaluate(params) -> dict[str, float]:
         return {k: float(v) for k, v in run(params).items()}

@@ -3,8 +3,13 @@
 ``run_experiment`` writes into its output folder:
 
 * ``config.toml``: the resolved config (every default written out; ``fedbayes run`` accepts it);
-* ``metrics.jsonl``: one line per evaluation (round, accuracy, nll, ece, loss, seconds,
-  bytes_up, bytes_down, rejected), round 0 being the initial model;
+* ``metrics.jsonl``: one line per evaluation, round 0 being the initial model: ``round``, the
+  test metrics (``accuracy``, ``nll``, ``ece``, and ``accuracy_marg``, ``nll_marg``, ``ece_marg``
+  for Bayesian methods; ``mse``, ``rmse`` for regression) and four counters that are cumulative
+  since round 0: ``seconds`` (training time, evaluation excluded), ``bytes_up``, ``bytes_down``
+  and ``rejected`` (messages refused);
+* ``clients.jsonl``: one line per sampled client and round (:class:`fedbayes.loggers.ClientLog`);
+* ``model.npz``: the final server parameters (and posterior) by tree path (:mod:`fedbayes.export`);
 * ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
   the end;
 * ``summary.json`` and ``curves.png`` at the end.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
@@ -35,6 +41,8 @@ from fedbayes.config import ConfigError, RunConfig, to_toml
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
+from fedbayes.export import MODEL_FILE, save_model
+from fedbayes.loggers import ClientLog
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
 from fedbayes.models import init_params, loss_fn, make_model
@@ -306,6 +314,33 @@ def format_record(r: dict, total: int) -> str:
     return f"round {r['round']:>4}/{total}  {body}  {r['seconds']:.1f}s{rej}"
 
 
+CALIBRATION_GAP = 0.05  # marginalised accuracy this far below the point estimate gets a warning
+
+
+class CalibrationCheck:
+    """Warns once per run, in the log, when the marginalised accuracy falls more than
+    :data:`CALIBRATION_GAP` below the point estimate's: the posterior is too wide for the data
+    (FedEP/FedSEP: ``scale`` too small for the data size; see docs/algorithms.md, "Choosing scale").
+    The initial model and burn-in rounds are not checked."""
+
+    def __init__(self, name: str, after_round: int = 0):
+        self.name = name
+        self.after_round = after_round  # the initial model and burn-in rounds are not checked
+        self.message: str | None = None
+
+    def check(self, record: dict) -> None:
+        if self.message is not None or "accuracy_marg" not in record or record["round"] <= self.after_round:
+            return
+        gap = record["accuracy"] - record["accuracy_marg"]
+        if gap > CALIBRATION_GAP:
+            self.message = (
+                f"{self.name}: round {record['round']}: the marginalised accuracy {record['accuracy_marg']:.4f} is "
+                f"{100 * gap:.1f} points below the point estimate's {record['accuracy']:.4f}; the posterior is too wide "
+                "for this data: raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')"
+            )
+            logging.getLogger("fedbayes").warning("warning: %s", self.message)
+
+
 def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None) -> dict:
     """Runs (or resumes) one experiment and returns its summary (see the module docstring)."""
     out = Path(out_dir)
@@ -331,11 +366,15 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             (out / stale).unlink(missing_ok=True)
     _write_atomic(out / "config.toml", to_toml(config))
     _write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
+    client_log = ClientLog(out / "clients.jsonl", exp.federation.sizes)
+    client_log.restart(state.round)
+    calibration = CalibrationCheck(config.name, after_round=getattr(config.algorithm, "burn_in_rounds", 0))
 
     def record(round_idx: int) -> dict:
         m = exp.evaluate(state.server_state)
         r = {"round": round_idx, **m, **counters}
         r["seconds"] = round(r["seconds"], 3)
+        calibration.check(r)
         records.append(r)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(r) + "\n")
@@ -354,6 +393,7 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             counters["bytes_up"] += info.bytes_up
             counters["bytes_down"] += info.bytes_down
             counters["rejected"] += len(info.rejected)
+            client_log.write(info)
             r = state.round
             rec = record(r) if (r % config.eval_every == 0 or r == config.rounds) else None
             if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):
@@ -365,6 +405,9 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
         reporter.stop()
     task = exp.dataset.task
     summary = summarize(config, records, task)
+    save_model(out / MODEL_FILE, sim.algorithm, state.server_state)
+    if calibration.message:
+        summary["warnings"] = [calibration.message]
     _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     plot_curves(out / "curves.png", {config.name: records}, title=config.name, task=task)
     return summary

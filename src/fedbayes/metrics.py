@@ -202,9 +202,8 @@ def finalize_stats(stats: ClassificationStats) -> dict[str, jax.Array]:
     """Metrics from accumulated statistics (spec Sec. 13.1).
 
     With ``n = stats.count``:
-    ``accuracy = correct / n``; ``nll = loss = nll_sum / n`` (the mean cross-entropy, which is the
-    mean of ``-log p(y|x)``; both names are kept because training curves call it the loss and
-    the papers' tables call it the NLL);
+    ``accuracy = correct / n``; ``nll = nll_sum / n`` (the mean cross-entropy, i.e. the mean of
+    ``-log p(y|x)``: the training loss and the papers' NLL are the same number, kept once);
     ``ece = sum_b |bin_correct_b - bin_confidence_b| / n
     = sum_b (|I_b| / n) |acc(I_b) - conf(I_b)|`` (empty bins contribute 0), a fraction in [0, 1].
     With no valid example (``n = 0``) every metric is NaN.
@@ -215,7 +214,6 @@ def finalize_stats(stats: ClassificationStats) -> dict[str, jax.Array]:
         "accuracy": stats.correct / n,
         "nll": mean_nll,
         "ece": jnp.sum(jnp.abs(stats.bin_correct - stats.bin_confidence)) / n,
-        "loss": mean_nll,
     }
 
 

@@ -130,7 +130,7 @@ def fashion_mnist_instructions() -> str:
     """How to get Fashion-MNIST onto this machine."""
     return (
         "Install it with `apt-get install dataset-fashion-mnist` (Debian; files go to "
-        f"{FASHION_MNIST_SYSTEM_DIRS[0]}), or set {ENV_VAR} to a folder holding the four IDX files "
+        f"/usr/share/datasets/fashion-mnist), or set {ENV_VAR} to a folder holding the four IDX files "
         f"{', '.join(IDX_FILES)} (each raw or .gz), directly or in a 'fashion-mnist' subfolder."
     )
 

@@ -146,6 +146,13 @@ DATASETS: dict[str, DatasetInfo] = {
 }
 
 
+# FEDBAYES_NO_SYSTEM_DATA=1 hides the system-wide dataset folders (Debian's /usr/share/datasets),
+# as on a machine without the packages: `.ci/run` runs the test suite once that way.
+NO_SYSTEM_DATA_ENV = "FEDBAYES_NO_SYSTEM_DATA"
+if os.environ.get(NO_SYSTEM_DATA_ENV, "") not in ("", "0"):
+    idx.FASHION_MNIST_SYSTEM_DIRS = ()
+
+
 def _info(name: str) -> DatasetInfo:
     if name not in DATASETS:
         raise ValueError(f"dataset name must be one of {sorted(DATASETS)}, got {name!r}")
