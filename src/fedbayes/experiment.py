@@ -393,7 +393,7 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             counters["bytes_up"] += info.bytes_up
             counters["bytes_down"] += info.bytes_down
             counters["rejected"] += len(info.rejected)
-            client_log.write(info)
+            client_log.write(info, state.round)
             r = state.round
             rec = record(r) if (r % config.eval_every == 0 or r == config.rounds) else None
             if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):

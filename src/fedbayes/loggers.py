@@ -212,14 +212,15 @@ class ClientLog:
         tmp.write_text("".join(kept))
         os.replace(tmp, self.path)
 
-    def write(self, info: Any) -> None:
-        """Appends the lines of one round from its ``RoundInfo``."""
+    def write(self, info: Any, round_idx: int) -> None:
+        """Appends the lines of round ``round_idx`` (1 for the first round trained, as in
+        ``metrics.jsonl``) from its ``RoundInfo``."""
         losses = client_training_losses(info) or {}
         rejected = {int(c) for c in info.rejected}
         lines = []
         for c in info.cohort:
             c = int(c)
-            line = {"round": int(info.round), "client": c, "examples": int(self.sizes[c]), "rejected": c in rejected}
+            line = {"round": int(round_idx), "client": c, "examples": int(self.sizes[c]), "rejected": c in rejected}
             if c in losses:
                 line["loss"] = losses[c]
             lines.append(json.dumps(line) + "\n")

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import textwrap
 from typing import Callable, Mapping, Sequence
 
 PIPE_WIDTH = 160  # logs and CI: do not squeeze tables into 80 columns unless COLUMNS says so
@@ -197,7 +198,8 @@ def render(
         sub_rows = [[r[i] for i in keep] for r in rows]
         lines += _grid(sub_cols, sub_rows, _widths(sub_cols, sub_rows))
         if dropped:
-            lines.append(f"({len(dropped)} column(s) left out to fit {width} columns: {', '.join(dropped)}; all in --json)")
+            note = f"({len(dropped)} column(s) left out to fit {width} columns: {', '.join(dropped)}; all in --json)"
+            lines += textwrap.wrap(note, width, break_long_words=False, break_on_hyphens=False)
     else:  # too narrow for a grid: one block per method, every value whole
         for r in rows:
             lines.append(r[0])
