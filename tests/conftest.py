@@ -1,6 +1,6 @@
 """Test configuration: two XLA host devices (as on the 2-core machine), CPU, strict numerics.
 
-Rank promotion raises so silent broadcasting bugs fail (STYLE.md, Tests 7). Algebra tests that
+Rank promotion raises so silent broadcasting bugs fail (docs/style.md, Tests 7). Algebra tests that
 need float64 use ``jax.enable_x64`` locally.
 """
 

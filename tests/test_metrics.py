@@ -1,5 +1,5 @@
 """Tests for fedbayes.metrics: classification metrics against hand-computed values, sklearn and
-an independent NumPy ECE; batch accumulation; regression metrics; curve summaries (spec Sec. 13).
+an independent NumPy ECE; batch accumulation; regression metrics; curve summaries (docs/algorithms.md §13).
 """
 
 import math
@@ -44,7 +44,7 @@ def _softmax64(logits):
 
 
 def _ece_reference(probs, labels, num_bins):
-    """ECE by an explicit loop over bins, in float64, with np.linspace edges (spec Sec. 13.1)."""
+    """ECE by an explicit loop over bins, in float64, with np.linspace edges (docs/algorithms.md §13.1)."""
     probs = np.asarray(probs, np.float64)
     conf = probs.max(axis=1)
     correct = probs.argmax(axis=1) == np.asarray(labels)

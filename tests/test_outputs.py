@@ -6,9 +6,7 @@ import json
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from typer.testing import CliRunner

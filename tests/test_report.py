@@ -28,7 +28,13 @@ def _summaries(marg=True):
         final = {"accuracy": 0.8812345 - i / 1000, "nll": 0.35 + i / 97, "ece": 0.0348 + i / 1000, "seconds": 280.123 + i, "bytes_up": 1.2e9 + i}
         if marg and name.startswith("fed") and ("ep" in name or "sep" in name):
             final.update(accuracy_marg=0.86 - i / 1000, nll_marg=0.3764 + i / 100, ece_marg=0.0076)
-        out[name] = {"algorithm": name.split("_")[0], "server_optimizer": "momentum", "final": final, "best_accuracy": 0.8873 - i / 1000, "rounds_to": {"0.80": 6 + i}}
+        out[name] = {
+            "algorithm": name.split("_")[0],
+            "server_optimizer": "momentum",
+            "final": final,
+            "best_accuracy": 0.8873 - i / 1000,
+            "rounds_to": {"0.80": 6 + i},
+        }
     return out
 
 

@@ -11,7 +11,7 @@ import sys
 
 from fedbayes import hostdevices
 
-# One XLA host device per core, set before JAX starts (DESIGN.md, "Using every core"). A device
+# One XLA host device per core, set before JAX starts (docs/design.md, "Using every core"). A device
 # count already in XLA_FLAGS is kept.
 hostdevices.configure()
 

@@ -30,7 +30,7 @@ class DataConfig(_Strict):
 
     dataset: Literal[DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
     data_dir: str | None = None
-    fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (seed 001 uses 0.1 for FMNIST)")
+    fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (Swaroop et al. 2025 (ADMM and Bayes) uses 0.1 for FMNIST)")
     num_clients: int = Field(10, ge=1)
     partition: Literal[PARTITIONS] = "iid"  # type: ignore[valid-type]
     alpha: float = Field(0.5, gt=0, description="Dirichlet label-skew concentration (partition = dirichlet)")
@@ -61,7 +61,7 @@ class ClientConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    """Cohort size, client weighting and the server optimizer (spec 1.2)."""
+    """Cohort size, client weighting and the server optimizer (docs/algorithms.md §1.2)."""
 
     clients_per_round: int = Field(10, ge=1)
     weighting: Literal["examples", "uniform"] = "examples"
@@ -76,20 +76,20 @@ class ServerConfig(_Strict):
 
 
 class FedAvgConfig(_Strict):
-    """FedAvg (spec 2); FedAvgM/FedAdam/FedYogi/FedAdagrad via ``server.optimizer``."""
+    """FedAvg (docs/algorithms.md §2); FedAvgM/FedAdam/FedYogi/FedAdagrad via ``server.optimizer``."""
 
     name: Literal["fedavg"] = "fedavg"
 
 
 class FedProxConfig(_Strict):
-    """FedProx (spec 3)."""
+    """FedProx (docs/algorithms.md §3)."""
 
     name: Literal["fedprox"]
     mu: float = Field(0.01, ge=0)
 
 
 class FedDynConfig(_Strict):
-    """FedDyn (spec 5)."""
+    """FedDyn (docs/algorithms.md §5)."""
 
     name: Literal["feddyn"]
     alpha: float = Field(0.01, gt=0)
@@ -97,7 +97,7 @@ class FedDynConfig(_Strict):
 
 
 class ADMMConfig(_Strict):
-    """Federated ADMM (spec 4.1)."""
+    """Federated ADMM (docs/algorithms.md §4.1)."""
 
     name: Literal["admm"]
     rho: float = Field(0.01, gt=0)
@@ -105,7 +105,7 @@ class ADMMConfig(_Strict):
 
 
 class FedPAConfig(_Strict):
-    """FedPA (spec 6): one IASG sample per local epoch after the first ``skip_epochs``."""
+    """FedPA (docs/algorithms.md §6): one IASG sample per local epoch after the first ``skip_epochs``."""
 
     name: Literal["fedpa"]
     rho: Union[float, str] = Field(0.01, description="shrinkage rho >= 0, or 'oas' / 'rblw' to choose it from the samples")
@@ -121,7 +121,7 @@ class FedPAConfig(_Strict):
 
 
 class _EPConfig(_Strict):
-    """Shared settings of FedEP and FedSEP (spec 7; seed 000 Table 7)."""
+    """Shared settings of FedEP and FedSEP (docs/algorithms.md §7; Guo et al. 2023 (FedEP) Table 7)."""
 
     method: Literal["identity", "mcmc", "laplace", "ngvi"] = Field(
         "identity", description="client tilted inference: identity (I), mcmc (M), laplace (L) or ngvi (V)"
@@ -145,7 +145,7 @@ class _EPConfig(_Strict):
 
 
 class FedEPConfig(_EPConfig):
-    """FedEP (spec 7): stateful clients keep their sites."""
+    """FedEP (docs/algorithms.md §7): stateful clients keep their sites."""
 
     name: Literal["fedep"]
     improper_sites: Literal["reject", "allow"] = Field(
@@ -154,7 +154,7 @@ class FedEPConfig(_EPConfig):
 
 
 class FedSEPConfig(_EPConfig):
-    """FedSEP (spec 7.9): stateless clients, one shared average site."""
+    """FedSEP (docs/algorithms.md §7.9): stateless clients, one shared average site."""
 
     name: Literal["fedsep"]
     sep_power: Literal["data_fraction", "one_over_k"] = "data_fraction"

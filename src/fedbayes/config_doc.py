@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Literal, Union
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined

@@ -1,7 +1,7 @@
 """Evaluation of a model on a held-out set: accuracy, NLL, ECE (classification) or MSE (regression).
 
 The test set is put on the device once, padded to whole batches with a mask, and evaluated in one
-compiled function that accumulates summable statistics over batches (spec 13.1).
+compiled function that accumulates summable statistics over batches (docs/algorithms.md §13.1).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def make_marginal_evaluator(
 ) -> Callable[..., dict[str, float]]:
     """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction.
 
-    Seed 000 Sec. 3.3 (spec 13.1): draw ``S = num_samples`` parameter vectors
+    Guo et al. 2023 (FedEP) Sec. 3.3 (docs/algorithms.md §13.1): draw ``S = num_samples`` parameter vectors
     ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average the
     softmax probabilities ``p(y | x) = mean_s softmax(f(x; theta_s))``, and compute accuracy, NLL
     and ECE of the averaged probabilities. The same ``theta_s`` serve every test batch. With

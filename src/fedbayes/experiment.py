@@ -219,7 +219,7 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
 
 def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig, apply_fn, dataset: Dataset):
     """Adds the marginalised prediction over ``S`` samples of ``q_g`` (``accuracy_marg``,
-    ``nll_marg``, ``ece_marg``; seed 000 Table 5) to the point metrics. The samples' key depends on
+    ``nll_marg``, ``ece_marg``; Guo et al. 2023 (FedEP) Table 5) to the point metrics. The samples' key depends on
     the seed and the round only, so a resumed run draws the same ones."""
     marginal = make_marginal_evaluator(
         apply_fn, dataset.x_test, dataset.y_test, num_samples=config.algorithm.marginal_samples,
@@ -264,7 +264,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def summarize(config: RunConfig, records: list[dict], task: str) -> dict:
-    """Final metrics and curve summaries (spec 13.2) of one run."""
+    """Final metrics and curve summaries (docs/algorithms.md §13.2) of one run."""
     last = records[-1] if records else {}
     summary: dict[str, Any] = {
         "name": config.name,
@@ -277,8 +277,8 @@ def summarize(config: RunConfig, records: list[dict], task: str) -> dict:
         rounds = [r["round"] for r in records]
         acc = [r["accuracy"] for r in records]
         summary["best_accuracy"] = float(max(acc))
-        # seed 001 Table 3: the first round whose accuracy reaches the threshold (no smoothing);
-        # seeds 000/003: the first round whose 10-evaluation running mean reaches it.
+        # Swaroop et al. 2025 (ADMM and Bayes) Table 3: the first round whose accuracy reaches the threshold (no smoothing);
+        # Guo et al. 2023 (FedEP) and Al-Shedivat et al. 2021 (FedPA): the first round whose 10-evaluation running mean reaches it.
         summary["rounds_to"] = {f"{t:.2f}": metrics.rounds_to_threshold(rounds, acc, t, window=1) for t in THRESHOLDS}
         summary["rounds_to_rm10"] = {f"{t:.2f}": metrics.rounds_to_threshold(rounds, acc, t, window=10) for t in THRESHOLDS}
         summary["final_mean_3"] = metrics.final_mean(acc, 3)

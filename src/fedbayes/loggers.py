@@ -24,8 +24,9 @@ import csv
 import io
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 LOGGERS = ("csv", "tensorboard", "wandb")
 

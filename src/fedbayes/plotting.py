@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 # (metric, axis label, scale, its marginalised form)
 _PANELS = {
@@ -58,9 +58,7 @@ def plot_curves(path: str | Path, runs: Mapping[str, Sequence[dict]], *, title: 
                 if not pts:
                     continue
                 xs, ys = zip(*pts)
-                (line,) = ax.plot(
-                    xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3
-                )
+                (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
                 if ax is axes[0] and name + suffix not in labels:
                     handles.append(line)
                     labels.append(name + suffix)

@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import textwrap
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 PIPE_WIDTH = 160  # logs and CI: do not squeeze tables into 80 columns unless COLUMNS says so
 GAP = 2  # spaces between columns

@@ -1,6 +1,6 @@
 """The algorithm interface: a federated method is a few pure functions over messages.
 
-An :class:`Algorithm` is a named tuple of pure functions (STYLE.md, "Shapes worth keeping"):
+An :class:`Algorithm` is a named tuple of pure functions (docs/style.md, "Shapes worth keeping"):
 
 * ``server_init(key, params) -> server_state``
 * ``broadcast(server_state) -> server_message`` (what every sampled client receives)
@@ -10,10 +10,10 @@ An :class:`Algorithm` is a named tuple of pure functions (STYLE.md, "Shapes wort
   axis 0, ``weights[m] >= 0`` (zero for padded or rejected clients)
 * ``server_params(server_state) -> params``: the point estimate used for evaluation
 * ``message_ok(server_state, client_message) -> bool``: the server's acceptance test for one
-  message (DESIGN.md, "Messages and their validation"); a rejected client gets weight zero and
+  message (docs/design.md, "Messages and their validation"); a rejected client gets weight zero and
   keeps its old state.
 * ``server_posterior(server_state) -> (mean, variance)`` (optional, Bayesian methods): the
-  diagonal Gaussian ``q_g`` in moments, for marginalised predictions (spec 13.1); ``None`` for
+  diagonal Gaussian ``q_g`` in moments, for marginalised predictions (docs/algorithms.md §13.1); ``None`` for
   point-estimate methods.
 * ``local_epochs``, ``local_batch_size``: how many shuffled passes over its data a client makes
   and with which minibatch size; the simulator lays out that many epochs per client

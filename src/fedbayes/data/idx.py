@@ -1,6 +1,6 @@
 """IDX files (LeCun's MNIST format) and the two image datasets stored in it: Fashion-MNIST, MNIST.
 
-Nothing is downloaded (DESIGN.md, "Data on this machine"). Fashion-MNIST comes from Debian's
+Nothing is downloaded (docs/design.md, "Data on this machine"). Fashion-MNIST comes from Debian's
 ``dataset-fashion-mnist`` package (``/usr/share/datasets/fashion-mnist``) or a folder the user
 names; MNIST only from a folder the user names.
 

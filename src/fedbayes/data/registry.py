@@ -171,7 +171,7 @@ def load_dataset(
         for the generator; ``default_rng([seed, 1])`` for the subsample, so subsampling does not
         change which data is generated).
       **params: the dataset's own parameters (``DATASETS[name].params``), plus ``fraction`` in
-        (0, 1]: keep a random fraction of the train set (seed 001 uses 0.1 for FMNIST).
+        (0, 1]: keep a random fraction of the train set (Swaroop et al. 2025 (ADMM and Bayes) uses 0.1 for FMNIST).
 
     Raises:
       ValueError: unknown name or parameter (the message lists the allowed ones).

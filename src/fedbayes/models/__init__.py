@@ -105,7 +105,7 @@ LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def loss_fn(model: nn.Module, task: str) -> LossFn:
-    """The masked mean per-example loss, the objective ``\\bar\\ell_k`` of spec Sec. 0.
+    """The masked mean per-example loss, the objective ``\\bar\\ell_k`` of docs/algorithms.md §0.
 
     Returns ``f(params, x, y, mask)`` with ``x`` float32 ``[batch, *feature_shape]``, ``mask``
     float32 ``[batch]`` (1 for a real example, 0 for padding) and
