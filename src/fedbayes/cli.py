@@ -279,7 +279,8 @@ def compare(
         _fail("error: --overwrite and --resume exclude each other")
     runs = _comparison(configs, set_ or [])
     _check_out(out, overwrite, resume, what="comparison")
-    title = configs[0].stem if len(configs) == 1 else "comparison"
+    datasets = sorted({c.data.dataset for c in runs.values()})
+    title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
     _run_comparison(runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold)
 
 
