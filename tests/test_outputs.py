@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -264,3 +265,14 @@ def test_calibration_warning_once(caplog):
         check.check({"round": 4, "accuracy": 0.77, "accuracy_marg": 0.50})
     warnings = [r for r in caplog.records if "marginalised accuracy" in r.getMessage()]
     assert len(warnings) == 1 and "20.0 points" in warnings[0].getMessage() and "algorithm.scale" in warnings[0].getMessage()
+
+
+def test_no_system_data_hides_the_debian_dataset(tmp_path):
+    """FEDBAYES_NO_SYSTEM_DATA=1 makes the machine look as if dataset-fashion-mnist were not installed."""
+    code = "from fedbayes.data import dataset_status; print(dict((n, p) for n, p, _ in dataset_status())['fashion_mnist'])"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(fedbayes.__file__).parents[1]), "JAX_PLATFORMS": "cpu"}
+    hidden = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "FEDBAYES_NO_SYSTEM_DATA": "1", "FEDBAYES_DATA": str(tmp_path)}, capture_output=True, text=True
+    )
+    assert hidden.returncode == 0, hidden.stderr
+    assert hidden.stdout.strip() == "False"

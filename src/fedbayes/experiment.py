@@ -42,9 +42,9 @@ from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
 from fedbayes.export import MODEL_FILE, save_model
-from fedbayes.loggers import ClientLog
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
+from fedbayes.loggers import ClientLog
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.plotting import plot_curves
 from fedbayes.simulate import Federation, Simulator
