@@ -59,7 +59,10 @@ def _rounds_to(threshold: float):
 
     def value(name, s, recs):
         if recs:
-            rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
+            try:
+                rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
+            except (KeyError, ValueError):  # a damaged metrics file must not lose the whole table
+                rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
         else:
             rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
         return "—" if rt is None else str(rt)
