@@ -38,12 +38,12 @@ def test_every_readme_snippet_runs_verbatim(tmp_path, monkeypatch, capsys):
 
 
 def test_no_file_points_outside_the_project():
-    """No '../shared' links, seed numbers, spec numbers or issue numbers (scripts/decite.py --check);
+    """No links to the shared folder, paper or spec numbers, or issue numbers (scripts/decite.py --check);
     every "docs/algorithms.md §N" names a section that exists."""
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "decite.py"), "--check"], cwd=ROOT, capture_output=True, text=True)
     left = [line for line in res.stdout.splitlines() if not line.startswith(("src/fedbayes/bench", "tests/test_bench"))]
     assert not left, "\n".join(left[:20])
-    headings = set(re.findall(r"^#+ (\d+(?:\.\d+)?) ", (ROOT / "docs" / "algorithms.md").read_text(), flags=re.M))
+    headings = set(re.findall(r"^#+ (\d+(?:\.\d+)?)\.? ", (ROOT / "docs" / "algorithms.md").read_text(), flags=re.M))
     cited = set()
     for path in ROOT.rglob("*"):
         if path.is_file() and path.suffix in (".py", ".md", ".toml") and not {".git", ".venv", "runs"} & set(path.parts):
