@@ -255,9 +255,6 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dic
     """
     title = "fedbayes comparison" if len(summaries) > 1 else None
     print(report.render(summaries, threshold=threshold, curves=curves, title=title), end="", flush=True)
-    for s in summaries.values():
-        for warning in s.get("warnings", []):
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
     return report.markdown(summaries, threshold=threshold, curves=curves)
 
 
