@@ -1,4 +1,4 @@
-"""Client-state stores at scale (issue 4 item 4, issue 5 item 3): time and peak memory per round.
+"""Client-state stores at scale: time and peak memory per round.
 
 ``K`` clients, each with ``--leaves`` float32 arrays of ``--params`` values (the first leaf zeros,
 the others non-zero, like ADMM's dual and contribution), cohorts of ``--cohort`` clients drawn

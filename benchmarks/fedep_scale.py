@@ -1,5 +1,5 @@
 """Stateful FedEP at 500 clients of a ~1M-parameter model: round time and peak memory against
-stateless FedSEP (issue 4 done-when, issue 5 item 3).
+stateless FedSEP.
 
     .venv/bin/python benchmarks/fedep_scale.py [--clients 500] [--hidden 1024,256] [--rounds 10] [--modes fedsep,fedep-disk,fedep-memory] [--dir DIR] [--json]
 

@@ -1,6 +1,6 @@
-"""FedPA's client update time relative to FedAvg's, as a function of the dimension (seed 003 Table 1).
+"""FedPA's client update time relative to FedAvg's, as a function of the dimension (Al-Shedivat et al. 2021 (FedPA) Table 1).
 
-Seed 003 Table 1 times one client update of 5 epochs of 100 steps on synthetic least squares:
+Al-Shedivat et al. 2021 (FedPA) Table 1 times one client update of 5 epochs of 100 steps on synthetic least squares:
 FedAvg (plain SGD) against FedPA (IASG samples + the O(l^2 d) dynamic-programming delta), for
 d = 100 .. 100K, and reports +26% .. +4%. Here: the same schedule (5 epochs of 100 steps, batch
 10, lr 0.01; FedPA's first epoch is burn-in, then one sample per epoch: l = 4) on

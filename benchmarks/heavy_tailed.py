@@ -1,6 +1,6 @@
-"""Heavy-tailed federations (issue 5, item 2): round time against the number of clients.
+"""Heavy-tailed federations: round time against the number of clients.
 
-LEAF Synthetic(1, 1) clients with log-normal sizes (mean about 400, std about 1,300: seed 000
+LEAF Synthetic(1, 1) clients with log-normal sizes (mean about 400, std about 1,300: Guo et al. 2023 (FedEP)
 Table 1's StackOverflow statistics), generated from their ids on demand, never materialised.
 For federations of 1,000 and 342,477 clients and cohorts of 10, 100 and 1,000 clients per round,
 FedAvg with logistic regression (1 local epoch, batch 32, client SGD) runs a first (compile)

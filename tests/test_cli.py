@@ -71,8 +71,9 @@ def test_run_writes_every_output(tmp_path):
         assert (out / name).is_file(), name
     recs = read_metrics(out / "metrics.jsonl")
     assert [r["round"] for r in recs] == [0, 1, 2, 3, 4]
-    for key in ("accuracy", "nll", "ece", "loss", "seconds", "bytes_up", "bytes_down"):
+    for key in ("accuracy", "nll", "ece", "seconds", "bytes_up", "bytes_down"):
         assert key in recs[-1]
+    assert "loss" not in recs[-1]  # it was the NLL again
     assert recs[-1]["accuracy"] > recs[0]["accuracy"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["round_000002.npz", "round_000004.npz"]
     summary = json.loads((out / "summary.json").read_text())

@@ -78,7 +78,7 @@ def test_cohort_equals_a_plain_per_client_loop(name, layout):
         state, info = sim.run_round(state)
         np.testing.assert_array_equal(info.cohort, cohort)
         assert ref_ok.all() and len(info.rejected) == 0
-        # 1e-5: the sequential layout sums on two devices (reassociation, DESIGN.md)
+        # 1e-5: the sequential layout sums on two devices (reassociation, docs/design.md)
         _close(state.server_state, ref_server)
         for cid, ref in zip(cohort, ref_states):
             _close(jax.tree.map(lambda s: s[cid], state.client_states), ref)

@@ -5,6 +5,7 @@ here; the real Fashion-MNIST test runs only where Debian's package is installed.
 import dataclasses
 import gzip
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -175,7 +176,10 @@ def test_load_mnist_from_env_and_missing(tmp_path, monkeypatch):
         load_mnist()
 
 
-@pytest.mark.skipif(not SYSTEM_FMNIST.is_dir(), reason="dataset-fashion-mnist is not installed")
+@pytest.mark.skipif(
+    not SYSTEM_FMNIST.is_dir() or os.environ.get("FEDBAYES_NO_SYSTEM_DATA", "") not in ("", "0"),
+    reason="dataset-fashion-mnist is not installed (or hidden by FEDBAYES_NO_SYSTEM_DATA)",
+)
 def test_real_fashion_mnist(monkeypatch):
     monkeypatch.delenv("FEDBAYES_DATA", raising=False)
     ds = load_fashion_mnist()
@@ -401,7 +405,7 @@ def test_least_squares_optima_have_zero_gradient():
         assert np.linalg.norm(xk.T @ (xk @ opt - yk)) < 1e-10 * np.linalg.norm(xk.T @ yk)
     # Independent problems (heterogeneity 1): the client optima are far apart.
     assert np.linalg.norm(client_opts[0] - client_opts[1]) > 10.0
-    # The global optimum is the precision-weighted mean of client optima (seed 003 Eq. 3).
+    # The global optimum is the precision-weighted mean of client optima (Al-Shedivat et al. 2021 (FedPA) Eq. 3).
     precisions = [x[ds.client_ids == k].T @ x[ds.client_ids == k] for k in range(5)]
     weighted = sum(p @ m for p, m in zip(precisions, client_opts))
     product_mean = np.linalg.solve(sum(precisions), weighted)
@@ -414,7 +418,7 @@ def test_least_squares_without_heterogeneity_shares_one_optimum():
     # Noise 0 and one common model: every client's optimum is that model (float32 data: ~1e-5).
     expected = np.broadcast_to(global_opt, client_opts.shape)
     np.testing.assert_allclose(client_opts, expected, rtol=1e-4, atol=1e-3)
-    assert np.abs(global_opt[-1]) < 1e-3  # bias 0, as in seed 003
+    assert np.abs(global_opt[-1]) < 1e-3  # bias 0, as in Al-Shedivat et al. 2021 (FedPA)
     with pytest.raises(ValueError, match="heterogeneity"):
         federated_least_squares(3, 5, np.random.default_rng(2), heterogeneity=1.5)
     with pytest.raises(ValueError, match="client_ids"):

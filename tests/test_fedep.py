@@ -1,4 +1,4 @@
-"""FedEP / FedSEP: special cases of spec 7.11 with exact tilted inference, the robust server, the
+"""FedEP / FedSEP: special cases of docs/algorithms.md §7.11 with exact tilted inference, the robust server, the
 four client methods, the Fisher, and marginalised predictions."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fedbayes.simulate import Federation, Simulator
 
 from helpers import digits_federation, logreg_setup
 
-# Seed 000 Fig. 1 / spec 15.1: two Gaussian clients in 2-D.
+# Guo et al. 2023 (FedEP) Fig. 1 / docs/algorithms.md §15.1: two Gaussian clients in 2-D.
 MEANS = np.array([[7.0, -10.6], [0.2, 2.24]])
 COVS = np.array([[[11.0, -5.3], [-5.3, 3.5]], [[5.0, 4.9], [4.9, 5.5]]])
 DIM = 2
@@ -38,7 +38,7 @@ def gaussian_federation(means, covs) -> Federation:
 
 def exact_inference(dim, bad_clients=()):
     """Exact tilted moments: cavity (diagonal) times the client's full Gaussian, projected to the
-    diagonal family by moment matching (spec 7.11 test 2). Clients whose mean's first coordinate
+    diagonal family by moment matching (docs/algorithms.md §7.11 test 2). Clients whose mean's first coordinate
     is in ``bad_clients`` return a NaN / negative-precision approximation."""
 
     def infer(key, start, cavity, data):
@@ -85,7 +85,7 @@ def test_first_round_from_uniform_is_fedpa_posterior_averaging():
     projections = [_diag_projection(m, c) for m, c in zip(MEANS, COVS)]
     product = gaussian.product(*projections)
     np.testing.assert_allclose(state.server_state.q.precision, product.precision, rtol=1e-5)
-    np.testing.assert_allclose(_mean(state), [2.3250, -5.6067], atol=1e-3)  # spec 7.11 test 2
+    np.testing.assert_allclose(_mean(state), [2.3250, -5.6067], atol=1e-3)  # docs/algorithms.md §7.11 test 2
 
 
 def test_ten_undamped_steps_reach_the_toy_value_and_sites_are_ep_sites():
@@ -93,7 +93,7 @@ def test_ten_undamped_steps_reach_the_toy_value_and_sites_are_ep_sites():
     for _ in range(10):
         prev = state
         state, _ = sim.run_round(state)
-    np.testing.assert_allclose(_mean(state), [-4.7631, -3.6106], atol=2e-3)  # spec 7.11 test 4
+    np.testing.assert_allclose(_mean(state), [-4.7631, -3.6106], atol=2e-3)  # docs/algorithms.md §7.11 test 4
     # delta = 1 with plain SGD at lr 1 is the undamped EP update: site_k = tilted_k / cavity_k and
     # q_g = q_g_old * prod_k (tilted_k / q_g_old), computed here by hand from the previous state.
     q = prev.server_state.q
@@ -129,7 +129,7 @@ def test_exact_ep_converges_on_random_gaussian_clients():
 
 
 def test_invariant_global_minus_sites_under_partial_participation():
-    # Spec 7.11 test 7: SGD on both sides, same lr, no momentum: eta_g - sum_k eta_k stays 0.
+    # docs/algorithms.md §7.11 test 7: SGD on both sides, same lr, no momentum: eta_g - sum_k eta_k stays 0.
     rng = np.random.default_rng(0)
     means = rng.normal(size=(3, DIM))
     covs = np.array([np.eye(DIM) * s for s in (1.0, 2.0, 0.5)])
@@ -193,7 +193,7 @@ def test_fedsep_with_one_client_equals_fedep():
 
 
 def test_fedep_equals_fedsep_in_the_first_round_after_benchmark_init():
-    # Spec 7.11 test 5: with q_k = q_g^{n_k/N} the two cavities coincide.
+    # docs/algorithms.md §7.11 test 5: with q_k = q_g^{n_k/N} the two cavities coincide.
     fed = digits_federation(sizes=(50, 80, 30))
     model, params, trainer = logreg_setup(lr=0.05, epochs=2)
     settings = TiltedSettings(scale=50.0, weight_decay=1e-3)

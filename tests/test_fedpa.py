@@ -1,4 +1,4 @@
-"""FedPA: the shrinkage delta's dynamic programme, the IASG sampler and the algorithm (spec 6.10)."""
+"""FedPA: the shrinkage delta's dynamic programme, the IASG sampler and the algorithm (docs/algorithms.md §6.10)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_one_sample_or_zero_rho_is_fedavg_delta(num, rho):
 
 
 def test_any_time_property():
-    # The delta after t samples equals the dense solve on the first t samples (spec 6.10 test 6).
+    # The delta after t samples equals the dense solve on the first t samples (docs/algorithms.md §6.10 test 6).
     samples, theta = _problem(4, 9, 15)
     with jax.enable_x64(True):
         for t in range(1, 10):

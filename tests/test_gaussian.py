@@ -1,7 +1,7 @@
 """Tests for fedbayes.gaussian: algebra (float64), oracles, Iso/Diag agreement, jit and vmap.
 
 Algebra runs under ``jax.enable_x64(True)`` at tolerances derived from float64 rounding
-(STYLE.md, Tests 1); oracles are scipy.stats, numpy closed forms and Monte Carlo with fixed keys
+(docs/style.md, Tests 1); oracles are scipy.stats, numpy closed forms and Monte Carlo with fixed keys
 (Tests 2). Inputs and expectations are built with numpy: every eager JAX op on a new shape costs
 an XLA compile, and those compiles, not the arithmetic, set the run time of this file.
 """
@@ -107,7 +107,7 @@ def assert_within_rounding(got, want, scale, ulps):
 
 
 # ---------------------------------------------------------------------------------------------
-# algebra identities (spec 1.1 unit tests), float64
+# algebra identities (docs/algorithms.md §1.1 unit tests), float64
 
 
 def _pair(kinds, seed):
@@ -176,7 +176,7 @@ def test_damp_endpoints_are_exact(kinds):
 
 
 def test_damp_matches_seed_incremental_form():
-    # Seed 000 Sec. 2.2.3: eta_k <- eta_k + delta * Delta eta_k with Delta q = new / old.
+    # Guo et al. 2023 (FedEP) Sec. 2.2.3: eta_k <- eta_k + delta * Delta eta_k with Delta q = new / old.
     with jax.enable_x64(True):
         old, new = random_diag(5), random_diag(6)
         for step in (0.1, 0.75):
@@ -258,7 +258,7 @@ def test_project_full_to_diag_keeps_covariance_diagonal():
 
 
 def test_product_of_projections_golden_toy():
-    # Spec 15.1 / 7.11 item 2: "FedPA" on the 2-D toy = product of the diagonal projections.
+    # docs/algorithms.md §15.1 / 7.11 item 2: "FedPA" on the 2-D toy = product of the diagonal projections.
     with jax.enable_x64(True):
         p1 = G.project_full_to_diag(*_as_jax(([7.0, -10.6], [[11.0, -5.3], [-5.3, 3.5]])))
         p2 = G.project_full_to_diag(*_as_jax(([0.2, 2.24], [[5.0, 4.9], [4.9, 5.5]])))
@@ -331,7 +331,7 @@ def test_entropy_matches_scipy():
 
 
 def _kl_numpy(p_moments, q_moments):
-    """Spec 1.1 formula on numpy moments, independent of the library's ratio form."""
+    """docs/algorithms.md §1.1 formula on numpy moments, independent of the library's ratio form."""
     (m1, lam1), (m2, lam2) = p_moments, q_moments
     total = 0.0
     for k in m1:
@@ -650,7 +650,7 @@ def test_dtypes_are_kept_under_x64_and_strict_promotion():
 
 
 def test_gaussians_are_pytrees_for_optax():
-    # FedEP's server step: optax on natural parameters (spec 7.7 step 5); SGD(lr) with a
+    # FedEP's server step: optax on natural parameters (docs/algorithms.md §7.7 step 5); SGD(lr) with a
     # negated delta adds lr * delta, i.e. the product with delta^lr.
     g, step = random_diag(40, dtype=np.float32), random_diag(41, dtype=np.float32)
 

@@ -158,7 +158,7 @@ def _lenet_count(in_channels, flat):
 
 
 def test_cnn_valid_padding_is_the_paper_network():
-    # Seed 004 App.: linear layers of 400, 120, 84 on 32x32x3 with unpadded 5x5 convolutions.
+    # Ozer et al. 2022 (VBNN aggregation) App.: linear layers of 400, 120, 84 on 32x32x3 with unpadded 5x5 convolutions.
     # Shapes only (jax.eval_shape): no need to run the initialisers.
     model = make_model("cnn", 10, padding="VALID")
     params = _param_shapes(model, (32, 32, 3))

@@ -1,4 +1,4 @@
-"""Tests for fedbayes.data.partition (spec section 14): coverage, skew, determinism, validation."""
+"""Tests for fedbayes.data.partition (docs/algorithms.md §14): coverage, skew, determinism, validation."""
 
 import numpy as np
 import pytest
@@ -149,7 +149,7 @@ def test_two_level_dataset_proportion_uses_that_share_of_each_class():
 
 
 def test_two_level_homogeneous_split_is_even():
-    # Seed 001's homogeneous split: alpha1 = alpha2 = 1e15 gives every client N_c / K per class.
+    # Swaroop et al. 2025 (ADMM and Bayes)'s homogeneous split: alpha1 = alpha2 = 1e15 gives every client N_c / K per class.
     labels = balanced_labels(per_class=600)
     parts = two_level_dirichlet(labels, 10, np.random.default_rng(0), 1e15, 1e15)
     counts = label_distribution(labels, parts, 10, normalize=False)
@@ -175,7 +175,7 @@ def test_dirichlet_skew_grows_as_alpha_falls():
 
 
 def test_dirichlet_stops_feeding_full_clients():
-    # Spec 14.2 step 2: with alpha = 0.1 a client would often collect several whole classes; the
+    # docs/algorithms.md §14.2 step 2: with alpha = 0.1 a client would often collect several whole classes; the
     # zeroing keeps every client below N / K + N_c = 200 + 200 on every seed.
     labels = balanced_labels()
     for seed in range(10):
@@ -197,7 +197,7 @@ def test_iid_and_shards_skew_bracket_the_dirichlets():
 
 
 def test_two_level_matches_seed_001_statistics():
-    # Seed 001 App. E.1 reports that about 2 clients hold 50% and 6 clients 90% of the data with
+    # Swaroop et al. 2025 (ADMM and Bayes) App. E.1 reports that about 2 clients hold 50% and 6 clients 90% of the data with
     # alpha1 = 1, alpha2 = 0.5 on 10 clients. With 20 seeds the top-2 share has a standard error
     # of about 0.016 (per-seed std about 0.07); we measured a mean of 0.45, so +-0.1 around 0.5
     # checks the procedure, not the luck of a seed ("usually" in the paper is not more precise).
@@ -307,7 +307,7 @@ def test_labels_must_be_integers():
 
 
 def test_two_level_dirichlet_never_leaves_a_client_empty():
-    """Seed 001's procedure alone leaves a client empty for some seeds (about 23% of seeds with
+    """Swaroop et al. 2025 (ADMM and Bayes)'s procedure alone leaves a client empty for some seeds (about 23% of seeds with
     100 clients on 60,000 labels); the redraw loop must give every client min_size examples."""
     labels = make_labels(0, 6000, 10)
     for seed in range(30):

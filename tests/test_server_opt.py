@@ -1,4 +1,4 @@
-"""Server optimizers (spec 1.2): Reddi et al.'s forms against hand-computed recursions."""
+"""Server optimizers (docs/algorithms.md §1.2): Reddi et al.'s forms against hand-computed recursions."""
 
 import jax
 import jax.numpy as jnp

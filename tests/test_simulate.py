@@ -115,7 +115,7 @@ def test_fedprox_pulls_clients_towards_the_server():
 
 
 def test_feddyn_equals_admm_under_full_participation():
-    """Spec 4.2: with full participation, FedDyn (alpha = rho, no weight decay) == ADMM (delta = 0)."""
+    """docs/algorithms.md §4.2: with full participation, FedDyn (alpha = rho, no weight decay) == ADMM (delta = 0)."""
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup()
     k = fed.num_clients
@@ -131,7 +131,7 @@ def test_feddyn_equals_admm_under_full_participation():
 
 
 def test_one_step_fedavg_is_weighted_average_of_client_models():
-    """Spec 2: server SGD with lr 1 == sum_k (n_k / n) theta_k."""
+    """docs/algorithms.md §2: server SGD with lr 1 == sum_k (n_k / n) theta_k."""
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup(epochs=1)
     sim = Simulator(fedavg(trainer, optax.sgd(1.0)), fed, clients_per_round=5, seed=0)

@@ -1,7 +1,7 @@
-"""The toy problems (spec 15): EP on Gaussians, the NIW table, the quadratic and least-squares
+"""The toy problems (docs/algorithms.md §15): EP on Gaussians, the NIW table, the quadratic and least-squares
 studies, and the ``fedbayes toy`` commands.
 
-Golden numbers come from spec 15.1 / 15.2 (seed 000's ``toy.py`` reproduced in float64) and from
+Golden numbers come from docs/algorithms.md §15.1 / 15.2 (Guo et al. 2023 (FedEP)'s ``toy.py`` reproduced in float64) and from
 closed forms (FedAvg's expected fixed point and expected delta on a quadratic).
 """
 
@@ -28,7 +28,7 @@ def _spec_clients():
     return FullGaussian(jnp.asarray(SPEC_MEANS), jnp.asarray(SPEC_COVS))
 
 
-# ---- EP on the two spec Gaussians (spec 15.1, 7.11 items 2-4) --------------------------------
+# ---- EP on the two spec Gaussians (docs/algorithms.md §15.1, 7.11 items 2-4) --------------------------------
 
 
 def test_spec_15_1_numbers():
@@ -38,7 +38,7 @@ def test_spec_15_1_numbers():
         iso = np.asarray(run_ep(clients, 100, "iso"))
         exact = np.asarray(exact_global_mean(clients))
         avg = np.asarray(fedavg_mean(clients))
-    # spec 15.1 prints 4-5 decimals; 1e-4 is half a unit of the 4th.
+    # docs/algorithms.md §15.1 prints 4-5 decimals; 1e-4 is half a unit of the 4th.
     np.testing.assert_allclose(exact, [-4.75695, -3.60154], atol=1e-5)
     np.testing.assert_allclose(avg, [3.6, -4.18], atol=1e-12)
     np.testing.assert_allclose(diag[0], [2.3250, -5.6067], atol=1e-4)  # FedPA = 1 diagonal EP step
@@ -64,7 +64,7 @@ def test_ep_converges_to_exact_mean_on_random_clients():
         assert np.linalg.norm(means[0] - exact) > 1e-2, method  # the one-shot estimate is off
 
 
-# ---- NIW (spec 15.2, seed 000 Table 4) --------------------------------------------------------
+# ---- NIW (docs/algorithms.md §15.2, Guo et al. 2023 (FedEP) Table 4) --------------------------------------------------------
 
 
 def _json(args, tmp_path):
@@ -78,7 +78,7 @@ def test_niw_default_reproduces_table_4(tmp_path):
     assert set(out) == {"fedavg", "fedpa", "fedep_diag", "fedep_iso"}
     assert abs(out["fedavg"]["mean"] - 0.54) < 0.1
     assert abs(out["fedpa"]["mean"] - 0.26) < 0.1
-    # The float64 reproduction of seed 000's code with numpy seed 0 (spec 15.2), to rounding.
+    # The float64 reproduction of Guo et al. 2023 (FedEP)'s code with numpy seed 0 (docs/algorithms.md §15.2), to rounding.
     assert abs(out["fedavg"]["mean"] - 0.533) < 5e-4 and abs(out["fedavg"]["std"] - 0.532) < 5e-4
     assert abs(out["fedpa"]["mean"] - 0.259) < 5e-4 and abs(out["fedpa"]["std"] - 0.254) < 5e-4
     assert out["fedep_diag"]["max"] < 1e-10
@@ -157,7 +157,7 @@ def test_fedavg_delta_matches_its_closed_form_expectation():
     assert np.linalg.norm(expected - a @ (np.asarray(theta) - SPEC_MEANS[0])) > 1.0  # and it is biased
 
 
-# ---- the quadratic toy (seed 003 Fig. 1; spec 15.3) --------------------------------------------
+# ---- the quadratic toy (Al-Shedivat et al. 2021 (FedPA) Fig. 1; docs/algorithms.md §15.3) --------------------------------------------
 
 
 def test_quadratic_toy_ordering(tmp_path):
@@ -176,14 +176,14 @@ def test_quadratic_toy_ordering(tmp_path):
     for k in (10, 100):
         want = fedavg_fixed_point(SPEC_MEANS, SPEC_COVS, lr, k)
         assert np.linalg.norm(np.asarray(s[f"fedavg_{k}"]["estimate"]) - want) < 1.5
-    # EP and the one-shot estimates on the same two Gaussians (spec 15.1).
+    # EP and the one-shot estimates on the same two Gaussians (docs/algorithms.md §15.1).
     np.testing.assert_allclose(s["fedavg_oneshot"]["estimate"], [3.6, -4.18], atol=1e-10)
     np.testing.assert_allclose(s["fedpa_oneshot"]["estimate"], [2.3250, -5.6067], atol=1e-4)
     np.testing.assert_allclose(s["fedep_diag"]["estimate"], [-4.7631, -3.6106], atol=1e-4)
     assert s["fedep_iso"]["mean"] < 1e-10 and len(s["fedep_iso"]["curve"]) == 100
 
 
-# ---- least squares (seed 003 App. A, Fig. 3; spec 15.4) ----------------------------------------
+# ---- least squares (Al-Shedivat et al. 2021 (FedPA) App. A, Fig. 3; docs/algorithms.md §15.4) ----------------------------------------
 
 
 def test_least_squares_trends(tmp_path):
@@ -201,7 +201,7 @@ def test_least_squares_trends(tmp_path):
     assert np.all(np.diff(avg["variance"]) < 0)  # averaging more steps lowers the variance
     assert pa["bias"][0] > pa["bias"][1] > pa["bias"][2]  # FedPA's bias falls with more samples
     assert pa["bias"][-1] < 0.8 * pa["bias"][0]
-    assert pa["variance"][-1] > pa["variance"][0]  # ... while its variance first rises (fixed rho; seed 003 Fig. 3b)
+    assert pa["variance"][-1] > pa["variance"][0]  # ... while its variance first rises (fixed rho; Al-Shedivat et al. 2021 (FedPA) Fig. 3b)
     assert pa["bias"][-1] < 0.2 * avg["bias"][-1]  # and is far below FedAvg's after 100 steps
     assert len(out["fedpa_rho"]["10"]["bias"]) == 5
 

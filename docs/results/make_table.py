@@ -5,7 +5,7 @@
 Arguments are run folders (each with ``summary.json``) or comparison folders (each variant a
 subfolder); columns: final accuracy, NLL, ECE-15, their marginalised versions (Bayesian methods),
 best accuracy, rounds to each threshold (first round reaching it; and with the 10-round running
-mean of seeds 000/003), and training seconds.
+mean of Guo et al. 2023 (FedEP) and Al-Shedivat et al. 2021 (FedPA)), and training seconds.
 """
 
 import argparse

@@ -2,7 +2,7 @@
 
 A checkpoint is written to a temporary name, flushed to disk and renamed into place, so a run
 killed at any moment leaves either the previous complete checkpoint or the new one, never a torn
-file (DESIGN.md, "State that persists"). Leaves are stored in the pytree's flatten order and
+file (docs/design.md, "State that persists"). Leaves are stored in the pytree's flatten order and
 restored into a template of the same structure, which is checked leaf by leaf.
 
 A :class:`~fedbayes.store.DiskStore` is not copied into the checkpoint: the checkpoint records

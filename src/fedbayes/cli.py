@@ -1,4 +1,4 @@
-"""The ``fedbayes`` command line: run, compare, resume, datasets.
+"""The ``fedbayes`` command line: run, compare, resume, config, datasets.
 
 No math lives here: commands parse and validate configs, then call :mod:`fedbayes.experiment`.
 Bad configs exit with code 2 and one line naming the field and what is allowed, before any work.
@@ -11,7 +11,7 @@ import sys
 
 from fedbayes import hostdevices
 
-# One XLA host device per core, set before JAX starts (DESIGN.md, "Using every core"). A device
+# One XLA host device per core, set before JAX starts (docs/design.md, "Using every core"). A device
 # count already in XLA_FLAGS is kept.
 hostdevices.configure()
 
@@ -23,7 +23,8 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, read_toml, validate  # noqa: E402
+from fedbayes import __version__, report  # noqa: E402
+from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, read_toml, to_toml, validate  # noqa: E402
 
 CACHE_ENV = "FEDBAYES_CACHE"
 
@@ -56,7 +57,20 @@ def enable_compilation_cache() -> str | None:
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning as Bayesian inference, in JAX.")
 console = Console()
 if not console.is_terminal:
-    console = Console(width=160)  # logs and CI: do not squeeze tables into 80 columns
+    console = Console(width=report.terminal_width())  # logs and CI: $COLUMNS, else 160
+
+
+def _version(value: bool):
+    if value:
+        print(f"fedbayes {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
+):
+    """Federated learning as Bayesian inference, in JAX."""
 
 
 def _fail(message: str, code: int = 2):
@@ -94,10 +108,33 @@ class RichReporter:
         self.progress.stop()
 
 
-def _reporter():
+def _reporter(out: Path | None = None, logs: list[str] | None = None, config: RunConfig | None = None, stderr: bool = False):
+    """The progress display (stderr when stdout is for JSON) plus the loggers of ``--log``."""
     from fedbayes.experiment import PlainReporter
+    from fedbayes.loggers import LoggerUnavailable, Reporters, make_loggers
 
-    return RichReporter() if console.is_terminal else PlainReporter(lambda s: print(s, flush=True))
+    if console.is_terminal and not stderr:
+        progress = RichReporter()
+    else:
+        progress = PlainReporter(lambda s: print(s, file=sys.stderr if stderr else sys.stdout, flush=True))
+    if not logs:
+        return progress
+    try:
+        loggers = make_loggers(logs, out, config.model_dump(mode="json") if config is not None else None)
+    except (ValueError, LoggerUnavailable) as exc:
+        _fail(f"error: {exc}")
+    return Reporters([progress, *loggers])
+
+
+def _check_out(out: Path, overwrite: bool, resume: bool = False, what: str = "run") -> None:
+    """Refuses an existing non-empty output folder unless told to overwrite or resume it."""
+    if overwrite or resume or not out.exists():
+        return
+    if out.is_file():
+        _fail(f"error: --out {out} is a file; pass a folder")
+    if any(out.iterdir()):
+        hint = f"`fedbayes resume {out}` to continue it" if what == "run" else "--resume to continue it"
+        _fail(f"error: {out} is not empty (an earlier {what}?); pass --overwrite to replace it, {hint}, or choose another --out")
 
 
 def _load(path: Path, overrides: list[str]) -> RunConfig:
@@ -107,46 +144,81 @@ def _load(path: Path, overrides: list[str]) -> RunConfig:
         _fail(str(exc))
 
 
-def _run(config: RunConfig, out: Path, resume: bool = False) -> dict:
+def _run(config: RunConfig, out: Path, resume: bool = False, logs: list[str] | None = None, stderr: bool = False) -> dict:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.experiment import run_experiment
 
     try:
-        return run_experiment(config, out, resume=resume, reporter=_reporter())
+        return run_experiment(config, out, resume=resume, reporter=_reporter(out, logs, config, stderr))
     except DatasetNotFoundError as exc:
         _fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
         _fail(str(exc))
 
 
+LOG_HELP = "also log to csv (metrics.csv), tensorboard or wandb (repeatable; the last two are optional extras)"
+
+
 @app.command()
 def run(
-    config: Annotated[Path, typer.Argument(help="experiment TOML file")],
+    config: Annotated[Path, typer.Argument(help="experiment TOML file; every key: `fedbayes config`")],
     out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/<name>)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key, e.g. --set server.lr=0.5")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the run already in --out")] = False,
+    log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
 ):
-    """Run one experiment: metrics.jsonl, summary.json, config.toml, curves.png, checkpoints."""
+    """Run one experiment: metrics.jsonl, summary.json, config.toml, model.npz, curves.png, checkpoints.
+
+    Every config key, with its type, default and meaning: `fedbayes config`.
+    """
     cfg = _load(config, set_ or [])
     out = out or Path("runs") / cfg.name
-    summary = _run(cfg, out)
+    _check_out(out, overwrite)
+    summary = _run(cfg, out, logs=log)
     _print_table({cfg.name: summary})
-    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, curves.png, checkpoints/)", highlight=False)
+    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False)
+
+
+COMPARISON_FILE = "comparison.toml"
 
 
 @app.command()
-def resume(out: Annotated[Path, typer.Argument(help="the folder of an interrupted run")]):
-    """Resume an interrupted run from its newest checkpoint; ends as if it never stopped."""
+def resume(
+    out: Annotated[Path, typer.Argument(help="the folder of an interrupted run or comparison")],
+    log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
+):
+    """Resume an interrupted run from its newest checkpoint (or a comparison: its unfinished variants)."""
     cfg_path = out / "config.toml"
+    if not cfg_path.is_file() and (out / COMPARISON_FILE).is_file():
+        _run_comparison(_comparison([out / COMPARISON_FILE], []), out, resume=True, logs=log)
+        return
     if not cfg_path.is_file():
-        _fail(f"error: {out} holds no config.toml; is it a fedbayes run folder?")
+        _fail(f"error: {out} holds no config.toml or {COMPARISON_FILE}; is it a fedbayes run folder?")
     cfg = _load(cfg_path, [])
-    summary = _run(cfg, out, resume=True)
+    summary = _run(cfg, out, resume=True, logs=log)
     _print_table({cfg.name: summary})
+
+
+def _split_overrides(overrides: list[str], variants) -> tuple[list[str], dict[str, list[str]]]:
+    """``--set`` items for every variant, and those of the form ``VARIANT.key=value`` by variant."""
+    common: list[str] = []
+    targeted: dict[str, list[str]] = {}
+    for item in overrides:
+        head, _, rest = item.partition(".")
+        if head in variants and rest and "=" in rest and "=" not in head:
+            targeted.setdefault(head, []).append(rest)
+        else:
+            common.append(item)
+    return common, targeted
 
 
 def _comparison(files: list[Path], overrides: list[str]) -> dict[str, RunConfig]:
-    """Variant name -> config, from one comparison file ([base] + [variants.*]) or several run files."""
+    """Variant name -> config, from one comparison file ([base] + [variants.*]) or several run files.
+
+    ``--set key=value`` applies to every variant; ``--set VARIANT.key=value`` to that one only.
+    """
     runs: dict[str, RunConfig] = {}
+    all_overrides = overrides
     for path in files:
         try:
             raw = read_toml(path)
@@ -159,94 +231,132 @@ def _comparison(files: list[Path], overrides: list[str]) -> dict[str, RunConfig]
             variants = raw.get("variants") or {}
             if not variants:
                 _fail(f"config error: {path}: variants: a comparison needs at least one [variants.NAME] table")
+            overrides, targeted = _split_overrides(all_overrides, variants)
             for name, update in variants.items():
                 merged = deep_merge(raw.get("base", {}), update)
                 merged.setdefault("name", name)
                 merged["name"] = name
                 try:
-                    runs[name] = validate(apply_overrides(merged, overrides))
+                    runs[name] = validate(apply_overrides(merged, overrides + targeted.get(name, [])))
                 except ConfigError as exc:
                     _fail(f"{exc} (variant {name!r})")
         else:
-            cfg = _load(path, overrides)
+            cfg = _load(path, all_overrides)
             runs[cfg.name if cfg.name not in runs else f"{cfg.name}_{len(runs)}"] = cfg
     return runs
 
 
-def _fmt(v, pct=False, digits=4):
-    if v is None:
-        return "—"
-    return f"{100 * v:.2f}" if pct else f"{v:.{digits}f}"
-
-
 def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dict[str, list[dict]] | None = None) -> str:
-    """Prints the comparison table and returns it as Markdown.
+    """Prints the table to fit the terminal (:mod:`fedbayes.report`) and returns it as Markdown.
 
-    "rounds to" is the first evaluated round whose accuracy reaches ``threshold`` (seed 001,
-    Table 3), computed from the curves when given (any threshold), else from the summary. The
-    "marg." columns are the marginalised prediction of Bayesian methods (seed 000 Table 5); "—"
-    for point estimates.
+    "rounds to" is the first evaluated round whose accuracy reaches ``threshold`` (as in
+    "Federated Learning via Posterior Averaging", Al-Shedivat et al. 2021, Table 3). The "marg."
+    columns are the marginalised predictions of the Bayesian methods, shown only when one has them.
     """
-    from fedbayes.metrics import rounds_to_threshold
-    table = Table(title="fedbayes comparison" if len(summaries) > 1 else None)
-    cols = ["method", "algorithm", "server opt", "accuracy", "NLL", "ECE (%)", "acc marg.", "NLL marg.", "ECE marg. (%)"]
-    cols += ["best acc", f"rounds to {threshold:.0%}", "time (s)", "MB up"]
-    for c in cols:
-        table.add_column(c, justify="left" if c in ("method", "algorithm", "server opt") else "right")
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for name, s in summaries.items():
-        f = s.get("final", {})
-        if "accuracy" in f:
-            if curves and curves.get(name):
-                recs = curves[name]
-                rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
-            else:
-                rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
-            row = [name, s["algorithm"], s["server_optimizer"], _fmt(f["accuracy"]), _fmt(f["nll"]), _fmt(f["ece"], pct=True)]
-            row += [_fmt(f.get("accuracy_marg")), _fmt(f.get("nll_marg")), _fmt(f.get("ece_marg"), pct=True)]
-            row += [_fmt(s.get("best_accuracy")), "—" if rt is None else str(rt)]
-        else:
-            row = [name, s["algorithm"], s["server_optimizer"], f"mse {_fmt(f.get('mse'), digits=5)}", "", "", "", "", "", "", ""]
-        row += [f"{f.get('seconds', 0):.1f}", f"{f.get('bytes_up', 0) / 1e6:.1f}"]
-        table.add_row(*row)
-        md.append("| " + " | ".join(row) + " |")
-    console.print(table)
-    return "\n".join(md) + "\n"
+    title = "fedbayes comparison" if len(summaries) > 1 else None
+    print(report.render(summaries, threshold=threshold, curves=curves, title=title), end="", flush=True)
+    return report.markdown(summaries, threshold=threshold, curves=curves)
 
 
 @app.command()
 def compare(
-    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML ([base] + [variants.NAME]) or several run TOMLs")],
+    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML (\\[base] + \\[variants.NAME]) or several run TOMLs")],
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every run")] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")
+    ] = None,
     threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the comparison already in --out")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the comparison in --out: finished variants are not rerun")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object (progress goes to stderr)")] = False,
+    log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
 ):
     """Run several methods or configs and print one table and one overlaid plot."""
-    from fedbayes.experiment import read_metrics
+    if overwrite and resume:
+        _fail("error: --overwrite and --resume exclude each other")
+    runs = _comparison(configs, set_ or [])
+    _check_out(out, overwrite, resume, what="comparison")
+    datasets = sorted({c.data.dataset for c in runs.values()})
+    title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
+    _run_comparison(runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold)
+
+
+def _finished(cfg: RunConfig, folder: Path) -> dict | None:
+    """The summary of a variant already finished in ``folder`` with this very config, else None."""
+    try:
+        if (folder / "config.toml").read_text() == to_toml(cfg):
+            return json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _run_comparison(
+    runs: dict[str, RunConfig], out: Path, *, resume: bool = False, logs=None, json_out: bool = False, title: str = "comparison",
+    threshold: float = 0.8,
+) -> None:
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.experiment import prepare_data, read_metrics
     from fedbayes.plotting import plot_curves
 
-    from fedbayes.data.dataset import DatasetNotFoundError
-    from fedbayes.experiment import prepare_data
-
-    runs = _comparison(configs, set_ or [])
-    for name, cfg in runs.items():  # every variant's data and model are checked before any trains
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
+    if resume:  # a variant whose folder holds another config must not be mixed in silently
+        for name, cfg in runs.items():
+            stored = out / name / "config.toml"
+            if stored.is_file() and stored.read_text() != to_toml(cfg):
+                _fail(f"error: {out / name} holds a run of a different config; pass --overwrite to replace it, or another --out")
+    todo = {name: cfg for name, cfg in runs.items() if not (resume and _finished(cfg, out / name))}
+    for name, cfg in todo.items():  # every variant's data and model are checked before any trains
         try:
             prepare_data(cfg)
         except DatasetNotFoundError as exc:
             _fail(f"data error: {exc}", code=3)
         except ConfigError as exc:
             _fail(f"{exc} (variant {name!r})")
+    out.mkdir(parents=True, exist_ok=True)
+    comparison = {"variants": {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}}
+    (out / COMPARISON_FILE).write_text("# written by `fedbayes compare`; `fedbayes resume` continues it\n" + _toml(comparison))
     summaries = {}
     for name, cfg in runs.items():
-        console.print(f"[bold]== {name}[/bold] ({cfg.algorithm.name}, server {cfg.server.optimizer})")
-        summaries[name] = _run(cfg, out / name)
+        if name not in todo:
+            say(f"== {name}: finished earlier, not rerun")
+            summaries[name] = _finished(cfg, out / name)
+            continue
+        say(f"== {name} ({cfg.algorithm.name}, server {cfg.server.optimizer})")
+        folder = out / name
+        has_ckpt = (folder / "checkpoints").is_dir() and any((folder / "checkpoints").glob("round_*.npz"))
+        summaries[name] = _run(cfg, folder, resume=resume and has_ckpt, logs=logs, stderr=json_out)
     curves = {name: read_metrics(out / name / "metrics.jsonl") for name in runs}
-    md = _print_table(summaries, threshold, curves)
     task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
-    plot = plot_curves(out / "compare.png", curves, title="comparison", task=task)
+    plot = plot_curves(out / "compare.png", curves, title=title, task=task)
+    md = report.markdown(summaries, threshold=threshold, curves=curves)
     (out / "compare.md").write_text(md)
     (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    if json_out:
+        print(json.dumps(summaries), flush=True)
+        return
+    _print_table(summaries, threshold, curves)
     console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
+
+
+def _toml(data: dict) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(data)
+
+
+@app.command("config")
+def config_reference(
+    section: Annotated[Optional[str], typer.Argument(help="run, data, model, client, server, algorithm or an algorithm's name")] = None,
+):
+    """Every config key with its type, default and meaning (from the config's own definitions)."""
+    from fedbayes import config_doc
+
+    try:
+        chosen = config_doc.select(section)
+    except ValueError as exc:
+        _fail(f"error: {exc}")
+    print(config_doc.render(chosen), end="")
 
 
 @app.command()

@@ -32,7 +32,7 @@ class DataConfig(_Strict):
 
     dataset: Literal[DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
     data_dir: str | None = None
-    fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (seed 001 uses 0.1 for FMNIST)")
+    fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (Swaroop et al. 2025 (ADMM and Bayes) uses 0.1 for FMNIST)")
     num_clients: int = Field(10, ge=1)
     partition: Literal[PARTITIONS] = "iid"  # type: ignore[valid-type]
     alpha: float = Field(0.5, gt=0, description="Dirichlet label-skew concentration (partition = dirichlet)")
@@ -63,7 +63,7 @@ class ClientConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    """Cohort size, client weighting and the server optimizer (spec 1.2)."""
+    """Cohort size, client weighting and the server optimizer (docs/algorithms.md §1.2)."""
 
     clients_per_round: int = Field(10, ge=1)
     weighting: Literal["examples", "uniform"] = "examples"

@@ -1,7 +1,7 @@
 """Evaluation of a model on a held-out set: accuracy, NLL, ECE (classification) or MSE (regression).
 
 The test set is put on the device once, padded to whole batches with a mask, and evaluated in one
-compiled function that accumulates summable statistics over batches (spec 13.1).
+compiled function that accumulates summable statistics over batches (docs/algorithms.md §13.1).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def make_evaluator(
     Args:
       apply_fn: ``(params, x) -> logits`` (or predictions for regression).
       x, y: host arrays of the evaluation set.
-      task: ``"classification"`` (accuracy, nll, ece, loss) or ``"regression"`` (mse, rmse, loss).
+      task: ``"classification"`` (accuracy, nll, ece) or ``"regression"`` (mse, rmse).
       batch_size: evaluation batch size.
       num_bins: ECE bins.
     """
@@ -53,7 +53,7 @@ def make_evaluator(
 
             sse, _ = jax.lax.scan(body, jnp.zeros(()), (xb, yb, mb))
             mse = sse / n
-            return {"mse": mse, "rmse": jnp.sqrt(mse), "loss": 0.5 * mse}
+            return {"mse": mse, "rmse": jnp.sqrt(mse)}
 
     def evaluate(params) -> dict[str, float]:
         return {k: float(v) for k, v in run(params).items()}
@@ -78,7 +78,7 @@ def make_marginal_evaluator(
 ) -> Callable[..., dict[str, float]]:
     """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction.
 
-    Seed 000 Sec. 3.3 (spec 13.1): draw ``S = num_samples`` parameter vectors
+    Guo et al. 2023 (FedEP) Sec. 3.3 (docs/algorithms.md §13.1): draw ``S = num_samples`` parameter vectors
     ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average the
     softmax probabilities ``p(y | x) = mean_s softmax(f(x; theta_s))``, and compute accuracy, NLL
     and ECE of the averaged probabilities. The same ``theta_s`` serve every test batch. With

@@ -1,6 +1,6 @@
 """Gaussian algebra in natural parameters: mean-field (diagonal) and scaled-identity Gaussians.
 
-Every Gaussian computation of fedbayes lives here (spec 1.1; seed 000 footnote 3). A Gaussian
+Every Gaussian computation of fedbayes lives here (docs/algorithms.md §1.1; Guo et al. 2023 (FedEP) footnote 3). A Gaussian
 over a parameter pytree is stored in natural (information) parameters
 
     eta = Lambda mu  (``precision_mean``),   Lambda = Sigma^{-1}  (``precision``),
@@ -11,14 +11,14 @@ natural parameters. Two containers are provided:
 * :class:`DiagGaussian`: ``precision`` is a pytree with the parameters' structure (one precision
   per coordinate, the mean-field family used by FedEP, PVI and FedLap-Cov).
 * :class:`IsoGaussian`: ``precision`` is one scalar shared by every coordinate,
-  Lambda = lambda I (FedEP's scaled-identity method, spec 7.6; FedLap, spec 9).
+  Lambda = lambda I (FedEP's scaled-identity method, docs/algorithms.md §7.6; FedLap, docs/algorithms.md §9).
 
 Both are immutable pytrees (``flax.struct.dataclass``), so they pass through ``jit``, ``vmap``
 and optax transformations unchanged. Binary operations on two ``IsoGaussian`` stay isotropic;
 mixing the two kinds promotes the ``IsoGaussian`` to a ``DiagGaussian`` (:func:`to_diag`).
 
 Factors may be improper (a quotient with a non-positive precision difference, the uniform factor,
-a negative power); a distribution that is sampled from or used as a prior may not (spec 1.1).
+a negative power); a distribution that is sampled from or used as a prior may not (docs/algorithms.md §1.1).
 Nothing here clamps: operations that can yield an improper result say so, and callers check with
 :func:`is_proper` / :func:`proper_mask` and choose their own policy (reject, damp or project).
 """
@@ -133,7 +133,7 @@ def to_diag(g: Gaussian) -> DiagGaussian:
     """Promotes a Gaussian to the diagonal family: lambda I -> diag(lambda, ..., lambda).
 
     A ``DiagGaussian`` is returned unchanged. The shared precision is broadcast to every leaf
-    and cast to the leaf's dtype. Exact: the two represent the same density (spec 1.1).
+    and cast to the leaf's dtype. Exact: the two represent the same density (docs/algorithms.md §1.1).
 
     Args:
       g: a ``DiagGaussian`` or ``IsoGaussian``.
@@ -150,7 +150,7 @@ def to_diag(g: Gaussian) -> DiagGaussian:
 
 
 def from_moments(mean: PyTree, variance: PyTree | float | jax.Array) -> Gaussian:
-    """Builds a Gaussian from moments: Lambda = 1 / sigma^2, eta = mu / sigma^2 (spec 0, 1.1).
+    """Builds a Gaussian from moments: Lambda = 1 / sigma^2, eta = mu / sigma^2 (docs/algorithms.md §0, 1.1).
 
     Args:
       mean: mu, a pytree of floating arrays.
@@ -172,7 +172,7 @@ def from_moments(mean: PyTree, variance: PyTree | float | jax.Array) -> Gaussian
 
 
 def to_moments(g: Gaussian) -> tuple[PyTree, PyTree | jax.Array]:
-    """Moments of a Gaussian: mu = eta / Lambda, sigma^2 = 1 / Lambda (spec 0, 1.1).
+    """Moments of a Gaussian: mu = eta / Lambda, sigma^2 = 1 / Lambda (docs/algorithms.md §0, 1.1).
 
     For an improper factor (Lambda <= 0) the results are not moments of any density
     (negative or infinite variance, mean possibly NaN for the uniform factor 0/0); check
@@ -189,7 +189,7 @@ def to_moments(g: Gaussian) -> tuple[PyTree, PyTree | jax.Array]:
 
 
 def mean(g: Gaussian) -> PyTree:
-    """Mean mu = eta / Lambda, elementwise (spec 7.7: the point estimate mu_g = eta_g / Lambda_g).
+    """Mean mu = eta / Lambda, elementwise (docs/algorithms.md §7.7: the point estimate mu_g = eta_g / Lambda_g).
 
     Args:
       g: a ``DiagGaussian`` or ``IsoGaussian``.
@@ -233,7 +233,7 @@ def _natural_binary(a: Gaussian, b: Gaussian, op) -> Gaussian:
 def product(a: Gaussian, b: Gaussian) -> Gaussian:
     """Product of densities: N(eta1, L1) N(eta2, L2) ∝ N(eta1 + eta2, L1 + L2).
 
-    Spec 1.1; seed 000 footnote 3. Two ``IsoGaussian`` give an ``IsoGaussian``; otherwise the
+    docs/algorithms.md §1.1; Guo et al. 2023 (FedEP) footnote 3. Two ``IsoGaussian`` give an ``IsoGaussian``; otherwise the
     result is a ``DiagGaussian``. The product of two proper factors is proper; with an improper
     factor the result may be improper.
 
@@ -250,7 +250,7 @@ def product(a: Gaussian, b: Gaussian) -> Gaussian:
 def quotient(a: Gaussian, b: Gaussian) -> Gaussian:
     """Quotient of densities: N(eta1, L1) / N(eta2, L2) ∝ N(eta1 - eta2, L1 - L2).
 
-    Spec 1.1; seed 000 footnote 3 (the cavity q_g / q_k, spec 7.4). The result is a proper
+    docs/algorithms.md §1.1; Guo et al. 2023 (FedEP) footnote 3 (the cavity q_g / q_k, docs/algorithms.md §7.4). The result is a proper
     density only where L1 - L2 > 0; otherwise it is an improper factor, returned as is (check
     with :func:`is_proper`).
 
@@ -265,7 +265,7 @@ def quotient(a: Gaussian, b: Gaussian) -> Gaussian:
 
 
 def power(g: Gaussian, a: float | jax.Array) -> Gaussian:
-    """Power of a density: N(eta, L)^a ∝ N(a eta, a L) (spec 1.1).
+    """Power of a density: N(eta, L)^a ∝ N(a eta, a L) (docs/algorithms.md §1.1).
 
     ``a = 0`` gives the uniform factor and ``a < 0`` an improper factor; both are returned as is.
 
@@ -282,10 +282,10 @@ def power(g: Gaussian, a: float | jax.Array) -> Gaussian:
 
 
 def uniform_like(params: PyTree) -> DiagGaussian:
-    """The improper uniform factor over ``params``: eta = 0, Lambda = 0 (spec 1.1, spec 7.3).
+    """The improper uniform factor over ``params``: eta = 0, Lambda = 0 (docs/algorithms.md §1.1, docs/algorithms.md §7.3).
 
     It is the identity of :func:`product` and the paper initialisation of FedEP's server and
-    sites (seed 000; spec 7.3). Improper: ``is_proper`` is false.
+    sites (Guo et al. 2023 (FedEP); docs/algorithms.md §7.3). Improper: ``is_proper`` is false.
 
     Args:
       params: a pytree whose structure, shapes and dtypes the factor copies.
@@ -301,8 +301,8 @@ def uniform_like(params: PyTree) -> DiagGaussian:
 def damp(old: Gaussian, new: Gaussian, delta: float | jax.Array) -> Gaussian:
     """Damped update old^(1 - delta) new^delta: natural parameters (1 - delta) old + delta new.
 
-    Seed 000 Sec. 2.2.3 and App. A.1 (q_k^new ∝ q_k^(1 - delta) (q_tilted / q_cavity)^delta);
-    spec 7.1, 7.7. Written as a convex combination so that ``delta = 1`` returns ``new`` and
+    Guo et al. 2023 (FedEP) Sec. 2.2.3 and App. A.1 (q_k^new ∝ q_k^(1 - delta) (q_tilted / q_cavity)^delta);
+    docs/algorithms.md §7.1, 7.7. Written as a convex combination so that ``delta = 1`` returns ``new`` and
     ``delta = 0`` returns ``old`` exactly (for finite inputs). With 0 <= delta <= 1 and both
     inputs proper, the result is proper; outside that range it may not be.
 
@@ -321,8 +321,8 @@ def damp(old: Gaussian, new: Gaussian, delta: float | jax.Array) -> Gaussian:
 def delta(new: Gaussian, old: Gaussian) -> Gaussian:
     """Natural-parameter difference new / old: (eta_new - eta_old, L_new - L_old).
 
-    This is the client "update distribution" Delta q_k ∝ q_tilted / q_g of seed 000 Sec. 2.2.3
-    (spec 7.7 step 1) that the server optimiser consumes. It is a factor, usually improper (its
+    This is the client "update distribution" Delta q_k ∝ q_tilted / q_g of Guo et al. 2023 (FedEP) Sec. 2.2.3
+    (docs/algorithms.md §7.7 step 1) that the server optimiser consumes. It is a factor, usually improper (its
     precision may be zero or negative); it is not meant to be sampled.
 
     Args:
@@ -336,7 +336,7 @@ def delta(new: Gaussian, old: Gaussian) -> Gaussian:
 
 
 def proper_mask(g: Gaussian) -> PyTree:
-    """Elementwise validity: Lambda_i > 0 and eta_i, Lambda_i finite (spec 1.1, spec 7.10).
+    """Elementwise validity: Lambda_i > 0 and eta_i, Lambda_i finite (docs/algorithms.md §1.1, docs/algorithms.md §7.10).
 
     Args:
       g: a ``DiagGaussian`` or ``IsoGaussian``.
@@ -354,7 +354,7 @@ def proper_mask(g: Gaussian) -> PyTree:
 def is_proper(g: Gaussian) -> jax.Array:
     """True iff ``g`` is a proper density: every precision > 0 and every parameter finite.
 
-    Spec 1.1 ("quotient validity flags") and spec 7.10 (non-PD precision). A boolean 0-d array,
+    docs/algorithms.md §1.1 ("quotient validity flags") and docs/algorithms.md §7.10 (non-PD precision). A boolean 0-d array,
     usable under ``jit``.
 
     Args:
@@ -367,7 +367,7 @@ def is_proper(g: Gaussian) -> jax.Array:
 
 
 def sample(key: jax.Array, g: Gaussian, num_samples: int | None = None) -> PyTree:
-    """Reparameterised draw theta = mu + eps / sqrt(Lambda), eps ~ N(0, I) (spec 7.7).
+    """Reparameterised draw theta = mu + eps / sqrt(Lambda), eps ~ N(0, I) (docs/algorithms.md §7.7).
 
     One key is split off per leaf (``optax.tree.split_key_like``), so the draw is a
     deterministic function of ``key``, and an ``IsoGaussian`` gives exactly the draw of the
@@ -400,7 +400,7 @@ def sample(key: jax.Array, g: Gaussian, num_samples: int | None = None) -> PyTre
 def log_prob(g: Gaussian, x: PyTree) -> jax.Array:
     """Log density summed over coordinates: sum_i [log N(x_i; mu_i, 1 / Lambda_i)].
 
-    log N(x; mu, 1/L) = 0.5 (log L - log 2 pi) - 0.5 L (x - mu)^2 (spec 0 notation). Meaningful
+    log N(x; mu, 1/L) = 0.5 (log L - log 2 pi) - 0.5 L (x - mu)^2 (docs/algorithms.md §0 notation). Meaningful
     only for a proper ``g``. For a batch of points, ``jax.vmap`` over ``x``.
 
     Args:
@@ -419,7 +419,7 @@ def log_prob(g: Gaussian, x: PyTree) -> jax.Array:
 
 
 def kl(p: Gaussian, q: Gaussian) -> jax.Array:
-    """KL(p || q) between mean-field Gaussians, summed over coordinates (spec 1.1).
+    """KL(p || q) between mean-field Gaussians, summed over coordinates (docs/algorithms.md §1.1).
 
     KL = 1/2 sum_i [log(s2_i^2 / s1_i^2) + (s1_i^2 + (m1_i - m2_i)^2) / s2_i^2 - 1], with
     (m1, s1^2) the moments of p and (m2, s2^2) those of q. Computed with r_i = L_q,i / L_p,i as
@@ -464,8 +464,8 @@ def project_full_to_diag(mean: jax.Array, cov: jax.Array) -> DiagGaussian:
 
     Keeps the mean and the diagonal of the **covariance** (not of the precision): sigma_i^2 =
     cov_ii, so Lambda_i = 1 / cov_ii and eta_i = mean_i / cov_ii. This minimises
-    KL(N(mean, cov) || q) over diagonal q (spec 1.1 last bullet; seed 000 reference code
-    ``toy.py``, spec 7.11 item 2).
+    KL(N(mean, cov) || q) over diagonal q (docs/algorithms.md §1.1 last bullet; Guo et al. 2023 (FedEP) reference code
+    ``toy.py``, docs/algorithms.md §7.11 item 2).
 
     Args:
       mean: a flat vector ``[d]``.

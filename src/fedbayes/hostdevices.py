@@ -1,7 +1,7 @@
 """How fedbayes lays XLA out over a CPU's cores: one host device per core.
 
 The simulator shards a round's cohort over the local devices and runs each device's clients one
-after another (DESIGN.md, "Using every core"). XLA reads ``XLA_FLAGS`` once, when JAX starts, so
+after another (docs/design.md, "Using every core"). XLA reads ``XLA_FLAGS`` once, when JAX starts, so
 :func:`configure` must run before JAX is imported; this module imports no JAX. A device count the
 user already put in ``XLA_FLAGS`` is kept (the user chose the layout).
 

@@ -1,12 +1,12 @@
-"""Evaluation metrics and curve summaries (spec Sec. 13).
+"""Evaluation metrics and curve summaries (docs/algorithms.md §13).
 
 Device side (``jax.numpy``, jit-able): accuracy, negative log-likelihood and expected calibration
-error of a classifier (spec Sec. 13.1), in a one-shot form (:func:`classification_metrics`) and
+error of a classifier (docs/algorithms.md §13.1), in a one-shot form (:func:`classification_metrics`) and
 in a masked, summable form for evaluation over padded test batches
 (:func:`classification_stats`, :func:`merge_stats`, :func:`finalize_stats`); the mean squared
 error of a regressor.
 
-Host side (``numpy``): summaries of a metric curve over rounds (spec Sec. 13.2). Evaluation may
+Host side (``numpy``): summaries of a metric curve over rounds (docs/algorithms.md §13.2). Evaluation may
 run every k rounds, so every summary takes the metric values in round order together with their
 round numbers, and **windows count consecutive evaluations, not rounds**. With evaluation every
 round (the papers' protocol) a window of w evaluations is exactly the spec's
@@ -14,7 +14,7 @@ round (the papers' protocol) a window of w evaluations is exactly the spec's
 w*k rounds, so pass ``window = ceil(w_rounds / k)`` to approximate a window of ``w_rounds``
 rounds.
 
-ECE is returned as a fraction in [0, 1]; reports show it in percent (spec Sec. 13.1).
+ECE is returned as a fraction in [0, 1]; reports show it in percent (docs/algorithms.md §13.1).
 
 The public device-side functions are wrapped in ``jax.jit`` (``num_bins`` static), so an eager
 call on the host compiles one program per input shape instead of one per primitive; inside an
@@ -82,7 +82,7 @@ class ClassificationStats(NamedTuple):
 
 
 def bin_index(confidence: jax.Array, num_bins: int) -> jax.Array:
-    """Index of the equal-width confidence bin of each confidence (spec Sec. 13.1).
+    """Index of the equal-width confidence bin of each confidence (docs/algorithms.md §13.1).
 
     The bins are ``I_b = (l_b, u_b]`` with edges ``e_j = j / num_bins`` (``j = 0..num_bins``,
     each edge the correctly rounded quotient in the confidence's dtype): a confidence exactly on
@@ -163,13 +163,13 @@ def classification_stats(
     The predictive distribution is ``p = softmax(logits)``, computed through ``log_softmax`` so
     that ``-log p_y`` is numerically stable. Because ``log_softmax`` is idempotent, normalised
     log-probabilities may be passed instead of logits, e.g. ``log(mean_s softmax(f(x; theta_s)))``
-    for the marginalised prediction of spec Sec. 13.1 (entries of ``-inf`` are allowed).
+    for the marginalised prediction of docs/algorithms.md §13.1 (entries of ``-inf`` are allowed).
 
     Args:
         logits: ``[n, C]`` logits or log-probabilities.
         labels: int ``[n]`` true classes (padded rows may hold any value).
         mask: float ``[n]``, 1 for a real example and 0 for padding; ``None`` means all real.
-        num_bins: number of ECE bins (default 15, "ECE-15" of seed A).
+        num_bins: number of ECE bins (default 15, "ECE-15" of Guo et al. 2023 (FedEP)).
 
     Returns:
         The :class:`ClassificationStats` of the valid rows.
@@ -199,12 +199,11 @@ def merge_stats(a: ClassificationStats, b: ClassificationStats) -> Classificatio
 
 @jax.jit
 def finalize_stats(stats: ClassificationStats) -> dict[str, jax.Array]:
-    """Metrics from accumulated statistics (spec Sec. 13.1).
+    """Metrics from accumulated statistics (docs/algorithms.md §13.1).
 
     With ``n = stats.count``:
-    ``accuracy = correct / n``; ``nll = loss = nll_sum / n`` (the mean cross-entropy, which is the
-    mean of ``-log p(y|x)``; both names are kept because training curves call it the loss and
-    the papers' tables call it the NLL);
+    ``accuracy = correct / n``; ``nll = nll_sum / n`` (the mean cross-entropy, i.e. the mean of
+    ``-log p(y|x)``: the training loss and the papers' NLL are the same number, kept once);
     ``ece = sum_b |bin_correct_b - bin_confidence_b| / n
     = sum_b (|I_b| / n) |acc(I_b) - conf(I_b)|`` (empty bins contribute 0), a fraction in [0, 1].
     With no valid example (``n = 0``) every metric is NaN.
@@ -215,7 +214,6 @@ def finalize_stats(stats: ClassificationStats) -> dict[str, jax.Array]:
         "accuracy": stats.correct / n,
         "nll": mean_nll,
         "ece": jnp.sum(jnp.abs(stats.bin_correct - stats.bin_confidence)) / n,
-        "loss": mean_nll,
     }
 
 
@@ -237,7 +235,7 @@ def _mask_or_ones(mask: jax.Array | None, labels: jax.Array) -> jax.Array:
 
 @jax.jit
 def accuracy(probs: jax.Array, labels: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Top-1 accuracy ``sum_i m_i [argmax_c p_ic = y_i] / sum_i m_i`` (spec Sec. 13.1).
+    """Top-1 accuracy ``sum_i m_i [argmax_c p_ic = y_i] / sum_i m_i`` (docs/algorithms.md §13.1).
 
     ``probs`` ``[n, C]`` may be probabilities, logits or log-probabilities (argmax is the same);
     ties go to the lowest class index. ``mask`` (float ``[n]``, default all ones) excludes padded
@@ -253,7 +251,7 @@ def nll(
 ) -> jax.Array:
     """Mean negative log-likelihood ``sum_i m_i (-log(p_{i y_i} + eps)) / sum_i m_i``, natural log.
 
-    Spec Sec. 13.1; BFL-P (seed E) uses ``eps = 1e-8``. ``probs`` ``[n, C]`` are probabilities;
+    docs/algorithms.md §13.1; BFL-P (Ozer et al. 2022 (VBNN aggregation)) uses ``eps = 1e-8``. ``probs`` ``[n, C]`` are probabilities;
     for logits use :func:`classification_metrics`, which works in log space. ``mask`` as in
     :func:`accuracy`.
     """
@@ -265,7 +263,7 @@ def nll(
 def ece(
     probs: jax.Array, labels: jax.Array, num_bins: int = 15, mask: jax.Array | None = None
 ) -> jax.Array:
-    """Expected calibration error with equal-width confidence bins (spec Sec. 13.1, seed A).
+    """Expected calibration error with equal-width confidence bins (docs/algorithms.md §13.1, Guo et al. 2023 (FedEP)).
 
     ``ECE = sum_b (|I_b| / n) |acc(I_b) - conf(I_b)|``, where ``conf`` is the maximum predicted
     probability and a point goes into bin ``(l_b, u_b]`` of :func:`bin_index`. Returns a
@@ -306,7 +304,7 @@ def regression_metrics(
 
 
 # --------------------------------------------------------------------------------------------
-# Host side: curve summaries (spec Sec. 13.2)
+# Host side: curve summaries (docs/algorithms.md §13.2)
 # --------------------------------------------------------------------------------------------
 
 
@@ -327,7 +325,7 @@ def _check_curve(rounds: Sequence[int], values: Sequence[float]) -> tuple[np.nda
 
 
 def running_mean(values: Sequence[float], window: int) -> np.ndarray:
-    """Trailing running mean over consecutive evaluations (spec Sec. 13.2, ``m^(w)``).
+    """Trailing running mean over consecutive evaluations (docs/algorithms.md §13.2, ``m^(w)``).
 
     ``out[i] = mean(values[i - window + 1 : i + 1])`` for ``i >= window - 1`` and NaN before
     (pandas ``rolling(window).mean()``).
@@ -354,7 +352,7 @@ def running_mean(values: Sequence[float], window: int) -> np.ndarray:
 def rounds_to_threshold(
     rounds: Sequence[int], values: Sequence[float], threshold: float, window: int = 10
 ) -> int | None:
-    """First round whose trailing mean reaches the threshold (seeds A and D; spec Sec. 13.2).
+    """First round whose trailing mean reaches the threshold (Guo et al. 2023 (FedEP) and Al-Shedivat et al. 2021 (FedPA); docs/algorithms.md §13.2).
 
     ``min{r_i : m^(window)_i >= threshold}``, the window over consecutive evaluations.
 
@@ -370,7 +368,7 @@ def rounds_to_threshold(
 def best_within(
     rounds: Sequence[int], values: Sequence[float], max_round: int, window: int = 100
 ) -> float | None:
-    """Best trailing mean up to a round budget (seed A; spec Sec. 13.2).
+    """Best trailing mean up to a round budget (Guo et al. 2023 (FedEP); docs/algorithms.md §13.2).
 
     ``max{m^(window)_i : r_i <= max_round}``, i.e. with evaluation every round
     ``max_{window <= r <= R} m^(window)_r``.
@@ -387,7 +385,7 @@ def best_within(
 
 
 def final_mean(values: Sequence[float], last: int = 3) -> float | None:
-    """Mean of the last ``last`` evaluations (seed B Table 1: ``(a_{R-2} + a_{R-1} + a_R) / 3``).
+    """Mean of the last ``last`` evaluations (Swaroop et al. 2025 (ADMM and Bayes) Table 1: ``(a_{R-2} + a_{R-1} + a_R) / 3``).
 
     Returns ``None`` if there are fewer than ``last`` values.
     """
@@ -397,15 +395,15 @@ def final_mean(values: Sequence[float], last: int = 3) -> float | None:
 
 
 def final_max(values: Sequence[float], last: int = 3) -> float | None:
-    """Max of the last ``last`` evaluations (seed B Table 2). ``None`` if fewer values."""
+    """Max of the last ``last`` evaluations (Swaroop et al. 2025 (ADMM and Bayes) Table 2). ``None`` if fewer values."""
     last = _check_window(last)
     v = np.asarray(values, dtype=np.float64)
     return float(np.max(v[-last:])) if v.size >= last else None
 
 
 def final_window_mean(values: Sequence[float], window: int = 100) -> float | None:
-    """Trailing mean at the last evaluation, ``m^(window)_R`` (seed D: "averaged over the last
-    100 rounds before the round limit"; spec Sec. 13.2). ``None`` if fewer than ``window``
+    """Trailing mean at the last evaluation, ``m^(window)_R`` (Al-Shedivat et al. 2021 (FedPA): "averaged over the last
+    100 rounds before the round limit"; docs/algorithms.md §13.2). ``None`` if fewer than ``window``
     values.
     """
     return final_mean(values, last=window)

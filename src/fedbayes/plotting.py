@@ -2,22 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
+# (metric, axis label, scale, its marginalised form)
 _PANELS = {
-    "classification": (("accuracy", "test accuracy", 1.0), ("nll", "test NLL", 1.0), ("ece", "test ECE (%)", 100.0)),
-    "regression": (("mse", "test MSE", 1.0), ("loss", "test loss", 1.0)),
+    "classification": (
+        ("accuracy", "test accuracy", 1.0, "accuracy_marg"),
+        ("nll", "test NLL", 1.0, "nll_marg"),
+        ("ece", "test ECE (%)", 100.0, "ece_marg"),
+    ),
+    "regression": (("mse", "test MSE", 1.0, None), ("rmse", "test RMSE", 1.0, None)),
 }
+_STYLES = ("-", "--", "-.", ":")
+
+
+def line_styles(n: int) -> list[tuple[str, str]]:
+    """``n`` distinct (colour, line style) pairs: the 10 tab10 colours, then again with the next
+    dash pattern, so 10+ methods stay distinguishable in print and for colour-blind readers."""
+    colours = [f"C{i}" for i in range(10)]
+    # The style also changes within the first ten, so neighbours differ in two ways; the pair
+    # (i mod 10, (i + i // 10) mod 4) is distinct for the first 40 runs.
+    return [(colours[i % 10], _STYLES[(i + i // 10) % len(_STYLES)]) for i in range(n)]
 
 
 def plot_curves(path: str | Path, runs: Mapping[str, Sequence[dict]], *, title: str = "", task: str = "classification") -> Path:
     """Overlays the evaluation curves of several runs, one panel per metric, and saves a PNG.
 
+    Each run has its own colour and line style; a run with marginalised predictions (Bayesian
+    methods) also gets its "marg." curve in the same colour, thinner and with square markers.
+    The legend sits below the panels, off the data.
+
     Args:
       path: output file.
       runs: label -> the run's ``metrics.jsonl`` records (each with ``round`` and the metrics).
-      title: figure title.
+      title: figure title (the experiment's name).
       task: ``"classification"`` or ``"regression"`` (which metrics to draw).
     """
     import matplotlib  # imported here: pyplot costs about a second at start-up
@@ -26,17 +45,28 @@ def plot_curves(path: str | Path, runs: Mapping[str, Sequence[dict]], *, title: 
     import matplotlib.pyplot as plt
 
     panels = _PANELS[task]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), constrained_layout=True)
-    for ax, (key, label, scale) in zip(axes, panels):
+    styles = dict(zip(runs, line_styles(len(runs))))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
+    handles, labels = [], []
+    for ax, (key, label, scale, marg_key) in zip(axes, panels):
         for name, records in runs.items():
-            pts = [(r["round"], r[key] * scale) for r in records if key in r]
-            if pts:
+            colour, style = styles[name]
+            for k, suffix, width, marker in ((key, "", 1.6, "o"), (marg_key, " (marg.)", 1.0, "s")):
+                if k is None:
+                    continue
+                pts = [(r["round"], r[k] * scale) for r in records if k in r]
+                if not pts:
+                    continue
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=name)
+                (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
+                if ax is axes[0] and name + suffix not in labels:
+                    handles.append(line)
+                    labels.append(name + suffix)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 5), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
     path = Path(path)

@@ -1,6 +1,6 @@
 """The round simulator: sample a cohort, run its clients together in one ``jit``, update the server.
 
-One round (DESIGN.md, "One round, as data flows"):
+One round (docs/design.md, "One round, as data flows"):
 
 1. **Sample** ``M`` clients uniformly without replacement from a generator seeded by
    (seed, round), in ``O(M)`` (Floyd's algorithm): round time does not grow with ``K``.
@@ -321,7 +321,7 @@ class Simulator:
                 return jax.lax.map(lambda a: one(*a), (cids, cstates, offs, n))
 
             # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
-            # over devices and clients would no longer be independent (DESIGN.md).
+            # over devices and clients would no longer be independent (docs/design.md).
             messages, new_states, infos = jax.shard_map(
                 per_device,
                 mesh=self.mesh,

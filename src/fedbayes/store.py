@@ -2,7 +2,7 @@
 
 Stateful algorithms (ADMM and FedDyn duals, FedEP/PVI sites, client optimizer state) keep one
 pytree of fixed structure per client. A store holds ``K`` of them, indexed by client id, and
-serves the two host steps of a round (DESIGN.md, "One round, as data flows"): **gather** the
+serves the two host steps of a round (docs/design.md, "One round, as data flows"): **gather** the
 cohort's rows before the client update, **scatter** the new rows after it.
 
 * :class:`MemoryStore`: one stacked host array ``[K, ...]`` per leaf; the pytree is what

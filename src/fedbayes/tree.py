@@ -2,7 +2,7 @@
 
 Arithmetic on pytrees (``add``, ``sub``, ``scale``, ``vdot``, ``zeros_like``, ``where``, ``sum``,
 ``norm``, ...) comes from ``optax.tree``; this module adds the client-axis reductions of the server
-step (messages stacked on axis 0 with a weight vector, 0 = absent; DESIGN.md "One round"), size
+step (messages stacked on axis 0 with a weight vector, 0 = absent; docs/design.md "One round"), size
 accounting for the bytes-up/bytes-down counters, and stacking.
 """
 
@@ -73,7 +73,7 @@ def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
 
 
 def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
-    """Weighted mean over the leading axis: sum_m w_m leaf[m] / sum_m w_m (spec 0, weights n_k).
+    """Weighted mean over the leading axis: sum_m w_m leaf[m] / sum_m w_m (docs/algorithms.md §0, weights n_k).
 
     Returns zeros (not NaN) when ``sum_m w_m == 0``, e.g. when every client of a round was
     rejected. Entries with weight 0 contribute nothing even when non-finite.
@@ -123,7 +123,7 @@ def tree_bytes(tree: PyTree) -> int:
     """Bytes to store ``tree``: sum over leaves of size * itemsize, as a Python int.
 
     Reads only shapes and dtypes, so it works on arrays and ``jax.ShapeDtypeStruct`` (used to
-    count communication from message shapes, DESIGN.md "Messages and their validation").
+    count communication from message shapes, docs/design.md "Messages and their validation").
 
     Args:
       tree: a pytree.

@@ -6,7 +6,7 @@ FedEP and FedSEP now, PVI and FedLap-Cov next: each keeps the global approximati
 differences and moves sites and the global by optax optimizers (damping as optimisation on
 natural parameters; Guo et al., "Federated learning as variational inference: a scalable
 expectation propagation approach", ICLR 2023, Sec. 2.2.3). Every step states its policy for an
-improper result (STYLE.md): a cavity or site that is not proper enough rejects the client's
+improper result (docs/style.md): a cavity or site that is not proper enough rejects the client's
 message; a global coordinate that an aggregated step would make non-positive keeps its value.
 """
 

@@ -1,6 +1,6 @@
-"""Federated ADMM in the form of seed 001 (Swaroop et al., ICLR 2025), Eq. 2.
+"""Federated ADMM in the form of Swaroop et al. 2025 (ADMM and Bayes) (Swaroop et al., ICLR 2025), Eq. 2.
 
-Spec section 4.1. Client ``k`` keeps a dual ``v_k`` (init 0):
+docs/algorithms.md §4.1. Client ``k`` keeps a dual ``v_k`` (init 0):
 
     w_k <- argmin_w mean_loss_k(w) + v_k^T w + (rho/2)||w - w_g||^2
     v_k <- v_k + rho (w_k - w_g)
@@ -9,7 +9,7 @@ and the server sets ``w_g = sum_k (rho w_k + v_k) / (K rho + delta)`` over **all
 (``delta`` a global regulariser; ``delta = 0`` gives ``mean_k (w_k + v_k / rho)``).
 
 Partial participation: the server keeps ``S = sum_k z_k`` with ``z_k = w_k + v_k / rho``, using
-each absent client's last ``z_k`` (the "stale values" reading of spec 4.2's variant). Each client
+each absent client's last ``z_k`` (the "stale values" reading of docs/algorithms.md §4.2's variant). Each client
 remembers its ``z_k`` and sends ``z_k^new - z_k^old``; ``S`` starts at ``K theta_0`` since every
 ``z_k`` starts at ``theta_0``. With full participation this is exactly Eq. 2; with ``delta = 0`` and
 full participation it coincides with FedADMM and FedDyn (``alpha = rho``, no weight decay; spec
@@ -95,7 +95,7 @@ def admm(
 
 
 class ADMMConfig(HParams):
-    """Federated ADMM (spec 4.1)."""
+    """Federated ADMM (docs/algorithms.md §4.1)."""
 
     name: Literal["admm"]
     rho: float = Field(0.01, gt=0, description="ADMM penalty rho")

@@ -1,6 +1,6 @@
 """FedAvg (McMahan et al. 2017) with the server optimizers of Reddi et al. (2021).
 
-Spec section 2. Client: ``E`` epochs of the client optimizer on the mean loss from the broadcast
+docs/algorithms.md §2. Client: ``E`` epochs of the client optimizer on the mean loss from the broadcast
 ``theta``; message ``g_k = theta - theta_k^(E)`` (pseudo-gradient). Server:
 ``g = sum_k n_k g_k / sum_k n_k`` (or uniform weights), then ``theta <- theta + ServerOpt(g)``.
 FedAvgM / FedAdam / FedYogi / FedAdagrad are FedAvg with another server optimizer.
@@ -65,12 +65,12 @@ def local_delta_algorithm(
 
 
 def fedavg(trainer: LocalTrainer, server_optimizer: optax.GradientTransformation) -> Algorithm:
-    """FedAvg: local training on the mean loss, weighted averaging of deltas (spec 2)."""
+    """FedAvg: local training on the mean loss, weighted averaging of deltas (docs/algorithms.md §2)."""
     return local_delta_algorithm("fedavg", trainer, server_optimizer)
 
 
 class FedAvgConfig(HParams):
-    """FedAvg (spec 2); FedAvgM/FedAdam/FedYogi/FedAdagrad via ``server.optimizer``."""
+    """FedAvg (docs/algorithms.md §2); FedAvgM/FedAdam/FedYogi/FedAdagrad via ``server.optimizer``."""
 
     name: Literal["fedavg"] = "fedavg"
 

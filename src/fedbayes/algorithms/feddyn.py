@@ -1,12 +1,12 @@
 """FedDyn (Acar et al., ICLR 2021): dynamic regularisation with a per-client gradient correction.
 
-Spec section 5, paper form. Client ``k`` keeps ``grad_k`` (init 0) and solves
+docs/algorithms.md §5, paper form. Client ``k`` keeps ``grad_k`` (init 0) and solves
 
     theta_k = argmin L_k(theta) - <grad_k, theta> + (alpha/2)||theta - theta^{t-1}||^2
               + (lambda/2)||theta||^2
 
 with ``L_k`` the mean loss and ``lambda`` the local weight decay that practical FedDyn needs
-(seed 001 App. D.1), then ``grad_k <- grad_k - alpha (theta_k - theta^{t-1})``. The server keeps
+(Swaroop et al. 2025 (ADMM and Bayes) App. D.1), then ``grad_k <- grad_k - alpha (theta_k - theta^{t-1})``. The server keeps
 ``h`` (init 0):
 
     h <- h - (alpha / K) sum_{k in S_t} (theta_k - theta^{t-1})
@@ -93,7 +93,7 @@ def feddyn(
 
 
 class FedDynConfig(HParams):
-    """FedDyn (spec 5)."""
+    """FedDyn (docs/algorithms.md §5)."""
 
     name: Literal["feddyn"]
     alpha: float = Field(0.01, gt=0, description="dynamic regularisation alpha")

@@ -1,6 +1,6 @@
-"""FedEP and FedSEP: federated expectation propagation (Guo et al., ICLR 2023; seed 000).
+"""FedEP and FedSEP: federated expectation propagation (Guo et al., ICLR 2023; Guo et al. 2023 (FedEP)).
 
-Spec section 7. The global approximation is ``q_g ∝ p_0 prod_k q_k`` with diagonal Gaussian sites
+docs/algorithms.md §7. The global approximation is ``q_g ∝ p_0 prod_k q_k`` with diagonal Gaussian sites
 ``q_k`` in natural parameters (:mod:`fedbayes.gaussian`). In a round, client ``k``:
 
 1. forms the cavity ``q_{-k} = q_g / q_k`` (FedEP) or ``q_g^{1 - n_k/N}`` (FedSEP; or ``1 - 1/K``),
@@ -11,11 +11,11 @@ Spec section 7. The global approximation is ``q_g ∝ p_0 prod_k q_k`` with diag
 4. FedEP only: updates its site, ``(eta_k, Lambda_k) <- (eta_k, Lambda_k) + ClientOpt(delta Delta_k)``.
 
 The server sets ``(eta_g, Lambda_g) <- (eta_g, Lambda_g) + ServerOpt(sum_k delta Delta_k)``: damping
-as adaptive optimisation on natural parameters (seed 000 Sec. 2.2.3, App. A.1; spec 1.3, 7.7). With
+as adaptive optimisation on natural parameters (Guo et al. 2023 (FedEP) Sec. 2.2.3, App. A.1; docs/algorithms.md §1.3, 7.7). With
 ``delta = 1`` and plain SGD at lr 1 this is undamped EP: ``q_k <- q^_{\\k} / q_{-k}``,
 ``q_g <- q_g prod_k (q^_{\\k} / q_g)``. Optax transformations descend, so they receive ``-sum``.
 
-**Burn-in** (spec 7.3, benchmark semantics): the first ``burn_in_rounds`` rounds are FedAvg with
+**Burn-in** (docs/algorithms.md §7.3, benchmark semantics): the first ``burn_in_rounds`` rounds are FedAvg with
 the server optimizer; the model is kept as ``q_g = (theta, 1)`` so that ``mean(q_g) = theta``.
 Then ``q_g`` becomes ``N(theta_burn, 1 / (alpha_cov N))`` (times the prior) and the
 natural-parameter optimizer starts fresh. A client's site starts as ``q_g^{n_k / N}`` when the client
@@ -25,7 +25,7 @@ sampled later it is FedSEP's estimate of its share of that round's ``q_g``, whic
 ``K x d`` initial write. ``init="uniform"`` is the paper's initialisation instead: uniform global
 and sites (times the prior), with the sampler starting from the burn-in model where ``Lambda_g = 0``.
 
-**Robustness** (spec 7.10): a client whose cavity is improper (a negative precision) or whose new
+**Robustness** (docs/algorithms.md §7.10): a client whose cavity is improper (a negative precision) or whose new
 site precision would be non-positive (unless ``allow_improper_sites``) flags its message; :func:`message_ok` also rejects a message
 with non-finite values or one that would make ``Lambda_g + delta Delta Lambda_k`` non-positive. The
 simulator gives a rejected client weight zero and keeps its old site; ``fail_fast`` raises. Should
@@ -139,7 +139,7 @@ def _ep_algorithm(
     uniform = init == "uniform"
 
     def ep_start(theta) -> tuple[DiagGaussian, PyTree]:
-        """``q_g`` at the start of EP from the model ``theta`` (spec 7.3), and the anchor."""
+        """``q_g`` at the start of EP from the model ``theta`` (docs/algorithms.md §7.3), and the anchor."""
         if uniform:
             lam = optax.tree.full_like(theta, prior_precision)
             return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=lam), theta
@@ -252,7 +252,7 @@ def _ep_algorithm(
 
 
 def posterior_moments(state: ServerState, burn_in_rounds: int) -> tuple[PyTree, PyTree]:
-    """``(mean, variance)`` of ``q_g`` for marginalised predictions (spec 7.7, 13.1); during
+    """``(mean, variance)`` of ``q_g`` for marginalised predictions (docs/algorithms.md §7.7, 13.1); during
     burn-in the model is a point estimate (variance 0)."""
     q = state.q
     in_ep = state.round >= burn_in_rounds
@@ -277,7 +277,7 @@ def fedep(
     delta_clip: float | None = None,
     allow_improper_sites: bool = False,
 ) -> Algorithm:
-    """Stateful FedEP (seed 000 Alg. 1; spec 7.1-7.7).
+    """Stateful FedEP (Guo et al. 2023 (FedEP) Alg. 1; docs/algorithms.md §7.1-7.7).
 
     Args:
       trainer: local training of the burn-in rounds and of the SG-MCMC step.
@@ -286,19 +286,19 @@ def fedep(
       inference: a :data:`fedbayes.inference.tilted.TiltedInference` (one of the four methods).
       total_examples: ``N``, all clients' examples (site init ``q_g^{n_k/N}``).
       num_clients: ``K``.
-      damping: ``delta`` (seed 000's default ``1 / M``).
+      damping: ``delta`` (Guo et al. 2023 (FedEP)'s default ``1 / M``).
       alpha_cov: per-example precision of the benchmark initialisation, ``c (lambda_0 + lambda_wd)``.
       site_optimizer: ClientOpt on the sites (default: the server optimizer's configuration,
-        seed 000 Table 7).
+        Guo et al. 2023 (FedEP) Table 7).
       burn_in_rounds: FedAvg rounds before EP.
-      init: ``"benchmark"`` (spec 7.3 [I]) or ``"uniform"`` (the paper's).
+      init: ``"benchmark"`` (docs/algorithms.md §7.3 [I]) or ``"uniform"`` (the paper's).
       prior_precision: precision of a zero-mean Gaussian prior ``p_0`` (0: none).
       delta_clip: optional joint global-norm clip ``G`` of ``(Delta eta, Delta Lambda)``.
       allow_improper_sites: accept a site whose precision turns non-positive somewhere. EP sites
-        are factors and may be improper (spec 1.1); the default rejects such a message (the
-        robust server of issue 4). The mcmc method's rescaling (spec 7.6 M.3) redistributes the
+        are factors and may be improper (docs/algorithms.md §1.1); the default rejects such a message (the
+        robust server). The mcmc method's rescaling (docs/algorithms.md §7.6 M.3) redistributes the
         cavity's precision and routinely gives such sites, so it needs ``True`` to follow the
-        paper, whose code has no guard (spec 7.10).
+        paper, whose code has no guard (docs/algorithms.md §7.10).
     """
     return _ep_algorithm(
         "fedep", trainer, server_optimizer, inference, stateful=True, total_examples=total_examples, num_clients=num_clients,
@@ -322,7 +322,7 @@ def fedsep(
     delta_clip: float | None = None,
     sep_power: str = "data_fraction",
 ) -> Algorithm:
-    """Stateless FedSEP (seed 000 Sec. 2.2.4; spec 7.9): ``q_g ∝ p_0 f^K`` with one shared average
+    """Stateless FedSEP (Guo et al. 2023 (FedEP) Sec. 2.2.4; docs/algorithms.md §7.9): ``q_g ∝ p_0 f^K`` with one shared average
     site, so the cavity is ``q_g^{1 - n_k/N}`` (``sep_power="data_fraction"``, the reference code)
     or ``q_g^{1 - 1/K}`` (``"one_over_k"``, textbook SEP). Arguments as :func:`fedep`."""
     return _ep_algorithm(
@@ -333,7 +333,7 @@ def fedsep(
 
 
 class EPConfig(TiltedSettings):
-    """Settings shared by FedEP and FedSEP (spec 7; seed 000 Table 7): the client method's
+    """Settings shared by FedEP and FedSEP (docs/algorithms.md §7; Guo et al. 2023 (FedEP) Table 7): the client method's
     (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones."""
 
     method: Literal[METHODS] = Field(  # type: ignore[valid-type]
@@ -342,7 +342,7 @@ class EPConfig(TiltedSettings):
     damping: float | None = Field(None, gt=0, le=1, description="delta; default 1 / clients_per_round")
     delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
-    init: Literal[INITS] = Field("benchmark", description="benchmark (spec 7.3) or uniform (the paper's)")  # type: ignore[valid-type]
+    init: Literal[INITS] = Field("benchmark", description="benchmark (docs/algorithms.md §7.3) or uniform (the paper's)")  # type: ignore[valid-type]
     prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
     marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
 
@@ -357,7 +357,7 @@ class EPConfig(TiltedSettings):
 
 
 class FedEPConfig(EPConfig):
-    """FedEP (spec 7): stateful clients keep their sites."""
+    """FedEP (docs/algorithms.md §7): stateful clients keep their sites."""
 
     name: Literal["fedep"]
     improper_sites: Literal["reject", "allow"] = Field(
@@ -366,7 +366,7 @@ class FedEPConfig(EPConfig):
 
 
 class FedSEPConfig(EPConfig):
-    """FedSEP (spec 7.9): stateless clients, one shared average site."""
+    """FedSEP (docs/algorithms.md §7.9): stateless clients, one shared average site."""
 
     name: Literal["fedsep"]
     sep_power: Literal[SEP_POWERS] = Field("data_fraction", description="cavity power: 1 - n_k/N or 1 - 1/K")  # type: ignore[valid-type]

@@ -1,22 +1,22 @@
-"""FedPA: federated posterior averaging (Al-Shedivat et al., ICLR 2021; seed 003, blog seed 002).
+"""FedPA: federated posterior averaging (Al-Shedivat et al., ICLR 2021; Al-Shedivat et al. 2021 (FedPA), blog Al-Shedivat 2021 (blog)).
 
-Spec section 6. Under a uniform prior the global posterior is the product of the local ones;
+docs/algorithms.md §6. Under a uniform prior the global posterior is the product of the local ones;
 with Gaussian local posteriors ``N(mu_k, Sigma_k)`` its mode minimises
-``Q(theta) = sum_k q_k (theta - mu_k)^T Sigma_k^{-1} (theta - mu_k) / 2`` (seed 003 Prop. 2), whose
+``Q(theta) = sum_k q_k (theta - mu_k)^T Sigma_k^{-1} (theta - mu_k) / 2`` (Al-Shedivat et al. 2021 (FedPA) Prop. 2), whose
 gradient is ``sum_k q_k Sigma_k^{-1} (theta - mu_k)``. The server therefore runs FedAvg's loop and
-only the client delta changes (seed 003 Eq. 6):
+only the client delta changes (Al-Shedivat et al. 2021 (FedPA) Eq. 6):
 
     g_k = Sigma_hat_k^{-1} (theta - mu_hat_k)        (FedAvg: Sigma_hat_k = I, mu_hat_k = theta_k)
 
 with ``mu_hat_k`` the mean of ``l`` IASG samples (:mod:`fedbayes.inference.iasg`) and the
-shrinkage covariance of seed 003 Thm. 3 (spec 6.4)
+shrinkage covariance of Al-Shedivat et al. 2021 (FedPA) Thm. 3 (docs/algorithms.md §6.4)
 
     Sigma_hat = rho_l I + (1 - rho_l) S_l,    rho_l = 1 / (1 + (l - 1) rho),
 
 ``S_l`` the unbiased sample covariance. :func:`shrinkage_delta` computes ``g_k`` by the dynamic
-programme of seed 003 App. C (Eqs. 20-28; spec 6.5) in ``O(l^2 d)`` time and ``O(l d)`` memory.
+programme of Al-Shedivat et al. 2021 (FedPA) App. C (Eqs. 20-28; docs/algorithms.md §6.5) in ``O(l^2 d)`` time and ``O(l d)`` memory.
 
-Burn-in (spec 6.7): for the first ``burn_in_rounds`` rounds FedPA *is* FedAvg (``g = theta -
+Burn-in (docs/algorithms.md §6.7): for the first ``burn_in_rounds`` rounds FedPA *is* FedAvg (``g = theta -
 theta_last``, bit for bit); afterwards each client returns the shrinkage delta of its samples.
 """
 
@@ -63,7 +63,7 @@ def _flatten_samples(samples: PyTree, theta: PyTree) -> tuple[jax.Array, jax.Arr
 
 
 def shrinkage_rho(samples: jax.Array, method: str = "oas") -> jax.Array:
-    """FedPA's ``rho`` chosen from the samples by a shrinkage estimator (spec 6.6, option A).
+    """FedPA's ``rho`` chosen from the samples by a shrinkage estimator (docs/algorithms.md §6.6, option A).
 
     Chen, Wiesel, Eldar & Hero (2010) give the shrinkage intensity ``s`` towards a scaled identity
     from the ML covariance ``S^ = Xc^T Xc / l`` in dimension ``p``:
@@ -72,7 +72,7 @@ def shrinkage_rho(samples: jax.Array, method: str = "oas") -> jax.Array:
         s_OAS  = min(((1-2/p) tr(S^2) + tr(S)^2) / ((l+1-2/p)(tr(S^2) - tr(S)^2 / p)), 1)
 
     with the traces from the ``l x l`` Gram matrix ``G = Xc Xc^T`` in ``O(l^2 d)``:
-    ``tr S = tr G / l``, ``tr S^2 = ||G||_F^2 / l^2``. Seed 003 (end of App. C) suggests reading
+    ``tr S = tr G / l``, ``tr S^2 = ||G||_F^2 / l^2``. Al-Shedivat et al. 2021 (FedPA) (end of App. C) suggests reading
     ``s`` as ``rho_l``; so ``rho = (1/s - 1) / (l - 1)`` (``s = 1`` gives ``rho = 0``, FedAvg's
     identity covariance; so does ``l < 2`` or identical samples).
 
@@ -102,7 +102,7 @@ def shrinkage_rho(samples: jax.Array, method: str = "oas") -> jax.Array:
 
 
 def _dp_delta(x: jax.Array, x0: jax.Array, rho) -> jax.Array:
-    """The dynamic programme of seed 003 App. C.2 (spec 6.5) on flat arrays ``x [l, d]``, ``x0 [d]``.
+    """The dynamic programme of Al-Shedivat et al. 2021 (FedPA) App. C.2 (docs/algorithms.md §6.5) on flat arrays ``x [l, d]``, ``x0 [d]``.
 
     Keeps ``Sigma~_t = I + rho (t-1) S_t`` implicitly through the rank-one updates
     ``Sigma~_t = Sigma~_{t-1} + gamma_t u_t u_t^T`` (``u_t = x_t - xbar_{t-1}``,
@@ -146,7 +146,7 @@ def shrinkage_delta(samples: PyTree, theta: PyTree, rho: float | jax.Array | str
     """FedPA's client delta ``Sigma_l^{-1} (theta - mean(samples))`` without any ``d x d`` matrix.
 
     ``Sigma_l = rho_l I + (1 - rho_l) S_l`` with ``rho_l = 1 / (1 + (l - 1) rho)`` and ``S_l`` the
-    unbiased sample covariance (seed 003 Thm. 3, App. C; spec 6.4-6.5). Computed by the dynamic
+    unbiased sample covariance (Al-Shedivat et al. 2021 (FedPA) Thm. 3, App. C; docs/algorithms.md §6.4-6.5). Computed by the dynamic
     programme of App. C.2 in ``O(l^2 d)`` time and ``O(l d)`` memory; usable under ``jit`` and
     ``vmap``. With one sample or ``rho = 0`` the result is ``theta - mean(samples)``, FedAvg's
     delta.
@@ -169,7 +169,7 @@ def shrinkage_delta(samples: PyTree, theta: PyTree, rho: float | jax.Array | str
 
 def dense_shrinkage_delta(samples: jax.Array, theta: jax.Array, rho) -> jax.Array:
     """Reference ``O(d^3)`` form of :func:`shrinkage_delta` on arrays ``[l, d]``, ``[d]``: a dense
-    solve with ``Sigma_l = rho_l I + (1 - rho_l) cov(samples, ddof=1)`` (spec 6.10 test 1)."""
+    solve with ``Sigma_l = rho_l I + (1 - rho_l) cov(samples, ddof=1)`` (docs/algorithms.md §6.10 test 1)."""
     num, dim = samples.shape
     rho_l = 1.0 / (1.0 + (num - 1) * rho)
     cov = jnp.cov(samples, rowvar=False, ddof=1).reshape(dim, dim) if num > 1 else jnp.zeros((dim, dim), samples.dtype)
@@ -201,19 +201,19 @@ def fedpa(
     burn_in_rounds: int = 0,
     skip_epochs: int = 1,
 ) -> Algorithm:
-    """FedPA on the algorithm interface (spec 6; seed 003 Alg. 1 with the practical sampler).
+    """FedPA on the algorithm interface (docs/algorithms.md §6; Al-Shedivat et al. 2021 (FedPA) Alg. 1 with the practical sampler).
 
     Clients are stateless. Each runs ``trainer.num_epochs`` epochs of its optimizer; epochs after
     the first ``skip_epochs`` each yield one IASG sample (the epoch's mean iterate, TFF's
     ``fed_pa_schedule``), so ``l = num_epochs - skip_epochs``. In the first ``burn_in_rounds``
     rounds the client returns FedAvg's ``theta - theta_last``; afterwards
     :func:`shrinkage_delta` of its samples. The server takes the weighted mean of the deltas
-    (``q_k`` from the simulator's weights) and applies ``server_optimizer`` (spec 6.8).
+    (``q_k`` from the simulator's weights) and applies ``server_optimizer`` (docs/algorithms.md §6.8).
 
     Args:
       trainer: local training (loss, client optimizer, epochs ``E``, batch size).
       server_optimizer: any optax transformation on the aggregated delta.
-      rho: shrinkage ``rho >= 0`` (seed 003 Tables 4-6 use 0.01-0.1), or ``"oas"`` / ``"rblw"``.
+      rho: shrinkage ``rho >= 0`` (Al-Shedivat et al. 2021 (FedPA) Tables 4-6 use 0.01-0.1), or ``"oas"`` / ``"rblw"``.
       burn_in_rounds: rounds run as FedAvg before sampling starts.
       skip_epochs: epochs of every round that yield no sample (``num_mixin_epochs``, default 1).
     """
@@ -268,7 +268,7 @@ def fedpa(
 
 
 class FedPAConfig(HParams):
-    """FedPA (spec 6): one IASG sample per local epoch after the first ``skip_epochs``."""
+    """FedPA (docs/algorithms.md §6): one IASG sample per local epoch after the first ``skip_epochs``."""
 
     name: Literal["fedpa"]
     rho: Union[float, str] = Field(0.01, description="shrinkage rho >= 0, or 'oas' / 'rblw' to choose it from the samples")

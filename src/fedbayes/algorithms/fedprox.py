@@ -1,8 +1,8 @@
 """FedProx (Li et al. 2020): FedAvg with a proximal term on the client.
 
-Spec section 3. The client approximately minimises
+docs/algorithms.md §3. The client approximately minimises
 ``h_k(w) = mean_loss_k(w) + (mu / 2) ||w - theta||_2^2`` (the squared norm, as in the paper; the
-``bayes-admm`` code's unsquared norm is a known deviation, spec 3 pitfall). With ``mu = 0`` this is
+``bayes-admm`` code's unsquared norm is a known deviation, docs/algorithms.md §3 pitfall). With ``mu = 0`` this is
 FedAvg.
 """
 
@@ -20,7 +20,7 @@ from fedbayes.inference.sgd import LocalTrainer
 
 
 def proximal_penalty(mu: float):
-    """``(theta, w) -> (mu/2) ||w - theta||^2`` (spec 3)."""
+    """``(theta, w) -> (mu/2) ||w - theta||^2`` (docs/algorithms.md §3)."""
 
     def penalty(theta, w):
         diff = optax.tree.sub(w, theta)
@@ -37,7 +37,7 @@ def fedprox(trainer: LocalTrainer, server_optimizer: optax.GradientTransformatio
 
 
 class FedProxConfig(HParams):
-    """FedProx (spec 3)."""
+    """FedProx (docs/algorithms.md §3)."""
 
     name: Literal["fedprox"]
     mu: float = Field(0.01, ge=0, description="proximal strength mu (0: FedAvg)")

@@ -1,8 +1,8 @@
 """Server optimizers: optax transformations applied to the aggregated pseudo-gradient.
 
-The server receives ``g = sum_k q_k (theta - theta_k)`` (spec section 0: pseudo-gradient,
+The server receives ``g = sum_k q_k (theta - theta_k)`` (docs/algorithms.md §0: pseudo-gradient,
 descent direction) and applies ``theta <- theta + ServerOpt(g)`` (Reddi et al. 2021, Alg. 2;
-spec 1.2). With ``sgd`` at lr 1 this is plain weighted model averaging (FedAvg).
+docs/algorithms.md §1.2). With ``sgd`` at lr 1 this is plain weighted model averaging (FedAvg).
 
 Names: ``sgd`` (FedAvg), ``momentum`` (FedAvgM, heavy ball without dampening,
 ``m_t = beta m_{t-1} + g_t``), and the adaptive ``adam`` / ``yogi`` / ``adagrad`` in two forms:
@@ -18,7 +18,7 @@ Names: ``sgd`` (FedAvg), ``momentum`` (FedAvgM, heavy ball without dampening,
   (``g = -Delta`` flips the sign of ``m`` and leaves ``v`` unchanged, so minimising with ``g`` is
   Reddi's ascent with ``Delta``.)
 * ``variant="optax"``: optax's own ``adam`` / ``yogi`` / ``adagrad`` with ``eps = tau`` (the FedEP
-  code's choice for adagrad: ``initial_accumulator_value = 0``; spec 1.2, implementation variant).
+  code's choice for adagrad: ``initial_accumulator_value = 0``; docs/algorithms.md §1.2, implementation variant).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def scale_by_reddi(kind: str, b1: float = 0.9, b2: float = 0.99, tau: float = 1e
 
     Args:
       kind: ``"adam"``, ``"yogi"`` or ``"adagrad"``.
-      b1: first-moment decay (spec 1.2 default 0.9).
+      b1: first-moment decay (docs/algorithms.md §1.2 default 0.9).
       b2: second-moment decay (0.99); unused by adagrad.
       tau: adaptivity constant; ``v`` starts at ``tau^2``.
     """

@@ -1,6 +1,6 @@
 """Round throughput against the machine's compute limit: the code behind ``fedbayes bench``.
 
-Issue 5, item 1. Run on demand, never timed in the test suite. Every workload runs in its own
+Run on demand, never timed in the test suite. Every workload runs in its own
 fresh Python process, so that its start-up, compile time and peak memory are its own, and so
 that its XLA flags can be set before JAX starts.
 
@@ -19,8 +19,8 @@ workload sets ``epochs``):
     ``sum over the cohort of E * n_k``, divided by that round's time;
   - ``compile_s``: first round time minus ``round_s`` (tracing, compilation, first transfers);
   - ``startup_s``: wall time from just before the process was started to the end of its first
-    round: interpreter, imports, data, partition, model, first compile and round (issue 5 target
-    for ``fedavg``: under 5 s), broken down in ``startup_parts``.
+    round: interpreter, imports, data, partition, model, first compile and round (target for
+    ``fedavg``: under 5 s), broken down in ``startup_parts``.
 
 * **Limits** (:class:`LimitWorkload`): the same examples (the whole training set, one epoch per
   repetition) trained centrally by one ``jit``-compiled ``lax.fori_loop`` over shuffled

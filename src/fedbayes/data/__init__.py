@@ -1,8 +1,8 @@
-"""Datasets and federated partitions, on the host in numpy (DESIGN.md, "Data on this machine").
+"""Datasets and federated partitions, on the host in numpy (docs/design.md, "Data on this machine").
 
 Sources: Fashion-MNIST and MNIST (IDX files), scikit-learn's digits and breast cancer, LEAF
 folders, and synthetic federations (FedProx Synthetic(alpha, beta), FedPA least squares).
-Partitioners (spec section 14) turn a train set into per-client index arrays.
+Partitioners (docs/algorithms.md §14) turn a train set into per-client index arrays.
 """
 
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError

@@ -1,7 +1,7 @@
 """One client's data as the client update sees it: shuffled epochs laid out in a flat order buffer.
 
 Features live on the device once (the whole training set, or the cohort's generated data for an
-on-demand federation; DESIGN.md "Put the training data on every device once"). The simulator
+on-demand federation; docs/design.md "Put the training data on every device once"). The simulator
 draws each client's shuffles on the host and lays the cohort out in one flat int32 buffer:
 client k's ``E`` epochs, each a permutation of its ``n_k`` positions, one after the other from
 ``offset_k``. Client k takes exactly ``E * ceil(n_k / B)`` steps; step ``s`` of epoch

@@ -90,8 +90,8 @@ class Dataset:
     def subsample(self, fraction: float, rng: np.random.Generator) -> Dataset:
         """A random ``fraction`` of the train set, drawn without replacement; the test set is kept.
 
-        Seed B (001) trains its 10-client FMNIST runs on a random 10% of the training set per seed
-        (spec section 14.1). Kept examples stay in their original order and ``client_ids`` stays
+        Swaroop et al. 2025 (ADMM and Bayes) (001) trains its 10-client FMNIST runs on a random 10% of the training set per seed
+        (docs/algorithms.md §14.1). Kept examples stay in their original order and ``client_ids`` stays
         aligned with them.
 
         Args:

@@ -63,7 +63,7 @@ def heavy_tailed_sizes(num_clients: int, rng: np.random.Generator, mean: float =
     """Client sizes from a log-normal law with the given mean and standard deviation (>= 1).
 
     ``sigma^2 = log(1 + std^2 / mean^2)``, ``mu = log(mean) - sigma^2 / 2``. The defaults match
-    StackOverflow's train clients (seed 000 Table 1: mean about 400, std about 1,300).
+    StackOverflow's train clients (Guo et al. 2023 (FedEP) Table 1: mean about 400, std about 1,300).
     """
     if num_clients < 1 or mean <= 0 or std < 0:
         raise ValueError(f"need num_clients >= 1, mean > 0, std >= 0; got {num_clients}, {mean}, {std}")

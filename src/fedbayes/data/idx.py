@@ -1,6 +1,6 @@
 """IDX files (LeCun's MNIST format) and the two image datasets stored in it: Fashion-MNIST, MNIST.
 
-Nothing is downloaded (DESIGN.md, "Data on this machine"). Fashion-MNIST comes from Debian's
+Nothing is downloaded (docs/design.md, "Data on this machine"). Fashion-MNIST comes from Debian's
 ``dataset-fashion-mnist`` package (``/usr/share/datasets/fashion-mnist``) or a folder the user
 names; MNIST only from a folder the user names.
 
@@ -130,7 +130,7 @@ def fashion_mnist_instructions() -> str:
     """How to get Fashion-MNIST onto this machine."""
     return (
         "Install it with `apt-get install dataset-fashion-mnist` (Debian; files go to "
-        f"{FASHION_MNIST_SYSTEM_DIRS[0]}), or set {ENV_VAR} to a folder holding the four IDX files "
+        f"/usr/share/datasets/fashion-mnist), or set {ENV_VAR} to a folder holding the four IDX files "
         f"{', '.join(IDX_FILES)} (each raw or .gz), directly or in a 'fashion-mnist' subfolder."
     )
 

@@ -1,13 +1,13 @@
-"""Splitting a train set across clients (spec section 14).
+"""Splitting a train set across clients (docs/algorithms.md §14).
 
 Every partitioner returns ``list[np.ndarray]``: one int64 array of indices into the train set per
 client. All randomness comes from an explicit ``np.random.Generator`` (never NumPy's global state,
 unlike the reference code of NIID-Bench and pfl-research).
 
-* ``iid``: a random permutation cut into near-equal chunks (spec 14.2, last paragraph).
-* ``dirichlet_label``: NIID-Bench ``noniid-labeldir`` (Li et al. 2022; seed 004; spec 14.2).
-* ``two_level_dirichlet``: client sizes and class mixes from two Dirichlets (seed 001 App. E.1;
-  spec 14.1).
+* ``iid``: a random permutation cut into near-equal chunks (docs/algorithms.md §14.2, last paragraph).
+* ``dirichlet_label``: NIID-Bench ``noniid-labeldir`` (Li et al. 2022; Ozer et al. 2022 (VBNN aggregation); docs/algorithms.md §14.2).
+* ``two_level_dirichlet``: client sizes and class mixes from two Dirichlets (Swaroop et al. 2025 (ADMM and Bayes) App. E.1;
+  docs/algorithms.md §14.1).
 * ``shards``: sort by label and deal shards (McMahan et al. 2017, Sec. 3, "pathological non-IID").
 * ``natural``: one client per id (LEAF users, synthetic clients).
 """
@@ -58,7 +58,7 @@ def _as_parts(parts) -> list[np.ndarray]:
 def iid(num_examples: int, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
     """A random permutation of ``range(num_examples)`` cut into ``num_clients`` near-equal chunks.
 
-    Chunk sizes differ by at most one (``np.array_split``). Spec 14.2 (the IID split of NIID-Bench).
+    Chunk sizes differ by at most one (``np.array_split``). docs/algorithms.md §14.2 (the IID split of NIID-Bench).
     """
     _check_num_clients(num_clients, num_examples)
     return _as_parts(np.array_split(rng.permutation(num_examples), num_clients))
@@ -72,14 +72,14 @@ def dirichlet_label(
     min_size: int = 10,
     max_tries: int = 1000,
 ) -> list[np.ndarray]:
-    """Dirichlet label skew, NIID-Bench ``noniid-labeldir`` (Li et al. 2022; spec 14.2).
+    """Dirichlet label skew, NIID-Bench ``noniid-labeldir`` (Li et al. 2022; docs/algorithms.md §14.2).
 
     Repeat until every client holds at least ``min_size`` examples:
       1. for each class c (in increasing order): shuffle its indices and draw
          ``p ~ Dir(alpha * 1_K)``;
       2. zero ``p_k`` for every client already holding at least ``N / K`` examples, renormalise;
       3. cut the class indices at ``floor(cumsum(p) * N_c)`` and append the pieces to the clients.
-    Finally shuffle each client's indices. Seed 004 uses ``alpha = 0.5``; smaller alpha means
+    Finally shuffle each client's indices. Ozer et al. 2022 (VBNN aggregation) uses ``alpha = 0.5``; smaller alpha means
     more skew.
 
     If the zeroed ``p`` sums to 0 (every eligible client's share underflowed, possible only for
@@ -135,7 +135,7 @@ def two_level_dirichlet(
     min_size: int = 1,
     max_tries: int = 1000,
 ) -> list[np.ndarray]:
-    """Two-level Dirichlet split of seed 001 (Swaroop et al. 2025, App. E.1; spec 14.1).
+    """Two-level Dirichlet split of Swaroop et al. 2025 (ADMM and Bayes) (Swaroop et al. 2025, App. E.1; docs/algorithms.md §14.1).
 
     1. Client sizes ``pi ~ Dir(alpha1 * 1_K)``.
     2. Class mix of client k ``phi_k ~ Dir(alpha2 * 1_C)``.
@@ -148,15 +148,15 @@ def two_level_dirichlet(
     Slices are consecutive and clipped at the end of the class, so no example goes to two clients;
     rounding can leave at most ``floor(K / 2)`` examples of a class unassigned (each of the K
     lengths loses at most 1/2) and clipping can shorten the last clients' slices.
-    Seed 001 uses ``alpha1 = 1, alpha2 = 0.5`` (top 2 clients hold about 50% of the data) and
+    Swaroop et al. 2025 (ADMM and Bayes) uses ``alpha1 = 1, alpha2 = 0.5`` (top 2 clients hold about 50% of the data) and
     ``alpha1 = alpha2 = 1e15`` for the homogeneous split. Rounding is half-to-even (``np.rint``).
     If every client's demand for a class underflows to 0 (tiny alpha2), that class is shared in
     proportion to ``pi`` instead of dividing by 0.
 
     Our addition: the draw of ``pi`` and ``phi`` is repeated until every client holds at least
-    ``min_size`` examples (default 1). Seed 001's procedure can leave a client empty (about 1% of
+    ``min_size`` examples (default 1). Swaroop et al. 2025 (ADMM and Bayes)'s procedure can leave a client empty (about 1% of
     seeds for 10 clients on Fashion-MNIST, 23% for 100 clients), and an empty client cannot train;
-    the same repeat-until loop is part of NIID-Bench's Dirichlet split (spec 14.2).
+    the same repeat-until loop is part of NIID-Bench's Dirichlet split (docs/algorithms.md §14.2).
 
     Raises:
       ValueError: invalid parameters.

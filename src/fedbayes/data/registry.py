@@ -147,6 +147,13 @@ DATASETS: dict[str, DatasetInfo] = {
 }
 
 
+# FEDBAYES_NO_SYSTEM_DATA=1 hides the system-wide dataset folders (Debian's /usr/share/datasets),
+# as on a machine without the packages: `.ci/run` runs the test suite once that way.
+NO_SYSTEM_DATA_ENV = "FEDBAYES_NO_SYSTEM_DATA"
+if os.environ.get(NO_SYSTEM_DATA_ENV, "") not in ("", "0"):
+    idx.FASHION_MNIST_SYSTEM_DIRS = ()
+
+
 def _info(name: str) -> DatasetInfo:
     if name not in DATASETS:
         raise ValueError(f"dataset name must be one of {sorted(DATASETS)}, got {name!r}")
@@ -165,7 +172,7 @@ def load_dataset(
         for the generator; ``default_rng([seed, 1])`` for the subsample, so subsampling does not
         change which data is generated).
       **params: the dataset's own parameters (``DATASETS[name].params``), plus ``fraction`` in
-        (0, 1]: keep a random fraction of the train set (seed 001 uses 0.1 for FMNIST).
+        (0, 1]: keep a random fraction of the train set (Swaroop et al. 2025 (ADMM and Bayes) uses 0.1 for FMNIST).
 
     Raises:
       ValueError: unknown name or parameter (the message lists the allowed ones).

@@ -1,6 +1,6 @@
 """Diagonal Fisher information with labels sampled from the model, and FedEP's Fisher clipping.
 
-The Laplace and NGVI client methods of FedEP (seed 000 Sec. 2.2.2, Eq. 4 and Alg. 5; spec 7.6)
+The Laplace and NGVI client methods of FedEP (Guo et al. 2023 (FedEP) Sec. 2.2.2, Eq. 4 and Alg. 5; docs/algorithms.md §7.6)
 need the diagonal of the Fisher information of the likelihood at some parameters. Following
 Kunstner, Balles & Hennig (2019) the labels are **sampled from the model**, not taken from the
 data ("true Fisher", not the empirical Fisher):
@@ -9,7 +9,7 @@ data ("true Fisher", not the empirical Fisher):
 
 with per-example gradients (``vmap`` of ``grad``), averaged over the valid examples of a batch.
 
-Clipping (spec 7.6, "Fisher clipping" [I]): every Fisher or precision vector is clipped
+Clipping (docs/algorithms.md §7.6, "Fisher clipping" [I]): every Fisher or precision vector is clipped
 elementwise to ``[mean - kappa std, mean + kappa std]`` over all its ``d`` coordinates.
 """
 
@@ -71,7 +71,7 @@ def clip_by_spread(values: PyTree, kappa: float) -> PyTree:
     """Clips every coordinate to ``[mean - kappa std, mean + kappa std]`` of all coordinates.
 
     Mean and standard deviation are taken over the whole pytree (all ``d`` coordinates), as FedEP's
-    reference code does (spec 7.6, clip ratio ``kappa = 2``). ``kappa <= 0`` disables clipping.
+    reference code does (docs/algorithms.md §7.6, clip ratio ``kappa = 2``). ``kappa <= 0`` disables clipping.
     """
     if kappa <= 0:
         return values
@@ -84,7 +84,7 @@ def clip_by_spread(values: PyTree, kappa: float) -> PyTree:
 
 
 def tree_scale_to_norm(values: PyTree, reference: PyTree) -> PyTree:
-    """``values * ||reference||_2 / ||values||_2`` (the MCMC method's rescaling, spec 7.6 M.3)."""
+    """``values * ||reference||_2 / ||values||_2`` (the MCMC method's rescaling, docs/algorithms.md §7.6 M.3)."""
     norm_v = optax.tree.norm(values)
     norm_r = optax.tree.norm(reference)
     return optax.tree.scale(norm_r / jnp.maximum(norm_v, jnp.finfo(jnp.float32).tiny), values)

@@ -1,19 +1,19 @@
-"""Iterate-averaged SGD as a posterior sampler (IASG; Mandt et al. 2017; seed 003 Algorithm 4).
+"""Iterate-averaged SGD as a posterior sampler (IASG; Mandt et al. 2017; Al-Shedivat et al. 2021 (FedPA) Algorithm 4).
 
 Constant-learning-rate SGD is a Markov chain whose stationary distribution approximates the
 posterior around a mode; averaging ``K_s`` consecutive iterates gives one approximately
-independent sample (seed 003 Sec. 4, Alg. 4; spec 6.3):
+independent sample (Al-Shedivat et al. 2021 (FedPA) Sec. 4, Alg. 4; docs/algorithms.md §6.3):
 
 1. ``burn_in_steps`` optimiser steps;
 2. ``num_samples`` times: ``steps_per_sample`` steps, whose **average** iterate is sample ``x_s``
-   (or, with ``average=False``, the last iterate: FedEP's end-of-epoch samples, seed 000 fn. 4);
+   (or, with ``average=False``, the last iterate: FedEP's end-of-epoch samples, Guo et al. 2023 (FedEP) fn. 4);
    then ``discard_steps`` steps that yield nothing.
 
 The optimiser state (e.g. the momentum buffer) carries through the whole chain, as in TFF's
 ``fed_pa_schedule``. Step counts may be traced (per-client values under ``vmap``); the number of
 samples is static (it fixes the output shape).
 
-:func:`epoch_samples` is the practical variant of seed 003 (App. A fn. 11; TFF): one sample per
+:func:`epoch_samples` is the practical variant of Al-Shedivat et al. 2021 (FedPA) (App. A fn. 11; TFF): one sample per
 local epoch, the average of that epoch's iterates, skipping the first ``skip_epochs`` epochs.
 """
 
@@ -120,7 +120,7 @@ def epoch_samples(
     average: bool = True,
     penalty: Callable[[PyTree], jax.Array] | None = None,
 ) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
-    """One sample per local epoch after the first ``skip_epochs`` (seed 003's benchmarks; spec 6.3).
+    """One sample per local epoch after the first ``skip_epochs`` (Al-Shedivat et al. 2021 (FedPA)'s benchmarks; docs/algorithms.md §6.3).
 
     Runs exactly ``trainer.num_epochs`` epochs of ``trainer.optimizer`` on the client's mean loss
     (plus ``penalty``), the same trajectory as :func:`fedbayes.inference.run_sgd` (step ``s``

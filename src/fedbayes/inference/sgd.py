@@ -2,7 +2,7 @@
 
 A client minimises its mean loss plus an algorithm-specific penalty (FedProx's proximal term,
 FedDyn's linear correction, ADMM's dual term) for ``E`` epochs of its optax optimizer, starting
-from the broadcast parameters (spec section 2, "Client").
+from the broadcast parameters (docs/algorithms.md §2, "Client").
 
 The epochs' shuffles arrive laid out in ``data.order`` (:mod:`fedbayes.data.batches`): the
 simulator must lay out ``trainer.num_epochs`` epochs (``Algorithm.local_epochs``).
@@ -11,7 +11,7 @@ The loop has a per-client trip count ``E * ceil(n_k / B)``. Run alone (or one cl
 another on a device) it takes exactly that many steps. Under ``jax.vmap`` JAX batches the loop
 into one that runs to the cohort's longest client and holds every finished client's parameters
 and optimizer state with a select, i.e. the masked no-op steps ``jnp.where(active, new, old)``
-of DESIGN.md step 4; partial last batches are masked inside the loss. Either way each client's
+of docs/design.md step 4; partial last batches are masked inside the loss. Either way each client's
 result equals its own plain loop.
 """
 
@@ -77,7 +77,7 @@ def run_sgd(
       penalty: optional ``params -> scalar`` added to every minibatch loss.
 
     Returns:
-      ``(params, info)`` with ``info`` as :func:`fedbayes.algorithms.base.client_info`: the mean
+      ``(params, info)`` with ``info`` as :func:`training_info`: the mean
       minibatch data loss over the steps taken and their number.
     """
     total = num_local_steps(data.num_examples, trainer.batch_size, trainer.num_epochs)

@@ -1,15 +1,15 @@
-"""FedEP's approximate tilted inference: four client methods (seed 000 Sec. 2.2.2, Algs. 2-5).
+"""FedEP's approximate tilted inference: four client methods (Guo et al. 2023 (FedEP) Sec. 2.2.2, Algs. 2-5).
 
 Client ``k`` approximates its tilted distribution ``p_k(theta) q_{-k}(theta)`` (likelihood times
-cavity) by a diagonal Gaussian ``q^_{\\k}`` (spec 7.5-7.6). Every method starts with the same
+cavity) by a diagonal Gaussian ``q^_{\\k}`` (docs/algorithms.md §7.5-7.6). Every method starts with the same
 **SG-MCMC step**: ``E`` epochs of the client optimizer from the broadcast mean ``mu_g`` on the
 per-example-scaled tilted objective
 
     F_k(theta) = (1/n_k) [ l_k(theta) + theta^T diag(Lambda_p) theta / 2 - eta_p^T theta ],
 
 where the tilted prior ``(eta_p, Lambda_p) = (eta_c, Lambda_c + lambda_wd n_k)`` is the cavity plus
-weight decay as an extra prior (spec 7.5); the parameters at the **end** of each epoch are the
-samples (no within-epoch averaging; seed 000 fn. 4). ``mu^`` is their mean and ``sigma^2`` their
+weight decay as an extra prior (docs/algorithms.md §7.5); the parameters at the **end** of each epoch are the
+samples (no within-epoch averaging; Guo et al. 2023 (FedEP) fn. 4). ``mu^`` is their mean and ``sigma^2`` their
 unbiased diagonal variance. The methods differ in the tilted precision
 ``Lambda^ = Lambda_c + c L_k`` (``c`` the local-precision scale, ``alpha_cov = c (lambda_0 +
 lambda_wd)``):
@@ -18,8 +18,8 @@ lambda_wd)``):
 * ``mcmc`` (M): ``Lambda_raw = clip(1 / (s + (1 - s) sigma^2))`` (shrinkage ``s`` towards 1), rescaled
   to the norm of the identity method's ``Lambda_c + alpha_cov n_k`` (the samples set the shape).
 * ``laplace`` (L): ``L_k = clip(F_k) + lambda_wd n_k`` with ``F_k = n_k mean_x (grad log p(y~|x, mu^))^2``
-  and ``y~`` sampled from the model (Kunstner et al. 2019), over ``T_L`` passes (seed 000 Eq. 4).
-* ``ngvi`` (V): seed 000 Alg. 5 with the tilted prior as the prior: ``s <- beta s + (1 - beta) clip(F_bar)``
+  and ``y~`` sampled from the model (Kunstner et al. 2019), over ``T_L`` passes (Guo et al. 2023 (FedEP) Eq. 4).
+* ``ngvi`` (V): Guo et al. 2023 (FedEP) Alg. 5 with the tilted prior as the prior: ``s <- beta s + (1 - beta) clip(F_bar)``
   per minibatch, ``F_bar`` the sampled-label Fisher averaged over ``N_V`` draws
   ``theta ~ N(mu^, 1 / (n_k s + Lambda_p))``; ``L_k = n_k s + lambda_wd n_k``. The mean stays ``mu^``
   (the reference runs use ``mu_learning_rate = 0``).
@@ -53,7 +53,7 @@ __all__ = ["METHODS", "TiltedInference", "TiltedSettings", "make_tilted_inferenc
 
 
 class TiltedSettings(HParams):
-    """Hyperparameters of the client methods (seed 000 Table 7; spec 7.8), validated on creation.
+    """Hyperparameters of the client methods (Guo et al. 2023 (FedEP) Table 7; docs/algorithms.md §7.8), validated on creation.
 
     ``fisher_max_batches > 0`` stops the Laplace and NGVI loops after that many minibatches (of the
     shuffled passes, so a random subset of the client's data; the Laplace estimate ``n_k * mean``
@@ -88,7 +88,7 @@ def tilted_prior(cavity: DiagGaussian, num_examples: jax.Array, weight_decay: fl
 
 def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, trainer: LocalTrainer) -> tuple[PyTree, PyTree, dict]:
     """The shared SG-MCMC step: mean and unbiased diagonal variance of the end-of-epoch iterates of
-    ``trainer`` on ``F_k`` (spec 7.6), and the training info. With one epoch the variance is zero."""
+    ``trainer`` on ``F_k`` (docs/algorithms.md §7.6), and the training info. With one epoch the variance is zero."""
     inv_n = 1.0 / jnp.maximum(data.num_examples, 1).astype(jnp.float32)
 
     def penalty(theta):
@@ -130,7 +130,7 @@ def make_tilted_inference(
     """One of the four client methods as a :data:`TiltedInference` function.
 
     Args:
-      method: ``"identity"``, ``"mcmc"``, ``"laplace"`` or ``"ngvi"`` (I / M / L / V of seed 000).
+      method: ``"identity"``, ``"mcmc"``, ``"laplace"`` or ``"ngvi"`` (I / M / L / V of Guo et al. 2023 (FedEP)).
       trainer: the SG-MCMC step's loss, optimizer, epochs (= samples) and batch size.
       settings: :class:`TiltedSettings`.
       apply_fn: ``(params, x) -> logits``; needed by ``laplace`` and ``ngvi``.

@@ -105,7 +105,7 @@ LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def loss_fn(model: nn.Module, task: str) -> LossFn:
-    """The masked mean per-example loss, the objective ``\\bar\\ell_k`` of spec Sec. 0.
+    """The masked mean per-example loss, the objective ``\\bar\\ell_k`` of docs/algorithms.md §0.
 
     Returns ``f(params, key, x, y, mask)`` (``key`` is ignored: these models are deterministic; it is
     there for stochastic losses, see :class:`fedbayes.inference.LocalTrainer`) with ``x`` float32 ``[batch, *feature_shape]``, ``mask``

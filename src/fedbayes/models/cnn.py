@@ -1,6 +1,6 @@
 """Small LeNet-5-style convolutional network.
 
-Seed E (seed 004, App. "Architectures") follows Li et al. (2022, NIID-Bench): "two 5x5
+Ozer et al. 2022 (VBNN aggregation) (Ozer et al. 2022 (VBNN aggregation), App. "Architectures") follows Li et al. (2022, NIID-Bench): "two 5x5
 convolutional layers. ReLU activation function and 2x2 max-pooling operation follows the
 convolutional layers. [...] three linear layers with 400, 120, and 84 hidden dimensions", with
 ReLU between dense layers. The channel counts (6 and 16) are not in the seed; they are those of

@@ -1,8 +1,8 @@
 """Linear models: multinomial logistic regression and linear (least-squares) regression.
 
-Logistic regression is the model of seed B's UCI Credit and FLamby-Heart experiments (seed 001,
-Sec. 4) and of seed A's StackOverflow tag prediction (spec Sec. 13.1); linear regression is the
-model of the federated least-squares problem of seed D, App. A (spec Sec. 15.4).
+Logistic regression is the model of Swaroop et al. 2025 (ADMM and Bayes)'s UCI Credit and FLamby-Heart experiments (Swaroop et al. 2025 (ADMM and Bayes),
+Sec. 4) and of Guo et al. 2023 (FedEP)'s StackOverflow tag prediction (docs/algorithms.md §13.1); linear regression is the
+model of the federated least-squares problem of Al-Shedivat et al. 2021 (FedPA), App. A (docs/algorithms.md §15.4).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Multi-layer perceptron.
 
-Seed B (seed 001, App. E, MNIST and Fashion-MNIST) trains "a two-hidden layer multi-layer
+Swaroop et al. 2025 (ADMM and Bayes) (Swaroop et al. 2025 (ADMM and Bayes), App. E, MNIST and Fashion-MNIST) trains "a two-hidden layer multi-layer
 perceptron, with 200 hidden units in the first layer, and 100 units in the second layer", as in
 Acar et al. (2021) and McMahan et al. (2016); that is the default here.
 """
@@ -19,7 +19,7 @@ class MLP(nn.Module):
 
     Attributes:
         num_classes: number of output logits C.
-        hidden: hidden-layer widths, input side first; ``(200, 100)`` is seed 001's network.
+        hidden: hidden-layer widths, input side first; ``(200, 100)`` is Swaroop et al. 2025 (ADMM and Bayes)'s network.
     """
 
     num_classes: int

@@ -1,13 +1,13 @@
-"""Reproducible toy problems of the seed papers (spec 15): ``fedbayes toy quadratic | least-squares | niw``.
+"""Reproducible toy problems of the seed papers (docs/algorithms.md §15): ``fedbayes toy quadratic | least-squares | niw``.
 
 * :mod:`fedbayes.toys.ep`: expectation propagation on Gaussian clients with exact tilted moments
-  (diagonal and scaled-identity projections; seed 000 Sec. 3.1).
+  (diagonal and scaled-identity projections; Guo et al. 2023 (FedEP) Sec. 3.1).
 * :mod:`fedbayes.toys.quadratic`: two 2-D quadratic clients; FedAvg, FedPA (IASG samples), MB-SGD
-  server loops and EP (seed 003 Fig. 1, seed 000 Fig. 1; spec 15.1, 15.3).
+  server loops and EP (Al-Shedivat et al. 2021 (FedPA) Fig. 1, Guo et al. 2023 (FedEP) Fig. 1; docs/algorithms.md §15.1, 15.3).
 * :mod:`fedbayes.toys.least_squares`: bias and variance of FedAvg and FedPA client deltas on
-  ``make_regression`` problems (seed 003 App. A, Fig. 3; spec 15.4).
-* :mod:`fedbayes.toys.niw`: random normal-inverse-Wishart clients (seed 000 Table 4, Fig. 4 left;
-  spec 15.2).
+  ``make_regression`` problems (Al-Shedivat et al. 2021 (FedPA) App. A, Fig. 3; docs/algorithms.md §15.4).
+* :mod:`fedbayes.toys.niw`: random normal-inverse-Wishart clients (Guo et al. 2023 (FedEP) Table 4, Fig. 4 left;
+  docs/algorithms.md §15.2).
 
 Everything runs in float64 (``jax.enable_x64``) unless a function says otherwise.
 """

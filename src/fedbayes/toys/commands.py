@@ -18,7 +18,7 @@ from rich.table import Table
 
 toy_app = typer.Typer(
     no_args_is_help=True,
-    help="Reproducible toy problems of the seed papers (spec 15): quadratic, least-squares, niw.",
+    help="Reproducible toy problems of the seed papers (docs/algorithms.md §15): quadratic, least-squares, niw.",
 )
 _console = Console()
 if not _console.is_terminal:
@@ -65,7 +65,7 @@ def quadratic(
     out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/toy_quadratic)")] = None,
     json_: JsonOpt = False,
     seed: SeedOpt = 0,
-    problem: Annotated[str, typer.Option(help="gaussians (spec 15.1) or random (FedPA code's random quadratics)")] = "gaussians",
+    problem: Annotated[str, typer.Option(help="gaussians (docs/algorithms.md §15.1) or random (FedPA code's random quadratics)")] = "gaussians",
     rounds: Annotated[int, typer.Option(min=1, help="server rounds")] = 50,
     inits: Annotated[int, typer.Option(min=1, help="runs from different starting points")] = 5,
     sampler: Annotated[str, typer.Option(help="FedPA samples: iasg (noisy SGD, averaged) or exact")] = "iasg",
@@ -81,7 +81,7 @@ def quadratic(
     iso_steps: Annotated[int, typer.Option(min=1, help="scaled-identity EP steps")] = 100,
     tail: Annotated[int, typer.Option(min=1, help="final rounds averaged for the distance")] = 10,
 ):
-    """Two 2-D quadratic clients: FedAvg, MB-SGD, FedPA and EP vs the optimum (seed 003 Fig. 1, seed 000 Fig. 1)."""
+    """Two 2-D quadratic clients: FedAvg, MB-SGD, FedPA and EP vs the optimum (Al-Shedivat et al. 2021 (FedPA) Fig. 1, Guo et al. 2023 (FedEP) Fig. 1)."""
     from fedbayes.toys import local, plots
     from fedbayes.toys.quadratic import PROBLEMS, run_quadratic
 
@@ -118,20 +118,20 @@ def least_squares(
     out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/toy_least_squares)")] = None,
     json_: JsonOpt = False,
     seed: SeedOpt = 0,
-    dims: Annotated[str, typer.Option(help="feature counts d, comma-separated (seed 003: 10,100,1000)")] = "10,100",
-    problems: Annotated[int, typer.Option(min=1, help="random problems per dimension (seed 003: 10)")] = 3,
-    inits: Annotated[int, typer.Option(min=1, help="starting points per problem (seed 003: 10)")] = 3,
+    dims: Annotated[str, typer.Option(help="feature counts d, comma-separated (Al-Shedivat et al. 2021 (FedPA): 10,100,1000)")] = "10,100",
+    problems: Annotated[int, typer.Option(min=1, help="random problems per dimension (Al-Shedivat et al. 2021 (FedPA): 10)")] = 3,
+    inits: Annotated[int, typer.Option(min=1, help="starting points per problem (Al-Shedivat et al. 2021 (FedPA): 10)")] = 3,
     reps: Annotated[int, typer.Option(min=2, help="repetitions of each FedPA estimate (FedAvg: 10x)")] = 10,
     init_scale: Annotated[float, typer.Option(min=0.0, help="starting points theta = mu + init_scale N(0, I)")] = 10.0,
     fedavg_steps: Annotated[str, typer.Option(help="FedAvg local step counts")] = "1,2,5,10,20,50,100,200",
     fedpa_samples: Annotated[str, typer.Option(help="FedPA sample counts")] = "2,5,10,20,50,100",
     sampler: Annotated[str, typer.Option(help="FedPA samples: iasg or exact")] = "iasg",
-    rho: Annotated[Optional[float], typer.Option(min=0.0, help="FedPA rho (default seed 003's 0.01 / 0.005 / 0.001 for d = 10 / 100 / 1000)")] = None,
+    rho: Annotated[Optional[float], typer.Option(min=0.0, help="FedPA rho (default Al-Shedivat et al. 2021 (FedPA)'s 0.01 / 0.005 / 0.001 for d = 10 / 100 / 1000)")] = None,
     lr: Annotated[Optional[float], typer.Option(min=0.0, help="client lr (default 0.5 / max eigenvalue per problem)")] = None,
     steps_per_sample: Annotated[int, typer.Option(min=1, help="IASG steps averaged per sample")] = 100,
     burn_in: Annotated[int, typer.Option(min=0, help="IASG burn-in steps")] = 200,
 ):
-    """Bias and variance of FedAvg and FedPA client deltas on make_regression problems (seed 003 App. A, Fig. 3)."""
+    """Bias and variance of FedAvg and FedPA client deltas on make_regression problems (Al-Shedivat et al. 2021 (FedPA) App. A, Fig. 3)."""
     from fedbayes.toys import local, plots
     from fedbayes.toys.least_squares import run_least_squares
 
@@ -162,16 +162,16 @@ def niw(
     out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/toy_niw)")] = None,
     json_: JsonOpt = False,
     seed: SeedOpt = 0,
-    trials: Annotated[int, typer.Option(min=1, help="random problems (seed 000: 200)")] = 200,
-    clients: Annotated[int, typer.Option(min=1, help="clients per problem (seed 000: 2)")] = 2,
-    dim: Annotated[int, typer.Option(min=1, help="dimension (seed 000: 2)")] = 2,
-    steps: Annotated[int, typer.Option(min=1, help="EP steps (seed 000: 100; use ~1000 for dim > 2 or > 2 clients)")] = 100,
+    trials: Annotated[int, typer.Option(min=1, help="random problems (Guo et al. 2023 (FedEP): 200)")] = 200,
+    clients: Annotated[int, typer.Option(min=1, help="clients per problem (Guo et al. 2023 (FedEP): 2)")] = 2,
+    dim: Annotated[int, typer.Option(min=1, help="dimension (Guo et al. 2023 (FedEP): 2)")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="EP steps (Guo et al. 2023 (FedEP): 100; use ~1000 for dim > 2 or > 2 clients)")] = 100,
     iso_steps: Annotated[Optional[int], typer.Option(min=1, help="scaled-identity EP steps (default --steps)")] = None,
     damping: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="EP damping (default min(1, 2/clients))")] = None,
     nu: Annotated[Optional[float], typer.Option(help="inverse-Wishart dof (default 7, or dim + 5 for dim > 2)")] = None,
     float32: Annotated[bool, typer.Option("--float32", help="run EP in float32 (the paper's precision)")] = False,
 ):
-    """Random normal-inverse-Wishart clients: FedAvg, FedPA and EP vs the exact global mean (seed 000 Table 4, Fig. 4 left)."""
+    """Random normal-inverse-Wishart clients: FedAvg, FedPA and EP vs the exact global mean (Guo et al. 2023 (FedEP) Table 4, Fig. 4 left)."""
     import jax.numpy as jnp
 
     from fedbayes.toys import plots
@@ -193,7 +193,7 @@ def niw(
     paper = {"fedavg": "0.54 ± 0.47", "fedpa": "0.26 ± 0.26", "fedep_diag": "1.1e-7 ± 9.8e-8", "fedep_iso": "—"}
     s = result.settings
     table = Table(title=f"NIW toy: {s['trials']} trials, {s['clients']} clients, dim {s['dim']}, nu {s['nu']:g}, {s['steps']} EP steps, damping {s['damping']:.3g}, {s['dtype']}")
-    for col in ("method", "mean distance", "std", "max", "seed 000 Table 4"):
+    for col in ("method", "mean distance", "std", "max", "Guo et al. 2023 (FedEP) Table 4"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for name, f in figures.items():
         table.add_row(name, _g(f["mean"]), _g(f["std"]), _g(f["max"]), paper[name] if (s["dim"], s["clients"]) == (2, 2) else "")

@@ -1,6 +1,6 @@
-"""Bias and variance of FedAvg and FedPA client deltas on least squares (seed 003 App. A.1, Fig. 3).
+"""Bias and variance of FedAvg and FedPA client deltas on least squares (Al-Shedivat et al. 2021 (FedPA) App. A.1, Fig. 3).
 
-Spec 15.4. Problems are ``sklearn.datasets.make_regression`` with ``d`` features, 500 points,
+docs/algorithms.md §15.4. Problems are ``sklearn.datasets.make_regression`` with ``d`` features, 500 points,
 ``min(10, d)`` informative features, no noise and no bias, and a column of ones appended (the
 FedPA code's ``create_random_least_squares``), so the dimension is ``D = d + 1``. The client
 objective is ``f(theta) = 1/2 mean((X theta - y)^2) = 1/2 (theta - mu)^T A (theta - mu) + c`` with
@@ -23,10 +23,10 @@ The estimators (:mod:`fedbayes.toys.local`, same noisy oracle ``A (theta - mu) +
   ``(theta - theta_K) / (lr K)`` (the mean gradient along the local path: FedAvg's delta is
   ``lr K`` times it, and with ``K = 1`` it is unbiased). Its expectation is
   ``(I - (I - lr A)^K) / (lr K) (theta - mu)``, whose distance from ``g*`` grows with ``K``
-  (seed 003 Fig. 3a: bias grows, variance falls).
+  (Al-Shedivat et al. 2021 (FedPA) Fig. 3a: bias grows, variance falls).
 * ``fedpa``: ``l`` IASG samples of ``steps_per_sample`` steps each after ``burn_in`` steps (not
   counted, as in Fig. 3b), shrinkage ``rho`` fixed per dimension (0.01, 0.005, 0.001 for
-  ``d`` = 10, 100, 1000, seed 003 Fig. 3b); ``Sigma_l^{-1} (theta - mean)`` estimates ``g*``
+  ``d`` = 10, 100, 1000, Al-Shedivat et al. 2021 (FedPA) Fig. 3b); ``Sigma_l^{-1} (theta - mean)`` estimates ``g*``
   without rescaling. Bias falls with ``l``; variance first rises (``rho_l`` shrinks) then falls.
 * ``fedpa_rho``: the same with ``l`` fixed (the largest ``l``) and ``rho`` swept (Fig. 3c).
 
@@ -126,17 +126,17 @@ def run_least_squares(
     """Runs the least-squares bias/variance study.
 
     Args:
-      dims: feature counts ``d`` (seed 003: 10, 100, 1000).
+      dims: feature counts ``d`` (Al-Shedivat et al. 2021 (FedPA): 10, 100, 1000).
       seed: seeds the problems, starting points and noise.
-      problems: random problems per dimension (seed 003: 10).
-      inits: starting points per problem (seed 003: 10).
+      problems: random problems per dimension (Al-Shedivat et al. 2021 (FedPA): 10).
+      inits: starting points per problem (Al-Shedivat et al. 2021 (FedPA): 10).
       reps: repetitions of each FedPA estimator (for the mean and covariance).
       fedavg_reps: repetitions of each FedAvg estimator (default ``10 * reps``: its chains are
         short, and its variance at few steps is large).
-      num_examples: points per problem (seed 003: 500).
+      num_examples: points per problem (Al-Shedivat et al. 2021 (FedPA): 500).
       init_scale: ``theta = mu + init_scale N(0, I)``. The default 10 puts the starting points
         far enough from ``mu`` that the biases (proportional to ``theta - mu``) dominate the
-        sampling noise (which is not); seed 003 starts from random parameters.
+        sampling noise (which is not); Al-Shedivat et al. 2021 (FedPA) starts from random parameters.
       lr: client SGD / IASG learning rate; default ``0.5 / lambda_max(A)`` per problem.
       fedavg_steps: FedAvg local step counts.
       fedpa_samples: FedPA sample counts ``l`` (steps ``= l * steps_per_sample``).

@@ -1,12 +1,12 @@
 """Client deltas on quadratic objectives: FedAvg, MB-SGD and FedPA with IASG or exact samples.
 
-Shared by the quadratic and least-squares toys (seed 003 Sec. 3-4, App. A; spec 6, 15.3, 15.4).
+Shared by the quadratic and least-squares toys (Al-Shedivat et al. 2021 (FedPA) Sec. 3-4, App. A; docs/algorithms.md §6, 15.3, 15.4).
 A client's objective is the quadratic
 
     f(theta) = 1/2 (theta - mu)^T A (theta - mu),   exp(-f) ∝ N(mu, A^{-1}),
 
-so its exact client delta is ``g* = A (theta - mu)`` (seed 003 Eq. 4 with ``Sigma = A^{-1}``;
-spec 6.10 item 4, the FedPA code's ``compute_exact_delta``).
+so its exact client delta is ``g* = A (theta - mu)`` (Al-Shedivat et al. 2021 (FedPA) Eq. 4 with ``Sigma = A^{-1}``;
+docs/algorithms.md §6.10 item 4, the FedPA code's ``compute_exact_delta``).
 
 **Stochastic gradients.** All methods see the same oracle
 
@@ -16,21 +16,21 @@ the large-sample limit of minibatch noise (its covariance is proportional to the
 Mandt et al. (2017) show that the average of ``K`` consecutive constant-step SGD iterates on a
 quadratic has covariance ``A^{-1} C A^{-1} / K`` for gradient noise covariance ``C`` (when ``K``
 exceeds the chain's mixing time ``1 / (lr lambda_min(A))``). With ``C = tau A`` and
-``tau = K`` the IASG samples (seed 003 Alg. 4; :func:`fedbayes.inference.iasg.iasg`) are thus
+``tau = K`` the IASG samples (Al-Shedivat et al. 2021 (FedPA) Alg. 4; :func:`fedbayes.inference.iasg.iasg`) are thus
 approximately draws from the client posterior ``N(mu, A^{-1})``: the noise level is
 calibrated to the sampler, ``tau = temperature * steps_per_sample``. (With finite ``K`` the
 averages are under-dispersed by about ``1 / (K lr lambda_min)`` in slow directions and mildly
 correlated; ``tests/test_toys.py`` measures ~30% on the 2-D toy.) This is the noise of a
 client holding ``n = K B`` examples, sampled with one IASG sample per epoch of ``K`` minibatch
-steps of size ``B`` (TFF's ``fed_pa_schedule``; spec 6.3). The ``"exact"`` sampler instead draws
+steps of size ``B`` (TFF's ``fed_pa_schedule``; docs/algorithms.md §6.3). The ``"exact"`` sampler instead draws
 from ``N(mu, A^{-1})`` directly (the FedPA code's ``ExactQuadraticSampler``).
 
-Deltas (pseudo-gradients, spec 0 sign convention):
+Deltas (pseudo-gradients, docs/algorithms.md §0 sign convention):
 
-* FedAvg: ``theta - theta_K`` after ``K`` local SGD steps (seed 003 Alg. 2);
+* FedAvg: ``theta - theta_K`` after ``K`` local SGD steps (Al-Shedivat et al. 2021 (FedPA) Alg. 2);
 * MB-SGD: ``lr * mean_j g_hat_j(theta)`` over ``K`` gradients at ``theta`` (the FedPA code's
   ``compute_mb_sgd_delta``);
-* FedPA: ``Sigma_l^{-1} (theta - mean(samples))`` with the shrinkage covariance of seed 003
+* FedPA: ``Sigma_l^{-1} (theta - mean(samples))`` with the shrinkage covariance of Al-Shedivat et al. 2021 (FedPA)
   Thm. 3 (:func:`fedbayes.algorithms.fedpa.dense_shrinkage_delta`, equal to the DP of
   :func:`~fedbayes.algorithms.fedpa.shrinkage_delta` to 1e-10; the dense form is used because
   the DP's unrolled loop compiles in O(l^2) time, about a minute at ``l = 100``, and ``d <= 101``
@@ -111,7 +111,7 @@ def stack_quadratics(quadratics) -> Quadratic:
 
 
 def exact_delta(q: Quadratic, theta: jax.Array) -> jax.Array:
-    """``g* = A (theta - mu)``, the delta of an exact local posterior (seed 003 Eq. 4)."""
+    """``g* = A (theta - mu)``, the delta of an exact local posterior (Al-Shedivat et al. 2021 (FedPA) Eq. 4)."""
     return q.hessian @ (theta - q.optimum)
 
 
@@ -151,7 +151,7 @@ def sgd_trajectory(key: jax.Array, q: Quadratic, theta: jax.Array, *, lr, num_st
 
 
 def fedavg_delta(key: jax.Array, q: Quadratic, theta: jax.Array, *, lr, num_steps: int, noise_scale) -> jax.Array:
-    """FedAvg's client delta ``theta - theta_K`` after ``K`` local SGD steps (seed 003 Alg. 2)."""
+    """FedAvg's client delta ``theta - theta_K`` after ``K`` local SGD steps (Al-Shedivat et al. 2021 (FedPA) Alg. 2)."""
     return theta - sgd_trajectory(key, q, theta, lr=lr, num_steps=num_steps, noise_scale=noise_scale)[-1]
 
 
@@ -173,7 +173,7 @@ def iasg_samples(
     num_samples: int,
     noise_scale,
 ) -> jax.Array:
-    """``num_samples`` IASG samples ``[l, d]`` started at ``theta`` (seed 003 Alg. 4; optax SGD)."""
+    """``num_samples`` IASG samples ``[l, d]`` started at ``theta`` (Al-Shedivat et al. 2021 (FedPA) Alg. 4; optax SGD)."""
     samples, _ = iasg(
         theta,
         _noise_batches(key, theta.shape[-1], theta.dtype),
@@ -195,7 +195,7 @@ def exact_samples(key: jax.Array, q: Quadratic, num_samples: int) -> jax.Array:
 def fedpa_delta(samples: jax.Array, theta: jax.Array, rho) -> jax.Array:
     """FedPA's delta ``Sigma_l^{-1} (theta - mean(samples))``, ``Sigma_l = rho_l I + (1 - rho_l) S_l``.
 
-    ``rho_l = 1 / (1 + (l - 1) rho)`` (seed 003 Thm. 3; spec 6.4), via
+    ``rho_l = 1 / (1 + (l - 1) rho)`` (Al-Shedivat et al. 2021 (FedPA) Thm. 3; docs/algorithms.md §6.4), via
     :func:`fedbayes.algorithms.fedpa.dense_shrinkage_delta`.
     """
     return dense_shrinkage_delta(samples, theta, rho)

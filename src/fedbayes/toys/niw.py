@@ -1,6 +1,6 @@
-"""Random normal-inverse-Wishart Gaussian clients (seed 000 Sec. 3.1, Table 4 and Fig. 4 left).
+"""Random normal-inverse-Wishart Gaussian clients (Guo et al. 2023 (FedEP) Sec. 3.1, Table 4 and Fig. 4 left).
 
-Spec 15.2. Each trial draws ``K`` clients ``p_k = N(mu_k, Sigma_k)`` (seed 000 Sec. 3.1; the
+docs/algorithms.md §15.2. Each trial draws ``K`` clients ``p_k = N(mu_k, Sigma_k)`` (Guo et al. 2023 (FedEP) Sec. 3.1; the
 reference ``toy.py``):
 
     W ~ InvWishart(Psi, nu),   Sigma_k = W / lambda,   mu_k ~ N(mu_0 = 0, Sigma_k),
@@ -17,12 +17,12 @@ averaged over trials:
 
 * ``fedavg``: the mean of the means;
 * ``fedpa``: one step of diagonal EP from uniform sites = the product of the clients' diagonal
-  projections (spec 7.11 item 2);
+  projections (docs/algorithms.md §7.11 item 2);
 * ``fedep_diag``: ``steps`` synchronous diagonal EP steps with exact tilted moments
   (:mod:`fedbayes.toys.ep`; undamped for 2 clients, damped ``2 / K`` for more);
-* ``fedep_iso``: the same with the scaled-identity projection (seed 000 Fig. 4 left).
+* ``fedep_iso``: the same with the scaled-identity projection (Guo et al. 2023 (FedEP) Fig. 4 left).
 
-Seed 000 Table 4 reports FedAvg 0.54 ± 0.47, FedPA 0.26 ± 0.26, FedEP 1.1e-7 ± 9.8e-8 (float32
+Guo et al. 2023 (FedEP) Table 4 reports FedAvg 0.54 ± 0.47, FedPA 0.26 ± 0.26, FedEP 1.1e-7 ± 9.8e-8 (float32
 round-off). Randomness comes from ``numpy.random.RandomState(seed)`` passed to scipy, which
 draws exactly what the reference code draws after ``np.random.seed(seed)``.
 """
@@ -43,7 +43,7 @@ __all__ = ["METHODS", "NIWResult", "default_nu", "sample_clients", "run_niw"]
 
 
 def default_nu(dim: int) -> float:
-    """``nu = 7`` (seed 000) where it gives a finite-mean inverse Wishart, else ``dim + 5``."""
+    """``nu = 7`` (Guo et al. 2023 (FedEP)) where it gives a finite-mean inverse Wishart, else ``dim + 5``."""
     return float(max(7, dim + 5)) if dim > 2 else 7.0
 
 
@@ -100,15 +100,15 @@ def run_niw(
     """Runs the NIW toy: ``trials`` random problems, four estimators of the global mean.
 
     Args:
-      trials: number of random problems (seed 000: 200).
-      num_clients: clients per problem (seed 000: 2).
-      dim: dimension (seed 000: 2).
-      steps: diagonal EP steps (seed 000 ``num_steps = 100``).
+      trials: number of random problems (Guo et al. 2023 (FedEP): 200).
+      num_clients: clients per problem (Guo et al. 2023 (FedEP): 2).
+      dim: dimension (Guo et al. 2023 (FedEP): 2).
+      steps: diagonal EP steps (Guo et al. 2023 (FedEP) ``num_steps = 100``).
       iso_steps: scaled-identity EP steps (default: ``steps``).
       damping: EP damping ``delta`` (default ``min(1, 2 / K)``, :func:`fedbayes.toys.ep.default_damping`).
       seed: seeds the ``RandomState`` that draws the problems.
       nu: inverse-Wishart degrees of freedom (default :func:`default_nu`).
-      lam: the NIW scale ``lambda`` (seed 000: 0.2).
+      lam: the NIW scale ``lambda`` (Guo et al. 2023 (FedEP): 0.2).
       dtype: ``jnp.float64`` (default; runs under ``jax.enable_x64``) or ``jnp.float32``.
     """
     from sklearn.datasets import make_spd_matrix

@@ -1,4 +1,4 @@
-"""Figures of the toy problems (matplotlib, headless): seed 003 Figs. 1 and 3, seed 000 Figs. 1 and 4."""
+"""Figures of the toy problems (matplotlib, headless): Al-Shedivat et al. 2021 (FedPA) Figs. 1 and 3, Guo et al. 2023 (FedEP) Figs. 1 and 4."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def plot_quadratic(result, path: str | Path) -> Path:
-    """Three panels: the two clients and the product with every estimate (seed 000 Fig. 1), the
-    server's distance to ``theta*`` per round (seed 003 Fig. 1; mean over runs, min-max band),
+    """Three panels: the two clients and the product with every estimate (Guo et al. 2023 (FedEP) Fig. 1), the
+    server's distance to ``theta*`` per round (Al-Shedivat et al. 2021 (FedPA) Fig. 1; mean over runs, min-max band),
     and the EP distance per step (diagonal and scaled identity)."""
     plt = _pyplot()
     from scipy.stats import multivariate_normal
@@ -84,7 +84,7 @@ def plot_quadratic(result, path: str | Path) -> Path:
 
 def plot_niw(result, path: str | Path) -> Path:
     """Mean distance to the exact global mean per EP step, with FedAvg and FedPA as levels
-    (seed 000 Fig. 4 left)."""
+    (Guo et al. 2023 (FedEP) Fig. 4 left)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
     for name, curve in result.curves.items():
@@ -103,7 +103,7 @@ def plot_niw(result, path: str | Path) -> Path:
 
 def plot_least_squares(result, path: str | Path) -> Path:
     """One row per dimension: FedAvg vs local steps, FedPA vs local steps, FedPA vs shrinkage;
-    bias (solid, left axis) and variance (dashed, right axis), as seed 003 Fig. 3."""
+    bias (solid, left axis) and variance (dashed, right axis), as Al-Shedivat et al. 2021 (FedPA) Fig. 3."""
     plt = _pyplot()
     dims = list(result.by_dim)
     fig, axes = plt.subplots(len(dims), 3, figsize=(14, 3.4 * len(dims)), constrained_layout=True, squeeze=False)

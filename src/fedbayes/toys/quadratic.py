@@ -1,27 +1,27 @@
-"""Two clients with 2-D quadratic objectives: FedAvg vs FedPA vs EP (seed 003 Fig. 1, seed 000 Fig. 1).
+"""Two clients with 2-D quadratic objectives: FedAvg vs FedPA vs EP (Al-Shedivat et al. 2021 (FedPA) Fig. 1, Guo et al. 2023 (FedEP) Fig. 1).
 
-Spec 15.1 and 15.3. The clients are the two Gaussians of seed 000's Fig. 1 (spec 15.1), read as
+docs/algorithms.md §15.1 and 15.3. The clients are the two Gaussians of Guo et al. 2023 (FedEP)'s Fig. 1 (docs/algorithms.md §15.1), read as
 quadratics ``f_k(theta) = 1/2 (theta - mu_k)^T A_k (theta - mu_k)`` with ``A_k = Sigma_k^{-1}``:
 
     mu_1 = (7.0, -10.6),  Sigma_1 = [[11, -5.3], [-5.3, 3.5]]
     mu_2 = (0.2,   2.24), Sigma_2 = [[ 5,  4.9], [ 4.9, 5.5]]
 
 With equal weights the global objective ``sum_k f_k`` has its optimum at the product's mean
-``theta* = (sum_k A_k)^{-1} sum_k A_k mu_k = (-4.75695, -3.60154)`` (seed 003 Eq. 3, Prop. 2).
+``theta* = (sum_k A_k)^{-1} sum_k A_k mu_k = (-4.75695, -3.60154)`` (Al-Shedivat et al. 2021 (FedPA) Eq. 3, Prop. 2).
 (``problem="random"`` instead draws two quadratics as the FedPA code's
 ``create_random_quadratics(dim=2, min_eig=1, max_eig=10, b_scale=10)``.)
 
-Server loop (seed 003 Alg. 1): full participation, ``theta <- theta - eta_s mean_k g_k``
+Server loop (Al-Shedivat et al. 2021 (FedPA) Alg. 1): full participation, ``theta <- theta - eta_s mean_k g_k``
 (``optax.sgd(server_lr)``), from ``inits`` starting points at distance ``init_radius`` from
 ``theta*``. Client deltas ``g_k`` (:mod:`fedbayes.toys.local`):
 
 * ``fedavg_K``: ``K`` local SGD steps (``K = 10, 100``); its fixed point solves
   ``sum_k B_k (theta - mu_k) = 0`` with ``B_k = I - (I - lr A_k)^K`` and moves from ``theta*``
-  (``K = 1``) to the mean of the means (``K -> inf``) as ``K`` grows (seed 003 Sec. 3);
+  (``K = 1``) to the mean of the means (``K -> inf``) as ``K`` grows (Al-Shedivat et al. 2021 (FedPA) Sec. 3);
 * ``mbsgd``: ``lr`` times the mean of 100 gradients at ``theta`` (unbiased, converges to
   ``theta*`` up to noise, slowly);
 * ``fedpa_l``: ``l = 10, 100`` IASG samples (or exact posterior samples), shrinkage ``rho = 1``
-  as in seed 003 Fig. 1; ``Sigma_l^{-1} -> A_k`` as ``l`` grows, so the fixed point approaches
+  as in Al-Shedivat et al. 2021 (FedPA) Fig. 1; ``Sigma_l^{-1} -> A_k`` as ``l`` grows, so the fixed point approaches
   ``theta*``.
 
 The stochastic gradient is ``A_k (theta - mu_k) + N(0, tau A_k)`` with
@@ -30,7 +30,7 @@ client posterior ``N(mu_k, Sigma_k)`` (see :mod:`fedbayes.toys.local`); every me
 same oracle. The reported distance of a run is ``||theta_t - theta*||`` averaged over its last
 ``tail`` rounds (the iterates fluctuate around the fixed point); mean and std are over inits.
 
-EP on the same two Gaussians (:mod:`fedbayes.toys.ep`; spec 15.1): the one-shot FedAvg
+EP on the same two Gaussians (:mod:`fedbayes.toys.ep`; docs/algorithms.md §15.1): the one-shot FedAvg
 (3.6, -4.18) and FedPA (2.3250, -5.6067) estimates, 10 diagonal EP steps (-4.7631, -3.6106) and
 100 scaled-identity EP steps (the exact mean).
 """
@@ -57,7 +57,7 @@ __all__ = ["PROBLEMS", "QuadraticResult", "fedavg_fixed_point", "make_problem", 
 def make_problem(problem: str = "gaussians", seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The two clients' ``(mu [2, 2], Sigma [2, 2, 2])``.
 
-    ``"gaussians"``: spec 15.1 (seed 000 Fig. 1). ``"random"``: the FedPA code's
+    ``"gaussians"``: docs/algorithms.md §15.1 (Guo et al. 2023 (FedEP) Fig. 1). ``"random"``: the FedPA code's
     ``create_random_quadratics(dim=2, num_objectives=2, min_eig=1, max_eig=10, b_scale=10)``
     (``A = V diag(w) V^T`` with the eigenvalues of a random symmetric matrix rescaled to
     ``[1, 10]``, ``b = 10 N(0, I)``, ``mu = A^{-1} b``), drawn from ``default_rng(seed)``.
@@ -83,7 +83,7 @@ def fedavg_fixed_point(means: np.ndarray, covs: np.ndarray, lr: float, num_steps
 
     With ``K`` local SGD steps of size ``lr`` on ``f_k`` the expected delta is
     ``B_k (theta - mu_k)``, ``B_k = I - (I - lr A_k)^K`` (the noise has mean zero and the
-    recursion is linear), and the server's fixed point sets their sum to zero (seed 003 Sec. 3;
+    recursion is linear), and the server's fixed point sets their sum to zero (Al-Shedivat et al. 2021 (FedPA) Sec. 3;
     ``K = 1`` gives ``theta*``, ``K -> inf`` the mean of the means).
     """
     eye = np.eye(means.shape[1])
@@ -92,7 +92,7 @@ def fedavg_fixed_point(means: np.ndarray, covs: np.ndarray, lr: float, num_steps
 
 
 def server_loop(key, clients: local.Quadratic, theta0, delta_fn, *, rounds: int, server_lr: float):
-    """Runs ``rounds`` rounds of the generalised FedAvg loop (seed 003 Alg. 1), full participation.
+    """Runs ``rounds`` rounds of the generalised FedAvg loop (Al-Shedivat et al. 2021 (FedPA) Alg. 1), full participation.
 
     Args:
       key: PRNG key.
@@ -190,22 +190,22 @@ def run_quadratic(
 
     Args:
       seed: seeds the starting points and the gradient noise (and the problem if ``"random"``).
-      problem: ``"gaussians"`` (spec 15.1) or ``"random"``.
+      problem: ``"gaussians"`` (docs/algorithms.md §15.1) or ``"random"``.
       rounds: server rounds.
-      inits: independent runs from different starting points (seed 003 Fig. 1: 5).
+      inits: independent runs from different starting points (Al-Shedivat et al. 2021 (FedPA) Fig. 1: 5).
       init_radius: distance of the starting points from ``theta*``.
       lr: client SGD / IASG learning rate (default ``1 / max_k lambda_max(A_k)``).
       server_lr: server SGD learning rate.
       fedavg_steps: local step counts for FedAvg.
       fedpa_samples: sample counts ``l`` for FedPA.
       mbsgd_grads: gradients per client per round for MB-SGD (0 to skip).
-      rho: FedPA shrinkage (seed 003 Fig. 1: 1).
+      rho: FedPA shrinkage (Al-Shedivat et al. 2021 (FedPA) Fig. 1: 1).
       sampler: ``"iasg"`` or ``"exact"`` posterior samples for FedPA.
       steps_per_sample: IASG steps averaged per sample ``K`` (also sets the noise ``tau``).
       burn_in: IASG burn-in steps.
       temperature: gradient-noise temperature (``tau = temperature * steps_per_sample``).
-      ep_steps: diagonal EP steps (spec 15.1: 10).
-      iso_steps: scaled-identity EP steps (spec 15.1: 100).
+      ep_steps: diagonal EP steps (docs/algorithms.md §15.1: 10).
+      iso_steps: scaled-identity EP steps (docs/algorithms.md §15.1: 100).
       tail: rounds averaged for the final distance.
     """
     if sampler not in local.SAMPLERS:
