@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import tomli_w
+from fedbayes.errors import BadInputError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
@@ -22,7 +23,37 @@ MODELS = ("logreg", "mlp", "cnn", "linear")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: every float is finite (lr = inf or nan is a config error, not a silent
+    # run of rejected messages or NaN metrics).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data):
+        """TOML's ``true`` is not a number: pydantic would read ``rounds = true`` as 1 round."""
+        if isinstance(data, dict):
+            for key, v in data.items():
+                field = cls.model_fields.get(key) if isinstance(key, str) else None
+                items = v if isinstance(v, (list, tuple)) else (v,)
+                if field is not None and any(isinstance(x, bool) for x in items) and not _takes_bool(field.annotation):
+                    raise ValueError(f"{_section_name(cls)}{key}: must be a number, not a boolean; got {v!r}")
+        return data
+
+
+def _section_name(cls) -> str:
+    """The dotted prefix of a config section in error messages ("" for the top level)."""
+    if cls.__name__ == "RunConfig":
+        return ""
+    for name, section in (("data.", "DataConfig"), ("model.", "ModelConfig"), ("client.", "ClientConfig"), ("server.", "ServerConfig")):
+        if cls.__name__ == section:
+            return name
+    return "algorithm."
+
+
+def _takes_bool(annotation) -> bool:
+    import typing
+
+    return annotation is bool or any(_takes_bool(a) for a in typing.get_args(annotation))
 
 
 class DataConfig(_Strict):
@@ -40,6 +71,7 @@ class DataConfig(_Strict):
     synthetic_alpha: float = Field(1.0, ge=0, description="synthetic_leaf: model heterogeneity")
     synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
     dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
+    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels): the declared number of classes; default from the labels")
 
 
 class ModelConfig(_Strict):
@@ -179,7 +211,7 @@ ALGORITHM_CONFIGS = {
 class RunConfig(_Strict):
     """One experiment."""
 
-    name: str = "run"
+    name: str = Field("run", description="the run's name: a plain file name (runs/<name>/ is its folder)")
     seed: int = Field(0, ge=0)
     rounds: int = Field(10, ge=1)
     eval_every: int = Field(1, ge=1)
@@ -194,6 +226,13 @@ class RunConfig(_Strict):
     client: ClientConfig = ClientConfig()
     server: ServerConfig = ServerConfig()
     algorithm: AlgorithmConfig = FedAvgConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or v in (".", "..") or any(c in v for c in "/\\") or any(ord(c) < 32 for c in v) or len(v.encode()) > 200:
+            raise ValueError(f"must be a plain file name (no '/', not empty, not '.' or '..', at most 200 bytes); got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -225,8 +264,8 @@ class RunConfig(_Strict):
         return self
 
 
-class ConfigError(ValueError):
-    """A configuration problem, already formatted as one line for the user."""
+class ConfigError(BadInputError):
+    """A configuration problem, already formatted as one line for the user (exit code 2)."""
 
 
 def _allowed(err: dict) -> str:
@@ -330,9 +369,18 @@ def read_toml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config error: {path}: no such file")
     try:
-        return tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config error: {path}: invalid TOML: {exc}") from None
+        raise ConfigError(f"config error: {path}: invalid TOML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config error: {path}: not a text file (not UTF-8); a config is a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config error: {path}: cannot read it ({exc.strerror or exc})") from None
+    if not raw:
+        raise ConfigError(
+            f"config error: {path}: the config is empty; start from `fedbayes config` or one of the commented examples in examples/"
+        )
+    return raw
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
