@@ -284,6 +284,7 @@ def test_bad_configs_are_one_line_exit_2(tmp_path):
     for args, needle in cases:
         line = one_line_error(runner.invoke(app, args), 2)
         assert needle in line, (args, line)
+        assert line.startswith(("config error: ", "error: ")) and line.count("error:") == 1, line
     assert not (tmp_path.parent / "x").exists()
 
 

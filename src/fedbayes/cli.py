@@ -173,7 +173,7 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
         where = f"; traceback in {log}" if log is not None else ""
         return code, f"internal error: {type(exc).__name__}: {one_line(exc)[:300]}{where} (please report it)"
     line = one_line(exc)
-    if not line.split(" ", 1)[0].endswith(":") or line.startswith("/"):
+    if not line.startswith(("config error:", "data error:", "error:")):
         kind = {2: "error", 3: "data error", 4: "run folder error", 5: "error"}.get(code, "error")
         line = f"{kind}: {line}"
     return code, line
