@@ -174,7 +174,9 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
         return code, f"internal error: {type(exc).__name__}: {one_line(exc)[:300]}{where} (please report it)"
     line = one_line(exc)
     if not line.startswith(("config error:", "data error:", "error:")):
-        kind = {2: "error", 3: "data error", 4: "run folder error", 5: "error"}.get(code, "error")
+        from fedbayes.errors import DivergedError
+
+        kind = "diverged" if isinstance(exc, DivergedError) else {3: "data error", 4: "run folder error"}.get(code, "error")
         line = f"{kind}: {line}"
     return code, line
 
