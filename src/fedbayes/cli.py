@@ -395,8 +395,29 @@ from fedbayes.toys.commands import toy_app  # noqa: E402  (toy quadratic | least
 app.add_typer(toy_app, name="toy")
 
 
+def _in_gc_callback(frame) -> bool:
+    for _ in range(32):
+        if frame is None:
+            return False
+        if "gc_callback" in frame.f_code.co_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM ends a run like Ctrl-C: one line saying how to resume, exit 130
+    """SIGINT and SIGTERM end a run with one line saying how to resume (exit 130).
+
+    An exception raised while the garbage collector runs a callback (JAX registers one) is
+    printed as "Exception ignored" with a traceback and then dropped; such a signal is re-raised
+    50 ms later instead."""
+    import signal
+
+    if _in_gc_callback(frame):
+        signal.signal(signal.SIGALRM, _interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        return
+    raise KeyboardInterrupt
 
 
 def main() -> int:
@@ -404,6 +425,7 @@ def main() -> int:
     import signal
 
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     app.pretty_exceptions_enable = False
     try:
         enable_compilation_cache()
