@@ -158,7 +158,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     with np.load(full / "checkpoints" / "round_000006.npz") as fa, np.load(broken / "checkpoints" / "round_000006.npz") as fb:
         assert set(fa.files) == set(fb.files)
         for k in fa.files:
-            if k != "meta":
+            if k not in ("meta", "checksum"):  # the metadata holds wall-clock seconds
                 np.testing.assert_array_equal(fa[k], fb[k])
 
 

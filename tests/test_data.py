@@ -261,7 +261,7 @@ def test_leaf_numeric_femnist_style(tmp_path):
     np.testing.assert_allclose(ds.x_train[2].reshape(-1), np.float32(bob["x"][0]))
     assert ds.client_ids.dtype == np.int64
     assert load_leaf(tmp_path, num_classes=62).num_classes == 62
-    with pytest.raises(ValueError, match="num_classes=5"):
+    with pytest.raises(ValueError, match="user .f_carol.: label 7 is outside the declared num_classes = 5"):
         load_leaf(tmp_path, num_classes=5)
 
 

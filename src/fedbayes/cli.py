@@ -2,6 +2,8 @@
 
 No math lives here: commands parse and validate configs, then call :mod:`fedbayes.experiment`.
 Bad configs exit with code 2 and one line naming the field and what is allowed, before any work.
+Every failure is one line on stderr and a documented exit code (:mod:`fedbayes.errors`; the
+handler is :func:`_handled` and :func:`main`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from fedbayes import __version__, report  # noqa: E402
-from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, read_toml, to_toml, validate  # noqa: E402
+from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, parse_override, read_toml, to_toml, validate  # noqa: E402
+from fedbayes.errors import EXIT_INTERRUPTED, EXIT_UNEXPECTED, exit_code_for, one_line  # noqa: E402
 
 CACHE_ENV = "FEDBAYES_CACHE"
 
@@ -144,12 +147,13 @@ def _load(path: Path, overrides: list[str]) -> RunConfig:
         _fail(str(exc))
 
 
-def _run(config: RunConfig, out: Path, resume: bool = False, logs: list[str] | None = None, stderr: bool = False) -> dict:
+def _run(config: RunConfig, out: Path, resume: bool = False, logs: list[str] | None = None, stderr: bool = False, accept_changes=()) -> dict:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.experiment import run_experiment
 
+    _state["folder"] = out
     try:
-        return run_experiment(config, out, resume=resume, reporter=_reporter(out, logs, config, stderr))
+        return run_experiment(config, out, resume=resume, reporter=_reporter(out, logs, config, stderr), accept_changes=accept_changes)
     except DatasetNotFoundError as exc:
         _fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
@@ -159,7 +163,88 @@ def _run(config: RunConfig, out: Path, resume: bool = False, logs: list[str] | N
 LOG_HELP = "also log to csv (metrics.csv), tensorboard or wandb (repeatable; the last two are optional extras)"
 
 
+# ----- the top-level handler: every failure one line and a documented exit code -----------------
+_state: dict = {"folder": None, "stack": None}  # the run folder being written; locks held by the command
+
+
+def _hold(folder: Path, what: str) -> None:
+    """Holds ``folder``'s run lock until the command ends (see :mod:`fedbayes.runlock`)."""
+    from fedbayes import runlock
+
+    _state["stack"].enter_context(runlock.hold(folder, what))
+
+
+def _log_traceback(exc: BaseException) -> Path | None:
+    """Writes the traceback to ``<run folder>/error.log``, else a file under the user's cache."""
+    import datetime
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "fedbayes" / "logs"
+    candidates = [_state["folder"] / "error.log"] if _state["folder"] is not None else []
+    candidates += [cache / f"error-{stamp}-{os.getpid()}.log", Path(tempfile.gettempdir()) / f"fedbayes-error-{stamp}-{os.getpid()}.log"]
+    for path in candidates:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(f"{stamp} fedbayes {' '.join(sys.argv[1:])}\n{text}\n")
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def describe_failure(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one line the user sees for ``exc`` (see :mod:`fedbayes.errors`)."""
+    code = exit_code_for(exc)
+    if code == EXIT_INTERRUPTED:
+        folder = _state["folder"]
+        if folder is None:
+            return code, "interrupted"
+        from fedbayes.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(Path(folder) / "checkpoints")
+        where = f"from its checkpoint {ckpt.name}" if ckpt is not None else "from the start (no checkpoint was written yet)"
+        return code, f"interrupted; `fedbayes resume {folder}` continues {where}"
+    if code == EXIT_UNEXPECTED:
+        log = _log_traceback(exc)
+        where = f"; traceback in {log}" if log is not None else ""
+        return code, f"internal error: {type(exc).__name__}: {one_line(exc)[:300]}{where} (please report it)"
+    line = one_line(exc)
+    if not line.startswith(("config error:", "data error:", "error:")):
+        from fedbayes.errors import DivergedError
+
+        kind = "diverged" if isinstance(exc, DivergedError) else {3: "data error", 4: "run folder error"}.get(code, "error")
+        line = f"{kind}: {line}"
+    return code, line
+
+
+def _handled(command):
+    """Runs a command under the top-level handler: a failure prints one line and exits with its
+    code; the locks the command took are released."""
+    import contextlib
+    import functools
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            _state.update(folder=None, stack=stack)
+            try:
+                return command(*args, **kwargs)
+            except BaseException as exc:
+                if isinstance(exc, (SystemExit, typer.Exit, typer.Abort)) or type(exc).__module__.split(".")[0] in ("click", "typer"):
+                    raise
+                code, line = describe_failure(exc)
+                print(line, file=sys.stderr, flush=True)
+                raise typer.Exit(code) from None
+
+    return wrapper
+
+
 @app.command()
+@_handled
 def run(
     config: Annotated[Path, typer.Argument(help="experiment TOML file; every key: `fedbayes config`")],
     out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/<name>)")] = None,
@@ -183,19 +268,26 @@ COMPARISON_FILE = "comparison.toml"
 
 
 @app.command()
+@_handled
 def resume(
     out: Annotated[Path, typer.Argument(help="the folder of an interrupted run or comparison")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="change a key of the run's config on purpose, e.g. --set rounds=50 (recorded in resume_changes.jsonl)")] = None,
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
 ):
-    """Resume an interrupted run from its newest checkpoint (or a comparison: its unfinished variants)."""
+    """Resume an interrupted run from its newest intact checkpoint (or a comparison: its unfinished
+    variants); ends as if it never stopped.
+
+    The run's config.toml must match its checkpoint's config; a change is accepted only when given
+    here with --set (and is then recorded in the folder)."""
     cfg_path = out / "config.toml"
     if not cfg_path.is_file() and (out / COMPARISON_FILE).is_file():
         _run_comparison(_comparison([out / COMPARISON_FILE], []), out, resume=True, logs=log)
         return
     if not cfg_path.is_file():
         _fail(f"error: {out} holds no config.toml or {COMPARISON_FILE}; is it a fedbayes run folder?")
-    cfg = _load(cfg_path, [])
-    summary = _run(cfg, out, resume=True, logs=log)
+    cfg = _load(cfg_path, set_ or [])
+    accept = [".".join(parse_override(item)[0]) for item in set_ or []]
+    summary = _run(cfg, out, resume=True, logs=log, accept_changes=accept)
     _print_table({cfg.name: summary})
 
 
@@ -259,6 +351,7 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dic
 
 
 @app.command()
+@_handled
 def compare(
     configs: Annotated[list[Path], typer.Argument(help="a comparison TOML (\\[base] + \\[variants.NAME]) or several run TOMLs")],
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
@@ -305,6 +398,7 @@ def _run_comparison(
             stored = out / name / "config.toml"
             if stored.is_file() and stored.read_text() != to_toml(cfg):
                 _fail(f"error: {out / name} holds a run of a different config; pass --overwrite to replace it, or another --out")
+    _hold(out, "compare")
     todo = {name: cfg for name, cfg in runs.items() if not (resume and _finished(cfg, out / name))}
     for name, cfg in todo.items():  # every variant's data and model are checked before any trains
         try:
@@ -331,9 +425,11 @@ def _run_comparison(
     plot = plot_curves(out / "compare.png", curves, title=title, task=task)
     md = report.markdown(summaries, threshold=threshold, curves=curves)
     (out / "compare.md").write_text(md)
-    (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    from fedbayes.strictjson import dumps_record
+
+    (out / "compare.json").write_text(dumps_record(summaries, indent=2) + "\n")
     if json_out:
-        print(json.dumps(summaries), flush=True)
+        print(dumps_record(summaries), flush=True)
         return
     _print_table(summaries, threshold, curves)
     console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
@@ -408,9 +504,48 @@ from fedbayes.toys.commands import toy_app  # noqa: E402  (toy quadratic | least
 app.add_typer(toy_app, name="toy")
 
 
-def main():
-    enable_compilation_cache()
-    app()
+def _in_gc_callback(frame) -> bool:
+    for _ in range(32):
+        if frame is None:
+            return False
+        if "gc_callback" in frame.f_code.co_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt(signum, frame):
+    """SIGINT and SIGTERM end a run with one line saying how to resume (exit 130).
+
+    An exception raised while the garbage collector runs a callback (JAX registers one) is
+    printed as "Exception ignored" with a traceback and then dropped; such a signal is re-raised
+    50 ms later instead."""
+    import signal
+
+    if _in_gc_callback(frame):
+        signal.signal(signal.SIGALRM, _interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        return
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    """The ``fedbayes`` entry point: a failure outside the run commands is one line too."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    app.pretty_exceptions_enable = False
+    try:
+        enable_compilation_cache()
+        app()
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:
+        code, line = describe_failure(exc)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    return 0
 
 
 if __name__ == "__main__":

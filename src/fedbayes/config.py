@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from fedbayes.algorithms import registry
+from fedbayes.errors import BadInputError
 from fedbayes.hparams import HParams
 
 DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
@@ -24,11 +25,13 @@ PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 MODELS = ("logreg", "mlp", "cnn", "linear")
 
 
-_Strict = HParams
+_Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
 
 
 class DataConfig(_Strict):
     """Which data, how much of it, and how it is split over clients."""
+
+    section: ClassVar[str] = "data."
 
     dataset: Literal[DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
     data_dir: str | None = None
@@ -42,10 +45,13 @@ class DataConfig(_Strict):
     synthetic_alpha: float = Field(1.0, ge=0, description="synthetic_leaf: model heterogeneity")
     synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
     dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
+    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels): the declared number of classes; default from the labels")
 
 
 class ModelConfig(_Strict):
     """The flax model."""
+
+    section: ClassVar[str] = "model."
 
     name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
@@ -53,6 +59,8 @@ class ModelConfig(_Strict):
 
 class ClientConfig(_Strict):
     """Local training: epochs, batch size and the client optax optimizer."""
+
+    section: ClassVar[str] = "client."
 
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -64,6 +72,8 @@ class ClientConfig(_Strict):
 
 class ServerConfig(_Strict):
     """Cohort size, client weighting and the server optimizer (docs/algorithms.md §1.2)."""
+
+    section: ClassVar[str] = "server."
 
     clients_per_round: int = Field(10, ge=1)
     weighting: Literal["examples", "uniform"] = "examples"
@@ -88,7 +98,9 @@ FedAvgConfig = ALGORITHM_CONFIGS["fedavg"]
 class RunConfig(_Strict):
     """One experiment."""
 
-    name: str = "run"
+    section: ClassVar[str] = ""
+
+    name: str = Field("run", description="the run's name: a plain file name (runs/<name>/ is its folder)")
     seed: int = Field(0, ge=0)
     rounds: int = Field(10, ge=1)
     eval_every: int = Field(1, ge=1)
@@ -103,6 +115,13 @@ class RunConfig(_Strict):
     client: ClientConfig = ClientConfig()
     server: ServerConfig = ServerConfig()
     algorithm: AlgorithmConfig = FedAvgConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or v in (".", "..") or any(c in v for c in "/\\") or any(ord(c) < 32 for c in v) or len(v.encode()) > 200:
+            raise ValueError(f"must be a plain file name (no '/', not empty, not '.' or '..', at most 200 bytes); got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -134,8 +153,8 @@ class RunConfig(_Strict):
         return self
 
 
-class ConfigError(ValueError):
-    """A configuration problem, already formatted as one line for the user."""
+class ConfigError(BadInputError):
+    """A configuration problem, already formatted as one line for the user (exit code 2)."""
 
 
 def _allowed(err: dict) -> str:
@@ -239,9 +258,18 @@ def read_toml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config error: {path}: no such file")
     try:
-        return tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config error: {path}: invalid TOML: {exc}") from None
+        raise ConfigError(f"config error: {path}: invalid TOML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config error: {path}: not a text file (not UTF-8); a config is a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config error: {path}: cannot read it ({exc.strerror or exc})") from None
+    if not raw:
+        raise ConfigError(
+            f"config error: {path}: the config is empty; start from `fedbayes config` or one of the commented examples in examples/"
+        )
+    return raw
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -15,18 +15,24 @@
   the end;
 * ``summary.json`` and ``curves.png`` at the end.
 
-A run killed at any point and resumed (``resume=True``) continues from its newest complete
-checkpoint, drops the metric lines written after it, and ends with the same metrics as a run that
-never stopped (same machine and seed): every random choice derives from (seed, round, client).
+A run killed at any point and resumed (``resume=True``) continues from its newest intact
+checkpoint, rewrites ``metrics.jsonl`` from the records the checkpoint holds, and ends with the same
+metrics as a run that never stopped (same machine and seed): every random choice derives from
+(seed, round, client). One process at a time writes a run folder (:mod:`fedbayes.runlock`); a
+resume refuses a config that differs from the checkpoint's unless each change is accepted
+(``accept_changes``, the CLI's ``resume DIR --set key=value``), and records accepted ones in
+``resume_changes.jsonl``. Every JSON file is strict JSON (:mod:`fedbayes.strictjson`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -38,9 +44,12 @@ import optax
 from fedbayes import algorithms as algs
 from fedbayes import metrics
 from fedbayes import round as protocol
+from fedbayes import runlock
 from fedbayes.algorithms import registry
-from fedbayes.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fedbayes.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.config import ConfigError, RunConfig, to_toml
+from fedbayes.errors import BadInputError, DataError
+from fedbayes.strictjson import dumps_record, loads_strict, restore_record
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
@@ -77,9 +86,11 @@ def load_data(config: RunConfig) -> Dataset:
         params = dict(num_clients=d.num_clients, dim=d.dim)
     if d.fraction < 1.0:
         params["fraction"] = d.fraction
+    if d.dataset == "leaf" and d.num_classes is not None:
+        params["num_classes"] = d.num_classes
     try:
         return load_dataset(d.dataset, data_dir=d.data_dir, seed=config.seed, **params)
-    except DatasetNotFoundError:
+    except (DatasetNotFoundError, DataError):
         raise
     except ValueError as exc:
         raise ConfigError(f"config error: data: {exc}") from None
@@ -230,8 +241,8 @@ def read_metrics(path: str | Path) -> list[dict]:
         line = line.strip()
         if line:
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                out.append(restore_record(loads_strict(line)))
+            except ValueError:
                 break  # a line torn by a kill: everything after it is dropped too
     return out
 
@@ -320,16 +331,82 @@ class CalibrationCheck:
             logging.getLogger("fedbayes").warning("warning: %s", self.message)
 
 
-def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None) -> dict:
-    """Runs (or resumes) one experiment and returns its summary (see the module docstring)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def config_hash(config: RunConfig) -> str:
+    """SHA-256 of the resolved config (every default included), as a checkpoint records it."""
+    return hashlib.sha256(json.dumps(config.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flat(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def check_resume_config(config: RunConfig, meta: dict, out: Path, accept_changes=()) -> dict[str, list]:
+    """Compares the config to resume with against the checkpoint's; returns the accepted changes.
+
+    Raises:
+      ConfigError: a key differs and is not in ``accept_changes``; the message names every such
+        key with both values and the command that accepts them.
+    """
+    if meta.get("config_hash") == config_hash(config):
+        return {}
+    old, new = _flat(meta.get("config") or {}), _flat(config.model_dump(mode="json"))
+    changed = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    accepted = set(accept_changes)
+    log = out / "resume_changes.jsonl"
+    for line in log.read_text().splitlines() if log.is_file() else []:  # accepted before, from this checkpoint
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("round") == meta["round"]:
+            accepted |= {k for k, (_, v) in rec.get("changed", {}).items() if k in changed and changed[k][1] == v}
+    refused = [k for k in changed if k not in accepted]
+    if refused:
+        what = ", ".join(f"{k} ({json.dumps(changed[k][0])} -> {json.dumps(changed[k][1])})" for k in refused)
+        sets = " ".join(f"--set {k}={json.dumps(changed[k][1])}" for k in refused)
+        raise ConfigError(
+            f"config error: {out / 'config.toml'} differs from the run's checkpoint (round {meta['round']}) in {what}; "
+            f"put it back, or make the change on purpose with `fedbayes resume {out} {sets}`"
+        )
+    return changed
+
+
+def _check_store_dir(config: RunConfig, out: Path) -> None:
+    if config.store != "disk":
+        return
+    folder = Path(config.store_dir) if config.store_dir else out / "client_store"
+    if folder.exists() and not folder.is_dir():
+        raise BadInputError(f"config error: store_dir: {folder} is a file, not a folder")
+
+
+def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None, accept_changes=(), warn=None) -> dict:
+    """Runs (or resumes) one experiment and returns its summary (see the module docstring).
+
+    ``accept_changes``: dotted config keys that may differ from the checkpoint's on resume.
+    ``warn``: where one-line warnings go (a damaged checkpoint skipped); default stderr.
+    """
+    with runlock.hold(out_dir):
+        return _run_experiment(config, Path(out_dir), resume, reporter, tuple(accept_changes), warn or _stderr)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept_changes: tuple, warn) -> dict:
     ckpt_dir = out / "checkpoints"
     metrics_path = out / "metrics.jsonl"
     reporter = reporter or PlainReporter()
+    found = find_resume_checkpoint(ckpt_dir, warn) if resume else None
+    changes = check_resume_config(config, found[1], out, accept_changes) if found is not None else {}
+    _check_store_dir(config, out)
     exp = build_experiment(config, store_dir=out / "client_store")
     sim = exp.simulator
-    ckpt = latest_checkpoint(ckpt_dir) if resume else None
+    ckpt = found[0] if found is not None else None
     if ckpt is None:
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
     state = sim.init(exp.params, resume=ckpt is not None)  # resume: open the disk store, not rewrite it
@@ -339,12 +416,15 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
         state, meta = load_checkpoint(ckpt, state)
         state = state._replace(server_state=sim.place(state.server_state))
         counters = meta["counters"]
-        records = [r for r in read_metrics(metrics_path) if r["round"] <= state.round]
+        records = [restore_record(dict(r)) for r in meta["metrics"]]  # metrics.jsonl is rewritten from these
+        if changes:
+            with open(out / "resume_changes.jsonl", "a") as f:
+                f.write(json.dumps({"round": state.round, "changed": changes}, allow_nan=False) + "\n")
     else:
         for stale in ("summary.json", "curves.png"):  # a killed fresh run must not look finished
             (out / stale).unlink(missing_ok=True)
     _write_atomic(out / "config.toml", to_toml(config))
-    _write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records))
+    _write_atomic(metrics_path, "".join(dumps_record(r) + "\n" for r in records))
     client_log = ClientLog(out / "clients.jsonl", exp.federation.sizes)
     client_log.restart(state.round)
     calibration = CalibrationCheck(config.name, after_round=getattr(config.algorithm, "burn_in_rounds", 0))
@@ -358,8 +438,10 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
         calibration.check(r)
         records.append(r)
         with open(metrics_path, "a") as f:
-            f.write(json.dumps(r) + "\n")
+            f.write(dumps_record(r) + "\n")
         return r
+
+    fixed_meta = {"name": config.name, "config": config.model_dump(mode="json"), "config_hash": config_hash(config)}
 
     reporter.start(config.name, config.rounds, state.round)
     if state.round == 0 and not records:
@@ -377,7 +459,8 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             r = state.round
             rec = record(r, info) if (r % config.eval_every == 0 or r == config.rounds) else None
             if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):
-                save_checkpoint(ckpt_dir, state, {"counters": counters, "name": config.name})
+                strict = [json.loads(dumps_record(x)) for x in records]
+                save_checkpoint(ckpt_dir, state, {**fixed_meta, "counters": counters, "metrics": strict})
             reporter.update(r, config.rounds, rec)
     finally:
         reporter.stop()
@@ -386,6 +469,6 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
     save_model(out / MODEL_FILE, sim.algorithm, state.server_state)
     if calibration.message:
         summary["warnings"] = [calibration.message]
-    _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _write_atomic(out / "summary.json", dumps_record(summary, indent=2) + "\n")
     plot_curves(out / "curves.png", {config.name: records}, title=config.name, task=task)
     return summary

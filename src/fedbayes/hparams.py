@@ -9,12 +9,36 @@ closures of compiled functions.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import typing
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 __all__ = ["HParams"]
 
 
 class HParams(BaseModel):
-    """Base of every settings record: unknown keys are errors, instances are frozen."""
+    """Base of every settings record: unknown keys are errors, instances are frozen, every float
+    is finite (``lr = inf`` is an error, not a run of rejected messages) and a boolean is never
+    read as a number (TOML's ``rounds = true`` is not 1 round).
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    ``section`` is the dotted prefix that names the record's keys in error messages
+    (``"algorithm."`` for a method's settings)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    section: ClassVar[str] = "algorithm."
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data):
+        if isinstance(data, dict):
+            for key, v in data.items():
+                field = cls.model_fields.get(key) if isinstance(key, str) else None
+                items = v if isinstance(v, (list, tuple)) else (v,)
+                if field is not None and any(isinstance(x, bool) for x in items) and not _takes_bool(field.annotation):
+                    raise ValueError(f"{cls.section}{key}: must be a number, not a boolean; got {v!r}")
+        return data
+
+
+def _takes_bool(annotation) -> bool:
+    return annotation is bool or any(_takes_bool(a) for a in typing.get_args(annotation))

@@ -443,7 +443,9 @@ class Simulator:
         if len(rejected):
             log.warning("round %d: rejected messages from clients %s", round_idx, rejected.tolist())
             if self.fail_fast:
-                raise RuntimeError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()}")
+                from fedbayes.errors import DivergedError  # exit code 3 in the CLI
+
+                raise DivergedError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()} (server.fail_fast)")
         client_states = state.client_states
         if jax.tree.leaves(client_states):
             # Rejected clients and padding slots keep their state.

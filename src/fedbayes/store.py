@@ -28,6 +28,12 @@ round ``>= t`` applied, newest first. :meth:`DiskStore.rollback` does exactly th
 target in the metadata first, so a rollback that is itself killed finishes on the next open);
 opening a store finishes any interrupted round or rollback. :meth:`DiskStore.checkpointed` drops
 the logs a checkpoint makes unnecessary. One process writes a store at a time.
+
+Damage is detected, never read: ``rowsums.bin`` holds a CRC-32 of every client's row of every
+leaf, written with the rows in the same round (and undone with them, as one more file under the
+undo logs); :meth:`DiskStore.gather` checks the rows it reads against it, and :meth:`DiskStore.open`
+checks every file's size. A damaged, truncated or missing file raises :class:`StoreDamagedError`
+with one line naming it (exit code 4 in the CLI).
 """
 
 from __future__ import annotations
@@ -37,20 +43,40 @@ import json
 import os
 import re
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["DiskStore", "MemoryStore", "as_store"]
+from fedbayes.errors import RunFolderError, one_line
 
-_FORMAT = "fedbayes-client-store/1"
+__all__ = ["DiskStore", "MemoryStore", "StoreDamagedError", "as_store"]
+
+_FORMAT = "fedbayes-client-store/2"  # /2: per-row checksums in rowsums.bin
 _META = "store.json"
+_SUMS = "rowsums.bin"
 _UNDO_MAGIC = b"FBUNDO1\n"
 _UNDO = re.compile(r"^undo_(\d{6,})\.bin$")
 _LEAF = re.compile(r"^leaf_(\d{5})\.bin$")
 _INIT_CHUNK_BYTES = 32 << 20  # rows written per call when filling a new store
+
+
+class StoreDamagedError(RunFolderError, ValueError):
+    """A disk client store whose files are missing, truncated or do not match their checksums."""
+
+
+def _row_sums(leaves: list[np.ndarray], n: int) -> np.ndarray:
+    """CRC-32 of each of ``n`` rows of each leaf: ``[n, num_leaves]`` uint32."""
+    out = np.zeros((n, len(leaves)), np.uint32)
+    for i, leaf in enumerate(leaves):
+        if np.size(leaf) == 0:
+            continue
+        flat = np.ascontiguousarray(leaf).reshape(n, -1).view(np.uint8)
+        for j in range(n):
+            out[j, i] = zlib.crc32(flat[j])
+    return out
 
 
 def _row_spec(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -195,8 +221,23 @@ class DiskStore:
         self._round = int(meta["round"])
         self._row_bytes = [int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for s in specs]
         self._fds: list[int] = []
-        for i in range(len(specs)):
-            self._fds.append(os.open(self._leaf_path(i), os.O_RDWR))
+        try:
+            for i in range(len(specs)):
+                self._fds.append(os.open(self._leaf_path(i), os.O_RDWR))
+            # The row checksums are one more "leaf" to the undo logs: logged and undone with the rows.
+            self._fds.append(os.open(path / _SUMS, os.O_RDWR))
+        except FileNotFoundError as exc:
+            self.close()
+            raise StoreDamagedError(f"{exc.filename}: missing from the client store {path} (the store is damaged)") from None
+        self._row_bytes.append(4 * len(specs))
+        for fd, nbytes, name in zip(self._fds, self._row_bytes, [self._leaf_path(i) for i in range(len(specs))] + [path / _SUMS]):
+            size = os.fstat(fd).st_size
+            if size != nbytes * self.num_clients:
+                self.close()
+                raise StoreDamagedError(
+                    f"{name}: holds {size} bytes, the client store needs {nbytes * self.num_clients} "
+                    f"({self.num_clients} clients x {nbytes} bytes); the store is damaged (truncated?)"
+                )
         self._dirty = False  # a write failed in this process: recover before the next operation
 
     # ----- construction --------------------------------------------------------------------
@@ -213,13 +254,16 @@ class DiskStore:
         path.mkdir(parents=True, exist_ok=True)
         (path / _META).unlink(missing_ok=True)  # first: an interrupted create leaves no valid store
         for p in path.iterdir():
-            if p.name.endswith(".tmp") or _UNDO.match(p.name) or _LEAF.match(p.name):
+            if p.name.endswith(".tmp") or _UNDO.match(p.name) or _LEAF.match(p.name) or p.name == _SUMS:
                 p.unlink()
         rows = [np.asarray(leaf) for leaf in leaves]
         specs = [_row_spec(r.shape, r.dtype) for r in rows]
+        sums = _row_sums([r[None] for r in rows], 1)
+        rows = rows + [sums[0]]
         for i, row in enumerate(rows):
             row_bytes = row.nbytes
-            fd = os.open(path / f"leaf_{i:05d}.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            name = f"leaf_{i:05d}.bin" if i < len(specs) else _SUMS
+            fd = os.open(path / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 size = row_bytes * num_clients
                 if size:
@@ -267,16 +311,41 @@ class DiskStore:
             raise ValueError(f"{path}: the client store holds {meta['num_clients']} clients, the run expects {num_clients}")
         store = cls(path, treedef, specs, meta, durable)
         store._recover()
+        store.verify()
         return store
+
+    def verify(self) -> None:
+        """Checks every row of every leaf against its checksum (reads the whole store once, in
+        chunks; done when a store is opened, i.e. on resume).
+
+        Raises:
+          StoreDamagedError: the first damaged row, naming the file and the client.
+        """
+        per = max(1, _INIT_CHUNK_BYTES // max(1, sum(self._row_bytes)))
+        for start in range(0, self.num_clients, per):
+            ids = np.arange(start, min(self.num_clients, start + per))
+            leaves = []
+            for fd, spec, nbytes in zip(self._fds, self.specs, self._row_bytes):
+                rows = np.empty((len(ids), *spec.shape), spec.dtype)
+                if nbytes:
+                    _pread_into(fd, memoryview(rows.reshape(-1).view(np.uint8)), start * nbytes)
+                leaves.append(rows)
+            self._verify(ids, leaves)
 
     @staticmethod
     def _read_meta(path: Path) -> dict:
         try:
             meta = json.loads((path / _META).read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no complete client store here ({_META} is missing; was its creation interrupted?)") from None
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"{path}: not a fedbayes client store (format {meta.get('format')!r})")
+            raise StoreDamagedError(f"{path / _META}: missing; no complete client store here (deleted, or its creation was interrupted)") from None
+        except (ValueError, UnicodeDecodeError, OSError) as exc:
+            raise StoreDamagedError(f"{path / _META}: unreadable ({type(exc).__name__}); the client store is damaged") from None
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise StoreDamagedError(f"{path / _META}: not a {_FORMAT} client store (format {found!r})")
+        missing = {"uuid", "num_clients", "leaves", "round"} - set(meta)
+        if missing:
+            raise StoreDamagedError(f"{path / _META}: damaged (no {', '.join(sorted(missing))})")
         return meta
 
     def close(self) -> None:
@@ -324,7 +393,25 @@ class DiskStore:
                 for j in np.argsort(ids, kind="stable"):  # ascending offsets
                     _pread_into(fd, memoryview(flat[j]), int(ids[j]) * nbytes)
             out.append(rows)
+        self._verify(ids, out)
         return jax.tree.unflatten(self.treedef, out)
+
+    def _verify(self, ids: np.ndarray, leaves: list[np.ndarray]) -> None:
+        """The rows just read match the checksums written with them."""
+        if not len(ids):
+            return
+        stored = np.empty((len(ids), len(self.specs)), np.uint32)
+        flat = stored.view(np.uint8)
+        nbytes = self._row_bytes[-1]
+        for j, cid in enumerate(ids):
+            _pread_into(self._fds[-1], memoryview(flat[j]), int(cid) * nbytes)
+        bad = np.argwhere(_row_sums(leaves, len(ids)) != stored)
+        if len(bad):
+            j, i = bad[0]
+            raise StoreDamagedError(
+                f"{self._leaf_path(int(i))}: client {int(ids[j])}'s row does not match its checksum in {self.path / _SUMS}; "
+                "the client store is damaged"
+            )
 
     def scatter(self, ids: np.ndarray, rows: Any, round_idx: int | None = None, *, donate: bool = True) -> "DiskStore":
         """Writes ``rows[j]`` as client ``ids[j]``'s state and commits round ``round + 1``.
@@ -363,7 +450,7 @@ class DiskStore:
             raise ValueError(f"{self.path}: cannot roll the client store back from round {self._round} to round {to_round}")
         missing = sorted(set(range(to_round, self._round)) - set(self.undo_rounds()))
         if missing:
-            raise ValueError(
+            raise StoreDamagedError(
                 f"{self.path}: cannot roll the client store back to round {to_round}: the undo logs of rounds {missing} "
                 "were pruned (only rounds since the newest checkpoint can be restored)"
             )
@@ -456,6 +543,7 @@ class DiskStore:
     def _write_rows(self, ids: np.ndarray, leaves: list[np.ndarray]) -> None:
         """Step 2: the new rows, in place."""
         order = np.argsort(ids, kind="stable")
+        leaves = leaves + [_row_sums(leaves, len(ids))]  # the checksums are written with the rows
         for fd, leaf, nbytes in zip(self._fds, leaves, self._row_bytes):
             if not nbytes or not len(ids):
                 continue
@@ -480,18 +568,28 @@ class DiskStore:
 
     def _apply_undo(self, r: int) -> None:
         path = self.path / f"undo_{r:06d}.bin"
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise StoreDamagedError(f"{path}: missing; the client store cannot return to round {r}") from None
         try:
             fixed = bytearray(len(_UNDO_MAGIC) + 8)
-            _pread_into(fd, memoryview(fixed), 0)
-            if bytes(fixed[: len(_UNDO_MAGIC)]) != _UNDO_MAGIC:
-                raise ValueError(f"{path}: not an undo log")
-            size = int.from_bytes(fixed[len(_UNDO_MAGIC) :], "little")
-            header = bytearray(size)
-            _pread_into(fd, memoryview(header), len(fixed))
-            info = json.loads(header.decode())
-            if info["row_bytes"] != self._row_bytes or info["round"] != r:
-                raise ValueError(f"{path}: undo log does not match the store")
+            try:
+                _pread_into(fd, memoryview(fixed), 0)
+                if bytes(fixed[: len(_UNDO_MAGIC)]) != _UNDO_MAGIC:
+                    raise ValueError("no undo-log header")
+                size = int.from_bytes(fixed[len(_UNDO_MAGIC) :], "little")
+                if size > os.fstat(fd).st_size:
+                    raise ValueError("header longer than the file")
+                header = bytearray(size)
+                _pread_into(fd, memoryview(header), len(fixed))
+                info = json.loads(header.decode())
+                if info["row_bytes"] != self._row_bytes or info["round"] != r:
+                    raise ValueError("it does not match the store")
+                if os.fstat(fd).st_size != len(fixed) + size + len(info["ids"]) * sum(self._row_bytes):
+                    raise ValueError("truncated")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise StoreDamagedError(f"{path}: damaged undo log ({one_line(exc)})") from None
             pos = len(fixed) + size
             for dst, nbytes in zip(self._fds, self._row_bytes):
                 for cid in info["ids"]:

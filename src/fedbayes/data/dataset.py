@@ -11,11 +11,42 @@ import dataclasses
 
 import numpy as np
 
+from fedbayes.errors import DataError
+
 TASKS = ("classification", "regression")
 
 
 class DatasetNotFoundError(FileNotFoundError):
-    """A dataset's files are not on this machine. The message says how to get them."""
+    """A dataset's files are not on this machine. The message says how to get them (exit code 3)."""
+
+    exit_code = DataError.exit_code
+
+
+def check_dataset(ds: "Dataset", source: str) -> None:
+    """The checks every loaded dataset passes once, before any training: both splits non-empty,
+    finite features (and targets), integer labels inside ``[0, num_classes)``.
+
+    Raises:
+      DataError: one line naming ``source`` (the dataset's folder or name), the split and the
+        first offending example.
+    """
+    for split, x, y, ids in (("train", ds.x_train, ds.y_train, ds.client_ids), ("test", ds.x_test, ds.y_test, ds.test_client_ids)):
+        where = lambda i: f"{source}: {split} example {i}" + ("" if ids is None else f" (client {int(ids[i])})")  # noqa: E731
+        if len(y) == 0:
+            raise DataError(f"{source}: the {split} split holds no examples")
+        if np.issubdtype(x.dtype, np.floating):
+            bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+            if bad.any():
+                raise DataError(f"{where(int(np.argmax(bad)))}: non-finite feature (NaN, Inf or null); {int(bad.sum())} such example(s)")
+        if np.issubdtype(y.dtype, np.floating):
+            bad = ~np.isfinite(y)
+            if bad.any():
+                raise DataError(f"{where(int(np.argmax(bad)))}: non-finite target; {int(bad.sum())} such example(s)")
+        if ds.task == "classification":
+            bad = (y < 0) | (y >= ds.num_classes)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise DataError(f"{where(i)}: label {y[i]} is outside the {ds.num_classes} classes 0..{ds.num_classes - 1}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.errors import DataError
 
 # IDX element-type codes -> big-endian numpy dtypes.
 IDX_DTYPES = {
@@ -50,32 +52,40 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     Compression is detected from the gzip magic bytes, not the file name.
 
     Raises:
-      ValueError: the header is not IDX, the type code is unknown, or the data is truncated.
+      DataError: the file is unreadable, a damaged gzip file, not IDX, of an unknown type code,
+        truncated, or holds non-finite floats; the one-line message names the file.
     """
     path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(2)
-    opener = gzip.open if head == b"\x1f\x8b" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+        opener = gzip.open if head == b"\x1f\x8b" else open
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise DataError(f"{path}: damaged gzip file ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: not an IDX file (the first two bytes must be zero)")
+        raise DataError(f"{path}: not an IDX file (the first two bytes must be zero)")
     code, ndim = raw[2], raw[3]
     if code not in IDX_DTYPES:
         known = ", ".join(f"0x{c:02X}" for c in IDX_DTYPES)
-        raise ValueError(f"{path}: unknown IDX element type 0x{code:02X} (known: {known})")
+        raise DataError(f"{path}: unknown IDX element type 0x{code:02X} (known: {known})")
     header_len = 4 + 4 * ndim
     if len(raw) < header_len:
-        raise ValueError(f"{path}: truncated IDX header ({ndim} dimensions announced)")
+        raise DataError(f"{path}: truncated IDX header ({ndim} dimensions announced)")
     shape = struct.unpack(f">{ndim}I", raw[4:header_len])
     dtype = IDX_DTYPES[code]
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(raw) - header_len != expected:
-        raise ValueError(
+        raise DataError(
             f"{path}: IDX header announces shape {shape} ({expected} bytes of data) but the file "
             f"holds {len(raw) - header_len} bytes"
         )
     data = np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(shape)
+    if dtype.kind == "f" and not np.isfinite(data).all():
+        raise DataError(f"{path}: holds {int((~np.isfinite(data)).sum())} non-finite values (NaN or Inf)")
     return data.astype(dtype.newbyteorder("="))
 
 
@@ -151,14 +161,20 @@ def _load_idx_dataset(name: str, folder: Path) -> Dataset:
     x_train, y_train, x_test, y_test = (read_idx(f) for f in files)
     for path, images in ((files[0], x_train), (files[2], x_test)):
         if images.ndim != 3 or images.dtype != np.uint8:
-            raise ValueError(
+            raise DataError(
                 f"{path}: expected uint8 images [N, H, W], got {images.dtype} {images.shape}"
             )
     for path, labels in ((files[1], y_train), (files[3], y_test)):
-        if labels.ndim != 1 or (labels.size > 0 and labels.max() > 9):
-            raise ValueError(
-                f"{path}: expected labels in 0..9 of shape [N], got shape {labels.shape}"
-            )
+        if labels.ndim != 1:
+            raise DataError(f"{path}: expected labels of shape [N], got shape {labels.shape}")
+        if labels.size == 0:
+            raise DataError(f"{path}: holds no labels (an empty split)")
+        if labels.max() > 9:
+            i = int(np.argmax(labels > 9))
+            raise DataError(f"{path}: label {labels[i]} at position {i} is outside the 10 classes 0..9")
+    for (xp, images), (yp, labels) in (((files[0], x_train), (files[1], y_train)), ((files[2], x_test), (files[3], y_test))):
+        if len(images) != len(labels):
+            raise DataError(f"{xp}: holds {len(images)} images but {yp} holds {len(labels)} labels")
 
     def images(a):
         # Divide in place: one 188 MB float32 array for Fashion-MNIST's train set instead of two

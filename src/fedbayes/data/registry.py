@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from fedbayes.data import idx, leaf, sklearn_data, synthetic
-from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
 from fedbayes.round import subsample_rng
 
 
@@ -187,6 +187,7 @@ def load_dataset(
             f"{sorted(info.params + ('fraction',))}"
         )
     dataset = info.loader(data_dir, seed, **params)
+    check_dataset(dataset, str(data_dir) if data_dir is not None and name in ("leaf", "mnist", "fashion_mnist") else name)
     if fraction is not None:
         dataset = dataset.subsample(fraction, subsample_rng(seed))
     return dataset
