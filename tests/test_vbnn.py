@@ -257,7 +257,8 @@ def test_split_and_merge_round_trip():
 def test_std_norm_and_kl():
     params = {"l": {"kernel_mean": jnp.array([[0.5, -1.0]]), "kernel_logvar": jnp.array([[math.log(0.25), -20.0]]), "bias": jnp.ones(2)}}
     var = np.array([0.25, math.exp(-8.0)])  # the clamp
-    np.testing.assert_allclose(std_norm(params), math.sqrt(var.sum()), rtol=1e-6)
+    np.testing.assert_allclose(std_norm(params, clamp=True), math.sqrt(var.sum()), rtol=1e-6)
+    np.testing.assert_allclose(std_norm(params), math.sqrt(0.25 + math.exp(-20.0)), rtol=1e-6)
     mu = np.array([0.5, -1.0])
     want = 0.5 * np.sum(var + mu**2 - 1.0 - np.log(var))
     np.testing.assert_allclose(kl_to_prior(params), want, rtol=1e-5)
@@ -350,7 +351,7 @@ def test_predictive_is_mean_of_softmaxes():
     want = jnp.mean(jnp.stack([jax.nn.softmax(apply(params, jax.random.fold_in(key, s), x)) for s in range(4)]), 0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     out = predictive_metrics(apply, params, key, x, jnp.zeros(7, jnp.int32), num_samples=3, batch_size=3)
-    assert set(out) == {"accuracy", "nll", "ece", "loss", "std_norm"}
+    assert set(out) == {"accuracy", "nll", "ece", "loss", "std_norm", "std_norm_clamped"}
     with pytest.raises(ValueError, match="num_samples"):
         predictive_log_probs(apply, params, key, x, num_samples=0)
 
@@ -392,3 +393,23 @@ def test_vbnn_rejects_a_deterministic_model_and_keeps_params_when_all_rejected()
     jax.tree.map(np.testing.assert_array_equal, new.params, vparams)
     with pytest.raises(ValueError, match="prior_variance"):
         vbnn(trainer, apply_with_key(vmodel), prior_variance=0.0)
+
+
+def test_aalv_averages_stored_log_variances():
+    # Seed 004's code averages every parameter, alpha included, without the clamp.
+    mean = jnp.zeros((2, 3))
+    log_var = jnp.array([[-9.0, -12.0, 9.0], [-11.0, -4.0, 11.0]])
+    _, a = aggregate("aalv", mean, log_var, jnp.array([1.0, 1.0]))
+    np.testing.assert_allclose(a, [-10.0, -8.0, 10.0])
+    _, a = aggregate("eaa", mean, log_var, jnp.array([1.0, 1.0]))
+    np.testing.assert_allclose(a, [-8.0, np.log(0.5 * (np.exp(-8.0) + np.exp(-4.0))), 8.0], rtol=1e-6)
+
+
+def test_config_variational():
+    from fedbayes.config import ModelConfig, RunConfig
+
+    assert ModelConfig(name="cnn", variational=True).variational
+    with pytest.raises(ValueError, match="model.variational"):
+        ModelConfig(name="logreg", variational=True)
+    with pytest.raises(ValueError, match="model.variational"):
+        RunConfig(model={"name": "cnn", "variational": True})

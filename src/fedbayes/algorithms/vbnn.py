@@ -14,10 +14,9 @@ Rules (``alpha`` = log-variance, clamped to [-8, 8] wherever it is exponentiated
 
 * ``eaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta sigma_k^2`` (log-sum-exp in log space);
 * ``gaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta^2 sigma_k^2``;
-* ``aalv``: ``mu = sum beta mu_k``, ``alpha = sum beta clamp(alpha_k)``. Departure: seed 004's
-  code averages the raw ``alpha``; the two differ only where an ``alpha`` lies outside [-8, 8]
-  (e.g. -9 at initialisation), and the clamped average keeps ``sigma^2_AALV <= sigma^2_EAA``
-  (weighted AM-GM of the variances the layers use);
+* ``aalv``: ``mu = sum beta mu_k``, ``alpha = sum beta alpha_k`` on the stored (unclamped)
+  ``alpha``, as seed 004's code (``geometric`` averages every parameter); for ``alpha`` in
+  [-8, 8] this is the weighted geometric mean of the variances, at most EAA's (AM-GM);
 * ``ppa``: pooled population of ``c_k = max(1, floor(beta_k N))`` draws from each client with
   ``beta_k > 0`` (``N = population``), mean and variance (the paper's ``1/N`` estimator; the code's
   ``torch.std`` is ``1/(N-1)``) of the pool. The draws are not materialised: per client and
@@ -88,14 +87,15 @@ def _leaf_rule(rule: str, mu: jax.Array, alpha: jax.Array, beta: jax.Array, key:
     present = b > 0
     # Absent clients must not leak NaN/inf into any sum (0 * nan = nan).
     mu = jnp.where(present, mu, jnp.zeros((), mu.dtype))
-    alpha = jnp.where(present, _clamp(alpha), jnp.zeros((), alpha.dtype))
+    raw_alpha = jnp.where(present, alpha, jnp.zeros((), alpha.dtype))
+    alpha = _clamp(raw_alpha)
     mean = jnp.sum(b * mu, axis=0)
     if rule == "eaa":
         return mean, jax.nn.logsumexp(alpha, axis=0, b=jnp.broadcast_to(b, alpha.shape))
     if rule == "gaa":
         return mean, jax.nn.logsumexp(alpha, axis=0, b=jnp.broadcast_to(jnp.square(b), alpha.shape))
     if rule == "aalv":
-        return mean, jnp.sum(b * alpha, axis=0)
+        return mean, jnp.sum(b * raw_alpha, axis=0)
     if rule == "merging":
         var = jnp.sum(b * (jnp.square(mean[None] - mu) + jnp.exp(alpha)), axis=0)
         return mean, jnp.log(var)
@@ -352,7 +352,8 @@ def predictive_metrics(
     batch_size: int = 1000,
 ) -> dict[str, float]:
     """Accuracy, NLL and ECE (``num_bins`` bins) of the marginalised predictive on ``(x, y)``, plus
-    ``std_norm``, the L2 norm of the learned standard deviations (seed 004 Table 4). Batched over
+    ``std_norm``, the L2 norm of the learned standard deviations ``exp(logvar / 2)`` as stored
+    (seed 004 Table 4; ``std_norm_clamped`` with the forward pass's clamp). Batched over
     examples; batch ``b`` uses ``fold_in(key, b)``."""
     predict = jax.jit(lambda p, k, xb: predictive_log_probs(apply_fn, p, k, xb, num_samples))
     chunks = []
@@ -361,4 +362,5 @@ def predictive_metrics(
     log_probs = jnp.concatenate(chunks)
     out = {k: float(v) for k, v in classification_metrics(log_probs, jnp.asarray(y), num_bins).items()}
     out["std_norm"] = float(std_norm(params))
+    out["std_norm_clamped"] = float(std_norm(params, clamp=True))
     return out
