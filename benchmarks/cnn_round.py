@@ -1,7 +1,7 @@
 """Seed 004's CNN: the simulator's round against a plain jitted step loop over the same examples.
 
     PYTHONPATH=src .venv/bin/python benchmarks/cnn_round.py [--clients 10] [--per-client 640]
-        [--epochs 1] [--batch 64] [--reps 7] [--layout sequential] [--conv patches xla] [--json]
+        [--epochs 1] [--batch 64] [--reps 7] [--layout sequential] [--conv patches xla] [--vbnn] [--json]
 
 One process, one XLA host device per core (``fedbayes.hostdevices``). For each convolution
 implementation (``--conv``: ``patches``, the default model's patch extraction plus dot, and
@@ -13,6 +13,10 @@ implementation (``--conv``: ``patches``, the default model's patch extraction pl
   default options, on the default device with all its threads;
 * ``round``: ``Simulator.run_round`` of FedAvg (server SGD lr 1) over the same clients, all of
   them in the cohort (``--layout``: ``sequential`` is the CPU default; ``vmap`` also works).
+
+With ``--vbnn`` it also builds ``round_vbnn``: the VBNN round (seed 004's CNN with its dense layers
+variational, GAA, the same clients and optimizer) on the default convolution, reported as a ratio
+to the CNN FedAvg round of that convolution (``round_vbnn / round_<conv>`` in throughput).
 
 Each repetition times every variant once, in an interleaved order (plain, round, per conv), after
 one untimed compile-and-warm-up call of each. The reported ratio is, per repetition, plain time
@@ -42,6 +46,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from fedbayes.algorithms import fedavg, make_server_optimizer  # noqa: E402
+from fedbayes.algorithms.vbnn import vbnn  # noqa: E402
+from fedbayes.models.variational import apply_with_key  # noqa: E402
 from fedbayes.data.batches import num_local_steps  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
@@ -98,6 +104,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--layout", default="sequential", choices=("sequential", "vmap"))
     ap.add_argument("--conv", nargs="+", default=["patches", "xla"], choices=("patches", "xla"))
+    ap.add_argument("--vbnn", action="store_true", help="also time the VBNN (GAA) round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -130,6 +137,22 @@ def main(argv=None) -> dict:
 
         variants[f"plain_{conv}"] = (plain, params)
         variants[f"round_{conv}"] = (round_fn, params)
+    if args.vbnn:
+        vmodel = make_model("cnn", 10, variational=True, conv=args.conv[0])
+        vparams = init_params(vmodel, jax.random.key(args.seed), (28, 28, 1))
+        vsim = Simulator(
+            vbnn(LocalTrainer(None, **trainer_args), apply_with_key(vmodel), aggregation="gaa"),
+            Federation(x, y, parts),
+            clients_per_round=args.clients,
+            seed=args.seed,
+            layout=args.layout,
+        )
+
+        def vbnn_round(_params, sim=vsim, box=[vsim.init(vparams)]):  # noqa: B006
+            box[0], _ = sim.run_round(box[0])
+            return box[0].server_state
+
+        variants["round_vbnn"] = (vbnn_round, vparams)
 
     times: dict[str, list[float]] = {k: [] for k in variants}
     for name, (fn, params) in variants.items():  # compile and warm up
@@ -151,6 +174,9 @@ def main(argv=None) -> dict:
     for conv in args.conv:
         r = [p / q for p, q in zip(times[f"plain_{conv}"], times[f"round_{conv}"])]
         out["ratio_round_to_plain"][conv] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+    if args.vbnn:
+        r = [p / q for p, q in zip(times[f"round_{args.conv[0]}"], times["round_vbnn"])]
+        out["ratio_vbnn_to_fedavg_round"] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
     if len(args.conv) == 2:
         r = [p / q for p, q in zip(times["plain_xla"], times["round_patches"])]
         out["ratio_round_patches_to_plain_xla"] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
@@ -162,6 +188,9 @@ def main(argv=None) -> dict:
             print(f"  {k:16s} {v:9.0f} examples/s (median)")
         for k, v in out["ratio_round_to_plain"].items():
             print(f"  round/plain [{k}]: median {v['median']:.2f}, range {v['min']:.2f}-{v['max']:.2f}")
+        if "ratio_vbnn_to_fedavg_round" in out:
+            v = out["ratio_vbnn_to_fedavg_round"]
+            print(f"  round[vbnn gaa]/round[fedavg] ({args.conv[0]}): median {v['median']:.2f}, range {v['min']:.2f}-{v['max']:.2f}")
         if "ratio_round_patches_to_plain_xla" in out:
             v = out["ratio_round_patches_to_plain_xla"]
             print(f"  round[patches]/plain[xla]: median {v['median']:.2f}, range {v['min']:.2f}-{v['max']:.2f}")

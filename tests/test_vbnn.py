@@ -391,6 +391,14 @@ def test_vbnn_rejects_a_deterministic_model_and_keeps_params_when_all_rejected()
     stacked = jax.tree.map(lambda p: jnp.stack([p + 1.0, p - 1.0]), vparams)
     new = algo.server_update(state, stacked, jnp.zeros(2))
     jax.tree.map(np.testing.assert_array_equal, new.params, vparams)
+    assert state.key.dtype == jnp.uint32  # plain arrays in checkpoints
+    ppa = vbnn(trainer, apply_with_key(vmodel), aggregation="ppa")
+    s0 = ppa.server_init(jax.random.key(0), vparams)
+    s1 = ppa.server_update(s0, stacked, jnp.ones(2))
+    again = ppa.server_update(s0, stacked, jnp.ones(2))
+    jax.tree.map(np.testing.assert_array_equal, s1.params, again.params)  # keyed by (key, round)
+    s2 = ppa.server_update(s1, stacked, jnp.ones(2))
+    assert not np.array_equal(s1.params["output"]["kernel_mean"], s2.params["output"]["kernel_mean"])
     with pytest.raises(ValueError, match="prior_variance"):
         vbnn(trainer, apply_with_key(vmodel), prior_variance=0.0)
 

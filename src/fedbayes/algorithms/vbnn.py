@@ -258,7 +258,8 @@ def run_variational_sgd(key: jax.Array, params: Any, data: ClientData, trainer: 
 
 
 class VBNNState(NamedTuple):
-    """Server state: the global variational parameters, the round counter and the server key."""
+    """Server state: the global variational parameters, the round counter and the server key
+    (raw ``key_data``, uint32, so that checkpoints hold plain arrays)."""
 
     params: Any
     round: jax.Array
@@ -294,13 +295,13 @@ def vbnn(
     def server_init(key, params):
         if not split_variational(params)[0]:
             raise ValueError("vbnn needs a variational model (leaves <name>_mean and <name>_logvar); got none")
-        return VBNNState(params=params, round=jnp.zeros((), jnp.int32), key=key)
+        return VBNNState(params=params, round=jnp.zeros((), jnp.int32), key=jax.random.key_data(key))
 
     def client_update(key, params, client_state, data):
         return run_variational_sgd(key, params, data, trainer, objective), client_state
 
     def server_update(state, messages, weights):
-        key = jax.random.fold_in(state.key, state.round)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.round)
         new = combine(messages, weights, key)
         any_accepted = jnp.sum(weights) > 0
         params = jax.tree.map(lambda n, o: jnp.where(any_accepted, n, o), new, state.params)
