@@ -23,6 +23,7 @@ from fedbayes.hparams import HParams
 DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
 PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 MODELS = ("logreg", "mlp", "cnn", "linear")
+VARIATIONAL_MODELS = ("mlp", "cnn")
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -55,6 +56,14 @@ class ModelConfig(_Strict):
 
     name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
+    # Seed 004's VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
+    variational: bool = False
+
+    @model_validator(mode="after")
+    def _variational_models(self) -> "ModelConfig":
+        if self.variational and self.name not in VARIATIONAL_MODELS:
+            raise ValueError(f"model.variational: only {', '.join(VARIATIONAL_MODELS)} have a variational version; got {self.name!r}")
+        return self
 
 
 class ClientConfig(_Strict):
@@ -149,6 +158,15 @@ class RunConfig(_Strict):
             raise ValueError(
                 "data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); "
                 f"got {self.data.dataset!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _variational_needs_vbnn(self) -> "RunConfig":
+        if self.model.variational != (self.algorithm.name == "vbnn"):
+            raise ValueError(
+                "model.variational: algorithm 'vbnn' trains variational models and only it does; "
+                f"got variational={self.model.variational} with algorithm {self.algorithm.name!r}"
             )
         return self
 

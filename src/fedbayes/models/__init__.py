@@ -19,12 +19,16 @@ import optax
 from fedbayes.models.cnn import CNN
 from fedbayes.models.logreg import LinearRegression, LogisticRegression
 from fedbayes.models.mlp import MLP
+from fedbayes.models.variational import VariationalCNN, VariationalMLP
 
 __all__ = [
     "CNN",
     "MLP",
     "MODELS",
     "TASKS",
+    "VARIATIONAL_MODELS",
+    "VariationalCNN",
+    "VariationalMLP",
     "LinearRegression",
     "LogisticRegression",
     "init_params",
@@ -34,9 +38,10 @@ __all__ = [
 
 MODELS: tuple[str, ...] = ("logreg", "mlp", "cnn", "linear")
 TASKS: tuple[str, ...] = ("classification", "regression")
+VARIATIONAL_MODELS: tuple[str, ...] = ("mlp", "cnn")
 
 
-def make_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
+def make_model(name: str, num_classes: int, *, variational: bool = False, **kwargs: Any) -> nn.Module:
     """Builds a model by name.
 
     Args:
@@ -45,14 +50,21 @@ def make_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
             ``padding="SAME"``) or ``"linear"`` (:class:`LinearRegression`).
         num_classes: number of classes, at least 2. Ignored by ``"linear"``, whose output is one
             scalar per example.
+        variational: the model of seed 004's VBNN, with every dense layer variational
+            (:class:`~fedbayes.models.variational.VariationalMLP`,
+            :class:`~fedbayes.models.variational.VariationalCNN`); ``"mlp"`` and ``"cnn"`` only.
+            It needs the ``"noise"`` RNG stream when applied.
         **kwargs: further module attributes; an attribute the model does not have raises
             ``TypeError``.
 
     Raises:
-        ValueError: for an unknown name or, for a classifier, ``num_classes < 2``.
+        ValueError: for an unknown name or, for a classifier, ``num_classes < 2``, or
+            ``variational`` with a model that has no variational version.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    if variational and name not in VARIATIONAL_MODELS:
+        raise ValueError(f"variational: only {', '.join(VARIATIONAL_MODELS)} have a variational version; got {name!r}")
     if name == "linear":
         return LinearRegression(**kwargs)
     if num_classes < 2:
@@ -63,8 +75,8 @@ def make_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
         if "hidden" in kwargs:
             # Module attributes must be hashable; accept any sequence of widths.
             kwargs["hidden"] = tuple(int(h) for h in kwargs["hidden"])
-        return MLP(num_classes=num_classes, **kwargs)
-    return CNN(num_classes=num_classes, **kwargs)
+        return (VariationalMLP if variational else MLP)(num_classes=num_classes, **kwargs)
+    return (VariationalCNN if variational else CNN)(num_classes=num_classes, **kwargs)
 
 
 # The initialiser runs once; LLVM's -O1 compiles it about 3x faster than the default -O2/-O3

@@ -1,0 +1,367 @@
+"""Federated variational Bayesian neural networks (seed 004; spec 12): Bayes-by-backprop clients
+and the server's aggregation rules for variational weights.
+
+Clients start from the broadcast variational parameters (means, log-variances and deterministic
+weights, :mod:`fedbayes.models.variational`), minimise the mean cross-entropy of one stochastic
+forward pass per minibatch plus ``KL(q || N(0, 1)) / n_k`` (spec 12.1), and send their
+parameters. The server combines them with one rule of spec 12.3 applied elementwise to every
+variational weight; deterministic leaves (biases, convolutions) always by the weighted mean,
+exactly as FedAvg's :func:`fedbayes.tree.weighted_mean`. The weights ``beta_k`` are the round's
+client weights normalised to sum 1: uniform gives seed 004's FVBA, ``n_k``-proportional its FVBWA
+(the simulator's ``weighting``).
+
+Rules (``alpha`` = log-variance, clamped to [-8, 8] wherever it is exponentiated):
+
+* ``eaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta sigma_k^2`` (log-sum-exp in log space);
+* ``gaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta^2 sigma_k^2``;
+* ``aalv``: ``mu = sum beta mu_k``, ``alpha = sum beta alpha_k`` on the stored (unclamped)
+  ``alpha``, as seed 004's code (``geometric`` averages every parameter); for ``alpha`` in
+  [-8, 8] this is the weighted geometric mean of the variances, at most EAA's (AM-GM);
+* ``ppa``: pooled population of ``c_k = max(1, floor(beta_k N))`` draws from each client with
+  ``beta_k > 0`` (``N = population``), mean and variance (the paper's ``1/N`` estimator; the code's
+  ``torch.std`` is ``1/(N-1)``) of the pool. The draws are not materialised: per client and
+  weight, the sample mean ``mu_k + sigma_k z / sqrt(c_k)`` and the within-client sum of squares
+  ``sigma_k^2 chi^2_{c_k - 1}`` are drawn from their exact distributions (independent for Gaussian
+  samples), so the pooled moments have exactly the distribution of the explicit pool at
+  ``O(K d)`` cost and with traced ``c_k``;
+* ``cf`` (conflation) in precision form: ``lambda = sum beta e^{-alpha_k}``,
+  ``mu = sum beta e^{-alpha_k} mu_k / lambda``, ``alpha = log beta_max - log lambda``;
+* ``merging``: moment-matched mixture, ``mu = sum beta mu_k``,
+  ``sigma^2 = sum beta [(mu - mu_k)^2 + sigma_k^2]`` (seed 004's code, not its paper).
+
+A client with weight 0 (padded, rejected) contributes nothing, even when its values are not
+finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedbayes import tree
+from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
+from fedbayes.data.batches import ClientData, get_batch, num_local_steps
+from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.metrics import classification_metrics
+from fedbayes.models.variational import (
+    LOGVAR_MAX,
+    LOGVAR_MIN,
+    kl_to_prior,
+    merge_variational,
+    split_variational,
+    std_norm,
+)
+
+__all__ = [
+    "RULES",
+    "VBNNState",
+    "aggregate",
+    "aggregate_params",
+    "make_rule",
+    "predictive_log_probs",
+    "predictive_metrics",
+    "std_norm",
+    "variational_objective",
+    "vbnn",
+]
+
+RULES: tuple[str, ...] = ("eaa", "gaa", "aalv", "ppa", "cf", "merging")
+_TINY_VAR = 1e-30  # floor of a pooled variance before its log (PPA with all draws equal)
+
+
+def _clamp(alpha: jax.Array) -> jax.Array:
+    return jnp.clip(alpha, LOGVAR_MIN, LOGVAR_MAX)
+
+
+def _expand(beta: jax.Array, leaf: jax.Array) -> jax.Array:
+    return beta.reshape((-1,) + (1,) * (leaf.ndim - 1)).astype(leaf.dtype)
+
+
+def _leaf_rule(rule: str, mu: jax.Array, alpha: jax.Array, beta: jax.Array, key: jax.Array | None, population: int):
+    """One rule on one leaf ``mu, alpha [K, ...]`` with normalised weights ``beta [K]``."""
+    b = _expand(beta, mu)
+    present = b > 0
+    # Absent clients must not leak NaN/inf into any sum (0 * nan = nan).
+    mu = jnp.where(present, mu, jnp.zeros((), mu.dtype))
+    raw_alpha = jnp.where(present, alpha, jnp.zeros((), alpha.dtype))
+    alpha = _clamp(raw_alpha)
+    mean = jnp.sum(b * mu, axis=0)
+    if rule == "eaa":
+        return mean, jax.nn.logsumexp(alpha, axis=0, b=jnp.broadcast_to(b, alpha.shape))
+    if rule == "gaa":
+        return mean, jax.nn.logsumexp(alpha, axis=0, b=jnp.broadcast_to(jnp.square(b), alpha.shape))
+    if rule == "aalv":
+        return mean, jnp.sum(b * raw_alpha, axis=0)
+    if rule == "merging":
+        var = jnp.sum(b * (jnp.square(mean[None] - mu) + jnp.exp(alpha)), axis=0)
+        return mean, jnp.log(var)
+    if rule == "cf":
+        precision = b * jnp.exp(-alpha)  # at most e^8 per client: no underflow, no overflow
+        lam = jnp.sum(precision, axis=0)
+        cf_mean = jnp.sum(precision * mu, axis=0) / lam
+        return cf_mean, jnp.log(jnp.max(beta)).astype(alpha.dtype) - jnp.log(lam)
+    if rule == "ppa":
+        counts = jnp.where(beta > 0, jnp.maximum(1.0, jnp.floor(beta * population)), 0.0).astype(mu.dtype)
+        c = _expand(counts, mu)
+        sigma2 = jnp.exp(alpha)
+        k_mean, k_ss = jax.random.split(key)
+        z = jax.random.normal(k_mean, mu.shape, mu.dtype)
+        sample_mean = mu + jnp.sqrt(sigma2 / jnp.maximum(c, 1.0)) * z
+        dof = jnp.broadcast_to(c - 1.0, mu.shape)
+        chi2 = 2.0 * jax.random.gamma(k_ss, jnp.maximum(dof, 1.0) / 2.0, mu.shape, mu.dtype)
+        within = jnp.where(dof > 0, sigma2 * chi2, jnp.zeros((), mu.dtype))
+        total = jnp.sum(counts)
+        pooled_mean = jnp.sum(c * sample_mean, axis=0) / total
+        between = c * jnp.square(sample_mean - pooled_mean[None])
+        pooled_var = jnp.sum(jnp.where(c > 0, within + between, jnp.zeros((), mu.dtype)), axis=0) / total
+        return pooled_mean, jnp.log(jnp.maximum(pooled_var, _TINY_VAR))
+    raise ValueError(f"aggregation must be one of {', '.join(RULES)}, got {rule!r}")
+
+
+def aggregate(
+    rule: str,
+    mean: Any,
+    log_var: Any,
+    weights: jax.Array,
+    *,
+    key: jax.Array | None = None,
+    population: int = 1000,
+) -> tuple[Any, Any]:
+    """Aggregates clients' mean-field Gaussians by one of seed 004's rules (module docstring).
+
+    Args:
+        rule: one of :data:`RULES`.
+        mean: clients' means, an array or pytree whose leaves have a leading client axis ``[K, ...]``.
+        log_var: clients' log-variances, the same structure and shapes.
+        weights: ``[K]`` non-negative client weights (normalised here to ``beta``; 0 = absent).
+        key: PRNG key, needed by ``"ppa"`` only.
+        population: ``N`` of ``"ppa"``, at least 1.
+
+    Returns:
+        ``(mean, log_var)`` with the client axis reduced, the inputs' structure.
+
+    Raises:
+        ValueError: for an unknown rule, mismatched structures or shapes, ``ppa`` without a key,
+            or a population below 1.
+    """
+    if rule not in RULES:
+        raise ValueError(f"aggregation must be one of {', '.join(RULES)}, got {rule!r}")
+    if rule == "ppa" and key is None:
+        raise ValueError("aggregation 'ppa' needs a key")
+    if int(population) < 1:
+        raise ValueError(f"population must be at least 1, got {population}")
+    weights = jnp.asarray(weights)
+    if weights.ndim != 1:
+        raise ValueError(f"weights must be a vector [K], got shape {weights.shape}")
+    m_leaves, treedef = jax.tree.flatten(mean)
+    a_leaves, a_treedef = jax.tree.flatten(log_var)
+    if treedef != a_treedef:
+        raise ValueError(f"mean and log_var must have the same structure, got {treedef} and {a_treedef}")
+    for m, a in zip(m_leaves, a_leaves):
+        if jnp.shape(m) != jnp.shape(a) or jnp.ndim(m) == 0 or jnp.shape(m)[0] != weights.shape[0]:
+            raise ValueError(
+                f"mean and log_var leaves need equal shapes with a leading client axis of {weights.shape[0]}, "
+                f"got {jnp.shape(m)} and {jnp.shape(a)}"
+            )
+    total = jnp.sum(weights)
+    beta = weights / jnp.where(total > 0, total, 1.0)
+    out_m, out_a = [], []
+    for i, (m, a) in enumerate(zip(m_leaves, a_leaves)):
+        leaf_key = None if key is None else jax.random.fold_in(key, i)
+        mu, alpha = _leaf_rule(rule, jnp.asarray(m), jnp.asarray(a), beta.astype(jnp.result_type(m)), leaf_key, int(population))
+        out_m.append(mu)
+        out_a.append(alpha)
+    return jax.tree.unflatten(treedef, out_m), jax.tree.unflatten(treedef, out_a)
+
+
+def aggregate_params(rule: str, stacked_params: Any, weights: jax.Array, key: jax.Array | None = None, population: int = 1000) -> Any:
+    """Aggregates stacked variational parameter trees ``[K, ...]``: variational weights by
+    ``rule`` (:func:`aggregate`), deterministic leaves by :func:`fedbayes.tree.weighted_mean`.
+
+    When every weight is 0 (all clients rejected) the result is not meaningful; callers keep the
+    previous parameters (:func:`vbnn` does).
+    """
+    means, log_vars, deterministic = split_variational(stacked_params)
+    agg_m, agg_a = aggregate(rule, means, log_vars, weights, key=key, population=population) if means else ({}, {})
+    return merge_variational(agg_m, agg_a, tree.weighted_mean(deterministic, weights))
+
+
+def make_rule(rule: str, population: int = 1000) -> Callable[[Any, jax.Array, jax.Array], Any]:
+    """The rule as ``(stacked_params, weights, key) -> aggregated params`` (the aggregator seam).
+
+    Raises:
+        ValueError: for an unknown rule or a population below 1 (at construction).
+    """
+    if rule not in RULES:
+        raise ValueError(f"aggregation must be one of {', '.join(RULES)}, got {rule!r}")
+    if int(population) < 1:
+        raise ValueError(f"population must be at least 1, got {population}")
+
+    def combine(stacked_params: Any, weights: jax.Array, key: jax.Array) -> Any:
+        return aggregate_params(rule, stacked_params, weights, key, population)
+
+    return combine
+
+
+# ----- the client -------------------------------------------------------------------------------
+
+
+def variational_objective(apply_fn: Callable, prior_variance: float = 1.0) -> Callable:
+    """The client objective of spec 12.1 for one minibatch.
+
+    Args:
+        apply_fn: ``(params, key, x) -> logits``, one stochastic forward pass
+            (:func:`fedbayes.models.variational.apply_with_key`).
+        prior_variance: the prior ``N(0, prior_variance)`` per variational weight.
+
+    Returns:
+        ``f(params, key, x, y, mask, num_examples)`` = masked mean cross-entropy of the batch +
+        ``KL(q || prior) / num_examples`` (the client's ``n_k``; at least 1).
+    """
+
+    def objective(params, key, x, y, mask, num_examples):
+        logits = apply_fn(params, key, x)
+        valid = mask > 0
+        labels = jnp.where(valid, y, jnp.zeros_like(y))
+        per = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        per = jnp.where(valid, per, jnp.zeros((), per.dtype))
+        ce = jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        n = jnp.maximum(jnp.asarray(num_examples, jnp.float32), 1.0)
+        return ce + kl_to_prior(params, prior_variance) / n
+
+    return objective
+
+
+def run_variational_sgd(key: jax.Array, params: Any, data: ClientData, trainer: LocalTrainer, objective: Callable) -> Any:
+    """Local training with a keyed objective: like :func:`fedbayes.inference.sgd.run_sgd` (same
+    steps, batches and optimizer), but step ``t`` draws its noise from ``fold_in(key, t)``.
+    ``trainer.loss_fn`` is not used."""
+    total = num_local_steps(data.num_examples, trainer.batch_size, trainer.num_epochs)
+    grad_fn = jax.grad(objective)
+
+    def body(step, carry):
+        p, opt_state = carry
+        x, y, m = get_batch(data, step, trainer.batch_size)
+        grads = grad_fn(p, jax.random.fold_in(key, step), x, y, m, data.num_examples)
+        updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    p, _ = jax.lax.fori_loop(0, total, body, (params, trainer.optimizer.init(params)))
+    return p
+
+
+# ----- the algorithm ----------------------------------------------------------------------------
+
+
+class VBNNState(NamedTuple):
+    """Server state: the global variational parameters, the round counter and the server key
+    (raw ``key_data``, uint32, so that checkpoints hold plain arrays)."""
+
+    params: Any
+    round: jax.Array
+    key: jax.Array
+
+
+def vbnn(
+    trainer: LocalTrainer,
+    apply_fn: Callable,
+    *,
+    aggregation: str = "gaa",
+    population: int = 1000,
+    prior_variance: float = 1.0,
+) -> Algorithm:
+    """Federated VBNN with one of the rules of :data:`RULES` (FVBA / FVBWA by the round's weights).
+
+    Args:
+        trainer: the client optimizer, epochs and batch size (``trainer.loss_fn`` is not used: the
+            objective is :func:`variational_objective` of ``apply_fn``).
+        apply_fn: ``(params, key, x) -> logits`` of a variational model.
+        aggregation: the server's rule.
+        population: PPA's ``N``.
+        prior_variance: the prior's variance per weight (seed 004: 1).
+
+    Raises:
+        ValueError: for an unknown aggregation, a population below 1 or a prior variance <= 0.
+    """
+    if prior_variance <= 0:
+        raise ValueError(f"prior_variance must be > 0, got {prior_variance}")
+    combine = make_rule(aggregation, population)
+    objective = variational_objective(apply_fn, prior_variance)
+
+    def server_init(key, params):
+        if not split_variational(params)[0]:
+            raise ValueError("vbnn needs a variational model (leaves <name>_mean and <name>_logvar); got none")
+        return VBNNState(params=params, round=jnp.zeros((), jnp.int32), key=jax.random.key_data(key))
+
+    def client_update(key, params, client_state, data):
+        return run_variational_sgd(key, params, data, trainer, objective), client_state
+
+    def server_update(state, messages, weights):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.round)
+        new = combine(messages, weights, key)
+        any_accepted = jnp.sum(weights) > 0
+        params = jax.tree.map(lambda n, o: jnp.where(any_accepted, n, o), new, state.params)
+        return VBNNState(params=params, round=state.round + 1, key=state.key)
+
+    return Algorithm(
+        name="vbnn",
+        server_init=server_init,
+        broadcast=lambda state: state.params,
+        client_init=stateless_client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: state.params,
+        message_ok=finite_message,
+        local_epochs=trainer.num_epochs,
+        local_batch_size=trainer.batch_size,
+    )
+
+
+# ----- predictions ------------------------------------------------------------------------------
+
+
+def predictive_log_probs(apply_fn: Callable, params: Any, key: jax.Array, x: jax.Array, num_samples: int = 10) -> jax.Array:
+    """``log (1/S sum_s softmax(f(x; eps_s)))``, the marginalised predictive over ``S`` stochastic
+    forward passes (seed 004 uses S = 10); pass ``s`` draws its noise from ``fold_in(key, s)``.
+
+    Raises:
+        ValueError: for ``num_samples < 1``.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+
+    def one(s):
+        return jax.nn.log_softmax(apply_fn(params, jax.random.fold_in(key, s), x), axis=-1)
+
+    log_p = jax.lax.map(one, jnp.arange(num_samples))
+    return jax.nn.logsumexp(log_p, axis=0) - jnp.log(float(num_samples))
+
+
+def predictive_metrics(
+    apply_fn: Callable,
+    params: Any,
+    key: jax.Array,
+    x: jax.Array,
+    y: jax.Array,
+    *,
+    num_samples: int = 10,
+    num_bins: int = 15,
+    batch_size: int = 1000,
+) -> dict[str, float]:
+    """Accuracy, NLL and ECE (``num_bins`` bins) of the marginalised predictive on ``(x, y)``, plus
+    ``std_norm``, the L2 norm of the learned standard deviations ``exp(logvar / 2)`` as stored
+    (seed 004 Table 4; ``std_norm_clamped`` with the forward pass's clamp). Batched over
+    examples; batch ``b`` uses ``fold_in(key, b)``."""
+    predict = jax.jit(lambda p, k, xb: predictive_log_probs(apply_fn, p, k, xb, num_samples))
+    chunks = []
+    for b, start in enumerate(range(0, len(x), batch_size)):
+        chunks.append(predict(params, jax.random.fold_in(key, b), jnp.asarray(x[start : start + batch_size])))
+    log_probs = jnp.concatenate(chunks)
+    out = {k: float(v) for k, v in classification_metrics(log_probs, jnp.asarray(y), num_bins).items()}
+    out["std_norm"] = float(std_norm(params))
+    out["std_norm_clamped"] = float(std_norm(params, clamp=True))
+    return out
