@@ -22,6 +22,8 @@ from fedbayes import tree
 from fedbayes.algorithms import fedavg, registry
 from fedbayes.checkpoint import load_checkpoint, save_checkpoint
 from fedbayes.hparams import HParams
+from fedbayes.models import init_params, make_model
+from fedbayes.models.variational import apply_with_key
 from fedbayes.simulate import Simulator
 
 from helpers import digits_federation, logreg_setup, plain_loop_round
@@ -49,10 +51,15 @@ NAMES = registry.names()
 def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm=None):
     fed = digits_federation(SIZES)
     model, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    keyed = None
+    if name == "vbnn":  # variational BNNs train variational models
+        model = make_model("mlp", 10, variational=True, hidden=(8,))
+        params = init_params(model, jax.random.key(1), (8, 8, 1))
+        keyed = apply_with_key(model)
     spec = registry.get(name)
     ctx = registry.BuildContext(
         trainer, optax.sgd(1.0), registry.FederationInfo.from_sizes(fed.sizes), clients_per_round,
-        apply_fn=lambda p, x: model.apply({"params": p}, x),
+        apply_fn=lambda p, x: model.apply({"params": p}, x), keyed_apply_fn=keyed,
     )  # fmt: skip
     alg = algorithm or spec.build(spec.hparams(name=name), ctx)
     return Simulator(alg, fed, clients_per_round=clients_per_round, seed=3, layout=layout), params
@@ -173,7 +180,7 @@ def test_info_outputs(name):
 
 
 def test_registry_lists_the_builtin_methods_and_rejects_duplicates():
-    assert {"fedavg", "fedprox", "feddyn", "admm", "fedpa", "fedep", "fedsep"} <= set(registry.names())
+    assert {"fedavg", "fedprox", "feddyn", "admm", "fedpa", "fedep", "fedsep", "vbnn"} <= set(registry.names())
     with pytest.raises(ValueError, match="already registered"):
         registry.register(registry.get("fedavg"))
     with pytest.raises(ValueError, match="unknown algorithm 'nope'; allowed: fedavg"):

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedbayes import gaussian, tree
+from fedbayes import round as protocol
 from fedbayes.algorithms import fedavg, make_server_optimizer
 from fedbayes.algorithms.vbnn import (
     RULES,
@@ -196,7 +197,7 @@ def test_deterministic_leaves_aggregate_as_fedavg(rule):
     fed = fedavg(LocalTrainer(None, optax.sgd(0.1), 1, 1), make_server_optimizer("sgd", 1.0))
     state = fed.server_init(None, params)
     deltas = jax.tree.map(lambda c, p: p[None] - c, stacked, params)
-    fed_params = fed.server_update(state, deltas, w).params
+    fed_params = fed.server_update(state, fed.aggregator(deltas, w, None), None)[0].params
     for name in ("conv_0", "conv_1"):
         np.testing.assert_allclose(out[name]["kernel"], fed_params[name]["kernel"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out["dense_0"]["bias"], fed_params["dense_0"]["bias"], rtol=1e-6, atol=1e-6)
@@ -389,15 +390,15 @@ def test_vbnn_rejects_a_deterministic_model_and_keeps_params_when_all_rejected()
     algo = vbnn(trainer, apply_with_key(vmodel), aggregation="cf")
     state = algo.server_init(jax.random.key(0), vparams)
     stacked = jax.tree.map(lambda p: jnp.stack([p + 1.0, p - 1.0]), vparams)
-    new = algo.server_update(state, stacked, jnp.zeros(2))
+    k0, k1 = protocol.server_key(0, 0), protocol.server_key(0, 1)
+    new, _, _ = protocol.server_step(algo, state, stacked, jnp.zeros(2), k0)
     jax.tree.map(np.testing.assert_array_equal, new.params, vparams)
-    assert state.key.dtype == jnp.uint32  # plain arrays in checkpoints
     ppa = vbnn(trainer, apply_with_key(vmodel), aggregation="ppa")
     s0 = ppa.server_init(jax.random.key(0), vparams)
-    s1 = ppa.server_update(s0, stacked, jnp.ones(2))
-    again = ppa.server_update(s0, stacked, jnp.ones(2))
-    jax.tree.map(np.testing.assert_array_equal, s1.params, again.params)  # keyed by (key, round)
-    s2 = ppa.server_update(s1, stacked, jnp.ones(2))
+    s1, _, _ = protocol.server_step(ppa, s0, stacked, jnp.ones(2), k0)
+    again, _, _ = protocol.server_step(ppa, s0, stacked, jnp.ones(2), k0)
+    jax.tree.map(np.testing.assert_array_equal, s1.params, again.params)  # keyed by the round's server key
+    s2, _, _ = protocol.server_step(ppa, s1, stacked, jnp.ones(2), k1)
     assert not np.array_equal(s1.params["output"]["kernel_mean"], s2.params["output"]["kernel_mean"])
     with pytest.raises(ValueError, match="prior_variance"):
         vbnn(trainer, apply_with_key(vmodel), prior_variance=0.0)

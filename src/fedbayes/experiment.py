@@ -57,6 +57,7 @@ from fedbayes.export import MODEL_FILE, save_model
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.loggers import ClientLog
 from fedbayes.models import init_params, loss_fn, make_model
+from fedbayes.models.variational import apply_with_key
 from fedbayes.plotting import plot_curves
 from fedbayes.simulate import Federation, Simulator
 
@@ -172,11 +173,14 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     dataset, parts = prepare_data(config)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
     kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
-    model = make_model(config.model.name, dataset.num_classes, **kwargs)
+    variational = config.model.variational
+    model = make_model(config.model.name, dataset.num_classes, variational=variational, **kwargs)
     params = init_params(model, protocol.params_key(config.seed), dataset.feature_shape)
     trainer = LocalTrainer(loss_fn(model, dataset.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    algorithm = build_algorithm(config, trainer, registry.FederationInfo.from_sizes(federation.sizes), apply_fn=apply_fn, task=dataset.task)
+    keyed_apply_fn = apply_with_key(model) if variational else None
+    ctx = build_context(config, trainer, registry.FederationInfo.from_sizes(federation.sizes), apply_fn=apply_fn, task=dataset.task)
+    algorithm = registry.build(config.algorithm, ctx._replace(keyed_apply_fn=keyed_apply_fn))
     simulator = Simulator(
         algorithm,
         federation,
@@ -188,6 +192,9 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
         store=config.store,
         store_dir=config.store_dir or store_dir,
     )
+    if variational:
+        evaluate = _variational(algorithm, config, keyed_apply_fn, dataset)
+        return Experiment(config, dataset, federation, model, params, simulator, evaluate)
     evaluate = make_evaluator(
         apply_fn, dataset.x_test, dataset.y_test, task=dataset.task, batch_size=config.eval_batch_size, num_bins=config.ece_bins
     )
@@ -196,6 +203,25 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     else:
         evaluate = _on_state(evaluate, algorithm)
     return Experiment(config, dataset, federation, model, params, simulator, evaluate)
+
+
+def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, dataset: Dataset):
+    """A variational model's metrics: accuracy, NLL and ECE of its marginalised predictive over
+    ``S = algorithm.marginal_samples`` stochastic forward passes (a variational network has no
+    deterministic forward pass; Ozer et al. 2022 report these), and ``std_norm``, the L2 norm of
+    its learned standard deviations. The passes' key depends on the seed and the round only."""
+    from fedbayes.algorithms.vbnn import predictive_metrics
+
+    def evaluate(server_state, round_idx: int) -> dict[str, float]:
+        out = predictive_metrics(
+            keyed_apply_fn, algorithm.server_params(server_state), protocol.evaluation_key(config.seed, round_idx),
+            dataset.x_test, dataset.y_test, num_samples=config.algorithm.marginal_samples, num_bins=config.ece_bins,
+            batch_size=config.eval_batch_size,
+        )  # fmt: skip
+        out.pop("std_norm_clamped", None)
+        return out
+
+    return evaluate
 
 
 def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig, apply_fn, dataset: Dataset):

@@ -49,6 +49,8 @@ class BuildContext(NamedTuple):
       apply_fn: ``(params, x) -> outputs`` of the model, for methods that need the model's outputs
         (curvature); ``None`` when not needed.
       task: ``"classification"`` or ``"regression"``.
+      keyed_apply_fn: ``(params, key, x) -> outputs``, one stochastic forward pass of a
+        variational model (VBNN); ``None`` for deterministic models.
     """
 
     trainer: LocalTrainer
@@ -57,6 +59,7 @@ class BuildContext(NamedTuple):
     clients_per_round: int
     apply_fn: Callable[[Any, Any], Any] | None = None
     task: str = "classification"
+    keyed_apply_fn: Callable[[Any, Any, Any], Any] | None = None
 
 
 class AlgorithmSpec(NamedTuple):
@@ -70,8 +73,8 @@ class AlgorithmSpec(NamedTuple):
 
 # The package re-exports each method's factory under the module's own name (fedbayes.algorithms.fedavg
 # is the function), so the modules are looked up by their full names.
-admm, fedavg, feddyn, fedep, fedpa, fedprox = (
-    importlib.import_module(f"fedbayes.algorithms.{m}") for m in ("admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox")
+admm, fedavg, feddyn, fedep, fedpa, fedprox, vbnn = (
+    importlib.import_module(f"fedbayes.algorithms.{m}") for m in ("admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox", "vbnn")
 )
 
 _BUILTIN = (
@@ -82,6 +85,7 @@ _BUILTIN = (
     AlgorithmSpec("fedpa", fedpa.FedPAConfig, fedpa.build, "posterior averaging: IASG samples, shrinkage covariance"),
     AlgorithmSpec("fedep", fedep.FedEPConfig, fedep.build_fedep, "expectation propagation with stateful Gaussian sites"),
     AlgorithmSpec("fedsep", fedep.FedSEPConfig, fedep.build_fedsep, "stochastic EP: one shared site, stateless clients"),
+    AlgorithmSpec("vbnn", vbnn.VBNNConfig, vbnn.build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors"),
 )
 
 _REGISTRY: dict[str, AlgorithmSpec] = {spec.name: spec for spec in _BUILTIN}

@@ -36,16 +36,17 @@ finite.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from pydantic import Field
 
-from fedbayes import tree
+from fedbayes import aggregators, tree
 from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
-from fedbayes.data.batches import ClientData, get_batch, num_local_steps
-from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.hparams import HParams
+from fedbayes.inference.sgd import LocalTrainer, run_sgd
 from fedbayes.metrics import classification_metrics
 from fedbayes.models.variational import (
     LOGVAR_MAX,
@@ -210,8 +211,23 @@ def make_rule(rule: str, population: int = 1000) -> Callable[[Any, jax.Array, ja
 # ----- the client -------------------------------------------------------------------------------
 
 
+def variational_data_loss(apply_fn: Callable) -> Callable:
+    """``(params, key, x, y, mask) -> masked mean cross-entropy`` of one stochastic forward pass
+    (``key`` draws the weights' noise): the keyed loss of a Bayes-by-backprop client."""
+
+    def loss(params, key, x, y, mask):
+        logits = apply_fn(params, key, x)
+        valid = mask > 0
+        labels = jnp.where(valid, y, jnp.zeros_like(y))
+        per = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        per = jnp.where(valid, per, jnp.zeros((), per.dtype))
+        return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    return loss
+
+
 def variational_objective(apply_fn: Callable, prior_variance: float = 1.0) -> Callable:
-    """The client objective of spec 12.1 for one minibatch.
+    """The client objective of docs/algorithms.md §12.1 for one minibatch.
 
     Args:
         apply_fn: ``(params, key, x) -> logits``, one stochastic forward pass
@@ -222,48 +238,35 @@ def variational_objective(apply_fn: Callable, prior_variance: float = 1.0) -> Ca
         ``f(params, key, x, y, mask, num_examples)`` = masked mean cross-entropy of the batch +
         ``KL(q || prior) / num_examples`` (the client's ``n_k``; at least 1).
     """
+    data_loss = variational_data_loss(apply_fn)
 
     def objective(params, key, x, y, mask, num_examples):
-        logits = apply_fn(params, key, x)
-        valid = mask > 0
-        labels = jnp.where(valid, y, jnp.zeros_like(y))
-        per = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        per = jnp.where(valid, per, jnp.zeros((), per.dtype))
-        ce = jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
         n = jnp.maximum(jnp.asarray(num_examples, jnp.float32), 1.0)
-        return ce + kl_to_prior(params, prior_variance) / n
+        return data_loss(params, key, x, y, mask) + kl_to_prior(params, prior_variance) / n
 
     return objective
-
-
-def run_variational_sgd(key: jax.Array, params: Any, data: ClientData, trainer: LocalTrainer, objective: Callable) -> Any:
-    """Local training with a keyed objective: like :func:`fedbayes.inference.sgd.run_sgd` (same
-    steps, batches and optimizer), but step ``t`` draws its noise from ``fold_in(key, t)``.
-    ``trainer.loss_fn`` is not used."""
-    total = num_local_steps(data.num_examples, trainer.batch_size, trainer.num_epochs)
-    grad_fn = jax.grad(objective)
-
-    def body(step, carry):
-        p, opt_state = carry
-        x, y, m = get_batch(data, step, trainer.batch_size)
-        grads = grad_fn(p, jax.random.fold_in(key, step), x, y, m, data.num_examples)
-        updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state
-
-    p, _ = jax.lax.fori_loop(0, total, body, (params, trainer.optimizer.init(params)))
-    return p
 
 
 # ----- the algorithm ----------------------------------------------------------------------------
 
 
 class VBNNState(NamedTuple):
-    """Server state: the global variational parameters, the round counter and the server key
-    (raw ``key_data``, uint32, so that checkpoints hold plain arrays)."""
+    """Server state: the global variational parameters and the round counter."""
 
     params: Any
     round: jax.Array
-    key: jax.Array
+
+
+def rule_aggregator(rule: str, population: int = 1000) -> aggregators.Aggregator:
+    """The rule as an aggregator (the seam of :mod:`fedbayes.aggregators`): its ``mean`` is the
+    combined parameter tree (:func:`aggregate_params`; PPA samples with the round's server key),
+    ``total`` and ``count`` as the default rule's."""
+    combine = make_rule(rule, population)
+
+    def aggregator(messages, weights, key):
+        return aggregators.weighted(messages, weights, key)._replace(mean=combine(messages, weights, key))
+
+    return aggregator
 
 
 def vbnn(
@@ -276,36 +279,42 @@ def vbnn(
 ) -> Algorithm:
     """Federated VBNN with one of the rules of :data:`RULES` (FVBA / FVBWA by the round's weights).
 
+    Clients train their variational parameters by Bayes-by-backprop from the broadcast ones
+    (:func:`fedbayes.inference.sgd.run_sgd` with the keyed loss of :func:`variational_data_loss`,
+    fresh noise at every step, and ``KL / n_k`` as the penalty) and send them; the server combines
+    them with the rule (the algorithm's aggregator, :func:`rule_aggregator`).
+
     Args:
-        trainer: the client optimizer, epochs and batch size (``trainer.loss_fn`` is not used: the
-            objective is :func:`variational_objective` of ``apply_fn``).
+        trainer: the client optimizer, epochs and batch size (``trainer.loss_fn`` is replaced by
+            the variational loss of ``apply_fn``).
         apply_fn: ``(params, key, x) -> logits`` of a variational model.
         aggregation: the server's rule.
         population: PPA's ``N``.
-        prior_variance: the prior's variance per weight (seed 004: 1).
+        prior_variance: the prior's variance per weight (Ozer et al. 2022: 1).
 
     Raises:
         ValueError: for an unknown aggregation, a population below 1 or a prior variance <= 0.
     """
     if prior_variance <= 0:
         raise ValueError(f"prior_variance must be > 0, got {prior_variance}")
-    combine = make_rule(aggregation, population)
-    objective = variational_objective(apply_fn, prior_variance)
+    local = trainer._replace(loss_fn=variational_data_loss(apply_fn))
 
     def server_init(key, params):
+        del key
         if not split_variational(params)[0]:
             raise ValueError("vbnn needs a variational model (leaves <name>_mean and <name>_logvar); got none")
-        return VBNNState(params=params, round=jnp.zeros((), jnp.int32), key=jax.random.key_data(key))
+        return VBNNState(params=params, round=jnp.zeros((), jnp.int32))
 
     def client_update(key, params, client_state, data):
-        return run_variational_sgd(key, params, data, trainer, objective), client_state
+        n = jnp.maximum(data.num_examples.astype(jnp.float32), 1.0)
+        new, info = run_sgd(key, params, data, local, lambda p: kl_to_prior(p, prior_variance) / n)
+        return new, client_state, info
 
-    def server_update(state, messages, weights):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.round)
-        new = combine(messages, weights, key)
-        any_accepted = jnp.sum(weights) > 0
-        params = jax.tree.map(lambda n, o: jnp.where(any_accepted, n, o), new, state.params)
-        return VBNNState(params=params, round=state.round + 1, key=state.key)
+    def server_update(state, aggregate, key):
+        del key  # PPA's draws use the aggregator's key
+        any_accepted = aggregate.count > 0  # none accepted: keep the old parameters
+        params = jax.tree.map(lambda n, o: jnp.where(any_accepted, n, o), aggregate.mean, state.params)
+        return VBNNState(params=params, round=state.round + 1), {}
 
     return Algorithm(
         name="vbnn",
@@ -318,7 +327,25 @@ def vbnn(
         message_ok=finite_message,
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
+        aggregator=rule_aggregator(aggregation, population),
     )
+
+
+class VBNNConfig(HParams):
+    """Federated variational BNNs (docs/algorithms.md §12): the server's aggregation rule; the
+    model must be variational (``model.variational = true``)."""
+
+    name: Literal["vbnn"]
+    aggregation: Literal[RULES] = Field("gaa", description="eaa, gaa, aalv, ppa, cf or merging")  # type: ignore[valid-type]
+    population: int = Field(1000, ge=1, description="PPA: samples drawn from the clients' posteriors")
+    prior_variance: float = Field(1.0, gt=0, description="the prior N(0, prior_variance) per variational weight")
+    marginal_samples: int = Field(10, ge=1, description="S, stochastic forward passes of the marginalised prediction")
+
+
+def build(hp: VBNNConfig, ctx) -> Algorithm:
+    if ctx.keyed_apply_fn is None:
+        raise ValueError("vbnn needs a variational model's keyed apply function (model.variational = true)")
+    return vbnn(ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance)
 
 
 # ----- predictions ------------------------------------------------------------------------------
