@@ -1,4 +1,4 @@
-"""Seed 004's CNN: the simulator's round against a plain jitted step loop over the same examples.
+"""Ozer et al. 2022 (VBNN aggregation)'s CNN: the simulator's round against a plain jitted step loop over the same examples.
 
     PYTHONPATH=src .venv/bin/python benchmarks/cnn_round.py [--clients 10] [--per-client 640]
         [--epochs 1] [--batch 64] [--reps 7] [--layout sequential] [--conv patches xla] [--vbnn] [--json]
@@ -14,7 +14,7 @@ implementation (``--conv``: ``patches``, the default model's patch extraction pl
 * ``round``: ``Simulator.run_round`` of FedAvg (server SGD lr 1) over the same clients, all of
   them in the cohort (``--layout``: ``sequential`` is the CPU default; ``vmap`` also works).
 
-With ``--vbnn`` it also builds ``round_vbnn``: the VBNN round (seed 004's CNN with its dense layers
+With ``--vbnn`` it also builds ``round_vbnn``: the VBNN round (Ozer et al. 2022 (VBNN aggregation)'s CNN with its dense layers
 variational, GAA, the same clients and optimizer) on the default convolution, reported as a ratio
 to the CNN FedAvg round of that convolution (``round_vbnn / round_<conv>`` in throughput).
 

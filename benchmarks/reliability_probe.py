@@ -1,4 +1,4 @@
-"""Reruns the cases of issue 18 ("Why") against the CLI and counts tracebacks and silent wrong results.
+"""Reruns the reliability cases (damaged folders, concurrent runs, bad configs and data) against the CLI and counts tracebacks and silent wrong results.
 
 Each case runs ``python -m fedbayes.cli`` in a subprocess (small data: digits, tiny LEAF and IDX
 files written here) and is classified as

@@ -1,4 +1,4 @@
-"""Seed 004's aggregation rules on Fashion-MNIST at a reduced budget (docs/results/vbnn.md).
+"""Ozer et al. 2022 (VBNN aggregation)'s aggregation rules on Fashion-MNIST at a reduced budget (docs/results/vbnn.md).
 
     PYTHONPATH=src .venv/bin/python benchmarks/vbnn_fmnist.py [--model mlp|cnn] [--rounds 10]
         [--epochs 1] [--clients 10] [--partitions iid dirichlet] [--weightings examples uniform]

@@ -164,7 +164,7 @@ def test_model_npz_loads_without_fedbayes_and_equals_the_server_parameters(tmp_p
     # load_run: config, params (nested as the model takes them) and metrics; the params reproduce the final accuracy
     config, params, records = fedbayes.load_run(out)
     assert config == cfg and records == read_metrics(out / "metrics.jsonl")
-    assert exp.evaluate(state.server_state)["accuracy"] == pytest.approx(summary["final"]["accuracy"])
+    assert exp.evaluate(state.server_state, state.round)["accuracy"] == pytest.approx(summary["final"]["accuracy"])
     logits = exp.model.apply({"params": params}, exp.dataset.x_test)
     assert float(np.mean(np.argmax(logits, -1) == exp.dataset.y_test)) == pytest.approx(summary["final"]["accuracy"], abs=1e-6)
 

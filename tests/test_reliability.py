@@ -1,4 +1,4 @@
-"""Issue 18: damaged run folders recover or fail in one line, one process per folder, strict inputs
+"""Reliability: damaged run folders recover or fail in one line, one process per folder, strict inputs
 and strict JSON, documented exit codes, and bitwise resume after a kill at a random moment."""
 
 from __future__ import annotations

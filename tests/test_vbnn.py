@@ -1,4 +1,4 @@
-"""VBNN (seed 004, spec 12): aggregation rules (12.4), variational layers, client objective."""
+"""VBNN (Ozer et al. 2022 (VBNN aggregation), docs/algorithms.md §12): aggregation rules (12.4), variational layers, client objective."""
 
 import functools
 import math
@@ -146,7 +146,7 @@ def test_ppa_approaches_merging_as_population_grows():
 
 
 def test_ppa_keeps_every_client():
-    # beta_k N < 1 for the small clients: each still gets one draw (spec 12.5), so their far-away
+    # beta_k N < 1 for the small clients: each still gets one draw (docs/algorithms.md §12.5), so their far-away
     # means move the pool; with floor(beta N) = 0 they would vanish.
     k = 11
     mean = jnp.concatenate([jnp.zeros((1, 200)), jnp.full((k - 1, 200), 100.0)])
@@ -405,7 +405,7 @@ def test_vbnn_rejects_a_deterministic_model_and_keeps_params_when_all_rejected()
 
 
 def test_aalv_averages_stored_log_variances():
-    # Seed 004's code averages every parameter, alpha included, without the clamp.
+    # Ozer et al. 2022 (VBNN aggregation)'s code averages every parameter, alpha included, without the clamp.
     mean = jnp.zeros((2, 3))
     log_var = jnp.array([[-9.0, -12.0, 9.0], [-11.0, -4.0, 11.0]])
     _, a = aggregate("aalv", mean, log_var, jnp.array([1.0, 1.0]))

@@ -56,7 +56,7 @@ class ModelConfig(_Strict):
 
     name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
-    # Seed 004's VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
+    # Ozer et al. 2022 (VBNN aggregation)'s VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
     variational: bool = False
 
     @model_validator(mode="after")

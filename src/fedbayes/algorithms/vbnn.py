@@ -1,13 +1,13 @@
-"""Federated variational Bayesian neural networks (seed 004; spec 12): Bayes-by-backprop clients
+"""Federated variational Bayesian neural networks (Ozer et al. 2022 (VBNN aggregation); docs/algorithms.md §12): Bayes-by-backprop clients
 and the server's aggregation rules for variational weights.
 
 Clients start from the broadcast variational parameters (means, log-variances and deterministic
 weights, :mod:`fedbayes.models.variational`), minimise the mean cross-entropy of one stochastic
-forward pass per minibatch plus ``KL(q || N(0, 1)) / n_k`` (spec 12.1), and send their
-parameters. The server combines them with one rule of spec 12.3 applied elementwise to every
+forward pass per minibatch plus ``KL(q || N(0, 1)) / n_k`` (docs/algorithms.md §12.1), and send their
+parameters. The server combines them with one rule of docs/algorithms.md §12.3 applied elementwise to every
 variational weight; deterministic leaves (biases, convolutions) always by the weighted mean,
 exactly as FedAvg's :func:`fedbayes.tree.weighted_mean`. The weights ``beta_k`` are the round's
-client weights normalised to sum 1: uniform gives seed 004's FVBA, ``n_k``-proportional its FVBWA
+client weights normalised to sum 1: uniform gives Ozer et al. 2022 (VBNN aggregation)'s FVBA, ``n_k``-proportional its FVBWA
 (the simulator's ``weighting``).
 
 Rules (``alpha`` = log-variance, clamped to [-8, 8] wherever it is exponentiated):
@@ -15,7 +15,7 @@ Rules (``alpha`` = log-variance, clamped to [-8, 8] wherever it is exponentiated
 * ``eaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta sigma_k^2`` (log-sum-exp in log space);
 * ``gaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta^2 sigma_k^2``;
 * ``aalv``: ``mu = sum beta mu_k``, ``alpha = sum beta alpha_k`` on the stored (unclamped)
-  ``alpha``, as seed 004's code (``geometric`` averages every parameter); for ``alpha`` in
+  ``alpha``, as Ozer et al. 2022 (VBNN aggregation)'s code (``geometric`` averages every parameter); for ``alpha`` in
   [-8, 8] this is the weighted geometric mean of the variances, at most EAA's (AM-GM);
 * ``ppa``: pooled population of ``c_k = max(1, floor(beta_k N))`` draws from each client with
   ``beta_k > 0`` (``N = population``), mean and variance (the paper's ``1/N`` estimator; the code's
@@ -27,7 +27,7 @@ Rules (``alpha`` = log-variance, clamped to [-8, 8] wherever it is exponentiated
 * ``cf`` (conflation) in precision form: ``lambda = sum beta e^{-alpha_k}``,
   ``mu = sum beta e^{-alpha_k} mu_k / lambda``, ``alpha = log beta_max - log lambda``;
 * ``merging``: moment-matched mixture, ``mu = sum beta mu_k``,
-  ``sigma^2 = sum beta [(mu - mu_k)^2 + sigma_k^2]`` (seed 004's code, not its paper).
+  ``sigma^2 = sum beta [(mu - mu_k)^2 + sigma_k^2]`` (Ozer et al. 2022 (VBNN aggregation)'s code, not its paper).
 
 A client with weight 0 (padded, rejected) contributes nothing, even when its values are not
 finite.
@@ -132,7 +132,7 @@ def aggregate(
     key: jax.Array | None = None,
     population: int = 1000,
 ) -> tuple[Any, Any]:
-    """Aggregates clients' mean-field Gaussians by one of seed 004's rules (module docstring).
+    """Aggregates clients' mean-field Gaussians by one of Ozer et al. 2022 (VBNN aggregation)'s rules (module docstring).
 
     Args:
         rule: one of :data:`RULES`.
@@ -353,7 +353,7 @@ def build(hp: VBNNConfig, ctx) -> Algorithm:
 
 def predictive_log_probs(apply_fn: Callable, params: Any, key: jax.Array, x: jax.Array, num_samples: int = 10) -> jax.Array:
     """``log (1/S sum_s softmax(f(x; eps_s)))``, the marginalised predictive over ``S`` stochastic
-    forward passes (seed 004 uses S = 10); pass ``s`` draws its noise from ``fold_in(key, s)``.
+    forward passes (Ozer et al. 2022 (VBNN aggregation) uses S = 10); pass ``s`` draws its noise from ``fold_in(key, s)``.
 
     Raises:
         ValueError: for ``num_samples < 1``.
@@ -381,7 +381,7 @@ def predictive_metrics(
 ) -> dict[str, float]:
     """Accuracy, NLL and ECE (``num_bins`` bins) of the marginalised predictive on ``(x, y)``, plus
     ``std_norm``, the L2 norm of the learned standard deviations ``exp(logvar / 2)`` as stored
-    (seed 004 Table 4; ``std_norm_clamped`` with the forward pass's clamp). Batched over
+    (Ozer et al. 2022 (VBNN aggregation) Table 4; ``std_norm_clamped`` with the forward pass's clamp). Batched over
     examples; batch ``b`` uses ``fold_in(key, b)``."""
     predict = jax.jit(lambda p, k, xb: predictive_log_probs(apply_fn, p, k, xb, num_samples))
     chunks = []

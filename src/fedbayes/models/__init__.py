@@ -50,7 +50,7 @@ def make_model(name: str, num_classes: int, *, variational: bool = False, **kwar
             ``padding="SAME"``) or ``"linear"`` (:class:`LinearRegression`).
         num_classes: number of classes, at least 2. Ignored by ``"linear"``, whose output is one
             scalar per example.
-        variational: the model of seed 004's VBNN, with every dense layer variational
+        variational: the model of Ozer et al. 2022 (VBNN aggregation)'s VBNN, with every dense layer variational
             (:class:`~fedbayes.models.variational.VariationalMLP`,
             :class:`~fedbayes.models.variational.VariationalCNN`); ``"mlp"`` and ``"cnn"`` only.
             It needs the ``"noise"`` RNG stream when applied.

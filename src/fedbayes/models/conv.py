@@ -1,7 +1,7 @@
 """Convolutions as patch extraction plus one dot, for XLA:CPU inside loops.
 
-Why (measured 2026-11-23 on the 2-core development machine, seed 004's CNN on 28x28x1, batch
-64, 19 SGD steps, ``benchmarks/cnn_round.py`` and DESIGN.md "Using every core"): XLA:CPU runs a
+Why (measured 2026-11-23 on the 2-core development machine, Ozer et al. 2022 (VBNN aggregation)'s CNN on 28x28x1, batch
+64, 19 SGD steps, ``benchmarks/cnn_round.py`` and docs/design.md "Using every core"): XLA:CPU runs a
 ``lax.conv_general_dilated`` step called from Python through Eigen's fast convolution, but inside
 a ``while`` loop (``lax.fori_loop``, the simulator's per-client loop) the weight-gradient
 convolutions come out of layout assignment with non-canonical dimension labels

@@ -1,6 +1,6 @@
-"""Variational (Bayes-by-backprop) layers and models of seed 004 (spec 12.1).
+"""Variational (Bayes-by-backprop) layers and models of Ozer et al. 2022 (VBNN aggregation) (docs/algorithms.md §12.1).
 
-**Which leaf is which: the naming convention** (DESIGN.md, "Families of state"). In a parameter
+**Which leaf is which: the naming convention** (docs/design.md, "Families of state"). In a parameter
 tree, a dict that holds two sibling leaves ``<name>_mean`` and ``<name>_logvar`` of one shape
 carries the mean-field Gaussian ``N(mean, exp(logvar))`` of the weight ``<name>``; every other leaf
 (biases, convolutions, a ``_mean`` without its ``_logvar``) is deterministic. The aggregation
@@ -9,7 +9,7 @@ variational weights from the tree itself through :func:`split_variational`, neve
 kept elsewhere. :class:`VariationalDense` names its weight ``kernel``, so its leaves are
 ``kernel_mean``, ``kernel_logvar`` and (deterministic) ``bias``.
 
-The layer (spec 12.1, from seed 004's code):
+The layer (docs/algorithms.md §12.1, from Ozer et al. 2022 (VBNN aggregation)'s code):
 
 * local reparameterisation: ``o = a mu + b + sqrt(a^2 sigma^2 + 1e-8) * eps``, ``eps ~ N(0, I)``
   drawn per example and output unit from the flax RNG stream ``"noise"``; the noise is there at
@@ -65,14 +65,14 @@ def clamped_variance(log_var: jax.Array) -> jax.Array:
 
 
 class VariationalDense(nn.Module):
-    """Dense layer with a mean-field Gaussian weight and a deterministic bias (spec 12.1).
+    """Dense layer with a mean-field Gaussian weight and a deterministic bias (docs/algorithms.md §12.1).
 
     Parameters: ``kernel_mean`` and ``kernel_logvar`` ``[in, features]``, ``bias [features]``.
 
     Attributes:
         features: output width.
         logvar_init_mean, logvar_init_std: the initial log-variance's normal distribution
-            (-9, 0.001 as seed 004's code).
+            (-9, 0.001 as Ozer et al. 2022 (VBNN aggregation)'s code).
     """
 
     features: int
@@ -113,8 +113,8 @@ class VariationalMLP(nn.Module):
 
 
 class VariationalCNN(nn.Module):
-    """Seed 004's VBNN: :class:`~fedbayes.models.cnn.CNN` with its three dense layers variational
-    and its convolutions deterministic (spec 12.1); attributes as ``CNN``'s."""
+    """Ozer et al. 2022 (VBNN aggregation)'s VBNN: :class:`~fedbayes.models.cnn.CNN` with its three dense layers variational
+    and its convolutions deterministic (docs/algorithms.md §12.1); attributes as ``CNN``'s."""
 
     num_classes: int
     padding: str = "SAME"
@@ -231,7 +231,7 @@ def kl_to_prior(params: Any, prior_variance: float = 1.0) -> jax.Array:
 def std_norm(params: Any, clamp: bool = False) -> jax.Array:
     """The L2 norm of the learned standard deviations over every variational weight.
 
-    ``clamp=False`` (seed 004's Table 4): ``exp(logvar / 2)`` of the stored log-variances; its
+    ``clamp=False`` (Ozer et al. 2022 (VBNN aggregation)'s Table 4): ``exp(logvar / 2)`` of the stored log-variances; its
     values for CF and AALV lie below the clamp's floor (FMNIST CF 1.40 over 41,640 weights is
     sigma^2 = e^-10, under e^-8), so the paper's norms are of the stored ``logvar``.
     ``clamp=True``: the standard deviations the forward pass uses.
