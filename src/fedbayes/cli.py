@@ -107,12 +107,17 @@ def _load(path: Path, overrides: list[str]) -> RunConfig:
         _fail(str(exc))
 
 
-def _run(config: RunConfig, out: Path, resume: bool = False) -> dict:
+def _run(config: RunConfig, out: Path, resume: bool = False, *, diverged_ok: bool = False) -> dict:
     from fedbayes.data.dataset import DatasetNotFoundError
-    from fedbayes.experiment import run_experiment
+    from fedbayes.experiment import Diverged, run_experiment
 
     try:
         return run_experiment(config, out, resume=resume, reporter=_reporter())
+    except Diverged as exc:
+        if not diverged_ok:
+            _fail(f"error: {exc}", code=3)
+        console.print(f"error: {exc}", style="red", highlight=False)
+        return json.loads((out / "summary.json").read_text())
     except DatasetNotFoundError as exc:
         _fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
@@ -134,12 +139,16 @@ def run(
 
 
 @app.command()
-def resume(out: Annotated[Path, typer.Argument(help="the folder of an interrupted run")]):
-    """Resume an interrupted run from its newest checkpoint; ends as if it never stopped."""
+def resume(
+    out: Annotated[Path, typer.Argument(help="the folder of an interrupted run")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="change a key before continuing, e.g. --set client.lr=0.01 (after a divergence)")] = None,
+):
+    """Resume an interrupted (or diverged) run from its newest checkpoint; with no --set it ends as
+    if it never stopped."""
     cfg_path = out / "config.toml"
     if not cfg_path.is_file():
         _fail(f"error: {out} holds no config.toml; is it a fedbayes run folder?")
-    cfg = _load(cfg_path, [])
+    cfg = _load(cfg_path, set_ or [])
     summary = _run(cfg, out, resume=True)
     _print_table({cfg.name: summary})
 
@@ -196,7 +205,10 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dic
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, s in summaries.items():
         f = s.get("final", {})
-        if "accuracy" in f:
+        if s.get("diverged"):
+            d = s["diverged"]
+            row = [name, s["algorithm"], s["server_optimizer"], f"diverged (round {d['round']}: {d['metric']})"] + [""] * (len(cols) - 4)
+        elif "accuracy" in f:
             if curves and curves.get(name):
                 recs = curves[name]
                 rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
@@ -207,7 +219,8 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dic
             row += [_fmt(s.get("best_accuracy")), "—" if rt is None else str(rt)]
         else:
             row = [name, s["algorithm"], s["server_optimizer"], f"mse {_fmt(f.get('mse'), digits=5)}", "", "", "", "", "", "", ""]
-        row += [f"{f.get('seconds', 0):.1f}", f"{f.get('bytes_up', 0) / 1e6:.1f}"]
+        if not s.get("diverged"):
+            row += [f"{f.get('seconds', 0):.1f}", f"{f.get('bytes_up', 0) / 1e6:.1f}"]
         table.add_row(*row)
         md.append("| " + " | ".join(row) + " |")
     console.print(table)
@@ -239,14 +252,24 @@ def compare(
     summaries = {}
     for name, cfg in runs.items():
         console.print(f"[bold]== {name}[/bold] ({cfg.algorithm.name}, server {cfg.server.optimizer})")
-        summaries[name] = _run(cfg, out / name)
+        summaries[name] = _run(cfg, out / name, diverged_ok=True)
     curves = {name: read_metrics(out / name / "metrics.jsonl") for name in runs}
     md = _print_table(summaries, threshold, curves)
     task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
     plot = plot_curves(out / "compare.png", curves, title="comparison", task=task)
     (out / "compare.md").write_text(md)
-    (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    (out / "compare.json").write_text(json.dumps({n: _without_numbers(s) for n, s in summaries.items()}, indent=2) + "\n")
     console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
+    diverged = [n for n, s in summaries.items() if s.get("diverged")]
+    if diverged:
+        _fail(f"error: diverged: {', '.join(diverged)} (see their rows; each kept its last good checkpoint for fedbayes resume DIR --set ...)", code=3)
+
+
+def _without_numbers(summary: dict) -> dict:
+    """A diverged variant's summary keeps its name, settings and where it diverged, not its metrics."""
+    if not summary.get("diverged"):
+        return summary
+    return {k: summary[k] for k in ("name", "algorithm", "server_optimizer", "rounds", "diverged") if k in summary}
 
 
 @app.command()

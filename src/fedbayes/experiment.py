@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -306,6 +307,47 @@ def format_record(r: dict, total: int) -> str:
     return f"round {r['round']:>4}/{total}  {body}  {r['seconds']:.1f}s{rej}"
 
 
+class Diverged(RuntimeError):
+    """A run stopped because a loss or the server model turned non-finite (``server.on_divergence``).
+
+    Attributes: ``round``, ``metric`` (what turned non-finite), ``checkpoint`` (the round of the
+    last good checkpoint, or None).
+    """
+
+    def __init__(self, message: str, round_idx: int, metric: str, checkpoint: int | None):
+        super().__init__(message)
+        self.round, self.metric, self.checkpoint = round_idx, metric, checkpoint
+
+
+DIVERGENCE_METRICS = ("loss", "nll", "mse", "nll_marg")  # evaluated losses a guard checks
+
+
+def _non_finite(record: dict | None, params) -> str | None:
+    """The first non-finite quantity: the server model's parameters, then the evaluated losses;
+    None when all are finite."""
+    if params is not None:
+        finite = jax.tree.reduce(lambda a, b: a & b, jax.tree.map(lambda v: jax.numpy.all(jax.numpy.isfinite(v)), params), True)
+        if not bool(finite):
+            return "server parameters"
+    for key in DIVERGENCE_METRICS:
+        if record is not None and key in record and not np.isfinite(record[key]):
+            return f"evaluated {key}"
+    return None
+
+
+def _divergence_message(config: RunConfig, round_idx: int, metric: str, out: Path, checkpoint: int | None) -> str:
+    cause = (
+        "likely cause: a step too large for the loss's curvature (client.lr, server.lr"
+        + (", or the tilted precisions of FedEP's laplace/ngvi methods" if config.algorithm.name in ("fedep", "fedsep") else "")
+        + ")"
+    )
+    ckpt = f"last good checkpoint: round {checkpoint}" if checkpoint is not None else "no checkpoint was saved yet (checkpoint_every)"
+    return (
+        f"diverged at round {round_idx}: {metric} non-finite; {cause}; {ckpt}; "
+        f"continue with: fedbayes resume {out} --set client.lr=... (or server.lr=...)"
+    )
+
+
 def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None) -> dict:
     """Runs (or resumes) one experiment and returns its summary (see the module docstring)."""
     out = Path(out_dir)
@@ -342,6 +384,8 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
         return r
 
     fault = int(os.environ.get(FAULT_ENV, "-1"))
+    last_ckpt = int(state.round) if ckpt is not None else None
+    warned = False
     reporter.start(config.name, config.rounds, state.round)
     if state.round == 0 and not records:
         reporter.update(0, config.rounds, record(0))
@@ -356,8 +400,18 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
             counters["rejected"] += len(info.rejected)
             r = state.round
             rec = record(r) if (r % config.eval_every == 0 or r == config.rounds) else None
-            if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):
+            bad = _non_finite(rec, sim.server_params(state))
+            if bad is not None and not warned:
+                message = _divergence_message(config, r, bad, out, last_ckpt)
+                if config.server.on_divergence == "stop":
+                    summary = {**summarize(config, records, exp.dataset.task), "diverged": {"round": r, "metric": bad, "checkpoint": last_ckpt}}
+                    _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+                    raise Diverged(message, r, bad, last_ckpt)
+                print(f"warning: {message}", file=sys.stderr, flush=True)
+                warned = True
+            if not warned and (r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0)):
                 save_checkpoint(ckpt_dir, state, {"counters": counters, "name": config.name})
+                last_ckpt = r
             reporter.update(r, config.rounds, rec)
             if r == fault:
                 os._exit(137)

@@ -1,0 +1,253 @@
+"""fedbayes.inference.curvature against brute-force references (float64).
+
+References: squares of per-example ``vmap(grad)`` (Fisher flavours, with the same labels) and the
+explicit ``J^T H J`` from ``jax.jacfwd`` (GGN).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedbayes.inference import curvature as cv
+from fedbayes.models import init_params, make_model
+
+RTOL = 1e-5
+MODELS = {
+    "logreg": ("logreg", (5,), {}),
+    "mlp": ("mlp", (6,), {"hidden": (7, 5)}),
+    "cnn": ("cnn", (8, 8, 1), {}),
+    "cnn_valid": ("cnn", (16, 16, 2), {"padding": "VALID"}),
+    "linear": ("linear", (4,), {}),
+}
+NUM_CLASSES = 3
+
+
+def _setup(name, batch, seed, noise=0.3):
+    model_name, feature_shape, kwargs = MODELS[name]
+    model = make_model(model_name, NUM_CLASSES, **kwargs)
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), init_params(model, jax.random.key(seed), feature_shape))
+    # move away from the initialisation so that every layer carries signal
+    params = jax.tree.map(lambda a, k: a + noise * jax.random.normal(k, a.shape, a.dtype), params, _keys_like(jax.random.key(seed + 1), params))
+    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    task = "regression" if model_name == "linear" else "classification"
+    x = jax.random.normal(jax.random.key(seed + 2), (batch, *feature_shape), jnp.float64)
+    if task == "classification":
+        y = jax.random.randint(jax.random.key(seed + 3), (batch,), 0, NUM_CLASSES)
+    else:
+        y = jax.random.normal(jax.random.key(seed + 3), (batch,), jnp.float64)
+    return apply, params, x, y, task
+
+
+def _keys_like(key, tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, list(jax.random.split(key, len(leaves))))
+
+
+def _loss_one(apply, task):
+    def loss(p, xn, yn):
+        out = apply(p, xn[None])[0]
+        if task == "classification":
+            return -jax.nn.log_softmax(out)[yn]
+        return 0.5 * jnp.square(out - yn)
+
+    return loss
+
+
+def _ref_squares(apply, params, x, y, mask, task):
+    grads = jax.vmap(jax.grad(_loss_one(apply, task)), in_axes=(None, 0, 0))(params, x, y)
+    return jax.tree.map(lambda g: jnp.einsum("b...,b->...", jnp.square(g), mask), grads)
+
+
+def _ref_ggn(apply, params, x, mask, task):
+    jac = jax.vmap(lambda xn: jax.jacfwd(lambda q: apply(q, xn[None])[0])(params))(x)
+    out = apply(params, x)
+    if task == "classification":
+        p = jax.nn.softmax(out)
+        h = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(p)
+        return jax.tree.map(lambda j: jnp.einsum("bc...,bcd,bd...,b->...", j, h, j, mask), jac)
+    return jax.tree.map(lambda j: jnp.einsum("b...,b...,b->...", j, j, mask), jac)
+
+
+def _assert_close(got, ref, rtol=RTOL):
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
+        assert g.shape == r.shape and g.dtype == r.dtype, path
+        scale = float(jnp.max(jnp.abs(r)))
+        assert scale > 0, f"reference is zero at {path}: the test would not check anything"
+        err = float(jnp.max(jnp.abs(g - r)))
+        assert err <= rtol * scale, f"{path}: max error {err:.3g} against scale {scale:.3g}"
+
+
+masks = st.integers(min_value=1, max_value=7).flatmap(
+    lambda n: st.tuples(st.just(n), st.lists(st.booleans(), min_size=n, max_size=n).filter(any))
+)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@settings(max_examples=3, deadline=None)
+@given(case=masks, seed=st.integers(0, 1000))
+def test_empirical_fisher_equals_per_example_squares(name, case, seed):
+    batch, valid = case
+    with jax.enable_x64(True):
+        apply, params, x, y, task = _setup(name, batch, seed)
+        mask = jnp.asarray(valid, jnp.float64)
+        got = cv.diag_empirical_fisher(apply, params, x, y, mask, task=task)
+        _assert_close(got, _ref_squares(apply, params, x, y, mask, task))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@settings(max_examples=3, deadline=None)
+@given(case=masks, seed=st.integers(0, 1000))
+def test_ggn_equals_explicit_jt_h_j(name, case, seed):
+    batch, valid = case
+    with jax.enable_x64(True):
+        apply, params, x, y, task = _setup(name, batch, seed)
+        mask = jnp.asarray(valid, jnp.float64)
+        _assert_close(cv.diag_ggn(apply, params, x, y, mask, task=task), _ref_ggn(apply, params, x, mask, task))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_sampled_fisher_equals_squares_at_the_sampled_labels(name, num_samples):
+    """The same labels the engine draws (``categorical(key, logits, shape=(S, B))``; regression:
+    ``y~ = f + N(0, 1)``) give the brute-force reference."""
+    with jax.enable_x64(True):
+        apply, params, x, y, task = _setup(name, 5, 7)
+        mask = jnp.asarray([1.0, 0.0, 1.0, 1.0, 1.0])
+        key = jax.random.key(11)
+        got = cv.diag_fisher(apply, params, x, None, mask, key=key, num_samples=num_samples, task=task)
+        out = apply(params, x)
+        if task == "classification":
+            labels = jax.random.categorical(key, out, axis=-1, shape=(num_samples, x.shape[0]))
+        else:
+            labels = out[None] + jax.random.normal(key, (num_samples,) + out.shape, out.dtype)
+        refs = [_ref_squares(apply, params, x, labels[s], mask, task) for s in range(num_samples)]
+        ref = jax.tree.map(lambda *r: sum(r) / num_samples, *refs)
+        _assert_close(got, ref)
+
+
+@pytest.mark.parametrize("name", ["logreg", "mlp", "cnn"])
+def test_fisher_mean_over_label_samples_approaches_ggn(name):
+    """With 2000 labels per example the Monte Carlo mean is within 6% (relative, in the max norm
+    of each leaf) of the exact GGN; a single sample is not (so the tolerance is not vacuous).
+    At the initialisation (``noise=0``) the predictions are far from one-hot."""
+    with jax.enable_x64(True):
+        apply, params, x, y, task = _setup(name, 4, 3, noise=0.0)
+        mask = jnp.ones((4,), jnp.float64)
+        ggn = cv.diag_ggn(apply, params, x, y, mask)
+        many = cv.diag_fisher(apply, params, x, y, mask, key=jax.random.key(5), num_samples=2000)
+        one = cv.diag_fisher(apply, params, x, y, mask, key=jax.random.key(5), num_samples=1)
+
+        def rel(a, b):
+            return max(float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(v))) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+        assert rel(many, ggn) < 0.06
+        assert rel(one, ggn) > 0.06
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "linear"])
+@pytest.mark.parametrize("flavour", cv.FLAVOURS)
+@pytest.mark.parametrize("batch_size", [1, 3, 4])
+def test_sum_over_minibatches_equals_full_batch(name, flavour, batch_size):
+    """Partial last batch (10 = 3 + 3 + 3 + 1) and masked examples included. The Fisher's labels
+    differ between layouts, so it is compared at one label per example with a key per chunk
+    reproduced by hand."""
+    with jax.enable_x64(True):
+        apply, params, x, y, task = _setup(name, 10, 1)
+        mask = jnp.asarray([1, 1, 0, 1, 1, 1, 0, 1, 1, 1], jnp.float64)
+        if flavour == "fisher":
+            key = jax.random.key(3)
+            chunked = cv.diag_fisher(apply, params, x, y, mask, key=key, task=task, batch_size=batch_size)
+            num = -(-10 // batch_size)
+            keys = jax.random.split(key, num)
+            parts = []
+            for i in range(num):
+                sl = slice(i * batch_size, (i + 1) * batch_size)
+                xb, mb = x[sl], mask[sl]
+                pad = batch_size - xb.shape[0]
+                xb = jnp.concatenate([xb, jnp.zeros((pad,) + xb.shape[1:])])
+                mb = jnp.concatenate([mb, jnp.zeros((pad,))])
+                parts.append(cv.batch_diag_fisher(apply, params, xb, y[:batch_size], mb, key=keys[i], task=task))
+            whole = jax.tree.map(lambda *p: sum(p), *parts)
+        else:
+            fn = cv.diag_ggn if flavour == "ggn" else cv.diag_empirical_fisher
+            chunked = fn(apply, params, x, y, mask, task=task, batch_size=batch_size)
+            whole = fn(apply, params, x, y, mask, task=task)
+        _assert_close(chunked, whole, rtol=1e-12)
+
+
+class _SharedAndOther(nn.Module):
+    """A layer called twice (shared) and a parameter outside Dense/Conv: the fallback path."""
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.normal(1.0), (x.shape[-1],))
+        shared = nn.Dense(x.shape[-1], name="shared")
+        h = jnp.tanh(shared(x * scale))
+        h = jnp.tanh(shared(h))
+        return nn.Dense(NUM_CLASSES, name="out")(h)
+
+
+@pytest.mark.parametrize("flavour", ["ggn", "empirical"])
+def test_unknown_and_shared_layers_fall_back_exactly(flavour):
+    with jax.enable_x64(True):
+        model = _SharedAndOther()
+        x = jax.random.normal(jax.random.key(0), (5, 4), jnp.float64)
+        params = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(jax.random.key(1), x)["params"])
+        apply = lambda p, xx: model.apply({"params": p}, xx)  # noqa: E731
+        y = jnp.asarray([0, 1, 2, 1, 0])
+        mask = jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0])
+        layers, _ = cv._discover(apply, params, x)
+        assert set(layers) == {("out",)}  # the shared layer and `scale` take the fallback
+        if flavour == "ggn":
+            got, ref = cv.diag_ggn(apply, params, x, y, mask), _ref_ggn(apply, params, x, mask, "classification")
+        else:
+            got, ref = cv.diag_empirical_fisher(apply, params, x, y, mask), _ref_squares(apply, params, x, y, mask, "classification")
+        _assert_close(got, ref)
+
+
+def test_model_outputs_unchanged_by_the_intercepted_pass():
+    model = make_model("cnn", 10)
+    params = init_params(model, jax.random.key(0), (28, 28, 1))
+    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    x = jax.random.normal(jax.random.key(1), (6, 28, 28, 1))
+    layers, _ = cv._discover(apply, params, x)
+    pert = {path: jnp.zeros(s.shape, s.dtype) for path, (_, s) in layers.items()}
+    out, inputs = jax.jit(cv._forward(apply, params, x, layers))(pert)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(apply)(params, x)))
+    assert set(inputs) == set(layers) and len(layers) == 5
+
+
+def test_all_padding_batch_is_zero_and_float32_works():
+    model = make_model("mlp", 10)
+    params = init_params(model, jax.random.key(0), (12,))
+    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    x = jax.random.normal(jax.random.key(1), (4, 12))
+    y = jnp.zeros((4,), jnp.int32)
+    zero = jax.jit(lambda m: cv.diag_ggn(apply, params, x, y, m))(jnp.zeros((4,)))
+    assert all(float(jnp.max(jnp.abs(leaf))) == 0.0 for leaf in jax.tree.leaves(zero))
+    some = cv.diag_fisher(apply, params, x, y, jnp.ones((4,)), key=jax.random.key(0))
+    assert all(leaf.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(some))
+
+
+def test_bad_arguments_raise_naming_the_field():
+    model = make_model("logreg", 3)
+    params = init_params(model, jax.random.key(0), (2,))
+    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    x, y = jnp.zeros((2, 2)), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="flavour"):
+        cv.batch_curvature("hessian", apply, params, x, y, jnp.ones(2))
+    with pytest.raises(ValueError, match="key"):
+        cv.batch_curvature("fisher", apply, params, x, y, jnp.ones(2))
+    with pytest.raises(ValueError, match="num_samples"):
+        cv.diag_fisher(apply, params, x, y, key=jax.random.key(0), num_samples=0)
+    with pytest.raises(ValueError, match="task"):
+        cv.diag_ggn(apply, params, x, task="ranking")
+    with pytest.raises(ValueError, match="batch_size"):
+        cv.diag_ggn(apply, params, x, batch_size=0)
