@@ -84,7 +84,7 @@ def _assert_close(got, ref, rtol=RTOL):
         assert err <= rtol * scale, f"{path}: max error {err:.3g} against scale {scale:.3g}"
 
 
-masks = st.integers(min_value=1, max_value=7).flatmap(
+masks = st.integers(min_value=1, max_value=5).flatmap(
     lambda n: st.tuples(st.just(n), st.lists(st.booleans(), min_size=n, max_size=n).filter(any))
 )
 
@@ -97,8 +97,8 @@ def test_empirical_fisher_equals_per_example_squares(name, case, seed):
     with jax.enable_x64(True):
         apply, params, x, y, task = _setup(name, batch, seed)
         mask = jnp.asarray(valid, jnp.float64)
-        got = cv.diag_empirical_fisher(apply, params, x, y, mask, task=task)
-        _assert_close(got, _ref_squares(apply, params, x, y, mask, task))
+        got = jax.jit(lambda p, xx, yy, m: cv.diag_empirical_fisher(apply, p, xx, yy, m, task=task))(params, x, y, mask)
+        _assert_close(got, jax.jit(lambda p, xx, yy, m: _ref_squares(apply, p, xx, yy, m, task))(params, x, y, mask))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -109,7 +109,8 @@ def test_ggn_equals_explicit_jt_h_j(name, case, seed):
     with jax.enable_x64(True):
         apply, params, x, y, task = _setup(name, batch, seed)
         mask = jnp.asarray(valid, jnp.float64)
-        _assert_close(cv.diag_ggn(apply, params, x, y, mask, task=task), _ref_ggn(apply, params, x, mask, task))
+        got = jax.jit(lambda p, xx, m: cv.diag_ggn(apply, p, xx, None, m, task=task))(params, x, mask)
+        _assert_close(got, jax.jit(lambda p, xx, m: _ref_ggn(apply, p, xx, m, task))(params, x, mask))
 
 
 @pytest.mark.parametrize("name", list(MODELS))

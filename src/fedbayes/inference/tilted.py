@@ -24,6 +24,16 @@ lambda_wd)``):
   ``theta ~ N(mu^, 1 / (n_k s + Lambda_p))``; ``L_k = n_k s + lambda_wd n_k``. The mean stays ``mu^``
   (the reference runs use ``mu_learning_rate = 0``).
 
+The Fisher of L and V comes from :mod:`fedbayes.inference.curvature` (one sampled label per
+example, per-layer ``(a^2)^T (g^2)`` sums: about a training step per batch instead of ~50), so
+the paper's budgets are the defaults (``fisher_max_batches = 0``).
+
+Stability (:func:`stiff_step_control`): the SG-MCMC step's gradient is scaled per coordinate by
+``1 / max(1, lr h_i)``, ``h_i = Lambda_p,i / n_k`` the tilted prior's exactly known curvature, so the
+sampler stays stable when the Laplace/NGVI precisions make the cavity stiff (plain SGD diverges
+once ``lr h_i > 2``); the tilted mode is unchanged and every coordinate with ``lr h_i <= 1`` takes
+SGD's step bitwise.
+
 Finally ``eta^ = Lambda^ mu^``. A method is a function
 ``infer(key, start, cavity, data) -> DiagGaussian`` (:data:`TiltedInference`); the FedEP algorithm
 takes any such function (tests plug in exact Gaussian inference).
