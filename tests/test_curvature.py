@@ -208,7 +208,7 @@ class _SharedAndOther(nn.Module):
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.normal(1.0), (x.shape[-1],))
         shared = nn.Dense(x.shape[-1], name="shared")
-        h = jnp.tanh(shared(x * scale))
+        h = jnp.tanh(shared(x * scale[None, :]))
         h = jnp.tanh(shared(h))
         return nn.Dense(NUM_CLASSES, name="out")(h)
 
