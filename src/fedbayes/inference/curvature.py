@@ -41,7 +41,8 @@ share the forward pass (``vmap`` over the cotangents). Then
 The layers are found with :func:`flax.linen.intercept_methods`, so ``apply_fn`` may be any function
 ``(params, x) -> outputs`` that calls flax modules on the ``params`` collection (as
 ``model.apply({"params": p}, x)``); the models themselves are unchanged. The intercepted forward
-pass computes the same outputs bitwise (adding an exact zero).
+pass adds exact zeros, so it computes the model's outputs up to float rounding (compiled, XLA may
+fuse it differently: 2e-7 relative in float32).
 
 kfac-jax and laplax were checked first. kfac-jax (0.0.8) estimates diagonal curvature only inside
 its optimizer's state, needs the loss to be registered with its tags (``kfac_jax.register_*``)
