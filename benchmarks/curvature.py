@@ -42,7 +42,7 @@ def _functions(model_name: str, batch_size: int):
     model = make_model(model_name, NUM_CLASSES)
     shape = FEATURES[model_name]
     params = init_params(model, jax.random.key(0), shape)
-    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    apply = lambda p, x: model.apply({"params": p}, x)
     loss = loss_fn(model, "classification")
     opt = optax.sgd(0.01)
     x = jax.random.normal(jax.random.key(1), (batch_size, *shape))

@@ -43,7 +43,7 @@ def _setup(name, batch, seed, noise=None):
     params = jax.tree.map(lambda a: a.astype(jnp.float64), init_params(model, jax.random.key(seed), feature_shape))
     # move away from the initialisation so that every layer carries signal
     params = jax.tree.map(lambda a, k: a + noise * jax.random.normal(k, a.shape, a.dtype), params, _keys_like(jax.random.key(seed + 1), params))
-    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    apply = lambda p, x: model.apply({"params": p}, x)
     task = "regression" if model_name == "linear" else "classification"
     x = jax.random.normal(jax.random.key(seed + 2), (batch, *feature_shape), jnp.float64)
     if task == "classification":
@@ -97,7 +97,7 @@ BATCH = 5  # fixed shapes: one compilation per model and function, hypothesis va
 masks = st.lists(st.booleans(), min_size=BATCH, max_size=BATCH).filter(any)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(name):
     """Jitted engine and references for one model (compiled once, reused by every example)."""
     apply, _, _, _, task = _setup(name, BATCH, 0)
@@ -137,7 +137,7 @@ def test_sampled_fisher_equals_squares_at_the_sampled_labels(name, num_samples):
     """The same labels the engine draws (``categorical(key, logits, shape=(S, B))``; regression:
     ``y~ = f + N(0, 1)``) give the brute-force reference."""
     with jax.enable_x64(True):
-        apply, params, x, y, task = _setup(name, 5, 7)
+        apply, params, x, _, task = _setup(name, 5, 7)
         mask = jnp.asarray([1.0, 0.0, 1.0, 1.0, 1.0])
         key = jax.random.key(11)
         got = cv.diag_fisher(apply, params, x, None, mask, key=key, num_samples=num_samples, task=task)
@@ -157,7 +157,7 @@ def test_fisher_mean_over_label_samples_approaches_ggn(name):
     of each leaf) of the exact GGN; a single sample is not (so the tolerance is not vacuous).
     At the initialisation (``noise=0``) the predictions are far from one-hot."""
     with jax.enable_x64(True):
-        apply, params, x, y, task = _setup(name, 4, 3, noise=0.0)
+        apply, params, x, y, _ = _setup(name, 4, 3, noise=0.0)
         mask = jnp.ones((4,), jnp.float64)
         ggn = cv.diag_ggn(apply, params, x, y, mask)
         many = cv.diag_fisher(apply, params, x, y, mask, key=jax.random.key(5), num_samples=2000)
@@ -219,7 +219,7 @@ def test_unknown_and_shared_layers_fall_back_exactly(flavour):
         model = _SharedAndOther()
         x = jax.random.normal(jax.random.key(0), (5, 4), jnp.float64)
         params = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(jax.random.key(1), x)["params"])
-        apply = lambda p, xx: model.apply({"params": p}, xx)  # noqa: E731
+        apply = lambda p, xx: model.apply({"params": p}, xx)
         y = jnp.asarray([0, 1, 2, 1, 0])
         mask = jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0])
         layers, _ = cv._discover(apply, params, x)
@@ -235,7 +235,7 @@ def test_model_outputs_unchanged_by_the_intercepted_pass():
     """Eagerly (op by op) bitwise; compiled within float32 rounding."""
     model = make_model("cnn", 10)
     params = init_params(model, jax.random.key(0), (28, 28, 1))
-    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    apply = lambda p, x: model.apply({"params": p}, x)
     x = jax.random.normal(jax.random.key(1), (6, 28, 28, 1))
     layers, _ = cv._discover(apply, params, x)
     pert = {path: jnp.zeros(s.shape, s.dtype) for path, (_, s) in layers.items()}
@@ -249,7 +249,7 @@ def test_model_outputs_unchanged_by_the_intercepted_pass():
 def test_all_padding_batch_is_zero_and_float32_works():
     model = make_model("mlp", 10)
     params = init_params(model, jax.random.key(0), (12,))
-    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    apply = lambda p, x: model.apply({"params": p}, x)
     x = jax.random.normal(jax.random.key(1), (4, 12))
     y = jnp.zeros((4,), jnp.int32)
     zero = jax.jit(lambda m: cv.diag_ggn(apply, params, x, y, m))(jnp.zeros((4,)))
@@ -261,7 +261,7 @@ def test_all_padding_batch_is_zero_and_float32_works():
 def test_bad_arguments_raise_naming_the_field():
     model = make_model("logreg", 3)
     params = init_params(model, jax.random.key(0), (2,))
-    apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    apply = lambda p, x: model.apply({"params": p}, x)
     x, y = jnp.zeros((2, 2)), jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="flavour"):
         cv.batch_curvature("hessian", apply, params, x, y, jnp.ones(2))
