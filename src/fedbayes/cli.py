@@ -147,13 +147,18 @@ def _load(path: Path, overrides: list[str]) -> RunConfig:
         _fail(str(exc))
 
 
-def _run(config: RunConfig, out: Path, resume: bool = False, logs: list[str] | None = None, stderr: bool = False, accept_changes=()) -> dict:
+def _run(config: RunConfig, out: Path, resume: bool = False, logs: list[str] | None = None, stderr: bool = False, accept_changes=(), *, diverged_ok: bool = False) -> dict:
     from fedbayes.data.dataset import DatasetNotFoundError
-    from fedbayes.experiment import run_experiment
+    from fedbayes.experiment import Diverged, run_experiment
 
     _state["folder"] = out
     try:
         return run_experiment(config, out, resume=resume, reporter=_reporter(out, logs, config, stderr), accept_changes=accept_changes)
+    except Diverged as exc:
+        if not diverged_ok:
+            raise  # one line and exit 3 (the top-level handler)
+        print(f"diverged: {exc}", file=sys.stderr, flush=True)
+        return json.loads((out / "summary.json").read_text())
     except DatasetNotFoundError as exc:
         _fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
@@ -419,7 +424,7 @@ def _run_comparison(
         say(f"== {name} ({cfg.algorithm.name}, server {cfg.server.optimizer})")
         folder = out / name
         has_ckpt = (folder / "checkpoints").is_dir() and any((folder / "checkpoints").glob("round_*.npz"))
-        summaries[name] = _run(cfg, folder, resume=resume and has_ckpt, logs=logs, stderr=json_out)
+        summaries[name] = _run(cfg, folder, resume=resume and has_ckpt, logs=logs, stderr=json_out, diverged_ok=True)
     curves = {name: read_metrics(out / name / "metrics.jsonl") for name in runs}
     task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
     plot = plot_curves(out / "compare.png", curves, title=title, task=task)
@@ -427,12 +432,22 @@ def _run_comparison(
     (out / "compare.md").write_text(md)
     from fedbayes.strictjson import dumps_record
 
-    (out / "compare.json").write_text(dumps_record(summaries, indent=2) + "\n")
+    (out / "compare.json").write_text(dumps_record({n: _without_numbers(s) for n, s in summaries.items()}, indent=2) + "\n")
+    diverged = [n for n, s in summaries.items() if s.get("diverged")]
     if json_out:
-        print(dumps_record(summaries), flush=True)
-        return
-    _print_table(summaries, threshold, curves)
-    console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
+        print(dumps_record({n: _without_numbers(s) for n, s in summaries.items()}), flush=True)
+    else:
+        _print_table(summaries, threshold, curves)
+        console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
+    if diverged:
+        _fail(f"error: diverged: {', '.join(diverged)} (see their rows; each kept its last good checkpoint for fedbayes resume DIR --set ...)", code=3)
+
+
+def _without_numbers(summary: dict) -> dict:
+    """A diverged variant's summary keeps its name, settings and where it diverged, not its metrics."""
+    if not summary.get("diverged"):
+        return summary
+    return {k: summary[k] for k in ("name", "algorithm", "server_optimizer", "rounds", "diverged") if k in summary}
 
 
 def _toml(data: dict) -> str:

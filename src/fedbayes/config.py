@@ -94,6 +94,9 @@ class ServerConfig(_Strict):
     tau: float = Field(1e-3, gt=0)
     variant: Literal["reddi", "optax"] = "reddi"
     fail_fast: bool = False
+    on_divergence: Literal["stop", "warn"] = Field(
+        "stop", description="a non-finite loss or server model: stop the run (exit 3, last good checkpoint kept) or warn and go on"
+    )
 
 
 # The algorithm sections come from the registry: each method declares its settings once, in its

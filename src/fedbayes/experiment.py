@@ -48,7 +48,7 @@ from fedbayes import runlock
 from fedbayes.algorithms import registry
 from fedbayes.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.config import ConfigError, RunConfig, to_toml
-from fedbayes.errors import BadInputError, DataError
+from fedbayes.errors import BadInputError, DataError, DivergedError
 from fedbayes.strictjson import dumps_record, loads_strict, restore_record
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
@@ -330,6 +330,50 @@ def format_record(r: dict, total: int) -> str:
     return f"round {r['round']:>4}/{total}  {body}  {r['seconds']:.1f}s{rej}"
 
 
+class Diverged(DivergedError):
+    """A run stopped because a loss or the server model turned non-finite (``server.on_divergence``;
+    exit code 3).
+
+    Attributes: ``round``, ``metric`` (what turned non-finite), ``checkpoint`` (the round of the
+    last good checkpoint, or None).
+    """
+
+    def __init__(self, message: str, round_idx: int, metric: str, checkpoint: int | None):
+        super().__init__(message)
+        self.round, self.metric, self.checkpoint = round_idx, metric, checkpoint
+
+
+DIVERGENCE_METRICS = ("loss", "nll", "mse", "nll_marg")  # evaluated losses a guard checks
+
+
+def _non_finite(record: dict | None, params, training_loss: float | None = None) -> str | None:
+    """The first non-finite quantity: the server model's parameters, the round's training loss
+    (of its accepted clients), then the evaluated losses; None when all are finite."""
+    if training_loss is not None and not np.isfinite(training_loss):
+        return "training loss"
+    if params is not None:
+        finite = jax.tree.reduce(lambda a, b: a & b, jax.tree.map(lambda v: jax.numpy.all(jax.numpy.isfinite(v)), params), True)
+        if not bool(finite):
+            return "server parameters"
+    for key in DIVERGENCE_METRICS:
+        if record is not None and key in record and not np.isfinite(record[key]):
+            return f"evaluated {key}"
+    return None
+
+
+def _divergence_message(config: RunConfig, round_idx: int, metric: str, out: Path, checkpoint: int | None) -> str:
+    cause = (
+        "likely cause: a step too large for the loss's curvature (client.lr, server.lr"
+        + (", or the tilted precisions of FedEP's laplace/ngvi methods" if config.algorithm.name in ("fedep", "fedsep") else "")
+        + ")"
+    )
+    ckpt = f"last good checkpoint: round {checkpoint}" if checkpoint is not None else "no checkpoint was saved yet (checkpoint_every)"
+    return (
+        f"diverged at round {round_idx}: {metric} non-finite; {cause}; {ckpt}; "
+        f"continue with: fedbayes resume {out} --set client.lr=... (or server.lr=...)"
+    )
+
+
 CALIBRATION_GAP = 0.05  # marginalised accuracy this far below the point estimate gets a warning
 
 
@@ -468,6 +512,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
         return r
 
     fixed_meta = {"name": config.name, "config": config.model_dump(mode="json"), "config_hash": config_hash(config)}
+    last_ckpt = int(state.round) if ckpt is not None else None
+    warned = False
 
     reporter.start(config.name, config.rounds, state.round)
     if state.round == 0 and not records:
@@ -484,9 +530,19 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
             client_log.write(info, state.round)
             r = state.round
             rec = record(r, info) if (r % config.eval_every == 0 or r == config.rounds) else None
-            if r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0):
+            bad = _non_finite(rec, sim.server_params(state), train_loss(info))
+            if bad is not None and not warned:
+                message = _divergence_message(config, r, bad, out, last_ckpt)
+                if config.server.on_divergence == "stop":
+                    summary = {**summarize(config, records, exp.dataset.task), "diverged": {"round": r, "metric": bad, "checkpoint": last_ckpt}}
+                    _write_atomic(out / "summary.json", dumps_record(summary, indent=2) + "\n")
+                    raise Diverged(message, r, bad, last_ckpt)
+                warn(f"warning: {message}")
+                warned = True
+            if not warned and (r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0)):
                 strict = [json.loads(dumps_record(x)) for x in records]
                 save_checkpoint(ckpt_dir, state, {**fixed_meta, "counters": counters, "metrics": strict})
+                last_ckpt = r
             reporter.update(r, config.rounds, rec)
     finally:
         reporter.stop()

@@ -119,8 +119,18 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
 
 
 def cells(summaries: Mapping[str, dict], cols: Sequence[Column], curves: Mapping[str, Sequence[dict]] | None = None) -> list[list[str]]:
+    """The table's cells; a diverged run shows where it diverged instead of its numbers."""
     curves = curves or {}
-    return [[c.value(name, s, curves.get(name) or []) for c in cols] for name, s in summaries.items()]
+    rows = []
+    for name, s in summaries.items():
+        if s.get("diverged"):
+            d = s["diverged"]
+            row = [c.value(name, s, []) if c.left else "—" for c in cols]
+            row[next(i for i, c in enumerate(cols) if not c.left)] = f"diverged (round {d['round']}: {d['metric']})"
+        else:
+            row = [c.value(name, s, curves.get(name) or []) for c in cols]
+        rows.append(row)
+    return rows
 
 
 def terminal_width(stream=None) -> int:

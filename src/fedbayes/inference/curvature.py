@@ -1,0 +1,414 @@
+"""Diagonal curvature of a client's sum loss: exact GGN, sampled-label Fisher, empirical Fisher.
+
+The one place for the diagonal curvature that FedEP's Laplace and NGVI methods, FedLap-Cov and
+Laplace predictions need (docs/design.md "Curvature"). For the sum loss ``sum_n m_n l(f(x_n; theta), y_n)``
+over a client's data (``m_n`` the 0/1 mask of real examples) it computes
+
+* :func:`diag_ggn`: the generalised Gauss-Newton diagonal ``sum_n m_n diag(J_n^T H_n J_n)``,
+  ``J_n`` the Jacobian of the outputs in the parameters and ``H_n`` the Hessian of the loss in the
+  outputs (softmax cross-entropy ``diag(p) - p p^T``; squared error ``1``);
+* :func:`diag_fisher`: the Fisher with labels **sampled from the model** (Kunstner, Balles &
+  Hennig 2019), ``sum_n m_n mean_s (grad_theta l(f_n, y~_ns))^2`` with ``y~_ns ~ p(. | x_n)``;
+  unbiased for the GGN (for these likelihoods the Fisher equals the GGN);
+* :func:`diag_empirical_fisher`: ``sum_n m_n (grad_theta l(f_n, y_n))^2`` with the true labels.
+
+Each returns a pytree shaped like ``params``.
+
+How (no per-example, per-parameter gradient where a layer has structure)
+-------------------------------------------------------------------------
+All three are sums over examples of squared per-example gradients ``(J_n^T u_n)^2`` for some
+output-space vectors ``u_n``: the loss gradient at the true label (empirical Fisher), at a sampled
+label (Fisher), or the columns of a square root of the output Hessian (GGN). For softmax
+cross-entropy ``H = A A^T`` with ``A = diag(sqrt p) - p sqrt(p)^T``, whose column ``c`` is
+``sqrt(p_c) (e_c - p)``, i.e. ``sqrt(p_c)`` times the loss gradient at label ``c``: the exact GGN is
+``C`` output-space vectors per example (and the Fisher its one-sample Monte Carlo estimate).
+
+One forward pass records, for every ``flax.linen.Dense`` and ``flax.linen.Conv`` layer, its input
+``a`` and adds a zero perturbation to its output (pre-activation) ``z``. One ordinary backward
+pass of ``sum_n u_n . f_n`` with respect to the perturbations gives every layer's per-example
+output gradient ``g_n = dz_n`` at once (examples are independent, so the batch axis is kept);
+the ``K`` vectors per example (``K = 1``, ``num_samples`` or ``C``) are ``K`` backward passes that
+share the forward pass (``vmap`` over the cotangents). Then
+
+* Dense (2-D input): ``sum_n (a_n outer g_n)^2 = (a^2)^T (g^2)``, bias ``sum_n g_n^2``;
+* Conv: the per-example kernel gradient is ``sum_p patch_p(a_n) outer g_np`` over output positions
+  ``p`` (im2col, ``lax.conv_general_dilated_patches``); it is formed per example (the kernels are
+  small: 150 x 6 and 150 x 16 in the CNN) and squared;
+* any other parameter (a layer this module does not know, a shared layer, grouped or circular
+  convolutions): per-example gradients of those leaves only, by ``vmap`` over examples (exact,
+  slower).
+
+The layers are found with :func:`flax.linen.intercept_methods`, so ``apply_fn`` may be any function
+``(params, x) -> outputs`` that calls flax modules on the ``params`` collection (as
+``model.apply({"params": p}, x)``); the models themselves are unchanged. The intercepted forward
+pass adds exact zeros, so it computes the model's outputs up to float rounding (compiled, XLA may
+fuse it differently: 2e-7 relative in float32).
+
+kfac-jax and laplax were checked first. kfac-jax (0.0.8) estimates diagonal curvature only inside
+its optimizer's state, needs the loss to be registered with its tags (``kfac_jax.register_*``)
+inside the model code, and its diagonal blocks use the same ``(a^2)^T (g^2)`` identity, so it adds a
+dependency and a tagged model for no speed gain. laplax (0.0.2, June 2025) computes GGN
+diagonals by materialising ``J`` per example or by matrix-free diagonal estimators (one
+matrix-vector product per parameter or Hutchinson samples), which is exact only at ``d`` products
+or approximate otherwise. Neither fits, so this is plain JAX.
+
+Minibatches and layout: the ``batch_*`` functions act on one ``[B, ...]`` batch with its mask;
+:func:`diag_ggn` and friends split a client's data ``(x, y, mask)`` into chunks of ``batch_size``
+(padding the last one with masked examples) and sum with ``lax.scan``. Sums over minibatches
+equal the full-batch value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+ApplyFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, x [B, ...]) -> outputs [B, C] or [B]
+TASKS = ("classification", "regression")
+FLAVOURS = ("ggn", "fisher", "empirical")
+
+__all__ = [
+    "FLAVOURS",
+    "batch_curvature",
+    "batch_diag_empirical_fisher",
+    "batch_diag_fisher",
+    "batch_diag_ggn",
+    "diag_empirical_fisher",
+    "diag_fisher",
+    "diag_ggn",
+]
+
+
+class _Layer(NamedTuple):
+    kind: str  # "dense" or "conv"
+    path: tuple[str, ...]
+    attrs: tuple  # conv: (kernel_size, strides, padding, input_dilation, kernel_dilation)
+
+
+def _conv_attrs(module: nn.Conv, ndim: int):
+    """The conv's geometry in ``lax`` terms, or None where the im2col path does not apply."""
+    if module.feature_group_count != 1 or ndim != 4 or getattr(module, "mask", None) is not None:
+        return None
+    ks = tuple(module.kernel_size)
+    if len(ks) != 2:
+        return None
+
+    def pair(v):
+        if v is None:
+            return (1, 1)
+        if isinstance(v, int):
+            return (v, v)
+        return tuple(v)
+
+    padding = module.padding
+    if isinstance(padding, str):
+        if padding not in ("SAME", "VALID"):
+            return None
+    elif isinstance(padding, int):
+        padding = ((padding, padding), (padding, padding))
+    else:
+        padding = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
+        if len(padding) != 2:
+            return None
+    return (ks, pair(module.strides), padding, pair(module.input_dilation), pair(module.kernel_dilation))
+
+
+def _layer_of(context, args) -> _Layer | None:
+    """The structured layer behind an intercepted call, or None."""
+    module = context.module
+    if context.method_name != "__call__" or not args:
+        return None
+    path = tuple(module.scope.path)
+    if type(module) is nn.Dense and jnp.ndim(args[0]) == 2:
+        return _Layer("dense", path, ())
+    if type(module) is nn.Conv:
+        attrs = _conv_attrs(module, jnp.ndim(args[0]))
+        if attrs is not None:
+            return _Layer("conv", path, attrs)
+    return None
+
+
+def _discover(apply_fn: ApplyFn, params: PyTree, x: jax.Array):
+    """Traces ``apply_fn`` once (shapes only) and lists its structured layers with their output
+    shapes; a layer called twice, or one whose parameters are not ``kernel`` (and ``bias``) of
+    ``params`` at its path, is left to the fallback."""
+    found: dict[tuple, tuple[_Layer, Any]] = {}
+    calls: dict[tuple, int] = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        layer = _layer_of(context, args)
+        if layer is not None:
+            calls[layer.path] = calls.get(layer.path, 0) + 1
+            found[layer.path] = (layer, jax.ShapeDtypeStruct(out.shape, out.dtype))
+        return out
+
+    def run(p, xx):
+        with nn.intercept_methods(interceptor):
+            return apply_fn(p, xx)
+
+    out_shape = jax.eval_shape(run, params, x)
+    layers = {}
+    for path, (layer, shape) in found.items():
+        node = params
+        try:
+            for name in path:
+                node = node[name]
+        except (KeyError, TypeError):
+            continue
+        if calls[path] != 1 or not isinstance(node, dict) or "kernel" not in node or set(node) - {"kernel", "bias"}:
+            continue
+        layers[path] = (layer, shape)
+    return layers, out_shape
+
+
+def _forward(apply_fn, params, x, layers):
+    """``pert -> (outputs, inputs)``: the model with zero perturbations added to each structured
+    layer's output, and the layers' inputs."""
+
+    def fn(pert):
+        inputs = {}
+
+        def interceptor(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            layer = _layer_of(context, args)
+            if layer is not None and layer.path in pert:
+                inputs[layer.path] = args[0]
+                out = out + pert[layer.path]
+            return out
+
+        with nn.intercept_methods(interceptor):
+            out = apply_fn(params, x)
+        return out, inputs
+
+    return fn
+
+
+def _dense_diag(a, g):
+    """``a [B, I]``, ``g [K, B, O]`` -> (kernel ``[I, O]``, bias ``[O]``) sums of squares."""
+    g2 = jnp.sum(jnp.square(g), axis=0)
+    return jnp.square(a).T @ g2, jnp.sum(g2, axis=0)
+
+
+def _conv_diag(a, g, attrs, kernel_shape):
+    """im2col form: ``a [B, H, W, Cin]``, ``g [K, B, H', W', Cout]``."""
+    ks, strides, padding, lhs_dil, rhs_dil = attrs
+    patches = jax.lax.conv_general_dilated_patches(
+        a, ks, strides, padding, lhs_dilation=lhs_dil, rhs_dilation=rhs_dil, dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )  # [B, H', W', Cin * kh * kw], channel-major (cin slowest)
+    b = a.shape[0]
+    cin = a.shape[-1]
+    patches = patches.reshape(b, -1, cin, ks[0] * ks[1])
+    gg = g.reshape(g.shape[0], b, -1, g.shape[-1])
+    per = jnp.einsum("bpcs,kbpo->kbsco", patches, gg)  # per-example kernel gradients, [K, B, kh*kw, Cin, Cout]
+    kernel = jnp.sum(jnp.square(per), axis=(0, 1)).reshape(kernel_shape)
+    bias = jnp.sum(jnp.square(jnp.sum(gg, axis=2)), axis=(0, 1))
+    return kernel, bias
+
+
+def _split_params(params, layers):
+    """(mask pytree of leaves handled by the structured layers)."""
+    covered = {path + (leaf,) for path in layers for leaf in ("kernel", "bias")}
+
+    def is_covered(kp, _):
+        names = tuple(getattr(k, "key", getattr(k, "name", k)) for k in kp)
+        return names in covered
+
+    return jax.tree_util.tree_map_with_path(is_covered, params)
+
+
+def _output_vectors(flavour, task, out, y, mask, key, num_samples):
+    """``[K, B, C]`` (or ``[K, B]`` for scalar outputs) output-space vectors ``u`` such that the
+    curvature is ``sum_k sum_n (J_n^T u_kn)^2``; the mask and the ``1/K`` of sample means are folded
+    in as square roots."""
+    sqrt_m = jnp.sqrt(jnp.clip(mask, 0.0, None)).astype(out.dtype)
+    if task == "classification":
+        p = jax.nn.softmax(out, axis=-1)
+        num_classes = out.shape[-1]
+        if flavour == "empirical":
+            labels = jnp.where(mask > 0, y, jnp.zeros_like(y)).astype(jnp.int32)
+            u = (p - jax.nn.one_hot(labels, num_classes, dtype=out.dtype))[None]
+        elif flavour == "fisher":
+            labels = jax.random.categorical(key, jax.lax.stop_gradient(out), axis=-1, shape=(num_samples,) + out.shape[:-1])
+            u = (p[None] - jax.nn.one_hot(labels, num_classes, dtype=out.dtype)) / jnp.sqrt(float(num_samples))
+        else:
+            eye = jnp.eye(num_classes, dtype=out.dtype)
+            # column c of A = diag(sqrt p) - p sqrt(p)^T: sqrt(p_c) (e_c - p)
+            u = jnp.sqrt(p).T[:, :, None] * (eye[:, None, :] - p[None])
+        return u * sqrt_m[None, :, None]
+    # squared error 0.5 (f - y)^2: gradient f - y, Hessian 1, model y~ = f + N(0, 1)
+    if flavour == "empirical":
+        u = (out - y.astype(out.dtype).reshape(out.shape))[None]
+    elif flavour == "fisher":
+        u = -jax.random.normal(key, (num_samples,) + out.shape, out.dtype) / jnp.sqrt(float(num_samples))
+    else:
+        u = jnp.ones((1,) + out.shape, out.dtype)
+    return u * sqrt_m.reshape((1,) + (-1,) + (1,) * (out.ndim - 1))
+
+
+def batch_curvature(
+    flavour: str,
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    mask: jax.Array,
+    *,
+    task: str = "classification",
+    key: jax.Array | None = None,
+    num_samples: int = 1,
+) -> PyTree:
+    """The ``flavour`` (``"ggn"``, ``"fisher"``, ``"empirical"``) diagonal summed over one batch.
+
+    Args:
+      flavour: which curvature (see the module docstring).
+      apply_fn: ``(params, x) -> outputs``, outputs ``[B, C]`` logits (classification) or ``[B]``
+        / ``[B, D]`` predictions (regression, unit-variance Gaussian likelihood).
+      params: where the curvature is evaluated.
+      x: ``[B, ...]`` features; y: ``[B]`` labels or targets (unused by ``ggn`` and ``fisher``).
+      mask: ``[B]``, 1 for a real example and 0 for padding (a weight ``w`` counts the example ``w``
+        times).
+      task: ``"classification"`` or ``"regression"``.
+      key: the label draws of ``fisher``.
+      num_samples: labels drawn per example by ``fisher`` (their squared gradients are averaged).
+    """
+    if flavour not in FLAVOURS:
+        raise ValueError(f"curvature flavour must be one of {', '.join(FLAVOURS)}; got {flavour!r}")
+    if task not in TASKS:
+        raise ValueError(f"task must be classification or regression; got {task!r}")
+    if flavour == "fisher":
+        if key is None:
+            raise ValueError("diag_fisher needs a key for the sampled labels")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+    layers, _ = _discover(apply_fn, params, x)
+    pert0 = {path: jnp.zeros(shape.shape, shape.dtype) for path, (_, shape) in layers.items()}
+    fwd = _forward(apply_fn, params, x, layers)
+    out, vjp_fn, inputs = jax.vjp(fwd, pert0, has_aux=True)
+    u = _output_vectors(flavour, task, jax.lax.stop_gradient(out), y, mask, key, num_samples)
+    (grads,) = jax.vmap(vjp_fn)(u.astype(out.dtype))  # {path: [K, B, ...out shape]}
+
+    result = jax.tree.map(jnp.zeros_like, params)
+    for path, (layer, _) in layers.items():
+        node = params
+        for name in path:
+            node = node[name]
+        a = jax.lax.stop_gradient(inputs[path])
+        g = grads[path]
+        if layer.kind == "dense":
+            k, b = _dense_diag(a, g)
+        else:
+            k, b = _conv_diag(a, g, layer.attrs, node["kernel"].shape)
+        entry = {"kernel": k.astype(node["kernel"].dtype)}
+        if "bias" in node:
+            entry["bias"] = b.astype(node["bias"].dtype)
+        result = _set(result, path, entry)
+
+    covered = _split_params(params, layers)
+    if not all(jax.tree.leaves(covered)):
+        result = _fallback(apply_fn, params, x, u, covered, result)
+    return result
+
+
+def _set(tree, path, value):
+    if not path:
+        return value
+    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+
+
+def _fallback(apply_fn, params, x, u, covered, result):
+    """Per-example gradients of the uncovered leaves only (``vmap`` over examples)."""
+    flat, treedef = jax.tree.flatten(params)
+    cov = jax.tree.leaves(covered)
+    idx = [i for i, c in enumerate(cov) if not c]
+
+    def out_one(sub, xn):
+        leaves = list(flat)
+        for i, leaf in zip(idx, sub):
+            leaves[i] = leaf
+        return apply_fn(jax.tree.unflatten(treedef, leaves), xn[None])[0]
+
+    sub0 = [flat[i] for i in idx]
+
+    def per_example(xn, un):  # un [K, ...out]
+        _, vjp = jax.vjp(lambda s: out_one(s, xn), sub0)
+        (g,) = jax.vmap(vjp)(un)
+        return [jnp.sum(jnp.square(gi), axis=0) for gi in g]
+
+    sq = jax.vmap(per_example, in_axes=(0, 1))(x, u)
+    res = jax.tree.leaves(result)
+    for j, i in enumerate(idx):
+        res[i] = jnp.sum(sq[j], axis=0).astype(flat[i].dtype)
+    return jax.tree.unflatten(treedef, res)
+
+
+def batch_diag_ggn(apply_fn, params, x, y, mask, *, task="classification"):
+    """Exact GGN diagonal summed over one batch (see :func:`batch_curvature`)."""
+    return batch_curvature("ggn", apply_fn, params, x, y, mask, task=task)
+
+
+def batch_diag_fisher(apply_fn, params, x, y, mask, *, key, num_samples=1, task="classification"):
+    """Sampled-label Fisher diagonal summed over one batch (see :func:`batch_curvature`)."""
+    return batch_curvature("fisher", apply_fn, params, x, y, mask, task=task, key=key, num_samples=num_samples)
+
+
+def batch_diag_empirical_fisher(apply_fn, params, x, y, mask, *, task="classification"):
+    """Empirical Fisher diagonal (true labels) summed over one batch (see :func:`batch_curvature`)."""
+    return batch_curvature("empirical", apply_fn, params, x, y, mask, task=task)
+
+
+def _over_batches(flavour, apply_fn, params, x, y, mask, batch_size, task, key=None, num_samples=1):
+    n = x.shape[0]
+    if y is None:
+        y = jnp.zeros((n,), jnp.int32 if task == "classification" else x.dtype)
+    if mask is None:
+        mask = jnp.ones((n,), x.dtype)
+    if batch_size is None or batch_size >= n:
+        return batch_curvature(flavour, apply_fn, params, x, y, mask, task=task, key=key, num_samples=num_samples)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+    num = -(-n // batch_size)
+    pad = num * batch_size - n
+
+    def chunk(v):
+        v = jnp.concatenate([v, jnp.zeros((pad,) + v.shape[1:], v.dtype)]) if pad else v
+        return v.reshape((num, batch_size) + v.shape[1:])
+
+    xs, ys, ms = chunk(x), chunk(y), chunk(mask)
+    keys = jax.random.split(key, num) if key is not None else jnp.zeros((num,), jnp.uint32)
+
+    def body(total, batch):
+        xb, yb, mb, kb = batch
+        c = batch_curvature(flavour, apply_fn, params, xb, yb, mb, task=task, key=kb if key is not None else None, num_samples=num_samples)
+        return jax.tree.map(jnp.add, total, c), None
+
+    total, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), (xs, ys, ms, keys))
+    return total
+
+
+def diag_ggn(apply_fn: ApplyFn, params: PyTree, x, y=None, mask=None, *, task: str = "classification", batch_size: int | None = None) -> PyTree:
+    """``sum_n m_n diag(J_n^T H_n J_n)`` over a client's data, in minibatches of ``batch_size``
+    (all at once when None). ``y`` is not used (the GGN needs no labels)."""
+    return _over_batches("ggn", apply_fn, params, x, y, mask, batch_size, task)
+
+
+def diag_fisher(
+    apply_fn: ApplyFn, params: PyTree, x, y=None, mask=None, *, key: jax.Array, num_samples: int = 1, task: str = "classification",
+    batch_size: int | None = None,
+) -> PyTree:  # fmt: skip
+    """``sum_n m_n mean_s (grad l(f_n, y~_ns))^2`` with ``num_samples`` labels per example drawn
+    from the model; its expectation is :func:`diag_ggn`."""
+    return _over_batches("fisher", apply_fn, params, x, y, mask, batch_size, task, key=key, num_samples=num_samples)
+
+
+def diag_empirical_fisher(
+    apply_fn: ApplyFn, params: PyTree, x, y, mask=None, *, task: str = "classification", batch_size: int | None = None
+) -> PyTree:
+    """``sum_n m_n (grad l(f_n, y_n))^2`` with the true labels ``y``."""
+    return _over_batches("empirical", apply_fn, params, x, y, mask, batch_size, task)
+
