@@ -1,4 +1,4 @@
-"""Cost of the diagonal curvature flavours against a training step, in one process (issue 12).
+"""Cost of the diagonal curvature flavours against a training step, in one process.
 
 For the MLP (784-200-100-10) and the CNN on 28x28x1 inputs (Fashion-MNIST's shape), batch 32,
 times one jitted call of each of
