@@ -47,10 +47,10 @@ import optax  # noqa: E402
 
 from fedbayes.algorithms import fedavg, make_server_optimizer  # noqa: E402
 from fedbayes.algorithms.vbnn import vbnn  # noqa: E402
-from fedbayes.models.variational import apply_with_key  # noqa: E402
 from fedbayes.data.batches import num_local_steps  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
+from fedbayes.models.variational import apply_with_key  # noqa: E402
 from fedbayes.simulate import Federation, Simulator  # noqa: E402
 
 

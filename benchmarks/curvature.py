@@ -95,7 +95,7 @@ def measure(model_name: str = "mlp", batch_size: int = 32, reps: int = 30, inner
         jax.block_until_ready(f())
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
             for _ in range(inner):

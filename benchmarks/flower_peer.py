@@ -49,14 +49,13 @@ RESULT = "FLOWER_PEER_RESULT "
 # ----- the Flower side (runs in the Flower environment) ------------------------------------------
 def flower_worker(spec: dict) -> dict:
     t_enter = time.time()
+    import jax
+    import numpy as np
     from flwr.client import ClientApp
     from flwr.common import Context, ndarrays_to_parameters
     from flwr.server import ServerApp, ServerAppComponents, ServerConfig
     from flwr.server.strategy import FedAvg
     from flwr.simulation import run_simulation
-
-    import jax
-    import numpy as np
 
     from fedbayes import bench as fb
 
@@ -248,7 +247,7 @@ def main(argv=None) -> int:
     if res.returncode != 0 or line is None:
         print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"flower_peer: the Flower run failed (exit code {res.returncode})")
-    theirs = json.loads(line[len(RESULT):])
+    theirs = json.loads(line[len(RESULT) :])
     keys = ("examples_per_s", "round_s", "first_round_s", "startup_s", "wall_s")
     out = {"fedbayes": {k: ours[k] for k in keys}, "flower": theirs, "fedbayes_over_flower": ours["examples_per_s"] / theirs["examples_per_s"]}
     if args.json:
@@ -256,7 +255,9 @@ def main(argv=None) -> int:
     else:
         for side in ("fedbayes", "flower"):
             e = out[side]
-            print(f"{side:>9}: {e['examples_per_s']:>9,.0f} examples/s  round {e['round_s']:.3f} s  first round {e['first_round_s']:.2f} s  start-up {e['startup_s']:.1f} s  wall {e['wall_s']:.1f} s")
+            print(
+                f"{side:>9}: {e['examples_per_s']:>9,.0f} examples/s  round {e['round_s']:.3f} s  first round {e['first_round_s']:.2f} s  start-up {e['startup_s']:.1f} s  wall {e['wall_s']:.1f} s"
+            )
         print(f"fedbayes / Flower throughput: {out['fedbayes_over_flower']:.2f}  (Flower {theirs['flwr']}, Ray {theirs['ray']}, num_cpus {args.num_cpus:g})")
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -92,8 +91,8 @@ def main(argv=None):
             out[f"K{k}_M{m}"] = res
             if not args.json:
                 print(
-                    f"K={k:>7} M={m:>5}  round {res['round_s']*1e3:8.1f} ms  {res['us_per_example']:6.2f} us/example  "
-                    f"host {100*res['host_share']:5.1f}%  padding {100*res['padding_waste']:5.1f}% (max {100*res['padding_waste_max']:5.1f}%)  "
+                    f"K={k:>7} M={m:>5}  round {res['round_s'] * 1e3:8.1f} ms  {res['us_per_example']:6.2f} us/example  "
+                    f"host {100 * res['host_share']:5.1f}%  padding {100 * res['padding_waste']:5.1f}% (max {100 * res['padding_waste_max']:5.1f}%)  "
                     f"examples/round {res['examples_per_round']:,.0f}  steady/compile rounds {res['steady_rounds']}/{res['compile_rounds']}",
                     flush=True,
                 )

@@ -189,7 +189,9 @@ def main(argv=None) -> int:
         raw = fb.run_federated_process(fb.WORKLOADS[name], settings, profile_top=args.top)
         entry = fb.federated_entry(raw)
         total = sum(raw["round_s"])
-        print(f"{name}: {entry['rounds']} steady rounds under cProfile, {total:.3f} s, median round {entry['round_s']:.4f} s, {entry['examples_per_s']:,.0f} examples/s (profiler on)")
+        print(
+            f"{name}: {entry['rounds']} steady rounds under cProfile, {total:.3f} s, median round {entry['round_s']:.4f} s, {entry['examples_per_s']:,.0f} examples/s (profiler on)"
+        )
         print(f"{'own s':>8} {'share':>6} {'cum s':>8} {'calls':>7}  function")
         for r in raw["profile"]:
             print(f"{r['own_s']:8.3f} {100 * r['own_share']:5.1f}% {r['cum_s']:8.3f} {r['calls']:7d}  {r['function']}")

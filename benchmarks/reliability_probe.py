@@ -105,7 +105,15 @@ class Probe:
         else:
             lines = [x for x in r.stderr.splitlines() if x.strip()]
             one = len([x for x in lines if "error" in x.lower() or "interrupted" in x or "in use" in x]) == 1
-            outcome = "TRACEBACK" if tb else ("clean error" if r.returncode == expect and one and ok_extra else ("SILENT WRONG" if r.returncode == 0 else f"exit {r.returncode} (expected {expect})"))
+            outcome = (
+                "TRACEBACK"
+                if tb
+                else (
+                    "clean error"
+                    if r.returncode == expect and one and ok_extra
+                    else ("SILENT WRONG" if r.returncode == 0 else f"exit {r.returncode} (expected {expect})")
+                )
+            )
         last = (r.stderr.strip().splitlines() or [""])[-1][:220]
         self.rows.append({"group": group, "case": case, "command": command, "exit": r.returncode, "outcome": outcome, "message": last})
         print(f"[{outcome:>12}] {group} / {case}: exit {r.returncode}: {last}", flush=True)
@@ -135,7 +143,7 @@ def damaged_folders(p: Probe):
         extra = True
         if "duplicated" in case:  # a second resume must work too
             extra = cli(["resume", out], cache=p.cache).returncode == 0
-        p.record(g, case, f"kill after round 5; damage; fedbayes resume DIR", r, 0, extra, ref, out)
+        p.record(g, case, "kill after round 5; damage; fedbayes resume DIR", r, 0, extra, ref, out)
     # every checkpoint damaged: nothing to fall back to
     out = p.killed("dmg_all", cfg)
     for c in (out / "checkpoints").glob("round_*.npz"):
@@ -147,8 +155,16 @@ def damaged_folders(p: Probe):
     p.record(g, "config.toml edited (client.lr 0.1 -> 0.3)", "fedbayes resume DIR", cli(["resume", out], cache=p.cache), 2)
     r = cli(["resume", out, "--set", "client.lr=0.3"], cache=p.cache)
     ok = r.returncode == 0 and (out / "resume_changes.jsonl").is_file()
-    p.rows.append({"group": g, "case": "config change given with --set", "command": "fedbayes resume DIR --set client.lr=0.3",
-                   "exit": r.returncode, "outcome": "accepted, recorded" if ok else "FAILED", "message": ""})
+    p.rows.append(
+        {
+            "group": g,
+            "case": "config change given with --set",
+            "command": "fedbayes resume DIR --set client.lr=0.3",
+            "exit": r.returncode,
+            "outcome": "accepted, recorded" if ok else "FAILED",
+            "message": "",
+        }
+    )
     print(f"[accepted] --set: exit {r.returncode}", flush=True)
 
     # disk store (FedEP identity)
@@ -191,8 +207,14 @@ def two_runs(p: Probe):
     cfg = config(p.tmp, "long.toml", rounds=100000)  # still running when the three probes (~30 s each) and the SIGINT come
     out = p.tmp / "shared"
     env = dict(os.environ, JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(p.cache), PYTHONPATH=str(ROOT / "src"))
-    first = subprocess.Popen([sys.executable, "-m", "fedbayes.cli", "run", str(cfg), "--out", str(out)], env=env, cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "fedbayes.cli", "run", str(cfg), "--out", str(out)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "metrics.jsonl").is_file():
         time.sleep(0.2)
@@ -206,8 +228,16 @@ def two_runs(p: Probe):
     p.record("other", "Ctrl-C (SIGINT) during a run", "fedbayes run ...; kill -INT PID", fake, 130, "fedbayes resume" in err)
     r = cli(["resume", out, "--set", "rounds=6"], cache=p.cache)
     ok = r.returncode == 0 and "Traceback" not in r.stderr
-    p.rows.append({"group": "other", "case": "resume after Ctrl-C", "command": "fedbayes resume DIR --set rounds=6", "exit": r.returncode,
-                   "outcome": "recovered" if ok else "FAILED", "message": (r.stderr.strip().splitlines() or [""])[-1][:200]})
+    p.rows.append(
+        {
+            "group": "other",
+            "case": "resume after Ctrl-C",
+            "command": "fedbayes resume DIR --set rounds=6",
+            "exit": r.returncode,
+            "outcome": "recovered" if ok else "FAILED",
+            "message": (r.stderr.strip().splitlines() or [""])[-1][:200],
+        }
+    )
 
 
 def bad_configs(p: Probe):
@@ -223,13 +253,17 @@ def bad_configs(p: Probe):
         ("binary config file", ["run", binary], 2),
         ("empty config file", ["run", empty], 2),
         ("--out is a file", ["run", cfg, "--out", afile], 2),
-        ("store_dir is a file", ["run", cfg, "--out", p.tmp / "sd", "--set", "store=\"disk\"", "--set", "algorithm.name=\"admm\"", "--set", f"store_dir=\"{afile}\""], 2),
+        (
+            "store_dir is a file",
+            ["run", cfg, "--out", p.tmp / "sd", "--set", 'store="disk"', "--set", 'algorithm.name="admm"', "--set", f'store_dir="{afile}"'],
+            2,
+        ),
         ("rounds = true", ["run", cfg, "--set", "rounds=true"], 2),
         ("client.lr = inf", ["run", cfg, "--set", "client.lr=inf"], 2),
         ("server.lr = inf", ["run", cfg, "--set", "server.lr=inf"], 2),
         ("server.lr = nan", ["run", cfg, "--set", "server.lr=nan"], 2),
-        ("name = \"../../x\"", ["run", cfg, "--set", "name=\"../../x\""], 2),
-        ("name = \"\"", ["run", cfg, "--set", "name=\"\""], 2),
+        ('name = "../../x"', ["run", cfg, "--set", 'name="../../x"'], 2),
+        ('name = ""', ["run", cfg, "--set", 'name=""'], 2),
         ("model.hidden = [true]", ["run", cfg, "--set", "model.hidden=[true]"], 2),
         ("resume of a folder without config.toml", ["resume", p.tmp / "nothing"], 2),
     ]
@@ -245,8 +279,7 @@ def bad_configs(p: Probe):
 def write_leaf(folder: Path, train_users: dict, test_users: dict):
     for split, users in (("train", train_users), ("test", test_users)):
         (folder / split).mkdir(parents=True, exist_ok=True)
-        blob = {"users": list(users), "num_samples": [len(v[1]) for v in users.values()],
-                "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()}}
+        blob = {"users": list(users), "num_samples": [len(v[1]) for v in users.values()], "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()}}
         (folder / split / "data.json").write_text(json.dumps(blob))
 
 
@@ -262,8 +295,12 @@ def write_idx(folder: Path, labels_test=None, compress=True):
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    arrays = [rng.integers(0, 255, (60, 28, 28), dtype=np.uint8), rng.integers(0, 10, 60).astype(np.uint8),
-              rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), labels_test if labels_test is not None else rng.integers(0, 10, 20).astype(np.uint8)]
+    arrays = [
+        rng.integers(0, 255, (60, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, 60).astype(np.uint8),
+        rng.integers(0, 255, (20, 28, 28), dtype=np.uint8),
+        labels_test if labels_test is not None else rng.integers(0, 10, 20).astype(np.uint8),
+    ]
     names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
     for name, a in zip(names, arrays):
         raw = struct.pack(">BBBB", 0, 0, 0x08, a.ndim) + struct.pack(f">{a.ndim}I", *a.shape) + a.tobytes()
@@ -280,8 +317,12 @@ def bad_data(p: Probe):
         write_leaf(folder, train, test)
         cfg = p.tmp / f"leaf{len(cfgs)}.toml"
         cfgs[case] = cfg
-        cfg.write_text(BASE.format(rounds=2, algorithm="fedavg", extra="", top="").replace('dataset = "digits"', f'dataset = "leaf"\ndata_dir = "{folder}"')
-                       .replace('partition = "dirichlet"', 'partition = "natural"').replace("num_clients = 6", "num_clients = 4"))
+        cfg.write_text(
+            BASE.format(rounds=2, algorithm="fedavg", extra="", top="")
+            .replace('dataset = "digits"', f'dataset = "leaf"\ndata_dir = "{folder}"')
+            .replace('partition = "dirichlet"', 'partition = "natural"')
+            .replace("num_clients = 6", "num_clients = 4")
+        )
         p.record(g, case, "fedbayes run leaf.toml (tiny LEAF folder)", cli(["run", cfg, "--out", p.tmp / f"lo{len(cfgs)}"], cache=p.cache), expect)
 
     good = leaf_users()
@@ -339,13 +380,21 @@ def other(p: Probe):
     r = cli(["run", cfg, "--out", out, "--set", "client.lr=3e38"], cache=p.cache)  # overflows float32: NaN metrics
     strict = True
     for f in list(out.glob("*.json")) + list(out.glob("*.jsonl")):
-        for line in ([f.read_text()] if f.suffix == ".json" else f.read_text().splitlines()):
+        for line in [f.read_text()] if f.suffix == ".json" else f.read_text().splitlines():
             try:
                 json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
             except ValueError:
                 strict = False
-    p.rows.append({"group": "other", "case": "NaN metrics (lr 1e30): files are strict JSON", "command": "fedbayes run c.toml --set client.lr=3e38",
-                   "exit": r.returncode, "outcome": ("TRACEBACK" if "Traceback" in r.stderr else ("strict JSON" if strict else "SILENT WRONG")), "message": ""})
+    p.rows.append(
+        {
+            "group": "other",
+            "case": "NaN metrics (lr 1e30): files are strict JSON",
+            "command": "fedbayes run c.toml --set client.lr=3e38",
+            "exit": r.returncode,
+            "outcome": ("TRACEBACK" if "Traceback" in r.stderr else ("strict JSON" if strict else "SILENT WRONG")),
+            "message": "",
+        }
+    )
     print(f"[strict json] {strict} exit {r.returncode}", flush=True)
     r = cli(["run", cfg, "--out", p.tmp / "ff", "--set", "server.fail_fast=true", "--set", "client.lr=3e38"], cache=p.cache)
     p.record("other", "server.fail_fast with rejected messages", "fedbayes run c.toml --set server.fail_fast=true --set client.lr=3e38", r, 3)

@@ -46,8 +46,14 @@ from fedbayes.simulate import Federation, Simulator  # noqa: E402
 
 def _settings(args, part: str, weighting: str, rule: str) -> dict:
     return {
-        "model": args.model, "rounds": args.rounds, "epochs": args.epochs, "clients": args.clients,
-        "partition": part, "weighting": weighting, "rule": rule, "seed": args.seed,
+        "model": args.model,
+        "rounds": args.rounds,
+        "epochs": args.epochs,
+        "clients": args.clients,
+        "partition": part,
+        "weighting": weighting,
+        "rule": rule,
+        "seed": args.seed,
     }
 
 
@@ -75,9 +81,7 @@ def run_one(args, data, part: str, weighting: str, rule: str) -> dict:
     if variational:
         metrics = predictive_metrics(apply, final, jax.random.key(1000 + args.seed), data.x_test, data.y_test, num_samples=10)
     else:
-        logits = jnp.concatenate(
-            [model.apply({"params": final}, jnp.asarray(data.x_test[i : i + 2000])) for i in range(0, len(data.x_test), 2000)]
-        )
+        logits = jnp.concatenate([model.apply({"params": final}, jnp.asarray(data.x_test[i : i + 2000])) for i in range(0, len(data.x_test), 2000)])
         metrics = {k: float(v) for k, v in classification_metrics(logits, jnp.asarray(data.y_test)).items()}
     return {**_settings(args, part, weighting, rule), **metrics, "train_s": train_s, "rejected_last_round": len(info.rejected)}
 
@@ -90,8 +94,7 @@ def main(argv=None) -> None:
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet"], choices=("iid", "dirichlet"))
     ap.add_argument("--weightings", nargs="+", default=["examples"], choices=("examples", "uniform"))
-    ap.add_argument("--rules", nargs="+", default=["fed", "eaa", "gaa", "aalv", "ppa", "cf"],
-                    choices=("fed", "eaa", "gaa", "aalv", "ppa", "cf", "merging"))
+    ap.add_argument("--rules", nargs="+", default=["fed", "eaa", "gaa", "aalv", "ppa", "cf"], choices=("fed", "eaa", "gaa", "aalv", "ppa", "cf", "merging"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/vbnn_runs.jsonl")
     args = ap.parse_args(argv)

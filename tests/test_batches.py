@@ -51,7 +51,7 @@ def test_shuffles_depend_on_client_round_and_seed_only():
     pos = [np.arange(50), np.arange(50, 90)]
     a, off_a, _ = layout_orders(0, 5, [3, 7], pos, 2, 8)
     b, off_b, _ = layout_orders(0, 5, [7, 3], pos[::-1], 2, 8)  # other cohort order
-    np.testing.assert_array_equal(a[: 100], b[off_b[1] : off_b[1] + 100])  # client 3 unchanged
+    np.testing.assert_array_equal(a[:100], b[off_b[1] : off_b[1] + 100])  # client 3 unchanged
     c, _, _ = layout_orders(0, 6, [3, 7], pos, 2, 8)
     assert not np.array_equal(a[:50], c[:50])  # next round reshuffles
     assert not np.array_equal(a[:50], a[50:100])  # epochs differ

@@ -85,13 +85,17 @@ def test_run_writes_every_output(tmp_path):
 
 def test_compare_prints_one_table_and_one_plot(tmp_path):
     base = DIGITS.format(rounds=2, ckpt=0, algorithm="fedavg", extra="").replace("[", "[base.").replace('name = "digits_test"', "")
-    spec = "[base]\nrounds = 2\n" + base.replace("rounds = 2\n", "") + """
+    spec = (
+        "[base]\nrounds = 2\n"
+        + base.replace("rounds = 2\n", "")
+        + """
 [variants.fedavg]
 [variants.fedavgm]
 server = { optimizer = "momentum", lr = 1.0 }
 [variants.fedprox]
 algorithm = { name = "fedprox", mu = 0.1 }
 """
+    )
     p = tmp_path / "cmp.toml"
     p.write_text(spec)
     out = tmp_path / "cmp"

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import digits_federation, logreg_setup, plain_loop_round
 
 from fedbayes import round as protocol
 from fedbayes import tree
@@ -25,8 +26,6 @@ from fedbayes.hparams import HParams
 from fedbayes.models import init_params, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.simulate import Simulator
-
-from helpers import digits_federation, logreg_setup, plain_loop_round
 
 SIZES = (37, 90, 213, 11, 150)
 

@@ -36,7 +36,11 @@ from fedbayes.data import (
 from fedbayes.data import idx as idx_module
 
 IDX_CODES = {
-    np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D,
+    np.uint8: 0x08,
+    np.int8: 0x09,
+    np.int16: 0x0B,
+    np.int32: 0x0C,
+    np.float32: 0x0D,
     np.float64: 0x0E,
 }
 IDX_NAMES = (
@@ -214,9 +218,7 @@ def test_breast_cancer_uses_train_statistics():
     np.testing.assert_allclose(ds.x_train.mean(axis=0), 0.0, atol=1e-5)
     np.testing.assert_allclose(ds.x_train.std(axis=0), 1.0, atol=1e-5)
     raw = raw_loader()
-    train, test, _, _ = train_test_split(
-        raw.data, raw.target, test_size=0.2, stratify=raw.target, random_state=0
-    )
+    train, test, _, _ = train_test_split(raw.data, raw.target, test_size=0.2, stratify=raw.target, random_state=0)
     expected = (test - train.mean(axis=0)) / train.std(axis=0)
     np.testing.assert_allclose(ds.x_test, expected, rtol=1e-5, atol=1e-5)
     assert np.abs(ds.x_test.mean(axis=0)).max() > 1e-3  # test statistics were not used
@@ -299,11 +301,7 @@ def test_leaf_malformed_files_are_named(tmp_path):
     (tmp_path / "train" / "broken.json").write_text('{"users": ["u"], ')
     with pytest.raises(ValueError, match="broken.json.*not valid JSON"):
         load_leaf(tmp_path)
-    (tmp_path / "train" / "broken.json").write_text(
-        json.dumps(
-            {"users": ["u"], "num_samples": [2], "user_data": {"u": {"x": [[1.0]], "y": [0]}}}
-        )
-    )
+    (tmp_path / "train" / "broken.json").write_text(json.dumps({"users": ["u"], "num_samples": [2], "user_data": {"u": {"x": [[1.0]], "y": [0]}}}))
     with pytest.raises(ValueError, match="broken.json.*num_samples 2"):
         load_leaf(tmp_path)
 
@@ -364,10 +362,7 @@ def test_synthetic_leaf_input_covariance_and_heterogeneity():
     sizes = [400] * 10
     het = synthetic_leaf(10, 1.0, 1.0, np.random.default_rng(0), sizes=sizes)
     same = synthetic_leaf(10, 1.0, 1.0, np.random.default_rng(0), sizes=sizes, iid=True)
-    skew = {
-        name: label_skew(ds.y_train, natural(ds.client_ids), 10)
-        for name, ds in (("het", het), ("iid", same))
-    }
+    skew = {name: label_skew(ds.y_train, natural(ds.client_ids), 10) for name, ds in (("het", het), ("iid", same))}
     assert skew["het"] > 2 * skew["iid"], skew
 
 
@@ -477,7 +472,12 @@ def test_dataset_validates_its_arrays():
 
 def test_registry_names_and_errors():
     assert set(DATASETS) == {
-        "fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf",
+        "fashion_mnist",
+        "mnist",
+        "digits",
+        "breast_cancer",
+        "leaf",
+        "synthetic_leaf",
         "least_squares",
     }
     with pytest.raises(ValueError, match="must be one of.*breast_cancer"):

@@ -84,7 +84,7 @@ def test_compare_marks_a_diverged_variant(tmp_path):
     p = tmp_path / "cmp.toml"
     p.write_text(
         '[base]\nrounds = 2\ncheckpoint_every = 1\n[base.data]\ndataset = "digits"\nnum_clients = 5\n[base.server]\nclients_per_round = 5\n'
-        f'[variants.good]\n[variants.bad]\nserver = {{ clients_per_round = 5, lr = {HUGE} }}\n'
+        f"[variants.good]\n[variants.bad]\nserver = {{ clients_per_round = 5, lr = {HUGE} }}\n"
     )
     out = tmp_path / "o"
     res = runner.invoke(app, ["compare", str(p), "--out", str(out)])

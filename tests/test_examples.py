@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from fedbayes.config import load_config, read_toml, validate, deep_merge
+from fedbayes.config import deep_merge, load_config, read_toml, validate
 from fedbayes.experiment import run_experiment
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml"))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import digits_federation, logreg_setup
 
 from fedbayes import gaussian
 from fedbayes.algorithms import fedep, fedsep
@@ -15,13 +16,11 @@ from fedbayes.config import ConfigError, validate
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
-from fedbayes.inference.sgd import training_info
 from fedbayes.inference.curvature import diag_fisher
 from fedbayes.inference.fisher import clip_by_spread
+from fedbayes.inference.sgd import training_info
 from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
 from fedbayes.simulate import Federation, Simulator
-
-from helpers import digits_federation, logreg_setup
 
 # Guo et al. 2023 (FedEP) Fig. 1 / docs/algorithms.md §15.1: two Gaussian clients in 2-D.
 MEANS = np.array([[7.0, -10.6], [0.2, 2.24]])

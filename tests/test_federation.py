@@ -24,9 +24,7 @@ def test_generated_federation_equals_the_same_data_pooled(layout):
     gen = GeneratedFederation(sizes, lambda c: synthetic_leaf_client(c, 3, 1.0, 1.0, int(sizes[c])), (60,))
     parts = [gen.client_data(c) for c in range(len(sizes))]
     starts = np.cumsum([0, *sizes[:-1]])
-    pooled = Federation(
-        np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), tuple(np.arange(s, s + n) for s, n in zip(starts, sizes))
-    )
+    pooled = Federation(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), tuple(np.arange(s, s + n) for s, n in zip(starts, sizes)))
     trainer, params = _trainer()
     out = []
     for fed in (gen, pooled):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import digits_federation, logreg_setup
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,8 +16,6 @@ from fedbayes.algorithms.fedpa import dense_shrinkage_delta, shrinkage_delta, sh
 from fedbayes.data.batches import ClientData, layout_orders
 from fedbayes.inference import LocalTrainer, epoch_samples, iasg, run_sgd
 from fedbayes.simulate import Simulator
-
-from helpers import digits_federation, logreg_setup
 
 
 def _problem(seed, num, dim, dtype=np.float64, spread=1.0):
@@ -183,9 +182,7 @@ def test_iasg_averages_iterates():
     # On f(x) = x^2 / 2 with plain SGD lr a, x_{s+1} = (1 - a) x_s: averages are known in closed form.
     a, x0 = 0.1, 1.0
     grad = lambda p, _: p  # noqa: E731
-    samples, last = iasg(
-        jnp.float32(x0), lambda s: (s,), grad, optax.sgd(a), burn_in_steps=3, steps_per_sample=4, num_samples=2, discard_steps=1
-    )
+    samples, last = iasg(jnp.float32(x0), lambda s: (s,), grad, optax.sgd(a), burn_in_steps=3, steps_per_sample=4, num_samples=2, discard_steps=1)
     traj = x0 * (1 - a) ** np.arange(0, 20)
     np.testing.assert_allclose(samples, [traj[4:8].mean(), traj[9:13].mean()], rtol=1e-6)
     np.testing.assert_allclose(last, traj[13], rtol=1e-6)

@@ -58,17 +58,13 @@ def random_iso(seed, shapes=SHAPES, dtype=np.float64):
     mu, _ = random_moments(seed, shapes)
     lam = 10.0 ** np.random.default_rng(seed + 1000).uniform(-1.0, 1.0)
     eta = jax.tree.map(lambda m: lam * m, mu)
-    return G.IsoGaussian(
-        precision_mean=_as_jax(eta, dtype), precision=jnp.asarray(np.asarray(lam, dtype))
-    )
+    return G.IsoGaussian(precision_mean=_as_jax(eta, dtype), precision=jnp.asarray(np.asarray(lam, dtype)))
 
 
 def iso_as_diag_by_hand(g):
     """The DiagGaussian with the IsoGaussian's precision filled in, built without G.to_diag."""
     lam = np.asarray(g.precision)
-    precision = jax.tree.map(
-        lambda e: jnp.asarray(np.full(e.shape, lam, e.dtype)), g.precision_mean
-    )
+    precision = jax.tree.map(lambda e: jnp.asarray(np.full(e.shape, lam, e.dtype)), g.precision_mean)
     return G.DiagGaussian(precision_mean=g.precision_mean, precision=precision)
 
 
@@ -167,9 +163,7 @@ def test_damp_endpoints_are_exact(kinds):
         assert_tree_equal(G.damp(old, new, 1.0), as_result(new))
         assert_tree_equal(G.damp(old, new, 0.0), as_result(old))
         half = G.damp(old, new, 0.5)
-        mid = jax.tree.map(
-            lambda x, y: 0.5 * (np.asarray(x) + np.asarray(y)), as_result(old), as_result(new)
-        )
+        mid = jax.tree.map(lambda x, y: 0.5 * (np.asarray(x) + np.asarray(y)), as_result(old), as_result(new))
         assert_tree_close(half, mid, rtol=4 * EPS64)  # two roundings of a convex combination
         assert type(half) is type(as_result(old))
         assert bool(G.is_proper(half))
@@ -316,9 +310,7 @@ def test_log_prob_matches_scipy():
         mu, lam = random_moments(20)
         x, _ = random_moments(21)
         g = G.from_moments(_as_jax(mu), _as_jax(jax.tree.map(np.reciprocal, lam)))
-        want = sum(
-            scipy.stats.norm.logpdf(x[k], mu[k], 1.0 / np.sqrt(lam[k])).sum() for k in SHAPES
-        )
+        want = sum(scipy.stats.norm.logpdf(x[k], mu[k], 1.0 / np.sqrt(lam[k])).sum() for k in SHAPES)
         np.testing.assert_allclose(G.log_prob(g, _as_jax(x)), want, rtol=1e-12)  # summation order
 
 
@@ -353,9 +345,7 @@ def test_kl_matches_closed_form_and_golden():
         # KL(N(0, 1) || N(1, 4)) = 0.5 (log 4 + 2/4 - 1) per coordinate, three coordinates.
         one = _diag_from_numpy(({"x": np.zeros(3)}, {"x": np.ones(3)}))
         other = _diag_from_numpy(({"x": np.ones(3)}, {"x": np.full(3, 0.25)}))
-        np.testing.assert_allclose(
-            G.kl(one, other), 1.5 * (math.log(4.0) - 0.5), rtol=1e-14
-        )  # few ops
+        np.testing.assert_allclose(G.kl(one, other), 1.5 * (math.log(4.0) - 0.5), rtol=1e-14)  # few ops
 
 
 # One compiled sampler shared by the Monte Carlo tests (a threefry program takes about a second
@@ -368,9 +358,7 @@ def test_kl_matches_monte_carlo():
     with jax.enable_x64(True):
         p, q = random_diag(25), random_diag(26)
         x = _sample_jit(jax.random.key(1), p, NUM_MC)
-        log_ratio = np.asarray(
-            jax.jit(jax.vmap(lambda xi: G.log_prob(p, xi) - G.log_prob(q, xi)))(x)
-        )
+        log_ratio = np.asarray(jax.jit(jax.vmap(lambda xi: G.log_prob(p, xi) - G.log_prob(q, xi)))(x))
         estimate, stderr = log_ratio.mean(), log_ratio.std() / math.sqrt(NUM_MC)
         exact = float(G.kl(p, q))
         # 5 standard errors of the Monte Carlo mean (the key is fixed, so this is deterministic).
@@ -387,9 +375,7 @@ def test_sample_moments():
             assert xs.shape == (NUM_MC,) + m.shape
             # 5 standard errors: sd(mean) = sigma / sqrt(n), sd(var) ~ sigma^2 sqrt(2 / (n - 1)).
             assert np.all(np.abs(xs.mean(axis=0) - m) < 5 * np.sqrt(v / NUM_MC))
-            assert np.all(
-                np.abs(xs.var(axis=0, ddof=1) / v - 1.0) < 5 * math.sqrt(2.0 / (NUM_MC - 1))
-            )
+            assert np.all(np.abs(xs.var(axis=0, ddof=1) / v - 1.0) < 5 * math.sqrt(2.0 / (NUM_MC - 1)))
 
 
 def test_sample_is_deterministic_and_per_leaf():
@@ -443,9 +429,7 @@ def test_iso_matches_diag():
         assert_tree_equal(G.mean(ia), G.mean(da))
         variance = G.variance(ia)
         assert np.ndim(variance) == 0
-        assert_tree_equal(
-            jax.tree.map(lambda e: np.full(e.shape, variance), ia.precision_mean), G.variance(da)
-        )
+        assert_tree_equal(jax.tree.map(lambda e: np.full(e.shape, variance), ia.precision_mean), G.variance(da))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,9 +512,7 @@ def test_property_iso_round_trip(pair, lam):
         np.testing.assert_allclose(var2, 1.0 / lam, rtol=4 * EPS64)  # a few roundings
         other = _diag_from_numpy(pair[1])
         got = G.quotient(G.product(g, other), other)
-        assert_within_rounding(
-            got, G.to_diag(g), abs_sum(G.to_diag(g), other), ulps=2
-        )  # two roundings
+        assert_within_rounding(got, G.to_diag(g), abs_sum(G.to_diag(g), other), ulps=2)  # two roundings
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,9 +147,7 @@ def test_classification_metrics_inside_jit_and_vmap():
     rng = np.random.default_rng(4)
     logits = jnp.asarray(rng.standard_normal((3, 30, 4)), jnp.float32)  # e.g. three clients
     labels = jnp.asarray(rng.integers(0, 4, (3, 30)), jnp.int32)
-    batched = jax.jit(jax.vmap(lambda lg, lb: classification_metrics(lg, lb, num_bins=10)))(
-        logits, labels
-    )
+    batched = jax.jit(jax.vmap(lambda lg, lb: classification_metrics(lg, lb, num_bins=10)))(logits, labels)
     for i in range(3):
         single = classification_metrics(logits[i], labels[i], num_bins=10)
         for name in ("accuracy", "nll", "ece"):

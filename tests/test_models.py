@@ -38,7 +38,7 @@ def _random_params(model, feature_shape, seed=0):
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model_and_params(name, feature_shape):
     model = make_model(name, NUM_CLASSES)
     return model, _random_params(model, feature_shape)
@@ -182,9 +182,7 @@ def test_cnn_same_padding_shapes(feature_shape, side):
 def test_cnn_accepts_images_without_channel_axis():
     model, params = _model_and_params("cnn", (8, 8, 1))
     x = _inputs(2, (8, 8))
-    np.testing.assert_array_equal(
-        model.apply({"params": params}, x), model.apply({"params": params}, x[..., None])
-    )
+    np.testing.assert_array_equal(model.apply({"params": params}, x), model.apply({"params": params}, x[..., None]))
 
 
 def test_cnn_rejects_flat_inputs(key):
@@ -290,9 +288,7 @@ def test_loss_mask_ignores_padding(name, task, feature_shape):
 def test_loss_all_padding_is_zero():
     model, params = _model_and_params("logreg", (30,))
     x, y = _batch(7, "classification", (30,))
-    value, grad = jax.jit(jax.value_and_grad(loss_fn(model, "classification")))(
-        params, jax.random.key(0), x, y, jnp.zeros((6,), jnp.float32)
-    )
+    value, grad = jax.jit(jax.value_and_grad(loss_fn(model, "classification")))(params, jax.random.key(0), x, y, jnp.zeros((6,), jnp.float32))
     assert value == 0.0
     assert all(np.all(g == 0) for g in jax.tree.leaves(grad))
 

@@ -68,9 +68,7 @@ def test_iid_covers_exactly_once_in_near_equal_chunks(num_examples, num_clients,
     min_size=st.integers(0, 5),
     seed=seeds,
 )
-def test_dirichlet_covers_exactly_once_and_respects_min_size(
-    num_examples, num_classes, num_clients, alpha, min_size, seed
-):
+def test_dirichlet_covers_exactly_once_and_respects_min_size(num_examples, num_classes, num_clients, alpha, min_size, seed):
     labels = make_labels(seed, num_examples, num_classes)
     rng = np.random.default_rng(seed)
     parts = dirichlet_label(labels, num_clients, alpha, rng, min_size=min_size)
@@ -89,9 +87,7 @@ def test_dirichlet_covers_exactly_once_and_respects_min_size(
     classes_per_client=st.integers(1, 3),
     seed=seeds,
 )
-def test_shards_cover_exactly_once(
-    num_examples, num_classes, num_clients, classes_per_client, seed
-):
+def test_shards_cover_exactly_once(num_examples, num_classes, num_clients, classes_per_client, seed):
     classes_per_client = min(classes_per_client, num_classes)
     labels = make_labels(seed, num_examples, num_classes)
     parts = shards(labels, num_clients, classes_per_client, np.random.default_rng(seed))
@@ -123,9 +119,7 @@ def test_natural_groups_by_sorted_id(client_ids):
     alpha2=st.sampled_from([0.1, 0.5, 10.0]),
     seed=seeds,
 )
-def test_two_level_assigns_at_most_once_and_nearly_all(
-    num_examples, num_classes, num_clients, alpha1, alpha2, seed
-):
+def test_two_level_assigns_at_most_once_and_nearly_all(num_examples, num_classes, num_clients, alpha1, alpha2, seed):
     labels = make_labels(seed, num_examples, num_classes)
     parts = two_level_dirichlet(labels, num_clients, np.random.default_rng(seed), alpha1, alpha2, min_size=0)
     assert len(parts) == num_clients

@@ -27,7 +27,6 @@ from fedbayes.cli import app
 from fedbayes.config import ConfigError, read_toml, validate
 from fedbayes.data.dataset import DatasetNotFoundError
 from fedbayes.data.idx import read_idx
-from fedbayes.data.leaf import load_leaf
 from fedbayes.data.registry import load_dataset
 from fedbayes.errors import DataError, exit_code_for
 from fedbayes.experiment import read_metrics
@@ -274,7 +273,10 @@ def test_bad_configs_are_one_line_exit_2(tmp_path):
         (["run", str(empty)], "fedbayes config"),
         (["run", str(cfg), "--out", str(afile)], "a file of that name is in the way"),
         (["run", str(cfg), "--out", str(afile / "sub")], "is a file, not a folder"),
-        (["run", str(cfg), "--out", str(tmp_path / "sd"), "--set", 'store="disk"', "--set", 'algorithm.name="admm"', "--set", f'store_dir="{afile}"'], "store_dir"),
+        (
+            ["run", str(cfg), "--out", str(tmp_path / "sd"), "--set", 'store="disk"', "--set", 'algorithm.name="admm"', "--set", f'store_dir="{afile}"'],
+            "store_dir",
+        ),
         (["run", str(cfg), "--set", "rounds=true"], "rounds: must be a number, not a boolean"),
         (["run", str(cfg), "--set", "client.lr=inf"], "client.lr: Input should be a finite number"),
         (["run", str(cfg), "--set", "server.lr=nan"], "server.lr: Input should be a finite number"),
@@ -328,8 +330,14 @@ def test_sigterm_during_a_run_exits_130_with_the_resume_line(tmp_path):
     cfg = write_cfg(tmp_path, rounds=500)
     out = tmp_path / "o"
     env = dict(os.environ, JAX_PLATFORMS="cpu", FEDBAYES_CACHE="off", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "fedbayes.cli", "run", str(cfg), "--out", str(out)], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedbayes.cli", "run", str(cfg), "--out", str(out)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and len(list_checkpoints(out / "checkpoints")) == 0:
         time.sleep(0.1)
@@ -445,7 +453,9 @@ def raw_configs(draw):
     raw = {k: draw(_scalars) for k in draw(st.lists(_keys, max_size=3))}
     for sec, keys in _sections.items():
         if draw(st.booleans()):
-            vals = st.one_of(_scalars, st.lists(st.integers(-2, 300), max_size=3), st.sampled_from(["fedavg", "fedprox", "admm", "fedep", "mlp", "logreg", "digits", "iid"]))
+            vals = st.one_of(
+                _scalars, st.lists(st.integers(-2, 300), max_size=3), st.sampled_from(["fedavg", "fedprox", "admm", "fedep", "mlp", "logreg", "digits", "iid"])
+            )
             raw[sec] = {k: draw(vals) for k in draw(st.lists(st.sampled_from(keys), max_size=3))}
     return raw
 
@@ -565,7 +575,9 @@ def test_a_diverged_run_writes_strict_json(tmp_path):
 # ----- crash consistency: kill -9 at random moments, resume bitwise ---------------------------------------------
 def _cli(args, env_extra=None, cache=None):
     env = dict(os.environ, JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(cache or "off"), PYTHONPATH=str(ROOT / "src"), **(env_extra or {}))
-    return subprocess.Popen([sys.executable, "-m", "fedbayes.cli", *map(str, args)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedbayes.cli", *map(str, args)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _final_arrays(out: Path):

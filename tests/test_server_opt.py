@@ -63,7 +63,11 @@ def test_sgd_lr_one_applies_the_pseudo_gradient():
 @pytest.mark.parametrize("kind", ["adam", "yogi", "adagrad"])
 def test_optax_variant_is_optax(kind):
     ours = make_server_optimizer(kind, 0.1, tau=1e-3, variant="optax")
-    theirs = {"adam": optax.adam(0.1, b1=0.9, b2=0.99, eps=1e-3), "yogi": optax.yogi(0.1, b1=0.9, b2=0.99, eps=1e-3), "adagrad": optax.adagrad(0.1, initial_accumulator_value=0.0, eps=1e-3)}[kind]
+    theirs = {
+        "adam": optax.adam(0.1, b1=0.9, b2=0.99, eps=1e-3),
+        "yogi": optax.yogi(0.1, b1=0.9, b2=0.99, eps=1e-3),
+        "adagrad": optax.adagrad(0.1, initial_accumulator_value=0.0, eps=1e-3),
+    }[kind]
     p1 = p2 = jnp.zeros(3)
     s1, s2 = ours.init(p1), theirs.init(p2)
     for g in GRADS:

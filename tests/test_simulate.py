@@ -5,14 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import digits_federation, logreg_setup, plain_loop_round, single_client_data
 
 from fedbayes import round as protocol
 from fedbayes.algorithms import admm, fedavg, feddyn, fedprox
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.simulate import Federation, Simulator
-
-from helpers import digits_federation, logreg_setup, plain_loop_round, single_client_data
 
 SIZES = (37, 90, 213, 11, 150)  # unequal on purpose, incl. a client smaller than one batch
 

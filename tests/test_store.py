@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import digits_federation, logreg_setup
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,8 +23,6 @@ from fedbayes.config import validate
 from fedbayes.experiment import PlainReporter, read_metrics, run_experiment
 from fedbayes.simulate import SimState, Simulator
 from fedbayes.store import DiskStore, MemoryStore, as_store
-
-from helpers import digits_federation, logreg_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (37, 90, 213, 11, 150, 64)

@@ -210,7 +210,27 @@ def test_least_squares_trends(tmp_path):
 
 
 def test_cli_quadratic_exact_sampler_and_random_problem(tmp_path):
-    args = ["quadratic", "--problem", "random", "--seed", "3", "--rounds", "3", "--inits", "2", "--fedavg-steps", "10", "--fedpa-samples", "10", "--sampler", "exact", "--mbsgd-grads", "0", "--tail", "2"]
+    args = [
+        "quadratic",
+        "--problem",
+        "random",
+        "--seed",
+        "3",
+        "--rounds",
+        "3",
+        "--inits",
+        "2",
+        "--fedavg-steps",
+        "10",
+        "--fedpa-samples",
+        "10",
+        "--sampler",
+        "exact",
+        "--mbsgd-grads",
+        "0",
+        "--tail",
+        "2",
+    ]
     out = _json(args, tmp_path)
     assert set(out) == {"fedavg_10", "fedpa_10", "fedep_diag", "fedep_iso", "fedavg_oneshot", "fedpa_oneshot"}
     assert out["fedep_iso"]["mean"] < 1e-8  # 100 identity-EP steps solve any two Gaussians

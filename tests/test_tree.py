@@ -27,9 +27,7 @@ def test_weighted_sum_matches_numpy():
     stacked = _stacked(0)
     weights = jnp.asarray(np.asarray([0.5, 2.0, -1.0], np.float32))
     got = ftree.weighted_sum(stacked, weights)
-    want = jax.tree.map(
-        lambda x: np.einsum("m,m...->...", np.asarray(weights), np.asarray(x)), stacked
-    )
+    want = jax.tree.map(lambda x: np.einsum("m,m...->...", np.asarray(weights), np.asarray(x)), stacked)
     assert jax.tree.structure(got) == jax.tree.structure(stacked)
     # float32 accumulation order differs from numpy's einsum.
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6), got, want)
@@ -77,9 +75,7 @@ def test_weighted_mean_matches_numpy_average():
     stacked = _stacked(1)
     weights = jnp.asarray(np.asarray([3.0, 0.0, 7.0], np.float32))
     got = ftree.weighted_mean(stacked, weights)
-    want = jax.tree.map(
-        lambda x: np.average(np.asarray(x), axis=0, weights=np.asarray(weights)), stacked
-    )
+    want = jax.tree.map(lambda x: np.average(np.asarray(x), axis=0, weights=np.asarray(weights)), stacked)
     # float32 accumulation order differs from numpy's.
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6), got, want)
 
@@ -113,18 +109,12 @@ def test_weighted_reductions_under_jit_and_vmap():
         eager,
     )
     # vmap over an outer batch of two rounds (under jit: one compile, not one per primitive).
-    batched = jax.tree.map(
-        lambda x: jnp.asarray(np.stack([np.asarray(x), 2 * np.asarray(x)])), stacked
-    )
+    batched = jax.tree.map(lambda x: jnp.asarray(np.stack([np.asarray(x), 2 * np.asarray(x)])), stacked)
     out = jax.jit(jax.vmap(both, in_axes=(0, None)))(batched, weights)
     for got, want in zip(out, eager, strict=True):
         # Same float32 reductions, possibly reordered by vmap.
-        jax.tree.map(
-            lambda o, e: np.testing.assert_allclose(o[0], e, rtol=1e-6, atol=1e-6), got, want
-        )
-        jax.tree.map(
-            lambda o, e: np.testing.assert_allclose(o[1], 2 * e, rtol=1e-6, atol=1e-6), got, want
-        )
+        jax.tree.map(lambda o, e: np.testing.assert_allclose(o[0], e, rtol=1e-6, atol=1e-6), got, want)
+        jax.tree.map(lambda o, e: np.testing.assert_allclose(o[1], 2 * e, rtol=1e-6, atol=1e-6), got, want)
 
 
 def test_num_params_and_tree_bytes_golden():

@@ -367,8 +367,9 @@ def test_vbnn_learns_digits(weighting):
     model = make_model("mlp", data.num_classes, variational=True, hidden=(32,))
     apply = apply_with_key(model)
     trainer = LocalTrainer(None, optax.sgd(0.05, momentum=0.9), num_epochs=2, batch_size=32)
-    sim = Simulator(vbnn(trainer, apply, aggregation="gaa"), Federation(data.x_train, data.y_train, tuple(parts)),
-                    clients_per_round=4, seed=0, weighting=weighting)
+    sim = Simulator(
+        vbnn(trainer, apply, aggregation="gaa"), Federation(data.x_train, data.y_train, tuple(parts)), clients_per_round=4, seed=0, weighting=weighting
+    )
     state = sim.init(init_params(model, jax.random.key(0), data.feature_shape))
     for _ in range(4):
         state, info = sim.run_round(state)

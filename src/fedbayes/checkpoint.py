@@ -22,8 +22,9 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -50,6 +51,7 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
         h.update(f"{k}|{a.dtype.str}|{a.shape}|".encode())
         h.update(memoryview(a.reshape(-1).view(np.uint8)))
     return h.hexdigest()
+
 
 _NAME = re.compile(r"^round_(\d{6,})\.npz$")
 

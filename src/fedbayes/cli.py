@@ -147,7 +147,9 @@ def _load(path: Path, overrides: list[str]) -> RunConfig:
         _fail(str(exc))
 
 
-def _run(config: RunConfig, out: Path, resume: bool = False, logs: list[str] | None = None, stderr: bool = False, accept_changes=(), *, diverged_ok: bool = False) -> dict:
+def _run(
+    config: RunConfig, out: Path, resume: bool = False, logs: list[str] | None = None, stderr: bool = False, accept_changes=(), *, diverged_ok: bool = False
+) -> dict:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.experiment import Diverged, run_experiment
 
@@ -186,7 +188,7 @@ def _log_traceback(exc: BaseException) -> Path | None:
     import traceback
 
     text = "".join(traceback.format_exception(exc))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "fedbayes" / "logs"
     candidates = [_state["folder"] / "error.log"] if _state["folder"] is not None else []
     candidates += [cache / f"error-{stamp}-{os.getpid()}.log", Path(tempfile.gettempdir()) / f"fedbayes-error-{stamp}-{os.getpid()}.log"]
@@ -276,7 +278,9 @@ COMPARISON_FILE = "comparison.toml"
 @_handled
 def resume(
     out: Annotated[Path, typer.Argument(help="the folder of an interrupted run or comparison")],
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="change a key of the run's config on purpose, e.g. --set rounds=50 (recorded in resume_changes.jsonl)")] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="change a key of the run's config on purpose, e.g. --set rounds=50 (recorded in resume_changes.jsonl)")
+    ] = None,
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
 ):
     """Resume an interrupted run from its newest intact checkpoint (or a comparison: its unfinished
@@ -360,9 +364,7 @@ def _print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dic
 def compare(
     configs: Annotated[list[Path], typer.Argument(help="a comparison TOML (\\[base] + \\[variants.NAME]) or several run TOMLs")],
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
-    set_: Annotated[
-        Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")
-    ] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
     threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the comparison already in --out")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue the comparison in --out: finished variants are not rerun")] = False,
@@ -390,7 +392,13 @@ def _finished(cfg: RunConfig, folder: Path) -> dict | None:
 
 
 def _run_comparison(
-    runs: dict[str, RunConfig], out: Path, *, resume: bool = False, logs=None, json_out: bool = False, title: str = "comparison",
+    runs: dict[str, RunConfig],
+    out: Path,
+    *,
+    resume: bool = False,
+    logs=None,
+    json_out: bool = False,
+    title: str = "comparison",
     threshold: float = 0.8,
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError

@@ -60,7 +60,7 @@ class ModelConfig(_Strict):
     variational: bool = False
 
     @model_validator(mode="after")
-    def _variational_models(self) -> "ModelConfig":
+    def _variational_models(self) -> ModelConfig:
         if self.variational and self.name not in VARIATIONAL_MODELS:
             raise ValueError(f"model.variational: only {', '.join(VARIATIONAL_MODELS)} have a variational version; got {self.name!r}")
         return self
@@ -136,11 +136,9 @@ class RunConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self) -> RunConfig:
         if self.server.clients_per_round > self.data.num_clients:
-            raise ValueError(
-                f"server.clients_per_round: must be <= data.num_clients ({self.data.num_clients}); got {self.server.clients_per_round}"
-            )
+            raise ValueError(f"server.clients_per_round: must be <= data.num_clients ({self.data.num_clients}); got {self.server.clients_per_round}")
         regression = self.data.dataset == "least_squares"
         if regression != (self.model.name == "linear"):
             raise ValueError(
@@ -158,14 +156,11 @@ class RunConfig(_Strict):
                 f"client.epochs: the mcmc method estimates a variance from one sample per epoch, so it needs epochs >= 2; got {self.client.epochs}"
             )
         if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
-            raise ValueError(
-                "data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); "
-                f"got {self.data.dataset!r}"
-            )
+            raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")
         return self
 
     @model_validator(mode="after")
-    def _variational_needs_vbnn(self) -> "RunConfig":
+    def _variational_needs_vbnn(self) -> RunConfig:
         if self.model.variational != (self.algorithm.name == "vbnn"):
             raise ValueError(
                 "model.variational: algorithm 'vbnn' trains variational models and only it does; "
@@ -287,9 +282,7 @@ def read_toml(path: str | Path) -> dict:
     except OSError as exc:
         raise ConfigError(f"config error: {path}: cannot read it ({exc.strerror or exc})") from None
     if not raw:
-        raise ConfigError(
-            f"config error: {path}: the config is empty; start from `fedbayes config` or one of the commented examples in examples/"
-        )
+        raise ConfigError(f"config error: {path}: the config is empty; start from `fedbayes config` or one of the commented examples in examples/")
     return raw
 
 

@@ -6,7 +6,7 @@ compiled function that accumulates summable statistics over batches (docs/algori
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,9 +91,7 @@ def make_marginal_evaluator(
     @jax.jit
     def run(key, mean, variance):
         keys = optax.tree.split_key_like(key, mean)
-        thetas = jax.tree.map(
-            lambda k, m, v: m[None] + jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance
-        )
+        thetas = jax.tree.map(lambda k, m, v: m[None] + jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
 
         def body(acc, batch):
             xs, ys, ms = batch

@@ -34,24 +34,23 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 
 from fedbayes import algorithms as algs
-from fedbayes import metrics
+from fedbayes import metrics, runlock
 from fedbayes import round as protocol
-from fedbayes import runlock
 from fedbayes.algorithms import registry
 from fedbayes.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.config import ConfigError, RunConfig, to_toml
-from fedbayes.errors import BadInputError, DataError, DivergedError
-from fedbayes.strictjson import dumps_record, loads_strict, restore_record
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.errors import BadInputError, DataError, DivergedError
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
 from fedbayes.export import MODEL_FILE, save_model
 from fedbayes.inference.sgd import LocalTrainer
@@ -60,6 +59,7 @@ from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.plotting import plot_curves
 from fedbayes.simulate import Federation, Simulator
+from fedbayes.strictjson import dumps_record, loads_strict, restore_record
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
 
@@ -111,16 +111,12 @@ def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
     elif d.partition == "natural":
         parts = natural(dataset.client_ids)
         if len(parts) != d.num_clients:
-            raise ConfigError(
-                f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients}"
-            )
+            raise ConfigError(f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients}")
         return parts
     try:
         return partition(d.partition, dataset.y_train, d.num_clients, rng, **params)
     except ValueError as exc:  # PartitionError included
-        raise ConfigError(
-            f"config error: data.partition ({d.partition}, data.num_clients = {d.num_clients}, {dataset.num_train} examples): {exc}"
-        ) from None
+        raise ConfigError(f"config error: data.partition ({d.partition}, data.num_clients = {d.num_clients}, {dataset.num_train} examples): {exc}") from None
 
 
 def check_model(config: RunConfig, dataset: Dataset) -> None:
@@ -156,14 +152,18 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return opt
 
 
-def build_context(config: RunConfig, trainer: LocalTrainer, federation: registry.FederationInfo, *, apply_fn=None, task: str = "classification") -> registry.BuildContext:
+def build_context(
+    config: RunConfig, trainer: LocalTrainer, federation: registry.FederationInfo, *, apply_fn=None, task: str = "classification"
+) -> registry.BuildContext:
     """What the registry's builders need besides the algorithm's own settings: no data."""
     s = config.server
     server_opt = algs.make_server_optimizer(s.optimizer, s.lr, momentum=s.momentum, b1=s.beta1, b2=s.beta2, tau=s.tau, variant=s.variant)
     return registry.BuildContext(trainer, server_opt, federation, s.clients_per_round, apply_fn, task)
 
 
-def build_algorithm(config: RunConfig, trainer: LocalTrainer, federation: registry.FederationInfo, *, apply_fn=None, task: str = "classification") -> algs.Algorithm:
+def build_algorithm(
+    config: RunConfig, trainer: LocalTrainer, federation: registry.FederationInfo, *, apply_fn=None, task: str = "classification"
+) -> algs.Algorithm:
     """The configured algorithm, through the registry (no data needed: a deployment can call it)."""
     return registry.build(config.algorithm, build_context(config, trainer, federation, apply_fn=apply_fn, task=task))
 
@@ -195,9 +195,7 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     if variational:
         evaluate = _variational(algorithm, config, keyed_apply_fn, dataset)
         return Experiment(config, dataset, federation, model, params, simulator, evaluate)
-    evaluate = make_evaluator(
-        apply_fn, dataset.x_test, dataset.y_test, task=dataset.task, batch_size=config.eval_batch_size, num_bins=config.ece_bins
-    )
+    evaluate = make_evaluator(apply_fn, dataset.x_test, dataset.y_test, task=dataset.task, batch_size=config.eval_batch_size, num_bins=config.ece_bins)
     if algorithm.server_posterior is not None and dataset.task == "classification":
         evaluate = _with_marginal(evaluate, algorithm, config, apply_fn, dataset)
     else:
@@ -368,10 +366,7 @@ def _divergence_message(config: RunConfig, round_idx: int, metric: str, out: Pat
         + ")"
     )
     ckpt = f"last good checkpoint: round {checkpoint}" if checkpoint is not None else "no checkpoint was saved yet (checkpoint_every)"
-    return (
-        f"diverged at round {round_idx}: {metric} non-finite; {cause}; {ckpt}; "
-        f"continue with: fedbayes resume {out} --set client.lr=... (or server.lr=...)"
-    )
+    return f"diverged at round {round_idx}: {metric} non-finite; {cause}; {ckpt}; continue with: fedbayes resume {out} --set client.lr=... (or server.lr=...)"
 
 
 CALIBRATION_GAP = 0.05  # marginalised accuracy this far below the point estimate gets a warning

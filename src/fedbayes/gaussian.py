@@ -293,9 +293,7 @@ def uniform_like(params: PyTree) -> DiagGaussian:
     Returns:
       A ``DiagGaussian`` of zeros.
     """
-    return DiagGaussian(
-        precision_mean=optax.tree.zeros_like(params), precision=optax.tree.zeros_like(params)
-    )
+    return DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=optax.tree.zeros_like(params))
 
 
 def damp(old: Gaussian, new: Gaussian, delta: float | jax.Array) -> Gaussian:
@@ -346,9 +344,7 @@ def proper_mask(g: Gaussian) -> PyTree:
       ``IsoGaussian`` is broadcast to every coordinate).
     """
     d = to_diag(g)
-    return jax.tree.map(
-        lambda e, p: (p > 0) & jnp.isfinite(p) & jnp.isfinite(e), d.precision_mean, d.precision
-    )
+    return jax.tree.map(lambda e, p: (p > 0) & jnp.isfinite(p) & jnp.isfinite(e), d.precision_mean, d.precision)
 
 
 def is_proper(g: Gaussian) -> jax.Array:
@@ -440,9 +436,7 @@ def kl(p: Gaussian, q: Gaussian) -> jax.Array:
         diff = eta_p / lam_p - eta_q / lam_q
         return 0.5 * (ratio - 1 - jnp.log(ratio) + lam_q * jnp.square(diff))
 
-    return optax.tree.sum(
-        jax.tree.map(terms, dp.precision_mean, dp.precision, dq.precision_mean, dq.precision)
-    )
+    return optax.tree.sum(jax.tree.map(terms, dp.precision_mean, dp.precision, dq.precision_mean, dq.precision))
 
 
 def entropy(g: Gaussian) -> jax.Array:
@@ -454,9 +448,7 @@ def entropy(g: Gaussian) -> jax.Array:
     Returns:
       A scalar.
     """
-    return optax.tree.sum(
-        jax.tree.map(lambda lam: 0.5 * (1 + _LOG_2PI - jnp.log(lam)), to_diag(g).precision)
-    )
+    return optax.tree.sum(jax.tree.map(lambda lam: 0.5 * (1 + _LOG_2PI - jnp.log(lam)), to_diag(g).precision))
 
 
 def project_full_to_diag(mean: jax.Array, cov: jax.Array) -> DiagGaussian:

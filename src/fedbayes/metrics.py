@@ -145,9 +145,7 @@ def _safe_labels(labels: jax.Array, mask: jax.Array, num_classes: int) -> jax.Ar
     return jnp.clip(jnp.where(mask > 0, labels, jnp.zeros_like(labels)), 0, num_classes - 1)
 
 
-def _probability_stats(
-    probs: jax.Array, labels: jax.Array, mask: jax.Array, num_bins: int, eps: float
-) -> ClassificationStats:
+def _probability_stats(probs: jax.Array, labels: jax.Array, mask: jax.Array, num_bins: int, eps: float) -> ClassificationStats:
     safe = _safe_labels(labels, mask, probs.shape[-1])
     p_true = jnp.take_along_axis(probs, safe[:, None], axis=-1)[:, 0]
     correct = jnp.argmax(probs, axis=-1) == labels
@@ -155,9 +153,7 @@ def _probability_stats(
 
 
 @functools.partial(jax.jit, static_argnames=("num_bins",))
-def classification_stats(
-    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, num_bins: int = 15
-) -> ClassificationStats:
+def classification_stats(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, num_bins: int = 15) -> ClassificationStats:
     """Summable statistics of one (padded) batch, from logits or log-probabilities.
 
     The predictive distribution is ``p = softmax(logits)``, computed through ``log_softmax`` so
@@ -218,9 +214,7 @@ def finalize_stats(stats: ClassificationStats) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("num_bins",))
-def classification_metrics(
-    logits: jax.Array, labels: jax.Array, num_bins: int = 15
-) -> dict[str, jax.Array]:
+def classification_metrics(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> dict[str, jax.Array]:
     """Accuracy, NLL, ECE and loss of logits (or log-probabilities) ``[n, C]`` on int labels.
 
     Equivalent to ``finalize_stats(classification_stats(logits, labels, None, num_bins))``; see
@@ -246,9 +240,7 @@ def accuracy(probs: jax.Array, labels: jax.Array, mask: jax.Array | None = None)
 
 
 @jax.jit
-def nll(
-    probs: jax.Array, labels: jax.Array, eps: float = 0.0, mask: jax.Array | None = None
-) -> jax.Array:
+def nll(probs: jax.Array, labels: jax.Array, eps: float = 0.0, mask: jax.Array | None = None) -> jax.Array:
     """Mean negative log-likelihood ``sum_i m_i (-log(p_{i y_i} + eps)) / sum_i m_i``, natural log.
 
     docs/algorithms.md §13.1; BFL-P (Ozer et al. 2022 (VBNN aggregation)) uses ``eps = 1e-8``. ``probs`` ``[n, C]`` are probabilities;
@@ -260,9 +252,7 @@ def nll(
 
 
 @functools.partial(jax.jit, static_argnames=("num_bins",))
-def ece(
-    probs: jax.Array, labels: jax.Array, num_bins: int = 15, mask: jax.Array | None = None
-) -> jax.Array:
+def ece(probs: jax.Array, labels: jax.Array, num_bins: int = 15, mask: jax.Array | None = None) -> jax.Array:
     """Expected calibration error with equal-width confidence bins (docs/algorithms.md §13.1, Guo et al. 2023 (FedEP)).
 
     ``ECE = sum_b (|I_b| / n) |acc(I_b) - conf(I_b)|``, where ``conf`` is the maximum predicted
@@ -285,9 +275,7 @@ def ece(
 
 
 @jax.jit
-def regression_metrics(
-    pred: jax.Array, y: jax.Array, mask: jax.Array | None = None
-) -> dict[str, jax.Array]:
+def regression_metrics(pred: jax.Array, y: jax.Array, mask: jax.Array | None = None) -> dict[str, jax.Array]:
     """Mean squared error of predictions ``[n]`` against targets ``[n]``.
 
     Returns ``mse = sum_i m_i (f_i - y_i)^2 / sum_i m_i``, ``rmse = sqrt(mse)`` and
@@ -349,9 +337,7 @@ def running_mean(values: Sequence[float], window: int) -> np.ndarray:
     return out
 
 
-def rounds_to_threshold(
-    rounds: Sequence[int], values: Sequence[float], threshold: float, window: int = 10
-) -> int | None:
+def rounds_to_threshold(rounds: Sequence[int], values: Sequence[float], threshold: float, window: int = 10) -> int | None:
     """First round whose trailing mean reaches the threshold (Guo et al. 2023 (FedEP) and Al-Shedivat et al. 2021 (FedPA); docs/algorithms.md §13.2).
 
     ``min{r_i : m^(window)_i >= threshold}``, the window over consecutive evaluations.
@@ -365,9 +351,7 @@ def rounds_to_threshold(
     return int(r[hits[0]]) if hits.size else None
 
 
-def best_within(
-    rounds: Sequence[int], values: Sequence[float], max_round: int, window: int = 100
-) -> float | None:
+def best_within(rounds: Sequence[int], values: Sequence[float], max_round: int, window: int = 100) -> float | None:
     """Best trailing mean up to a round budget (Guo et al. 2023 (FedEP); docs/algorithms.md §13.2).
 
     ``max{m^(window)_i : r_i <= max_round}``, i.e. with evaluation every round

@@ -17,8 +17,8 @@ import contextlib
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from fedbayes.errors import BadInputError, RunFolderBusyError
 
@@ -58,9 +58,9 @@ def hold(folder: str | os.PathLike, what: str = "run") -> Iterator[Path]:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             raise RunFolderBusyError(
-                f"{folder} is in use by another fedbayes process (pid {_holder(fd)}); wait for it to finish or stop it, "
-                f"then `fedbayes resume {folder}`" if what == "run" else
-                f"{folder} is in use by another fedbayes process (pid {_holder(fd)}); wait for it to finish or stop it"
+                f"{folder} is in use by another fedbayes process (pid {_holder(fd)}); wait for it to finish or stop it, then `fedbayes resume {folder}`"
+                if what == "run"
+                else f"{folder} is in use by another fedbayes process (pid {_holder(fd)}); wait for it to finish or stop it"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

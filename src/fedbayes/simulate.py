@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +75,12 @@ def round_compiler_options(platform: str) -> dict[str, str] | None:
         return None
     return dict(_CPU_ROUND_OPTIONS)
 
+
 __all__ = ["Federation", "GeneratedFederation", "RoundInfo", "SimState", "Simulator", "cohort_rng", "sample_without_replacement"]
 
 LAYOUTS = ("auto", "sequential", "vmap")
 STORES = ("memory", "disk")
 _AXIS = "clients"
-
-
 
 
 class SimState(NamedTuple):
@@ -176,7 +176,7 @@ class Simulator:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
         sizes = np.asarray(federation.sizes, dtype=np.int64)
         if np.any(sizes <= 0):
-            raise ValueError("every client needs at least one example; got empty clients " f"{np.flatnonzero(sizes <= 0)[:10].tolist()}")
+            raise ValueError(f"every client needs at least one example; got empty clients {np.flatnonzero(sizes <= 0)[:10].tolist()}")
         self.algorithm = algorithm
         self.federation = federation
         self.clients_per_round = clients_per_round

@@ -94,7 +94,7 @@ class MemoryStore:
         self.states = states
 
     @classmethod
-    def create(cls, template: Any, num_clients: int) -> "MemoryStore":
+    def create(cls, template: Any, num_clients: int) -> MemoryStore:
         """Every client starts from ``template`` (one client's state)."""
         return cls(jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], num_clients, axis=0), template))
 
@@ -112,7 +112,7 @@ class MemoryStore:
         del round_idx  # a memory store is a value: any version can be read
         return jax.tree.map(lambda a: a[ids], self.states)
 
-    def scatter(self, ids: np.ndarray, rows: Any, round_idx: int | None = None, *, donate: bool = False) -> "MemoryStore":
+    def scatter(self, ids: np.ndarray, rows: Any, round_idx: int | None = None, *, donate: bool = False) -> MemoryStore:
         """A store with ``rows[j]`` as client ``ids[j]``'s state.
 
         ``donate=False`` leaves this store as it was (each leaf is copied, ``K`` rows);
@@ -129,7 +129,7 @@ class MemoryStore:
         return MemoryStore(jax.tree.map(put, self.states, rows))
 
 
-def as_store(client_states: Any) -> "MemoryStore | DiskStore":
+def as_store(client_states: Any) -> MemoryStore | DiskStore:
     """The store behind ``SimState.client_states``: a :class:`DiskStore` is its own value; any
     other pytree is the stacked arrays of a :class:`MemoryStore` (wrapped, not copied)."""
     return client_states if isinstance(client_states, DiskStore) else MemoryStore(client_states)
@@ -242,7 +242,7 @@ class DiskStore:
 
     # ----- construction --------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | Path, template: Any, num_clients: int, *, durable: bool = True) -> "DiskStore":
+    def create(cls, path: str | Path, template: Any, num_clients: int, *, durable: bool = True) -> DiskStore:
         """A new store at ``path`` (an old store there is replaced) with every client at
         ``template``, written in chunks of rows so ``[K, ...]`` is never built in memory."""
         path = Path(path)
@@ -294,7 +294,7 @@ class DiskStore:
         return cls(path, treedef, specs, meta, durable)
 
     @classmethod
-    def open(cls, path: str | Path, template: Any, num_clients: int | None = None, *, durable: bool = True) -> "DiskStore":
+    def open(cls, path: str | Path, template: Any, num_clients: int | None = None, *, durable: bool = True) -> DiskStore:
         """The store at ``path``, checked against ``template`` (and ``num_clients``), with any
         round or rollback that was interrupted finished first."""
         path = Path(path)
@@ -370,7 +370,7 @@ class DiskStore:
         return self._round
 
     @property
-    def held(self) -> "DiskStore":
+    def held(self) -> DiskStore:
         """What ``SimState.client_states`` holds for this store: the store itself."""
         return self
 
@@ -409,11 +409,10 @@ class DiskStore:
         if len(bad):
             j, i = bad[0]
             raise StoreDamagedError(
-                f"{self._leaf_path(int(i))}: client {int(ids[j])}'s row does not match its checksum in {self.path / _SUMS}; "
-                "the client store is damaged"
+                f"{self._leaf_path(int(i))}: client {int(ids[j])}'s row does not match its checksum in {self.path / _SUMS}; the client store is damaged"
             )
 
-    def scatter(self, ids: np.ndarray, rows: Any, round_idx: int | None = None, *, donate: bool = True) -> "DiskStore":
+    def scatter(self, ids: np.ndarray, rows: Any, round_idx: int | None = None, *, donate: bool = True) -> DiskStore:
         """Writes ``rows[j]`` as client ``ids[j]``'s state and commits round ``round + 1``.
 
         Atomic: a process killed at any point leaves a store that opens at round ``round`` or at

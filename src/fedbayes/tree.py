@@ -40,9 +40,7 @@ def _check_weights(stacked: PyTree, weights: jax.Array) -> jax.Array:
         raise ValueError(f"weights must be a vector [M], got shape {weights.shape}")
     for leaf in jax.tree.leaves(stacked):
         if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != weights.shape[0]:
-            raise ValueError(
-                f"every leaf needs a leading axis of size {weights.shape[0]}, got {jnp.shape(leaf)}"
-            )
+            raise ValueError(f"every leaf needs a leading axis of size {weights.shape[0]}, got {jnp.shape(leaf)}")
     return weights
 
 

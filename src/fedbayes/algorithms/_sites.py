@@ -44,9 +44,7 @@ def all_positive(precision: PyTree) -> jax.Array:
 
 def safe_mean(q: DiagGaussian, fallback: PyTree) -> PyTree:
     """``eta / Lambda`` where ``Lambda > 0``, else ``fallback`` (a coordinate without information)."""
-    return jax.tree.map(
-        lambda eta, lam, f: jnp.where(lam > 0, eta / jnp.where(lam > 0, lam, 1.0), f), q.precision_mean, q.precision, fallback
-    )
+    return jax.tree.map(lambda eta, lam, f: jnp.where(lam > 0, eta / jnp.where(lam > 0, lam, 1.0), f), q.precision_mean, q.precision, fallback)
 
 
 def clip_joint_norm(d: DiagGaussian, max_norm: float | None) -> DiagGaussian:

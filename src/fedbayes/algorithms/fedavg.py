@@ -8,7 +8,8 @@ FedAvgM / FedAdam / FedYogi / FedAdagrad are FedAvg with another server optimize
 
 from __future__ import annotations
 
-from typing import Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import optax
 

@@ -63,11 +63,7 @@ def feddyn(
     def client_update(key, theta, grad_k, data):
         def penalty(w):
             diff = optax.tree.sub(w, theta)
-            return (
-                -optax.tree.vdot(grad_k, w)
-                + 0.5 * alpha * optax.tree.vdot(diff, diff)
-                + 0.5 * weight_decay * optax.tree.vdot(w, w)
-            )
+            return -optax.tree.vdot(grad_k, w) + 0.5 * alpha * optax.tree.vdot(diff, diff) + 0.5 * weight_decay * optax.tree.vdot(w, w)
 
         local, info = run_sgd(key, theta, data, trainer, penalty)
         message = optax.tree.sub(theta, local)  # g_k = theta^{t-1} - theta_k

@@ -226,9 +226,7 @@ def fedpa(
         raise ValueError(f"fedpa: burn_in_rounds must be >= 0; got {burn_in_rounds}")
     num_samples = trainer.num_epochs - skip_epochs
     if skip_epochs < 0 or num_samples < 1:
-        raise ValueError(
-            f"fedpa: needs at least one sample per round: local epochs ({trainer.num_epochs}) must exceed skip_epochs ({skip_epochs})"
-        )
+        raise ValueError(f"fedpa: needs at least one sample per round: local epochs ({trainer.num_epochs}) must exceed skip_epochs ({skip_epochs})")
 
     def server_init(key, params):
         del key

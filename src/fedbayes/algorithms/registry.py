@@ -13,7 +13,8 @@ conformance suite (``tests/test_conformance.py``) then checks it like every othe
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import optax
@@ -33,7 +34,7 @@ class FederationInfo(NamedTuple):
     client_sizes: tuple[int, ...]
 
     @classmethod
-    def from_sizes(cls, sizes: Sequence[int]) -> "FederationInfo":
+    def from_sizes(cls, sizes: Sequence[int]) -> FederationInfo:
         sizes = tuple(int(n) for n in np.asarray(sizes))
         return cls(num_clients=len(sizes), total_examples=sum(sizes), client_sizes=sizes)
 

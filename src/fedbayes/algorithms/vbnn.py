@@ -165,8 +165,7 @@ def aggregate(
     for m, a in zip(m_leaves, a_leaves):
         if jnp.shape(m) != jnp.shape(a) or jnp.ndim(m) == 0 or jnp.shape(m)[0] != weights.shape[0]:
             raise ValueError(
-                f"mean and log_var leaves need equal shapes with a leading client axis of {weights.shape[0]}, "
-                f"got {jnp.shape(m)} and {jnp.shape(a)}"
+                f"mean and log_var leaves need equal shapes with a leading client axis of {weights.shape[0]}, got {jnp.shape(m)} and {jnp.shape(a)}"
             )
     total = jnp.sum(weights)
     beta = weights / jnp.where(total > 0, total, 1.0)

@@ -64,7 +64,6 @@ No module imports JAX at top level: the parent process only starts workers and f
 results. Workers are ``python -m fedbayes.bench <spec-json>`` (:mod:`fedbayes.bench.__main__`).
 """
 
-
 from fedbayes.bench.measure import measure_federated, measure_limit, measure_paired, peak_rss_mb
 from fedbayes.bench.protocol import (
     GO,
@@ -92,7 +91,6 @@ from fedbayes.bench.report import (
 )
 from fedbayes.bench.run import paired_groups, run_bench
 from fedbayes.bench.workloads import (
-    algorithm_names,
     FULL,
     QUICK,
     REFERENCE,
@@ -102,6 +100,7 @@ from fedbayes.bench.workloads import (
     FederatedWorkload,
     LimitWorkload,
     Workload,
+    algorithm_names,
     baseline_of,
     build_algorithm,
     build_simulator,

@@ -38,7 +38,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-
 def measure_paired(names: Sequence[str], settings: BenchSettings, rounds: int | None = None) -> dict[str, Any]:
     """Times federated workloads in this one process, their rounds interleaved.
 

@@ -62,7 +62,7 @@ def _read_result(proc: subprocess.Popen, errfile, label: str) -> dict[str, Any]:
     result = None
     for line in proc.stdout:
         if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
+            result = json.loads(line[len(RESULT_PREFIX) :])
     code = proc.wait()
     if code != 0 or result is None:
         raise BenchError(f"benchmark worker {label} failed (exit code {code}):\n{_tail(errfile)}")

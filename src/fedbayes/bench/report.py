@@ -130,7 +130,18 @@ def add_paired(results: dict[str, dict[str, Any]], raw: dict[str, Any], baseline
 
 
 # ----- presentation -----------------------------------------------------------------------------
-COLUMNS = ("workload", "examples/s", "ratio to limit", "vs FedAvg", "vs FedAvg, paired", "round (s)", "compile (s)", "start-up (s)", "peak RSS (MB)", "clients / processes")
+COLUMNS = (
+    "workload",
+    "examples/s",
+    "ratio to limit",
+    "vs FedAvg",
+    "vs FedAvg, paired",
+    "round (s)",
+    "compile (s)",
+    "start-up (s)",
+    "peak RSS (MB)",
+    "clients / processes",
+)
 
 
 def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:

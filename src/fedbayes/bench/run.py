@@ -61,4 +61,3 @@ def run_bench(
         add_paired(results, run_paired_process(group, settings, rounds), base)
         log(f"paired        {' + '.join(group):<40} {rounds} interleaved rounds each ({time.perf_counter() - t0:.1f} s)")
     return results
-

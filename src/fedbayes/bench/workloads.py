@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 
 class BenchError(RuntimeError):
@@ -124,11 +123,40 @@ WORKLOADS: dict[str, Workload] = {
         # Posterior methods against FedAvg at the same local epochs (3: FedPA's 2 IASG samples
         # after one mixing epoch; FedEP's SG-MCMC takes 3 end-of-epoch samples).
         FederatedWorkload("fedavg_e3", "fedavg", 10, 10, epochs=3, rounds_scale=0.5, description="FedAvg, 10 of 10 IID clients, 3 epochs"),
-        FederatedWorkload("fedpa", "fedpa", 10, 10, epochs=3, rounds_scale=0.5, baseline="fedavg_e3", description="FedPA (rho 0.01, 2 samples), 10 of 10 IID clients, 3 epochs"),
-        FederatedWorkload("fedep", "fedep", 10, 10, epochs=3, rounds_scale=0.5, baseline="fedavg_e3", description="FedEP (identity, stateful sites), 10 of 10 IID clients, 3 epochs"),
+        FederatedWorkload(
+            "fedpa",
+            "fedpa",
+            10,
+            10,
+            epochs=3,
+            rounds_scale=0.5,
+            baseline="fedavg_e3",
+            description="FedPA (rho 0.01, 2 samples), 10 of 10 IID clients, 3 epochs",
+        ),
+        FederatedWorkload(
+            "fedep",
+            "fedep",
+            10,
+            10,
+            epochs=3,
+            rounds_scale=0.5,
+            baseline="fedavg_e3",
+            description="FedEP (identity, stateful sites), 10 of 10 IID clients, 3 epochs",
+        ),
         FederatedWorkload("fedavg_e3_100", "fedavg", 100, 10, epochs=3, rounds_scale=2.0, description="FedAvg, 10 of 100 IID clients, 3 epochs"),
-        FederatedWorkload("fedpa_100", "fedpa", 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description="FedPA, 10 of 100 IID clients, 3 epochs"),
-        FederatedWorkload("fedep_100", "fedep", 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description="FedEP (identity, stateful sites), 10 of 100 IID clients, 3 epochs"),
+        FederatedWorkload(
+            "fedpa_100", "fedpa", 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description="FedPA, 10 of 100 IID clients, 3 epochs"
+        ),
+        FederatedWorkload(
+            "fedep_100",
+            "fedep",
+            100,
+            10,
+            epochs=3,
+            rounds_scale=2.0,
+            baseline="fedavg_e3_100",
+            description="FedEP (identity, stateful sites), 10 of 100 IID clients, 3 epochs",
+        ),
     )
 }
 
@@ -164,7 +192,9 @@ def check_dataset(settings: BenchSettings) -> None:
         raise BenchError(f"unknown dataset {settings.dataset!r}; known: {', '.join(DATASETS)}")
     present, detail = DATASETS[settings.dataset].locate(settings.data_dir)
     if not present:
-        raise BenchError(f"{settings.dataset} is not on this machine, and the benchmark needs it. {detail} (fedbayes bench --data-dir FOLDER reads it from FOLDER.)")
+        raise BenchError(
+            f"{settings.dataset} is not on this machine, and the benchmark needs it. {detail} (fedbayes bench --data-dir FOLDER reads it from FOLDER.)"
+        )
 
 
 # ----- the algorithms workloads run: a stand-in for fedbayes.algorithms.registry ----------------
@@ -267,4 +297,3 @@ def build_simulator(workload: FederatedWorkload, settings: BenchSettings, datase
     algorithm = build_algorithm(workload.algorithm, trainer, federation.sizes, workload.clients_per_round, apply_fn, dataset.task)
     sim = Simulator(algorithm, federation, clients_per_round=workload.clients_per_round, seed=settings.seed, **simulator_kwargs)
     return sim, sim.init(params)
-

@@ -15,7 +15,8 @@ depend on which other clients share its cohort, on the layout or on the device s
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -22,7 +22,7 @@ class DatasetNotFoundError(FileNotFoundError):
     exit_code = DataError.exit_code
 
 
-def check_dataset(ds: "Dataset", source: str) -> None:
+def check_dataset(ds: Dataset, source: str) -> None:
     """The checks every loaded dataset passes once, before any training: both splits non-empty,
     finite features (and targets), integer labels inside ``[0, num_classes)``.
 
@@ -89,19 +89,11 @@ class Dataset:
             ("test", self.x_test, self.y_test, self.test_client_ids),
         ):
             if x.shape[0] != y.shape[0] or y.ndim != 1:
-                raise ValueError(
-                    f"{self.name}: {split} features {x.shape} and targets {y.shape} do not align"
-                )
+                raise ValueError(f"{self.name}: {split} features {x.shape} and targets {y.shape} do not align")
             if ids is not None and ids.shape != y.shape:
-                raise ValueError(
-                    f"{self.name}: {split} client ids {ids.shape} do not align with targets "
-                    f"{y.shape}"
-                )
+                raise ValueError(f"{self.name}: {split} client ids {ids.shape} do not align with targets {y.shape}")
         if self.x_train.shape[1:] != self.x_test.shape[1:]:
-            raise ValueError(
-                f"{self.name}: train feature shape {self.x_train.shape[1:]} differs from test "
-                f"{self.x_test.shape[1:]}"
-            )
+            raise ValueError(f"{self.name}: train feature shape {self.x_train.shape[1:]} differs from test {self.x_test.shape[1:]}")
 
     @property
     def feature_shape(self) -> tuple[int, ...]:

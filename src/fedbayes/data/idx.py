@@ -79,10 +79,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     dtype = IDX_DTYPES[code]
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(raw) - header_len != expected:
-        raise DataError(
-            f"{path}: IDX header announces shape {shape} ({expected} bytes of data) but the file "
-            f"holds {len(raw) - header_len} bytes"
-        )
+        raise DataError(f"{path}: IDX header announces shape {shape} ({expected} bytes of data) but the file holds {len(raw) - header_len} bytes")
     data = np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(shape)
     if dtype.kind == "f" and not np.isfinite(data).all():
         raise DataError(f"{path}: holds {int((~np.isfinite(data)).sum())} non-finite values (NaN or Inf)")
@@ -161,9 +158,7 @@ def _load_idx_dataset(name: str, folder: Path) -> Dataset:
     x_train, y_train, x_test, y_test = (read_idx(f) for f in files)
     for path, images in ((files[0], x_train), (files[2], x_test)):
         if images.ndim != 3 or images.dtype != np.uint8:
-            raise DataError(
-                f"{path}: expected uint8 images [N, H, W], got {images.dtype} {images.shape}"
-            )
+            raise DataError(f"{path}: expected uint8 images [N, H, W], got {images.dtype} {images.shape}")
     for path, labels in ((files[1], y_train), (files[3], y_test)):
         if labels.ndim != 1:
             raise DataError(f"{path}: expected labels of shape [N], got shape {labels.shape}")
@@ -215,9 +210,7 @@ def load_fashion_mnist(data_dir: str | os.PathLike | None = None) -> Dataset:
     folder = locate_fashion_mnist(data_dir)
     if folder is None:
         searched = ", ".join(str(f) for f in folders) or "(none)"
-        raise DatasetNotFoundError(
-            f"Fashion-MNIST not found; searched: {searched}. {fashion_mnist_instructions()}"
-        )
+        raise DatasetNotFoundError(f"Fashion-MNIST not found; searched: {searched}. {fashion_mnist_instructions()}")
     return _load_idx_dataset("fashion_mnist", folder)
 
 

@@ -48,24 +48,17 @@ def text_to_ids(text: str, where: str = "") -> np.ndarray:
     try:
         return np.fromiter((_LETTER_IDS[c] for c in text), dtype=np.int32, count=len(text))
     except KeyError as err:
-        raise DataError(
-            f"{where}character {err.args[0]!r} is not in LEAF's 80-character Shakespeare "
-            "vocabulary (fedbayes.data.leaf.ALL_LETTERS)"
-        ) from None
+        raise DataError(f"{where}character {err.args[0]!r} is not in LEAF's 80-character Shakespeare vocabulary (fedbayes.data.leaf.ALL_LETTERS)") from None
 
 
 def _read_split(folder: Path, split: str) -> dict[str, tuple[list, list, str]]:
     """``{user: (xs, ys, file)}`` over every JSON file of one split, files in name order."""
     split_dir = folder / split
     if not split_dir.is_dir():
-        raise DatasetNotFoundError(
-            f"LEAF folder {folder} has no '{split}' subfolder. {LEAF_INSTRUCTIONS}"
-        )
+        raise DatasetNotFoundError(f"LEAF folder {folder} has no '{split}' subfolder. {LEAF_INSTRUCTIONS}")
     files = sorted(split_dir.glob("*.json"))
     if not files:
-        raise DatasetNotFoundError(
-            f"LEAF folder {split_dir} holds no *.json files. {LEAF_INSTRUCTIONS}"
-        )
+        raise DatasetNotFoundError(f"LEAF folder {split_dir} holds no *.json files. {LEAF_INSTRUCTIONS}")
     users: dict[str, tuple[list, list, str]] = {}
     for path in files:
         try:
@@ -84,9 +77,7 @@ def _read_split(folder: Path, split: str) -> dict[str, tuple[list, list, str]]:
         if counts is not None and (not isinstance(counts, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in counts)):
             raise DataError(f"{path}: 'num_samples' must be a list of integers")
         if counts is not None and len(counts) != len(names):
-            raise DataError(
-                f"{path}: 'users' has {len(names)} entries but 'num_samples' {len(counts)}"
-            )
+            raise DataError(f"{path}: 'users' has {len(names)} entries but 'num_samples' {len(counts)}")
         for i, user in enumerate(names):
             record = blob["user_data"].get(user)
             if not isinstance(record, dict) or "x" not in record or "y" not in record:
@@ -97,9 +88,7 @@ def _read_split(folder: Path, split: str) -> dict[str, tuple[list, list, str]]:
             if len(xs) != len(ys):
                 raise DataError(f"{path}: user {user!r} has {len(xs)} x but {len(ys)} y")
             if counts is not None and counts[i] != len(ys):
-                raise DataError(
-                    f"{path}: user {user!r} has num_samples {counts[i]} but {len(ys)} examples"
-                )
+                raise DataError(f"{path}: user {user!r} has num_samples {counts[i]} but {len(ys)} examples")
             old_x, old_y, _ = users.get(str(user), ([], [], str(path)))
             users[str(user)] = (old_x + list(xs), old_y + list(ys), str(path))
     return users
@@ -129,9 +118,7 @@ def _text_arrays(users: dict, order: list[str]):
                 text_to_ids(label, where)  # raises with the message naming the character
     lengths = {len(x) for x in xs}
     if len(lengths) > 1:
-        raise DataError(
-            f"text x must all have one length (LEAF uses 80); found lengths {sorted(lengths)}"
-        )
+        raise DataError(f"text x must all have one length (LEAF uses 80); found lengths {sorted(lengths)}")
     width = lengths.pop() if lengths else 0
     x = np.stack(xs) if xs else np.zeros((0, width), np.int32)
     return x.astype(np.int32), np.asarray(ys, dtype=np.int32)
@@ -173,7 +160,7 @@ def _numeric_arrays(users: dict, order: list[str]):
 
 
 def _label_owner(train: dict, test: dict, label: int) -> str:
-    """"file: user 'u'" of the first example with ``label`` (train first)."""
+    """ "file: user 'u'" of the first example with ``label`` (train first)."""
     for users in (train, test):
         for user in sorted(users):
             ux, uy, path = users[user]
@@ -183,15 +170,10 @@ def _label_owner(train: dict, test: dict, label: int) -> str:
 
 
 def _client_ids(users: dict, order: list[str], ids: dict[str, int]) -> np.ndarray:
-    return np.concatenate(
-        [np.full(len(users[u][1]), ids[u], dtype=np.int64) for u in order]
-        or [np.zeros(0, np.int64)]
-    )
+    return np.concatenate([np.full(len(users[u][1]), ids[u], dtype=np.int64) for u in order] or [np.zeros(0, np.int64)])
 
 
-def load_leaf(
-    folder: str | os.PathLike, name: str = "leaf", num_classes: int | None = None
-) -> Dataset:
+def load_leaf(folder: str | os.PathLike, name: str = "leaf", num_classes: int | None = None) -> Dataset:
     """Loads a LEAF-format folder (``folder/train/*.json`` and ``folder/test/*.json``).
 
     Users are sorted by name and numbered 0, 1, ... over the union of train and test users, so a
@@ -242,9 +224,7 @@ def load_leaf(
         if num_classes is None:
             num_classes = observed
         elif observed > num_classes:
-            raise DataError(
-                f"{_label_owner(train, test, observed - 1)}: label {observed - 1} is outside the declared num_classes = {num_classes}"
-            )
+            raise DataError(f"{_label_owner(train, test, observed - 1)}: label {observed - 1} is outside the declared num_classes = {num_classes}")
     return Dataset(
         name=name,
         x_train=x_train,

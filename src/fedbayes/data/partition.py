@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 import numbers
+
 import numpy as np
 
 PARTITIONERS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
-
 
 
 class PartitionError(ValueError):
@@ -32,9 +32,7 @@ def _check_num_clients(num_clients, num_examples: int) -> None:
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if num_clients > num_examples:
-        raise ValueError(
-            f"num_clients must be <= the number of examples ({num_examples}), got {num_clients}"
-        )
+        raise ValueError(f"num_clients must be <= the number of examples ({num_examples}), got {num_clients}")
 
 
 def _check_alpha(name: str, alpha) -> None:
@@ -96,10 +94,7 @@ def dirichlet_label(
     if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
         raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
     if min_size * num_clients > n:
-        raise ValueError(
-            f"min_size={min_size} cannot hold for {num_clients} clients with {n} examples "
-            f"(need min_size * num_clients <= {n})"
-        )
+        raise ValueError(f"min_size={min_size} cannot hold for {num_clients} clients with {n} examples (need min_size * num_clients <= {n})")
     classes = np.unique(labels)
     by_class = [np.flatnonzero(labels == c) for c in classes]
     for _ in range(max_tries):
@@ -196,9 +191,7 @@ def two_level_dirichlet(
     )
 
 
-def shards(
-    labels, num_clients: int, classes_per_client: int, rng: np.random.Generator
-) -> list[np.ndarray]:
+def shards(labels, num_clients: int, classes_per_client: int, rng: np.random.Generator) -> list[np.ndarray]:
     """McMahan et al. 2017 (Sec. 3) pathological non-IID split by label shards.
 
     Sort the examples by label (stable), cut them into ``num_clients * classes_per_client``
@@ -213,20 +206,11 @@ def shards(
     n = labels.shape[0]
     _check_num_clients(num_clients, n)
     num_labels = np.unique(labels).size
-    if (
-        isinstance(classes_per_client, bool)
-        or not isinstance(classes_per_client, (int, np.integer))
-        or not 1 <= classes_per_client <= num_labels
-    ):
-        raise ValueError(
-            f"classes_per_client must be an integer in 1..{num_labels} (the number of distinct "
-            f"labels), got {classes_per_client!r}"
-        )
+    if isinstance(classes_per_client, bool) or not isinstance(classes_per_client, (int, np.integer)) or not 1 <= classes_per_client <= num_labels:
+        raise ValueError(f"classes_per_client must be an integer in 1..{num_labels} (the number of distinct labels), got {classes_per_client!r}")
     num_shards = num_clients * classes_per_client
     if num_shards > n:
-        raise ValueError(
-            f"num_clients * classes_per_client = {num_shards} shards exceed the {n} examples"
-        )
+        raise ValueError(f"num_clients * classes_per_client = {num_shards} shards exceed the {n} examples")
     pieces = np.array_split(np.argsort(labels, kind="stable"), num_shards)
     order = rng.permutation(num_shards).reshape(num_clients, classes_per_client)
     return [np.concatenate([pieces[s] for s in row]).astype(np.int64) for row in order]
@@ -254,9 +238,7 @@ _PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def partition(
-    name: str, labels, num_clients: int, rng: np.random.Generator, **params
-) -> list[np.ndarray]:
+def partition(name: str, labels, num_clients: int, rng: np.random.Generator, **params) -> list[np.ndarray]:
     """Dispatches to a partitioner by name; see ``PARTITIONERS`` and each function.
 
     ``dirichlet`` needs ``alpha``; ``shards`` needs ``classes_per_client``; ``natural`` needs
@@ -270,9 +252,7 @@ def partition(
         raise ValueError(f"partition name must be one of {PARTITIONERS}, got {name!r}")
     unknown = sorted(set(params) - set(_PARAMS[name]))
     if unknown:
-        raise ValueError(
-            f"partition {name!r} got unknown parameter(s) {unknown}; allowed: {_PARAMS[name]}"
-        )
+        raise ValueError(f"partition {name!r} got unknown parameter(s) {unknown}; allowed: {_PARAMS[name]}")
     labels = _labels(labels)
     if name == "iid":
         return iid(labels.shape[0], num_clients, rng)
@@ -299,16 +279,11 @@ def _natural_checked(labels: np.ndarray, num_clients, client_ids) -> list[np.nda
         raise ValueError(f"client_ids shape {client_ids.shape} must match labels {labels.shape}")
     parts = natural(client_ids)
     if num_clients is not None and num_clients != len(parts):
-        raise ValueError(
-            f"num_clients must equal the {len(parts)} distinct client_ids for 'natural' (or be "
-            f"None), got {num_clients}"
-        )
+        raise ValueError(f"num_clients must equal the {len(parts)} distinct client_ids for 'natural' (or be None), got {num_clients}")
     return parts
 
 
-def label_distribution(
-    labels, parts: list[np.ndarray], num_classes: int, normalize: bool = True
-) -> np.ndarray:
+def label_distribution(labels, parts: list[np.ndarray], num_classes: int, normalize: bool = True) -> np.ndarray:
     """Per-client label histogram ``[K, C]``; rows sum to 1 (an empty client's row is 0) unless
     ``normalize=False``, which returns counts."""
     labels = _labels(labels)

@@ -68,17 +68,12 @@ def _locate_leaf(data_dir):
 def _load_leaf(data_dir, seed, num_classes=None):
     folder = _leaf_folder(data_dir)
     if folder is None:
-        raise DatasetNotFoundError(
-            f"LEAF needs a folder: pass data_dir or set {idx.ENV_VAR} (its 'leaf' subfolder is "
-            f"used). {leaf.LEAF_INSTRUCTIONS}"
-        )
+        raise DatasetNotFoundError(f"LEAF needs a folder: pass data_dir or set {idx.ENV_VAR} (its 'leaf' subfolder is used). {leaf.LEAF_INSTRUCTIONS}")
     return leaf.load_leaf(folder, name="leaf", num_classes=num_classes)
 
 
 def _load_synthetic_leaf(data_dir, seed, num_clients=30, alpha=1.0, beta=1.0, **kwargs):
-    return synthetic.synthetic_leaf(
-        num_clients, alpha, beta, np.random.default_rng(seed), **kwargs
-    )
+    return synthetic.synthetic_leaf(num_clients, alpha, beta, np.random.default_rng(seed), **kwargs)
 
 
 def _load_least_squares(data_dir, seed, num_clients=10, dim=10, **kwargs):
@@ -129,9 +124,7 @@ DATASETS: dict[str, DatasetInfo] = {
         how_to_get="generated on demand",
         loader=_load_synthetic_leaf,
         locate=_always("generated on demand"),
-        params=(
-            "num_clients", "alpha", "beta", "dim", "num_classes", "sizes", "test_fraction", "iid"
-        ),
+        params=("num_clients", "alpha", "beta", "dim", "num_classes", "sizes", "test_fraction", "iid"),
     ),
     "least_squares": DatasetInfo(
         name="least_squares",
@@ -140,7 +133,12 @@ DATASETS: dict[str, DatasetInfo] = {
         loader=_load_least_squares,
         locate=_always("generated on demand"),
         params=(
-            "num_clients", "dim", "num_examples", "heterogeneity", "noise", "n_informative",
+            "num_clients",
+            "dim",
+            "num_examples",
+            "heterogeneity",
+            "noise",
+            "n_informative",
             "test_fraction",
         ),
     ),
@@ -160,9 +158,7 @@ def _info(name: str) -> DatasetInfo:
     return DATASETS[name]
 
 
-def load_dataset(
-    name: str, data_dir: str | os.PathLike | None = None, seed: int = 0, **params
-) -> Dataset:
+def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int = 0, **params) -> Dataset:
     """Loads a registered dataset.
 
     Args:
@@ -182,10 +178,7 @@ def load_dataset(
     fraction = params.pop("fraction", None)
     unknown = sorted(set(params) - set(info.params))
     if unknown:
-        raise ValueError(
-            f"dataset {name!r} got unknown parameter(s) {unknown}; allowed: "
-            f"{sorted(info.params + ('fraction',))}"
-        )
+        raise ValueError(f"dataset {name!r} got unknown parameter(s) {unknown}; allowed: {sorted(info.params + ('fraction',))}")
     dataset = info.loader(data_dir, seed, **params)
     check_dataset(dataset, str(data_dir) if data_dir is not None and name in ("leaf", "mnist", "fashion_mnist") else name)
     if fraction is not None:
@@ -199,4 +192,3 @@ def dataset_status(data_dir: str | os.PathLike | None = None) -> list[tuple[str,
     ``detail`` is the folder found, "bundled"/"generated", or how to get the data.
     """
     return [(name, *info.locate(data_dir)) for name, info in DATASETS.items()]
-

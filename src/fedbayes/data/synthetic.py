@@ -63,10 +63,7 @@ def synthetic_leaf_client(
     """
     _check_seed(seed, client_id)
     if num_examples < 0 or dim < 1 or num_classes < 2:
-        raise ValueError(
-            f"need num_examples >= 0, dim >= 1, num_classes >= 2; got {num_examples}, {dim}, "
-            f"{num_classes}"
-        )
+        raise ValueError(f"need num_examples >= 0, dim >= 1, num_classes >= 2; got {num_examples}, {dim}, {num_classes}")
     if alpha < 0 or beta < 0:
         raise ValueError(f"alpha and beta are standard deviations, >= 0; got {alpha}, {beta}")
     rng = np.random.default_rng([seed, client_id])
@@ -204,10 +201,7 @@ def federated_least_squares(
     if not 0.0 <= heterogeneity <= 1.0:
         raise ValueError(f"heterogeneity must be in [0, 1], got {heterogeneity}")
     if noise < 0 or n_informative < 1 or not 0.0 <= test_fraction < 1.0:
-        raise ValueError(
-            f"need noise >= 0, n_informative >= 1, test_fraction in [0, 1); got {noise}, "
-            f"{n_informative}, {test_fraction}"
-        )
+        raise ValueError(f"need noise >= 0, n_informative >= 1, test_fraction in [0, 1); got {noise}, {n_informative}, {test_fraction}")
     sizes = np.broadcast_to(np.asarray(num_examples, dtype=np.int64), (num_clients,))
     if np.any(sizes < 1):
         raise ValueError(f"num_examples must be positive, got {num_examples!r}")
@@ -271,10 +265,5 @@ def least_squares_optima(dataset: Dataset) -> tuple[np.ndarray, np.ndarray]:
     x = dataset.x_train.reshape(dataset.num_train, -1).astype(np.float64)
     y = dataset.y_train.astype(np.float64)
     global_opt = np.linalg.lstsq(x, y, rcond=None)[0]
-    client_opts = np.stack(
-        [
-            np.linalg.lstsq(x[dataset.client_ids == k], y[dataset.client_ids == k], rcond=None)[0]
-            for k in np.unique(dataset.client_ids)
-        ]
-    )
+    client_opts = np.stack([np.linalg.lstsq(x[dataset.client_ids == k], y[dataset.client_ids == k], rcond=None)[0] for k in np.unique(dataset.client_ids)])
     return global_opt, client_opts

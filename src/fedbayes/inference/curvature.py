@@ -406,9 +406,6 @@ def diag_fisher(
     return _over_batches("fisher", apply_fn, params, x, y, mask, batch_size, task, key=key, num_samples=num_samples)
 
 
-def diag_empirical_fisher(
-    apply_fn: ApplyFn, params: PyTree, x, y, mask=None, *, task: str = "classification", batch_size: int | None = None
-) -> PyTree:
+def diag_empirical_fisher(apply_fn: ApplyFn, params: PyTree, x, y, mask=None, *, task: str = "classification", batch_size: int | None = None) -> PyTree:
     """``sum_n m_n (grad l(f_n, y_n))^2`` with the true labels ``y``."""
     return _over_batches("empirical", apply_fn, params, x, y, mask, batch_size, task)
-

@@ -10,7 +10,8 @@ elementwise to ``[mean - kappa std, mean + kappa std]`` over all its ``d`` coord
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

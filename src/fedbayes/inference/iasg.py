@@ -19,7 +19,8 @@ local epoch, the average of that epoch's iterates, skipping the first ``skip_epo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -41,7 +41,8 @@ takes any such function (tests plug in exact Gaussian inference).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -58,9 +58,7 @@ class CNN(nn.Module):
         if x.ndim == 3:
             x = x[..., None]
         if x.ndim != 4:
-            raise ValueError(
-                f"CNN expects images [batch, H, W] or [batch, H, W, C]; got shape {x.shape}"
-            )
+            raise ValueError(f"CNN expects images [batch, H, W] or [batch, H, W, C]; got shape {x.shape}")
         x = conv_features(x, self.padding, self.conv)
         x = nn.relu(nn.Dense(120, name="dense_0")(x))
         x = nn.relu(nn.Dense(84, name="dense_1")(x))

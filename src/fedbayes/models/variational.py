@@ -83,9 +83,7 @@ class VariationalDense(nn.Module):
     def __call__(self, a: jax.Array) -> jax.Array:
         fan_in = a.shape[-1]
         shape = (fan_in, self.features)
-        mean = self.param(
-            "kernel" + MEAN_SUFFIX, nn.initializers.variance_scaling(1.0, "fan_in", "normal"), shape, jnp.float32
-        )
+        mean = self.param("kernel" + MEAN_SUFFIX, nn.initializers.variance_scaling(1.0, "fan_in", "normal"), shape, jnp.float32)
 
         def logvar_init(key, shape, dtype=jnp.float32):
             return self.logvar_init_mean + self.logvar_init_std * jax.random.normal(key, shape, dtype)

@@ -90,10 +90,22 @@ def quadratic(
     if tail > rounds:
         _fail(f"toy error: --tail ({tail}) must be <= --rounds ({rounds})")
     result = run_quadratic(
-        seed=seed, problem=problem, rounds=rounds, inits=inits, sampler=sampler, rho=rho,
-        fedavg_steps=_int_list("fedavg-steps", fedavg_steps), fedpa_samples=_int_list("fedpa-samples", fedpa_samples),
-        mbsgd_grads=mbsgd_grads, lr=lr, server_lr=server_lr, steps_per_sample=steps_per_sample, burn_in=burn_in,
-        ep_steps=ep_steps, iso_steps=iso_steps, tail=tail,
+        seed=seed,
+        problem=problem,
+        rounds=rounds,
+        inits=inits,
+        sampler=sampler,
+        rho=rho,
+        fedavg_steps=_int_list("fedavg-steps", fedavg_steps),
+        fedpa_samples=_int_list("fedpa-samples", fedpa_samples),
+        mbsgd_grads=mbsgd_grads,
+        lr=lr,
+        server_lr=server_lr,
+        steps_per_sample=steps_per_sample,
+        burn_in=burn_in,
+        ep_steps=ep_steps,
+        iso_steps=iso_steps,
+        tail=tail,
     )
     plot = plots.plot_quadratic(result, (out or Path("runs/toy_quadratic")) / "toy_quadratic.png")
     figures = result.summary()
@@ -126,7 +138,9 @@ def least_squares(
     fedavg_steps: Annotated[str, typer.Option(help="FedAvg local step counts")] = "1,2,5,10,20,50,100,200",
     fedpa_samples: Annotated[str, typer.Option(help="FedPA sample counts")] = "2,5,10,20,50,100",
     sampler: Annotated[str, typer.Option(help="FedPA samples: iasg or exact")] = "iasg",
-    rho: Annotated[Optional[float], typer.Option(min=0.0, help="FedPA rho (default Al-Shedivat et al. 2021 (FedPA)'s 0.01 / 0.005 / 0.001 for d = 10 / 100 / 1000)")] = None,
+    rho: Annotated[
+        Optional[float], typer.Option(min=0.0, help="FedPA rho (default Al-Shedivat et al. 2021 (FedPA)'s 0.01 / 0.005 / 0.001 for d = 10 / 100 / 1000)")
+    ] = None,
     lr: Annotated[Optional[float], typer.Option(min=0.0, help="client lr (default 0.5 / max eigenvalue per problem)")] = None,
     steps_per_sample: Annotated[int, typer.Option(min=1, help="IASG steps averaged per sample")] = 100,
     burn_in: Annotated[int, typer.Option(min=0, help="IASG burn-in steps")] = 200,
@@ -137,9 +151,19 @@ def least_squares(
 
     _check_choice("sampler", sampler, local.SAMPLERS)
     result = run_least_squares(
-        dims=_int_list("dims", dims), seed=seed, problems=problems, inits=inits, reps=reps, init_scale=init_scale,
-        fedavg_steps=_int_list("fedavg-steps", fedavg_steps), fedpa_samples=_int_list("fedpa-samples", fedpa_samples),
-        sampler=sampler, rho=rho, lr=lr, steps_per_sample=steps_per_sample, burn_in=burn_in,
+        dims=_int_list("dims", dims),
+        seed=seed,
+        problems=problems,
+        inits=inits,
+        reps=reps,
+        init_scale=init_scale,
+        fedavg_steps=_int_list("fedavg-steps", fedavg_steps),
+        fedpa_samples=_int_list("fedpa-samples", fedpa_samples),
+        sampler=sampler,
+        rho=rho,
+        lr=lr,
+        steps_per_sample=steps_per_sample,
+        burn_in=burn_in,
     )
     plot = plots.plot_least_squares(result, (out or Path("runs/toy_least_squares")) / "toy_least_squares.png")
     s = result.settings
@@ -148,11 +172,27 @@ def least_squares(
         table.add_column(col, justify="left" if col in ("d", "method", "note") else "right")
     for dim, r in result.by_dim.items():
         for i, k in enumerate(r["fedavg"]["steps"]):
-            table.add_row(str(dim), "fedavg", f"{k} steps", _g(r["fedavg"]["bias"][i]), _g(r["fedavg"]["variance"][i]), f"closed-form bias {_g(r['fedavg']['bias_exact'][i])}")
+            table.add_row(
+                str(dim),
+                "fedavg",
+                f"{k} steps",
+                _g(r["fedavg"]["bias"][i]),
+                _g(r["fedavg"]["variance"][i]),
+                f"closed-form bias {_g(r['fedavg']['bias_exact'][i])}",
+            )
         for i, k in enumerate(r["fedpa"]["samples"]):
-            table.add_row(str(dim), "fedpa", f"{k} samples ({r['fedpa']['steps'][i]} steps)", _g(r["fedpa"]["bias"][i]), _g(r["fedpa"]["variance"][i]), f"rho {r['fedpa']['rho']:g}")
+            table.add_row(
+                str(dim),
+                "fedpa",
+                f"{k} samples ({r['fedpa']['steps'][i]} steps)",
+                _g(r["fedpa"]["bias"][i]),
+                _g(r["fedpa"]["variance"][i]),
+                f"rho {r['fedpa']['rho']:g}",
+            )
         for i, v in enumerate(r["fedpa_rho"]["rho"]):
-            table.add_row(str(dim), "fedpa_rho", f"rho {v:g}", _g(r["fedpa_rho"]["bias"][i]), _g(r["fedpa_rho"]["variance"][i]), f"{r['fedpa_rho']['samples']} samples")
+            table.add_row(
+                str(dim), "fedpa_rho", f"rho {v:g}", _g(r["fedpa_rho"]["bias"][i]), _g(r["fedpa_rho"]["variance"][i]), f"{r['fedpa_rho']['samples']} samples"
+            )
         table.add_row(str(dim), "exact", "||g*||", _g(r["exact"]["norm"]), "", "", end_section=True)
     _emit(json_, result.summary(), table, plot)
 
@@ -181,8 +221,15 @@ def niw(
         _fail(f"toy error: --damping must be in (0, 1]; got {damping}")
     try:
         result = run_niw(
-            trials=trials, num_clients=clients, dim=dim, steps=steps, iso_steps=iso_steps, damping=damping,
-            seed=seed, nu=nu, dtype=jnp.float32 if float32 else jnp.float64,
+            trials=trials,
+            num_clients=clients,
+            dim=dim,
+            steps=steps,
+            iso_steps=iso_steps,
+            damping=damping,
+            seed=seed,
+            nu=nu,
+            dtype=jnp.float32 if float32 else jnp.float64,
         )
     except ValueError as exc:
         _fail(f"toy error: {exc}")
@@ -192,7 +239,9 @@ def niw(
         figures[name]["curve"] = [float(x) for x in curve]
     paper = {"fedavg": "0.54 ± 0.47", "fedpa": "0.26 ± 0.26", "fedep_diag": "1.1e-7 ± 9.8e-8", "fedep_iso": "—"}
     s = result.settings
-    table = Table(title=f"NIW toy: {s['trials']} trials, {s['clients']} clients, dim {s['dim']}, nu {s['nu']:g}, {s['steps']} EP steps, damping {s['damping']:.3g}, {s['dtype']}")
+    table = Table(
+        title=f"NIW toy: {s['trials']} trials, {s['clients']} clients, dim {s['dim']}, nu {s['nu']:g}, {s['steps']} EP steps, damping {s['damping']:.3g}, {s['dtype']}"
+    )
     for col in ("method", "mean distance", "std", "max", "Guo et al. 2023 (FedEP) Table 4"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for name, f in figures.items():

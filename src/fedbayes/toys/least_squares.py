@@ -174,8 +174,14 @@ def run_least_squares(
                 if sampler == "exact":
                     return local.exact_samples(k, q, max_samples)
                 return local.iasg_samples(
-                    k, q, theta, lr=lr, burn_in_steps=burn_in, steps_per_sample=steps_per_sample,
-                    num_samples=max_samples, noise_scale=noise,
+                    k,
+                    q,
+                    theta,
+                    lr=lr,
+                    burn_in_steps=burn_in,
+                    steps_per_sample=steps_per_sample,
+                    num_samples=max_samples,
+                    noise_scale=noise,
                 )
 
             num_inits = theta0.shape[0]

@@ -47,9 +47,7 @@ def default_nu(dim: int) -> float:
     return float(max(7, dim + 5)) if dim > 2 else 7.0
 
 
-def sample_clients(
-    rng: np.random.RandomState, num_clients: int, dim: int, nu: float, scale: np.ndarray, lam: float = 0.2
-) -> FullGaussian:
+def sample_clients(rng: np.random.RandomState, num_clients: int, dim: int, nu: float, scale: np.ndarray, lam: float = 0.2) -> FullGaussian:
     """Draws ``num_clients`` NIW clients, in the reference code's order (``Sigma`` then ``mu``)."""
     from scipy.stats import invwishart, multivariate_normal
 
@@ -78,10 +76,7 @@ class NIWResult:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """``method -> {"mean", "std", "max"}`` over trials (std with ``ddof=0``, as numpy)."""
-        return {
-            m: {"mean": float(np.mean(d)), "std": float(np.std(d)), "max": float(np.max(d))}
-            for m, d in self.distances.items()
-        }
+        return {m: {"mean": float(np.mean(d)), "std": float(np.std(d)), "max": float(np.max(d))} for m, d in self.distances.items()}
 
 
 def run_niw(

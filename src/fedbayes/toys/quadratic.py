@@ -234,13 +234,14 @@ def run_quadratic(
             methods["mbsgd"] = lambda kk, q, th: local.mbsgd_delta(kk, q, th, lr=lr, num_grads=mbsgd_grads, noise_scale=noise)
         for num in fedpa_samples:
             if sampler == "iasg":
+
                 def draw(kk, q, th, num=num):
-                    return local.iasg_samples(
-                        kk, q, th, lr=lr, burn_in_steps=burn_in, steps_per_sample=steps_per_sample, num_samples=num, noise_scale=noise
-                    )
+                    return local.iasg_samples(kk, q, th, lr=lr, burn_in_steps=burn_in, steps_per_sample=steps_per_sample, num_samples=num, noise_scale=noise)
             else:
+
                 def draw(kk, q, th, num=num):
                     return local.exact_samples(kk, q, num)
+
             methods[f"fedpa_{num}"] = lambda kk, q, th, draw=draw: local.fedpa_delta(draw(kk, q, th), th, rho)
 
         for i, (name, fn) in enumerate(methods.items()):
