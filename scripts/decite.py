@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
         for i, line in enumerate(text.splitlines(), 1):
             if LEFT.search(line):
                 left.append(f"{p.relative_to(root)}:{i}: {line.strip()[:120]}")
-    print("\n".join(left))
+    if left:
+        print("\n".join(left))
     return 1 if (check and left) else 0
 
 

@@ -271,7 +271,7 @@ def test_bad_configs_are_one_line_exit_2(tmp_path):
     cases = [
         (["run", str(binary)], "not a text file"),
         (["run", str(empty)], "fedbayes config"),
-        (["run", str(cfg), "--out", str(afile)], "a file of that name is in the way"),
+        (["run", str(cfg), "--out", str(afile)], "is a file; pass a folder"),
         (["run", str(cfg), "--out", str(afile / "sub")], "is a file, not a folder"),
         (
             ["run", str(cfg), "--out", str(tmp_path / "sd"), "--set", 'store="disk"', "--set", 'algorithm.name="admm"', "--set", f'store_dir="{afile}"'],
@@ -321,7 +321,7 @@ def test_unanticipated_errors_name_a_log_with_the_traceback_and_interrupts_say_h
         raise KeyboardInterrupt
 
     monkeypatch.setattr(experiment, "run_experiment", interrupted)
-    line = one_line_error(runner.invoke(app, ["run", str(cfg), "--out", str(out)]), 130)
+    line = one_line_error(runner.invoke(app, ["run", str(cfg), "--out", str(out), "--overwrite"]), 130)
     assert f"fedbayes resume {out}" in line
     assert exit_code_for(PermissionError(13, "denied")) == 2 and exit_code_for(KeyboardInterrupt()) == 130
 

@@ -352,7 +352,7 @@ def test_predictive_is_mean_of_softmaxes():
     want = jnp.mean(jnp.stack([jax.nn.softmax(apply(params, jax.random.fold_in(key, s), x)) for s in range(4)]), 0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     out = predictive_metrics(apply, params, key, x, jnp.zeros(7, jnp.int32), num_samples=3, batch_size=3)
-    assert set(out) == {"accuracy", "nll", "ece", "loss", "std_norm", "std_norm_clamped"}
+    assert set(out) == {"accuracy", "nll", "ece", "std_norm", "std_norm_clamped"}
     with pytest.raises(ValueError, match="num_samples"):
         predictive_log_probs(apply, params, key, x, num_samples=0)
 

@@ -130,12 +130,18 @@ def _reporter(out: Path | None = None, logs: list[str] | None = None, config: Ru
 
 
 def _check_out(out: Path, overwrite: bool, resume: bool = False, what: str = "run") -> None:
-    """Refuses an existing non-empty output folder unless told to overwrite or resume it."""
+    """Refuses an output folder that another process is writing (exit 5, naming it), and an
+    existing non-empty one unless told to overwrite or resume it (its lock file does not count)."""
+    from fedbayes import runlock
+
+    if out.is_dir() and (out / runlock.LOCK_NAME).exists():
+        with runlock.hold(out, what):  # held by another process: one line naming its pid
+            pass
     if overwrite or resume or not out.exists():
         return
     if out.is_file():
         _fail(f"error: --out {out} is a file; pass a folder")
-    if any(out.iterdir()):
+    if any(p.name != runlock.LOCK_NAME for p in out.iterdir()):
         hint = f"`fedbayes resume {out}` to continue it" if what == "run" else "--resume to continue it"
         _fail(f"error: {out} is not empty (an earlier {what}?); pass --overwrite to replace it, {hint}, or choose another --out")
 

@@ -67,6 +67,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedbayes.models.conv import PatchConv
+
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, x [B, ...]) -> outputs [B, C] or [B]
 TASKS = ("classification", "regression")
@@ -130,6 +132,10 @@ def _layer_of(context, args) -> _Layer | None:
         attrs = _conv_attrs(module, jnp.ndim(args[0]))
         if attrs is not None:
             return _Layer("conv", path, attrs)
+    if type(module) is PatchConv and jnp.ndim(args[0]) == 4:
+        # The same stride-1, undilated convolution as nn.Conv, computed as patches plus a dot
+        # (fedbayes.models.conv): the same im2col identity applies.
+        return _Layer("conv", path, (tuple(module.kernel_size), (1, 1), module.padding, (1, 1), (1, 1)))
     return None
 
 

@@ -69,7 +69,7 @@ def iasg(
         out = grad_fn(p, *batch_fn(s))
         grads, value = out if has_aux else (out, 0.0)
         updates, opt_state = optimizer.update(grads, opt_state, p)
-        return updates, (optax.apply_updates(p, updates), opt_state, total + value)
+        return updates, (optax.apply_updates(p, updates), opt_state, total + jnp.asarray(value, total.dtype))
 
     def step(s, carry):
         return update(s, carry)[1]

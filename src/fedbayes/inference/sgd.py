@@ -89,7 +89,7 @@ def run_sgd(
         x, y, m = get_batch(data, step, trainer.batch_size)
         grads, loss = grad_fn(p, jax.random.fold_in(key, step), x, y, m)
         updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state, loss_sum + loss
+        return optax.apply_updates(p, updates), opt_state, loss_sum + loss.astype(loss_sum.dtype)
 
     init = (params, trainer.optimizer.init(params), jnp.zeros((), jnp.float32))
     p, _, loss_sum = jax.lax.fori_loop(0, total, body, init)
