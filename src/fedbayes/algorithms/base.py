@@ -32,7 +32,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol
 
 import jax
-import jax.numpy as jnp
 
 from fedbayes import aggregators, tree
 from fedbayes.aggregators import Aggregate
@@ -47,7 +46,6 @@ __all__ = [
     "Info",
     "ServerUpdateFn",
     "finite_message",
-    "participation_mask",
     "point_estimate_algorithm",
     "stateless_client_init",
 ]
@@ -118,8 +116,3 @@ def stateless_client_init(params):
     """Stateless clients keep nothing between rounds."""
     del params
     return ()
-
-
-def participation_mask(weights: jax.Array) -> jax.Array:
-    """1.0 for clients that take part in aggregation this round, else 0.0."""
-    return (weights > 0).astype(jnp.float32)
