@@ -5,10 +5,18 @@ need float64 use ``jax.enable_x64`` locally.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+
+# XLA's persistent compilation cache, shared by the test processes and the CLI runs they start (they
+# inherit the environment): many tests compile the same small programs (a fresh simulator for a
+# resume, the same tiny config through the CLI), and a cache hit skips XLA's compile. The key holds
+# the program, the flags and the versions, so a hit is the same executable.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fedbayes-tests-xla-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -10,7 +10,7 @@ from sklearn.datasets import load_digits
 
 from fedbayes import round as protocol
 from fedbayes import tree
-from fedbayes.data.batches import ClientData, layout_orders
+from fedbayes.data.batches import ClientData, layout_orders, size_class
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.simulate import Federation, Simulator
@@ -37,7 +37,11 @@ def logreg_setup(lr=0.1, epochs=2, batch_size=16, momentum=None):
 def single_client_data(sim: Simulator, round_idx: int, cid: int) -> ClientData:
     """One client's data built alone (its own order buffer at offset 0), not as part of a cohort."""
     ix = sim.federation.client_indices[cid]
-    order, offsets, _ = layout_orders(sim.seed, round_idx, [cid], [ix], sim.algorithm.local_epochs, sim.algorithm.local_batch_size)
+    epochs, batch = sim.algorithm.local_epochs, sim.algorithm.local_batch_size
+    # One buffer length for every client of the federation (the tail is padding the client never
+    # reads), so that a plain loop compiles the client update once rather than once per client size.
+    length = size_class(epochs * max(len(i) for i in sim.federation.client_indices) + batch)
+    order, offsets, _ = layout_orders(sim.seed, round_idx, [cid], [ix], epochs, batch, length=length)
     return ClientData(jnp.asarray(sim.federation.x), jnp.asarray(sim.federation.y), jnp.asarray(order), jnp.int32(offsets[0]), jnp.int32(len(ix)))
 
 

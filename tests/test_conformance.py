@@ -155,17 +155,8 @@ def test_a_nan_message_is_rejected_and_changes_nothing(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_fixed_cohort_shape_compiles_the_round_once(name):
+def test_info_outputs_and_a_fixed_cohort_shape_compiles_the_round_once(name):
     sim, params = _simulator(name, clients_per_round=len(SIZES))
-    state = sim.init(params)
-    for _ in range(3):
-        state, _ = sim.run_round(state)
-    assert sim.num_compiled_rounds() == 1
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_info_outputs(name):
-    sim, params = _simulator(name)
     state, info = sim.run_round(sim.init(params))
     c = info.clients
     assert set(c) >= {"client", "num_examples", "accepted", "loss", "steps"}
@@ -176,6 +167,9 @@ def test_info_outputs(name):
     assert np.all(np.isfinite(c["loss"])) and np.all(c["loss"] > 0)
     assert info.server["num_accepted"] == len(info.cohort)
     assert all(np.isscalar(v) for v in info.server.values())
+    for _ in range(2):
+        state, _ = sim.run_round(state)
+    assert sim.num_compiled_rounds() == 1
 
 
 def test_registry_lists_the_builtin_methods_and_rejects_duplicates():
