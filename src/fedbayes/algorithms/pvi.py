@@ -143,17 +143,14 @@ def expected_loss(loss_fn: Callable, *, samples: int, parameterisation: str) -> 
             k = jax.random.fold_in(key, s)
             return loss_fn(draw_weights(k, vp, parameterisation), k, x, y, mask).astype(jnp.float32)
 
-        total = one(0)
-        for s in range(1, samples):  # S is small and static: unrolled, so S = 1 costs one pass
-            total = total + one(s)
-        return total / samples
+        if samples == 1:
+            return one(0)
+        return jnp.mean(jax.vmap(one)(jnp.arange(samples)))  # one program for any S
 
     return loss
 
 
-def reparameterised_vi(
-    trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None
-) -> LocalVI:
+def reparameterised_vi(trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None) -> LocalVI:
     """The local step of mean-field Gaussian PVI (docs/algorithms.md §8.2): Bayes-by-backprop on the
     tilted objective, per minibatch (mean-loss scale, i.e. the objective divided by ``n_k``)
 
