@@ -308,6 +308,27 @@ def test_the_guard_keeps_the_global_precision_positive():
             np.testing.assert_allclose(lam, np.full(DIM, 0.1), rtol=1e-6)
 
 
+def test_init_mean_model_starts_round_one_at_the_model():
+    """``init_mean="model"``: the local step starts from the model's initial weights in round 1 and
+    from the global's mean afterwards; ``"global"`` starts from the prior's zeros. A local step that
+    returns its start (with the global's precision) makes the start visible in the global."""
+    fed = gaussian_clients(_random_spd(np.random.default_rng(5), 1, diagonal=True), np.ones((1, DIM)))
+    theta0 = jnp.array([0.3, -1.2, 2.0], jnp.float32)
+
+    def echo(key, start, cavity, data):
+        return start, training_info(jnp.zeros(()), 0)
+
+    for init_mean, want in (("model", theta0), ("global", jnp.zeros(DIM))):
+        algo = pvi(_null_trainer(), optax.sgd(1.0), prior_precision=2.0, damping=1.0, init_mean=init_mean, local=echo)
+        sim = Simulator(algo, fed, clients_per_round=1, seed=0)
+        state = sim.init(theta0)
+        state, _ = sim.run_round(state)
+        np.testing.assert_allclose(np.asarray(algo.server_params(state.server_state)), np.asarray(want), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.server_state.q.precision), np.full(DIM, 2.0))
+        later = algo.broadcast(state.server_state).start
+        assert later is None if init_mean == "global" else np.allclose(np.asarray(later), np.asarray(want))
+
+
 # ----- config, CLI ------------------------------------------------------------------------------------
 
 
