@@ -47,8 +47,9 @@ its mean and variance for the marginalised predictive (docs/algorithms.md §13.1
 ``model.npz``.
 
 State: the server keeps ``q_g`` (2d floats) and the server optimizer's state; a client keeps its site
-(2d floats). Messages: ``q_g`` down (plus the model's initial parameters in round 1 with
-``init_mean="model"``), ``Delta_k`` up (2d floats and a flag).
+(2d floats). Messages: ``q_g`` down (with ``init_mean="model"`` also the local mean's start, d
+floats: the model's initial parameters in round 1, the global's mean afterwards), ``Delta_k`` up
+(2d floats and a flag).
 """
 
 from __future__ import annotations
