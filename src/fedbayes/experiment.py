@@ -378,8 +378,9 @@ class CalibrationCheck:
     (FedEP/FedSEP: ``scale`` too small for the data size; see docs/algorithms.md, "Choosing scale").
     The initial model and burn-in rounds are not checked."""
 
-    def __init__(self, name: str, after_round: int = 0):
+    def __init__(self, name: str, after_round: int = 0, advice: str = "raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')"):
         self.name = name
+        self.advice = advice
         self.after_round = after_round  # the initial model and burn-in rounds are not checked
         self.message: str | None = None
 
@@ -391,9 +392,15 @@ class CalibrationCheck:
             self.message = (
                 f"{self.name}: round {record['round']}: the marginalised accuracy {record['accuracy_marg']:.4f} is "
                 f"{100 * gap:.1f} points below the point estimate's {record['accuracy']:.4f}; the posterior is too wide "
-                "for this data: raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')"
+                f"for this data: {self.advice}"
             )
             logging.getLogger("fedbayes").warning("warning: %s", self.message)
+
+
+def _calibration_advice(config: RunConfig) -> dict:
+    if config.algorithm.name == "pvi":  # its width comes from the prior and the local steps, not a scale
+        return {"advice": "set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2"}
+    return {}
 
 
 def config_hash(config: RunConfig) -> str:
@@ -492,7 +499,7 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     _write_atomic(metrics_path, "".join(dumps_record(r) + "\n" for r in records))
     client_log = ClientLog(out / "clients.jsonl", exp.federation.sizes)
     client_log.restart(state.round)
-    calibration = CalibrationCheck(config.name, after_round=getattr(config.algorithm, "burn_in_rounds", 0))
+    calibration = CalibrationCheck(config.name, after_round=getattr(config.algorithm, "burn_in_rounds", 0), **_calibration_advice(config))
 
     def record(round_idx: int, info=None) -> dict:
         m = exp.evaluate(state.server_state, round_idx)

@@ -6,7 +6,7 @@ the parameters' tree paths joined by ``/`` under a prefix:
 * ``params/<path>``: the server's point estimate (what the metrics evaluate), e.g.
   ``params/Dense_0/kernel``;
 * ``posterior_mean/<path>`` and ``posterior_variance/<path>``: the diagonal Gaussian posterior
-  ``q_g`` of the Bayesian methods (FedEP, FedSEP), absent for the others.
+  ``q_g`` of the Bayesian methods (FedEP, FedSEP, PVI), absent for the others.
 
 ``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.RunConfig`,
 the parameters as the nested dict the model's ``apply`` takes, and the ``metrics.jsonl`` records.

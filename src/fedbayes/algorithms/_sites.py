@@ -1,6 +1,6 @@
 """Gaussian sites: the machinery shared by the methods that keep per-client Gaussian factors.
 
-FedEP and FedSEP now, PVI and FedLap-Cov next: each keeps the global approximation
+FedEP, FedSEP and PVI now, FedLap-Cov next: each keeps the global approximation
 ``q_g ∝ p_0 prod_k q_k`` with diagonal Gaussian sites in natural parameters
 (:class:`~fedbayes.gaussian.DiagGaussian`), forms cavities, sends damped natural-parameter
 differences and moves sites and the global by optax optimizers (damping as optimisation on

@@ -1,0 +1,361 @@
+"""PVI: partitioned variational inference with mean-field Gaussian sites (Ashman et al. 2022;
+Swaroop et al. 2025 (ADMM and Bayes) Eqs. 4-6; docs/algorithms.md §8).
+
+The global approximation is the prior times one site per client,
+
+    q_g(theta) ∝ p(theta) prod_k t_k(theta),    p = N(0, 1/delta),
+
+with diagonal Gaussian sites ``t_k`` in natural parameters (:class:`~fedbayes.gaussian.DiagGaussian`;
+every site starts as the uniform factor, so ``q_g`` starts as the prior). In a round, client ``k``:
+
+1. forms the cavity ``q_{\\k} = q_g / t_k`` (the prior times the other clients' sites), which must be
+   a proper density (:func:`~fedbayes.algorithms._sites.checked_cavity`, then every precision > 0);
+2. finds its local posterior by variational inference of the tilted distribution (cavity times
+   likelihood, Ashman et al. 2022 Eq. 5 / Swaroop et al. 2025 Eq. 5):
+
+       q_k = argmin_{q mean-field}  E_q[l_k(theta)] + KL(q || q_{\\k})
+
+   by reparameterised stochastic gradients (:func:`reparameterised_vi`: ``S`` samples per minibatch,
+   the client's optax optimizer, ``E`` epochs through :func:`fedbayes.inference.sgd.run_sgd`,
+   starting from ``q_g``);
+3. sends the damped natural-parameter difference ``Delta_k = rho (lambda_{q_k} - lambda_{q_g})`` and
+   keeps the site ``t_k <- t_k Delta_k`` (``lambda_{t_k} += Delta_k``; Swaroop et al. 2025 Eq. 6).
+
+The server sets ``lambda_{q_g} <- lambda_{q_g} + ServerOpt(sum_k Delta_k)`` over the accepted
+clients (:func:`~fedbayes.algorithms._sites.optimizer_step`). With the default server optimizer,
+plain SGD at lr 1, this is PVI's synchronous update ``q_g = p prod_k t_k`` exactly; another optax
+transformation (momentum, Adam) treats ``sum_k Delta_k`` as a step on natural parameters, as FedEP
+does (docs/algorithms.md §1.3), and ``q_g`` then no longer equals ``p prod_k t_k``.
+
+**Damping.** ``rho`` (default ``1 / M``, the cohort size; Ashman et al. and FedLap use ``1 / K`` under
+full participation). With ``rho <= 1 / M`` the new global precision
+``(1 - M rho) Lambda_g + rho sum_k Lambda_{q_k}`` is a convex combination of positive ones, so it
+stays positive; with a larger ``rho`` the server's guard (below) may have to act.
+
+**Robustness** (docs/style.md: every improper result has a policy). A client whose cavity is not
+proper flags its message (PVI's "skip the client"). ``message_ok`` also rejects a message with
+non-finite values or one that on its own would make ``Lambda_g`` non-positive. With
+``allow_improper_sites=False`` a message that would give its site a non-positive precision is
+rejected too (sites are factors and may be improper, so the default allows them). A rejected
+client keeps its old site. Should the aggregated step still leave a coordinate of ``Lambda_g``
+non-positive, that coordinate keeps its old value
+(:func:`~fedbayes.algorithms._sites.guard_positive`; counted in the server info
+``precision_guarded``).
+
+**Evaluation and export.** The point estimate is the mean of ``q_g``; ``server_posterior`` gives
+its mean and variance for the marginalised predictive (docs/algorithms.md §13.1) and for
+``model.npz``.
+
+State: the server keeps ``q_g`` (2d floats) and the server optimizer's state; a client keeps its site
+(2d floats). Messages: ``q_g`` down (with ``init_mean="model"`` also the local mean's start, d
+floats: the model's initial parameters in round 1, the global's mean afterwards), ``Delta_k`` up
+(2d floats and a flag).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from pydantic import Field
+
+from fedbayes import gaussian, tree
+from fedbayes.algorithms._sites import all_positive, checked_cavity, guard_positive, optimizer_step, safe_mean
+from fedbayes.algorithms.base import Algorithm
+from fedbayes.data.batches import ClientData
+from fedbayes.gaussian import DiagGaussian
+from fedbayes.hparams import HParams
+from fedbayes.inference.sgd import LocalTrainer, run_sgd
+
+PyTree = Any
+LocalVI = Callable[[jax.Array, DiagGaussian, DiagGaussian, ClientData], tuple[DiagGaussian, dict]]
+PARAMETERISATIONS = ("log", "softplus")
+INIT_MEANS = ("global", "model")
+
+__all__ = [
+    "INIT_MEANS",
+    "PARAMETERISATIONS",
+    "Broadcast",
+    "ClientState",
+    "LocalVI",
+    "Message",
+    "PVIConfig",
+    "ServerState",
+    "VariationalParams",
+    "build",
+    "draw_weights",
+    "pvi",
+    "reparameterised_vi",
+]
+
+
+# ----- the local step: reparameterised VI of the tilted objective -----------------------------------
+
+
+class VariationalParams(NamedTuple):
+    """The local mean-field Gaussian ``N(mean, diag(std^2))`` as the client optimizer sees it:
+    ``mean`` and an unconstrained ``raw_std`` (``std = exp(raw_std)`` or ``softplus(raw_std)``)."""
+
+    mean: PyTree
+    raw_std: PyTree
+
+
+def _std(raw: jax.Array, parameterisation: str) -> jax.Array:
+    return jnp.exp(raw) if parameterisation == "log" else jax.nn.softplus(raw)
+
+
+def _raw_std(std: jax.Array, parameterisation: str) -> jax.Array:
+    if parameterisation == "log":
+        return jnp.log(std)
+    return std + jnp.log(-jnp.expm1(-std))  # softplus^{-1}, stable for small and large std
+
+
+def std_of(vp: VariationalParams, parameterisation: str) -> PyTree:
+    """The standard deviations of ``vp``."""
+    return jax.tree.map(lambda r: _std(r, parameterisation), vp.raw_std)
+
+
+def to_gaussian(vp: VariationalParams, parameterisation: str) -> DiagGaussian:
+    """``vp`` in natural parameters: ``Lambda = 1 / std^2``, ``eta = Lambda mean``."""
+    return gaussian.from_moments(vp.mean, jax.tree.map(jnp.square, std_of(vp, parameterisation)))
+
+
+def draw_weights(key: jax.Array, vp: VariationalParams, parameterisation: str) -> PyTree:
+    """One reparameterised draw ``theta = mean + std * eps``, ``eps ~ N(0, I)``; leaf ``i`` draws
+    from the ``i``-th key of ``optax.tree.split_key_like(key, mean)``."""
+    keys = optax.tree.split_key_like(key, vp.mean)
+
+    def leaf(k, m, r):
+        return m + _std(r, parameterisation) * jax.random.normal(k, jnp.shape(m), jnp.result_type(m))
+
+    return jax.tree.map(leaf, keys, vp.mean, vp.raw_std)
+
+
+def expected_loss(loss_fn: Callable, *, samples: int, parameterisation: str) -> Callable:
+    """``(vp, key, x, y, mask) -> (1/S) sum_s loss_fn(theta_s, k_s, x, y, mask)`` with
+    ``theta_s = draw_weights(k_s, vp)`` and ``k_s = fold_in(key, s)``: the minibatch estimate of
+    ``E_q[mean loss]`` (the keyed loss of :func:`fedbayes.inference.sgd.run_sgd`)."""
+
+    def loss(vp, key, x, y, mask):
+        def one(s):
+            k = jax.random.fold_in(key, s)
+            return loss_fn(draw_weights(k, vp, parameterisation), k, x, y, mask).astype(jnp.float32)
+
+        if samples == 1:
+            return one(0)
+        return jnp.mean(jax.vmap(one)(jnp.arange(samples)))  # one program for any S
+
+    return loss
+
+
+def reparameterised_vi(trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None) -> LocalVI:
+    """The local step of mean-field Gaussian PVI (docs/algorithms.md §8.2): Bayes-by-backprop on the
+    tilted objective, per minibatch (mean-loss scale, i.e. the objective divided by ``n_k``)
+
+        F(q) = (1/S) sum_s mean_batch l(theta_s) + KL(q || cavity) / n_k,   theta_s = mu + sigma eps_s,
+
+    minimised over ``(mu, raw_std)`` with ``trainer.optimizer`` for ``trainer.num_epochs`` epochs
+    (:func:`fedbayes.inference.sgd.run_sgd`, a fresh key per step). The KL is closed form
+    (:func:`fedbayes.gaussian.kl`); the minibatch term is an unbiased estimate of
+    ``E_q[l_k] / n_k``.
+
+    Args:
+      trainer: the client's loss ``(params, key, x, y, mask) -> mean loss``, optimizer, epochs and
+        batch size.
+      samples: ``S``, reparameterised samples per minibatch.
+      parameterisation: ``"log"`` (``sigma = exp(s)``) or ``"softplus"`` (``sigma = softplus(s)``).
+      init_std: if set, the local ``sigma`` starts at ``min(sigma_g, init_std)`` instead of the
+        global's ``sigma_g`` (the objective is unchanged; a small start keeps early samples of a
+        network near its mean, as Bayes-by-backprop initialisations do).
+
+    Returns:
+      ``fit(key, start, cavity, data) -> (q_k, info)`` (:data:`LocalVI`): ``start`` and ``cavity``
+      proper; ``info`` the training info of :func:`run_sgd` (``loss`` = the mean estimate of the
+      expected data loss).
+
+    Raises:
+      ValueError: for ``samples < 1``, an unknown parameterisation or ``init_std <= 0``.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1, got {samples}")
+    if parameterisation not in PARAMETERISATIONS:
+        raise ValueError(f"parameterisation must be one of {', '.join(PARAMETERISATIONS)}, got {parameterisation!r}")
+    if init_std is not None and not init_std > 0:
+        raise ValueError(f"init_std must be > 0 (or None), got {init_std}")
+    local = trainer._replace(loss_fn=expected_loss(trainer.loss_fn, samples=samples, parameterisation=parameterisation))
+
+    def fit(key, start: DiagGaussian, cavity: DiagGaussian, data: ClientData):
+        n = jnp.maximum(data.num_examples.astype(jnp.float32), 1.0)
+        std0 = jax.tree.map(lambda lam: jax.lax.rsqrt(lam), start.precision)
+        if init_std is not None:
+            std0 = jax.tree.map(lambda s: jnp.minimum(s, jnp.asarray(init_std, s.dtype)), std0)
+        vp0 = VariationalParams(gaussian.mean(start), jax.tree.map(lambda s: _raw_std(s, parameterisation), std0))
+
+        def penalty(vp):
+            return (gaussian.kl(to_gaussian(vp, parameterisation), cavity) / n).astype(jnp.float32)
+
+        vp, info = run_sgd(key, vp0, data, local, penalty)
+        return to_gaussian(vp, parameterisation), info
+
+    return fit
+
+
+# ----- the algorithm ---------------------------------------------------------------------------------
+
+
+class ServerState(NamedTuple):
+    """PVI server state: ``q_g``, the server optimizer's state over it, rounds done, and the
+    model's initial parameters (``init_mean="model"`` only, else ``None``)."""
+
+    q: DiagGaussian
+    opt_state: optax.OptState
+    round: jax.Array
+    anchor: PyTree = None
+
+
+class Broadcast(NamedTuple):
+    """What clients receive: ``q_g`` and, with ``init_mean="model"``, the local mean's start."""
+
+    q: DiagGaussian
+    start: PyTree = None
+
+
+class Message(NamedTuple):
+    """A client's message: ``Delta_k = rho (lambda_{q_k} - lambda_{q_g})`` and its validity flag."""
+
+    delta: DiagGaussian
+    ok: jax.Array
+
+
+class ClientState(NamedTuple):
+    """A client's site ``t_k`` (natural parameters; starts uniform)."""
+
+    site: DiagGaussian
+
+
+def pvi(
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    *,
+    prior_precision: float,
+    damping: float,
+    samples: int = 1,
+    parameterisation: str = "log",
+    init_std: float | None = None,
+    init_mean: str = "global",
+    allow_improper_sites: bool = True,
+    local: LocalVI | None = None,
+) -> Algorithm:
+    """Synchronous mean-field Gaussian PVI (module docstring; docs/algorithms.md §8).
+
+    Args:
+      trainer: the client's loss, optax optimizer (Adam in Ashman et al.), epochs and batch size.
+      server_optimizer: optax transformation of ``lambda_{q_g}`` by ``sum_k Delta_k`` (``sgd(1)``:
+        PVI exactly).
+      prior_precision: ``delta`` of the prior ``N(0, 1/delta)``, on the sum-loss scale.
+      damping: ``rho``, in (0, 1].
+      samples, parameterisation, init_std: the local step's (:func:`reparameterised_vi`).
+      init_mean: where the local mean starts: ``"global"``, the mean of ``q_g`` (Ashman et al.);
+        ``"model"``, the model's initial parameters in the first round (the prior's zero mean
+        is a symmetric start for a network's hidden units) and the mean of ``q_g`` afterwards.
+      allow_improper_sites: accept a message whose site would get a non-positive precision.
+      local: replaces the local step (tests plug in exact Gaussian inference).
+
+    Raises:
+      ValueError: for ``prior_precision <= 0``, ``damping`` outside (0, 1], an unknown
+        ``init_mean`` or a bad local-step setting.
+    """
+    if not prior_precision > 0:
+        raise ValueError(f"pvi: prior_precision (delta) must be > 0; got {prior_precision}")
+    if not 0 < damping <= 1:
+        raise ValueError(f"pvi: damping (rho) must be in (0, 1]; got {damping}")
+    if init_mean not in INIT_MEANS:
+        raise ValueError(f"pvi: init_mean must be one of {', '.join(INIT_MEANS)}; got {init_mean!r}")
+    if local is None:
+        local = reparameterised_vi(trainer, samples=samples, parameterisation=parameterisation, init_std=init_std)
+    anchored = init_mean == "model"
+
+    def server_init(key, params):
+        del key
+        lam = optax.tree.full_like(params, prior_precision)
+        q = DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=lam)
+        return ServerState(q, server_optimizer.init(q), jnp.zeros((), jnp.int32), params if anchored else None)
+
+    def server_params(state):
+        return safe_mean(state.q, optax.tree.zeros_like(state.q.precision_mean))
+
+    def broadcast(state):
+        if not anchored:
+            return Broadcast(state.q)
+        first = state.round == 0
+        return Broadcast(state.q, jax.tree.map(lambda a, m: jnp.where(first, a, m), state.anchor, server_params(state)))
+
+    def client_init(params):
+        return ClientState(gaussian.uniform_like(params))
+
+    def client_update(key, message: Broadcast, cstate: ClientState, data):
+        q = message.q
+        cavity, ok = checked_cavity(gaussian.quotient(q, cstate.site), q)
+        ok = jnp.logical_and(ok, all_positive(cavity.precision))  # the KL needs a proper cavity
+        start = q if message.start is None else DiagGaussian(jax.tree.map(jnp.multiply, q.precision, message.start), q.precision)
+        q_k, info = local(key, start, cavity, data)
+        delta = optax.tree.scale(damping, gaussian.delta(q_k, q))
+        site = gaussian.product(cstate.site, delta)
+        if not allow_improper_sites:
+            ok = jnp.logical_and(ok, all_positive(site.precision))
+        return Message(delta, ok), ClientState(site), info
+
+    def server_update(state, aggregate, key):
+        del key
+        q, opt_state = optimizer_step(server_optimizer, state.q, state.opt_state, aggregate.total.delta)
+        q, guarded = guard_positive(q, state.q)
+        return ServerState(q, opt_state, state.round + 1, state.anchor), {"precision_guarded": guarded}
+
+    def message_ok(state, message):
+        lam_after = jax.tree.map(jnp.add, state.q.precision, message.delta.precision)
+        return jnp.logical_and(jnp.logical_and(tree.all_finite(message.delta), message.ok), all_positive(lam_after))
+
+    def server_posterior(state):
+        return server_params(state), gaussian.variance(state.q)
+
+    return Algorithm(
+        name="pvi",
+        server_init=server_init,
+        broadcast=broadcast,
+        client_init=client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=server_params,
+        message_ok=message_ok,
+        local_epochs=trainer.num_epochs,
+        local_batch_size=trainer.batch_size,
+        server_posterior=server_posterior,
+    )
+
+
+class PVIConfig(HParams):
+    """PVI (docs/algorithms.md §8): mean-field Gaussian sites, damped synchronous updates, a
+    reparameterised VI local step with the client optimizer (``client.optimizer``, ``client.lr``,
+    ``client.epochs``, ``client.batch_size``; keep ``client.weight_decay = 0``: the prior is the
+    regulariser, and decay would also shrink the local log-standard-deviations)."""
+
+    name: Literal["pvi"]
+    delta: float = Field(1.0, gt=0, description="prior precision: p(theta) = N(0, 1/delta), on the sum-loss scale")
+    rho: float | None = Field(None, gt=0, le=1, description="damping of the site updates; default 1 / clients_per_round")
+    samples: int = Field(1, ge=1, description="S, reparameterised weight samples per minibatch of the local VI")
+    parameterisation: Literal[PARAMETERISATIONS] = Field("log", description="local standard deviation as exp(s) (log) or softplus(s)")  # type: ignore[valid-type]
+    init_std: float | None = Field(None, gt=0, description="start the local std at min(global std, init_std); default: the global std")
+    init_mean: Literal[INIT_MEANS] = Field("global", description="local mean's start: global (mean of q_g) or model (the model's init in round 1)")  # type: ignore[valid-type]
+    improper_sites: Literal["allow", "reject"] = Field("allow", description="a message that gives its site a non-positive precision: allow or reject")
+    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
+
+
+def build(hp: PVIConfig, ctx) -> Algorithm:
+    return pvi(
+        ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=hp.rho or 1.0 / ctx.clients_per_round,
+        samples=hp.samples, parameterisation=hp.parameterisation, init_std=hp.init_std, init_mean=hp.init_mean,
+        allow_improper_sites=hp.improper_sites == "allow",
+    )  # fmt: skip
