@@ -577,7 +577,11 @@ def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[in
     means = {name: sm.mean_curves([curves[name][s] for s in seeds if not results[name][s].get("diverged")]) for name in runs}
     task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
     plot = plot_curves(
-        out / "compare.png", {n: m for n, (m, _) in means.items()}, title=f"{title}, mean ± std over seeds {seeds}", task=task, bands={n: sd for n, (_, sd) in means.items()}
+        out / "compare.png",
+        {n: m for n, (m, _) in means.items()},
+        title=f"{title}, mean ± std over seeds {seeds}",
+        task=task,
+        bands={n: sd for n, (_, sd) in means.items()},
     )
     mean_records = {n: m for n, (m, _) in means.items()}
     note = f"\nMean±std over seeds {seeds} (sample standard deviation); curve summaries as Swaroop et al. 2025 (seed 001) report them.\n"
@@ -640,7 +644,12 @@ class _SweepProgress:
         self.progress = None
         if console.is_terminal:
             self.progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=console,
             )
             self.progress.start()
             self.overall = self.progress.add_task("sweep (runs)", total=total, status="")
@@ -671,7 +680,11 @@ class _SweepRunReporter:
         if p.progress is not None:
             self.task = p.progress.add_task(self.label, total=total, completed=done, status="")
         else:
-            console.print(f"[{p.count + 1}/{p.total}] {self.label} (from round {done})" if done else f"[{p.count + 1}/{p.total}] {self.label}", highlight=False, markup=False)
+            console.print(
+                f"[{p.count + 1}/{p.total}] {self.label} (from round {done})" if done else f"[{p.count + 1}/{p.total}] {self.label}",
+                highlight=False,
+                markup=False,
+            )
 
     def update(self, round_idx, total, record):
         if record is not None:
@@ -699,9 +712,12 @@ def sweep(
     config: Annotated[Path, typer.Argument(help="a run TOML or a comparison TOML (\\[base] + \\[variants.NAME])")],
     grid: Annotated[Optional[list[str]], typer.Option("--grid", help="KEY=V1,V2,... (repeatable; VARIANT.KEY=... for one variant)")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="N (seeds 0..N-1) or S1,S2,...; default the file's `seeds`, else the config's seed")] = None,
-    select_on: Annotated[str, typer.Option("--select-on", help="validation (default: a split held out from the training data) or test (as the papers)")] = "validation",
+    select_on: Annotated[
+        str, typer.Option("--select-on", help="validation (default: a split held out from the training data) or test (as the papers)")
+    ] = "validation",
     validation_fraction: Annotated[
-        Optional[float], typer.Option("--validation-fraction", help="data.validation_fraction for every variant (default: the config's, else 0.1 when selecting on validation)")
+        Optional[float],
+        typer.Option("--validation-fraction", help="data.validation_fraction for every variant (default: the config's, else 0.1 when selecting on validation)"),
     ] = None,
     threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
     out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/sweep_<config name>)")] = None,
@@ -721,7 +737,12 @@ def sweep(
         for name, cfg in runs.items():
             fraction = validation_fraction if validation_fraction is not None else (cfg.data.validation_fraction or sw.DEFAULT_VALIDATION_FRACTION)
             try:
-                runs[name] = validate({**cfg.model_dump(mode="json", exclude_none=True), "data": {**cfg.data.model_dump(mode="json", exclude_none=True), "validation_fraction": fraction}})
+                runs[name] = validate(
+                    {
+                        **cfg.model_dump(mode="json", exclude_none=True),
+                        "data": {**cfg.data.model_dump(mode="json", exclude_none=True), "validation_fraction": fraction},
+                    }
+                )
             except ConfigError as exc:
                 _fail(f"{exc} (--validation-fraction)")
     out = out or Path("runs") / f"sweep_{config.stem}"
@@ -777,7 +798,11 @@ def _sweep(runs: dict[str, RunConfig], spec: dict, out: Path, *, overwrite: bool
     (out / sw.SWEEP_FILE).write_text("# written by `fedbayes sweep`; `fedbayes resume` continues it\n" + _toml(record))
     total = sum(len(seeds_of(c)) for c in cells)
     axes_text = " x ".join(f"{a.label} ({len(a.values)})" for a in axes)
-    console.print(f"sweep: {len(runs)} variant(s), grid {axes_text}: {len(cells)} cell(s), {total} run(s), {total - len(todo)} finished earlier", highlight=False, markup=False)
+    console.print(
+        f"sweep: {len(runs)} variant(s), grid {axes_text}: {len(cells)} cell(s), {total} run(s), {total - len(todo)} finished earlier",
+        highlight=False,
+        markup=False,
+    )
     progress = _SweepProgress(total)
     _state["resume_target"] = out
 

@@ -32,9 +32,7 @@ def held_out_count(num_examples: int, fraction: float) -> int:
     return int(min(np.floor(fraction * num_examples + 0.5), max(num_examples - 1, 0)))
 
 
-def hold_out(
-    parts: Sequence[np.ndarray], fraction: float, client_rng: Callable[[int], np.random.Generator]
-) -> tuple[list[np.ndarray], np.ndarray]:
+def hold_out(parts: Sequence[np.ndarray], fraction: float, client_rng: Callable[[int], np.random.Generator]) -> tuple[list[np.ndarray], np.ndarray]:
     """Splits each client's examples into training and validation examples.
 
     Args:
