@@ -558,6 +558,7 @@ def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[in
             if (folder / "config.toml").is_file() and (folder / "config.toml").read_text() != to_toml(cfg):
                 _fail(f"error: {folder} holds a run of a different config; pass --overwrite to replace it, or another --out")
     _hold(out, "compare")
+    _state["resume_target"] = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
     todo = {key: job for key, job in jobs.items() if not (resume and finished(*job))}
     _check_data([(key, cfg) for key, (cfg, _) in todo.items()], lambda key: f"variant {key[0]!r}, seed {key[1]}")
     out.mkdir(parents=True, exist_ok=True)
