@@ -293,7 +293,7 @@ def resume(
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
 ):
     """Resume an interrupted run from its newest intact checkpoint (or a comparison: its unfinished
-    variants); ends as if it never stopped.
+    variants; or a sweep: its unfinished runs, then its tables); ends as if it never stopped.
 
     The run's config.toml must match its checkpoint's config; a change is accepted only when given
     here with --set (and is then recorded in the folder)."""
@@ -674,10 +674,11 @@ class _SweepRunReporter:
     """The reporter of one run of a sweep (``run_experiment``'s start/update/stop)."""
 
     def __init__(self, parent: _SweepProgress, label: str):
-        self.parent, self.label, self.task, self.last = parent, label, None, None
+        self.parent, self.label, self.task, self.last, self.total = parent, label, None, None, 0
 
     def start(self, name, total, done):
         p = self.parent
+        self.total = total
         if p.progress is not None:
             self.task = p.progress.add_task(self.label, total=total, completed=done, status="")
         else:
@@ -704,7 +705,7 @@ class _SweepRunReporter:
         elif self.last is not None:
             from fedbayes.experiment import format_record
 
-            console.print(f"    {format_record(self.last, self.last['round'])}", highlight=False, markup=False)
+            console.print(f"    {format_record(self.last, self.total)}", highlight=False, markup=False)
 
 
 @app.command(help=SWEEP_HELP)

@@ -282,7 +282,7 @@ def best_cells(cells: Sequence[Cell], results: Mapping[tuple[str, str], dict], s
 
 def selection_label(select_on: str, cells: Sequence[Cell], seeds: Sequence[int] | None) -> str:
     """One line saying what the best cells were chosen on (the Markdown and JSON say it too)."""
-    n = f"{len(seeds)} seeds" if seeds else "the seeds"
+    n = (f"{len(seeds)} seeds" if len(seeds) > 1 else f"1 seed ({seeds[0]})") if seeds else "one seed per run (each config's own)"
     what = "the mean accuracy over rounds R-2..R (lowest mean MSE for regression), averaged over " + n
     if select_on == "test":
         return f"selected on the TEST set, as the papers do ({what}): optimistic, the test set chose the hyperparameters"
