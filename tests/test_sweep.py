@@ -178,6 +178,8 @@ def test_plan_crosses_the_axes_per_variant_and_checks_every_key():
         sw.plan(variants, sw.parse_grid(["algorithm.mu=0.1,1"], list(variants)))
     with pytest.raises(sw.SweepError, match=r"client\.lr: Input should be greater than 0.*--grid client\.lr=-1, variant 'fedavg'"):
         sw.plan(variants, sw.parse_grid(["client.lr=0.1,-1"], list(variants)))
+    with pytest.raises(sw.SweepError, match=r"give variant 'fedavg' the same config"):
+        sw.plan(variants, sw.parse_grid(["client.lr=1,1.0"], list(variants)))
     with pytest.raises(sw.SweepError, match=r"--grid client: a section, not a setting; its settings: client\.epochs"):
         sw.plan(variants, sw.parse_grid(["client=1"], list(variants)))
 

@@ -276,11 +276,18 @@ def run(
     out = out or Path("runs") / cfg.name
     _check_out(out, overwrite)
     summary = _run(cfg, out, logs=log)
-    _print_table({cfg.name: summary})
+    _print_table({cfg.name: summary}, curves={cfg.name: _records(out)})
     console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False)
 
 
 COMPARISON_FILE = "comparison.toml"
+
+
+def _records(out: Path) -> list[dict]:
+    """A run's metrics.jsonl records (for the table's curve summaries)."""
+    from fedbayes.experiment import read_metrics
+
+    return read_metrics(out / "metrics.jsonl")
 
 
 @app.command()
@@ -309,7 +316,7 @@ def resume(
     cfg = _load(cfg_path, set_ or [])
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = _run(cfg, out, resume=True, logs=log, accept_changes=accept)
-    _print_table({cfg.name: summary})
+    _print_table({cfg.name: summary}, curves={cfg.name: _records(out)})
 
 
 def _split_overrides(overrides: list[str], variants) -> tuple[list[str], dict[str, list[str]]]:

@@ -232,6 +232,9 @@ def plan(variants: Mapping[str, RunConfig], axes: Sequence[Axis]) -> list[Cell]:
             if name in names and names[name] != settings:
                 raise SweepError(f"error: --grid: the cells {dict(names[name])} and {dict(settings)} of variant {variant!r} get the same folder name {name!r}")
             names[name] = settings
+            same = next((c for c in cells if c.variant == variant and c.config == cfg), None)
+            if same is not None:  # e.g. 1 and 1.0 for a float setting
+                raise SweepError(f"error: --grid: {dict(same.settings)} and {dict(settings)} give variant {variant!r} the same config; give each value once")
             cells.append(Cell(variant, name, settings, cfg))
     return cells
 
