@@ -1,4 +1,4 @@
-"""Seeds and sweeps: mean and std over seeds, seed 001's curve summaries, the held-out validation
+"""Seeds and sweeps: mean and std over seeds, Swaroop et al. 2025's curve summaries, the held-out validation
 split, grid parsing and its one-line errors, selection on validation or test, resumable sweeps."""
 
 import json
@@ -71,7 +71,7 @@ def test_curve_summary_on_a_hand_made_curve():
     assert c["final_round"] == 5 and c["metric"] == "accuracy"
     assert c["mean_last"] == pytest.approx((0.7 + 0.66 + 0.74) / 3)  # rounds R-2..R = 3, 4, 5
     assert c["max_last"] == pytest.approx(0.74)
-    assert c["rounds_to"] == 2  # the first round reaching 0.6, unsmoothed (seed 001, Table 3)
+    assert c["rounds_to"] == 2  # the first round reaching 0.6, unsmoothed (Swaroop et al. 2025, Table 3)
     assert summaries.curve_summary(recs, 0.75)["rounds_to"] is None
     # evaluated every other round: the window holds the evaluated rounds among R-2..R
     every_other = [{"round": r, "accuracy": a} for r, a in ((0, 0.1), (2, 0.4), (4, 0.6), (6, 0.8))]

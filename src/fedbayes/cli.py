@@ -592,7 +592,7 @@ def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[in
         bands={n: sd for n, (_, sd) in means.items()},
     )
     mean_records = {n: m for n, (m, _) in means.items()}
-    note = f"\nMean±std over seeds {seeds} (sample standard deviation); curve summaries as Swaroop et al. 2025 (seed 001) report them.\n"
+    note = f"\nMean±std over seeds {seeds} (sample standard deviation); curve summaries as Swaroop et al. 2025 (ADMM and Bayes) report them.\n"
     (out / "compare.md").write_text(report.markdown(summaries, threshold=threshold, curves=mean_records) + note)
     body = {n: _without_numbers(s) for n, s in summaries.items()}
     (out / "compare.json").write_text(dumps_record(body, indent=2) + "\n")

@@ -4,7 +4,7 @@ A table never cuts a method name or a number. When the columns do not fit the wi
 columns are left out (least useful first, a footnote says which); when even the essential columns
 do not fit, every method is printed as a block of ``column: value`` lines instead. Marginalised
 columns ("marg.") appear only when some method has marginalised predictions; a regression run
-gets its own columns (MSE, RMSE). Seed 001's curve summaries (the mean and max accuracy over
+gets its own columns (MSE, RMSE). Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (the mean and max accuracy over
 rounds R-2..R, :mod:`fedbayes.summaries`) appear when the summaries carry curves. A summary over
 several seeds (:func:`fedbayes.summaries.aggregate`) shows each number as ``mean±std`` and a
 "seeds" column.
@@ -89,7 +89,7 @@ def _rounds_to(threshold: float):
 
 
 def _curve(field: str, digits: int = 4):
-    """Seed 001's curve summaries (:mod:`fedbayes.summaries`): the mean or max of the metric over
+    """Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (:mod:`fedbayes.summaries`): the mean or max of the metric over
     rounds R-2..R; over seeds when the summary has them, else from the run's records."""
     from fedbayes.summaries import curve_summary
 
@@ -138,7 +138,7 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
     over_seeds = any("seeds" in s for s in summaries.values())
     if over_seeds:
         cols.append(Column("seeds", _seeds, keep=8))
-    # seed 001's curve summaries (mean and max over rounds R-2..R), when some summary has a curve
+    # Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (mean and max over rounds R-2..R), when some summary has a curve
     curves_known = any("curve" in s or "final_mean_3" in s for s in summaries.values())
     if summaries and all(is_regression(s) for s in summaries.values()):
         cols += [

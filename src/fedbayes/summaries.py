@@ -1,6 +1,6 @@
 """Curve summaries of one run and their mean and spread over seeds.
 
-Swaroop et al. 2025 (ADMM and Bayes, seed 001) summarise a run's test-accuracy curve at round
+Swaroop et al. 2025 (ADMM and Bayes) summarise a run's test-accuracy curve at round
 ``R`` three ways and average each over 3 seeds, with the standard deviation in parentheses:
 
 * Table 1: the **mean** accuracy over rounds ``R-2, R-1, R``;
@@ -36,7 +36,7 @@ def curve_key(records: Sequence[dict], prefix: str = "") -> str | None:
 
 
 def curve_summary(records: Sequence[dict], threshold: float | None = None, *, prefix: str = "", final_round: int | None = None) -> dict[str, Any] | None:
-    """Seed 001's summaries of one curve: mean and max over rounds ``R-2..R``, rounds to ``threshold``.
+    """Swaroop et al. 2025 (ADMM and Bayes)'s summaries of one curve: mean and max over rounds ``R-2..R``, rounds to ``threshold``.
 
     Args:
       records: a run's evaluation records (``round`` and the metrics), in round order.

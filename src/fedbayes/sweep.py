@@ -8,7 +8,7 @@ config is not run again and an interrupted one resumes from its checkpoint, so a
 stopped continues where it stopped and ends with the same tables.
 
 The best cell of each variant is the one with the highest mean accuracy over rounds ``R-2..R``
-(seed 001's Table 1 summary, :mod:`fedbayes.summaries`; the lowest MSE for regression), averaged
+(Swaroop et al. 2025 (ADMM and Bayes), Table 1, :mod:`fedbayes.summaries`; the lowest MSE for regression), averaged
 over the seeds, on the **validation split** held out from the clients' training data
 (``data.validation_fraction``, :mod:`fedbayes.data.holdout`) by default, or on the test set
 (``select_on = "test"``), as the papers choose; the tables then say so. A cell with a diverged
