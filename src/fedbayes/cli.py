@@ -174,6 +174,7 @@ def _run(
 
 
 LOG_HELP = "also log to csv (metrics.csv), tensorboard or wandb (repeatable; the last two are optional extras)"
+SEEDS_HELP = "run every variant with these seeds and report mean and std: a count N (seeds 0..N-1) or a list such as 0,3,7; default: the comparison file's `seeds`, else each config's own seed"
 
 
 # ----- the top-level handler: every failure one line and a documented exit code -----------------
@@ -220,6 +221,8 @@ def describe_failure(exc: BaseException) -> tuple[int, str]:
 
         ckpt = latest_checkpoint(Path(folder) / "checkpoints")
         where = f"from its checkpoint {ckpt.name}" if ckpt is not None else "from the start (no checkpoint was written yet)"
+        if _state.get("resume_target") is not None:  # a run of a sweep: resuming the sweep resumes it
+            return code, f"interrupted; `fedbayes resume {_state['resume_target']}` continues it ({folder} {where})"
         return code, f"interrupted; `fedbayes resume {folder}` continues {where}"
     if code == EXIT_UNEXPECTED:
         log = _log_traceback(exc)
@@ -243,7 +246,7 @@ def _handled(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         with contextlib.ExitStack() as stack:
-            _state.update(folder=None, stack=stack)
+            _state.update(folder=None, stack=stack, resume_target=None)
             try:
                 return command(*args, **kwargs)
             except BaseException as exc:
@@ -273,11 +276,18 @@ def run(
     out = out or Path("runs") / cfg.name
     _check_out(out, overwrite)
     summary = _run(cfg, out, logs=log)
-    _print_table({cfg.name: summary})
+    _print_table({cfg.name: summary}, curves={cfg.name: _records(out)})
     console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False)
 
 
 COMPARISON_FILE = "comparison.toml"
+
+
+def _records(out: Path) -> list[dict]:
+    """A run's metrics.jsonl records (for the table's curve summaries)."""
+    from fedbayes.experiment import read_metrics
+
+    return read_metrics(out / "metrics.jsonl")
 
 
 @app.command()
@@ -290,20 +300,23 @@ def resume(
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
 ):
     """Resume an interrupted run from its newest intact checkpoint (or a comparison: its unfinished
-    variants); ends as if it never stopped.
+    variants; or a sweep: its unfinished runs, then its tables); ends as if it never stopped.
 
     The run's config.toml must match its checkpoint's config; a change is accepted only when given
     here with --set (and is then recorded in the folder)."""
     cfg_path = out / "config.toml"
+    if not cfg_path.is_file() and (out / "sweep.toml").is_file():  # fedbayes.sweep.SWEEP_FILE
+        _resume_sweep(out)
+        return
     if not cfg_path.is_file() and (out / COMPARISON_FILE).is_file():
-        _run_comparison(_comparison([out / COMPARISON_FILE], []), out, resume=True, logs=log)
+        _run_comparison(_comparison([out / COMPARISON_FILE], []), out, resume=True, logs=log, seeds=_file_seeds([out / COMPARISON_FILE]))
         return
     if not cfg_path.is_file():
         _fail(f"error: {out} holds no config.toml or {COMPARISON_FILE}; is it a fedbayes run folder?")
     cfg = _load(cfg_path, set_ or [])
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = _run(cfg, out, resume=True, logs=log, accept_changes=accept)
-    _print_table({cfg.name: summary})
+    _print_table({cfg.name: summary}, curves={cfg.name: _records(out)})
 
 
 def _split_overrides(overrides: list[str], variants) -> tuple[list[str], dict[str, list[str]]]:
@@ -332,9 +345,9 @@ def _comparison(files: list[Path], overrides: list[str]) -> dict[str, RunConfig]
         except ConfigError as exc:
             _fail(str(exc))
         if "variants" in raw or "base" in raw:
-            unknown = set(raw) - {"base", "variants"}
+            unknown = set(raw) - {"base", "variants", "seeds"}
             if unknown:
-                _fail(f"config error: {path}: unknown top-level key(s) {sorted(unknown)} in a comparison file; allowed: base, variants")
+                _fail(f"config error: {path}: unknown top-level key(s) {sorted(unknown)} in a comparison file; allowed: base, variants, seeds")
             variants = raw.get("variants") or {}
             if not variants:
                 _fail(f"config error: {path}: variants: a comparison needs at least one [variants.NAME] table")
@@ -376,15 +389,22 @@ def compare(
     resume: Annotated[bool, typer.Option("--resume", help="continue the comparison in --out: finished variants are not rerun")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object (progress goes to stderr)")] = False,
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help=SEEDS_HELP)] = None,
 ):
-    """Run several methods or configs and print one table and one overlaid plot."""
+    """Run several methods or configs and print one table and one overlaid plot.
+
+    With seeds (`seeds = [0, 1, 2]` in the comparison file, or --seeds 3) every variant runs once
+    per seed, each run in its own folder OUT/VARIANT/seed_S/, and the table, compare.json and the
+    plot show the mean and standard deviation over the seeds (the plot: the mean curve in a band
+    of +-1 standard deviation)."""
     if overwrite and resume:
         _fail("error: --overwrite and --resume exclude each other")
     runs = _comparison(configs, set_ or [])
+    seed_list = _seeds_option(seeds) if seeds is not None else _file_seeds(configs)
     _check_out(out, overwrite, resume, what="comparison")
     datasets = sorted({c.data.dataset for c in runs.values()})
     title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
-    _run_comparison(runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold)
+    _run_comparison(runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list)
 
 
 def _finished(cfg: RunConfig, folder: Path) -> dict | None:
@@ -406,11 +426,14 @@ def _run_comparison(
     json_out: bool = False,
     title: str = "comparison",
     threshold: float = 0.8,
+    seeds: list[int] | None = None,
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.experiment import prepare_data, read_metrics
     from fedbayes.plotting import plot_curves
 
+    if seeds is not None:  # every (variant, seed) its own run; mean and std over seeds
+        return _run_seeded_comparison(runs, out, seeds, resume=resume, logs=logs, json_out=json_out, title=title, threshold=threshold)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
     if resume:  # a variant whose folder holds another config must not be mixed in silently
         for name, cfg in runs.items():
@@ -459,15 +482,367 @@ def _run_comparison(
 
 def _without_numbers(summary: dict) -> dict:
     """A diverged variant's summary keeps its name, settings and where it diverged, not its metrics."""
+    if "runs" in summary:  # over seeds: each diverged seed's run loses its numbers too
+        summary = {**summary, "runs": {k: _without_numbers(v) for k, v in summary["runs"].items()}}
     if not summary.get("diverged"):
         return summary
-    return {k: summary[k] for k in ("name", "algorithm", "server_optimizer", "rounds", "diverged") if k in summary}
+    return {k: summary[k] for k in ("name", "algorithm", "server_optimizer", "rounds", "seeds", "diverged_seeds", "diverged", "runs") if k in summary}
 
 
 def _toml(data: dict) -> str:
     import tomli_w
 
     return tomli_w.dumps(data)
+
+
+# ----- seeds: a comparison's runs over several seeds --------------------------------------------
+
+
+def _seeds_option(text: str) -> list[int]:
+    from fedbayes.sweep import parse_seeds
+
+    try:
+        return parse_seeds(text)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def _file_seeds(files: list[Path]) -> list[int] | None:
+    """The ``seeds = [...]`` of the comparison files (one list for all), else None."""
+    from fedbayes.sweep import check_seeds
+
+    found: list[int] | None = None
+    for path in files:
+        try:
+            raw = read_toml(path)
+        except ConfigError as exc:
+            _fail(str(exc))
+        if "seeds" not in raw or not ("variants" in raw or "base" in raw):
+            continue
+        try:
+            seeds = check_seeds(raw["seeds"], f"{path}: seeds")
+        except ConfigError as exc:
+            _fail(str(exc))
+        if found is not None and seeds != found:
+            _fail(f"config error: {path}: seeds: {seeds} differs from another file's {found}; give one list (or --seeds)")
+        found = seeds
+    return found
+
+
+def _check_data(configs, label) -> None:
+    """Loads and partitions the data of every config (each distinct data setting once) before
+    any run trains: a bad data setting fails at once, naming the field."""
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.experiment import prepare_split
+
+    seen = set()
+    for key, cfg in configs:
+        ident = (cfg.seed, json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True), json.dumps(cfg.model.model_dump(mode="json"), sort_keys=True))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        try:
+            prepare_split(cfg)
+        except DatasetNotFoundError as exc:
+            _fail(f"data error: {exc}", code=3)
+        except ConfigError as exc:
+            _fail(f"{exc} ({label(key)})")
+
+
+def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[int], *, resume, logs, json_out, title, threshold) -> None:
+    """A comparison over seeds: run folders OUT/VARIANT/seed_S; tables and plot of means and
+    standard deviations (:mod:`fedbayes.summaries`)."""
+    from fedbayes import summaries as sm
+    from fedbayes.experiment import read_metrics
+    from fedbayes.plotting import plot_curves
+    from fedbayes.strictjson import dumps_record
+    from fedbayes.sweep import finished
+
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
+    jobs = {(name, seed): (cfg.model_copy(update={"seed": seed}), out / name / f"seed_{seed}") for name, cfg in runs.items() for seed in seeds}
+    if resume:  # a run folder holding another config is never overwritten
+        for cfg, folder in jobs.values():
+            if (folder / "config.toml").is_file() and (folder / "config.toml").read_text() != to_toml(cfg):
+                _fail(f"error: {folder} holds a run of a different config; pass --overwrite to replace it, or another --out")
+    _hold(out, "compare")
+    _state["resume_target"] = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
+    todo = {key: job for key, job in jobs.items() if not (resume and finished(*job))}
+    _check_data([(key, cfg) for key, (cfg, _) in todo.items()], lambda key: f"variant {key[0]!r}, seed {key[1]}")
+    out.mkdir(parents=True, exist_ok=True)
+    comparison = {"seeds": seeds, "variants": {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}}
+    (out / COMPARISON_FILE).write_text("# written by `fedbayes compare`; `fedbayes resume` continues it\n" + _toml(comparison))
+    results: dict[str, dict[int, dict]] = {}
+    for (name, seed), (cfg, folder) in jobs.items():
+        if (name, seed) not in todo:
+            say(f"== {name} seed {seed}: finished earlier, not rerun")
+            results.setdefault(name, {})[seed] = finished(cfg, folder)
+            continue
+        say(f"== {name} seed {seed} ({cfg.algorithm.name}, server {cfg.server.optimizer})")
+        has_ckpt = (folder / "checkpoints").is_dir() and any((folder / "checkpoints").glob("round_*.npz"))
+        results.setdefault(name, {})[seed] = _run(cfg, folder, resume=resume and has_ckpt, logs=logs, stderr=json_out, diverged_ok=True)
+    curves = {name: {seed: read_metrics(out / name / f"seed_{seed}" / "metrics.jsonl") for seed in seeds} for name in runs}
+    summaries = {name: sm.aggregate(name, results[name], curves[name], threshold) for name in runs}
+    means = {name: sm.mean_curves([curves[name][s] for s in seeds if not results[name][s].get("diverged")]) for name in runs}
+    task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
+    plot = plot_curves(
+        out / "compare.png",
+        {n: m for n, (m, _) in means.items()},
+        title=f"{title}, mean ± std over seeds {seeds}",
+        task=task,
+        bands={n: sd for n, (_, sd) in means.items()},
+    )
+    mean_records = {n: m for n, (m, _) in means.items()}
+    note = f"\nMean±std over seeds {seeds} (sample standard deviation); curve summaries as Swaroop et al. 2025 (ADMM and Bayes) report them.\n"
+    (out / "compare.md").write_text(report.markdown(summaries, threshold=threshold, curves=mean_records) + note)
+    body = {n: _without_numbers(s) for n, s in summaries.items()}
+    (out / "compare.json").write_text(dumps_record(body, indent=2) + "\n")
+    if json_out:
+        print(dumps_record(body), flush=True)
+    else:
+        print(report.render(summaries, threshold=threshold, curves=mean_records, title=f"fedbayes comparison, mean±std over seeds {seeds}"), end="", flush=True)
+        console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
+    diverged = [f"{n} (seed {s})" for n in runs for s in seeds if results[n][s].get("diverged")]
+    if diverged:
+        _fail(f"error: diverged: {', '.join(diverged)} (see their rows; each kept its last good checkpoint for fedbayes resume DIR --set ...)", code=3)
+
+
+# ----- sweeps -----------------------------------------------------------------------------------
+
+SWEEP_HELP = r"""Run a grid of settings, several seeds each; tables of every cell and of the best cell per method.
+
+CONFIG is a run TOML or a comparison TOML (\[base] + \[variants.NAME]); the grid applies to every
+variant. Every combination of --grid values is a cell; every (variant, cell, seed) is its own run
+folder OUT/VARIANT/CELL/seed_S/.
+
+  fedbayes sweep CONFIG --grid algorithm.delta=0.1,1,10 --grid client.epochs=1,2,5 --seeds 3
+
+--grid KEY=V1,V2,...   any config key (`fedbayes config` lists them); values read as TOML
+                       (strings may be bare; brackets keep commas: model.hidden=[100],[200,100]);
+                       VARIANT.KEY=... sweeps a key in one variant only (e.g. feddyn.algorithm.alpha=...).
+                       A key that is not a setting of some variant it applies to is an error.
+--seeds N | S1,S2,...  N seeds (0..N-1) or these seeds; default the comparison file's `seeds`,
+                       else each config's own seed. Cells are compared on their mean over seeds.
+--select-on validation (default) chooses each method's best cell on a validation split held out
+                       from every client's training data (data.validation_fraction; when the
+                       config holds out nothing, --validation-fraction, default 0.1); the test
+                       metrics are reported beside it. The split is taken per client after
+                       partitioning, seeded, so the federation is the one a run without it gets.
+--select-on test       chooses on the test set, as the papers do; the output says so.
+
+A cell's score: its mean accuracy over rounds R-2..R (Swaroop et al. 2025, Table 1), averaged
+over seeds (regression: the lowest MSE); a cell with a diverged seed is never chosen. The tables
+also give the max accuracy over R-2..R and the rounds to --threshold (mean±std over seeds, the
+sample standard deviation). They are printed and written to OUT/sweep.md and OUT/sweep.json.
+
+Nothing is overwritten: a non-empty OUT needs --resume (or `fedbayes resume OUT`), which runs
+only what is missing (finished runs are not rerun, an interrupted run continues from its
+checkpoint; new grid values or seeds are added), or --overwrite. Bad input (an unknown key, a
+value the key does not allow, an empty grid) is one line naming it, exit code 2, before any run.
+"""
+
+
+class _SweepProgress:
+    """One rich progress display for a sweep: the whole sweep and the run in progress; plain
+    lines (one per run) when the output is not a terminal."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.total, self.count = total, 0
+        self.progress = None
+        if console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=console,
+            )
+            self.progress.start()
+            self.overall = self.progress.add_task("sweep (runs)", total=total, status="")
+
+    def skip(self, label: str) -> None:
+        self.count += 1
+        if self.progress is None:
+            console.print(f"[{self.count}/{self.total}] {label}: finished earlier, not rerun", highlight=False, markup=False)
+        else:
+            self.progress.advance(self.overall)
+
+    def reporter(self, label: str):
+        return _SweepRunReporter(self, label)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+class _SweepRunReporter:
+    """The reporter of one run of a sweep (``run_experiment``'s start/update/stop)."""
+
+    def __init__(self, parent: _SweepProgress, label: str):
+        self.parent, self.label, self.task, self.last, self.total = parent, label, None, None, 0
+
+    def start(self, name, total, done):
+        p = self.parent
+        self.total = total
+        if p.progress is not None:
+            self.task = p.progress.add_task(self.label, total=total, completed=done, status="")
+        else:
+            console.print(
+                f"[{p.count + 1}/{p.total}] {self.label} (from round {done})" if done else f"[{p.count + 1}/{p.total}] {self.label}",
+                highlight=False,
+                markup=False,
+            )
+
+    def update(self, round_idx, total, record):
+        if record is not None:
+            self.last = record
+        if self.task is not None:
+            status = "" if record is None else (f"acc {record['accuracy']:.4f}" if "accuracy" in record else f"mse {record.get('mse', float('nan')):.5f}")
+            self.parent.progress.update(self.task, completed=round_idx, **({"status": status} if status else {}))
+
+    def stop(self):
+        p = self.parent
+        p.count += 1
+        if p.progress is not None:
+            if self.task is not None:
+                p.progress.remove_task(self.task)
+            p.progress.advance(p.overall)
+        elif self.last is not None:
+            from fedbayes.experiment import format_record
+
+            console.print(f"    {format_record(self.last, self.total)}", highlight=False, markup=False)
+
+
+@app.command(help=SWEEP_HELP)
+@_handled
+def sweep(
+    config: Annotated[Path, typer.Argument(help="a run TOML or a comparison TOML (\\[base] + \\[variants.NAME])")],
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", help="KEY=V1,V2,... (repeatable; VARIANT.KEY=... for one variant)")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="N (seeds 0..N-1) or S1,S2,...; default the file's `seeds`, else the config's seed")] = None,
+    select_on: Annotated[
+        str, typer.Option("--select-on", help="validation (default: a split held out from the training data) or test (as the papers)")
+    ] = "validation",
+    validation_fraction: Annotated[
+        Optional[float],
+        typer.Option("--validation-fraction", help="data.validation_fraction for every variant (default: the config's, else 0.1 when selecting on validation)"),
+    ] = None,
+    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
+    out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/sweep_<config name>)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the sweep already in --out")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the sweep in --out: finished runs are not rerun")] = False,
+):
+    from fedbayes import sweep as sw
+
+    if overwrite and resume:
+        _fail("error: --overwrite and --resume exclude each other")
+    if select_on not in sw.SELECT_ON:
+        _fail(f"error: --select-on {select_on!r}: allowed: {', '.join(sw.SELECT_ON)}")
+    runs = _comparison([config], set_ or [])
+    seed_list = _seeds_option(seeds) if seeds is not None else _file_seeds([config])
+    if validation_fraction is not None or select_on == "validation":
+        for name, cfg in runs.items():
+            fraction = validation_fraction if validation_fraction is not None else (cfg.data.validation_fraction or sw.DEFAULT_VALIDATION_FRACTION)
+            try:
+                runs[name] = validate(
+                    {
+                        **cfg.model_dump(mode="json", exclude_none=True),
+                        "data": {**cfg.data.model_dump(mode="json", exclude_none=True), "validation_fraction": fraction},
+                    }
+                )
+            except ConfigError as exc:
+                _fail(f"{exc} (--validation-fraction)")
+    out = out or Path("runs") / f"sweep_{config.stem}"
+    spec = {"grid": list(grid or []), "select_on": select_on, "threshold": threshold, "title": config.stem}
+    if seed_list is not None:
+        spec["seeds"] = seed_list
+    _sweep(runs, spec, out, overwrite=overwrite, resume=resume)
+
+
+def _resume_sweep(out: Path) -> None:
+    """Continues the sweep in ``out`` from its sweep.toml."""
+    from fedbayes.sweep import SWEEP_FILE
+
+    try:
+        raw = read_toml(out / SWEEP_FILE)
+        runs = {name: validate(cfg) for name, cfg in (raw.get("variants") or {}).items()}
+    except ConfigError as exc:
+        _fail(f"{exc} ({out / SWEEP_FILE})")
+    _sweep(runs, raw.get("sweep") or {}, out, resume=True)
+
+
+def _sweep(runs: dict[str, RunConfig], spec: dict, out: Path, *, overwrite: bool = False, resume: bool = False) -> None:
+    from fedbayes import sweep as sw
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.experiment import Diverged, run_experiment
+
+    try:
+        axes = sw.parse_grid(spec.get("grid") or [], list(runs))
+        cells = sw.plan(runs, axes)
+        sw.select_key(spec.get("select_on", "validation"))
+    except ConfigError as exc:
+        _fail(str(exc))
+    seeds = spec.get("seeds")
+    seeds_of = (lambda cell: seeds) if seeds is not None else (lambda cell: [cell.config.seed])
+    _check_out(out, overwrite, resume, what="sweep")
+    if resume:
+        bad = sw.conflicts(cells, seeds_of, out)
+        if bad:
+            _fail(f"error: {bad[0]} holds a run of a different config (the sweep's settings changed?); pass --overwrite to replace the sweep, or another --out")
+    _hold(out, "sweep")
+    if overwrite and out.is_dir():  # replace the sweep: every run of it, not only this grid's
+        import shutil
+
+        from fedbayes.runlock import LOCK_NAME
+
+        for child in out.iterdir():
+            if child.name != LOCK_NAME:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    todo = [(cell, s) for cell in cells for s in seeds_of(cell) if sw.finished(cell.config_for(s), cell.folder(out, s)) is None]
+    _check_data([((cell.variant, cell.name, s), cell.config_for(s)) for cell, s in todo], lambda key: f"variant {key[0]!r}, cell {key[1]}, seed {key[2]}")
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"sweep": spec, "variants": {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}}
+    (out / sw.SWEEP_FILE).write_text("# written by `fedbayes sweep`; `fedbayes resume` continues it\n" + _toml(record))
+    total = sum(len(seeds_of(c)) for c in cells)
+    axes_text = " x ".join(f"{a.label} ({len(a.values)})" for a in axes)
+    console.print(
+        f"sweep: {len(runs)} variant(s), grid {axes_text}: {len(cells)} cell(s), {total} run(s), {total - len(todo)} finished earlier",
+        highlight=False,
+        markup=False,
+    )
+    progress = _SweepProgress(total)
+    _state["resume_target"] = out
+
+    def label(cell, seed):
+        settings = " ".join(f"{k}={v}" for k, v in cell.settings)
+        return f"{cell.variant} {settings} seed {seed}"
+
+    def run_one(cfg, folder, resume_run):
+        _state["folder"] = folder
+        cell = next(c for c in cells if c.folder(out, cfg.seed) == folder)
+        try:
+            return run_experiment(cfg, folder, resume=resume_run, reporter=progress.reporter(label(cell, cfg.seed)))
+        except Diverged as exc:
+            print(f"diverged: {exc}", file=sys.stderr, flush=True)
+            return json.loads((folder / "summary.json").read_text())
+        except DatasetNotFoundError as exc:
+            _fail(f"data error: {exc}", code=3)
+        except ConfigError as exc:
+            _fail(str(exc))
+
+    try:
+        results = sw.run(cells, seeds_of, out, run_one, on_skip=lambda cell, seed: progress.skip(label(cell, seed)))
+    finally:
+        progress.close()
+    _state["resume_target"] = None
+    threshold = spec.get("threshold", 0.8)
+    agg = sw.cell_summaries(cells, results, out, threshold)
+    tables = sw.tables(cells, agg, select_on=spec.get("select_on", "validation"), threshold=threshold, seeds=seeds, axes=axes)
+    md, js = sw.write_tables(tables, out, f"sweep {spec.get('title', out.name)}")
+    print(tables.render(), end="", flush=True)
+    console.print(f"tables: {md}  {js}", highlight=False)
 
 
 @app.command("config")

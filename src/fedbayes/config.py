@@ -47,6 +47,12 @@ class DataConfig(_Strict):
     synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
     dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
     num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels): the declared number of classes; default from the labels")
+    validation_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of each client's training examples held out as a validation split (seeded; fedbayes sweep selects on it); 0 = none",
+    )
 
 
 class ModelConfig(_Strict):

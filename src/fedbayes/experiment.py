@@ -5,7 +5,9 @@
 * ``config.toml``: the resolved config (every default written out; ``fedbayes run`` accepts it);
 * ``metrics.jsonl``: one line per evaluation, round 0 being the initial model: ``round``, the
   test metrics (``accuracy``, ``nll``, ``ece``, and ``accuracy_marg``, ``nll_marg``, ``ece_marg``
-  for Bayesian methods; ``mse``, ``rmse`` for regression), ``train_loss`` (after round 0: the
+  for Bayesian methods; ``mse``, ``rmse`` for regression; with ``data.validation_fraction > 0``
+  also ``val_accuracy``, ``val_nll``, ``val_ece`` (or ``val_mse``, ``val_rmse``) on the held-out
+  split, :mod:`fedbayes.data.holdout`), ``train_loss`` (after round 0: the
   round's accepted clients' mean training loss, weighted by their example counts) and four
   counters that are cumulative since round 0: ``seconds`` (training time, evaluation excluded),
   ``bytes_up``, ``bytes_down`` and ``rejected`` (messages refused);
@@ -50,6 +52,7 @@ from fedbayes.checkpoint import find_resume_checkpoint, load_checkpoint, save_ch
 from fedbayes.config import ConfigError, RunConfig, to_toml
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.data.holdout import hold_out
 from fedbayes.errors import BadInputError, DataError, DivergedError
 from fedbayes.evaluation import make_evaluator, make_marginal_evaluator
 from fedbayes.export import MODEL_FILE, save_model
@@ -75,6 +78,7 @@ class Experiment:
     params: Any
     simulator: Simulator
     evaluate: Callable[[Any, int], dict[str, float]]  # (server state, round) -> metrics
+    validation: np.ndarray | None = None  # held-out training indices (data.validation_fraction)
 
 
 def load_data(config: RunConfig) -> Dataset:
@@ -135,10 +139,28 @@ def check_model(config: RunConfig, dataset: Dataset) -> None:
 
 def prepare_data(config: RunConfig) -> tuple[Dataset, list[np.ndarray]]:
     """Loads and partitions the data and checks the model against it: every check that needs
-    the data, cheap enough to run for all variants of a comparison before any of them trains."""
+    the data, cheap enough to run for all variants of a comparison before any of them trains.
+    The parts are the clients' training examples (without a validation split)."""
+    dataset, parts, _ = prepare_split(config)
+    return dataset, parts
+
+
+def prepare_split(config: RunConfig) -> tuple[Dataset, list[np.ndarray], np.ndarray | None]:
+    """:func:`prepare_data` plus the validation split held out from each client's training
+    examples (``data.validation_fraction``, :mod:`fedbayes.data.holdout`); None when it is 0."""
     dataset = load_data(config)
     check_model(config, dataset)
-    return dataset, split_clients(config, dataset)
+    parts = split_clients(config, dataset)
+    fraction = config.data.validation_fraction
+    if fraction == 0:
+        return dataset, parts, None
+    parts, validation = hold_out(parts, fraction, lambda k: protocol.validation_rng(config.seed, k))
+    if validation.size == 0:
+        raise ConfigError(
+            f"config error: data.validation_fraction: {fraction} of each client's examples holds out none "
+            f"({sum(map(len, parts))} training examples over {len(parts)} clients, every client keeping one); raise it, or set 0 for no validation split"
+        )
+    return dataset, parts, validation
 
 
 def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
@@ -170,7 +192,7 @@ def build_algorithm(
 
 def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
-    dataset, parts = prepare_data(config)
+    dataset, parts, validation = prepare_split(config)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
     kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
     variational = config.model.variational
@@ -192,15 +214,36 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
         store=config.store,
         store_dir=config.store_dir or store_dir,
     )
-    if variational:
-        evaluate = _variational(algorithm, config, keyed_apply_fn, dataset)
-        return Experiment(config, dataset, federation, model, params, simulator, evaluate)
+    evaluate = _evaluation(algorithm, config, dataset, apply_fn, keyed_apply_fn)
+    if validation is not None:
+        held_out = dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation], test_client_ids=None)
+        evaluate = _with_validation(evaluate, _evaluation(algorithm, config, held_out, apply_fn, keyed_apply_fn, marginal=False))
+    return Experiment(config, dataset, federation, model, params, simulator, evaluate, validation)
+
+
+def _evaluation(algorithm: algs.Algorithm, config: RunConfig, dataset: Dataset, apply_fn, keyed_apply_fn, marginal: bool = True):
+    """``(server state, round) -> metrics`` on ``dataset``'s test split (see :func:`build_experiment`)."""
+    if config.model.variational:
+        return _variational(algorithm, config, keyed_apply_fn, dataset)
     evaluate = make_evaluator(apply_fn, dataset.x_test, dataset.y_test, task=dataset.task, batch_size=config.eval_batch_size, num_bins=config.ece_bins)
-    if algorithm.server_posterior is not None and dataset.task == "classification":
-        evaluate = _with_marginal(evaluate, algorithm, config, apply_fn, dataset)
-    else:
-        evaluate = _on_state(evaluate, algorithm)
-    return Experiment(config, dataset, federation, model, params, simulator, evaluate)
+    if marginal and algorithm.server_posterior is not None and dataset.task == "classification":
+        return _with_marginal(evaluate, algorithm, config, apply_fn, dataset)
+    return _on_state(evaluate, algorithm)
+
+
+VALIDATION_METRICS = ("accuracy", "nll", "ece", "mse", "rmse")  # recorded as val_<metric>
+
+
+def _with_validation(evaluate_test, evaluate_validation):
+    """Adds the validation split's metrics as ``val_accuracy``, ``val_nll``, ... to the test metrics."""
+
+    def evaluate(server_state, round_idx: int) -> dict[str, float]:
+        out = evaluate_test(server_state, round_idx)
+        held_out = evaluate_validation(server_state, round_idx)
+        out.update({f"val_{k}": v for k, v in held_out.items() if k in VALIDATION_METRICS})
+        return out
+
+    return evaluate
 
 
 def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, dataset: Dataset):

@@ -26,7 +26,14 @@ def line_styles(n: int) -> list[tuple[str, str]]:
     return [(colours[i % 10], _STYLES[(i + i // 10) % len(_STYLES)]) for i in range(n)]
 
 
-def plot_curves(path: str | Path, runs: Mapping[str, Sequence[dict]], *, title: str = "", task: str = "classification") -> Path:
+def plot_curves(
+    path: str | Path,
+    runs: Mapping[str, Sequence[dict]],
+    *,
+    title: str = "",
+    task: str = "classification",
+    bands: Mapping[str, Sequence[dict]] | None = None,
+) -> Path:
     """Overlays the evaluation curves of several runs, one panel per metric, and saves a PNG.
 
     Each run has its own colour and line style; a run with marginalised predictions (Bayesian
@@ -38,6 +45,9 @@ def plot_curves(path: str | Path, runs: Mapping[str, Sequence[dict]], *, title: 
       runs: label -> the run's ``metrics.jsonl`` records (each with ``round`` and the metrics).
       title: figure title (the experiment's name).
       task: ``"classification"`` or ``"regression"`` (which metrics to draw).
+      bands: label -> records of the same rounds holding a spread (the standard deviation over
+        seeds, :func:`fedbayes.summaries.mean_curves`): drawn as a shaded band of +-1 spread
+        around that run's curve (the mean over seeds).
     """
     import matplotlib  # imported here: pyplot costs about a second at start-up
 
@@ -58,6 +68,11 @@ def plot_curves(path: str | Path, runs: Mapping[str, Sequence[dict]], *, title: 
                 if not pts:
                     continue
                 xs, ys = zip(*pts)
+                spread = {r["round"]: r[k] * scale for r in (bands or {}).get(name, ()) if k in r}
+                if spread and all(x in spread for x in xs):
+                    lo = [y - spread[x] for x, y in zip(xs, ys)]
+                    hi = [y + spread[x] for x, y in zip(xs, ys)]
+                    ax.fill_between(xs, lo, hi, color=colour, alpha=0.15 if not suffix else 0.08, linewidth=0)
                 (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
                 if ax is axes[0] and name + suffix not in labels:
                     handles.append(line)

@@ -4,7 +4,10 @@ A table never cuts a method name or a number. When the columns do not fit the wi
 columns are left out (least useful first, a footnote says which); when even the essential columns
 do not fit, every method is printed as a block of ``column: value`` lines instead. Marginalised
 columns ("marg.") appear only when some method has marginalised predictions; a regression run
-gets its own columns (MSE, RMSE).
+gets its own columns (MSE, RMSE). Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (the mean and max accuracy over
+rounds R-2..R, :mod:`fedbayes.summaries`) appear when the summaries carry curves. A summary over
+several seeds (:func:`fedbayes.summaries.aggregate`) shows each number as ``mean±std`` and a
+"seeds" column.
 
 The width is the terminal's; when the output is not a terminal, ``$COLUMNS`` when set, else
 :data:`PIPE_WIDTH`.
@@ -41,9 +44,21 @@ class Column:
 
 
 def _fmt(v, pct: bool = False, digits: int = 4) -> str:
+    """A number, or a mean over seeds with its standard deviation as ``mean±std`` (one token;
+    ``[n/of]`` follows when only ``n`` of ``of`` seeds have a value)."""
+    if isinstance(v, Mapping) and "mean" in v:
+        if v.get("mean") is None:
+            return "—"
+        text = _fmt(v["mean"], pct, digits) + ("" if v.get("std") is None else "±" + _fmt(v["std"], pct, digits))
+        return text if v.get("n", 0) == v.get("of", 0) else f"{text}[{v['n']}/{v['of']}]"
     if v is None:
         return "—"
     return f"{100 * v:.2f}" if pct else f"{v:.{digits}f}"
+
+
+def _mean(v):
+    """A plain number, or the mean of a :func:`fedbayes.summaries.mean_std`."""
+    return v.get("mean") if isinstance(v, Mapping) else v
 
 
 def _final(key: str, pct: bool = False, digits: int = 4):
@@ -58,6 +73,9 @@ def _rounds_to(threshold: float):
     from fedbayes.metrics import rounds_to_threshold
 
     def value(name, s, recs):
+        if "curve" in s:  # over seeds (fedbayes.summaries.aggregate): the mean of each seed's round
+            rt = s["curve"].get("rounds_to") if s["curve"].get("threshold") == threshold else None
+            return "—" if rt is None else _fmt(rt, digits=1)
         if recs:
             try:
                 rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
@@ -70,6 +88,31 @@ def _rounds_to(threshold: float):
     return value
 
 
+def _curve(field: str, digits: int = 4):
+    """Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (:mod:`fedbayes.summaries`): the mean or max of the metric over
+    rounds R-2..R; over seeds when the summary has them, else from the run's records."""
+    from fedbayes.summaries import curve_summary
+
+    def value(name, s, recs):
+        if "curve" in s:
+            return _fmt(s["curve"].get(field), digits=digits)
+        if recs:
+            try:
+                c = curve_summary(recs)
+            except (KeyError, TypeError, ValueError):
+                c = None
+            if c is not None:
+                return _fmt(c[field], digits=digits)
+        return _fmt(s.get("final_mean_3"), digits=digits) if field == "mean_last" else "—"
+
+    return value
+
+
+def _seeds(name, s, recs):
+    seeds, bad = s.get("seeds") or [], s.get("diverged_seeds") or {}
+    return str(len(seeds)) if not bad else f"{len(seeds) - len(bad)}/{len(seeds)}"
+
+
 def _best_mse(name, s, recs):
     values = [r["mse"] for r in recs if "mse" in r]
     return _fmt(min(values), digits=5) if values else "—"
@@ -77,12 +120,12 @@ def _best_mse(name, s, recs):
 
 def _seconds(name, s, recs):
     f = s.get("final", {})
-    return f"{f.get('seconds_total', f.get('seconds', 0.0)):.1f}"
+    return f"{_mean(f.get('seconds_total', f.get('seconds', 0.0))) or 0.0:.1f}"
 
 
 def _mb_up(name, s, recs):
     f = s.get("final", {})
-    return f"{f.get('bytes_up_total', f.get('bytes_up', 0)) / 1e6:.1f}"
+    return f"{(_mean(f.get('bytes_up_total', f.get('bytes_up', 0))) or 0) / 1e6:.1f}"
 
 
 def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
@@ -92,12 +135,19 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
         Column("algorithm", lambda n, s, r: str(s.get("algorithm", "")), left=True, keep=9),
         Column("server opt", lambda n, s, r: str(s.get("server_optimizer", "")), left=True, keep=10),
     ]
+    over_seeds = any("seeds" in s for s in summaries.values())
+    if over_seeds:
+        cols.append(Column("seeds", _seeds, keep=8))
+    # Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (mean and max over rounds R-2..R), when some summary has a curve
+    curves_known = any("curve" in s or "final_mean_3" in s for s in summaries.values())
     if summaries and all(is_regression(s) for s in summaries.values()):
         cols += [
             Column("MSE", _final("mse", digits=5)),
             Column("RMSE", _final("rmse", digits=5), keep=3),
             Column("best MSE", _best_mse, keep=5),
         ]
+        if curves_known:
+            cols.append(Column("MSE mean R-2..R", _curve("mean_last", digits=5), keep=6))
     else:
         cols += [
             Column("accuracy", _final("accuracy")),
@@ -110,6 +160,8 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
                 Column("NLL marg.", _final("nll_marg"), keep=7),
                 Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=7),
             ]
+        if curves_known:
+            cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=3), Column("acc max R-2..R", _curve("max_last"), keep=6)]
         cols += [
             Column("best acc", lambda n, s, r: _fmt(s.get("best_accuracy")), keep=6),
             Column(f"rounds to {threshold:.0%}", _rounds_to(threshold), keep=5),
@@ -187,9 +239,14 @@ def render(
     title: str | None = None,
 ) -> str:
     """The table as plain text no wider than ``width`` (default :func:`terminal_width`)."""
-    width = width or terminal_width()
     cols = columns(summaries, threshold)
-    rows = cells(summaries, cols, curves)
+    return render_rows(cols, cells(summaries, cols, curves), width=width, title=title)
+
+
+def render_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]], *, width: int | None = None, title: str | None = None) -> str:
+    """Any table of cells as plain text no wider than ``width``, by the rules of :func:`render`
+    (optional columns left out by rank, else one block per row); the first column names the row."""
+    width = width or terminal_width()
     keep = list(range(len(cols)))
     dropped: list[str] = []
 
@@ -223,6 +280,11 @@ def render(
 def markdown(summaries: Mapping[str, dict], *, threshold: float = 0.8, curves: Mapping[str, Sequence[dict]] | None = None) -> str:
     """Every column as a Markdown table (for ``compare.md``)."""
     cols = columns(summaries, threshold)
+    return markdown_rows(cols, cells(summaries, cols, curves))
+
+
+def markdown_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
+    """Any table of cells as Markdown, every column kept."""
     md = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(r) + " |" for r in cells(summaries, cols, curves)]
+    md += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(md) + "\n"

@@ -8,7 +8,8 @@ Flower adapter) all run a round through these functions, so that they agree bit 
   client)``, ``server_init_key(seed)``, ``server_key(seed, round)`` (what a server rule that
   samples uses in round ``round``), ``params_key(seed)`` (model initialisation),
   ``evaluation_key(seed, round)`` (samples of marginalised predictions). NumPy streams (host work):
-  ``partition_rng(seed)``, ``cohort_rng(seed, round)``, ``shuffle_rng(seed, round, client)``.
+  ``partition_rng(seed)``, ``cohort_rng(seed, round)``, ``shuffle_rng(seed, round, client)``,
+  ``validation_rng(seed, client)`` (the held-out validation split).
   NumPy drops trailing zeros of a seed list, so no tag sits at the end of one. A client's key and
   shuffles depend only on (seed, round, client): not on its cohort, the padding, the layout or the
   device split. Because the server's per-round key is derived, not stored, a resumed run draws the
@@ -49,6 +50,7 @@ __all__ = [
     "shuffle_rng",
     "sizes_rng",
     "subsample_rng",
+    "validation_rng",
 ]
 
 WEIGHTINGS = ("examples", "uniform")
@@ -57,6 +59,7 @@ WEIGHTINGS = ("examples", "uniform")
 _CLIENT, _SERVER_INIT, _PARAMS, _EVALUATION, _SERVER_ROUND = 0, 2, 3, 5, 6
 # Tags of NumPy streams default_rng([seed, tag, ...]).
 _SUBSAMPLE, _PARTITION, _SIZES, _COHORT, _SHUFFLE = 1, 2, 7, 11, 12
+_VALIDATION = 13
 
 
 def _root(seed) -> jax.Array:
@@ -116,6 +119,11 @@ def cohort_rng(seed: int, round_idx: int) -> np.random.Generator:
 def shuffle_rng(seed: int, round_idx: int, client_id: int) -> np.random.Generator:
     """The generator of one client's epoch shuffles in one round."""
     return np.random.default_rng([seed, _SHUFFLE, round_idx, client_id])
+
+
+def validation_rng(seed: int, client_id: int) -> np.random.Generator:
+    """The generator that picks which of client ``client_id``'s examples are held out for validation."""
+    return np.random.default_rng([seed, _VALIDATION, client_id])
 
 
 def sample_without_replacement(rng: np.random.Generator, num_items: int, num_samples: int) -> np.ndarray:
