@@ -11,18 +11,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
-# XLA's persistent compilation cache, shared by the test processes and the CLI runs they start (they
-# inherit the environment): many tests compile the same small programs (a fresh simulator for a
-# resume, the same tiny config through the CLI), and a cache hit skips XLA's compile. The key holds
-# the program, the flags and the versions, so a hit is the same executable.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fedbayes-tests-xla-cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# XLA's persistent compilation cache (the one `fedbayes` CLI runs use, fedbayes.cli.enable_compilation_cache),
+# in a folder of the tests' own: many tests compile the same small programs (a fresh simulator for a
+# resume, the same tiny config through the CLI), and a hit skips XLA's compile. The key holds the
+# program, the flags and the versions, so a hit is the same executable. Tests that start the CLI
+# in a process of its own set FEDBAYES_CACHE themselves (off, or a folder they test).
+os.environ.setdefault("FEDBAYES_CACHE", os.path.join(tempfile.gettempdir(), "fedbayes-tests-xla-cache"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+if os.environ["FEDBAYES_CACHE"].lower() not in ("off", "0", "false", "no"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["FEDBAYES_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")

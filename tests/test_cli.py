@@ -94,6 +94,9 @@ def test_compare_prints_one_table_and_one_plot(tmp_path):
 server = { optimizer = "momentum", lr = 1.0 }
 [variants.fedprox]
 algorithm = { name = "fedprox", mu = 0.1 }
+[reference]
+source = "a paper, Table 9"
+values = { fedavg = 50.0, fedprox = "60.5(1.5)" }
 """
     )
     p = tmp_path / "cmp.toml"
@@ -106,6 +109,18 @@ algorithm = { name = "fedprox", mu = 0.1 }
     assert (out / "compare.png").is_file() and (out / "compare.md").is_file()
     table = json.loads((out / "compare.json").read_text())
     assert table["fedavgm"]["server_optimizer"] == "momentum" and table["fedprox"]["algorithm"] == "fedprox"
+    # the paper's numbers beside ours: mean accuracy over rounds R-2..R (here rounds 1-2) in percent
+    md = (out / "compare.md").read_text()
+    assert "a paper, Table 9" in res.output and "Beside the paper** (a paper, Table 9)" in md
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in md.split("Beside the paper")[1].splitlines() if line.startswith("| fed")}
+    acc = [r["accuracy"] for r in read_metrics(out / "fedavg" / "metrics.jsonl") if r["round"] >= 1]
+    assert rows["fedavg"][0] == f"{100 * sum(acc) / len(acc):.2f}" and rows["fedavg"][1] == "50.0"
+    assert rows["fedavg"][2] == f"{100 * sum(acc) / len(acc) - 50.0:+.2f}"
+    assert rows["fedprox"][1] == "60.5(1.5)" and rows["fedavgm"][1:] == ["—", "—"]
+    # a name in the reference that is no variant: one line naming the field and the variants
+    p.write_text(spec.replace("fedprox = ", "fedlap = "))
+    res = runner.invoke(app, ["compare", str(p), "--out", str(tmp_path / "o2")])
+    assert res.exit_code == 2 and "reference.values: unknown variant(s) ['fedlap']; allowed: fedavg, fedavgm, fedprox" in res.output
 
 
 def test_compare_rejects_bad_variant(tmp_path):

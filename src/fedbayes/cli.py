@@ -309,7 +309,9 @@ def resume(
         _resume_sweep(out)
         return
     if not cfg_path.is_file() and (out / COMPARISON_FILE).is_file():
-        _run_comparison(_comparison([out / COMPARISON_FILE], []), out, resume=True, logs=log, seeds=_file_seeds([out / COMPARISON_FILE]))
+        files = [out / COMPARISON_FILE]
+        runs = _comparison(files, [])
+        _run_comparison(runs, out, resume=True, logs=log, seeds=_file_seeds(files), reference=_file_reference(files, runs))
         return
     if not cfg_path.is_file():
         _fail(f"error: {out} holds no config.toml or {COMPARISON_FILE}; is it a fedbayes run folder?")
@@ -345,9 +347,9 @@ def _comparison(files: list[Path], overrides: list[str]) -> dict[str, RunConfig]
         except ConfigError as exc:
             _fail(str(exc))
         if "variants" in raw or "base" in raw:
-            unknown = set(raw) - {"base", "variants", "seeds"}
+            unknown = set(raw) - {"base", "variants", "seeds", "reference"}
             if unknown:
-                _fail(f"config error: {path}: unknown top-level key(s) {sorted(unknown)} in a comparison file; allowed: base, variants, seeds")
+                _fail(f"config error: {path}: unknown top-level key(s) {sorted(unknown)} in a comparison file; allowed: base, variants, seeds, reference")
             variants = raw.get("variants") or {}
             if not variants:
                 _fail(f"config error: {path}: variants: a comparison needs at least one [variants.NAME] table")
@@ -404,7 +406,8 @@ def compare(
     _check_out(out, overwrite, resume, what="comparison")
     datasets = sorted({c.data.dataset for c in runs.values()})
     title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
-    _run_comparison(runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list)
+    reference = _file_reference(configs, runs)
+    _run_comparison(runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list, reference=reference)
 
 
 def _finished(cfg: RunConfig, folder: Path) -> dict | None:
@@ -427,13 +430,14 @@ def _run_comparison(
     title: str = "comparison",
     threshold: float = 0.8,
     seeds: list[int] | None = None,
+    reference=None,
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.experiment import prepare_data, read_metrics
     from fedbayes.plotting import plot_curves
 
     if seeds is not None:  # every (variant, seed) its own run; mean and std over seeds
-        return _run_seeded_comparison(runs, out, seeds, resume=resume, logs=logs, json_out=json_out, title=title, threshold=threshold)
+        return _run_seeded_comparison(runs, out, seeds, resume=resume, logs=logs, json_out=json_out, title=title, threshold=threshold, reference=reference)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
     if resume:  # a variant whose folder holds another config must not be mixed in silently
         for name, cfg in runs.items():
@@ -451,6 +455,8 @@ def _run_comparison(
             _fail(f"{exc} (variant {name!r})")
     out.mkdir(parents=True, exist_ok=True)
     comparison = {"variants": {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}}
+    if reference is not None:
+        comparison["reference"] = reference.model_dump(mode="json")
     (out / COMPARISON_FILE).write_text("# written by `fedbayes compare`; `fedbayes resume` continues it\n" + _toml(comparison))
     summaries = {}
     for name, cfg in runs.items():
@@ -465,7 +471,7 @@ def _run_comparison(
     curves = {name: read_metrics(out / name / "metrics.jsonl") for name in runs}
     task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
     plot = plot_curves(out / "compare.png", curves, title=title, task=task)
-    md = report.markdown(summaries, threshold=threshold, curves=curves)
+    md = report.markdown(summaries, threshold=threshold, curves=curves) + _reference_markdown(summaries, curves, reference)
     (out / "compare.md").write_text(md)
     from fedbayes.strictjson import dumps_record
 
@@ -475,9 +481,41 @@ def _run_comparison(
         print(dumps_record({n: _without_numbers(s) for n, s in summaries.items()}), flush=True)
     else:
         _print_table(summaries, threshold, curves)
+        _print_reference(summaries, curves, reference)
         console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
     if diverged:
         _fail(f"error: diverged: {', '.join(diverged)} (see their rows; each kept its last good checkpoint for fedbayes resume DIR --set ...)", code=3)
+
+
+def _file_reference(files: list[Path], runs: dict[str, RunConfig]):
+    """The ``[reference]`` table of the comparison file (a paper's numbers), else None."""
+    from fedbayes.config import read_reference
+
+    found = None
+    for path in files:
+        try:
+            raw = read_toml(path)
+            if "reference" in raw and ("variants" in raw or "base" in raw):
+                if found is not None:
+                    _fail(f"config error: {path}: reference: only one comparison file may hold a [reference] table")
+                found = read_reference(raw["reference"], path, list(runs))
+        except ConfigError as exc:
+            _fail(str(exc))
+    return found
+
+
+def _reference_markdown(summaries, curves, reference) -> str:
+    if reference is None:
+        return ""
+    cols, rows = report.reference_table(summaries, curves, reference)
+    return f"\n**Beside the paper** ({reference.source}):\n\n" + report.markdown_rows(cols, rows)
+
+
+def _print_reference(summaries, curves, reference) -> None:
+    if reference is None:
+        return
+    cols, rows = report.reference_table(summaries, curves, reference)
+    print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}"), end="", flush=True)
 
 
 def _without_numbers(summary: dict) -> dict:
@@ -549,7 +587,7 @@ def _check_data(configs, label) -> None:
             _fail(f"{exc} ({label(key)})")
 
 
-def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[int], *, resume, logs, json_out, title, threshold) -> None:
+def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[int], *, resume, logs, json_out, title, threshold, reference=None) -> None:
     """A comparison over seeds: run folders OUT/VARIANT/seed_S; tables and plot of means and
     standard deviations (:mod:`fedbayes.summaries`)."""
     from fedbayes import summaries as sm
@@ -570,6 +608,8 @@ def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[in
     _check_data([(key, cfg) for key, (cfg, _) in todo.items()], lambda key: f"variant {key[0]!r}, seed {key[1]}")
     out.mkdir(parents=True, exist_ok=True)
     comparison = {"seeds": seeds, "variants": {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}}
+    if reference is not None:
+        comparison["reference"] = reference.model_dump(mode="json")
     (out / COMPARISON_FILE).write_text("# written by `fedbayes compare`; `fedbayes resume` continues it\n" + _toml(comparison))
     results: dict[str, dict[int, dict]] = {}
     for (name, seed), (cfg, folder) in jobs.items():
@@ -593,13 +633,16 @@ def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[in
     )
     mean_records = {n: m for n, (m, _) in means.items()}
     note = f"\nMean±std over seeds {seeds} (sample standard deviation); curve summaries as Swaroop et al. 2025 (ADMM and Bayes) report them.\n"
-    (out / "compare.md").write_text(report.markdown(summaries, threshold=threshold, curves=mean_records) + note)
+    (out / "compare.md").write_text(
+        report.markdown(summaries, threshold=threshold, curves=mean_records) + note + _reference_markdown(summaries, mean_records, reference)
+    )
     body = {n: _without_numbers(s) for n, s in summaries.items()}
     (out / "compare.json").write_text(dumps_record(body, indent=2) + "\n")
     if json_out:
         print(dumps_record(body), flush=True)
     else:
         print(report.render(summaries, threshold=threshold, curves=mean_records, title=f"fedbayes comparison, mean±std over seeds {seeds}"), end="", flush=True)
+        _print_reference(summaries, mean_records, reference)
         console.print(f"table: {out / 'compare.md'}  plot: {plot}", highlight=False)
     diverged = [f"{n} (seed {s})" for n in runs for s in seeds if results[n][s].get("diverged")]
     if diverged:

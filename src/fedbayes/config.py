@@ -175,6 +175,35 @@ class RunConfig(_Strict):
         return self
 
 
+class ReferenceTable(_Strict):
+    """A comparison file's ``[reference]`` table: a paper's numbers, printed beside ours.
+
+    ``values`` maps a variant to the paper's number in percent (``76.0``) or to the text the paper
+    prints (``"76.0(0.7)"``, mean and standard deviation); ``summary`` says which of our curve
+    summaries it is set beside: the mean (``mean_last``) or max (``max_last``) test accuracy over
+    rounds R-2..R, as "Federated learning with ADMM and Bayes" (Swaroop et al. 2025) reports them.
+    """
+
+    section: ClassVar[str] = "reference"
+
+    source: str = Field(min_length=1, description="where the numbers come from (paper, table, setting)")
+    summary: Literal["mean_last", "max_last"] = Field("mean_last", description="the curve summary the numbers are set beside")
+    values: dict[str, Union[float, str]] = Field(min_length=1, description="variant -> the paper's number (percent) or its printed text")
+
+
+def read_reference(raw: Any, path: str | Path, variants) -> ReferenceTable:
+    """Validates a ``[reference]`` table; every name in ``values`` must be a variant."""
+    try:
+        ref = ReferenceTable.model_validate(raw)
+    except ValidationError as exc:
+        detail = format_validation_error(exc, ReferenceTable).removeprefix("config error: ")
+        raise ConfigError(f"config error: {path}: reference.{detail}") from None
+    unknown = [k for k in ref.values if k not in variants]
+    if unknown:
+        raise ConfigError(f"config error: {path}: reference.values: unknown variant(s) {unknown}; allowed: {', '.join(variants)}")
+    return ref
+
+
 class ConfigError(BadInputError):
     """A configuration problem, already formatted as one line for the user (exit code 2)."""
 

@@ -288,3 +288,50 @@ def markdown_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
     md = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(md) + "\n"
+
+
+def reference_table(summaries: Mapping[str, dict], curves: Mapping[str, Sequence[dict]], reference) -> tuple[list[Column], list[list[str]]]:
+    """Our curve summary beside a paper's number for each variant of a comparison.
+
+    ``reference`` is a :class:`fedbayes.config.ReferenceTable`. Ours is the test accuracy's mean
+    (or max) over rounds R-2..R in percent, ``mean±std`` over seeds when the comparison has them;
+    "difference" is ours minus the paper's mean. Variants the paper has no number for show "—".
+    """
+    from fedbayes.summaries import curve_summary
+
+    field = reference.summary
+
+    def ours(name, s):
+        if s.get("diverged"):
+            return None
+        if "curve" in s:
+            return s["curve"].get(field)
+        c = curve_summary(curves.get(name) or [])
+        return None if c is None else c[field]
+
+    def paper_mean(v):
+        if isinstance(v, (int, float)):
+            return float(v)
+        head = str(v).split("(")[0].split("±")[0].strip()
+        try:
+            return float(head)
+        except ValueError:
+            return None
+
+    label = {"mean_last": "mean", "max_last": "max"}[field]
+    cols = [
+        Column("method", lambda n, s, r: n, left=True),
+        Column(f"ours: acc {label} R-2..R (%)", lambda n, s, r: ""),
+        Column("paper (%)", lambda n, s, r: ""),
+        Column("difference", lambda n, s, r: "", keep=1),
+    ]
+    rows = []
+    for name, s in summaries.items():
+        v = ours(name, s)
+        text = "diverged" if s.get("diverged") else _fmt(v, pct=True).replace("±", " ± ") if v is not None else "—"
+        p = reference.values.get(name)
+        pm = paper_mean(p) if p is not None else None
+        m = _mean(v) if v is not None else None
+        diff = f"{100 * m - pm:+.2f}" if (m is not None and pm is not None) else "—"
+        rows.append([name, text, "—" if p is None else str(p), diff])
+    return cols, rows
