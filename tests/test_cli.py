@@ -112,7 +112,11 @@ values = { fedavg = 50.0, fedprox = "60.5(1.5)" }
     # the paper's numbers beside ours: mean accuracy over rounds R-2..R (here rounds 1-2) in percent
     md = (out / "compare.md").read_text()
     assert "a paper, Table 9" in res.output and "Beside the paper** (a paper, Table 9)" in md
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in md.split("Beside the paper")[1].splitlines() if line.startswith("| fed")}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in md.split("Beside the paper")[1].splitlines()
+        if line.startswith("| fed")
+    }
     acc = [r["accuracy"] for r in read_metrics(out / "fedavg" / "metrics.jsonl") if r["round"] >= 1]
     assert rows["fedavg"][0] == f"{100 * sum(acc) / len(acc):.2f}" and rows["fedavg"][1] == "50.0"
     assert rows["fedavg"][2] == f"{100 * sum(acc) / len(acc) - 50.0:+.2f}"
