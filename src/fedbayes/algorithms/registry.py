@@ -77,6 +77,7 @@ class AlgorithmSpec(NamedTuple):
 admm, fedavg, feddyn, fedep, fedpa, fedprox, vbnn = (
     importlib.import_module(f"fedbayes.algorithms.{m}") for m in ("admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox", "vbnn")
 )
+fedlap = importlib.import_module("fedbayes.algorithms.fedlap")
 
 _BUILTIN = (
     AlgorithmSpec("fedavg", fedavg.FedAvgConfig, fedavg.build, "weighted averaging of local deltas; FedAvgM/FedAdam/FedYogi via the server optimizer"),
@@ -87,6 +88,7 @@ _BUILTIN = (
     AlgorithmSpec("fedep", fedep.FedEPConfig, fedep.build_fedep, "expectation propagation with stateful Gaussian sites"),
     AlgorithmSpec("fedsep", fedep.FedSEPConfig, fedep.build_fedsep, "stochastic EP: one shared site, stateless clients"),
     AlgorithmSpec("vbnn", vbnn.VBNNConfig, vbnn.build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors"),
+    AlgorithmSpec("fedlap", fedlap.FedLapConfig, fedlap.build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites"),
 )
 
 _REGISTRY: dict[str, AlgorithmSpec] = {spec.name: spec for spec in _BUILTIN}
