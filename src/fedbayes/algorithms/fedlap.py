@@ -36,7 +36,8 @@ Choices:
 Building blocks, public so that FedLap-Func (docs/algorithms.md §11) can add its function-space
 term to the same client objective and reuse the dual update and the server:
 :func:`site_terms`, :func:`client_penalty`, :func:`dual_update`, :func:`client_step`,
-:func:`server_step`, :class:`ServerState`, :class:`Broadcast`, :func:`broadcast`.
+:func:`server_step`, :class:`ServerState`, :class:`Broadcast`, :func:`broadcast`; FedLap-Cov
+shares :func:`training_start` and :func:`per_example`.
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ __all__ = [
     "client_step",
     "dual_update",
     "fedlap",
+    "per_example",
     "server_init",
     "server_step",
     "site_terms",
+    "training_start",
 ]
 
 
@@ -110,10 +113,20 @@ def server_init(params) -> ServerState:
     return ServerState(optax.tree.zeros_like(params), params, jnp.zeros((), jnp.int32))
 
 
+def training_start(init, params, round_idx: jax.Array):
+    """Where local training starts: the initial parameters in round 1, ``w_g`` afterwards."""
+    first = round_idx == 0
+    return jax.tree.map(lambda i, w: jnp.where(first, i, w), init, params)
+
+
 def broadcast(state: ServerState) -> Broadcast:
-    first = state.round == 0
-    start = jax.tree.map(lambda i, w: jnp.where(first, i, w), state.init, state.params)
-    return Broadcast(state.params, start)
+    return Broadcast(state.params, training_start(state.init, state.params, state.round))
+
+
+def per_example(total: jax.Array, num_examples) -> jax.Array:
+    """``total / n_k`` (``n_k`` at least 1): a sum-loss-scale term on the trainer's mean-loss scale."""
+    n = jnp.maximum(jnp.asarray(num_examples), 1)
+    return total / n.astype(total.dtype)
 
 
 def site_terms(w, anchor, site, delta: float) -> jax.Array:
@@ -130,13 +143,12 @@ def client_penalty(anchor, site, *, delta: float, num_examples, extra: Callable 
     ``extra`` is an optional further term on the sum-loss scale (FedLap-Func's function-space
     term); ``None`` adds nothing (not even a zero).
     """
-    n = jnp.maximum(jnp.asarray(num_examples), 1).astype(jnp.float32)
 
     def penalty(w):
         total = site_terms(w, anchor, site, delta)
         if extra is not None:
             total = total + extra(w)
-        return total / n.astype(total.dtype)
+        return per_example(total, num_examples)
 
     return penalty
 
