@@ -21,16 +21,16 @@ from typer.testing import CliRunner
 from fedbayes import config, gaussian, models
 from fedbayes import round as protocol
 from fedbayes.algorithms.fedlap import client_penalty, fedlap
-from fedbayes.cli import app
-from fedbayes.config import ConfigError, validate
-from fedbayes.experiment import read_metrics
-from fedbayes.export import load_model
 from fedbayes.algorithms.fedlap_cov import PrecisionOps, data_curvature, fedlap_cov
 from fedbayes.algorithms.fedlap_cov import broadcast as cov_broadcast
 from fedbayes.algorithms.fedlap_cov import client_step as cov_client_step
 from fedbayes.algorithms.fedlap_cov import server_init as cov_server_init
 from fedbayes.algorithms.fedlap_cov import server_step as cov_server_step
+from fedbayes.cli import app
+from fedbayes.config import ConfigError, validate
 from fedbayes.data.batches import ClientData, get_batch
+from fedbayes.experiment import read_metrics
+from fedbayes.export import load_model
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.sgd import LocalTrainer, training_info
 from fedbayes.models import init_params, loss_fn, make_model
@@ -208,8 +208,9 @@ def test_fedlap_cov_full_covariance_exact_hessians_undamped_is_the_map_in_one_ro
         delta, rho = 1.3, 1.0
         params = jnp.asarray(np.random.default_rng(5).normal(size=DIM + 1))
         state = cov_server_init(params, delta, FULL)
-        site0 = DiagGaussian(precision_mean=jnp.zeros(DIM + 1), precision=jnp.zeros((DIM + 1, DIM + 1)))
-        client = jax.jit(lambda m, site, data: cov_client_step(jax.random.key(0), m, site, data, trainer, rho=rho, curvature=hessian, ops=FULL, solver=newton_solver)[2])
+        client = jax.jit(
+            lambda m, site, data: cov_client_step(jax.random.key(0), m, site, data, trainer, rho=rho, curvature=hessian, ops=FULL, solver=newton_solver)[2]
+        )
         sites = [DiagGaussian(precision_mean=jnp.zeros(DIM + 1), precision=jnp.zeros((DIM + 1, DIM + 1))) for _ in prob.datas]
         for r in range(2):
             message = cov_broadcast(state)

@@ -11,4 +11,5 @@ from fedbayes.algorithms.fedpa import fedpa, shrinkage_delta
 from fedbayes.algorithms.fedprox import fedprox
 from fedbayes.algorithms.server_opt import make_server_optimizer, scale_by_reddi
 
-__all__ = ["Algorithm", "admm", "fedavg", "feddyn", "fedep", "fedlap", "fedlap_cov", "fedpa", "fedprox", "fedsep", "make_server_optimizer", "scale_by_reddi", "shrinkage_delta"]
+__all__ = ["Algorithm", "admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox", "fedsep", "make_server_optimizer", "scale_by_reddi", "shrinkage_delta"]
+__all__ += ["fedlap", "fedlap_cov"]

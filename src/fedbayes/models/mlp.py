@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 
-
 ACTIVATIONS = {"relu": nn.relu, "sigmoid": nn.sigmoid, "tanh": nn.tanh}
 
 
