@@ -1,4 +1,4 @@
-"""FedLap and FedLap-Cov (docs/algorithms.md §9-10) on least-squares clients with exact local
+"""FedLap and FedLap-Cov (docs/algorithms.md §9, §10) on least-squares clients with exact local
 solves, where the target is known in closed form: the MAP of ``sum_k l_k(w) + delta/2 ||w||^2``
 with ``l_k(w) = 1/2 ||Z_k w - y_k||^2`` (``Z`` the features with a ones column for the bias) is
 ``(sum_k Z_k^T Z_k + delta I)^{-1} sum_k Z_k^T y_k``.
