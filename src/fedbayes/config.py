@@ -24,6 +24,8 @@ DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthe
 PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 MODELS = ("logreg", "mlp", "cnn", "linear")
 VARIATIONAL_MODELS = ("mlp", "cnn")
+ACTIVATIONS = ("relu", "sigmoid", "tanh")
+EXACT_SERVER = ("fedlap", "fedlap_cov")  # methods whose server update is exact: no server optimizer
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -62,6 +64,7 @@ class ModelConfig(_Strict):
 
     name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
+    activation: Literal[ACTIVATIONS] = Field("relu", description="mlp hidden-layer nonlinearity (the FedLap authors' code uses sigmoid)")  # type: ignore[valid-type]
     # Ozer et al. 2022 (VBNN aggregation)'s VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
     variational: bool = False
 
@@ -69,6 +72,8 @@ class ModelConfig(_Strict):
     def _variational_models(self) -> ModelConfig:
         if self.variational and self.name not in VARIATIONAL_MODELS:
             raise ValueError(f"model.variational: only {', '.join(VARIATIONAL_MODELS)} have a variational version; got {self.name!r}")
+        if self.activation != "relu" and self.name != "mlp":
+            raise ValueError(f"model.activation: only the mlp has a choice of activation; got {self.activation!r} with model {self.name!r}")
         return self
 
 
@@ -160,6 +165,11 @@ class RunConfig(_Strict):
         if getattr(self.algorithm, "method", None) == "mcmc" and self.client.epochs < 2:
             raise ValueError(
                 f"client.epochs: the mcmc method estimates a variance from one sample per epoch, so it needs epochs >= 2; got {self.client.epochs}"
+            )
+        if self.algorithm.name in EXACT_SERVER and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
+            raise ValueError(
+                f"server.optimizer: {self.algorithm.name}'s server multiplies the clients' sites exactly and uses no server optimizer; "
+                f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
             )
         if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
             raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")

@@ -194,7 +194,7 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
     dataset, parts, validation = prepare_split(config)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
-    kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
+    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
     variational = config.model.variational
     model = make_model(config.model.name, dataset.num_classes, variational=variational, **kwargs)
     params = init_params(model, protocol.params_key(config.seed), dataset.feature_shape)
@@ -423,8 +423,8 @@ class CalibrationCheck:
 
     def __init__(self, name: str, after_round: int = 0, advice: str = "raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')"):
         self.name = name
-        self.advice = advice
         self.after_round = after_round  # the initial model and burn-in rounds are not checked
+        self.advice = advice  # what to change (the default is FedEP's and FedSEP's knob)
         self.message: str | None = None
 
     def check(self, record: dict) -> None:
@@ -443,6 +443,8 @@ class CalibrationCheck:
 def _calibration_advice(config: RunConfig) -> dict:
     if config.algorithm.name == "pvi":  # its width comes from the prior and the local steps, not a scale
         return {"advice": "set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2"}
+    if config.algorithm.name == "fedlap_cov":  # its posterior's width is set by the prior precision
+        return {"advice": "raise algorithm.delta, the prior precision (docs/algorithms.md §10)"}
     return {}
 
 

@@ -78,6 +78,8 @@ admm, fedavg, feddyn, fedep, fedpa, fedprox, vbnn = (
     importlib.import_module(f"fedbayes.algorithms.{m}") for m in ("admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox", "vbnn")
 )
 pvi = importlib.import_module("fedbayes.algorithms.pvi")
+fedlap = importlib.import_module("fedbayes.algorithms.fedlap")
+fedlap_cov = importlib.import_module("fedbayes.algorithms.fedlap_cov")
 
 _BUILTIN = (
     AlgorithmSpec("fedavg", fedavg.FedAvgConfig, fedavg.build, "weighted averaging of local deltas; FedAvgM/FedAdam/FedYogi via the server optimizer"),
@@ -89,6 +91,8 @@ _BUILTIN = (
     AlgorithmSpec("fedsep", fedep.FedSEPConfig, fedep.build_fedsep, "stochastic EP: one shared site, stateless clients"),
     AlgorithmSpec("vbnn", vbnn.VBNNConfig, vbnn.build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors"),
     AlgorithmSpec("pvi", pvi.PVIConfig, pvi.build, "partitioned variational inference: mean-field Gaussian sites, reparameterised local VI"),
+    AlgorithmSpec("fedlap", fedlap.FedLapConfig, fedlap.build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites"),
+    AlgorithmSpec("fedlap_cov", fedlap_cov.FedLapCovConfig, fedlap_cov.build, "FedLap with diagonal-GGN site precisions: two duals, a preconditioned server"),
 )
 
 _REGISTRY: dict[str, AlgorithmSpec] = {spec.name: spec for spec in _BUILTIN}
