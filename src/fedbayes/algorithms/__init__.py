@@ -12,4 +12,19 @@ from fedbayes.algorithms.fedprox import fedprox
 from fedbayes.algorithms.pvi import pvi
 from fedbayes.algorithms.server_opt import make_server_optimizer, scale_by_reddi
 
-__all__ = ["Algorithm", "admm", "fedavg", "feddyn", "fedep", "fedlap", "fedlap_cov", "fedpa", "fedprox", "fedsep", "make_server_optimizer", "pvi", "scale_by_reddi", "shrinkage_delta"]
+__all__ = [
+    "Algorithm",
+    "admm",
+    "fedavg",
+    "feddyn",
+    "fedep",
+    "fedlap",
+    "fedlap_cov",
+    "fedpa",
+    "fedprox",
+    "fedsep",
+    "make_server_optimizer",
+    "pvi",
+    "scale_by_reddi",
+    "shrinkage_delta",
+]
