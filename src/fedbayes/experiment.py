@@ -58,6 +58,7 @@ from fedbayes.loggers import ClientLog
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.plotting import plot_curves
+from fedbayes.privacy import epsilon as privacy_epsilon
 from fedbayes.simulate import Federation, Simulator
 from fedbayes.strictjson import dumps_record, loads_strict, restore_record
 
@@ -171,7 +172,8 @@ def build_algorithm(
 def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
     dataset, parts = prepare_data(config)
-    federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
+    aggregator, attack, attackers, y_train = _protection(config, dataset, parts)
+    federation = Federation(dataset.x_train, y_train, tuple(parts))
     kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
     variational = config.model.variational
     model = make_model(config.model.name, dataset.num_classes, variational=variational, **kwargs)
@@ -191,6 +193,11 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
         fail_fast=config.server.fail_fast,
         store=config.store,
         store_dir=config.store_dir or store_dir,
+        aggregator=aggregator(algorithm),
+        dropout=config.server.dropout,
+        deadline=config.server.deadline,
+        attack=attack,
+        attackers=attackers,
     )
     if variational:
         evaluate = _variational(algorithm, config, keyed_apply_fn, dataset)
@@ -201,6 +208,32 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     else:
         evaluate = _on_state(evaluate, algorithm)
     return Experiment(config, dataset, federation, model, params, simulator, evaluate)
+
+
+def _protection(config: RunConfig, dataset: Dataset, parts):
+    """The server's rule (a function of the algorithm: DP, robust, or ``None`` for the method's
+    own), the message attack, the attacking clients and the training labels (flipped for
+    ``attack.kind = "label_flip"``) from the ``privacy``, ``server`` and ``attack`` sections."""
+    from fedbayes import attacks
+    from fedbayes.privacy import DPAggregator
+    from fedbayes.robust import make_aggregator
+
+    s, p, a = config.server, config.privacy, config.attack
+
+    def aggregator(algorithm):
+        robust = make_aggregator(s.aggregator, trim_fraction=s.trim_fraction, norm_bound=s.norm_bound, max_precision_share=s.max_precision_share, base=algorithm.aggregator)
+        if p.clip is None:
+            return robust
+        return DPAggregator(p.clip, p.noise_multiplier, coordinates=p.coordinates, precision_floor=p.precision_floor, base=robust or algorithm.aggregator)
+
+    attackers = attacks.attacker_ids(config.seed, len(parts), a.fraction)
+    y_train = dataset.y_train
+    attack = None
+    if len(attackers) and a.kind == "label_flip":
+        y_train = attacks.flip_labels(dataset.y_train, np.concatenate([parts[c] for c in attackers]), dataset.num_classes)
+    elif len(attackers):
+        attack = attacks.message_attack(a.kind, a.scale)
+    return aggregator, attack, attackers, y_train
 
 
 def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, dataset: Dataset):
@@ -476,6 +509,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
     state = sim.init(exp.params, resume=ckpt is not None)  # resume: open the disk store, not rewrite it
     counters = {"seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "rejected": 0}
+    if config.server.dropout > 0 or config.server.deadline is not None:
+        counters.update(dropped=0, late=0)
     records: list[dict] = []
     if ckpt is not None:
         state, meta = load_checkpoint(ckpt, state)
@@ -497,6 +532,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     def record(round_idx: int, info=None) -> dict:
         m = exp.evaluate(state.server_state, round_idx)
         r = {"round": round_idx, **m, **counters}
+        if config.privacy.clip is not None:
+            p = config.privacy
+            r["epsilon"] = privacy_epsilon(p.noise_multiplier, len(exp.federation.sizes), config.server.clients_per_round, round_idx, p.delta)
         if info is not None:
             r["train_loss"] = train_loss(info)
         r["seconds"] = round(r["seconds"], 3)
@@ -522,6 +560,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
             counters["bytes_up"] += info.bytes_up
             counters["bytes_down"] += info.bytes_down
             counters["rejected"] += len(info.rejected)
+            if "dropped" in counters:
+                counters["dropped"] += len(info.dropped)
+                counters["late"] += len(info.late)
             client_log.write(info, state.round)
             r = state.round
             rec = record(r, info) if (r % config.eval_every == 0 or r == config.rounds) else None

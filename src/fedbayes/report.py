@@ -85,6 +85,14 @@ def _mb_up(name, s, recs):
     return f"{f.get('bytes_up_total', f.get('bytes_up', 0)) / 1e6:.1f}"
 
 
+def _epsilon(name, s, recs):
+    final = s.get("final", {})
+    if "epsilon" not in final:
+        return "—"
+    v = final["epsilon"]
+    return "inf" if v is None or v == float("inf") else f"{v:.2f}"
+
+
 def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
     """The columns for these summaries: classification or regression; "marg." only when present."""
     cols = [
@@ -110,6 +118,8 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
                 Column("NLL marg.", _final("nll_marg"), keep=7),
                 Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=7),
             ]
+        if any("epsilon" in s.get("final", {}) for s in summaries.values()):
+            cols += [Column("epsilon", _epsilon, keep=4)]  # client-level DP (fedbayes.privacy); inf: no noise
         cols += [
             Column("best acc", lambda n, s, r: _fmt(s.get("best_accuracy")), keep=6),
             Column(f"rounds to {threshold:.0%}", _rounds_to(threshold), keep=5),
