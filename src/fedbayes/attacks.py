@@ -66,10 +66,13 @@ def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
 
 def _huge_precision(scale: float):
     def fake(d: DiagGaussian, q: DiagGaussian) -> DiagGaussian:
-        lam_g = jax.tree.map(lambda lam: jnp.where(lam > 0, lam, 1.0), q.precision)
-        d_lam = jax.tree.map(lambda lg, x: jnp.broadcast_to(scale * lg, x.shape).astype(x.dtype), lam_g, d.precision)
-        m_g = jax.tree.map(lambda eta, lg: eta / lg, q.precision_mean, lam_g)
-        d_eta = jax.tree.map(lambda lg, dl, mg, eta_g: -(lg + dl) * mg - eta_g, lam_g, d_lam, m_g, q.precision_mean)
+        def full(r, x):  # the reference broadcast to the stacked message's shape
+            return jnp.broadcast_to(jnp.reshape(r, (1,) * (x.ndim - jnp.ndim(r)) + jnp.shape(r)), x.shape).astype(x.dtype)
+
+        lam_g = jax.tree.map(lambda lam, x: full(jnp.where(lam > 0, lam, 1.0), x), q.precision, d.precision)
+        eta_g = jax.tree.map(full, q.precision_mean, d.precision_mean)
+        d_lam = jax.tree.map(lambda lg: scale * lg, lam_g)
+        d_eta = jax.tree.map(lambda lg, dl, eg: -(lg + dl) * (eg / lg) - eg, lam_g, d_lam, eta_g)
         return DiagGaussian(precision_mean=d_eta, precision=d_lam)
 
     return fake

@@ -28,7 +28,9 @@ client's new belief is ``q' = q_g + Delta`` with mean ``m'`` and precision ``Lam
 * ``"moments"``: clip ``u = (m' - m_g, log Lambda' - log Lambda_g)`` instead, add the noise to
   the sum of the ``u``, and map the noisy mean ``u_bar`` back: ``q_new = (m_g + u_bar_m,
   Lambda_g exp(u_bar_l))``, ``mean = q_new - q_g`` in natural parameters, ``total = count *
-  mean``. Precisions stay positive by construction (no post-processing), and the clip treats the
+  mean``. Precisions stay positive by construction: the noisy ``u_bar`` is clamped to
+  ``[-C, C]`` per coordinate (every client's ``u`` lies in the ``C``-ball, so the true mean does:
+  post-processing with public ``C``), so ``Lambda_g e^{-C} <= Lambda_new <= Lambda_g e^{C}``, and the clip treats the
   mean and the precision on the same scale: in natural coordinates ``|Delta Lambda|`` (of the
   order of ``Lambda_g ~ alpha N``, thousands) dwarfs ``|Delta eta|``, so a joint clip spends the
   budget on precisions and shrinks the mean's move by the same factor. The price: the aggregate
@@ -82,6 +84,11 @@ def _ref_moments(q: DiagGaussian):
     return m, jax.tree.map(jnp.log, safe), pos
 
 
+def _lead(ref: jax.Array, x: jax.Array) -> jax.Array:
+    """``ref`` with leading axes added to match the stacked ``x`` (explicit rank promotion)."""
+    return jnp.reshape(ref, (1,) * (jnp.ndim(x) - jnp.ndim(ref)) + jnp.shape(ref))
+
+
 def to_moments(delta: DiagGaussian, q: DiagGaussian) -> DiagGaussian:
     """Stacked natural deltas as ``(m' - m_g, log Lambda' - log Lambda_g)`` (stored in a
     :class:`DiagGaussian` for its structure: ``precision_mean`` holds the mean part, ``precision``
@@ -91,10 +98,12 @@ def to_moments(delta: DiagGaussian, q: DiagGaussian) -> DiagGaussian:
     m_g, log_g, pos = _ref_moments(q)
 
     def mean_part(d_eta, d_lam, eta_g, lam_g, mg, p):
+        eta_g, lam_g, mg, p = (_lead(r, d_lam) for r in (eta_g, lam_g, mg, p))
         lam_new = jnp.maximum(lam_g + d_lam, 1e-6 * jnp.where(p, lam_g, 1.0))
         return jnp.where(p, (eta_g + d_eta) / lam_new - mg, d_eta)
 
     def log_part(d_lam, lam_g, lg, p):
+        lam_g, lg, p = (_lead(r, d_lam) for r in (lam_g, lg, p))
         lam_new = jnp.maximum(lam_g + d_lam, 1e-6 * jnp.where(p, lam_g, 1.0))
         return jnp.where(p, jnp.log(lam_new) - lg, d_lam)
 
@@ -171,6 +180,9 @@ class DPAggregator:
             mean = jax.tree.map(lambda m, z: m if z is None else m + z / safe.astype(m.dtype), agg.mean, noise, is_leaf=lambda z: z is None)
             agg = Aggregate(mean=mean, total=total, count=count)
         if moments:
+            clip = self.clip
+            if self.noise_multiplier > 0:  # every client's u lies in the C-ball, so their mean does: clamp the noisy one to [-C, C]
+                agg = agg._replace(mean=jax.tree.map(lambda m: jnp.clip(m, -clip, clip) if _floating(m) else m, agg.mean))
             mean = map_gaussians(from_moments, agg.mean, reference)
             total = jax.tree.map(lambda m: m * count.astype(m.dtype) if _floating(m) else m, mean)
             return Aggregate(mean=mean, total=total, count=count)

@@ -116,7 +116,7 @@ def bound_precision_share(delta: DiagGaussian, q: DiagGaussian, share: float) ->
     unchanged bit for bit."""
 
     def scale(d_lam, lam_g):
-        cap = share * jnp.maximum(lam_g, 0.0)
+        cap = share * jnp.reshape(jnp.maximum(lam_g, 0.0), (1,) * (d_lam.ndim - jnp.ndim(lam_g)) + jnp.shape(lam_g))
         over = d_lam > cap
         return jnp.where(over, cap / jnp.where(over, d_lam, 1.0), 1.0).astype(d_lam.dtype)
 
