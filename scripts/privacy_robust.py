@@ -25,6 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from fedbayes import hostdevices  # noqa: E402
+
+hostdevices.configure()  # one XLA device per core, as the CLI
+
+from fedbayes.cli import enable_compilation_cache  # noqa: E402
 from fedbayes.config import ALGORITHMS, validate  # noqa: E402
 from fedbayes.experiment import PlainReporter, run_experiment  # noqa: E402
 
@@ -49,7 +54,7 @@ METHODS = {
 }
 # Clip C per method: about the median norm of a round's messages in this setting (measured by
 # --calibrate; natural-parameter messages of FedEP are dominated by their precisions).
-CLIP = {"fedavg": 1.0, "fedpa": 1.0, "fedep": 50.0, "fedlap": 50.0}
+CLIP = {"fedavg": 0.5, "fedpa": 0.5, "fedep": 7.0, "fedlap": 7.0}
 NOISE = (0.5, 1.0, 2.0)
 FRACTIONS = (0.1, 0.3)
 KINDS = ("scaled", "sign_flip", "nan", "huge_precision", "label_flip")
@@ -71,14 +76,25 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
+ALIASES: dict[str, str] = {}  # a run whose config equals an earlier one's -> that run (filled by runs())
+
+
 def runs(parts: list[str], methods: list[str], full: bool) -> dict[str, dict]:
-    """name -> raw config of every run of the chosen parts."""
+    """name -> raw config of every run of the chosen parts; a run with the same config as an
+    earlier one is not repeated (``ALIASES``: the attack part's ``none`` row with the mean rule,
+    dropout 0, natural coordinates are DP runs already)."""
     base = _merge(BASE, FULL) if full else BASE
     out: dict[str, dict] = {}
+    seen: dict[str, str] = {}
 
     def add(name, method, **sections):
-        raw = _merge(base, {"name": name, "algorithm": METHODS[method], **sections})
-        out[name] = raw
+        raw = _merge(base, {"algorithm": METHODS[method], **sections})
+        key = json.dumps(validate(raw).model_dump(mode="json"), sort_keys=True)
+        if key in seen:
+            ALIASES[name] = seen[key]
+            return
+        seen[key] = name
+        out[name] = {**raw, "name": name}
 
     for m in methods:
         if "dp" in parts:
@@ -122,6 +138,7 @@ def run_one(name: str, raw: dict, out: Path) -> str:
 
 
 def _final(folder: Path) -> dict | None:
+    folder = folder.with_name(ALIASES.get(folder.name, folder.name))
     path = folder / "summary.json"
     if not path.is_file():
         return None
@@ -215,7 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/privacy_robust")
     ap.add_argument("--parts", default="dp,coords,attack,dropout", help="comma-separated: dp, coords, attack, dropout")
     ap.add_argument("--methods", default="fedavg,fedpa,fedep,fedlap")
-    ap.add_argument("--only", default="", help="run only the runs whose name contains this")
+    ap.add_argument("--only", default="", help="comma-separated: run only the runs whose names contain one of these")
     ap.add_argument("--full", action="store_true", help="the issue's setting: all of Fashion-MNIST, 50 rounds")
     ap.add_argument("--table", action="store_true", help="print the tables of finished runs and stop")
     ap.add_argument("--list", action="store_true", help="list the runs and stop")
@@ -232,13 +249,16 @@ def main(argv=None) -> int:
         calibrate(methods)
         return 0
     if args.table:
+        runs(["dp", "coords", "attack", "dropout"], methods, args.full)  # the aliases
         print(table(out, methods), end="")
         return 0
-    plan = {k: v for k, v in runs(args.parts.split(","), methods, args.full).items() if args.only in k}
+    only = [o for o in args.only.split(",") if o]
+    plan = {k: v for k, v in runs(args.parts.split(","), methods, args.full).items() if not only or any(o == k or o in k for o in only)}
     if args.list:
         print("\n".join(plan))
         return 0
     out.mkdir(parents=True, exist_ok=True)
+    enable_compilation_cache()
     for i, (name, raw) in enumerate(plan.items()):
         status = run_one(name, raw, out)
         print(f"[{i + 1}/{len(plan)}] {name}: {status}", flush=True)

@@ -147,6 +147,7 @@ def test_dp_without_reference_is_plain_mechanism_on_point_messages():
     np.testing.assert_array_equal(np.asarray(agg.total["w"]), np.asarray(ref.total["w"]))
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_dp_and_dropout(tmp_path):
     quiet = PlainReporter(lambda s: None)
     cfg = _config("admm", rounds=4, privacy__clip=5.0, privacy__noise_multiplier=0.5, server__dropout=0.3)
