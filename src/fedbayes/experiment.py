@@ -210,22 +210,28 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     return Experiment(config, dataset, federation, model, params, simulator, evaluate)
 
 
-def _protection(config: RunConfig, dataset: Dataset, parts):
-    """The server's rule (a function of the algorithm: DP, robust, or ``None`` for the method's
-    own), the message attack, the attacking clients and the training labels (flipped for
-    ``attack.kind = "label_flip"``) from the ``privacy``, ``server`` and ``attack`` sections."""
-    from fedbayes import attacks
+def make_server_aggregator(config: RunConfig, algorithm: algs.Algorithm):
+    """The server's aggregation rule from ``server.aggregator`` and ``[privacy]``: a robust rule
+    (:mod:`fedbayes.robust`) and/or the DP mechanism around it (:mod:`fedbayes.privacy`), or
+    ``None`` for the method's own. Needs no data: a deployment (the Flower adapter) passes it to
+    :func:`fedbayes.round.server_step` as the simulator does."""
     from fedbayes.privacy import DPAggregator
     from fedbayes.robust import make_aggregator
 
-    s, p, a = config.server, config.privacy, config.attack
+    s, p = config.server, config.privacy
+    robust = make_aggregator(s.aggregator, trim_fraction=s.trim_fraction, norm_bound=s.norm_bound, max_precision_share=s.max_precision_share, base=algorithm.aggregator)
+    if p.clip is None:
+        return robust
+    return DPAggregator(p.clip, p.noise_multiplier, coordinates=p.coordinates, precision_floor=p.precision_floor, base=robust or algorithm.aggregator)
 
-    def aggregator(algorithm):
-        robust = make_aggregator(s.aggregator, trim_fraction=s.trim_fraction, norm_bound=s.norm_bound, max_precision_share=s.max_precision_share, base=algorithm.aggregator)
-        if p.clip is None:
-            return robust
-        return DPAggregator(p.clip, p.noise_multiplier, coordinates=p.coordinates, precision_floor=p.precision_floor, base=robust or algorithm.aggregator)
 
+def _protection(config: RunConfig, dataset: Dataset, parts):
+    """The server's rule (a function of the algorithm, :func:`make_server_aggregator`), the
+    message attack, the attacking clients and the training labels (flipped for
+    ``attack.kind = "label_flip"``) from the ``privacy``, ``server`` and ``attack`` sections."""
+    from fedbayes import attacks
+
+    a = config.attack
     attackers = attacks.attacker_ids(config.seed, len(parts), a.fraction)
     y_train = dataset.y_train
     attack = None
@@ -233,7 +239,7 @@ def _protection(config: RunConfig, dataset: Dataset, parts):
         y_train = attacks.flip_labels(dataset.y_train, np.concatenate([parts[c] for c in attackers]), dataset.num_classes)
     elif len(attackers):
         attack = attacks.message_attack(a.kind, a.scale)
-    return aggregator, attack, attackers, y_train
+    return (lambda algorithm: make_server_aggregator(config, algorithm)), attack, attackers, y_train
 
 
 def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, dataset: Dataset):
