@@ -42,6 +42,7 @@ weighting = "uniform"
 name = "{algorithm}"
 """
 
+
 def _config(algorithm="fedavg", **over):
     raw = tomllib.loads(CONFIG.format(algorithm=algorithm))
     if algorithm == "fedep":
@@ -106,7 +107,9 @@ def test_dp_without_noise_and_a_large_clip_is_the_method_bit_for_bit(algorithm):
     for a, b in zip(jax.tree.leaves((plain.server_state, plain.client_states)), jax.tree.leaves((dp.server_state, dp.client_states)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     noisy = _run_rounds(_config(algorithm, privacy__clip=1.0, privacy__noise_multiplier=1.0))
-    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(plain.server_state), jax.tree.leaves(noisy.server_state), strict=True))
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(plain.server_state), jax.tree.leaves(noisy.server_state), strict=True)
+    )
 
 
 def _gaussian_messages(m=5, d=50, seed=0):
@@ -177,3 +180,12 @@ def test_bad_privacy_settings_are_one_line_errors(over, field):
         _config(**over)
     msg = str(e.value)
     assert "\n" not in msg and field in msg, msg
+
+
+def test_compare_table_shows_epsilon():
+    from fedbayes import report
+
+    summaries = {"dp": {"final": {"accuracy": 0.5, "nll": 1.0, "ece": 0.1, "epsilon": 3.25}}, "plain": {"final": {"accuracy": 0.6, "nll": 1.0, "ece": 0.1}}}
+    text = report.markdown(summaries)
+    assert "epsilon" in text and "3.25" in text
+    assert "epsilon" not in report.markdown({"plain": summaries["plain"]})

@@ -96,7 +96,9 @@ def message_attack(kind: str, scale: float | None = None):
             if fake is None:
                 from fedbayes.errors import BadInputError
 
-                raise BadInputError("config error: attack.kind: 'huge_precision' needs a method with Gaussian messages (fedep, fedsep, ...); use scaled, sign_flip, nan or label_flip")
+                raise BadInputError(
+                    "config error: attack.kind: 'huge_precision' needs a method with Gaussian messages (fedep, fedsep, ...); use scaled, sign_flip, nan or label_flip"
+                )
         elif kind == "scaled":
             fake = jax.tree.map(lambda x: x * jnp.asarray(s, x.dtype) if _floating(x) else x, messages)
         elif kind == "sign_flip":

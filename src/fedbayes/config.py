@@ -99,7 +99,8 @@ class ServerConfig(_Strict):
     )
     # Robust aggregation, dropouts and stragglers (fedbayes.robust, fedbayes.simulate; docs/results/privacy_robust.md).
     aggregator: Literal["mean", "median", "trimmed_mean", "norm_bound"] = Field(
-        "mean", description="mean (the method's own rule), coordinate-wise median or trimmed_mean of the messages, or norm_bound (clip each message, then the mean)"
+        "mean",
+        description="mean (the method's own rule), coordinate-wise median or trimmed_mean of the messages, or norm_bound (clip each message, then the mean)",
     )
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: share of the largest and of the smallest values dropped per coordinate")
     norm_bound: float | None = Field(None, gt=0, description="norm_bound: joint L2 bound of each client's message")
@@ -124,9 +125,7 @@ class PrivacyConfig(_Strict):
     clip: float | None = Field(None, gt=0, description="joint L2 bound C of each client's message; unset: no DP")
     noise_multiplier: float = Field(0.0, ge=0, description="sigma: Gaussian noise of std sigma*C on the sum of the cohort's clipped messages")
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported per evaluation as epsilon")
-    coordinates: Literal["natural", "moments"] = Field(
-        "natural", description="Gaussian messages: clip and noise natural parameters, or (mean, log precision)"
-    )
+    coordinates: Literal["natural", "moments"] = Field("natural", description="Gaussian messages: clip and noise natural parameters, or (mean, log precision)")
     precision_floor: float = Field(0.5, gt=0, lt=1, description="natural coordinates: a noisy round can shrink a global precision at most to this fraction")
 
     @model_validator(mode="after")
@@ -221,11 +220,15 @@ class RunConfig(_Strict):
             raise ValueError("server.max_precision_share: vbnn's messages are variational parameters, not natural-parameter deltas; unset it")
         if self.privacy.clip is not None:
             if own_rule:
-                raise ValueError("privacy.clip: vbnn's messages are full variational parameters combined non-linearly, whose sensitivity a clip does not bound; unset privacy.clip")
+                raise ValueError(
+                    "privacy.clip: vbnn's messages are full variational parameters combined non-linearly, whose sensitivity a clip does not bound; unset privacy.clip"
+                )
             if self.server.weighting != "uniform":
                 raise ValueError("server.weighting: client-level DP needs uniform weights (n_k is private and changes the sensitivity); allowed: uniform")
             if self.server.aggregator in ("median", "trimmed_mean"):
-                raise ValueError(f"server.aggregator: the DP noise is calibrated to a sum of clipped messages; allowed with privacy: mean, norm_bound; got {self.server.aggregator!r}")
+                raise ValueError(
+                    f"server.aggregator: the DP noise is calibrated to a sum of clipped messages; allowed with privacy: mean, norm_bound; got {self.server.aggregator!r}"
+                )
         if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.dataset == "least_squares":
             raise ValueError("attack.kind: label_flip needs a classification dataset; allowed here: scaled, sign_flip, nan")
         return self

@@ -219,7 +219,9 @@ def make_server_aggregator(config: RunConfig, algorithm: algs.Algorithm):
     from fedbayes.robust import make_aggregator
 
     s, p = config.server, config.privacy
-    robust = make_aggregator(s.aggregator, trim_fraction=s.trim_fraction, norm_bound=s.norm_bound, max_precision_share=s.max_precision_share, base=algorithm.aggregator)
+    robust = make_aggregator(
+        s.aggregator, trim_fraction=s.trim_fraction, norm_bound=s.norm_bound, max_precision_share=s.max_precision_share, base=algorithm.aggregator
+    )
     if p.clip is None:
         return robust
     return DPAggregator(p.clip, p.noise_multiplier, coordinates=p.coordinates, precision_floor=p.precision_floor, base=robust or algorithm.aggregator)
