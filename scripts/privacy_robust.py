@@ -51,10 +51,13 @@ METHODS = {
     "fedpa": {"name": "fedpa", "rho": 0.1, "burn_in_rounds": 3},
     "fedep": {"name": "fedep", "method": "identity", "burn_in_rounds": 3},
     "fedlap": {"name": "fedlap"},
+    # FedEP (I) without burn-in: one clip fits all of its rounds (burn-in messages are FedAvg
+    # deltas, ten times smaller than EP's natural-parameter deltas)
+    "fedep_noburn": {"name": "fedep", "method": "identity", "burn_in_rounds": 0},
 }
 # Clip C per method: about the median norm of a round's messages in this setting (measured by
 # --calibrate; natural-parameter messages of FedEP are dominated by their precisions).
-CLIP = {"fedavg": 0.5, "fedpa": 0.5, "fedep": 7.0, "fedlap": 7.0}
+CLIP = {"fedavg": 0.5, "fedpa": 0.5, "fedep": 7.0, "fedlap": 7.0, "fedep_noburn": 7.0}
 NOISE = (0.5, 1.0, 2.0)
 FRACTIONS = (0.1, 0.3)
 KINDS = ("scaled", "sign_flip", "nan", "huge_precision", "label_flip")
@@ -66,7 +69,7 @@ AGGREGATORS = {
     "mean+share": {"aggregator": "mean", "max_precision_share": 0.05},  # Gaussian methods only
 }
 DROPOUTS = (0.0, 0.3, 0.6)
-GAUSSIAN = ("fedep", "fedlap")
+GAUSSIAN = ("fedep", "fedlap", "fedep_noburn")
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -241,7 +244,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     methods = []
     for m in args.methods.split(","):
-        if m not in ALGORITHMS:
+        if METHODS.get(m, {}).get("name", m) not in ALGORITHMS:
             print(f"note: method {m!r} is not registered here; skipped (allowed: {', '.join(ALGORITHMS)})", file=sys.stderr)
         else:
             methods.append(m)
