@@ -37,9 +37,19 @@ client's new belief is ``q' = q_g + Delta`` with mean ``m'`` and precision ``Lam
   is the client's average in moment coordinates (a geometric mean of precisions), not the sum of
   natural-parameter deltas, so it is not bit for bit the method without DP even without noise.
 
-Which keeps accuracy better is measured in docs/results/privacy_robust.md ("Gaussian clipping
-coordinates"), where the numbers say which; the default stays ``"natural"``, the one that leaves
-the method unchanged when no noise is drawn.
+**Measured** (docs/results/privacy_robust.md, "Gaussian clipping coordinates"; FedEP (I),
+Fashion-MNIST subset, 100 clients, 10 a round, 15 rounds): with the clip alone both keep the
+accuracy (0.700 natural, 0.702 moments, 0.702 without DP), but **with noise the natural
+coordinates keep it far better** (sigma = 1, epsilon 21: 0.347 against 0.097, where the moments
+run's model blew up). Why: in natural coordinates the noise reaches the posterior mean as
+``noise_eta / Lambda_g``, divided by the global precision (hundreds per coordinate here), so the
+coordinates the federation is sure of barely move, and the noise on ``Lambda`` is a small
+relative change; in moment coordinates the mean takes the noise ``sigma C / M`` directly,
+whatever the global's certainty, and the log-precision noise multiplies precisions by
+``e^{noise}``. Worse, FedEP's burn-in rounds send ``(theta - theta_k, 0)`` against a dummy
+``Lambda = 1``: there the log-precision noise rescales the whole model each round
+(``Delta eta = e^{u_l} (theta + u_m) - theta``). So ``"natural"`` is the default and the
+recommendation; ``"moments"`` stays for methods without such a burn-in and for comparison.
 
 **Accounting** (:func:`epsilon`): each round is the Gaussian mechanism on a cohort of ``M`` of
 ``K`` clients sampled uniformly without replacement, so ``K`` is public and neighbouring
