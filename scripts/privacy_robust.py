@@ -67,6 +67,7 @@ AGGREGATORS = {
     "trimmed_mean": {"aggregator": "trimmed_mean", "trim_fraction": 0.3},
     "norm_bound": {"aggregator": "norm_bound"},  # bound = the method's clip
     "mean+share": {"aggregator": "mean", "max_precision_share": 0.05},  # Gaussian methods only
+    "mean+share0.005": {"aggregator": "mean", "max_precision_share": 0.005},  # below an honest client's damped share
 }
 DROPOUTS = (0.0, 0.3, 0.6)
 GAUSSIAN = ("fedep", "fedlap", "fedep_noburn")
@@ -110,7 +111,7 @@ def runs(parts: list[str], methods: list[str], full: bool) -> dict[str, dict]:
                     add(f"coords_{m}_{c}_s{s}", m, privacy={"clip": CLIP[m], "noise_multiplier": s, "coordinates": c})
         if "attack" in parts:
             for agg, settings in AGGREGATORS.items():
-                if agg == "mean+share" and m not in GAUSSIAN:
+                if agg.startswith("mean+share") and m not in GAUSSIAN:
                     continue
                 server = {**settings, **({"norm_bound": CLIP[m]} if agg == "norm_bound" else {})}
                 add(f"attack_{m}_{agg}_none", m, server=server)
