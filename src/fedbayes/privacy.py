@@ -41,7 +41,7 @@ client's new belief is ``q' = q_g + Delta`` with mean ``m'`` and precision ``Lam
 Fashion-MNIST subset, 100 clients, 10 a round, 15 rounds): with the clip alone both keep the
 accuracy (0.700 natural, 0.702 moments, 0.702 without DP), but **with noise the natural
 coordinates keep it far better** (sigma = 1, epsilon 21: 0.347 against 0.097, where the moments
-run's model blew up). Why: in natural coordinates the noise reaches the posterior mean as
+run's model blew up; without burn-in 0.583 against 0.158). Why: in natural coordinates the noise reaches the posterior mean as
 ``noise_eta / Lambda_g``, divided by the global precision (hundreds per coordinate here), so the
 coordinates the federation is sure of barely move, and the noise on ``Lambda`` is a small
 relative change; in moment coordinates the mean takes the noise ``sigma C / M`` directly,
