@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedbayes"
-CORE = ["gaussian.py", "tree.py", "round.py", "aggregators.py", "hparams.py", "algorithms", "inference", "models"]
+CORE = ["gaussian.py", "tree.py", "round.py", "aggregators.py", "robust.py", "privacy.py", "attacks.py", "hparams.py", "algorithms", "inference", "models"]
 HARNESS = ("simulate", "store", "checkpoint", "experiment", "cli", "bench", "flower", "plotting", "toys")
 
 

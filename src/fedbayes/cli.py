@@ -271,6 +271,13 @@ def run(
     """Run one experiment: metrics.jsonl, summary.json, config.toml, model.npz, curves.png, checkpoints.
 
     Every config key, with its type, default and meaning: `fedbayes config`.
+
+    Privacy: a [privacy] section (clip, noise_multiplier, delta, coordinates) clips every client's
+    message to an L2 norm and adds Gaussian noise to the cohort's sum (needs server.weighting =
+    "uniform"); metrics.jsonl then has each evaluation's epsilon at delta (dp-accounting, RDP).
+    Robustness: server.aggregator = mean | median | trimmed_mean | norm_bound,
+    server.max_precision_share, server.dropout, server.deadline; [attack] (fraction, kind) for
+    measuring. `fedbayes config privacy` lists the keys.
     """
     cfg = _load(config, set_ or [])
     out = out or Path("runs") / cfg.name
@@ -890,7 +897,7 @@ def _sweep(runs: dict[str, RunConfig], spec: dict, out: Path, *, overwrite: bool
 
 @app.command("config")
 def config_reference(
-    section: Annotated[Optional[str], typer.Argument(help="run, data, model, client, server, algorithm or an algorithm's name")] = None,
+    section: Annotated[Optional[str], typer.Argument(help="run, data, model, client, server, privacy, attack, algorithm or an algorithm's name")] = None,
 ):
     """Every config key with its type, default and meaning (from the config's own definitions)."""
     from fedbayes import config_doc

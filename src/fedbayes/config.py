@@ -108,6 +108,54 @@ class ServerConfig(_Strict):
     on_divergence: Literal["stop", "warn"] = Field(
         "stop", description="a non-finite loss or server model: stop the run (exit 3, last good checkpoint kept) or warn and go on"
     )
+    # Robust aggregation, dropouts and stragglers (fedbayes.robust, fedbayes.simulate; docs/results/privacy_robust.md).
+    aggregator: Literal["mean", "median", "trimmed_mean", "norm_bound"] = Field(
+        "mean",
+        description="mean (the method's own rule), coordinate-wise median or trimmed_mean of the messages, or norm_bound (clip each message, then the mean)",
+    )
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: share of the largest and of the smallest values dropped per coordinate")
+    norm_bound: float | None = Field(None, gt=0, description="norm_bound: joint L2 bound of each client's message")
+    max_precision_share: float | None = Field(
+        None, gt=0, description="Gaussian methods: a client's precision delta is capped at this times the global precision, per coordinate (unset: no cap)"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="probability that a sampled client fails in a round (it keeps its state)")
+    deadline: int | None = Field(None, ge=1, description="clients whose local step count exceeds this miss the round (stragglers); unset: no deadline")
+
+    @model_validator(mode="after")
+    def _norm_bound_given(self):
+        if self.aggregator == "norm_bound" and self.norm_bound is None:
+            raise ValueError("server.norm_bound: aggregator 'norm_bound' needs a bound > 0; set server.norm_bound")
+        return self
+
+
+class PrivacyConfig(_Strict):
+    """Client-level differential privacy of the messages (fedbayes.privacy): clip, Gaussian noise, accountant."""
+
+    section: ClassVar[str] = "privacy."
+
+    clip: float | None = Field(None, gt=0, description="joint L2 bound C of each client's message; unset: no DP")
+    noise_multiplier: float = Field(0.0, ge=0, description="sigma: Gaussian noise of std sigma*C on the sum of the cohort's clipped messages")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported per evaluation as epsilon")
+    coordinates: Literal["natural", "moments"] = Field("natural", description="Gaussian messages: clip and noise natural parameters, or (mean, log precision)")
+    precision_floor: float = Field(0.5, gt=0, lt=1, description="natural coordinates: a noisy round can shrink a global precision at most to this fraction")
+
+    @model_validator(mode="after")
+    def _noise_needs_clip(self):
+        if self.noise_multiplier > 0 and self.clip is None:
+            raise ValueError("privacy.clip: noise_multiplier > 0 needs a clip C (the noise's scale is sigma*C)")
+        return self
+
+
+class AttackConfig(_Strict):
+    """Attacking clients, for measuring robust rules (fedbayes.attacks)."""
+
+    section: ClassVar[str] = "attack."
+
+    fraction: float = Field(0.0, ge=0, lt=1, description="share of the clients (a fixed set drawn from the seed) that attack")
+    kind: Literal["scaled", "sign_flip", "nan", "huge_precision", "label_flip"] = Field(
+        "scaled", description="scaled, sign_flip, nan or huge_precision messages, or label_flip data"
+    )
+    scale: float | None = Field(None, gt=0, description="scaled: factor (default 10); huge_precision: the fake precision over the global's (default 1000)")
 
 
 # The algorithm sections come from the registry: each method declares its settings once, in its
@@ -138,6 +186,8 @@ class RunConfig(_Strict):
     client: ClientConfig = ClientConfig()
     server: ServerConfig = ServerConfig()
     algorithm: AlgorithmConfig = FedAvgConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    attack: AttackConfig = AttackConfig()
 
     @field_validator("name")
     @classmethod
@@ -173,6 +223,30 @@ class RunConfig(_Strict):
             )
         if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
             raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _privacy_and_robustness(self) -> RunConfig:
+        own_rule = self.algorithm.name == "vbnn"  # VBNN aggregates with its own rule (algorithm.aggregation)
+        if self.server.aggregator != "mean" and own_rule:
+            raise ValueError(
+                f"server.aggregator: vbnn combines variational parameters with its own rule (algorithm.aggregation); allowed: mean; got {self.server.aggregator!r}"
+            )
+        if self.server.max_precision_share is not None and own_rule:
+            raise ValueError("server.max_precision_share: vbnn's messages are variational parameters, not natural-parameter deltas; unset it")
+        if self.privacy.clip is not None:
+            if own_rule:
+                raise ValueError(
+                    "privacy.clip: vbnn's messages are full variational parameters combined non-linearly, whose sensitivity a clip does not bound; unset privacy.clip"
+                )
+            if self.server.weighting != "uniform":
+                raise ValueError("server.weighting: client-level DP needs uniform weights (n_k is private and changes the sensitivity); allowed: uniform")
+            if self.server.aggregator in ("median", "trimmed_mean"):
+                raise ValueError(
+                    f"server.aggregator: the DP noise is calibrated to a sum of clipped messages; allowed with privacy: mean, norm_bound; got {self.server.aggregator!r}"
+                )
+        if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.dataset == "least_squares":
+            raise ValueError("attack.kind: label_flip needs a classification dataset; allowed here: scaled, sign_flip, nan")
         return self
 
     @model_validator(mode="after")

@@ -61,6 +61,7 @@ from fedbayes.loggers import ClientLog
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.plotting import plot_curves
+from fedbayes.privacy import epsilon as privacy_epsilon
 from fedbayes.simulate import Federation, Simulator
 from fedbayes.strictjson import dumps_record, loads_strict, restore_record
 
@@ -193,7 +194,8 @@ def build_algorithm(
 def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
     dataset, parts, validation = prepare_split(config)
-    federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
+    aggregator, attack, attackers, y_train = _protection(config, dataset, parts)
+    federation = Federation(dataset.x_train, y_train, tuple(parts))
     kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
     variational = config.model.variational
     model = make_model(config.model.name, dataset.num_classes, variational=variational, **kwargs)
@@ -213,6 +215,11 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
         fail_fast=config.server.fail_fast,
         store=config.store,
         store_dir=config.store_dir or store_dir,
+        aggregator=aggregator(algorithm),
+        dropout=config.server.dropout,
+        deadline=config.server.deadline,
+        attack=attack,
+        attackers=attackers,
     )
     evaluate = _evaluation(algorithm, config, dataset, apply_fn, keyed_apply_fn)
     if validation is not None:
@@ -244,6 +251,40 @@ def _with_validation(evaluate_test, evaluate_validation):
         return out
 
     return evaluate
+
+
+def make_server_aggregator(config: RunConfig, algorithm: algs.Algorithm):
+    """The server's aggregation rule from ``server.aggregator`` and ``[privacy]``: a robust rule
+    (:mod:`fedbayes.robust`) and/or the DP mechanism around it (:mod:`fedbayes.privacy`), or
+    ``None`` for the method's own. Needs no data: a deployment (the Flower adapter) passes it to
+    :func:`fedbayes.round.server_step` as the simulator does."""
+    from fedbayes.privacy import DPAggregator
+    from fedbayes.robust import make_aggregator
+
+    s, p = config.server, config.privacy
+    robust = make_aggregator(
+        s.aggregator, trim_fraction=s.trim_fraction, norm_bound=s.norm_bound, max_precision_share=s.max_precision_share, base=algorithm.aggregator
+    )
+    if p.clip is None:
+        return robust
+    return DPAggregator(p.clip, p.noise_multiplier, coordinates=p.coordinates, precision_floor=p.precision_floor, base=robust or algorithm.aggregator)
+
+
+def _protection(config: RunConfig, dataset: Dataset, parts):
+    """The server's rule (a function of the algorithm, :func:`make_server_aggregator`), the
+    message attack, the attacking clients and the training labels (flipped for
+    ``attack.kind = "label_flip"``) from the ``privacy``, ``server`` and ``attack`` sections."""
+    from fedbayes import attacks
+
+    a = config.attack
+    attackers = attacks.attacker_ids(config.seed, len(parts), a.fraction)
+    y_train = dataset.y_train
+    attack = None
+    if len(attackers) and a.kind == "label_flip":
+        y_train = attacks.flip_labels(dataset.y_train, np.concatenate([parts[c] for c in attackers]), dataset.num_classes)
+    elif len(attackers):
+        attack = attacks.message_attack(a.kind, a.scale)
+    return (lambda algorithm: make_server_aggregator(config, algorithm)), attack, attackers, y_train
 
 
 def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, dataset: Dataset):
@@ -528,6 +569,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
     state = sim.init(exp.params, resume=ckpt is not None)  # resume: open the disk store, not rewrite it
     counters = {"seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "rejected": 0}
+    if config.server.dropout > 0 or config.server.deadline is not None:
+        counters.update(dropped=0, late=0)
     records: list[dict] = []
     if ckpt is not None:
         state, meta = load_checkpoint(ckpt, state)
@@ -549,6 +592,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     def record(round_idx: int, info=None) -> dict:
         m = exp.evaluate(state.server_state, round_idx)
         r = {"round": round_idx, **m, **counters}
+        if config.privacy.clip is not None:
+            p = config.privacy
+            r["epsilon"] = privacy_epsilon(p.noise_multiplier, len(exp.federation.sizes), config.server.clients_per_round, round_idx, p.delta)
         if info is not None:
             r["train_loss"] = train_loss(info)
         r["seconds"] = round(r["seconds"], 3)
@@ -574,6 +620,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
             counters["bytes_up"] += info.bytes_up
             counters["bytes_down"] += info.bytes_down
             counters["rejected"] += len(info.rejected)
+            if "dropped" in counters:
+                counters["dropped"] += len(info.dropped)
+                counters["late"] += len(info.late)
             client_log.write(info, state.round)
             r = state.round
             rec = record(r, info) if (r % config.eval_every == 0 or r == config.rounds) else None

@@ -211,6 +211,8 @@ class ClientLog:
             loss = float(c["loss"][i])
             line["loss"] = loss if math.isfinite(loss) else None  # strict JSON: no bare NaN
             line["steps"] = int(c["steps"][i])
+            if "dropped" in c and (c["dropped"][i] or c["late"][i]):  # failed this round: sent nothing, was not rejected
+                line.update(rejected=False, dropped=bool(c["dropped"][i]), late=bool(c["late"][i]))
             lines.append(json.dumps(line) + "\n")
         with open(self.path, "a") as f:
             f.writelines(lines)

@@ -128,6 +128,14 @@ def _mb_up(name, s, recs):
     return f"{(_mean(f.get('bytes_up_total', f.get('bytes_up', 0))) or 0) / 1e6:.1f}"
 
 
+def _epsilon(name, s, recs):
+    final = s.get("final", {})
+    if "epsilon" not in final:
+        return "—"
+    v = _mean(final["epsilon"])  # a mean over seeds (the same for every seed) or one run's
+    return "inf" if v is None or v == float("inf") else f"{v:.2f}"
+
+
 def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
     """The columns for these summaries: classification or regression; "marg." only when present."""
     cols = [
@@ -162,6 +170,8 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
             ]
         if curves_known:
             cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=3), Column("acc max R-2..R", _curve("max_last"), keep=6)]
+        if any("epsilon" in s.get("final", {}) for s in summaries.values()):
+            cols += [Column("epsilon", _epsilon, keep=4)]  # client-level DP (fedbayes.privacy); inf: no noise
         cols += [
             Column("best acc", lambda n, s, r: _fmt(s.get("best_accuracy")), keep=6),
             Column(f"rounds to {threshold:.0%}", _rounds_to(threshold), keep=5),

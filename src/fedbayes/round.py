@@ -37,8 +37,10 @@ __all__ = [
     "WEIGHTINGS",
     "client_key",
     "client_round_key",
+    "attackers_rng",
     "client_weights",
     "cohort_rng",
+    "dropout_rng",
     "evaluation_key",
     "params_key",
     "partition_rng",
@@ -59,7 +61,7 @@ WEIGHTINGS = ("examples", "uniform")
 _CLIENT, _SERVER_INIT, _PARAMS, _EVALUATION, _SERVER_ROUND = 0, 2, 3, 5, 6
 # Tags of NumPy streams default_rng([seed, tag, ...]).
 _SUBSAMPLE, _PARTITION, _SIZES, _COHORT, _SHUFFLE = 1, 2, 7, 11, 12
-_VALIDATION = 13
+_VALIDATION, _DROPOUT, _ATTACKERS = 13, 14, 15
 
 
 def _root(seed) -> jax.Array:
@@ -126,6 +128,16 @@ def validation_rng(seed: int, client_id: int) -> np.random.Generator:
     return np.random.default_rng([seed, _VALIDATION, client_id])
 
 
+def dropout_rng(seed: int, round_idx: int) -> np.random.Generator:
+    """The generator of round ``round_idx``'s client failures (``server.dropout``)."""
+    return np.random.default_rng([seed, _DROPOUT, round_idx])
+
+
+def attackers_rng(seed: int) -> np.random.Generator:
+    """The generator of the run's fixed set of attacking clients (``attack.fraction``)."""
+    return np.random.default_rng([seed, _ATTACKERS])
+
+
 def sample_without_replacement(rng: np.random.Generator, num_items: int, num_samples: int) -> np.ndarray:
     """Uniform sample of ``num_samples`` distinct items of ``range(num_items)`` in ``O(num_samples)``.
 
@@ -168,6 +180,9 @@ def server_step(algorithm, server_state, messages: PyTree, weights: jax.Array, k
       weights: ``[M]`` client weights (:func:`client_weights`); 0 marks an absent client.
       key: the server's key of the round (:func:`server_key`).
       aggregator: an :data:`fedbayes.aggregators.Aggregator`; default ``algorithm.aggregator``.
+        One whose ``needs_reference`` attribute is true (a DP or robust rule for Gaussian
+        messages, :mod:`fedbayes.privacy`, :mod:`fedbayes.robust`) also receives
+        ``reference=algorithm.broadcast(server_state)``, the ``q_g`` the deltas are taken against.
 
     Returns:
       ``(server_state, accepted, info)``: the new state, a boolean ``[M]`` (messages that passed
@@ -176,6 +191,8 @@ def server_step(algorithm, server_state, messages: PyTree, weights: jax.Array, k
     """
     ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
     ok = jnp.logical_and(ok, weights > 0)
-    aggregate = (aggregator or algorithm.aggregator)(messages, jnp.where(ok, weights, 0.0), jax.random.fold_in(key, 0))
+    rule = aggregator or algorithm.aggregator
+    extra = {"reference": algorithm.broadcast(server_state)} if getattr(rule, "needs_reference", False) else {}
+    aggregate = rule(messages, jnp.where(ok, weights, 0.0), jax.random.fold_in(key, 0), **extra)
     new_state, info = algorithm.server_update(server_state, aggregate, jax.random.fold_in(key, 1))
     return new_state, ok, {**info, "num_accepted": jnp.sum(ok.astype(jnp.int32))}

@@ -108,6 +108,8 @@ class RoundInfo(NamedTuple):
     step_waste: float = 0.0
     clients: dict[str, np.ndarray] | None = None  # per cohort client (in cohort order): num_examples and its info
     server: dict[str, float] | None = None  # the server update's info
+    dropped: np.ndarray | None = None  # client ids that failed this round (server.dropout)
+    late: np.ndarray | None = None  # client ids cut by the deadline (server.deadline)
 
 
 def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
@@ -146,6 +148,14 @@ class Simulator:
       store_dir: the disk store's folder (needed with ``store="disk"``).
       aggregator: an :data:`fedbayes.aggregators.Aggregator` replacing the algorithm's own rule
         (e.g. a robust rule or one that adds DP noise); ``None`` keeps the algorithm's.
+      dropout: probability that a sampled client fails in a round (drawn from
+        :func:`fedbayes.round.dropout_rng`, so reproducible by seed); a failed client sends
+        nothing and keeps its state, as a padding slot does.
+      deadline: a sampled client whose local step count ``E * ceil(n_k / B)`` exceeds it misses
+        the round (a straggler), as a failed one does; ``None``: no deadline.
+      attack: ``(messages, attackers, broadcast) -> messages`` (:func:`fedbayes.attacks.message_attack`)
+        applied to the cohort's messages before the server step, for measuring robust rules.
+      attackers: the client ids that attack (:func:`fedbayes.attacks.attacker_ids`).
     """
 
     def __init__(
@@ -162,6 +172,10 @@ class Simulator:
         store: str = "memory",
         store_dir: str | None = None,
         aggregator=None,
+        dropout: float = 0.0,
+        deadline: int | None = None,
+        attack=None,
+        attackers: Sequence[int] = (),
     ):
         k = federation.num_clients
         if store not in STORES:
@@ -187,6 +201,15 @@ class Simulator:
         self.store = store
         self.store_dir = store_dir
         self.aggregator = aggregator
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        if deadline is not None and deadline < 1:
+            raise ValueError(f"deadline must be >= 1 local steps (or None); got {deadline}")
+        self.dropout = float(dropout)
+        self.deadline = deadline
+        self.attack = attack
+        self.is_attacker = np.zeros(k, np.bool_)
+        self.is_attacker[np.asarray(attackers, np.int64)] = True
         devices = list(devices) if devices is not None else jax.local_devices()
         if layout == "auto":
             layout = "sequential" if devices[0].platform == "cpu" else "vmap"
@@ -301,9 +324,10 @@ class Simulator:
 
         return one
 
-    def round_program(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order):
+    def round_program(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order, attackers=None):
         """The compiled round (:meth:`run_round` calls it jitted): the cohort's client updates in
-        the simulator's layout, then :func:`fedbayes.round.server_step`. Returns the new server
+        the simulator's layout, the attack on the ``attackers`` slots' messages (when the
+        simulator has one), then :func:`fedbayes.round.server_step`. Returns the new server
         state, the new client states (every slot's; only accepted rows are written back), the
         acceptance flags, the clients' info and the server's info."""
         algorithm = self.algorithm
@@ -329,6 +353,8 @@ class Simulator:
                 out_specs=(P(_AXIS), P(_AXIS), P(_AXIS)),
                 check_vma=False,
             )(message, round_idx, x, y, order, client_ids, client_states, offsets, num_examples)
+        if self.attack is not None:
+            messages = self.attack(messages, attackers, message)
         server_key = protocol.server_key(self.seed, round_idx)
         new_server, ok, server_info = protocol.server_step(algorithm, server_state, messages, weights, server_key, self.aggregator)
         # A rejected client keeps its old state: run_round writes back only the accepted rows
@@ -358,6 +384,19 @@ class Simulator:
             out, _, _ = jax.eval_shape(self.algorithm.client_update, jax.random.key(0), message, cstate, data)
             self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
         return self._message_bytes
+
+    def failed_clients(self, round_idx: int, cohort: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(dropped, late)``: boolean masks over the (sorted) cohort of the clients that fail
+        this round (``dropout``, one uniform draw per cohort client from
+        :func:`fedbayes.round.dropout_rng`) and of those that miss the ``deadline``."""
+        dropped = np.zeros(len(cohort), np.bool_)
+        if self.dropout > 0:
+            dropped = protocol.dropout_rng(self.seed, round_idx).random(len(cohort)) < self.dropout
+        late = np.zeros(len(cohort), np.bool_)
+        if self.deadline is not None:
+            steps = num_local_steps(self.sizes[cohort], self.algorithm.local_batch_size, self.algorithm.local_epochs)
+            late = ~dropped & (np.asarray(steps) > self.deadline)
+        return dropped, late
 
     def _put_states(self, store, ids: np.ndarray, round_idx: int):
         """The states of the clients in slots ``ids`` on the devices, sharded by slot.
@@ -420,10 +459,17 @@ class Simulator:
         """
         round_idx = state.round
         cohort = self.sample_cohort(round_idx)
-        slots = self.layout_cohort(cohort)
+        all_slots = self.layout_cohort(cohort)
+        dropped, late = self.failed_clients(round_idx, cohort)
+        failed_ids = cohort[dropped | late]
+        # A failed client runs as a padding slot: no data, weight zero, its state not written back.
+        slots = np.where(np.isin(all_slots, failed_ids), -1, all_slots) if len(failed_ids) else all_slots
         x, y, order, offsets, num_examples, weights, padding = self.gather(round_idx, slots)
         real = slots >= 0
         safe = np.where(real, slots, 0)
+        extra = ()
+        if self.attack is not None:
+            extra = (jax.device_put(np.where(real, self.is_attacker[safe], False), self._sharded),)
         store = as_store(state.client_states)
         put = lambda a: jax.device_put(a, self._sharded)  # noqa: E731
         new_server, new_cstates, ok, client_info, server_info = self._round_fn(
@@ -437,6 +483,7 @@ class Simulator:
             x,
             y,
             jax.device_put(order, self._replicated),
+            *extra,
         )
         ok = np.asarray(ok)
         rejected = slots[real & ~ok]
@@ -457,9 +504,13 @@ class Simulator:
         if self.layout == "vmap" and steps.max() > 0:
             step_waste = float(1.0 - steps.sum() / (len(slots) * steps.max()))
         # Per-client facts in cohort order (slots hold the cohort in device blocks, -1 for padding).
-        order_in_cohort = np.argsort(np.where(real, slots, np.iinfo(np.int64).max), kind="stable")[:m]
-        clients = {"client": slots[order_in_cohort], "num_examples": num_examples[order_in_cohort], "accepted": (real & ok)[order_in_cohort]}
+        order_in_cohort = np.argsort(np.where(all_slots >= 0, all_slots, np.iinfo(np.int64).max), kind="stable")[:m]
+        clients = {"client": all_slots[order_in_cohort], "num_examples": num_examples[order_in_cohort], "accepted": (real & ok)[order_in_cohort]}
         clients.update({k: np.asarray(v)[order_in_cohort] for k, v in client_info.items()})
+        if self.dropout > 0 or self.deadline is not None:
+            clients["num_examples"] = self.sizes[cohort].astype(num_examples.dtype)  # a failed client still holds its data
+            clients["dropped"], clients["late"] = dropped, late
         server = {k: np.asarray(v).item() for k, v in server_info.items()}
-        info = RoundInfo(round_idx, cohort, rejected, up * m, down * m, float(padding), step_waste, clients, server)
+        succeeded = m - len(failed_ids)  # failed clients upload nothing (they still got the broadcast)
+        info = RoundInfo(round_idx, cohort, rejected, up * succeeded, down * m, float(padding), step_waste, clients, server, cohort[dropped], cohort[late])
         return SimState(round_idx + 1, new_server, client_states), info
