@@ -52,6 +52,8 @@ class BuildContext(NamedTuple):
       task: ``"classification"`` or ``"regression"``.
       keyed_apply_fn: ``(params, key, x) -> outputs``, one stochastic forward pass of a
         variational model (VBNN); ``None`` for deterministic models.
+      feature_spec: shape and dtype of one example's features (no batch axis), for methods whose
+        states hold inputs (FedLap-Func's memory points); ``None`` when not needed.
     """
 
     trainer: LocalTrainer
@@ -61,6 +63,7 @@ class BuildContext(NamedTuple):
     apply_fn: Callable[[Any, Any], Any] | None = None
     task: str = "classification"
     keyed_apply_fn: Callable[[Any, Any, Any], Any] | None = None
+    feature_spec: Any = None  # jax.ShapeDtypeStruct of one example
 
 
 class AlgorithmSpec(NamedTuple):
