@@ -13,8 +13,8 @@ on FedLap itself, each a pure function:
   cross-entropy against soft targets ``t`` (the client term uses ``t = y_g - y_old``, the server
   term ``t = y_k``);
 * :func:`optimise_global`: the server problem of Eq. 17,
-  ``argmin_w (delta/2)||w - anchor||^2 + tau * function_space_loss(w)``, by optax Adam inside one
-  ``lax.fori_loop`` (it runs inside the round's compiled program).
+  ``argmin_w (delta/2)||w - anchor||^2 + tau * function_space_loss(w)``, by optax Adam (cosine-decayed
+  rate) inside one ``lax.fori_loop`` (it runs inside the round's compiled program).
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def optimise_global(
     steps: int,
     lr: float,
 ) -> tuple[PyTree, dict[str, jax.Array]]:
-    """The server problem of Eq. 17 by ``steps`` of optax Adam at learning rate ``lr``:
+    """The server problem of Eq. 17 by ``steps`` of optax Adam, its learning rate decaying from
+    ``lr`` to 0 by a cosine:
 
         w_g = argmin_w (delta/2) ||w - anchor||^2 + tau sum_x tau_x l(f_w(x), y(x)),
 
@@ -139,7 +140,10 @@ def optimise_global(
     Returns:
       ``(w_g, info)`` with ``server_fn_loss`` and ``server_prox`` the two terms at ``w_g``.
     """
-    optimizer = optax.adam(lr)
+    # The rate decays to 0 (cosine): at a fixed rate Adam hovers about the minimiser at a distance
+    # of about the rate, in directions that rounding decides (a 1e-7 difference between two
+    # layouts' client messages became up to 8e-5 in w_g after 500 steps at 1e-3; decayed, 1e-7).
+    optimizer = optax.adam(optax.cosine_decay_schedule(lr, max(steps, 1)))
 
     def terms(w):
         diff = optax.tree.sub(w, anchor)

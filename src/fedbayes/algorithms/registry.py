@@ -80,6 +80,7 @@ class AlgorithmSpec(NamedTuple):
 admm, fedavg, feddyn, fedep, fedpa, fedprox, vbnn = (
     importlib.import_module(f"fedbayes.algorithms.{m}") for m in ("admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox", "vbnn")
 )
+fedlap_func = importlib.import_module("fedbayes.algorithms.fedlap_func")
 
 _BUILTIN = (
     AlgorithmSpec("fedavg", fedavg.FedAvgConfig, fedavg.build, "weighted averaging of local deltas; FedAvgM/FedAdam/FedYogi via the server optimizer"),
@@ -90,6 +91,7 @@ _BUILTIN = (
     AlgorithmSpec("fedep", fedep.FedEPConfig, fedep.build_fedep, "expectation propagation with stateful Gaussian sites"),
     AlgorithmSpec("fedsep", fedep.FedSEPConfig, fedep.build_fedsep, "stochastic EP: one shared site, stateless clients"),
     AlgorithmSpec("vbnn", vbnn.VBNNConfig, vbnn.build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors"),
+    AlgorithmSpec("fedlap_func", fedlap_func.FedLapFuncConfig, fedlap_func.build, "FedLap plus soft labels on a few memory points per client, optimised over at the server"),
 )
 
 _REGISTRY: dict[str, AlgorithmSpec] = {spec.name: spec for spec in _BUILTIN}
