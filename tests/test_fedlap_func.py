@@ -104,30 +104,41 @@ def test_server_optimisation_reaches_the_minimiser_of_eq_17():
 # ----- the method ---------------------------------------------------------------------------------
 import importlib  # noqa: E402
 
-func = importlib.import_module("fedbayes.algorithms.fedlap_func")
+from typer.testing import CliRunner  # noqa: E402
+
+from fedbayes import tree  # noqa: E402
+from fedbayes.cli import app  # noqa: E402
+from fedbayes.experiment import read_metrics  # noqa: E402
 from fedbayes.simulate import Simulator  # noqa: E402
 
+# The modules, not the factories that fedbayes.algorithms re-exports under the same names.
+func = importlib.import_module("fedbayes.algorithms.fedlap_func")
 fedlap_module = importlib.import_module("fedbayes.algorithms.fedlap")
 FEATURES = jax.ShapeDtypeStruct((8, 8, 1), np.float32)
+SEED, ROUNDS, COHORT = 3, 4, 3
 
 
-def _pair(tau, *, clients_per_round=5, delta=5.0, rho=0.2, server_steps=20, layout="sequential", sizes=SIZES, epochs=2):
-    fed = digits_federation(sizes)
-    model, params, trainer = logreg_setup(epochs=epochs, batch_size=16)
-    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    lap_alg = fedlap_module.fedlap(trainer, delta=delta, rho=rho)
-    func_alg = func.fedlap_func(trainer, apply_fn, FEATURES, delta=delta, rho=rho, tau=tau, server_steps=server_steps, server_lr=1e-2)
-    sims = [Simulator(a, fed, clients_per_round=clients_per_round, seed=3, layout=layout) for a in (lap_alg, func_alg)]
-    return sims, params
-
-
-def _run(sim, params, rounds):
+def _run(sim, params, rounds=ROUNDS):
     state = sim.init(params)
-    infos = []
+    states, infos = [state], []
     for _ in range(rounds):
         state, info = sim.run_round(state)
+        states.append(state)
         infos.append(info)
-    return state, infos
+    return states, infos
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """FedLap and FedLap-Func (tau = 0 and tau = 1), 3 of 5 clients a round, 4 rounds, one seed."""
+    fed = digits_federation(SIZES)
+    model, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    algs = {
+        "fedlap": fedlap_module.fedlap(trainer, delta=5.0, rho=0.2),
+        **{tau: func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, rho=0.2, tau=tau, server_steps=20, server_lr=1e-2) for tau in (0.0, 1.0)},
+    }
+    return fed, {k: _run(Simulator(a, fed, clients_per_round=COHORT, seed=SEED), params) for k, a in algs.items()}
 
 
 def _assert_equal(a, b):
@@ -135,22 +146,86 @@ def _assert_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("clients_per_round", [5, 3])
-def test_tau_zero_is_fedlap_bit_for_bit(clients_per_round):
-    (lap_sim, func_sim), params = _pair(0.0, clients_per_round=clients_per_round)
-    lap_state, _ = _run(lap_sim, params, 4)
-    func_state, _ = _run(func_sim, params, 4)
-    _assert_equal(func_state.server_state.lap, lap_state.server_state)
-    _assert_equal(func_state.server_state.params, lap_state.server_state.params)
-    _assert_equal(func_state.client_states.site, lap_state.client_states)
-    # ... and yet the memory was drawn and optimised over (the comparison is not vacuous).
-    assert np.all(np.asarray(func_state.client_states.memory.weights).sum(axis=1) > 0)
+def test_tau_zero_is_fedlap_bit_for_bit(runs):
+    _, r = runs
+    for lap_state, func_state in zip(r["fedlap"][0], r[0.0][0]):
+        _assert_equal(func_state.server_state.lap, lap_state.server_state)
+        _assert_equal(func_state.server_state.params, lap_state.server_state.params)
+        _assert_equal(func_state.client_states.site, lap_state.client_states)
+    # ... and yet memory was drawn and the server optimised over it (the comparison is not vacuous).
+    assert all(info.server["memory_points"] > 0 for info in r[0.0][1])
 
 
-def test_tau_positive_changes_the_result():
-    (lap_sim, func_sim), params = _pair(1.0)
-    lap_state, _ = _run(lap_sim, params, 2)
-    func_state, infos = _run(func_sim, params, 2)
-    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(func_state.server_state.params), jax.tree.leaves(lap_state.server_state.params)))
-    assert diff > 1e-3
-    assert infos[-1].server["memory_points"] > 0
+def test_tau_positive_changes_the_result(runs):
+    _, r = runs
+    lap_w, func_w = r["fedlap"][0][-1].server_state.params, r[1.0][0][-1].server_state.params
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(lap_w), jax.tree.leaves(func_w))) > 1e-3
+    # the server moved w_g away from FedLap's sum of sites towards the soft labels
+    final = r[1.0][0][-1].server_state
+    assert any(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) > 1e-3 for a, b in zip(jax.tree.leaves(final.params), jax.tree.leaves(final.lap.params)))
+
+
+def test_memory_sets_are_drawn_once_from_the_seeded_shuffle_of_the_first_round(runs):
+    fed, r = runs
+    states, infos = r[1.0]
+    first = {}
+    for info in infos:
+        for cid in info.cohort:
+            first.setdefault(int(cid), info.round)
+    assert len(first) < len(SIZES) or len({i.round for i in infos}) > 1
+    for cid in range(len(SIZES)):
+        memories = [jax.tree.map(lambda a: np.asarray(a)[cid], s.client_states.memory) for s in states]
+        if cid not in first:
+            assert np.all(memories[-1].weights == 0)
+            continue
+        # the reference: the first example of each class in the client's first-epoch shuffle
+        ix = fed.client_indices[cid]
+        perm = protocol.shuffle_rng(SEED, first[cid], cid).permutation(ix)
+        for c in range(10):
+            chosen = [p for p in perm if fed.y[p] == c][:1]
+            if chosen:
+                np.testing.assert_array_equal(memories[-1].inputs[c], fed.x[chosen[0]])
+                assert memories[-1].weights[c] == np.sum(fed.y[ix] == c)
+            else:
+                assert memories[-1].weights[c] == 0 and not np.any(memories[-1].inputs[c])
+        # kept from then on, whatever rounds followed
+        for m in memories[first[cid] + 1 :]:
+            np.testing.assert_array_equal(m.inputs, memories[-1].inputs)
+            np.testing.assert_array_equal(m.weights, memories[-1].weights)
+    # the same seed draws the same memory whatever tau is
+    _assert_equal(r[0.0][0][-1].client_states.memory.inputs, states[-1].client_states.memory.inputs)
+
+
+def test_bytes_count_the_memory_points_and_soft_labels(runs):
+    _, r = runs
+    slots, classes = 10, 10  # one point per class
+    lap_info, func_info = r["fedlap"][1][0], r[1.0][1][0]
+    per_client_up = slots * (8 * 8 * 1 + 1 + classes) * 4  # points, tau_x, soft labels (float32)
+    assert func_info.bytes_up - lap_info.bytes_up == COHORT * per_client_up
+    assert func_info.bytes_down - lap_info.bytes_down == COHORT * 4  # the round index
+    site = tree.tree_bytes(r["fedlap"][0][0].server_state.params)
+    assert lap_info.bytes_up == COHORT * site
+
+
+def test_cli_run_writes_metrics_and_the_model(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text(
+        'name = "lapfunc"\nrounds = 2\ncheckpoint_every = 0\n[data]\ndataset = "digits"\nnum_clients = 4\n'
+        'partition = "dirichlet"\nalpha = 0.5\n[model]\nname = "logreg"\n[client]\nlr = 0.1\nbatch_size = 16\n'
+        '[server]\nclients_per_round = 4\n[algorithm]\nname = "fedlap_func"\ndelta = 5.0\ntau = 0.5\nserver_steps = 10\n'
+    )
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["run", str(config), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    recs = read_metrics(out / "metrics.jsonl")
+    assert [r["round"] for r in recs] == [0, 1, 2] and np.isfinite(recs[-1]["accuracy"])
+    assert recs[-1]["bytes_up"] > 0 and recs[-1]["bytes_down"] > 0
+    model = np.load(out / "model.npz")
+    assert {"params/dense/kernel", "params/dense/bias"} <= set(model.files)
+
+
+    # bad settings: one line naming the field, before any work
+    for override, needle in (("algorithm.tau=-1", "algorithm.tau"), ("algorithm.memory_per_class=0", "algorithm.memory_per_class")):
+        res = CliRunner().invoke(app, ["run", str(config), "--out", str(tmp_path / "bad"), "--set", override])
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
