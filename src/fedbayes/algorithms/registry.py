@@ -80,6 +80,8 @@ class AlgorithmSpec(NamedTuple):
 admm, fedavg, feddyn, fedep, fedpa, fedprox, vbnn = (
     importlib.import_module(f"fedbayes.algorithms.{m}") for m in ("admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox", "vbnn")
 )
+fedlap = importlib.import_module("fedbayes.algorithms.fedlap")
+fedlap_cov = importlib.import_module("fedbayes.algorithms.fedlap_cov")
 fedlap_func = importlib.import_module("fedbayes.algorithms.fedlap_func")
 
 _BUILTIN = (
@@ -91,6 +93,8 @@ _BUILTIN = (
     AlgorithmSpec("fedep", fedep.FedEPConfig, fedep.build_fedep, "expectation propagation with stateful Gaussian sites"),
     AlgorithmSpec("fedsep", fedep.FedSEPConfig, fedep.build_fedsep, "stochastic EP: one shared site, stateless clients"),
     AlgorithmSpec("vbnn", vbnn.VBNNConfig, vbnn.build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors"),
+    AlgorithmSpec("fedlap", fedlap.FedLapConfig, fedlap.build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites"),
+    AlgorithmSpec("fedlap_cov", fedlap_cov.FedLapCovConfig, fedlap_cov.build, "FedLap with diagonal-GGN site precisions: two duals, a preconditioned server"),
     AlgorithmSpec("fedlap_func", fedlap_func.FedLapFuncConfig, fedlap_func.build, "FedLap plus soft labels on a few memory points per client, optimised over at the server"),
 )
 

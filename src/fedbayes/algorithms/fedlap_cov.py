@@ -1,0 +1,293 @@
+"""FedLap-Cov: the Laplace version of partitioned variational inference with a learned
+(diagonal) precision (Swaroop, Khan and Doshi-Velez, "Connecting Federated ADMM to Bayes",
+ICLR 2025, Sec. 3.3, Eqs. 13-14 and the final form of App. B, Eq. 21).
+
+docs/algorithms.md §10. The prior is ``p_0 = N(0, I / delta)``; every site is a Gaussian factor
+``t_k(w) ∝ exp(v_k^T w - 1/2 w^T V_k w)`` with two duals, the vector ``v_k`` and the precision
+``V_k``; the global is their product, ``S_g = delta + sum_k V_k`` and ``w_g = S_g^{-1} sum_k v_k``.
+One round, client ``k`` (``l_k`` the SUM loss, ``H_k`` its diagonal GGN):
+
+    w_k <- argmin_w  l_k(w) + v_k^T w - 1/2 w^T V_k w + 1/2 (w - w_g)^T S_g (w - w_g)
+    H_k <- diag GGN of l_k at the new w_k            (fedbayes.inference.curvature; no prior)
+    S_k  = H_k + S_g - V_k                            (the local Laplace precision)
+    (v_k, V_k) <- (v_k, V_k) + rho (S_k w_k - S_g w_g, S_k - S_g)
+
+so ``V_k <- (1 - rho) V_k + rho H_k``: in natural parameters the site moves a fraction ``rho`` of
+the way to ``t_k q_k / q_g`` (:func:`fedbayes.gaussian.damp`), whose precision is ``H_k``. The
+server multiplies the sites' changes into ``q_g``. The fixed point (``w_k = w_g``, ``V_k = H_k``)
+is the MAP of ``sum_k l_k(w) + delta/2 ||w||^2`` whatever the curvature; the curvature only
+preconditions the way there.
+
+Choices (those shared with FedLap, :mod:`fedbayes.algorithms.fedlap`, are stated there: the
+mean-loss trainer minimising the objective divided by ``n_k``, the start of local training at the
+initial parameters in round 1 and at ``w_g`` afterwards, partial participation by summed site
+changes, ``rho = 1 / K`` by default, no server optimizer):
+
+* **Positivity.** ``V_k`` is a convex combination of ``V_k >= 0`` and the GGN ``H_k >= 0``, so it
+  stays non-negative exactly, and ``S_g >= delta``. The server keeps ``S_g`` at least ``delta``
+  coordinatewise, absorbing float round-off of its running sum. A client whose curvature is not
+  finite or has a negative entry flags its message (rejected; it keeps its site).
+* **Initialisation** ``init_precision``: ``"delta"`` (default; PVI's) sends ``S_g = delta`` in
+  round 1, ``"zero"`` sends ``S_g = 0`` in round 1 (the authors' code: no prox term in round 1, and
+  the round-1 site update uses that zero). After the first server update both send
+  ``delta + sum_k V_k``. ``w_g = 0`` in round 1 either way.
+* **Messages**: the site change ``(Delta v_k, Delta V_k)`` and the client's flag, ``2P`` floats.
+* ``server_posterior`` is ``(w_g, 1 / S_g)`` (marginalised predictions, ``model.npz``).
+
+The update functions take :class:`PrecisionOps`, how a precision acts on a parameter vector:
+:data:`DIAGONAL` for the algorithm; a dense-matrix version (the tests') gives the full-covariance
+method of the paper from the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from pydantic import Field
+
+from fedbayes import gaussian, tree
+from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
+from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
+from fedbayes.gaussian import DiagGaussian
+from fedbayes.hparams import HParams
+from fedbayes.inference.curvature import batch_diag_ggn
+from fedbayes.inference.sgd import LocalTrainer, run_sgd
+
+PyTree = Any
+Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
+INIT_PRECISIONS = ("delta", "zero")
+
+__all__ = [
+    "DIAGONAL",
+    "INIT_PRECISIONS",
+    "Broadcast",
+    "Curvature",
+    "FedLapCovConfig",
+    "Message",
+    "PrecisionOps",
+    "ServerState",
+    "client_step",
+    "data_curvature",
+    "fedlap_cov",
+    "server_step",
+    "site_terms",
+    "site_update",
+]
+
+
+class PrecisionOps(NamedTuple):
+    """How a precision acts on parameters.
+
+    Attributes:
+      matvec: ``(precision, x) -> precision x``.
+      solve: ``(precision, x) -> precision^{-1} x``.
+      scaled_identity: ``(params, c) -> c I`` as a precision for ``params``.
+      at_least: ``(precision, c) -> precision`` raised to at least ``c I`` where that is cheap
+        (coordinatewise for a diagonal); the identity otherwise.
+    """
+
+    matvec: Callable
+    solve: Callable
+    scaled_identity: Callable
+    at_least: Callable
+
+
+DIAGONAL = PrecisionOps(
+    matvec=lambda p, x: jax.tree.map(jnp.multiply, p, x),
+    solve=lambda p, x: jax.tree.map(jnp.divide, x, p),
+    scaled_identity=optax.tree.full_like,
+    at_least=lambda p, c: jax.tree.map(lambda s: jnp.maximum(s, jnp.asarray(c, s.dtype)), p),
+)
+
+
+class ServerState(NamedTuple):
+    """FedLap-Cov server state.
+
+    Attributes:
+      params: the global mean ``w_g = S_g^{-1} sum_k v_k``.
+      q: ``q_g`` in natural parameters, ``(sum_k v_k, delta + sum_k V_k)``.
+      init: the model's initial parameters, where local training starts in round 1.
+      round: rounds done.
+    """
+
+    params: optax.Params
+    q: DiagGaussian
+    init: optax.Params
+    round: jax.Array
+
+
+class Broadcast(NamedTuple):
+    """What clients receive: ``w_g``, the precision ``S_g`` they use, and where training starts."""
+
+    anchor: optax.Params
+    precision: PyTree
+    start: optax.Params
+
+
+class Message(NamedTuple):
+    """A client's site change ``(Delta v_k, Delta V_k)`` and whether its curvature was valid."""
+
+    delta: DiagGaussian
+    ok: jax.Array
+
+
+def site_terms(w, message: Broadcast, site: DiagGaussian, ops: PrecisionOps = DIAGONAL) -> jax.Array:
+    """``v_k^T w - 1/2 w^T V_k w + 1/2 (w - w_g)^T S_g (w - w_g)``: the site and cavity terms of the
+    client objective on the sum-loss scale."""
+    diff = optax.tree.sub(w, message.anchor)
+    return (
+        optax.tree.vdot(site.precision_mean, w)
+        - 0.5 * optax.tree.vdot(w, ops.matvec(site.precision, w))
+        + 0.5 * optax.tree.vdot(diff, ops.matvec(message.precision, diff))
+    )
+
+
+def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, rho: float, ops: PrecisionOps = DIAGONAL) -> DiagGaussian:
+    """The damped site update: ``t_k <- t_k^(1 - rho) (t_k q_k / q_g)^rho`` with the local Laplace
+    ``q_k = (S_k w_k, S_k)``, ``S_k = H_k + S_g - V_k``; the target's precision is ``H_k``."""
+    s_g = message.precision
+    s_k = optax.tree.sub(optax.tree.add(curvature, s_g), site.precision)
+    change = optax.tree.sub(ops.matvec(s_k, w_k), ops.matvec(s_g, message.anchor))
+    target = DiagGaussian(precision_mean=optax.tree.add(site.precision_mean, change), precision=curvature)
+    return gaussian.damp(site, target, rho)
+
+
+def client_step(
+    key: jax.Array,
+    message: Broadcast,
+    site: DiagGaussian,
+    data: ClientData,
+    trainer: LocalTrainer,
+    *,
+    rho: float,
+    curvature: Curvature,
+    ops: PrecisionOps = DIAGONAL,
+    solver: LocalSolver = run_sgd,
+):
+    """One FedLap-Cov client round. Returns ``(w_k, H_k, new_site, info)``."""
+
+    def penalty(w):
+        return per_example(site_terms(w, message, site, ops), data.num_examples)
+
+    w_k, info = solver(key, message.start, data, trainer, penalty)
+    h_k = curvature(w_k, data)
+    return w_k, h_k, site_update(site, w_k, message, h_k, rho, ops), info
+
+
+def server_init(params, delta: float, ops: PrecisionOps = DIAGONAL) -> ServerState:
+    """``q_g = p_0 = N(0, I / delta)``, ``w_g = 0``."""
+    q = DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=ops.scaled_identity(params, delta))
+    return ServerState(optax.tree.zeros_like(params), q, params, jnp.zeros((), jnp.int32))
+
+
+def broadcast(state: ServerState, init_precision: str = "delta") -> Broadcast:
+    precision = state.q.precision
+    if init_precision == "zero":
+        precision = jax.tree.map(lambda s: jnp.where(state.round == 0, jnp.zeros_like(s), s), precision)
+    return Broadcast(state.params, precision, training_start(state.init, state.params, state.round))
+
+
+def server_step(state: ServerState, site_change_total: DiagGaussian, delta: float, ops: PrecisionOps = DIAGONAL) -> ServerState:
+    """``q_g <- q_g prod_k (t_k^new / t_k)`` over the accepted clients, ``S_g`` kept at least
+    ``delta``, and ``w_g = S_g^{-1} eta_g``."""
+    q = gaussian.product(state.q, site_change_total)
+    q = DiagGaussian(precision_mean=q.precision_mean, precision=ops.at_least(q.precision, delta))
+    return ServerState(ops.solve(q.precision, q.precision_mean), q, state.init, state.round + 1)
+
+
+def data_curvature(apply_fn, *, task: str = "classification", batch_size: int) -> Curvature:
+    """``(params, data) -> diag GGN`` of the client's sum loss: one pass over the client's
+    examples (the first laid-out epoch) in minibatches of ``batch_size``
+    (:func:`fedbayes.inference.curvature.batch_diag_ggn`)."""
+
+    def curvature(params, data: ClientData):
+        def body(step, total):
+            x, y, mask = get_batch(data, step, batch_size)
+            return optax.tree.add(total, batch_diag_ggn(apply_fn, params, x, y, mask, task=task))
+
+        return jax.lax.fori_loop(0, steps_per_epoch(data.num_examples, batch_size), body, optax.tree.zeros_like(params))
+
+    return curvature
+
+
+def _valid_curvature(h) -> jax.Array:
+    return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.stack([jnp.all(x >= 0) for x in jax.tree.leaves(h)])))
+
+
+def fedlap_cov(
+    trainer: LocalTrainer,
+    curvature: Curvature,
+    *,
+    delta: float,
+    rho: float,
+    init_precision: str = "delta",
+    solver: LocalSolver = run_sgd,
+) -> Algorithm:
+    """FedLap-Cov (docs/algorithms.md §10) with diagonal precisions.
+
+    Args:
+      trainer: local training (mean loss, optimizer, epochs, batch size).
+      curvature: ``(params, data) -> diagonal curvature of the client's sum loss`` (PSD), e.g.
+        :func:`data_curvature`.
+      delta: prior precision (sum-loss scale), > 0.
+      rho: site damping in (0, 1].
+      init_precision: ``"delta"`` or ``"zero"``, the ``S_g`` clients use in round 1.
+      solver: the local solver, ``run_sgd`` by default (tests pass an exact one).
+    """
+    check_settings("fedlap_cov", delta, rho)
+    if init_precision not in INIT_PRECISIONS:
+        raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
+
+    def client_update(key, message: Broadcast, site, data):
+        _, h_k, new_site, info = client_step(key, message, site, data, trainer, rho=rho, curvature=curvature, solver=solver)
+        return Message(gaussian.delta(new_site, site), _valid_curvature(h_k)), new_site, info
+
+    def server_update(state, aggregate, key):
+        del key
+        return server_step(state, aggregate.total.delta, delta), {}
+
+    def message_ok(state, message):
+        del state
+        return jnp.logical_and(tree.all_finite(message.delta), message.ok)
+
+    def server_posterior(state):
+        return state.params, jax.tree.map(jnp.reciprocal, state.q.precision)
+
+    return Algorithm(
+        name="fedlap_cov",
+        server_init=lambda key, params: server_init(params, delta),
+        broadcast=lambda state: broadcast(state, init_precision),
+        client_init=gaussian.uniform_like,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: state.params,
+        message_ok=message_ok,
+        local_epochs=trainer.num_epochs,
+        local_batch_size=trainer.batch_size,
+        server_posterior=server_posterior,
+    )
+
+
+class FedLapCovConfig(HParams):
+    """FedLap-Cov (docs/algorithms.md §10)."""
+
+    name: Literal["fedlap_cov"]
+    delta: float = Field(1.0, gt=0, description="prior precision delta, on the sum-loss scale")
+    rho: float | None = Field(None, gt=0, le=1, description="site damping rho; default 1 / num_clients")
+    init_precision: Literal[INIT_PRECISIONS] = Field(  # type: ignore[valid-type]
+        "delta", description="S_g the clients use in round 1: delta (PVI's) or zero (the authors' code)"
+    )
+    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
+
+
+def build(hp: FedLapCovConfig, ctx) -> Algorithm:
+    if ctx.apply_fn is None:
+        raise ValueError("fedlap_cov: needs the model's apply_fn for the curvature")
+    curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
+    rho = hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients
+    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, rho=rho, init_precision=hp.init_precision)
