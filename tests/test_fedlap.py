@@ -1,4 +1,4 @@
-"""FedLap and FedLap-Cov (docs/algorithms.md §9-10) on least-squares clients with exact local
+"""FedLap and FedLap-Cov (docs/algorithms.md §9, §10) on least-squares clients with exact local
 solves, where the target is known in closed form: the MAP of ``sum_k l_k(w) + delta/2 ||w||^2``
 with ``l_k(w) = 1/2 ||Z_k w - y_k||^2`` (``Z`` the features with a ones column for the bias) is
 ``(sum_k Z_k^T Z_k + delta I)^{-1} sum_k Z_k^T y_k``.
@@ -16,8 +16,9 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
+from typer.testing import CliRunner
 
-from fedbayes import gaussian
+from fedbayes import config, gaussian, models
 from fedbayes import round as protocol
 from fedbayes.algorithms.fedlap import client_penalty, fedlap
 from fedbayes.algorithms.fedlap_cov import PrecisionOps, data_curvature, fedlap_cov
@@ -25,7 +26,11 @@ from fedbayes.algorithms.fedlap_cov import broadcast as cov_broadcast
 from fedbayes.algorithms.fedlap_cov import client_step as cov_client_step
 from fedbayes.algorithms.fedlap_cov import server_init as cov_server_init
 from fedbayes.algorithms.fedlap_cov import server_step as cov_server_step
+from fedbayes.cli import app
+from fedbayes.config import ConfigError, validate
 from fedbayes.data.batches import ClientData, get_batch
+from fedbayes.experiment import read_metrics
+from fedbayes.export import load_model
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.sgd import LocalTrainer, training_info
 from fedbayes.models import init_params, loss_fn, make_model
@@ -203,8 +208,9 @@ def test_fedlap_cov_full_covariance_exact_hessians_undamped_is_the_map_in_one_ro
         delta, rho = 1.3, 1.0
         params = jnp.asarray(np.random.default_rng(5).normal(size=DIM + 1))
         state = cov_server_init(params, delta, FULL)
-        site0 = DiagGaussian(precision_mean=jnp.zeros(DIM + 1), precision=jnp.zeros((DIM + 1, DIM + 1)))
-        client = jax.jit(lambda m, site, data: cov_client_step(jax.random.key(0), m, site, data, trainer, rho=rho, curvature=hessian, ops=FULL, solver=newton_solver)[2])
+        client = jax.jit(
+            lambda m, site, data: cov_client_step(jax.random.key(0), m, site, data, trainer, rho=rho, curvature=hessian, ops=FULL, solver=newton_solver)[2]
+        )
         sites = [DiagGaussian(precision_mean=jnp.zeros(DIM + 1), precision=jnp.zeros((DIM + 1, DIM + 1))) for _ in prob.datas]
         for r in range(2):
             message = cov_broadcast(state)
@@ -314,3 +320,96 @@ def test_fedlap_cov_settings_are_checked():
         fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, rho=0.5, init_precision="one")
     with pytest.raises(ValueError, match="fedlap_cov: rho"):
         fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, rho=2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLP's activation, the config sections, and a short run of each method from the CLI
+
+
+@pytest.mark.parametrize("activation, fn", [("relu", jax.nn.relu), ("sigmoid", jax.nn.sigmoid), ("tanh", jnp.tanh)])
+def test_mlp_activation_is_the_hidden_nonlinearity(activation, fn):
+    model = make_model("mlp", 3, hidden=(4,), activation=activation)
+    params = init_params(model, jax.random.key(0), (5,))
+    x = jax.random.normal(jax.random.key(1), (2, 5))
+    h = fn(x @ params["hidden_0"]["kernel"] + params["hidden_0"]["bias"][None, :])
+    expected = h @ params["output"]["kernel"] + params["output"]["bias"][None, :]
+    np.testing.assert_allclose(model.apply({"params": params}, x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mlp_default_activation_is_relu_and_unchanged():
+    x = jax.random.normal(jax.random.key(1), (3, 6))
+    plain, relu = make_model("mlp", 4, hidden=(5,)), make_model("mlp", 4, hidden=(5,), activation="relu")
+    params = init_params(plain, jax.random.key(0), (6,))
+    np.testing.assert_array_equal(plain.apply({"params": params}, x), relu.apply({"params": params}, x))
+    with pytest.raises(ValueError, match="activation: must be one of relu, sigmoid, tanh; got 'gelu'"):
+        make_model("mlp", 4, activation="gelu")
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"model": {"activation": "gelu"}}, "model.activation: Input should be 'relu', 'sigmoid' or 'tanh'"),
+        ({"model": {"name": "logreg", "activation": "tanh"}}, "model.activation: only the mlp has a choice of activation; got 'tanh' with model 'logreg'"),
+        ({"algorithm": {"name": "fedlap", "delta": 0}}, "algorithm.delta: Input should be greater than 0"),
+        ({"algorithm": {"name": "fedlap", "rho": 1.5}}, "algorithm.rho: Input should be less than or equal to 1"),
+        ({"algorithm": {"name": "fedlap_cov", "init_precision": "one"}}, "algorithm.init_precision: Input should be 'delta' or 'zero'"),
+    ],
+)
+def test_bad_settings_give_one_line_naming_the_field(raw, message):
+    with pytest.raises(ConfigError) as exc:
+        validate(raw)
+    text = str(exc.value)
+    assert "\n" not in text and message in text, text
+
+
+def test_config_and_models_agree_on_activations():
+    assert config.ACTIVATIONS == tuple(models.ACTIVATIONS)
+
+
+CLI_CONFIG = """
+name = "{name}"
+rounds = 2
+checkpoint_every = 0
+[data]
+dataset = "digits"
+num_clients = 4
+partition = "dirichlet"
+[model]
+{model}
+[client]
+optimizer = "adam"
+lr = 0.01
+batch_size = 64
+[server]
+clients_per_round = 3
+[algorithm]
+name = "{name}"
+delta = 1.0
+"""
+
+
+MLP_SIGMOID = 'name = "mlp"\nhidden = [8]\nactivation = "sigmoid"'
+
+
+@pytest.mark.parametrize("name, model", [("fedlap", MLP_SIGMOID), ("fedlap_cov", 'name = "logreg"')], ids=["fedlap", "fedlap_cov"])
+def test_a_short_cli_run_writes_metrics_and_the_model(tmp_path, name, model):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CLI_CONFIG.format(name=name, model=model))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["run", str(cfg), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert all(np.isfinite(r["accuracy"]) and np.isfinite(r["nll"]) for r in records)
+    saved = load_model(out / "model.npz")
+    layer = "hidden_0" if name == "fedlap" else "dense"
+    kernel = saved["params"][layer]["kernel"]
+    assert kernel.shape == ((64, 8) if name == "fedlap" else (64, 10)) and np.all(np.isfinite(kernel))
+    if name == "fedlap":
+        assert set(saved) == {"params"}  # q_g's variance is the fixed 1 / delta: nothing learned to export
+        return
+    assert "accuracy_marg" in records[-1]
+    np.testing.assert_array_equal(saved["posterior_mean"][layer]["kernel"], kernel)
+    var = saved["posterior_variance"][layer]["kernel"]
+    assert np.all(var > 0) and np.all(var <= 1.0)  # 1 / S_g with S_g >= delta = 1
+    assert np.any(var < 1.0)  # the clients' curvature is in it

@@ -24,6 +24,7 @@ DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthe
 PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 MODELS = ("logreg", "mlp", "cnn", "linear")
 VARIATIONAL_MODELS = ("mlp", "cnn")
+ACTIVATIONS = ("relu", "sigmoid", "tanh")
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -56,6 +57,7 @@ class ModelConfig(_Strict):
 
     name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
+    activation: Literal[ACTIVATIONS] = Field("relu", description="mlp hidden-layer nonlinearity (the FedLap authors' code uses sigmoid)")  # type: ignore[valid-type]
     # Ozer et al. 2022 (VBNN aggregation)'s VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
     variational: bool = False
 
@@ -63,6 +65,8 @@ class ModelConfig(_Strict):
     def _variational_models(self) -> ModelConfig:
         if self.variational and self.name not in VARIATIONAL_MODELS:
             raise ValueError(f"model.variational: only {', '.join(VARIATIONAL_MODELS)} have a variational version; got {self.name!r}")
+        if self.activation != "relu" and self.name != "mlp":
+            raise ValueError(f"model.activation: only the mlp has a choice of activation; got {self.activation!r} with model {self.name!r}")
         return self
 
 

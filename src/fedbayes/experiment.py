@@ -172,7 +172,7 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
     dataset, parts = prepare_data(config)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
-    kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
+    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
     variational = config.model.variational
     model = make_model(config.model.name, dataset.num_classes, variational=variational, **kwargs)
     params = init_params(model, protocol.params_key(config.seed), dataset.feature_shape)

@@ -12,4 +12,6 @@ from fedbayes.algorithms.fedpa import fedpa, shrinkage_delta
 from fedbayes.algorithms.fedprox import fedprox
 from fedbayes.algorithms.server_opt import make_server_optimizer, scale_by_reddi
 
-__all__ = ["Algorithm", "admm", "fedavg", "feddyn", "fedep", "fedlap", "fedlap_cov", "fedlap_func", "fedpa", "fedprox", "fedsep", "make_server_optimizer", "scale_by_reddi", "shrinkage_delta"]
+__all__ = ["Algorithm", "admm", "fedavg", "feddyn", "fedep", "fedpa", "fedprox", "fedsep", "make_server_optimizer", "scale_by_reddi", "shrinkage_delta"]
+__all__ += ["fedlap", "fedlap_cov"]
+__all__ += ["fedlap_func"]

@@ -25,7 +25,7 @@ Choices:
   unweighted sum over the accepted clients (:attr:`~fedbayes.aggregators.Aggregate.total`), so an
   absent client's site keeps its last value. With full participation this is exactly Eq. 9.
   Client weights act only as a participation mask.
-* **Initialisation** (docs/algorithms.md §9.4): ``v_k = 0`` and ``w_g = 0`` (the prior mean), so
+* **Initialisation**: ``v_k = 0`` and ``w_g = 0`` (the prior mean), so
   round 1 is each client's local MAP under the prior. Local training starts from the model's
   initial parameters in round 1 (a network started at zero cannot break its symmetry) and from
   ``w_g`` afterwards; the broadcast therefore carries the anchor ``w_g`` and the start.
@@ -33,7 +33,7 @@ Choices:
   ``K > 1`` oscillates or diverges.
 * The server optimizer of the run is not used (like VBNN): the server's update is exact.
 
-Building blocks, public so that FedLap-Func (docs/algorithms.md §11) can add its function-space
+Building blocks, public so that FedLap-Func (Swaroop et al. 2025 (ADMM and Bayes) Sec. 3.4) can add its function-space
 term to the same client objective and reuse the dual update and the server:
 :func:`site_terms`, :func:`client_penalty`, :func:`dual_update`, :func:`client_step`,
 :func:`server_step`, :class:`ServerState`, :class:`Broadcast`, :func:`broadcast`; FedLap-Cov

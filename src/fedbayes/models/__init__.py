@@ -18,10 +18,11 @@ import optax
 
 from fedbayes.models.cnn import CNN
 from fedbayes.models.logreg import LinearRegression, LogisticRegression
-from fedbayes.models.mlp import MLP
+from fedbayes.models.mlp import ACTIVATIONS, MLP, activation_fn
 from fedbayes.models.variational import VariationalCNN, VariationalMLP
 
 __all__ = [
+    "ACTIVATIONS",
     "CNN",
     "MLP",
     "MODELS",
@@ -46,7 +47,7 @@ def make_model(name: str, num_classes: int, *, variational: bool = False, **kwar
 
     Args:
         name: one of :data:`MODELS`: ``"logreg"`` (:class:`LogisticRegression`), ``"mlp"``
-            (:class:`MLP`, accepts ``hidden=(200, 100)``), ``"cnn"`` (:class:`CNN`, accepts
+            (:class:`MLP`, accepts ``hidden=(200, 100)`` and ``activation="relu"``), ``"cnn"`` (:class:`CNN`, accepts
             ``padding="SAME"``) or ``"linear"`` (:class:`LinearRegression`).
         num_classes: number of classes, at least 2. Ignored by ``"linear"``, whose output is one
             scalar per example.
@@ -75,6 +76,8 @@ def make_model(name: str, num_classes: int, *, variational: bool = False, **kwar
         if "hidden" in kwargs:
             # Module attributes must be hashable; accept any sequence of widths.
             kwargs["hidden"] = tuple(int(h) for h in kwargs["hidden"])
+        if "activation" in kwargs:
+            activation_fn(kwargs["activation"])  # an unknown name fails here, not at the first call
         return (VariationalMLP if variational else MLP)(num_classes=num_classes, **kwargs)
     return (VariationalCNN if variational else CNN)(num_classes=num_classes, **kwargs)
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from fedbayes import gaussian
 from fedbayes.models.cnn import conv_features
+from fedbayes.models.mlp import activation_fn
 
 __all__ = [
     "LOGVAR_MAX",
@@ -101,12 +102,13 @@ class VariationalMLP(nn.Module):
 
     num_classes: int
     hidden: Sequence[int] = (200, 100)
+    activation: str = "relu"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape((x.shape[0], -1))
         for i, width in enumerate(self.hidden):
-            x = nn.relu(VariationalDense(width, name=f"hidden_{i}")(x))
+            x = activation_fn(self.activation)(VariationalDense(width, name=f"hidden_{i}")(x))
         return VariationalDense(self.num_classes, name="output")(x)
 
 
