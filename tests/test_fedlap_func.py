@@ -229,3 +229,28 @@ def test_cli_run_writes_metrics_and_the_model(tmp_path):
         res = CliRunner().invoke(app, ["run", str(config), "--out", str(tmp_path / "bad"), "--set", override])
         lines = [line for line in res.output.splitlines() if line.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
+
+
+def test_old_soft_labels_are_subtracted_only_when_the_server_saw_them(runs):
+    """Choice 3: the site's function-space part is taken out of the cavity only if the client's
+    message was accepted in the previous round (the server's memory is the round's)."""
+    fed, r = runs
+    model, params, trainer = logreg_setup(epochs=1, batch_size=16)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    alg = func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, rho=0.2, tau=1.0, server_steps=0)
+    states = r[1.0][0]
+    cid = int(r[1.0][1][0].cohort[0])  # drew its memory in round 0
+    state = jax.tree.map(lambda a: np.asarray(a)[cid], states[1].client_states)
+    message = alg.broadcast(states[1].server_state)
+    data = _first_epoch_data(fed, cid, 1, SEED, epochs=1)
+    update = jax.jit(alg.client_update)
+    key = protocol.client_key(SEED, 1, cid)
+
+    def at_round(s, round_idx):
+        return update(key, message._replace(round=jnp.int32(round_idx)), s, data)[0]
+
+    forgotten = state._replace(memory=state.memory._replace(soft_labels=jnp.zeros_like(state.memory.soft_labels)))
+    assert int(state.last_round) == 0
+    _assert_equal(at_round(state, 2), at_round(forgotten, 2))  # sat out round 1: nothing subtracted
+    seen, unseen = at_round(state, 1), at_round(forgotten, 1)  # accepted in round 0: subtracted
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(seen.site_change), jax.tree.leaves(unseen.site_change))) > 1e-6
