@@ -223,7 +223,6 @@ def test_cli_run_writes_metrics_and_the_model(tmp_path):
     model = np.load(out / "model.npz")
     assert {"params/dense/kernel", "params/dense/bias"} <= set(model.files)
 
-
     # bad settings: one line naming the field, before any work
     for override, needle in (("algorithm.tau=-1", "algorithm.tau"), ("algorithm.memory_per_class=0", "algorithm.memory_per_class")):
         res = CliRunner().invoke(app, ["run", str(config), "--out", str(tmp_path / "bad"), "--set", override])
@@ -253,4 +252,6 @@ def test_old_soft_labels_are_subtracted_only_when_the_server_saw_them(runs):
     assert int(state.last_round) == 0
     _assert_equal(at_round(state, 2), at_round(forgotten, 2))  # sat out round 1: nothing subtracted
     seen, unseen = at_round(state, 1), at_round(forgotten, 1)  # accepted in round 0: subtracted
-    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(seen.site_change), jax.tree.leaves(unseen.site_change))) > 1e-6
+    assert (
+        max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(seen.site_change), jax.tree.leaves(unseen.site_change))) > 1e-6
+    )

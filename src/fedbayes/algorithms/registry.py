@@ -95,7 +95,7 @@ _BUILTIN = (
     AlgorithmSpec("vbnn", vbnn.VBNNConfig, vbnn.build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors"),
     AlgorithmSpec("fedlap", fedlap.FedLapConfig, fedlap.build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites"),
     AlgorithmSpec("fedlap_cov", fedlap_cov.FedLapCovConfig, fedlap_cov.build, "FedLap with diagonal-GGN site precisions: two duals, a preconditioned server"),
-    AlgorithmSpec("fedlap_func", fedlap_func.FedLapFuncConfig, fedlap_func.build, "FedLap plus soft labels on a few memory points per client, optimised over at the server"),
+    AlgorithmSpec("fedlap_func", fedlap_func.FedLapFuncConfig, fedlap_func.build, "FedLap plus soft labels on memory points, fitted at the server"),
 )
 
 _REGISTRY: dict[str, AlgorithmSpec] = {spec.name: spec for spec in _BUILTIN}
