@@ -242,7 +242,7 @@ class FedLapFuncConfig(HParams):
     name: Literal["fedlap_func"]
     delta: float = Field(1.0, gt=0, description="prior precision delta, on the sum-loss scale (as fedlap)")
     rho: float | None = Field(None, gt=0, le=1, description="site damping rho; default 1 / num_clients (as fedlap)")
-    tau: float = Field(0.1, ge=0, description="weight of the function-space terms (0: fedlap)")
+    tau: float = Field(1e-3, ge=0, description="weight of the function-space terms, sum-loss scale (0: fedlap)")
     memory_per_class: int = Field(1, ge=1, description="memory points per class and client, drawn once")
     server_steps: int = Field(500, ge=0, description="Adam steps of the server's optimisation over the memory points")
     server_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the server's optimisation")
