@@ -31,7 +31,7 @@ from fedbayes.data.batches import ClientData
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 
-__all__ = ["Memory", "empty_memory", "function_space_loss", "optimise_global", "select_memory", "soft_labels"]
+__all__ = ["Memory", "empty_memory", "function_space_loss", "memory_inputs", "optimise_global", "select_memory", "soft_labels"]
 
 
 class Memory(NamedTuple):

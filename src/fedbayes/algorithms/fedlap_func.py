@@ -18,8 +18,8 @@ explains each choice; in short, one round with ``w_g`` the broadcast global weig
   from its previous round. The client sends FedLap's site change, its memory points, their
   ``tau_x`` and its new soft labels.
 * **Server**: FedLap's ``s = sum_k v_k``, then Eq. 17's optimisation over the memory points of
-  the round's accepted clients, by ``server_steps`` steps of optax Adam at ``server_lr`` started
-  at ``s``, inside the round's compiled program:
+  the round's accepted clients, by ``server_steps`` steps of optax Adam (rate ``server_lr``,
+  decaying to 0 by a cosine) started at ``s``, inside the round's compiled program:
 
       w_g <- argmin_w (delta/2)||w - s||^2 + tau sum_k sum_{x in M_k} tau_x l(f_w(x), y_k(x)).
 
@@ -51,7 +51,9 @@ Choices where the paper leaves room (each one discussed in docs/results/fedlap_f
    exactly zero), and few steps suffice when the function-space term is a small correction.
 6. **Initialisation** is FedLap's (``v_k = 0``, ``w_g = 0``, local training starts from the model's
    initial parameters in round 1). ``y_g`` in round 1 is the prediction of ``w_g = 0``.
-7. Soft labels are computed in float32 and carry no gradient; the two cross-entropies share one
+7. **The server's Adam rate decays** from ``server_lr`` to 0 by a cosine: at a fixed rate Adam
+   hovers about the minimiser, about one rate away, in directions that rounding decides.
+8. Soft labels are computed in float32 and carry no gradient; the two cross-entropies share one
    ``log softmax``, weighted by ``y_g - y_old``.
 
 The stationary points are FedLap's: at ``w_k = w_g`` every soft label is the model's own
@@ -143,7 +145,7 @@ def fedlap_func(
       tau: weight of the function-space terms (``0``: FedLap).
       memory_per_class: memory points per class and client.
       server_steps: Adam steps of the server problem (``0``: FedLap's server).
-      server_lr: Adam's learning rate there.
+      server_lr: the peak of Adam's learning rate there (it decays to 0 by a cosine).
       solver: the local solver (as :func:`fedbayes.algorithms.fedlap.fedlap`).
     """
     lap.check_settings("fedlap_func", delta, rho)
@@ -245,7 +247,7 @@ class FedLapFuncConfig(HParams):
     tau: float = Field(1e-3, ge=0, description="weight of the function-space terms, sum-loss scale (0: fedlap)")
     memory_per_class: int = Field(1, ge=1, description="memory points per class and client, drawn once")
     server_steps: int = Field(500, ge=0, description="Adam steps of the server's optimisation over the memory points")
-    server_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the server's optimisation")
+    server_lr: float = Field(1e-3, gt=0, description="peak Adam learning rate of the server's optimisation (cosine decay to 0)")
 
 
 def build(hp: FedLapFuncConfig, ctx) -> Algorithm:
