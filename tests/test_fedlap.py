@@ -353,6 +353,8 @@ def test_mlp_default_activation_is_relu_and_unchanged():
         ({"algorithm": {"name": "fedlap", "delta": 0}}, "algorithm.delta: Input should be greater than 0"),
         ({"algorithm": {"name": "fedlap", "rho": 1.5}}, "algorithm.rho: Input should be less than or equal to 1"),
         ({"algorithm": {"name": "fedlap_cov", "init_precision": "one"}}, "algorithm.init_precision: Input should be 'delta' or 'zero'"),
+        ({"algorithm": {"name": "fedlap"}, "server": {"optimizer": "adam"}}, "server.optimizer: fedlap's server multiplies the clients' sites exactly"),
+        ({"algorithm": {"name": "fedlap_cov"}, "server": {"lr": 0.5}}, "leave server.optimizer = 'sgd' and server.lr = 1; got 'sgd' with lr 0.5"),
     ],
 )
 def test_bad_settings_give_one_line_naming_the_field(raw, message):

@@ -25,6 +25,7 @@ PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 MODELS = ("logreg", "mlp", "cnn", "linear")
 VARIATIONAL_MODELS = ("mlp", "cnn")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
+EXACT_SERVER = ("fedlap", "fedlap_cov")  # methods whose server update is exact: no server optimizer
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -158,6 +159,11 @@ class RunConfig(_Strict):
         if getattr(self.algorithm, "method", None) == "mcmc" and self.client.epochs < 2:
             raise ValueError(
                 f"client.epochs: the mcmc method estimates a variance from one sample per epoch, so it needs epochs >= 2; got {self.client.epochs}"
+            )
+        if self.algorithm.name in EXACT_SERVER and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
+            raise ValueError(
+                f"server.optimizer: {self.algorithm.name}'s server multiplies the clients' sites exactly and uses no server optimizer; "
+                f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
             )
         if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
             raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")

@@ -379,9 +379,10 @@ class CalibrationCheck:
     (FedEP/FedSEP: ``scale`` too small for the data size; see docs/algorithms.md, "Choosing scale").
     The initial model and burn-in rounds are not checked."""
 
-    def __init__(self, name: str, after_round: int = 0):
+    def __init__(self, name: str, after_round: int = 0, advice: str = "raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')"):
         self.name = name
         self.after_round = after_round  # the initial model and burn-in rounds are not checked
+        self.advice = advice  # what to change (the default is FedEP's and FedSEP's knob)
         self.message: str | None = None
 
     def check(self, record: dict) -> None:
@@ -392,7 +393,7 @@ class CalibrationCheck:
             self.message = (
                 f"{self.name}: round {record['round']}: the marginalised accuracy {record['accuracy_marg']:.4f} is "
                 f"{100 * gap:.1f} points below the point estimate's {record['accuracy']:.4f}; the posterior is too wide "
-                "for this data: raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')"
+                f"for this data: {self.advice}"
             )
             logging.getLogger("fedbayes").warning("warning: %s", self.message)
 
@@ -494,6 +495,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     client_log = ClientLog(out / "clients.jsonl", exp.federation.sizes)
     client_log.restart(state.round)
     calibration = CalibrationCheck(config.name, after_round=getattr(config.algorithm, "burn_in_rounds", 0))
+    if config.algorithm.name == "fedlap_cov":  # its posterior's width is set by the prior precision
+        calibration.advice = "raise algorithm.delta, the prior precision (docs/algorithms.md §10)"
 
     def record(round_idx: int, info=None) -> dict:
         m = exp.evaluate(state.server_state, round_idx)

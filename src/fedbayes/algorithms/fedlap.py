@@ -31,7 +31,7 @@ Choices:
   ``w_g`` afterwards; the broadcast therefore carries the anchor ``w_g`` and the start.
 * **Damping** ``rho`` defaults to ``1 / K`` (``K`` all clients, as in the paper). ``rho = 1`` with
   ``K > 1`` oscillates or diverges.
-* The server optimizer of the run is not used (like VBNN): the server's update is exact.
+* There is no server optimizer: the server's update is exact (a config that sets one is rejected).
 
 Building blocks, public so that FedLap-Func (Swaroop et al. 2025 (ADMM and Bayes) Sec. 3.4) can add its function-space
 term to the same client objective and reuse the dual update and the server:
