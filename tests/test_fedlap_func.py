@@ -224,7 +224,8 @@ def test_cli_run_writes_metrics_and_the_model(tmp_path):
     assert {"params/dense/kernel", "params/dense/bias"} <= set(model.files)
 
     # bad settings: one line naming the field, before any work
-    for override, needle in (("algorithm.tau=-1", "algorithm.tau"), ("algorithm.memory_per_class=0", "algorithm.memory_per_class")):
+    bad = (("algorithm.tau=-1", "algorithm.tau"), ("algorithm.memory_per_class=0", "algorithm.memory_per_class"), ("server.optimizer=adam", "server.optimizer"))
+    for override, needle in bad:
         res = CliRunner().invoke(app, ["run", str(config), "--out", str(tmp_path / "bad"), "--set", override])
         lines = [line for line in res.output.splitlines() if line.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
