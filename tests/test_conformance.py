@@ -59,6 +59,7 @@ def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm
     ctx = registry.BuildContext(
         trainer, optax.sgd(1.0), registry.FederationInfo.from_sizes(fed.sizes), clients_per_round,
         apply_fn=lambda p, x: model.apply({"params": p}, x), keyed_apply_fn=keyed,
+        feature_spec=jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype),
     )  # fmt: skip
     alg = algorithm or spec.build(spec.hparams(name=name), ctx)
     return Simulator(alg, fed, clients_per_round=clients_per_round, seed=3, layout=layout), params

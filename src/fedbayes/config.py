@@ -221,6 +221,12 @@ class RunConfig(_Strict):
                 f"server.optimizer: {self.algorithm.name}'s server multiplies the clients' sites exactly and uses no server optimizer; "
                 f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
             )
+        if self.algorithm.name == "fedlap_func" and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
+            raise ValueError(
+                "server.optimizer: fedlap_func's server solves its own problem (the sum of the sites, then Adam over the memory points; "
+                f"algorithm.server_lr sets that rate) and uses no server optimizer; leave server.optimizer = 'sgd' and server.lr = 1; "
+                f"got {self.server.optimizer!r} with lr {self.server.lr}"
+            )
         if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
             raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")
         return self

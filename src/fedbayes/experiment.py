@@ -204,7 +204,8 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     keyed_apply_fn = apply_with_key(model) if variational else None
     ctx = build_context(config, trainer, registry.FederationInfo.from_sizes(federation.sizes), apply_fn=apply_fn, task=dataset.task)
-    algorithm = registry.build(config.algorithm, ctx._replace(keyed_apply_fn=keyed_apply_fn))
+    feature_spec = jax.ShapeDtypeStruct(tuple(dataset.feature_shape), dataset.x_train.dtype)
+    algorithm = registry.build(config.algorithm, ctx._replace(keyed_apply_fn=keyed_apply_fn, feature_spec=feature_spec))
     simulator = Simulator(
         algorithm,
         federation,

@@ -7,6 +7,7 @@ from fedbayes.algorithms.feddyn import feddyn
 from fedbayes.algorithms.fedep import fedep, fedsep
 from fedbayes.algorithms.fedlap import fedlap
 from fedbayes.algorithms.fedlap_cov import fedlap_cov
+from fedbayes.algorithms.fedlap_func import fedlap_func
 from fedbayes.algorithms.fedpa import fedpa, shrinkage_delta
 from fedbayes.algorithms.fedprox import fedprox
 from fedbayes.algorithms.pvi import pvi
@@ -20,6 +21,7 @@ __all__ = [
     "fedep",
     "fedlap",
     "fedlap_cov",
+    "fedlap_func",
     "fedpa",
     "fedprox",
     "fedsep",

@@ -52,6 +52,8 @@ class BuildContext(NamedTuple):
       task: ``"classification"`` or ``"regression"``.
       keyed_apply_fn: ``(params, key, x) -> outputs``, one stochastic forward pass of a
         variational model (VBNN); ``None`` for deterministic models.
+      feature_spec: shape and dtype of one example's features (no batch axis), for methods whose
+        states hold inputs (FedLap-Func's memory points); ``None`` when not needed.
     """
 
     trainer: LocalTrainer
@@ -61,6 +63,7 @@ class BuildContext(NamedTuple):
     apply_fn: Callable[[Any, Any], Any] | None = None
     task: str = "classification"
     keyed_apply_fn: Callable[[Any, Any, Any], Any] | None = None
+    feature_spec: Any = None  # jax.ShapeDtypeStruct of one example
 
 
 class AlgorithmSpec(NamedTuple):
@@ -80,6 +83,7 @@ admm, fedavg, feddyn, fedep, fedpa, fedprox, vbnn = (
 pvi = importlib.import_module("fedbayes.algorithms.pvi")
 fedlap = importlib.import_module("fedbayes.algorithms.fedlap")
 fedlap_cov = importlib.import_module("fedbayes.algorithms.fedlap_cov")
+fedlap_func = importlib.import_module("fedbayes.algorithms.fedlap_func")
 
 _BUILTIN = (
     AlgorithmSpec("fedavg", fedavg.FedAvgConfig, fedavg.build, "weighted averaging of local deltas; FedAvgM/FedAdam/FedYogi via the server optimizer"),
@@ -93,6 +97,7 @@ _BUILTIN = (
     AlgorithmSpec("pvi", pvi.PVIConfig, pvi.build, "partitioned variational inference: mean-field Gaussian sites, reparameterised local VI"),
     AlgorithmSpec("fedlap", fedlap.FedLapConfig, fedlap.build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites"),
     AlgorithmSpec("fedlap_cov", fedlap_cov.FedLapCovConfig, fedlap_cov.build, "FedLap with diagonal-GGN site precisions: two duals, a preconditioned server"),
+    AlgorithmSpec("fedlap_func", fedlap_func.FedLapFuncConfig, fedlap_func.build, "FedLap plus soft labels on memory points, fitted at the server"),
 )
 
 _REGISTRY: dict[str, AlgorithmSpec] = {spec.name: spec for spec in _BUILTIN}
