@@ -142,7 +142,7 @@ def test_datasets_lists_presence():
 
 def _cli(args, env_extra=None, cache="off", die_after=None):
     """The CLI in its own process; ``die_after=R`` kills it abruptly after round R (tests/killed_run.py)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(cache), **(env_extra or {}))
+    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"], JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(cache), **(env_extra or {}))
     entry = ["-m", "fedbayes.cli"] if die_after is None else [str(Path(__file__).with_name("killed_run.py")), str(die_after)]
     return subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, env=env, cwd=ROOT)
 

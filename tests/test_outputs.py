@@ -126,7 +126,7 @@ def test_set_targets_one_variant_and_json_goes_to_stdout(tmp_path):
     assert set(summaries) == {"fedavg", "fedprox"} and "accuracy" in summaries["fedavg"]["final"]
     prox = (out / "fedprox" / "config.toml").read_text()
     avg = (out / "fedavg" / "config.toml").read_text()
-    assert "mu = 0.5" in prox and "mu" not in avg
+    assert "\nmu = 0.5\n" in prox and "\nmu = " not in avg
     assert "seed = 3" in prox and "seed = 3" in avg
 
 

@@ -258,7 +258,7 @@ def test_killed_run_with_a_disk_store_resumes_to_the_same_metrics(tmp_path):
     cfg = validate(tomllib.loads(cfg_path.read_text()))
     quiet = PlainReporter(lambda s: None)
     broken, memory = tmp_path / "broken", tmp_path / "memory"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", FEDBAYES_CACHE="off")
+    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"], JAX_PLATFORMS="cpu", FEDBAYES_CACHE="off")
     killed_run = str(Path(__file__).with_name("killed_run.py"))  # the CLI, killed abruptly after round 3
     r = subprocess.run([sys.executable, killed_run, "3", "run", str(cfg_path), "--out", str(broken)], capture_output=True, text=True, env=env, cwd=ROOT)
     assert r.returncode == 137, r.stderr
