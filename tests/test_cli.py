@@ -197,6 +197,9 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
 def test_resume_needs_a_run_folder(tmp_path):
     res = runner.invoke(app, ["resume", str(tmp_path)])
     assert res.exit_code == 2 and "config.toml" in res.output
+    (tmp_path / ".fedbayes.lock").write_text("")  # a run killed before it wrote its config
+    res = runner.invoke(app, ["resume", str(tmp_path)])
+    assert res.exit_code == 2 and "holds nothing to resume" in res.output and "fedbayes run CONFIG --out" in res.output
 
 
 @pytest.mark.parametrize(

@@ -321,6 +321,10 @@ def resume(
         _run_comparison(runs, out, resume=True, logs=log, seeds=_file_seeds(files), reference=_file_reference(files, runs))
         return
     if not cfg_path.is_file():
+        from fedbayes import runlock
+
+        if out.is_dir() and [p.name for p in out.iterdir()] == [runlock.LOCK_NAME]:  # a run's lock, nothing else
+            _fail(f"error: {out} holds nothing to resume (the run stopped before it wrote its config); start it again with fedbayes run CONFIG --out {out}")
         _fail(f"error: {out} holds no config.toml or {COMPARISON_FILE}; is it a fedbayes run folder?")
     cfg = _load(cfg_path, set_ or [])
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
