@@ -57,6 +57,15 @@ def enable_compilation_cache() -> str | None:
     return folder
 
 
+def _progress_bar():
+    """The rich progress bar of runs and sweeps: description, bar, done/total, status, time left."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console
+    )
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning as Bayesian inference, in JAX.")
 console = Console()
 if not console.is_terminal:
@@ -85,16 +94,7 @@ class RichReporter:
     """A rich progress bar (round, accuracy, ETA) for terminals."""
 
     def __init__(self):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
-            console=console,
-        )
+        self.progress = _progress_bar()
         self.task = None
 
     def start(self, name, total, done):
@@ -700,19 +700,11 @@ class _SweepProgress:
     lines (one per run) when the output is not a terminal."""
 
     def __init__(self, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.total, self.count = total, 0
         self.progress = None
         if console.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeRemainingColumn(),
-                console=console,
-            )
+            self.progress = _progress_bar()
             self.progress.start()
             self.overall = self.progress.add_task("sweep (runs)", total=total, status="")
 
