@@ -19,7 +19,7 @@ variational, GAA, the same clients and optimizer) on the default convolution, re
 to the CNN FedAvg round of that convolution (``round_vbnn / round_<conv>`` in throughput).
 
 Each repetition times every variant once, in an interleaved order (plain, round, per conv), after
-one untimed compile-and-warm-up call of each. The reported ratio is, per repetition, plain time
+one untimed compile-and-warm-up call of each (``fedbayes.bench.relative.interleaved_times``; ``fedbayes bench --workload cnn --workload vbnn`` measures the default convolution the same way). The reported ratio is, per repetition, plain time
 over round time (the round's throughput as a share of the plain loop's), median and range over
 repetitions; examples/s are medians. Fashion-MNIST when installed, else random images of the
 same shape (the timing does not depend on the values).
@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -41,13 +40,12 @@ from fedbayes import hostdevices  # noqa: E402  (no JAX import)
 hostdevices.configure()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from fedbayes.algorithms import fedavg, make_server_optimizer  # noqa: E402
 from fedbayes.algorithms.vbnn import vbnn  # noqa: E402
-from fedbayes.data.batches import num_local_steps  # noqa: E402
+from fedbayes.bench.relative import interleaved_times, plain_loop  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
 from fedbayes.models.variational import apply_with_key  # noqa: E402
@@ -66,35 +64,6 @@ def _images(num: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:
         return rng.normal(size=(num, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, num).astype(np.int32), "random"
 
 
-def _plain(model, x: np.ndarray, y: np.ndarray, sizes: list[int], batch: int, epochs: int, optimizer):
-    """A Python loop over one jitted step, over each client's minibatches (padded last batch)."""
-    loss = loss_fn(model, "classification")
-
-    @jax.jit
-    def step(p, s, xb, yb, mb):
-        g = jax.grad(loss)(p, xb, yb, mb)
-        u, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    batches, start = [], 0
-    for n in sizes:
-        steps = num_local_steps(n, batch, epochs)
-        idx = np.arange(start, start + n)
-        for t in range(steps):
-            sel = idx[(t * batch + np.arange(batch)) % n]
-            m = ((t * batch + np.arange(batch)) % (-(-n // batch) * batch) < n).astype(np.float32)
-            batches.append((jnp.asarray(x[sel]), jnp.asarray(y[sel]), jnp.asarray(m)))
-        start += n
-
-    def run(params):
-        p, s = params, optimizer.init(params)
-        for xb, yb, mb in batches:
-            p, s = step(p, s, xb, yb, mb)
-        return p
-
-    return run, sum(int(b[2].sum()) for b in batches)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=10)
@@ -111,7 +80,6 @@ def main(argv=None) -> dict:
 
     num = args.clients * args.per_client
     x, y, source = _images(num, args.seed)
-    sizes = [args.per_client] * args.clients
     parts = tuple(np.arange(k * args.per_client, (k + 1) * args.per_client) for k in range(args.clients))
     optimizer = optax.sgd(0.01, momentum=0.9)
     trainer_args = dict(optimizer=optimizer, num_epochs=args.epochs, batch_size=args.batch)
@@ -120,7 +88,7 @@ def main(argv=None) -> dict:
     for conv in args.conv:
         model = make_model("cnn", 10, conv=conv)
         params = init_params(model, jax.random.key(args.seed), (28, 28, 1))
-        plain, examples = _plain(model, x, y, sizes, args.batch, args.epochs, optimizer)
+        plain, examples = plain_loop(loss_fn(model, "classification"), x, y, parts, args.batch, args.epochs, optimizer)
         trainer = LocalTrainer(loss_fn(model, "classification"), **trainer_args)
         sim = Simulator(
             fedavg(trainer, make_server_optimizer("sgd", 1.0)),
@@ -154,14 +122,7 @@ def main(argv=None) -> dict:
 
         variants["round_vbnn"] = (vbnn_round, vparams)
 
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for name, (fn, params) in variants.items():  # compile and warm up
-        jax.block_until_ready(fn(params))
-    for _ in range(args.reps):
-        for name, (fn, params) in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(params))
-            times[name].append(time.perf_counter() - t0)
+    times = interleaved_times({name: (lambda fn=fn, p=params: fn(p)) for name, (fn, params) in variants.items()}, args.reps)
 
     out = {
         "devices": len(jax.local_devices()),

@@ -1,10 +1,11 @@
 """Ozer et al. 2022 (VBNN aggregation)'s aggregation rules on Fashion-MNIST at a reduced budget (docs/results/vbnn.md).
 
     PYTHONPATH=src .venv/bin/python benchmarks/vbnn_fmnist.py [--model mlp|cnn] [--rounds 10]
-        [--epochs 1] [--clients 10] [--partitions iid dirichlet] [--weightings examples uniform]
-        [--rules fed eaa gaa aalv ppa cf] [--seed 0] [--out docs/results/vbnn_runs.jsonl]
+        [--epochs 1] [--clients 10] [--per-round M] [--partitions iid dirichlet] [--weightings examples uniform]
+        [--rules fed eaa gaa aalv ppa cf] [--accumulation exact|reference_code] [--seed 0]
+        [--out docs/results/vbnn_runs.jsonl]
 
-Every run: ``--clients`` clients, all active every round, the paper's client optimizer (SGD lr
+Every run: ``--clients`` clients, all active every round (``--per-round M``: M sampled each round), the paper's client optimizer (SGD lr
 0.01, momentum 0.9, weight decay 1e-5, batch 64) for ``--epochs`` local epochs, ``--rounds``
 rounds; IID or Dirichlet(0.5) label skew with at least 10 examples per client; weighting
 ``examples`` (FVBWA / FEDAVG) or ``uniform`` (FVBA / FED). ``fed`` is the deterministic model
@@ -13,6 +14,8 @@ predictive over 10 stochastic passes, the deterministic ones by their point pred
 the 10,000 test images (accuracy, ECE-15, NLL), and the variational ones report the L2 norm of the
 stored standard deviations (Table 4) and of the clamped ones. One JSON line per finished run is
 appended to ``--out``; a run already there (same settings) is skipped, so the script resumes.
+``--accumulation reference_code`` sums EAA's and GAA's variances as the paper's published code
+does (``fedbayes.algorithms.vbnn``'s module docstring); its rows carry ``"accumulation"``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ from fedbayes.simulate import Federation, Simulator  # noqa: E402
 
 
 def _settings(args, part: str, weighting: str, rule: str) -> dict:
+    extra = {"accumulation": args.accumulation} if args.accumulation != "exact" and rule not in ("fed", "aalv", "cf", "ppa") else {}
+    if args.per_round not in (None, args.clients):
+        extra["per_round"] = args.per_round
     return {
+        **extra,
         "model": args.model,
         "rounds": args.rounds,
         "epochs": args.epochs,
@@ -68,10 +75,10 @@ def run_one(args, data, part: str, weighting: str, rule: str) -> dict:
     params = init_params(model, jax.random.fold_in(jax.random.key(args.seed), 3), data.feature_shape)
     if variational:
         apply = apply_with_key(model)
-        algo = vbnn(LocalTrainer(None, optimizer, args.epochs, 64), apply, aggregation=rule)
+        algo = vbnn(LocalTrainer(None, optimizer, args.epochs, 64), apply, aggregation=rule, accumulation=args.accumulation)
     else:
         algo = fedavg(LocalTrainer(loss_fn(model, "classification"), optimizer, args.epochs, 64), make_server_optimizer("sgd", 1.0))
-    sim = Simulator(algo, federation, clients_per_round=args.clients, seed=args.seed, weighting=weighting)
+    sim = Simulator(algo, federation, clients_per_round=args.per_round or args.clients, seed=args.seed, weighting=weighting)
     state = sim.init(params)
     t0 = time.perf_counter()
     for _ in range(args.rounds):
@@ -92,9 +99,11 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--per-round", type=int, default=None, help="clients per round (default: all)")
     ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet"], choices=("iid", "dirichlet"))
     ap.add_argument("--weightings", nargs="+", default=["examples"], choices=("examples", "uniform"))
     ap.add_argument("--rules", nargs="+", default=["fed", "eaa", "gaa", "aalv", "ppa", "cf"], choices=("fed", "eaa", "gaa", "aalv", "ppa", "cf", "merging"))
+    ap.add_argument("--accumulation", default="exact", choices=("exact", "reference_code"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/vbnn_runs.jsonl")
     args = ap.parse_args(argv)

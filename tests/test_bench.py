@@ -17,7 +17,21 @@ from fedbayes.cli import app
 from fedbayes.data import idx
 from fedbayes.hostdevices import num_cores
 
-TINY = fb.BenchSettings(dataset="digits", hidden=(16,), large_batch=128, rounds=2, limit_reps=2, repeats=1)
+TINY = fb.BenchSettings(
+    dataset="digits",
+    hidden=(16,),
+    large_batch=128,
+    rounds=2,
+    limit_reps=2,
+    repeats=1,
+    image_shape=(4, 4, 1),
+    curvature_models=("mlp",),
+    relative_reps=2,
+    cnn_clients=2,
+    cnn_per_client=16,
+    cnn_batch=8,
+)
+THROUGHPUT = [n for n in fb.WORKLOADS if not fb.is_relative(n)]
 REQUIRED = ("examples_per_s", "ratio_to_limit", "compile_s", "peak_rss_mb", "round_s")
 
 
@@ -27,9 +41,11 @@ def _positive_finite(x):
 
 @pytest.fixture(scope="module")
 def repeat():
-    """One repeat of every registered workload, measured in this process."""
+    """One repeat of every registered throughput workload, measured in this process."""
     rep = {}
     for name, w in fb.WORKLOADS.items():
+        if isinstance(w, fb.RelativeWorkload):
+            continue  # measured once per bench, tested below
         if isinstance(w, fb.LimitWorkload):
             rep[name] = fb.limit_entry([fb.measure_limit(w, TINY)])  # one share: processes are tested below
         else:
@@ -39,7 +55,7 @@ def repeat():
 
 def test_every_workload_reports_the_required_numbers(repeat):
     results = json.loads(json.dumps(fb.summarize([repeat])))
-    assert list(results) == list(fb.WORKLOADS)
+    assert list(results) == THROUGHPUT
     for name, entry in results.items():
         for k in REQUIRED:
             assert k in entry, (name, k)
@@ -168,6 +184,46 @@ def test_cli_json_is_one_object_keyed_by_workload(repeat, monkeypatch):
     res = CliRunner().invoke(app, ["bench", "--quick", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert set(out) == set(fb.WORKLOADS) and {"fedpa", "fedep"} <= set(out)
+    assert set(out) == set(THROUGHPUT) and {"fedpa", "fedep"} <= set(out)
     assert all(set(REQUIRED) <= set(e) for e in out.values())
     assert all(fb.BASELINE_RATIO in out[k] for k in ("fedpa", "fedep"))
+
+
+def test_relative_workloads_report_paired_ratios_against_their_reference(capsys, monkeypatch):
+    # Every relative measure on tiny sizes: one entry per ratio, with its target and verdict.
+    raws = {name: fb.RELATIVE_MEASURES[name](TINY) for name in ("cnn", "vbnn")}
+    assert list(raws["cnn"]["ratios"]) == ["cnn round / plain loop"] and raws["cnn"]["examples_per_round"] == 2 * 16
+    assert list(raws["vbnn"]["ratios"]) == ["vbnn (gaa) round / cnn fedavg round"]
+    # The curvature workload through the worker's entry point (what a bench process runs).
+    fb.protocol.worker([json.dumps({"relative": "curvature", "settings": fb.settings_to_dict(TINY)})])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(fb.RESULT_PREFIX)
+    raws["curvature"] = json.loads(line[len(fb.RESULT_PREFIX) :])
+    assert set(raws["curvature"]["ratios"]) == {"mlp/fisher", "mlp/empirical", "mlp/ggn"}
+    results = {name: fb.relative_entry(name, raw) for name, raw in raws.items()}
+    for entry in results.values():
+        assert entry["kind"] == "relative" and entry["description"] and entry["reps"] == TINY.relative_reps
+        for r in entry["ratios"].values():
+            assert _positive_finite(r["median"]) and r["min"] <= r["median"] <= r["max"]
+            assert r["meets"] == (r["median"] <= r["target"] if r["direction"] == "<=" else r["median"] >= r["target"])
+    assert results["curvature"]["ratios"]["mlp/ggn"]["target"] == 11.0 and results["cnn"]["ratios"]["cnn round / plain loop"]["target"] == 0.8
+    assert len(fb.relative_rows(results)) == 5 and fb.rows(results) == []
+    table = fb.markdown(results)
+    assert "| measure |" in table and "| examples/s |" not in table and "mlp/empirical" in table
+    # Named alone, relative workloads need neither the limit nor the dataset.
+    assert fb.resolve_names(["cnn", "curvature"]) == ["curvature", "cnn"]
+    assert fb.resolve_names(["cnn", "fedavg"]) == [fb.REFERENCE, "fedavg", "cnn"]
+    monkeypatch.setattr(fb.run, "run_relative_process", lambda name, settings: raws[name])
+    monkeypatch.setattr(fb.run, "check_dataset", lambda settings: pytest.fail("relative workloads read no data"))
+    assert fb.run_bench(TINY, ["vbnn", "cnn"]) == {n: results[n] for n in ("cnn", "vbnn")}
+    monkeypatch.setattr(fb, "run_bench", lambda settings, names, log: results)
+    res = CliRunner().invoke(app, ["bench", "--workload", "cnn"], terminal_width=200)
+    assert res.exit_code == 0 and "paired" not in res.output and "cnn round / plain loop" in res.output
+
+
+def test_ratio_summary_pairs_repetitions():
+    # Per-repetition ratios: a slow repetition of both sides leaves the ratio unchanged.
+    r = fb.relative.ratio_summary([1.0, 4.0, 2.0], [2.0, 8.0, 1.0], 0.8, ">=")
+    assert (r["median"], r["min"], r["max"], r["meets"]) == (0.5, 0.5, 2.0, False)
+    assert fb.relative.ratio_summary([3.0], [1.0], 2.0, "<=")["meets"] is False
+    assert fb.relative.ratio_summary([3.0], [1.0], None, "<=")["meets"] is None

@@ -423,3 +423,49 @@ def test_config_variational():
         ModelConfig(name="logreg", variational=True)
     with pytest.raises(ValueError, match="model.variational"):
         RunConfig(model={"name": "cnn", "variational": True})
+
+
+def _reference_code_loop(rule, mu, alpha, beta):
+    """Ozer et al. 2022's published accumulation, written as its loop over clients (numpy)."""
+    clamp = lambda a: np.clip(a, -8.0, 8.0)  # noqa: E731
+    mean = np.sum(beta[:, None] * mu, axis=0)
+    s = None
+    for k in range(len(beta)):
+        if beta[k] == 0:
+            continue
+        if rule == "eaa":
+            term = np.exp(clamp(alpha[k])) * beta[k]
+        elif rule == "gaa":
+            term = np.exp(clamp(alpha[k])) * beta[k] ** 2
+        else:  # merging
+            term = ((mean - mu[k]) ** 2 + np.exp(clamp(alpha[k]))) * beta[k]
+        s = np.log(term) if s is None else np.log(np.exp(clamp(s)) + term)
+    return mean, s
+
+
+@pytest.mark.parametrize("rule", ["eaa", "gaa", "merging"])
+def test_reference_code_accumulation_is_the_published_loop(rule):
+    rng = np.random.default_rng(3)
+    mu = rng.normal(size=(5, 7))
+    alpha = rng.uniform(-10.0, -4.0, size=(5, 7))
+    beta = np.array([0.3, 0.0, 0.2, 0.1, 0.4])  # an absent client in the middle is skipped
+    with jax.enable_x64(True):
+        m, a = aggregate(rule, jnp.asarray(mu), jnp.asarray(alpha), jnp.asarray(beta), accumulation="reference_code")
+        em, ea = _reference_code_loop(rule, mu, alpha, beta)
+        np.testing.assert_allclose(np.asarray(m), em, rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(a), ea, rtol=1e-12)
+        # At the clamp floor the running clamp lifts GAA to about e^-8 (Table 4's GAA), where
+        # the paper's equation gives e^-8 * sum beta^2.
+        floor = jnp.full((4, 3), -9.0)
+        w = jnp.full((4,), 0.25)
+        _, ref = aggregate("gaa", jnp.zeros((4, 3)), floor, w, accumulation="reference_code")
+        _, exact = aggregate("gaa", jnp.zeros((4, 3)), floor, w)
+        np.testing.assert_allclose(np.asarray(exact), -8.0 + math.log(0.25), rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(ref), math.log(math.exp(-8.0) * (1 + 3 * 0.0625)), rtol=1e-12)
+    # The other rules do not depend on it; a wrong name is a clear error.
+    for other in ("aalv", "cf"):
+        x = aggregate(other, jnp.asarray(mu, jnp.float32), jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32), accumulation="reference_code")
+        y = aggregate(other, jnp.asarray(mu, jnp.float32), jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32))
+        assert all(np.array_equal(u, v) for u, v in zip(x, y))
+    with pytest.raises(ValueError, match="accumulation must be one of exact, reference_code"):
+        aggregate("gaa", jnp.zeros((2, 1)), jnp.zeros((2, 1)), jnp.ones(2), accumulation="code")

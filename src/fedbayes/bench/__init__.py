@@ -22,6 +22,13 @@ workload sets ``epochs``):
     round: interpreter, imports, data, partition, model, first compile and round (target for
     ``fedavg``: under 5 s), broken down in ``startup_parts``.
 
+* **Relative** (:class:`RelativeWorkload`, :mod:`fedbayes.bench.relative`): a computation timed
+  against a reference computation in one process, paired per repetition: ``curvature`` (the
+  diagonal Fisher, empirical Fisher and GGN against a training step), ``cnn`` (the CNN FedAvg
+  round against a plain jitted step loop) and ``vbnn`` (the VBNN round against the CNN FedAvg
+  round). Each runs once per bench, after the repeats; its entry has ``"kind": "relative"`` and
+  ``ratios`` (median, range, target, whether the median meets it), shown in a second table.
+
 * **Limits** (:class:`LimitWorkload`): the same examples (the whole training set, one epoch per
   repetition) trained centrally by one ``jit``-compiled ``lax.fori_loop`` over shuffled
   minibatches with the same model, loss and client optimizer; no federation, no server.
@@ -72,19 +79,24 @@ from fedbayes.bench.protocol import (
     run_federated_process,
     run_limit_processes,
     run_paired_process,
+    run_relative_process,
     settings_from_dict,
     settings_to_dict,
 )
+from fedbayes.bench.relative import MEASURES as RELATIVE_MEASURES
 from fedbayes.bench.report import (
     BASELINE_RATIO,
     COLUMNS,
     PAIRED_RATIO,
+    RELATIVE_COLUMNS,
     add_paired,
     describe_run,
     federated_entry,
     limit_entry,
     markdown,
     paired_ratios,
+    relative_entry,
+    relative_rows,
     rich_table,
     rows,
     summarize,
@@ -99,12 +111,14 @@ from fedbayes.bench.workloads import (
     BenchSettings,
     FederatedWorkload,
     LimitWorkload,
+    RelativeWorkload,
     Workload,
     algorithm_names,
     baseline_of,
     build_algorithm,
     build_simulator,
     check_dataset,
+    is_relative,
     load_data,
     model_and_trainer,
     resolve_names,
@@ -123,12 +137,15 @@ __all__ = [
     "QUICK",
     "READY",
     "REFERENCE",
+    "RELATIVE_COLUMNS",
+    "RELATIVE_MEASURES",
     "RESULT_PREFIX",
     "WORKLOADS",
     "BenchError",
     "BenchSettings",
     "FederatedWorkload",
     "LimitWorkload",
+    "RelativeWorkload",
     "Workload",
     "add_paired",
     "baseline_of",
@@ -136,6 +153,7 @@ __all__ = [
     "build_simulator",
     "check_dataset",
     "describe_run",
+    "is_relative",
     "federated_entry",
     "limit_entry",
     "load_data",
@@ -147,6 +165,8 @@ __all__ = [
     "paired_groups",
     "paired_ratios",
     "peak_rss_mb",
+    "relative_entry",
+    "relative_rows",
     "resolve_names",
     "rich_table",
     "rows",
@@ -154,6 +174,7 @@ __all__ = [
     "run_federated_process",
     "run_limit_processes",
     "run_paired_process",
+    "run_relative_process",
     "settings_from_dict",
     "settings_to_dict",
     "steady_rounds",

@@ -10,7 +10,9 @@ JSON object:
 * ``{"workload", "settings", "share", "num_shares", "core", "sync"}``: one process of a limit
   (:func:`~fedbayes.bench.measure.measure_limit`), pinned to ``core`` when it is not null; with
   ``sync`` it prints :data:`READY` once compiled and warm and waits for :data:`GO` on stdin;
-* ``{"paired", "rounds", "settings"}``: :func:`~fedbayes.bench.measure.measure_paired`.
+* ``{"paired", "rounds", "settings"}``: :func:`~fedbayes.bench.measure.measure_paired`;
+* ``{"relative", "settings"}``: a relative workload (:data:`fedbayes.bench.relative.MEASURES`),
+  one XLA host device per core.
 
 ``settings`` is :func:`settings_to_dict`'s. The worker prints its raw result as one line,
 :data:`RESULT_PREFIX` followed by JSON; a non-zero exit or no such line is a
@@ -76,7 +78,9 @@ def settings_to_dict(settings: BenchSettings) -> dict[str, Any]:
 
 def settings_from_dict(fields: dict[str, Any]) -> BenchSettings:
     """The :class:`BenchSettings` that :func:`settings_to_dict` wrote (JSON turned ``hidden`` into a list)."""
-    return BenchSettings(**{**fields, "hidden": tuple(fields["hidden"])})
+    return BenchSettings(
+        **{**fields, "hidden": tuple(fields["hidden"]), "image_shape": tuple(fields["image_shape"]), "curvature_models": tuple(fields["curvature_models"])}
+    )
 
 
 def run_federated_process(workload: FederatedWorkload, settings: BenchSettings, *, profile_top: int = 0) -> dict[str, Any]:
@@ -136,6 +140,15 @@ def run_paired_process(names: Sequence[str], settings: BenchSettings, rounds: in
         return _read_result(proc, err, "paired " + "+".join(names))
 
 
+def run_relative_process(name: str, settings: BenchSettings) -> dict[str, Any]:
+    """Runs relative workload ``name`` in a fresh process laid out as the CLI's."""
+    flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
+    with tempfile.TemporaryFile("w+") as err:
+        proc = _spawn({"relative": name, "settings": settings_to_dict(settings)}, flags, err)
+        proc.stdin.close()
+        return _read_result(proc, err, name)
+
+
 # ----- the worker's side -----------------------------------------------------------------------
 def worker(argv: Sequence[str]) -> None:
     """The entry point of ``python -m fedbayes.bench SPEC``: measures what ``SPEC`` (JSON) names
@@ -146,6 +159,11 @@ def worker(argv: Sequence[str]) -> None:
     settings = settings_from_dict(spec["settings"])
     if "paired" in spec:
         print(RESULT_PREFIX + json.dumps(measure_paired(spec["paired"], settings, spec.get("rounds"))), flush=True)
+        return
+    if "relative" in spec:
+        from fedbayes.bench.relative import MEASURES
+
+        print(RESULT_PREFIX + json.dumps(MEASURES[spec["relative"]](settings)), flush=True)
         return
     workload = WORKLOADS[spec["workload"]]
     if isinstance(workload, LimitWorkload):

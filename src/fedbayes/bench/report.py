@@ -3,8 +3,10 @@
 :func:`federated_entry` and :func:`limit_entry` turn one run's raw timings (from
 :mod:`fedbayes.bench.measure`) into its entry; :func:`summarize` combines repeats into the JSON
 object keyed by workload (the keys are described in :mod:`fedbayes.bench`);
-:func:`add_paired` adds the interleaved runs' ratios; :func:`markdown` and :func:`rich_table`
-present the object as one table of :data:`COLUMNS`.
+:func:`add_paired` adds the interleaved runs' ratios; :func:`relative_entry` makes a relative
+workload's entry; :func:`markdown` and :func:`rich_table` present the object as a table of
+:data:`COLUMNS` (throughput) and, when relative workloads ran, a table of
+:data:`RELATIVE_COLUMNS`.
 """
 
 from __future__ import annotations
@@ -129,6 +131,20 @@ def add_paired(results: dict[str, dict[str, Any]], raw: dict[str, Any], baseline
         entry["paired_rounds"] = len(ratios)
 
 
+def relative_entry(name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """A relative workload's entry: its raw result (``reference``, ``ratios``: label -> median,
+    min, max, target, direction, meets) marked ``"kind": "relative"``, with its description."""
+    entry = {"kind": "relative", **raw}
+    w = WORKLOADS.get(name)
+    if w is not None:
+        entry["description"] = w.description
+    return entry
+
+
+def _is_relative_entry(e: dict[str, Any]) -> bool:
+    return e.get("kind") == "relative"
+
+
 # ----- presentation -----------------------------------------------------------------------------
 COLUMNS = (
     "workload",
@@ -148,6 +164,8 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
     """Table rows (strings) in :data:`COLUMNS` order."""
     out = []
     for name, e in results.items():
+        if _is_relative_entry(e):
+            continue
         ratio = f"{e['ratio_to_limit']:.2f}"
         if "ratio_range" in e and name != REFERENCE:
             ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"
@@ -185,23 +203,58 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+RELATIVE_COLUMNS = ("workload", "measure", "median", "range", "target", "met", "against")
+
+
+def relative_rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """The relative workloads' rows (strings) in :data:`RELATIVE_COLUMNS` order, one per ratio."""
+    out = []
+    for name, e in results.items():
+        if not _is_relative_entry(e):
+            continue
+        for label, r in e["ratios"].items():
+            target = "" if r["target"] is None else f"{r['direction']} {r['target']:g}"
+            met = "" if r["meets"] is None else ("yes" if r["meets"] else "NO")
+            out.append([name, label, f"{r['median']:.2f}", f"{r['min']:.2f}-{r['max']:.2f}", target, met, e["reference"]])
+    return out
+
+
+def _markdown_table(columns: Sequence[str], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + ["| " + " | ".join(r) + " |" for r in body]
+
+
 def markdown(results: dict[str, dict[str, Any]]) -> str:
-    """The table as Markdown."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+    """The tables as Markdown: throughput, then (when any ran) the relative workloads."""
+    lines = _markdown_table(COLUMNS, rows(results)) if any(not _is_relative_entry(e) for e in results.values()) else []
+    relative = relative_rows(results)
+    if relative:
+        lines += ([""] if lines else []) + _markdown_table(RELATIVE_COLUMNS, relative)
     return "\n".join(lines) + "\n"
 
 
 def rich_table(results: dict[str, dict[str, Any]], title: str | None = None):
-    """The table for a terminal (``rich``)."""
+    """The tables for a terminal (``rich``): one table, or a group of the throughput table and
+    the relative workloads' table."""
+    from rich.console import Group
     from rich.table import Table
 
-    table = Table(title=title)
-    for c in COLUMNS:
-        table.add_column(c, justify="left" if c in ("workload", COLUMNS[-1]) else "right")
-    for r in rows(results):
-        table.add_row(*r)
-    return table
+    tables = []
+    if any(not _is_relative_entry(e) for e in results.values()):
+        table = Table(title=title)
+        for c in COLUMNS:
+            table.add_column(c, justify="left" if c in ("workload", COLUMNS[-1]) else "right")
+        for r in rows(results):
+            table.add_row(*r)
+        tables.append(table)
+    relative = relative_rows(results)
+    if relative:
+        table = Table(title="paired ratios in one process" if tables else title)
+        for c in RELATIVE_COLUMNS:
+            table.add_column(c, justify="right" if c in ("median", "range", "target") else "left")
+        for r in relative:
+            table.add_row(*r)
+        tables.append(table)
+    return tables[0] if len(tables) == 1 else Group(*tables)
 
 
 def describe_run(settings: BenchSettings, quick: bool) -> str:

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedbayes.bench.protocol import run_federated_process, run_limit_processes, run_paired_process
-from fedbayes.bench.report import add_paired, federated_entry, limit_entry, summarize
-from fedbayes.bench.workloads import WORKLOADS, BenchSettings, LimitWorkload, baseline_of, check_dataset, resolve_names, steady_rounds
+from fedbayes.bench.protocol import run_federated_process, run_limit_processes, run_paired_process, run_relative_process
+from fedbayes.bench.report import add_paired, federated_entry, limit_entry, relative_entry, summarize
+from fedbayes.bench.workloads import WORKLOADS, BenchSettings, LimitWorkload, baseline_of, check_dataset, is_relative, resolve_names, steady_rounds
 
 
 def paired_groups(names: Sequence[str]) -> dict[str, list[str]]:
@@ -32,16 +32,20 @@ def run_bench(
     (all workloads of repeat 1, then of repeat 2, ...) so that a change in machine load affects
     workloads and limit alike, and returns :func:`summarize`'s object; then each group of
     workloads that share a ``baseline`` runs once more in one process (:func:`measure_paired`,
-    ``steady_rounds * repeats`` interleaved rounds), which adds :data:`PAIRED_RATIO`.
+    ``steady_rounds * repeats`` interleaved rounds), which adds :data:`PAIRED_RATIO`; last, each
+    relative workload runs once in its own process (its repetitions are paired inside it).
 
     Raises:
       BenchError: an unknown workload name (checked first, before any data is touched), a dataset
         that is not on this machine, or a worker that failed.
     """
     names = resolve_names(names)
-    check_dataset(settings)
+    relative = [n for n in names if is_relative(n)]
+    names = [n for n in names if not is_relative(n)]
+    if names:
+        check_dataset(settings)  # the relative workloads run on random inputs, without data
     repeats = []
-    for r in range(settings.repeats):
+    for r in range(settings.repeats if names else 0):
         rep = {}
         for name in names:
             w = WORKLOADS[name]
@@ -52,7 +56,7 @@ def run_bench(
                 rep[name] = federated_entry(run_federated_process(w, settings))
             log(f"repeat {r + 1}/{settings.repeats}  {name:<18} {rep[name]['examples_per_s']:>10,.0f} examples/s  ({time.perf_counter() - t0:.1f} s)")
         repeats.append(rep)
-    results = summarize(repeats)
+    results = summarize(repeats) if repeats else {}
     # The posterior methods against FedAvg once more, rounds interleaved in one process: the same
     # ratio as ratio_to_fedavg without the process-to-process noise.
     for base, group in paired_groups(names).items():
@@ -60,4 +64,8 @@ def run_bench(
         t0 = time.perf_counter()
         add_paired(results, run_paired_process(group, settings, rounds), base)
         log(f"paired        {' + '.join(group):<40} {rounds} interleaved rounds each ({time.perf_counter() - t0:.1f} s)")
+    for name in relative:
+        t0 = time.perf_counter()
+        results[name] = relative_entry(name, run_relative_process(name, settings))
+        log(f"relative      {name:<18} {settings.relative_reps} paired repetitions ({time.perf_counter() - t0:.1f} s)")
     return results

@@ -37,6 +37,11 @@ class BenchSettings:
       limit_reps: timed epochs per limit process (after one compile-and-warm-up epoch).
       repeats: how many times the whole set of workloads runs; numbers are medians over repeats.
       seed: seeds partitions, cohorts, initial parameters and shuffles.
+      image_shape: input shape of the relative workloads' CNN (the MLP's is its flattening).
+      curvature_models: the models of the ``curvature`` workload (``mlp``, ``cnn``).
+      relative_reps: paired repetitions of each relative workload (:mod:`fedbayes.bench.relative`).
+      cnn_clients, cnn_per_client, cnn_batch: the ``cnn`` and ``vbnn`` workloads' federation
+        (all clients in every round, one local epoch) and client batch size.
     """
 
     dataset: str = "fashion_mnist"
@@ -50,12 +55,18 @@ class BenchSettings:
     limit_reps: int = 8
     repeats: int = 5
     seed: int = 0
+    image_shape: tuple[int, ...] = (28, 28, 1)
+    curvature_models: tuple[str, ...] = ("mlp", "cnn")
+    relative_reps: int = 15
+    cnn_clients: int = 10
+    cnn_per_client: int = 640
+    cnn_batch: int = 64
 
 
 FULL = BenchSettings()
 # A smoke check under two minutes on 2 cores (94 s quiet, paired stage included; the 3-epoch
 # 10-of-10 workloads then time one steady round each).
-QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1)
+QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +120,23 @@ class LimitWorkload:
     description: str = ""
 
 
-Workload = FederatedWorkload | LimitWorkload
+@dataclasses.dataclass(frozen=True)
+class RelativeWorkload:
+    """A computation timed against a reference computation in one process (see
+    :mod:`fedbayes.bench.relative`); measured once per bench, not once per repeat (its
+    ``settings.relative_reps`` repetitions are paired inside the process).
+
+    Attributes:
+      name: registry key, JSON key and the key of its measure in
+        :data:`fedbayes.bench.relative.MEASURES`.
+      description: one line, reported as the entry's ``description``.
+    """
+
+    name: str
+    description: str = ""
+
+
+Workload = FederatedWorkload | LimitWorkload | RelativeWorkload
 REFERENCE = "limit_b32"  # the denominator of ratio_to_limit
 
 WORKLOADS: dict[str, Workload] = {
@@ -157,6 +184,9 @@ WORKLOADS: dict[str, Workload] = {
             baseline="fedavg_e3_100",
             description="FedEP (identity, stateful sites), 10 of 100 IID clients, 3 epochs",
         ),
+        RelativeWorkload("curvature", description="diagonal Fisher, empirical Fisher and GGN against a training step (MLP, CNN)"),
+        RelativeWorkload("cnn", description="CNN FedAvg round against a plain jitted step loop over the same examples"),
+        RelativeWorkload("vbnn", description="VBNN (GAA) round against the CNN FedAvg round"),
     )
 }
 
@@ -167,9 +197,15 @@ def baseline_of(name: str) -> str | None:
     return w.baseline if isinstance(w, FederatedWorkload) else None
 
 
+def is_relative(name: str) -> bool:
+    """Whether workload ``name`` is a :class:`RelativeWorkload`."""
+    return isinstance(WORKLOADS.get(name), RelativeWorkload)
+
+
 def resolve_names(names: Sequence[str] | None) -> list[str]:
-    """The workloads to run, in registry order, always with :data:`REFERENCE` (the denominator)
-    and with each named workload's ``baseline``.
+    """The workloads to run, in registry order, with each named workload's ``baseline`` and,
+    unless only relative workloads are named (they carry their own reference), with
+    :data:`REFERENCE` (the denominator of ``ratio_to_limit``).
 
     Raises:
       BenchError: a name is not in :data:`WORKLOADS`. Checks names only: no data is touched, so
@@ -180,7 +216,9 @@ def resolve_names(names: Sequence[str] | None) -> list[str]:
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise BenchError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
-    wanted = set(names) | {REFERENCE} | {b for b in map(baseline_of, names) if b is not None}
+    wanted = set(names) | {b for b in map(baseline_of, names) if b is not None}
+    if not all(map(is_relative, names)):
+        wanted.add(REFERENCE)
     return [n for n in WORKLOADS if n in wanted]
 
 
