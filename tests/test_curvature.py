@@ -110,9 +110,10 @@ def _compiled(name):
 
 
 # The CNNs' float64 references cost seconds a call (jacfwd over ~20k parameters): they get one
-# fixed partial mask each, the small models hypothesis' masks and values.
+# fixed partial mask each (seed 3: the SAME CNN at seed 0 saturates to a GGN of 1e-73, below what
+# float64 resolves), the small models hypothesis' masks and values.
 SMALL = [n for n in MODELS if not n.startswith("cnn")]
-CNN_CASES = [pytest.param(n, [True, False, True, True, True], 17, id=n) for n in MODELS if n.startswith("cnn")]
+CNN_CASES = [pytest.param(n, [True, False, True, True, True], 3, id=n) for n in MODELS if n.startswith("cnn")]
 
 
 @pytest.mark.parametrize("name", SMALL)
