@@ -542,21 +542,24 @@ def _check_store_dir(config: RunConfig, out: Path) -> None:
         raise BadInputError(f"config error: store_dir: {folder} is a file, not a folder")
 
 
-def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None, accept_changes=(), warn=None) -> dict:
+def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None, accept_changes=(), warn=None, rounds=None) -> dict:
     """Runs (or resumes) one experiment and returns its summary (see the module docstring).
 
     ``accept_changes``: dotted config keys that may differ from the checkpoint's on resume.
     ``warn``: where one-line warnings go (a damaged checkpoint skipped); default stderr.
+    ``rounds``: ``Experiment -> runner`` with the simulator's ``init``, ``place``, ``run_round``,
+    ``server_params`` and ``algorithm`` that runs the rounds instead of ``exp.simulator`` (the
+    Flower deployment, :class:`fedbayes.flower.rounds.FlowerRounds`); ``None``: the simulator.
     """
     with runlock.hold(out_dir):
-        return _run_experiment(config, Path(out_dir), resume, reporter, tuple(accept_changes), warn or _stderr)
+        return _run_experiment(config, Path(out_dir), resume, reporter, tuple(accept_changes), warn or _stderr, rounds)
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept_changes: tuple, warn) -> dict:
+def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept_changes: tuple, warn, rounds=None) -> dict:
     ckpt_dir = out / "checkpoints"
     metrics_path = out / "metrics.jsonl"
     reporter = reporter or PlainReporter()
@@ -564,13 +567,13 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     changes = check_resume_config(config, found[1], out, accept_changes) if found is not None else {}
     _check_store_dir(config, out)
     exp = build_experiment(config, store_dir=out / "client_store")
-    sim = exp.simulator
+    sim = exp.simulator if rounds is None else rounds(exp)
     ckpt = found[0] if found is not None else None
     if ckpt is None:
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
     state = sim.init(exp.params, resume=ckpt is not None)  # resume: open the disk store, not rewrite it
     counters = {"seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "rejected": 0}
-    if config.server.dropout > 0 or config.server.deadline is not None:
+    if config.server.dropout > 0 or config.server.deadline is not None or getattr(sim, "counts_dropped", False):
         counters.update(dropped=0, late=0)
     records: list[dict] = []
     if ckpt is not None:

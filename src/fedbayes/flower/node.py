@@ -1,0 +1,102 @@
+"""The client side of a deployment: one client's round on its node, and its state on disk.
+
+A SuperNode holds one client (its ``partition-id``). For a train message the node rebuilds the
+run's algorithm from the config it carries (:func:`fedbayes.experiment.build_experiment`, so
+the method, its hyperparameters and the data partition are the simulator's), takes its own
+partition, and calls ``algorithm.client_update`` with the simulator's key and shuffles for
+(seed, round, client) (:mod:`fedbayes.round`, :func:`fedbayes.data.batches.layout_orders`):
+the same update the simulator computes for that client.
+
+Client state (FedEP sites, ADMM/FedDyn/FedLap duals) is the state after the last round whose
+reply the server *accepted*; the server says which round that is in every message (``base``;
+-1: the initial ``client_init``). The node keeps each new state under its round, in
+``context.state`` (the SuperNode's memory) and in its state folder
+(``--node-config state-dir=...``, one ``.npz`` per client and round, written atomically), so
+a restarted SuperNode continues from the state it had; a state the server rejected or never
+received is simply never used as a base.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedbayes import round as protocol
+from fedbayes.data.batches import ClientData, layout_orders
+
+KEEP_ROUNDS = 4  # state files kept per client besides the base (a resumed server may go back this far)
+
+
+class StateFolder:
+    """One client's states by round in ``root/<run>/client_<id>/round_<r>.npz``."""
+
+    def __init__(self, root: str | Path, run_key: str, client: int):
+        self.dir = Path(root) / run_key / f"client_{client}"
+
+    def path(self, round_idx: int) -> Path:
+        return self.dir / f"round_{round_idx:06d}.npz"
+
+    def rounds(self) -> list[int]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := re.fullmatch(r"round_(\d+)\.npz", p.name)))
+
+    def save(self, round_idx: int, arrays: dict[str, np.ndarray], base: int) -> None:
+        """Writes the state after ``round_idx`` atomically (temporary file, fsync, rename) and
+        prunes all but the newest :data:`KEEP_ROUNDS` rounds and ``base``."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(round_idx))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        keep = set(self.rounds()[-KEEP_ROUNDS:]) | {base, round_idx}
+        for r in self.rounds():
+            if r not in keep:
+                self.path(r).unlink(missing_ok=True)
+
+    def load(self, round_idx: int) -> dict[str, np.ndarray] | None:
+        path = self.path(round_idx)
+        if not path.is_file():
+            return None
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+
+
+def client_update(algorithm, seed: int, round_idx: int, client: int, message, client_state, x, y):
+    """Client ``client``'s update in round ``round_idx`` on its own examples ``x, y`` (in the
+    order of its partition), with the simulator's key and epoch shuffles."""
+    n = len(y)
+    order, offsets, _ = layout_orders(seed, round_idx, [client], [np.arange(n)], algorithm.local_epochs, algorithm.local_batch_size)
+    data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(order), jnp.int32(offsets[0]), jnp.int32(n))
+    key = protocol.client_key(seed, round_idx, client)
+    return jax.jit(algorithm.client_update)(key, message, client_state, data)
+
+
+def message_template(algorithm, params) -> Any:
+    """Shapes and dtypes of the broadcast (what a node decodes)."""
+    server_state = jax.eval_shape(algorithm.server_init, protocol.server_init_key(0), params)
+    return jax.eval_shape(algorithm.broadcast, server_state)
+
+
+def reply_template(algorithm, params, x_spec, y_spec) -> tuple[Any, Any]:
+    """Shapes and dtypes of a client's reply message and of its info (what the server decodes)."""
+    broadcast = message_template(algorithm, params)
+    cstate = jax.eval_shape(algorithm.client_init, params)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    order = jax.ShapeDtypeStruct((2 * algorithm.local_batch_size + 256,), jnp.int32)
+    data = ClientData(x_spec, y_spec, order, scalar, scalar)
+    message, _, info = jax.eval_shape(algorithm.client_update, jax.random.key(0), broadcast, cstate, data)
+    return message, info
