@@ -191,21 +191,30 @@ def build_algorithm(
     return registry.build(config.algorithm, build_context(config, trainer, federation, apply_fn=apply_fn, task=task))
 
 
+def build_model_algorithm(config: RunConfig, num_classes: int, feature_shape, x_dtype, task: str, sizes):
+    """``(model, params, algorithm, apply_fn, keyed_apply_fn)`` from the config and the data's
+    shape alone (no data: a Flower node builds its algorithm with it from a cached partition)."""
+    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
+    variational = config.model.variational
+    model = make_model(config.model.name, num_classes, variational=variational, **kwargs)
+    params = init_params(model, protocol.params_key(config.seed), feature_shape)
+    trainer = LocalTrainer(loss_fn(model, task), client_optimizer(config), config.client.epochs, config.client.batch_size)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    keyed_apply_fn = apply_with_key(model) if variational else None
+    ctx = build_context(config, trainer, registry.FederationInfo.from_sizes(sizes), apply_fn=apply_fn, task=task)
+    feature_spec = jax.ShapeDtypeStruct(tuple(feature_shape), x_dtype)
+    algorithm = registry.build(config.algorithm, ctx._replace(keyed_apply_fn=keyed_apply_fn, feature_spec=feature_spec))
+    return model, params, algorithm, apply_fn, keyed_apply_fn
+
+
 def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
     dataset, parts, validation = prepare_split(config)
     aggregator, attack, attackers, y_train = _protection(config, dataset, parts)
     federation = Federation(dataset.x_train, y_train, tuple(parts))
-    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
-    variational = config.model.variational
-    model = make_model(config.model.name, dataset.num_classes, variational=variational, **kwargs)
-    params = init_params(model, protocol.params_key(config.seed), dataset.feature_shape)
-    trainer = LocalTrainer(loss_fn(model, dataset.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
-    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    keyed_apply_fn = apply_with_key(model) if variational else None
-    ctx = build_context(config, trainer, registry.FederationInfo.from_sizes(federation.sizes), apply_fn=apply_fn, task=dataset.task)
-    feature_spec = jax.ShapeDtypeStruct(tuple(dataset.feature_shape), dataset.x_train.dtype)
-    algorithm = registry.build(config.algorithm, ctx._replace(keyed_apply_fn=keyed_apply_fn, feature_spec=feature_spec))
+    model, params, algorithm, apply_fn, keyed_apply_fn = build_model_algorithm(
+        config, dataset.num_classes, dataset.feature_shape, dataset.x_train.dtype, dataset.task, federation.sizes
+    )
     simulator = Simulator(
         algorithm,
         federation,

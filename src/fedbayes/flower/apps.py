@@ -68,9 +68,8 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
     import jax
 
     from fedbayes.config import validate
-    from fedbayes.experiment import build_experiment
     from fedbayes.flower.codec import decode, encode
-    from fedbayes.flower.node import StateFolder, client_update, message_template
+    from fedbayes.flower.node import StateFolder, client_update, message_template, node_setup
 
     part, _ = _node_partition(node_config)
     meta = content.config_records["fedbayes"]
@@ -80,10 +79,9 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
     state_dir = Path(str(node_config.get("state-dir") or Path.home() / ".fedbayes" / "flower"))
     _compilation_cache(state_dir)
     config = validate(tomllib.loads(str(meta["config"])))
-    exp = build_experiment(config, store_dir=state_dir / "unused_store")
-    algorithm = exp.simulator.algorithm
-    broadcast = decode(content.array_records["broadcast"], message_template(algorithm, exp.params))
-    template = algorithm.client_init(exp.params)
+    algorithm, params, x, y = node_setup(config, client, state_dir)
+    broadcast = decode(content.array_records["broadcast"], message_template(algorithm, params))
+    template = algorithm.client_init(params)
     stateful = bool(jax.tree.leaves(template))
     folder = StateFolder(state_dir, run_key, client)
     record_key = lambda rnd: f"fedbayes:{run_key}:{client}:{rnd}"  # noqa: E731
@@ -94,8 +92,6 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
         if arrays is None:
             raise RuntimeError(f"client {client}: no state of round {base} in the node's memory or in {folder.dir}; the node lost its state")
         cstate = decode(arrays, template)
-    idx = exp.federation.client_indices[client]
-    x, y = exp.federation.x[idx], exp.federation.y[idx]
     message, new_state, info = client_update(algorithm, config.seed, r, client, broadcast, cstate, x, y)
     if stateful:
         record = encode(new_state)
@@ -103,7 +99,7 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
         for k in [k for k in state if k.startswith(f"fedbayes:{run_key}:{client}:") and k not in (record_key(base), record_key(r))]:
             del state[k]
         state[record_key(r)] = record
-    return RecordDict({"message": encode(message), "info": encode(info), "meta": ConfigRecord({"num_examples": int(len(idx)), "pid": os.getpid()})})
+    return RecordDict({"message": encode(message), "info": encode(info), "meta": ConfigRecord({"num_examples": int(len(y)), "pid": os.getpid()})})
 
 
 @clientapp.train()

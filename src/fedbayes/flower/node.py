@@ -18,6 +18,8 @@ received is simply never used as a base.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import tempfile
@@ -73,6 +75,54 @@ class StateFolder:
             return None
         with np.load(path) as z:
             return {k: z[k] for k in z.files}
+
+
+def data_key(config) -> str:
+    """What a client's data depends on: the data section, the seed and the attack (label flips)."""
+    raw = config.model_dump(mode="json")
+    text = json.dumps({k: raw[k] for k in ("data", "seed", "attack")}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def data_path(config, client: int, state_dir: str | Path) -> Path:
+    return Path(state_dir) / "data" / data_key(config) / f"client_{client}.npz"
+
+
+def prepare_data(exp, state_dirs: dict[int, str | Path]) -> None:
+    """Writes each client's examples (``{client: its node's state folder}``) from a built
+    experiment: what a node does on its first message, done once by a launcher that already has
+    the data (``fedbayes deploy``)."""
+    d, fed = exp.dataset, exp.federation
+    meta = json.dumps({"num_classes": d.num_classes, "feature_shape": list(d.feature_shape), "task": d.task})
+    for client, state_dir in state_dirs.items():
+        idx = fed.client_indices[client]
+        path = data_path(exp.config, client, state_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, x=np.asarray(fed.x[idx]), y=np.asarray(fed.y[idx]), sizes=np.asarray(fed.sizes), meta=np.array(meta))
+        os.replace(tmp, path)
+
+
+def node_setup(config, client: int, state_dir: str | Path, store_dir: str | Path | None = None):
+    """``(algorithm, params, x, y)`` of client ``client`` on its node.
+
+    The client's examples (its partition, as the simulator draws it) and the data's shape are
+    cached in ``state_dir/data/<key>/client_<id>.npz`` the first time (loading and partitioning
+    the dataset); later messages build the algorithm from the cache alone
+    (:func:`fedbayes.experiment.build_model_algorithm`), which spares each message's fresh
+    ClientApp process the dataset's loaders.
+    """
+    from fedbayes.experiment import build_experiment, build_model_algorithm
+
+    path = data_path(config, client, state_dir)
+    if not path.is_file():
+        prepare_data(build_experiment(config, store_dir=Path(state_dir) / "unused_store"), {client: state_dir})
+    with np.load(path) as z:
+        x, y, sizes = z["x"], z["y"], z["sizes"]
+        meta = json.loads(str(z["meta"]))
+    _, params, algorithm, _, _ = build_model_algorithm(config, meta["num_classes"], tuple(meta["feature_shape"]), x.dtype, meta["task"], sizes)
+    return algorithm, params, x, y
 
 
 def client_update(algorithm, seed: int, round_idx: int, client: int, message, client_state, x, y):
