@@ -113,8 +113,11 @@ def node_setup(config, client: int, state_dir: str | Path, store_dir: str | Path
     (:func:`fedbayes.experiment.build_model_algorithm`), which spares each message's fresh
     ClientApp process the dataset's loaders.
     """
-    from fedbayes.experiment import build_experiment, build_model_algorithm
+    from fedbayes.experiment import build_experiment, build_model_algorithm, config_hash
 
+    memo = (config_hash(config), client, str(state_dir))
+    if memo in _SETUPS:  # a process that handles several messages (tests) builds once
+        return _SETUPS[memo]
     path = data_path(config, client, state_dir)
     if not path.is_file():
         prepare_data(build_experiment(config, store_dir=Path(state_dir) / "unused_store"), {client: state_dir})
@@ -122,7 +125,12 @@ def node_setup(config, client: int, state_dir: str | Path, store_dir: str | Path
         x, y, sizes = z["x"], z["y"], z["sizes"]
         meta = json.loads(str(z["meta"]))
     _, params, algorithm, _, _ = build_model_algorithm(config, meta["num_classes"], tuple(meta["feature_shape"]), x.dtype, meta["task"], sizes)
-    return algorithm, params, x, y
+    _SETUPS[memo] = (algorithm, params, x, y)
+    return _SETUPS[memo]
+
+
+_SETUPS: dict = {}
+_UPDATES: dict = {}
 
 
 def client_update(algorithm, seed: int, round_idx: int, client: int, message, client_state, x, y):
@@ -132,7 +140,9 @@ def client_update(algorithm, seed: int, round_idx: int, client: int, message, cl
     order, offsets, _ = layout_orders(seed, round_idx, [client], [np.arange(n)], algorithm.local_epochs, algorithm.local_batch_size)
     data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(order), jnp.int32(offsets[0]), jnp.int32(n))
     key = protocol.client_key(seed, round_idx, client)
-    return jax.jit(algorithm.client_update)(key, message, client_state, data)
+    if id(algorithm) not in _UPDATES:  # algorithms are kept alive by _SETUPS, so ids are not reused
+        _UPDATES[id(algorithm)] = jax.jit(algorithm.client_update)
+    return _UPDATES[id(algorithm)](key, message, client_state, data)
 
 
 def message_template(algorithm, params) -> Any:
