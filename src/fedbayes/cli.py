@@ -312,9 +312,13 @@ def deploy(
         from fedbayes.flower import deploy as flower_deploy
     except ImportError as exc:
         _fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
-    if print_commands:
+    if print_commands:  # needs no Flower here: the commands run on the federation's machines
         print(flower_deploy.print_commands(config.resolve(), cfg, out.resolve()), end="")
         return
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        _fail("error: fedbayes deploy needs Flower (flwr is missing): pip install -e '.[flower]'")
     _check_out(out, overwrite, resume_)
     from fedbayes.experiment import format_record
 
