@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fedbayes.config import load_config, to_toml
 from fedbayes.experiment import build_experiment
-from fedbayes.flower.deploy import LocalFederation, write_app
+from fedbayes.flower.deploy import LocalFederation
 from fedbayes.flower.node import prepare_data
 
 HERE = Path(__file__).resolve().parent

@@ -71,7 +71,14 @@ def main() -> None:
         t1 = time.perf_counter()
         dep = subprocess.run([*fedbayes, "deploy", str(cfg), "--out", str(folder / "flower"), "--overwrite"], capture_output=True, text=True)
         t2 = time.perf_counter()
-        row = {"algorithm": name, "rounds": args.rounds, "sim_exit": sim.returncode, "deploy_exit": dep.returncode, "sim_wall_s": round(t1 - t0, 1), "deploy_wall_s": round(t2 - t1, 1)}
+        row = {
+            "algorithm": name,
+            "rounds": args.rounds,
+            "sim_exit": sim.returncode,
+            "deploy_exit": dep.returncode,
+            "sim_wall_s": round(t1 - t0, 1),
+            "deploy_wall_s": round(t2 - t1, 1),
+        }
         if sim.returncode == 0 and dep.returncode == 0:
             records = [json.loads(x) for x in (folder / "flower" / "metrics.jsonl").read_text().splitlines()]
             last = records[-1]

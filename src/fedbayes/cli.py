@@ -295,7 +295,9 @@ def deploy(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key, e.g. --set rounds=5")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the run already in --out")] = False,
     resume_: Annotated[bool, typer.Option("--resume", help="continue the run in --out from its newest checkpoint")] = False,
-    print_commands: Annotated[bool, typer.Option("--print-commands", help="print the commands that start this federation on real machines (TLS) instead")] = False,
+    print_commands: Annotated[
+        bool, typer.Option("--print-commands", help="print the commands that start this federation on real machines (TLS) instead")
+    ] = False,
     tls: Annotated[bool, typer.Option("--tls", help="run the local federation over TLS with certificates made for it")] = False,
     reply_timeout: Annotated[float, typer.Option("--reply-timeout", help="seconds a round waits for its replies")] = 120.0,
     node_timeout: Annotated[float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join")] = 120.0,

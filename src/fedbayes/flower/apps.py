@@ -25,6 +25,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 STATUS_FILE = "flower_status.json"
+SERVER_LOG = "flower_server.log"
 
 # The ServerApp's run config: key -> default (the app's pyproject.toml [tool.flwr.app.config]).
 RUN_CONFIG = {
@@ -128,7 +129,9 @@ def run_server(grid, run_config) -> dict:
     settings = _settings(run_config)
     config = load_config(str(run_config["config"]))
     transport = GridTransport(grid, settings.poll_interval)
-    return run_experiment(config, str(run_config["out"]), resume=bool(run_config.get("resume", False)), rounds=lambda exp: FlowerRounds(exp, transport, settings))
+    return run_experiment(
+        config, str(run_config["out"]), resume=bool(run_config.get("resume", False)), rounds=lambda exp: FlowerRounds(exp, transport, settings)
+    )
 
 
 @serverapp.main()
@@ -137,9 +140,13 @@ def main(grid: Grid, context: Context) -> None:
 
     from fedbayes.errors import exit_code_for, one_line
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     out = Path(str(context.run_config.get("out") or "."))
     out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / SERVER_LOG)  # what the rounds saw: nodes, rejections, missing replies
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    flower_log = logging.getLogger("fedbayes.flower")
+    flower_log.addHandler(handler)
+    flower_log.setLevel(logging.INFO)
     status = out / STATUS_FILE
     status.unlink(missing_ok=True)
     try:

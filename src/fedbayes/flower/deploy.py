@@ -109,7 +109,7 @@ def make_certificates(folder: Path, hosts=("127.0.0.1", "localhost")) -> dict[st
     from cryptography.x509.oid import NameOID
 
     folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedbayes test CA")])
     ca = (
@@ -148,6 +148,22 @@ def make_certificates(folder: Path, hosts=("127.0.0.1", "localhost")) -> dict[st
     return paths
 
 
+def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
+    """An EC P-384 key pair for SuperNode authentication, in OpenSSH format
+    (``<name>`` and ``<name>.pub``): the SuperNode signs with the private key, the SuperLink
+    accepts it once the public key is registered (``flwr supernode register``)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = folder / name, folder / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    private.chmod(0o600)
+    return private, public
+
+
 def _bin(name: str) -> str:
     """The Flower command ``name`` next to this Python (the flower extra installs it there)."""
     here = Path(sys.executable).parent / name
@@ -160,15 +176,19 @@ def _bin(name: str) -> str:
 
 
 # ----- commands --------------------------------------------------------------------------------
-def superlink_command(port: int, certs: dict | None) -> list[str]:
+def superlink_command(port: int, certs: dict | None, auth: bool = False) -> list[str]:
     tls = ["--ssl-ca-certfile", str(certs["ca"]), "--ssl-certfile", str(certs["cert"]), "--ssl-keyfile", str(certs["key"])] if certs else ["--insecure"]
-    return [_bin("flower-superlink"), *tls, "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"]
+    cmd = [_bin("flower-superlink"), *tls, "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"]
+    return cmd + (["--enable-supernode-auth"] if auth else [])
 
 
-def supernode_command(superlink: str, port: int, partition: int, num_partitions: int, state_dir: Path, certs: dict | None) -> list[str]:
+def supernode_command(
+    superlink: str, port: int, partition: int, num_partitions: int, state_dir: Path, certs: dict | None, key: Path | None = None
+) -> list[str]:
     tls = ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
     node_config = f"partition-id={partition} num-partitions={num_partitions} state-dir='{state_dir}'"
-    return [_bin("flower-supernode"), *tls, "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port), "--node-config", node_config]
+    cmd = [_bin("flower-supernode"), *tls, "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port), "--node-config", node_config]
+    return cmd + (["--auth-supernode-private-key", str(key)] if key is not None else [])
 
 
 def print_commands(config_path: Path, config, out: Path, superlink_host: str = "SUPERLINK_HOST", port: int = 9093) -> str:
@@ -194,7 +214,7 @@ def print_commands(config_path: Path, config, out: Path, superlink_host: str = "
         "",
         "# 3. Where you submit the run: a Flower app folder and a connection to the SuperLink.",
         "mkdir -p fedbayes-app && python -c 'from fedbayes.flower.deploy import app_pyproject; print(app_pyproject(), end=\"\")' > fedbayes-app/pyproject.toml",
-        f"mkdir -p ~/.flwr && printf '[superlink]\\ndefault = \"{CONNECTION}\"\\n[superlink.{CONNECTION}]\\naddress = \"{superlink_host}:{port}\"\\nroot-certificates = \"ca.crt\"\\n' >> ~/.flwr/config.toml",
+        f'mkdir -p ~/.flwr && printf \'[superlink]\\ndefault = "{CONNECTION}"\\n[superlink.{CONNECTION}]\\naddress = "{superlink_host}:{port}"\\nroot-certificates = "ca.crt"\\n\' >> ~/.flwr/config.toml',
         f"flwr run fedbayes-app {CONNECTION} --stream --run-config {q(f'config={json.dumps(str(config_path))} out={json.dumps(str(out))}')}",
         "",
         f"# The run folder ({out}) holds metrics.jsonl, checkpoints and flower_status.json; to resume, add resume=true to --run-config.",
@@ -210,6 +230,7 @@ class Node:
     home: Path
     state_dir: Path
     process: subprocess.Popen | None = None
+    key: Path | None = None  # its private key (SuperNode authentication)
 
 
 @dataclass
@@ -219,6 +240,7 @@ class LocalFederation:
     workdir: Path
     num_nodes: int
     tls: bool = False
+    auth: bool = False  # SuperNode authentication: each node gets a key, registered with the SuperLink
     env: dict = field(default_factory=dict)
     superlink_port: int = 0
     certs: dict | None = None
@@ -232,9 +254,7 @@ class LocalFederation:
         self.superlink_port = self.superlink_port or free_port()
         if self.tls:
             self.certs = make_certificates(self.workdir / "certs")
-        self.nodes = [
-            Node(i, free_port(), self.workdir / f"node{i}" / "home", self.workdir / f"node{i}" / "state") for i in range(self.num_nodes)
-        ]
+        self.nodes = [Node(i, free_port(), self.workdir / f"node{i}" / "home", self.workdir / f"node{i}" / "state") for i in range(self.num_nodes)]
         self.cli_home = self.workdir / "cli_home"
         self.cli_home.mkdir(parents=True, exist_ok=True)
         tls = f'root-certificates = "{self.certs["ca"]}"' if self.certs else "insecure = true"
@@ -263,8 +283,12 @@ class LocalFederation:
 
     def start(self, timeout: float = 60.0) -> None:
         home = self.workdir / "superlink_home"
-        self.superlink = self._spawn(superlink_command(self.superlink_port, self.certs), home, self.workdir / "superlink.log")
+        self.superlink = self._spawn(superlink_command(self.superlink_port, self.certs, self.auth), home, self.workdir / "superlink.log")
         self._wait_port(self.superlink_port, self.superlink, "superlink", timeout)
+        if self.auth:
+            for node in self.nodes:
+                node.key, public = make_node_key(self.workdir / "keys", f"node{node.partition}")
+                self.register(public)
         for node in self.nodes:
             self.start_node(node.partition)
 
@@ -281,8 +305,14 @@ class LocalFederation:
     def start_node(self, partition: int) -> None:
         node = self.nodes[partition]
         node.state_dir.mkdir(parents=True, exist_ok=True)
-        cmd = supernode_command(self.address, node.port, partition, self.num_nodes, node.state_dir, self.certs)
+        cmd = supernode_command(self.address, node.port, partition, self.num_nodes, node.state_dir, self.certs, node.key)
         node.process = self._spawn(cmd, node.home, self.workdir / f"node{partition}.log")
+
+    def register(self, public_key: Path) -> None:
+        """Registers a SuperNode's public key with the SuperLink (``flwr supernode register``)."""
+        res = self.flwr("supernode", "register", str(public_key), CONNECTION)
+        if res.returncode != 0:
+            raise DeployError(f"flwr supernode register {public_key} failed: {' '.join((res.stdout + res.stderr).split())[-300:]}")
 
     def kill_node(self, partition: int) -> None:
         """SIGKILLs a SuperNode and everything under it (as a crash would)."""
@@ -445,9 +475,8 @@ def deploy_local(
     (one load of the dataset instead of one per node).
     """
     from fedbayes.config import to_toml
-    from fedbayes.flower.rounds import check_deployable
-
     from fedbayes.flower.apps import _settings
+    from fedbayes.flower.rounds import check_deployable
 
     check_deployable(config)
     _settings(run_config or {})  # a bad failure setting fails here, before any process starts

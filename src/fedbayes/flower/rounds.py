@@ -101,7 +101,9 @@ def check_deployable(config) -> None:
     if s.deadline is not None:
         raise BadInputError("config error: server.deadline: simulated stragglers are simulator-only; a deployment uses the reply time-out")
     if config.attack.fraction > 0 and config.attack.kind != "label_flip":
-        raise BadInputError("config error: attack.kind: message attacks are simulator-only (the simulator rewrites messages); use label_flip or attack.fraction = 0")
+        raise BadInputError(
+            "config error: attack.kind: message attacks are simulator-only (the simulator rewrites messages); use label_flip or attack.fraction = 0"
+        )
 
 
 class FlowerRounds:
@@ -236,6 +238,13 @@ def _at(tree_, path):
 
 
 # ----- the Flower transport ---------------------------------------------------------------------
+def _unavailable(reply) -> bool:
+    """An error the SuperLink makes for a message whose node went away (not a ClientApp's)."""
+    from flwr.common.constant import ErrorCode
+
+    return int(reply.error.code) in (ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE)
+
+
 class GridTransport:
     """Sends a round's messages through a Flower ``Grid`` and pulls the replies.
 
@@ -252,6 +261,7 @@ class GridTransport:
         self.partition_of: dict[int, int] = {}  # node id -> partition
         self.node_of: dict[int, int] = {}  # partition -> node id
         self.queries: dict[str, int] = {}  # query message id -> node id
+        self.gone: set[int] = set()  # nodes the SuperLink reported unavailable: never asked again
         self.num_partitions: int | None = None
 
     def _message(self, content: RecordDict, node_id: int, kind: str, group: str):
@@ -261,7 +271,7 @@ class GridTransport:
 
     def discover(self) -> None:
         nodes = [int(n) for n in self.grid.get_node_ids()]
-        asked = set(self.queries.values()) | set(self.partition_of)
+        asked = set(self.queries.values()) | set(self.partition_of) | self.gone
         new = [n for n in nodes if n not in asked]
         if new:
             ids = self.grid.push_messages([self._message(RecordDict({"q": ConfigRecord({})}), n, "query", "discover") for n in new])
@@ -274,18 +284,31 @@ class GridTransport:
                 continue
             if reply.has_error():
                 log.warning("node %d: query failed: %s", node, reply.error.reason)
+                if _unavailable(reply):
+                    self.gone.add(node)
                 continue
             c = reply.content.config_records["partition"]
             part, total = int(c["partition-id"]), int(c["num-partitions"])
             if self.num_partitions is not None and not 0 <= part < self.num_partitions:
                 raise FederationError(f"node {node} holds partition-id {part}; the run has clients 0..{self.num_partitions - 1} (node-config partition-id)")
             if self.num_partitions is not None and total != self.num_partitions:
-                raise FederationError(f"node {node} has num-partitions = {total}; the run has data.num_clients = {self.num_partitions} (node-config num-partitions)")
+                raise FederationError(
+                    f"node {node} has num-partitions = {total}; the run has data.num_clients = {self.num_partitions} (node-config num-partitions)"
+                )
             old = self.node_of.get(part)
             self.partition_of[node] = part
             self.node_of[part] = node
             if old is not None and old != node:
                 log.warning("partition %d: node %d replaces node %d", part, node, old)
+            else:
+                log.info("node %d holds partition %d", node, part)
+
+    def _lost(self, node: int) -> None:
+        """Forgets a node the SuperLink reported unavailable (a replacement may join)."""
+        self.gone.add(node)
+        part = self.partition_of.pop(node, None)
+        if part is not None and self.node_of.get(part) == node:
+            del self.node_of[part]
 
     def wait_for_nodes(self, count: int, timeout: float, num_partitions: int) -> None:
         self.num_partitions = num_partitions
@@ -303,7 +326,7 @@ class GridTransport:
     def exchange(self, round_idx: int, requests: dict[int, Callable[[], RecordDict]], timeout: float) -> dict[int, Reply]:
         end = self.clock() + timeout
         sent: dict[int, int] = {}  # client -> node it was last sent to
-        owner: dict[str, int] = {}  # message id -> client
+        owner: dict[str, tuple[int, int]] = {}  # message id -> (client, node it went to)
         replies: dict[int, Reply] = {}
         while True:
             self.discover()
@@ -313,14 +336,21 @@ class GridTransport:
                 ids = self.grid.push_messages([self._message(requests[c](), n, "train", str(round_idx)) for c, n in push])
                 for (c, n), mid in zip(push, ids):
                     if mid:
-                        owner[mid], sent[c] = c, n
-            waiting = [mid for mid, c in owner.items() if c not in replies]
+                        owner[mid], sent[c] = (c, n), n
+            waiting = [mid for mid, (c, _) in owner.items() if c not in replies]
             if waiting:
                 for reply in self.grid.pull_messages(waiting):
-                    c = owner.get(reply.metadata.reply_to_message_id)
+                    c, node = owner.get(reply.metadata.reply_to_message_id, (None, None))
                     if c is None or c in replies:
                         continue
-                    node = int(reply.metadata.src_node_id)
+                    if reply.has_error() and _unavailable(reply):
+                        # The node is gone (missed heartbeats): not the client's answer. Wait for a
+                        # replacement holding its partition until the time-out; else it is missing.
+                        log.warning("round %d: client %d: node %d is unavailable", round_idx, c, node)
+                        self._lost(node)
+                        continue
+                    if self.node_of.get(c) not in (None, node):
+                        continue  # a replaced node's late answer: the replacement's counts
                     if reply.has_error():
                         replies[c] = Reply(node, None, " ".join(str(reply.error.reason).split()))
                     else:
