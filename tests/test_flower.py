@@ -359,3 +359,17 @@ def test_a_supernode_whose_key_is_not_registered_is_refused(tmp_path):
         assert "SuperNode ID" in (fed.workdir / "node0.log").read_text()
     finally:
         _no_process_left(fed)
+
+
+def test_resumed_run_and_nodes_without_memory_continue_from_the_state_folders(tmp_path):
+    """A deployed run stopped after round 2 and resumed (server from its checkpoint, every node
+    with an empty context.state, as after a SuperNode restart) ends as the simulator's 3 rounds."""
+    from fedbayes.flower.node import prepare_data
+
+    cfg2, cfg3 = validate(raw_config("admm", rounds=2)), validate(raw_config("admm", rounds=3))
+    prepare_data(build_experiment(cfg3), dict.fromkeys(range(3), tmp_path / "nodes"))
+    run_experiment(cfg2, tmp_path / "flower", rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
+    run_experiment(cfg3, tmp_path / "flower", resume=True, accept_changes=["rounds"], rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
+    run_experiment(cfg3, tmp_path / "sim")
+    assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-6)
+    assert [r["round"] for r in records(tmp_path / "flower" / "metrics.jsonl")] == [0, 1, 2, 3]

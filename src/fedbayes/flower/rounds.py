@@ -93,6 +93,16 @@ class Reply(NamedTuple):
 Transport = Any
 
 
+def run_key(config) -> str:
+    """The name of a run's client states on the nodes: the config without the keys a resume may
+    change without touching client states (``rounds``, ``eval_every``, ``checkpoint_every``)."""
+    import hashlib
+    import json
+
+    raw = {k: v for k, v in config.model_dump(mode="json").items() if k not in ("rounds", "eval_every", "checkpoint_every")}
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def check_deployable(config) -> None:
     """Rejects settings that only the simulator has, naming the field."""
     s = config.server
@@ -122,9 +132,7 @@ class FlowerRounds:
         self.seed = exp.config.seed
         self.num_clients = exp.federation.num_clients
         self.config_text = to_toml(exp.config)
-        from fedbayes.experiment import config_hash
-
-        self.run_key = config_hash(exp.config)[:16]
+        self.run_key = run_key(exp.config)
         fed = exp.federation
         x_spec = jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype)
         self.x_spec = jax.ShapeDtypeStruct((256, *x_spec.shape), x_spec.dtype)
