@@ -35,6 +35,8 @@ def config_for(name: str, rounds: int) -> dict:
         "server": {"clients_per_round": 3},
         "algorithm": {"name": name},
     }
+    if name == "fedpa":  # one sample per epoch after the first (algorithm.skip_epochs = 1)
+        raw["client"]["epochs"] = 3
     if name == "vbnn":  # variational clients train a variational model
         raw["model"] = {"name": "mlp", "hidden": [16], "variational": True}
     return raw
@@ -57,7 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
-    done = {json.loads(line)["algorithm"] for line in results.read_text().splitlines()} if results.is_file() else set()
+    rows = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
+    done = {r["algorithm"] for r in rows if "error" not in r}  # a failed algorithm is tried again
     fedbayes = [sys.executable, "-m", "fedbayes.cli"]
     for name in args.only or registry.names():
         if name in done:
