@@ -348,10 +348,12 @@ class GridTransport:
             waiting = [mid for mid, (c, _) in owner.items() if c not in replies]
             if waiting:
                 for reply in self.grid.pull_messages(waiting):
-                    c, node = owner.get(reply.metadata.reply_to_message_id, (None, None))
+                    mid = reply.metadata.reply_to_message_id
+                    c, node = owner.get(mid, (None, None))
                     if c is None or c in replies:
                         continue
                     if reply.has_error() and _unavailable(reply):
+                        del owner[mid]  # asked once: the SuperLink answers this for as long as it is asked
                         # The node is gone (missed heartbeats): not the client's answer. Wait for a
                         # replacement holding its partition until the time-out; else it is missing.
                         log.warning("round %d: client %d: node %d is unavailable", round_idx, c, node)
