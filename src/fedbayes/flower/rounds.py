@@ -52,6 +52,7 @@ from fedbayes.simulate import RoundInfo, SimState
 log = logging.getLogger("fedbayes.flower")
 
 ON_MISSING = ("skip", "fail")
+DISCOVER_EVERY = 2.0  # seconds between looks for new (restarted) nodes during a round
 
 
 class FederationError(FedbayesError):
@@ -336,8 +337,11 @@ class GridTransport:
         sent: dict[int, int] = {}  # client -> node it was last sent to
         owner: dict[str, tuple[int, int]] = {}  # message id -> (client, node it went to)
         replies: dict[int, Reply] = {}
+        next_discovery = self.clock()
         while True:
-            self.discover()
+            if self.clock() >= next_discovery:  # new nodes are rare: look every DISCOVER_EVERY s, pull every poll
+                self.discover()
+                next_discovery = self.clock() + DISCOVER_EVERY
             pending = [c for c in requests if c not in replies]
             push = [(c, self.node_of[c]) for c in pending if c in self.node_of and sent.get(c) != self.node_of[c]]
             if push:
