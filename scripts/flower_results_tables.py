@@ -24,15 +24,16 @@ def algorithms(path: Path = Path("runs/flower_all/results.jsonl")) -> str:
         if "error" in r:
             lines.append(f"| {name} | exit {r['deploy_exit']} | {r['error']} | | | | |")
             continue
-        lines.append(
-            f"| {name} | exit 0 | {r['max_abs_diff']:.1e} | {r['seconds_per_round']:.1f} | {r['rejected']} | {r['dropped']} | {r['accuracy']:.4f} |"
-        )
+        lines.append(f"| {name} | exit 0 | {r['max_abs_diff']:.1e} | {r['seconds_per_round']:.1f} | {r['rejected']} | {r['dropped']} | {r['accuracy']:.4f} |")
     return "\n".join(lines)
 
 
 def overhead(folder: Path = Path("runs/flower_overhead"), log: Path = Path("runs/flower_overhead.log")) -> str:
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith('{"rep"')] if log.is_file() else []
-    lines = ["| rep | fedbayes s / round | Flower FedAvg s / round | ratio | fedbayes run wall s | Flower run wall s |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| pair | fedbayes s / round | fedbayes s / round, rounds 2+ | Flower FedAvg s / round | ratio | fedbayes run wall s | Flower run wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     ratios = []
     for rep in sorted({r["rep"] for r in rows}):
         pair = {r["kind"]: r for r in rows if r["rep"] == rep}
@@ -40,13 +41,21 @@ def overhead(folder: Path = Path("runs/flower_overhead"), log: Path = Path("runs
             continue
         a, b = pair["fedbayes"], pair["flower"]
         ratios.append(a["seconds_per_round"] / b["seconds_per_round"])
-        lines.append(f"| {rep} | {a['seconds_per_round']:.1f} | {b['seconds_per_round']:.1f} | {ratios[-1]:.2f} | {a['run_wall_s']:.0f} | {b['run_wall_s']:.0f} |")
+        recs = [json.loads(x) for x in (folder / f"fedbayes_{rep}" / "metrics.jsonl").read_text().splitlines()]
+        later = (recs[-1]["seconds"] - recs[1]["seconds"]) / (len(recs) - 2) if len(recs) > 2 else float("nan")
+        lines.append(
+            f"| {folder.name} {rep} | {a['seconds_per_round']:.1f} | {later:.1f} | {b['seconds_per_round']:.1f} | {ratios[-1]:.2f} | {a['run_wall_s']:.0f} | {b['run_wall_s']:.0f} |"
+        )
     if ratios:
-        lines.append(f"\nRatio fedbayes / Flower per round: median {statistics.median(ratios):.2f}, range {min(ratios):.2f} to {max(ratios):.2f} ({len(ratios)} pairs).")
+        lines.append(
+            f"\nRatio fedbayes / Flower per round: median {statistics.median(ratios):.2f}, range {min(ratios):.2f} to {max(ratios):.2f} ({len(ratios)} pairs)."
+        )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(overhead())
+    for name in ("flower_overhead", "flower_overhead2"):
+        print(overhead(Path("runs") / name, Path("runs") / f"{name}.log"))
+        print()
     print()
     print(algorithms())
