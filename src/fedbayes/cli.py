@@ -314,6 +314,8 @@ def deploy(
         from fedbayes.flower import deploy as flower_deploy
     except ImportError as exc:
         _fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
+    if print_commands and set_:
+        _fail("error: --print-commands names CONFIG as written (the SuperLink reads it there); put the --set changes in the file")
     if print_commands:  # needs no Flower here: the commands run on the federation's machines
         print(flower_deploy.print_commands(config.resolve(), cfg, out.resolve()), end="")
         return
