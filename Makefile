@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/fedbayes: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,flower]"
 	@touch $@
 
 env: $(BIN)/fedbayes

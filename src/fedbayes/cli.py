@@ -287,6 +287,52 @@ def run(
     console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False)
 
 
+@app.command()
+@_handled
+def deploy(
+    config: Annotated[Path, typer.Argument(help="experiment TOML file (as for `fedbayes run`)")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/<name>)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key, e.g. --set rounds=5")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the run already in --out")] = False,
+    resume_: Annotated[bool, typer.Option("--resume", help="continue the run in --out from its newest checkpoint")] = False,
+    print_commands: Annotated[
+        bool, typer.Option("--print-commands", help="print the commands that start this federation on real machines (TLS) instead")
+    ] = False,
+    tls: Annotated[bool, typer.Option("--tls", help="run the local federation over TLS with certificates made for it")] = False,
+    reply_timeout: Annotated[float, typer.Option("--reply-timeout", help="seconds a round waits for its replies")] = 120.0,
+    node_timeout: Annotated[float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join")] = 120.0,
+    min_nodes: Annotated[int, typer.Option("--min-nodes", help="nodes to wait for before the first round (0: one per client)")] = 0,
+    on_missing: Annotated[str, typer.Option("--on-missing", help="a missing reply: skip (aggregate the others) or fail")] = "skip",
+):
+    """Run an experiment on Flower: a SuperLink and one SuperNode per client on this machine (real
+    processes on loopback), the same run folder as `fedbayes run`, every process ended at the end.
+
+    Needs the flower extra (pip install -e '.[flower]'); examples/flower/README.md walks through it."""
+    cfg = _load(config, set_ or [])
+    out = out or Path("runs") / cfg.name
+    try:
+        from fedbayes.flower import deploy as flower_deploy
+    except ImportError as exc:
+        _fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
+    if print_commands and set_:
+        _fail("error: --print-commands names CONFIG as written (the SuperLink reads it there); put the --set changes in the file")
+    if print_commands:  # needs no Flower here: the commands run on the federation's machines
+        print(flower_deploy.print_commands(config.resolve(), cfg, out.resolve()), end="")
+        return
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        _fail("error: fedbayes deploy needs Flower (flwr is missing): pip install -e '.[flower]'")
+    _check_out(out, overwrite, resume_)
+    from fedbayes.experiment import format_record
+
+    run_config = {"reply-timeout": reply_timeout, "node-timeout": node_timeout, "min-nodes": min_nodes, "on-missing": on_missing}
+    echo = lambda r: console.print(format_record(r, cfg.rounds), highlight=False)  # noqa: E731
+    summary = flower_deploy.deploy_local(cfg, out, resume=resume_, tls=tls, run_config=run_config, progress=echo)
+    _print_table({cfg.name: summary}, curves={cfg.name: _records(out)})
+    console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False)
+
+
 COMPARISON_FILE = "comparison.toml"
 
 

@@ -191,21 +191,30 @@ def build_algorithm(
     return registry.build(config.algorithm, build_context(config, trainer, federation, apply_fn=apply_fn, task=task))
 
 
+def build_model_algorithm(config: RunConfig, num_classes: int, feature_shape, x_dtype, task: str, sizes):
+    """``(model, params, algorithm, apply_fn, keyed_apply_fn)`` from the config and the data's
+    shape alone (no data: a Flower node builds its algorithm with it from a cached partition)."""
+    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
+    variational = config.model.variational
+    model = make_model(config.model.name, num_classes, variational=variational, **kwargs)
+    params = init_params(model, protocol.params_key(config.seed), feature_shape)
+    trainer = LocalTrainer(loss_fn(model, task), client_optimizer(config), config.client.epochs, config.client.batch_size)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    keyed_apply_fn = apply_with_key(model) if variational else None
+    ctx = build_context(config, trainer, registry.FederationInfo.from_sizes(sizes), apply_fn=apply_fn, task=task)
+    feature_spec = jax.ShapeDtypeStruct(tuple(feature_shape), x_dtype)
+    algorithm = registry.build(config.algorithm, ctx._replace(keyed_apply_fn=keyed_apply_fn, feature_spec=feature_spec))
+    return model, params, algorithm, apply_fn, keyed_apply_fn
+
+
 def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
     dataset, parts, validation = prepare_split(config)
     aggregator, attack, attackers, y_train = _protection(config, dataset, parts)
     federation = Federation(dataset.x_train, y_train, tuple(parts))
-    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
-    variational = config.model.variational
-    model = make_model(config.model.name, dataset.num_classes, variational=variational, **kwargs)
-    params = init_params(model, protocol.params_key(config.seed), dataset.feature_shape)
-    trainer = LocalTrainer(loss_fn(model, dataset.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
-    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    keyed_apply_fn = apply_with_key(model) if variational else None
-    ctx = build_context(config, trainer, registry.FederationInfo.from_sizes(federation.sizes), apply_fn=apply_fn, task=dataset.task)
-    feature_spec = jax.ShapeDtypeStruct(tuple(dataset.feature_shape), dataset.x_train.dtype)
-    algorithm = registry.build(config.algorithm, ctx._replace(keyed_apply_fn=keyed_apply_fn, feature_spec=feature_spec))
+    model, params, algorithm, apply_fn, keyed_apply_fn = build_model_algorithm(
+        config, dataset.num_classes, dataset.feature_shape, dataset.x_train.dtype, dataset.task, federation.sizes
+    )
     simulator = Simulator(
         algorithm,
         federation,
@@ -542,21 +551,24 @@ def _check_store_dir(config: RunConfig, out: Path) -> None:
         raise BadInputError(f"config error: store_dir: {folder} is a file, not a folder")
 
 
-def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None, accept_changes=(), warn=None) -> dict:
+def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None, accept_changes=(), warn=None, rounds=None) -> dict:
     """Runs (or resumes) one experiment and returns its summary (see the module docstring).
 
     ``accept_changes``: dotted config keys that may differ from the checkpoint's on resume.
     ``warn``: where one-line warnings go (a damaged checkpoint skipped); default stderr.
+    ``rounds``: ``Experiment -> runner`` with the simulator's ``init``, ``place``, ``run_round``,
+    ``server_params`` and ``algorithm`` that runs the rounds instead of ``exp.simulator`` (the
+    Flower deployment, :class:`fedbayes.flower.rounds.FlowerRounds`); ``None``: the simulator.
     """
     with runlock.hold(out_dir):
-        return _run_experiment(config, Path(out_dir), resume, reporter, tuple(accept_changes), warn or _stderr)
+        return _run_experiment(config, Path(out_dir), resume, reporter, tuple(accept_changes), warn or _stderr, rounds)
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept_changes: tuple, warn) -> dict:
+def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept_changes: tuple, warn, rounds=None) -> dict:
     ckpt_dir = out / "checkpoints"
     metrics_path = out / "metrics.jsonl"
     reporter = reporter or PlainReporter()
@@ -564,13 +576,13 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     changes = check_resume_config(config, found[1], out, accept_changes) if found is not None else {}
     _check_store_dir(config, out)
     exp = build_experiment(config, store_dir=out / "client_store")
-    sim = exp.simulator
+    sim = exp.simulator if rounds is None else rounds(exp)
     ckpt = found[0] if found is not None else None
     if ckpt is None:
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
     state = sim.init(exp.params, resume=ckpt is not None)  # resume: open the disk store, not rewrite it
     counters = {"seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "rejected": 0}
-    if config.server.dropout > 0 or config.server.deadline is not None:
+    if config.server.dropout > 0 or config.server.deadline is not None or getattr(sim, "counts_dropped", False):
         counters.update(dropped=0, late=0)
     records: list[dict] = []
     if ckpt is not None:

@@ -1,0 +1,12 @@
+"""Deployment on Flower (``pip install -e ".[flower]"``): every fedbayes algorithm across real
+Flower processes, equal to the simulator.
+
+* :mod:`fedbayes.flower.codec`: pytrees <-> ``ArrayRecord`` by tree path, checked on decode;
+* :mod:`fedbayes.flower.node`: one client's round on its node, its state on disk;
+* :mod:`fedbayes.flower.rounds`: the server's rounds over Flower nodes (the simulator's interface);
+* :mod:`fedbayes.flower.apps`: the ``ClientApp`` and ``ServerApp``;
+* :mod:`fedbayes.flower.deploy`: ``fedbayes deploy``: a local federation of real processes, or
+  the commands to start one on real machines.
+
+The core package never imports this one; it needs ``flwr``.
+"""

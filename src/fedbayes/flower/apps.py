@@ -1,0 +1,160 @@
+"""The Flower ``ClientApp`` and ``ServerApp`` of fedbayes (``fedbayes.flower.apps:clientapp``,
+``fedbayes.flower.apps:serverapp``).
+
+ClientApp (on every SuperNode; ``--node-config "partition-id=i num-partitions=K
+state-dir=DIR"``): a ``query`` message answers the node's partition; a ``train`` message runs
+the client's update (:mod:`fedbayes.flower.node`) and replies with the message, its info and
+the example count.
+
+ServerApp (run config, see :data:`RUN_CONFIG`): ``config`` (the run's TOML file, on the
+SuperLink's machine), ``out`` (the run folder), ``resume``, and the failure settings of
+:class:`fedbayes.flower.rounds.Settings`. It runs :func:`fedbayes.experiment.run_experiment`
+with :class:`~fedbayes.flower.rounds.FlowerRounds` in place of the simulator, and writes
+``flower_status.json`` in the run folder: ``{"ok": true}`` or the error's one line and exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+STATUS_FILE = "flower_status.json"
+SERVER_LOG = "flower_server.log"
+
+# The ServerApp's run config: key -> default (the app's pyproject.toml [tool.flwr.app.config]).
+RUN_CONFIG = {
+    "config": "",
+    "out": "",
+    "resume": False,
+    "min-nodes": 0,
+    "node-timeout": 120.0,
+    "reply-timeout": 120.0,
+    "on-missing": "skip",
+    "poll-interval": 0.2,
+}
+
+clientapp = ClientApp()
+serverapp = ServerApp()
+
+
+def _node_partition(node_config) -> tuple[int, int]:
+    try:
+        return int(node_config["partition-id"]), int(node_config["num-partitions"])
+    except (KeyError, ValueError, TypeError):
+        raise ValueError("this SuperNode needs --node-config 'partition-id=<i> num-partitions=<K>'") from None
+
+
+@clientapp.query()
+def query(msg: Message, context: Context) -> Message:
+    part, total = _node_partition(context.node_config)
+    return Message(RecordDict({"partition": ConfigRecord({"partition-id": part, "num-partitions": total})}), reply_to=msg)
+
+
+def _compilation_cache(state_dir: Path) -> None:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(state_dir / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDict:
+    """The reply content to a train message (no Flower process needed: tests call it)."""
+    import jax
+
+    from fedbayes.config import validate
+    from fedbayes.flower.codec import decode, encode
+    from fedbayes.flower.node import StateFolder, client_update, message_template, node_setup
+
+    part, _ = _node_partition(node_config)
+    meta = content.config_records["fedbayes"]
+    r, client, base, run_key = int(meta["round"]), int(meta["client"]), int(meta["base"]), str(meta["run"])
+    if client != part:
+        raise ValueError(f"this node holds partition {part}; the message is for client {client}")
+    state_dir = Path(str(node_config.get("state-dir") or Path.home() / ".fedbayes" / "flower"))
+    _compilation_cache(state_dir)
+    config = validate(tomllib.loads(str(meta["config"])))
+    algorithm, params, x, y = node_setup(config, client, state_dir)
+    broadcast = decode(content.array_records["broadcast"], message_template(algorithm, params))
+    template = algorithm.client_init(params)
+    stateful = bool(jax.tree.leaves(template))
+    folder = StateFolder(state_dir, run_key, client)
+    record_key = lambda rnd: f"fedbayes:{run_key}:{client}:{rnd}"  # noqa: E731
+    cstate = template
+    if stateful and base >= 0:
+        held = state.array_records.get(record_key(base)) if record_key(base) in state else None
+        arrays = held if held is not None else folder.load(base)
+        if arrays is None:
+            raise RuntimeError(f"client {client}: no state of round {base} in the node's memory or in {folder.dir}; the node lost its state")
+        cstate = decode(arrays, template)
+    message, new_state, info = client_update(algorithm, config.seed, r, client, broadcast, cstate, x, y)
+    if stateful:
+        record = encode(new_state)
+        folder.save(r, {k: v.numpy() for k, v in record.items()}, base)
+        for k in [k for k in state if k.startswith(f"fedbayes:{run_key}:{client}:") and k not in (record_key(base), record_key(r))]:
+            del state[k]
+        state[record_key(r)] = record
+    return RecordDict({"message": encode(message), "info": encode(info), "meta": ConfigRecord({"num_examples": int(len(y)), "pid": os.getpid()})})
+
+
+@clientapp.train()
+def train(msg: Message, context: Context) -> Message:
+    return Message(train_reply(msg.content, context.node_config, context.state), reply_to=msg)
+
+
+def _settings(rc):
+    from fedbayes.flower.rounds import Settings
+
+    return Settings(
+        min_nodes=int(rc.get("min-nodes", 0)),
+        node_timeout=float(rc.get("node-timeout", 120.0)),
+        reply_timeout=float(rc.get("reply-timeout", 120.0)),
+        on_missing=str(rc.get("on-missing", "skip")),
+        poll_interval=float(rc.get("poll-interval", 0.2)),
+    )
+
+
+def run_server(grid, run_config) -> dict:
+    """Runs (or resumes) the configured experiment over ``grid``; returns its summary."""
+    from fedbayes.config import load_config
+    from fedbayes.experiment import run_experiment
+    from fedbayes.flower.rounds import FlowerRounds, GridTransport
+
+    settings = _settings(run_config)
+    config = load_config(str(run_config["config"]))
+    transport = GridTransport(grid, settings.poll_interval)
+    return run_experiment(
+        config, str(run_config["out"]), resume=bool(run_config.get("resume", False)), rounds=lambda exp: FlowerRounds(exp, transport, settings)
+    )
+
+
+@serverapp.main()
+def main(grid: Grid, context: Context) -> None:
+    import logging
+
+    from fedbayes.errors import exit_code_for, one_line
+
+    out = Path(str(context.run_config.get("out") or "."))
+    out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / SERVER_LOG)  # what the rounds saw: nodes, rejections, missing replies
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    flower_log = logging.getLogger("fedbayes.flower")
+    flower_log.addHandler(handler)
+    flower_log.setLevel(logging.INFO)
+    status = out / STATUS_FILE
+    status.unlink(missing_ok=True)
+    try:
+        run_server(grid, context.run_config)
+    except BaseException as exc:
+        status.write_text(json.dumps({"ok": False, "error": one_line(exc), "exit_code": exit_code_for(exc), "type": type(exc).__name__}) + "\n")
+        raise
+    status.write_text(json.dumps({"ok": True}) + "\n")
+
+
+__all__ = ["ArrayRecord", "RUN_CONFIG", "STATUS_FILE", "clientapp", "main", "run_server", "serverapp", "train_reply"]

@@ -1,0 +1,374 @@
+"""The server side of a deployment: rounds over Flower nodes, as the simulator runs them.
+
+:class:`FlowerRounds` stands in for :class:`fedbayes.simulate.Simulator` inside
+:func:`fedbayes.experiment.run_experiment` (``init``, ``place``, ``run_round``,
+``server_params``), so a deployed run writes the same run folder as ``fedbayes run``
+(metrics.jsonl, clients.jsonl, checkpoints, resume, model.npz, summary.json). One round:
+
+1. the cohort of :func:`fedbayes.round.sample_cohort` (the simulator's);
+2. one train message per cohort client, to the node holding its partition: the encoded
+   broadcast, the round, the client id, the config (TOML text) and ``base``, the last round
+   whose reply from this client the server accepted (the node continues from its state after
+   that round; -1: ``client_init``);
+3. replies are collected until all arrive or ``reply_timeout`` seconds pass (a node that
+   restarts during the round is found again and sent the message anew); each reply is decoded
+   against the expected message (:mod:`fedbayes.flower.codec`): a malformed one, or a node's
+   error (a ClientApp exception), is *rejected* and logged with the client and node id;
+4. :func:`fedbayes.round.server_step` with the aggregator of
+   :func:`fedbayes.experiment.make_server_aggregator` and the simulator's server key: messages
+   failing ``message_ok`` (NaN, a non-positive precision) are rejected there; rejected and
+   missing clients get weight zero. A round in which no reply is accepted leaves the server
+   state as it was.
+
+Missing replies are counted (``dropped`` in metrics.jsonl and clients.jsonl);
+``on_missing = "fail"`` stops the run instead. Rejected replies are counted as in the simulator
+(``rejected``); ``server.fail_fast`` stops the run on the first.
+
+The per-client bookkeeping the server needs to resume (each client's ``base``) is the
+``client_states`` of the :class:`~fedbayes.simulate.SimState`, so the checkpoint holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fedbayes import round as protocol
+from fedbayes import tree
+from fedbayes.config import to_toml
+from fedbayes.errors import BadInputError, DivergedError, FedbayesError
+from fedbayes.flower.codec import MalformedMessage, decode, encode
+from fedbayes.flower.node import reply_template
+from fedbayes.simulate import RoundInfo, SimState
+
+log = logging.getLogger("fedbayes.flower")
+
+ON_MISSING = ("skip", "fail")
+DISCOVER_EVERY = 2.0  # seconds between looks for new (restarted) nodes during a round
+
+
+class FederationError(FedbayesError):
+    """The federation cannot run the round: too few nodes, a missing reply under
+    ``on_missing = "fail"``, a node holding a partition the run does not have (exit code 3)."""
+
+    exit_code = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How a deployed round treats time and failures (the Flower app's run config)."""
+
+    min_nodes: int = 0  # nodes (distinct partitions) to wait for before the first round; 0: all clients
+    node_timeout: float = 120.0  # seconds to wait for them, then fail
+    reply_timeout: float = 120.0  # seconds a round waits for its replies
+    on_missing: str = "skip"  # skip: aggregate the replies that came; fail: stop the run
+    poll_interval: float = 0.2  # seconds between pulls
+
+    def __post_init__(self):
+        if self.on_missing not in ON_MISSING:
+            raise BadInputError(f"flower: on-missing must be one of {', '.join(ON_MISSING)}; got {self.on_missing!r}")
+        for name in ("node_timeout", "reply_timeout", "poll_interval"):
+            if not getattr(self, name) > 0:
+                raise BadInputError(f"flower: {name.replace('_', '-')} must be > 0 seconds; got {getattr(self, name)}")
+        if self.min_nodes < 0:
+            raise BadInputError(f"flower: min-nodes must be >= 0; got {self.min_nodes}")
+
+
+class Reply(NamedTuple):
+    """What came back for one client: the node's id and its content, or the node's error."""
+
+    node_id: int
+    content: RecordDict | None
+    error: str | None = None
+
+
+# A transport: (round, {client: content factory}, timeout) -> {client: Reply}; plus wait_for_nodes.
+Transport = Any
+
+
+def run_key(config) -> str:
+    """The name of a run's client states on the nodes: the config without the keys a resume may
+    change without touching client states (``rounds``, ``eval_every``, ``checkpoint_every``)."""
+    import hashlib
+    import json
+
+    raw = {k: v for k, v in config.model_dump(mode="json").items() if k not in ("rounds", "eval_every", "checkpoint_every")}
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_deployable(config) -> None:
+    """Rejects settings that only the simulator has, naming the field."""
+    s = config.server
+    if s.dropout > 0:
+        raise BadInputError("config error: server.dropout: simulated client failures are simulator-only; a deployment has real ones (set 0)")
+    if s.deadline is not None:
+        raise BadInputError("config error: server.deadline: simulated stragglers are simulator-only; a deployment uses the reply time-out")
+    if config.attack.fraction > 0 and config.attack.kind != "label_flip":
+        raise BadInputError(
+            "config error: attack.kind: message attacks are simulator-only (the simulator rewrites messages); use label_flip or attack.fraction = 0"
+        )
+
+
+class FlowerRounds:
+    """Runs rounds of ``exp``'s algorithm over a transport; the simulator's interface."""
+
+    counts_dropped = True  # run_experiment counts missing replies as `dropped`
+
+    def __init__(self, exp, transport: Transport, settings: Settings = Settings()):
+        check_deployable(exp.config)
+        self.exp = exp
+        self.config = exp.config
+        self.algorithm = exp.simulator.algorithm
+        self.aggregator = exp.simulator.aggregator
+        self.transport = transport
+        self.settings = settings
+        self.seed = exp.config.seed
+        self.num_clients = exp.federation.num_clients
+        self.config_text = to_toml(exp.config)
+        self.run_key = run_key(exp.config)
+        fed = exp.federation
+        x_spec = jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype)
+        self.x_spec = jax.ShapeDtypeStruct((256, *x_spec.shape), x_spec.dtype)
+        self.y_spec = jax.ShapeDtypeStruct((256,), fed.y.dtype)
+        self.message_spec, self.info_spec = reply_template(self.algorithm, exp.params, self.x_spec, self.y_spec)
+        self._step = jax.jit(lambda s, m, w, k: protocol.server_step(self.algorithm, s, m, w, k, self.aggregator))
+        self._waited = False
+
+    # ----- the simulator's interface ----------------------------------------------------------
+    def init(self, params, *, resume: bool = False) -> SimState:
+        server_state = self.place(self.algorithm.server_init(protocol.server_init_key(self.seed), params))
+        return SimState(0, server_state, {"base": np.full(self.num_clients, -1, np.int64)})
+
+    def place(self, server_state):
+        return jax.tree.map(jnp.asarray, server_state)
+
+    def server_params(self, state: SimState):
+        return self.algorithm.server_params(state.server_state)
+
+    # ----- one round --------------------------------------------------------------------------
+    def _request(self, round_idx: int, client: int, base: int, broadcast: ArrayRecord) -> Callable[[], RecordDict]:
+        meta = {"round": round_idx, "client": client, "base": base, "run": self.run_key, "config": self.config_text, "seed": self.seed}
+        return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta))})
+
+    def _decode(self, reply: Reply):
+        """``(message, info, num_examples)`` of a reply, or raises MalformedMessage."""
+        if reply.error is not None:
+            raise MalformedMessage(f"the node reported an error: {reply.error}")
+        content = reply.content
+        for name in ("message", "info", "meta"):
+            if name not in content:
+                raise MalformedMessage(f"the reply has no {name!r} record")
+        message = decode(content.array_records["message"], self.message_spec)
+        info = decode(content.array_records["info"], self.info_spec)
+        meta = content.config_records["meta"]
+        n = meta.get("num_examples")
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise MalformedMessage(f"num_examples must be a positive integer; got {n!r}")
+        return message, info, n
+
+    def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
+        s = self.settings
+        if not self._waited:
+            self.transport.wait_for_nodes(s.min_nodes or self.num_clients, s.node_timeout, self.num_clients)
+            self._waited = True
+        r = state.round
+        cohort = protocol.sample_cohort(self.seed, r, self.num_clients, self.config.server.clients_per_round)
+        broadcast_tree = self.algorithm.broadcast(state.server_state)
+        broadcast = encode(broadcast_tree)
+        base = np.asarray(state.client_states["base"])
+        requests = {int(c): self._request(r, int(c), int(base[c]), broadcast) for c in cohort}
+        replies = self.transport.exchange(r, requests, s.reply_timeout)
+
+        m = len(cohort)
+        zero_message = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), self.message_spec)
+        messages, infos = [], []
+        num_examples = np.zeros(m, np.int32)
+        received = np.zeros(m, np.bool_)
+        bad = np.zeros(m, np.bool_)
+        bytes_up = 0
+        for i, c in enumerate(cohort):
+            reply = replies.get(int(c))
+            message, info = zero_message, None
+            if reply is not None:
+                received[i] = True
+                try:
+                    message, info, num_examples[i] = self._decode(reply)
+                    bytes_up += tree.tree_bytes(message)
+                except MalformedMessage as exc:
+                    bad[i] = True
+                    message, info = zero_message, None
+                    log.warning("round %d: client %d (node %d): reply rejected: %s", r, c, reply.node_id, exc)
+            messages.append(message)
+            infos.append(info)
+        missing = cohort[~received]
+        if len(missing):
+            log.warning("round %d: no reply from clients %s within %.0f s", r, missing.tolist(), s.reply_timeout)
+            if s.on_missing == "fail":
+                raise FederationError(f"round {r}: no reply from clients {missing.tolist()} within {s.reply_timeout:g} s (on-missing = fail)")
+        weights = protocol.client_weights(num_examples, self.config.server.weighting)
+        weights = np.where(received & ~bad, weights, 0.0).astype(np.float32)
+        stacked = tree.stack([jax.tree.map(jnp.asarray, x) for x in messages])
+        new_server, ok, server_info = self._step(state.server_state, stacked, jnp.asarray(weights), protocol.server_key(self.seed, r))
+        ok = np.asarray(ok)
+        rejected_mask = received & ~ok
+        rejected = cohort[rejected_mask]
+        for c in cohort[received & ~bad & ~ok]:
+            log.warning("round %d: client %d (node %d): reply rejected: message_ok failed (non-finite or invalid values)", r, c, replies[int(c)].node_id)
+        if len(rejected) and self.config.server.fail_fast:
+            raise DivergedError(f"round {r}: client messages rejected from clients {rejected.tolist()} (server.fail_fast)")
+        if not ok.any():
+            new_server = state.server_state  # no accepted reply: the server state stays
+        new_base = base.copy()
+        new_base[cohort[ok]] = r
+        clients: dict[str, np.ndarray] = {"client": cohort, "num_examples": num_examples, "accepted": ok}
+        for name, spec in jax.tree_util.tree_flatten_with_path(self.info_spec)[0]:
+            key = "/".join(str(getattr(p, "key", p)) for p in name)
+            fill = np.nan if np.issubdtype(spec.dtype, np.floating) else 0
+            clients[key] = np.array([fill if info is None else np.asarray(_at(info, name)) for info in infos], dtype=spec.dtype)
+        clients["dropped"] = ~received
+        clients["late"] = np.zeros(m, np.bool_)
+        server = {k: np.asarray(v).item() for k, v in server_info.items()}
+        info = RoundInfo(r, cohort, rejected, bytes_up, tree.tree_bytes(broadcast_tree) * m, 0.0, 0.0, clients, server, missing, missing[:0])
+        return SimState(r + 1, new_server, {"base": new_base}), info
+
+
+def _at(tree_, path):
+    for p in path:
+        tree_ = tree_[getattr(p, "key", getattr(p, "idx", None))]
+    return tree_
+
+
+# ----- the Flower transport ---------------------------------------------------------------------
+def _unavailable(reply) -> bool:
+    """An error the SuperLink makes for a message whose node went away (not a ClientApp's)."""
+    from flwr.common.constant import ErrorCode
+
+    return int(reply.error.code) in (ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE)
+
+
+class GridTransport:
+    """Sends a round's messages through a Flower ``Grid`` and pulls the replies.
+
+    Nodes are found with ``grid.get_node_ids()`` and asked once for their ``partition-id`` (a
+    query message); when two nodes claim a partition, the newest wins (a restarted SuperNode
+    comes back with a new node id). Discovery runs on every poll, so a message to a node that
+    went away is sent again to the node that took its place within the same round.
+    """
+
+    def __init__(self, grid, poll_interval: float = 0.2, clock=time.monotonic, sleep=time.sleep):
+        self.grid = grid
+        self.poll = poll_interval
+        self.clock, self.sleep = clock, sleep
+        self.partition_of: dict[int, int] = {}  # node id -> partition
+        self.node_of: dict[int, int] = {}  # partition -> node id
+        self.queries: dict[str, int] = {}  # query message id -> node id
+        self.gone: set[int] = set()  # nodes the SuperLink reported unavailable: never asked again
+        self.num_partitions: int | None = None
+
+    def _message(self, content: RecordDict, node_id: int, kind: str, group: str):
+        from flwr.app import Message
+
+        return Message(content, dst_node_id=node_id, message_type=kind, group_id=group)
+
+    def discover(self) -> None:
+        nodes = [int(n) for n in self.grid.get_node_ids()]
+        asked = set(self.queries.values()) | set(self.partition_of) | self.gone
+        new = [n for n in nodes if n not in asked]
+        if new:
+            ids = self.grid.push_messages([self._message(RecordDict({"q": ConfigRecord({})}), n, "query", "discover") for n in new])
+            self.queries.update({mid: n for mid, n in zip(ids, new) if mid})
+        if not self.queries:
+            return
+        for reply in self.grid.pull_messages(list(self.queries)):
+            node = self.queries.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                continue
+            if reply.has_error():
+                log.warning("node %d: query failed: %s", node, reply.error.reason)
+                if _unavailable(reply):
+                    self.gone.add(node)
+                continue
+            c = reply.content.config_records["partition"]
+            part, total = int(c["partition-id"]), int(c["num-partitions"])
+            if self.num_partitions is not None and not 0 <= part < self.num_partitions:
+                raise FederationError(f"node {node} holds partition-id {part}; the run has clients 0..{self.num_partitions - 1} (node-config partition-id)")
+            if self.num_partitions is not None and total != self.num_partitions:
+                raise FederationError(
+                    f"node {node} has num-partitions = {total}; the run has data.num_clients = {self.num_partitions} (node-config num-partitions)"
+                )
+            old = self.node_of.get(part)
+            self.partition_of[node] = part
+            self.node_of[part] = node
+            if old is not None and old != node:
+                log.warning("partition %d: node %d replaces node %d", part, node, old)
+            else:
+                log.info("node %d holds partition %d", node, part)
+
+    def _lost(self, node: int) -> None:
+        """Forgets a node the SuperLink reported unavailable (a replacement may join)."""
+        self.gone.add(node)
+        part = self.partition_of.pop(node, None)
+        if part is not None and self.node_of.get(part) == node:
+            del self.node_of[part]
+
+    def wait_for_nodes(self, count: int, timeout: float, num_partitions: int) -> None:
+        self.num_partitions = num_partitions
+        end = self.clock() + timeout
+        while True:
+            self.discover()
+            if len(self.node_of) >= count:
+                return
+            if self.clock() > end:
+                raise FederationError(
+                    f"{len(self.node_of)} of the {count} nodes needed (min-nodes) joined within {timeout:g} s (node-timeout); partitions seen: {sorted(self.node_of)}"
+                )
+            self.sleep(self.poll)
+
+    def exchange(self, round_idx: int, requests: dict[int, Callable[[], RecordDict]], timeout: float) -> dict[int, Reply]:
+        end = self.clock() + timeout
+        sent: dict[int, int] = {}  # client -> node it was last sent to
+        owner: dict[str, tuple[int, int]] = {}  # message id -> (client, node it went to)
+        replies: dict[int, Reply] = {}
+        next_discovery = self.clock()
+        while True:
+            if self.clock() >= next_discovery:  # new nodes are rare: look every DISCOVER_EVERY s, pull every poll
+                self.discover()
+                next_discovery = self.clock() + DISCOVER_EVERY
+            pending = [c for c in requests if c not in replies]
+            push = [(c, self.node_of[c]) for c in pending if c in self.node_of and sent.get(c) != self.node_of[c]]
+            if push:
+                ids = self.grid.push_messages([self._message(requests[c](), n, "train", str(round_idx)) for c, n in push])
+                for (c, n), mid in zip(push, ids):
+                    if mid:
+                        owner[mid], sent[c] = (c, n), n
+            waiting = [mid for mid, (c, _) in owner.items() if c not in replies]
+            if waiting:
+                for reply in self.grid.pull_messages(waiting):
+                    mid = reply.metadata.reply_to_message_id
+                    c, node = owner.get(mid, (None, None))
+                    if c is None or c in replies:
+                        continue
+                    if reply.has_error() and _unavailable(reply):
+                        del owner[mid]  # asked once: the SuperLink answers this for as long as it is asked
+                        # The node is gone (missed heartbeats): not the client's answer. Wait for a
+                        # replacement holding its partition until the time-out; else it is missing.
+                        log.warning("round %d: client %d: node %d is unavailable", round_idx, c, node)
+                        self._lost(node)
+                        continue
+                    if self.node_of.get(c) not in (None, node):
+                        continue  # a replaced node's late answer: the replacement's counts
+                    if reply.has_error():
+                        replies[c] = Reply(node, None, " ".join(str(reply.error.reason).split()))
+                    else:
+                        replies[c] = Reply(node, reply.content)
+            if len(replies) == len(requests) or self.clock() > end:
+                return replies
+            self.sleep(self.poll)
