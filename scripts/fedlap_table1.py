@@ -115,18 +115,23 @@ def table(rows: list[str], json_out: Path | None, md_out: Path | None) -> None:
         paper = PAPER[name]
         chosen = best_cells(Path(sweep_dir)) if sweep_dir else {}
         result[name] = {"title": paper["title"], "runs": compare_dir, "sweep": sweep_dir or None, "methods": {}}
-        lines = [f"**{paper['title']}** (`{compare_dir}`)", "", "| method | R | ours (%) | paper (%) | ours - paper | selected (1 seed, validation) |", "|---|---|---|---|---|---|"]
+        same_data = name != "breast_cancer_het"
+        head = "| method | " + " | ".join(f"R={r} ours | R={r} paper" for r in ROUNDS) + (" | R=50 ours - paper" if same_data else "") + " | selected (sweep: 1 seed, validation) |"
+        lines = [f"**{paper['title']}** (`{compare_dir}`)", "", head, "|---" * (2 + 2 * len(ROUNDS) + same_data) + "|"]
         for i, m in enumerate(METHODS):
             if not (Path(compare_dir) / m).is_dir():
                 continue
             entry = result[name]["methods"][m] = {"selected": chosen.get(m), "rounds": {}}
+            cols = [m]
             for rnd in ROUNDS:
                 stat = accuracy_at(Path(compare_dir), m, rnd)
-                theirs = paper[rnd][i]
-                diff = "—" if stat["mean"] is None else f"{stat['mean'] - paper_mean(theirs):+.1f}"
-                sel = ", ".join(f"{k}={v}" for k, v in (chosen.get(m) or {}).items()) if rnd == ROUNDS[0] else ""
-                lines.append(f"| {m if rnd == ROUNDS[0] else ''} | {rnd} | {fmt(stat)} | {theirs} | {diff} | {sel} |")
-                entry["rounds"][str(rnd)] = {"ours": stat, "paper": theirs}
+                cols += [fmt(stat), paper[rnd][i]]
+                entry["rounds"][str(rnd)] = {"ours": stat, "paper": paper[rnd][i]}
+            if same_data:
+                ours = entry["rounds"][str(ROUNDS[-1])]["ours"]["mean"]
+                cols.append("—" if ours is None else f"{ours - paper_mean(paper[ROUNDS[-1]][i]):+.1f}")
+            cols.append(", ".join(f"{k.split('.')[-1]}={v}" for k, v in (chosen.get(m) or {}).items()))
+            lines.append("| " + " | ".join(cols) + " |")
         parts.append("\n".join(lines))
     text = "\n\n".join(parts) + "\n"
     print(text)
