@@ -84,9 +84,12 @@ def winners(sweep_dir: Path, config: Path, out: Path, seeds: list[int]) -> None:
 
 
 def accuracy_at(compare_dir: Path, variant: str, rnd: int) -> dict:
-    """mean (std) over the seed folders of the mean test accuracy over rounds rnd-2..rnd."""
+    """mean (std) over the finished seed runs (those with a summary.json; an interrupted run
+    counts nowhere) of the mean test accuracy over rounds rnd-2..rnd."""
     values = []
     for folder in sorted((compare_dir / variant).glob("seed_*")):
+        if not (folder / "summary.json").is_file():
+            continue
         records = read_metrics(folder / "metrics.jsonl")
         last = max((int(r["round"]) for r in records if "accuracy" in r), default=0)
         s = summaries.curve_summary(records, final_round=rnd) if last >= rnd else None

@@ -43,7 +43,7 @@ sweep_fmnist() {  # $1: het (the homogeneous split reuses its selection)
 M="--set fedlap_cov.algorithm.marginal_samples=1"
 final() {  # $1: sweep folder, $2: base config, $3: selected config to write, $4: output folder, then compare options
   $PY scripts/fedlap_table1.py winners "$1" "$2" "$3"
-  for s in 0 0,1 0,1,2; do $FB compare "$3" "${@:5}" --seeds $s --out "$4" --resume; done
+  for n in 1 2 3; do $FB compare "$3" "${@:5}" --seeds $n --out "$4" --resume; done
 }
 
 sweep_bc
