@@ -119,7 +119,12 @@ def table(rows: list[str], json_out: Path | None, md_out: Path | None) -> None:
         chosen = best_cells(Path(sweep_dir)) if sweep_dir else {}
         result[name] = {"title": paper["title"], "runs": compare_dir, "sweep": sweep_dir or None, "methods": {}}
         same_data = name != "breast_cancer_het"
-        head = "| method | " + " | ".join(f"R={r} ours | R={r} paper" for r in ROUNDS) + (" | R=50 ours - paper" if same_data else "") + " | selected (sweep: 1 seed, validation) |"
+        head = (
+            "| method | "
+            + " | ".join(f"R={r} ours | R={r} paper" for r in ROUNDS)
+            + (" | R=50 ours - paper" if same_data else "")
+            + " | selected (sweep: 1 seed, validation) |"
+        )
         lines = [f"**{paper['title']}** (`{compare_dir}`)", "", head, "|---" * (2 + 2 * len(ROUNDS) + same_data) + "|"]
         for i, m in enumerate(METHODS):
             if not (Path(compare_dir) / m).is_dir():
