@@ -216,15 +216,23 @@ def _cnn_round(settings, x, y, parts):
 
 def measure_cnn(settings) -> dict[str, Any]:
     """The ``cnn`` workload: the CNN FedAvg round's throughput over a plain jitted step loop's."""
-    import jax
 
     x, y, parts = _images(settings)
     round_call, params, loss = _cnn_round(settings, x, y, parts)
     plain, examples = plain_loop(loss, x, y, parts, settings.cnn_batch, 1, _optimizer())
     times = interleaved_times({"plain": lambda: plain(params), "round": round_call}, settings.relative_reps)
+    return _throughput_result(
+        settings, times, examples, "a plain jitted step loop over the same examples", "cnn round / plain loop", "plain", "round", ROUND_TARGETS["cnn"]
+    )
+
+
+def _throughput_result(settings, times, examples: int, reference: str, label: str, base: str, new: str, target: float) -> dict[str, Any]:
+    """A round workload's raw result: ``new``'s throughput over ``base``'s, paired per repetition."""
+    import jax
+
     return {
-        "reference": "a plain jitted step loop over the same examples (throughput ratio)",
-        "ratios": {"cnn round / plain loop": ratio_summary(times["plain"], times["round"], ROUND_TARGETS["cnn"], ">=")},
+        "reference": f"{reference} (throughput ratio)",
+        "ratios": {label: ratio_summary(times[base], times[new], target, ">=")},
         "examples_per_s": {k: examples / statistics.median(v) for k, v in times.items()},
         "examples_per_round": examples,
         "devices": len(jax.local_devices()),
@@ -250,14 +258,9 @@ def measure_vbnn(settings) -> dict[str, Any]:
     vsim = Simulator(vbnn(trainer, apply_with_key(vmodel), aggregation="gaa"), Federation(x, y, parts), clients_per_round=len(parts), seed=settings.seed)
     times = interleaved_times({"cnn_round": cnn_call, "vbnn_round": _round_call(vsim, vparams)}, settings.relative_reps)
     examples = sum(len(p) for p in parts)
-    return {
-        "reference": "the CNN FedAvg round (throughput ratio)",
-        "ratios": {"vbnn (gaa) round / cnn fedavg round": ratio_summary(times["cnn_round"], times["vbnn_round"], ROUND_TARGETS["vbnn"], ">=")},
-        "examples_per_s": {k: examples / statistics.median(v) for k, v in times.items()},
-        "examples_per_round": examples,
-        "devices": len(jax.local_devices()),
-        "reps": settings.relative_reps,
-    }
+    return _throughput_result(
+        settings, times, examples, "the CNN FedAvg round", "vbnn (gaa) round / cnn fedavg round", "cnn_round", "vbnn_round", ROUND_TARGETS["vbnn"]
+    )
 
 
 MEASURES: dict[str, Callable[[Any], dict[str, Any]]] = {"curvature": measure_curvature, "cnn": measure_cnn, "vbnn": measure_vbnn}
