@@ -37,7 +37,7 @@ RULES: list[tuple[re.Pattern, object]] = [
 ]
 LEFT = re.compile(r"\b[Ss]eeds? (?:\d{3}|[A-E]\b)|\.\./shared|\b[Ss]pec \d|\b[Ii]ssue \d")
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".cfg", ".yaml", ".yml", ""}
-SKIP = {".git", ".venv", "runs", ".hypothesis", "__pycache__", ".pytest_cache", "node_modules"}
+SKIP = {".git", ".venv", ".venv-flower", "runs", ".hypothesis", "__pycache__", ".pytest_cache", "node_modules"}
 SELF = {"scripts/decite.py"}
 
 

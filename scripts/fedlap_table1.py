@@ -1,4 +1,4 @@
-"""Seed 001's Table 1 (Swaroop et al. 2025, "Connecting Federated ADMM to Bayes") beside ours.
+"""Table 1 of Swaroop et al. 2025 ("Connecting Federated ADMM to Bayes") beside ours.
 
 Two steps, after the sweeps and comparisons of docs/results/fedlap_table1.md:
 
