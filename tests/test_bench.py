@@ -30,6 +30,7 @@ TINY = fb.BenchSettings(
     cnn_clients=2,
     cnn_per_client=16,
     cnn_batch=8,
+    idle_probes=2,
 )
 THROUGHPUT = [n for n in fb.WORKLOADS if not fb.is_relative(n)]
 REQUIRED = ("examples_per_s", "ratio_to_limit", "compile_s", "peak_rss_mb", "round_s")
@@ -69,6 +70,14 @@ def test_every_workload_reports_the_required_numbers(repeat):
     assert results["fedavg_100"]["rounds"] == fb.steady_rounds(fb.WORKLOADS["fedavg_100"], TINY)
     assert results["fedavg_100"]["clients_per_round"] == 10
     assert results["fedavg_dirichlet"]["client_sizes"]["min"] < results["fedavg_dirichlet"]["client_sizes"]["max"]
+    # Each device's busy time in the client phase (2 devices here), and the share spent waiting.
+    for name in ("fedavg", "fedavg_dirichlet", "fedep_100"):
+        e = results[name]
+        assert len(e["device_busy_s"]) == 2 and all(_positive_finite(b) for b in e["device_busy_s"]), name
+        assert 0.0 <= e["device_idle"] <= e["device_idle_max"] < 1.0, name
+    assert results["fedep_100"]["store"] == "device" and results["fedep_100_host"]["store"] == "memory"
+    # Every workload measures a healthy run: no message rejected in its timed rounds.
+    assert {n: e["rejected"] for n, e in results.items() if "rejected" in e} == {n: 0 for n in THROUGHPUT if n in results and "startup_s" in results[n]}
 
 
 def test_posterior_workloads_report_ratios_to_fedavg_at_the_same_epochs(repeat):
@@ -112,7 +121,7 @@ def test_profile_rows_name_functions(repeat):
 
 
 def test_paired_rounds_interleave_workloads_and_give_per_pass_ratios():
-    raw = fb.measure_paired(["fedavg_e3", "fedpa", "fedep"], TINY, rounds=2)
+    raw = fb.measure_paired(["fedavg_e3", "fedpa", "fedep"], TINY, rounds=2, block=1)
     assert all(len(raw["round_s"][n]) == 2 and all(t > 0 for t in raw["round_s"][n]) for n in ("fedavg_e3", "fedpa", "fedep"))
     assert raw["examples"]["fedpa"] == [3 * 1437] * 2  # every client, 3 epochs, each pass
     ratios = fb.paired_ratios(raw, "fedavg_e3")
@@ -125,6 +134,10 @@ def test_paired_rounds_interleave_workloads_and_give_per_pass_ratios():
     assert fb.paired_groups(fb.resolve_names(["fedpa", "fedep_100"])) == {"fedavg_e3": ["fedavg_e3", "fedpa"], "fedavg_e3_100": ["fedavg_e3_100", "fedep_100"]}
     with pytest.raises(fb.BenchError, match="federated workloads only"):
         fb.measure_paired([fb.REFERENCE, "fedavg"], TINY, rounds=1)
+    # In blocks of pipelined rounds: 3 rounds in blocks of 2 are two blocks, per-round averages.
+    blocks = fb.measure_paired(["fedavg_e3", "fedep"], TINY, rounds=3, block=2)
+    assert [len(blocks["round_s"][n]) for n in ("fedavg_e3", "fedep")] == [2, 2]
+    assert blocks["examples"]["fedep"] == [3 * 1437] * 2
     # Ratios are of throughputs: a pass that trains twice the examples in the same time is 2x.
     uneven = {"round_s": {"a": [1.0, 2.0], "b": [1.0, 1.0]}, "examples": {"a": [100, 100], "b": [200, 100]}}
     assert fb.paired_ratios(uneven, "a") == {"b": [2.0, 2.0]}

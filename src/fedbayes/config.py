@@ -177,7 +177,10 @@ class RunConfig(_Strict):
     eval_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(5, ge=0, description="rounds between checkpoints; 0 = only at the end")
     layout: Literal["auto", "sequential", "vmap"] = "auto"
-    store: Literal["memory", "disk"] = Field("memory", description="where client states live between rounds; disk for large federations")
+    store: Literal["memory", "disk", "device"] = Field(
+        "memory",
+        description="where client states live between rounds: memory (host), disk (large federations) or device (in device memory, no per-round transfers)",
+    )
     store_dir: str | None = Field(None, description="folder of the disk client store; default <out>/client_store")
     eval_batch_size: int = Field(2000, ge=1)
     ece_bins: int = Field(15, ge=1)

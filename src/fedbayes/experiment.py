@@ -9,13 +9,19 @@
   also ``val_accuracy``, ``val_nll``, ``val_ece`` (or ``val_mse``, ``val_rmse``) on the held-out
   split, :mod:`fedbayes.data.holdout`), ``train_loss`` (after round 0: the
   round's accepted clients' mean training loss, weighted by their example counts) and four
-  counters that are cumulative since round 0: ``seconds`` (training time, evaluation excluded),
+  counters that are cumulative since round 0: ``seconds`` (training time: the wall time of the
+  rounds; evaluation runs alongside, on a thread of its own, and is not counted),
   ``bytes_up``, ``bytes_down`` and ``rejected`` (messages refused);
 * ``clients.jsonl``: one line per sampled client and round (:class:`fedbayes.loggers.ClientLog`);
 * ``model.npz``: the final server parameters (and posterior) by tree path (:mod:`fedbayes.export`);
 * ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
   the end;
 * ``summary.json`` and ``curves.png`` at the end.
+
+Rounds run pipelined (:meth:`fedbayes.simulate.Simulator.rounds`: round ``r + 1``'s host work and
+launch overlap round ``r``) and each evaluation runs on its own thread while the next round trains;
+records, divergence checks, checkpoints and progress still happen strictly in round order, a
+checkpoint round waiting for its evaluation. Results are bitwise those of one round at a time.
 
 A run killed at any point and resumed (``resume=True``) continues from its newest intact
 checkpoint, rewrites ``metrics.jsonl`` from the records the checkpoint holds, and ends with the same
@@ -36,9 +42,11 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -440,17 +448,41 @@ DIVERGENCE_METRICS = ("loss", "nll", "mse", "nll_marg")  # evaluated losses a gu
 
 def _non_finite(record: dict | None, params, training_loss: float | None = None) -> str | None:
     """The first non-finite quantity: the server model's parameters, the round's training loss
-    (of its accepted clients), then the evaluated losses; None when all are finite."""
+    (of its accepted clients), then the evaluated losses; None when all are finite.
+
+    The parameters are checked on the host: a check on the devices would queue behind the next
+    round, which the pipelined loop has already started."""
     if training_loss is not None and not np.isfinite(training_loss):
         return "training loss"
-    if params is not None:
-        finite = jax.tree.reduce(lambda a, b: a & b, jax.tree.map(lambda v: jax.numpy.all(jax.numpy.isfinite(v)), params), True)
-        if not bool(finite):
-            return "server parameters"
+    if params is not None and not all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(params)):
+        return "server parameters"
     for key in DIVERGENCE_METRICS:
         if record is not None and key in record and not np.isfinite(record[key]):
             return f"evaluated {key}"
     return None
+
+
+class _Pending(NamedTuple):
+    """A finished round waiting for its evaluation (``None``: not an evaluation round)."""
+
+    round: int
+    info: Any
+    evaluation: Future | None
+    counters: dict
+    bad: str | None  # non-finite parameters or training loss, found when the round finished
+
+
+def _round_stream(sim, state, stop: int, keep: Callable[[int], bool]):
+    """The rounds of ``sim`` from ``state`` to ``stop``: the simulator's pipelined
+    :meth:`~fedbayes.simulate.Simulator.rounds`, or one round at a time for a runner without
+    them (the Flower deployment)."""
+    if hasattr(sim, "rounds"):
+        yield from sim.rounds(state, stop, donate=True, keep=keep)
+        return
+    while state.round < stop:
+        state, info = sim.run_round(state, donate=True)  # the old state is dropped: no store copy
+        jax.block_until_ready(state.server_state)
+        yield state, info
 
 
 def _divergence_message(config: RunConfig, round_idx: int, metric: str, out: Path, checkpoint: int | None) -> str:
@@ -602,9 +634,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     client_log.restart(state.round)
     calibration = CalibrationCheck(config.name, after_round=getattr(config.algorithm, "burn_in_rounds", 0), **_calibration_advice(config))
 
-    def record(round_idx: int, info=None) -> dict:
-        m = exp.evaluate(state.server_state, round_idx)
-        r = {"round": round_idx, **m, **counters}
+    def record(round_idx: int, evaluated: dict, snapshot: dict, info=None) -> dict:
+        r = {"round": round_idx, **evaluated, **snapshot}
         if config.privacy.clip is not None:
             p = config.privacy
             r["epsilon"] = privacy_epsilon(p.noise_multiplier, len(exp.federation.sizes), config.server.clients_per_round, round_idx, p.delta)
@@ -621,14 +652,43 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     last_ckpt = int(state.round) if ckpt is not None else None
     warned = False
 
+    def checkpointed(r: int) -> bool:  # after round r (1-based: the state's round)
+        return r == config.rounds or bool(config.checkpoint_every and r % config.checkpoint_every == 0)
+
+    # Evaluation runs on a thread of its own, off the rounds' critical path: round r's server state
+    # is evaluated while round r + 1 trains. Rounds are then recorded, checked for divergence,
+    # checkpointed and reported strictly in order; a checkpoint round waits for every evaluation
+    # before it (and the round after it is not started early: its state must stay intact).
+    evaluator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedbayes-evaluate")
+    pending: deque[_Pending] = deque()
+
+    def settle(block: bool) -> None:
+        nonlocal warned, last_ckpt
+        while pending and (block or pending[0].evaluation is None or pending[0].evaluation.done()):
+            e = pending.popleft()
+            rec = record(e.round, e.evaluation.result(), e.counters, e.info) if e.evaluation is not None else None
+            bad = e.bad or _non_finite(rec, None)
+            if bad is not None and not warned:
+                message = _divergence_message(config, e.round, bad, out, last_ckpt)
+                if config.server.on_divergence == "stop":
+                    summary = {**summarize(config, records, exp.dataset.task), "diverged": {"round": e.round, "metric": bad, "checkpoint": last_ckpt}}
+                    _write_atomic(out / "summary.json", dumps_record(summary, indent=2) + "\n")
+                    raise Diverged(message, e.round, bad, last_ckpt)
+                warn(f"warning: {message}")
+                warned = True
+            if not warned and checkpointed(e.round):
+                assert e.round == state.round, "a checkpoint round is settled before the next round starts"
+                strict = [json.loads(dumps_record(x)) for x in records]
+                save_checkpoint(ckpt_dir, state, {**fixed_meta, "counters": e.counters, "metrics": strict})
+                last_ckpt = e.round
+            reporter.update(e.round, config.rounds, rec)
+
     reporter.start(config.name, config.rounds, state.round)
     if state.round == 0 and not records:
-        reporter.update(0, config.rounds, record(0))
+        reporter.update(0, config.rounds, record(0, exp.evaluate(state.server_state, 0), dict(counters)))
     try:
-        while state.round < config.rounds:
-            t0 = time.perf_counter()
-            state, info = sim.run_round(state, donate=True)  # the old state is dropped: no store copy
-            jax.block_until_ready(state.server_state)
+        t0 = time.perf_counter()
+        for state, info in _round_stream(sim, state, config.rounds, keep=lambda r: checkpointed(r + 1)):
             counters["seconds"] += time.perf_counter() - t0
             counters["bytes_up"] += info.bytes_up
             counters["bytes_down"] += info.bytes_down
@@ -638,22 +698,13 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
                 counters["late"] += len(info.late)
             client_log.write(info, state.round)
             r = state.round
-            rec = record(r, info) if (r % config.eval_every == 0 or r == config.rounds) else None
-            bad = _non_finite(rec, sim.server_params(state), train_loss(info))
-            if bad is not None and not warned:
-                message = _divergence_message(config, r, bad, out, last_ckpt)
-                if config.server.on_divergence == "stop":
-                    summary = {**summarize(config, records, exp.dataset.task), "diverged": {"round": r, "metric": bad, "checkpoint": last_ckpt}}
-                    _write_atomic(out / "summary.json", dumps_record(summary, indent=2) + "\n")
-                    raise Diverged(message, r, bad, last_ckpt)
-                warn(f"warning: {message}")
-                warned = True
-            if not warned and (r == config.rounds or (config.checkpoint_every and r % config.checkpoint_every == 0)):
-                strict = [json.loads(dumps_record(x)) for x in records]
-                save_checkpoint(ckpt_dir, state, {**fixed_meta, "counters": counters, "metrics": strict})
-                last_ckpt = r
-            reporter.update(r, config.rounds, rec)
+            evaluation = evaluator.submit(exp.evaluate, state.server_state, r) if (r % config.eval_every == 0 or r == config.rounds) else None
+            pending.append(_Pending(r, info, evaluation, dict(counters), _non_finite(None, sim.server_params(state), train_loss(info))))
+            settle(block=checkpointed(r))
+            t0 = time.perf_counter()
+        settle(block=True)
     finally:
+        evaluator.shutdown(wait=True, cancel_futures=True)
         reporter.stop()
     task = exp.dataset.task
     summary = summarize(config, records, task)

@@ -27,7 +27,15 @@ One round (docs/design.md, "One round, as data flows"):
    state; the count is reported), aggregate (the algorithm's rule, or the ``aggregator`` given),
    update the server.
 6. **Scatter** new client states back to the store (:mod:`fedbayes.store`: stacked host arrays,
-   or a :class:`~fedbayes.store.DiskStore` for federations whose states do not fit in memory).
+   or a :class:`~fedbayes.store.DiskStore` for federations whose states do not fit in memory),
+   or, with ``store="device"``, keep the store in device memory (replicated on every device),
+   gathered and scattered inside the round's program (:meth:`Simulator.device_store_program`):
+   no per-round transfers, which is also the layout for a GPU.
+
+A round is three steps (:meth:`Simulator.prepare_round` on the host, :meth:`Simulator.launch`,
+:meth:`Simulator.complete`); :meth:`Simulator.run_round` runs them in turn and
+:meth:`Simulator.rounds` pipelines them (round ``r + 1`` prepared and launched while round ``r``
+runs), with bitwise the same results.
 
 Set ``XLA_FLAGS=--xla_force_host_platform_device_count=<cores>`` before JAX starts to get one XLA
 device per core (the CLI does this); with one device both layouts still work.
@@ -37,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -76,10 +84,20 @@ def round_compiler_options(platform: str) -> dict[str, str] | None:
     return dict(_CPU_ROUND_OPTIONS)
 
 
-__all__ = ["Federation", "GeneratedFederation", "RoundInfo", "SimState", "Simulator", "cohort_rng", "sample_without_replacement"]
+__all__ = [
+    "Federation",
+    "GeneratedFederation",
+    "LaunchedRound",
+    "PreparedRound",
+    "RoundInfo",
+    "SimState",
+    "Simulator",
+    "cohort_rng",
+    "sample_without_replacement",
+]
 
 LAYOUTS = ("auto", "sequential", "vmap")
-STORES = ("memory", "disk")
+STORES = ("memory", "disk", "device")
 _AXIS = "clients"
 
 
@@ -143,8 +161,10 @@ class Simulator:
       layout: ``"sequential"``, ``"vmap"`` or ``"auto"`` (sequential on CPU, vmap elsewhere).
       devices: devices to shard the cohort over (default: all local devices).
       fail_fast: raise on the first rejected client message instead of dropping it.
-      store: where client states live: ``"memory"`` (stacked host arrays) or ``"disk"`` (a
-        :class:`~fedbayes.store.DiskStore` in ``store_dir``, for large federations).
+      store: where client states live: ``"memory"`` (stacked host arrays), ``"disk"`` (a
+        :class:`~fedbayes.store.DiskStore` in ``store_dir``, for large federations) or
+        ``"device"`` (stacked arrays in device memory, one copy per device, updated in place by
+        the round's program; for stores that fit there).
       store_dir: the disk store's folder (needed with ``store="disk"``).
       aggregator: an :data:`fedbayes.aggregators.Aggregator` replacing the algorithm's own rule
         (e.g. a robust rule or one that adds DP noise); ``None`` keeps the algorithm's.
@@ -224,8 +244,14 @@ class Simulator:
         else:
             self.x = jax.device_put(federation.x, self._replicated)
             self.y = jax.device_put(federation.y, self._replicated)
-        self._round_fn = jax.jit(self.round_program, compiler_options=round_compiler_options(devices[0].platform))
+        options = round_compiler_options(devices[0].platform)
+        self._round_fn = jax.jit(self.round_program, compiler_options=options)
+        # The device store's round, with and without the store donated (updated in place).
+        self._device_round_fns = {
+            donate: jax.jit(self.device_store_program, compiler_options=options, donate_argnums=(1,) if donate else ()) for donate in (False, True)
+        }
         self._message_bytes: tuple[int, int] | None = None
+        self._client_phase_fn = None  # device_busy_times' program, compiled on first use
 
     # ----- state -----------------------------------------------------------------------------
     def init(self, params, *, resume: bool = False) -> SimState:
@@ -242,6 +268,8 @@ class Simulator:
             client_states = (DiskStore.open(self.store_dir, template, k) if resume else DiskStore.create(self.store_dir, template, k)).held
         else:
             client_states = MemoryStore.create(template, k).held
+            if self.store == "device" and jax.tree.leaves(template):
+                client_states = self.on_devices(client_states)
         return SimState(round=0, server_state=server_state, client_states=client_states)
 
     def place(self, server_state):
@@ -324,35 +352,39 @@ class Simulator:
 
         return one
 
-    def round_program(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order, attackers=None):
-        """The compiled round (:meth:`run_round` calls it jitted): the cohort's client updates in
-        the simulator's layout, the attack on the ``attackers`` slots' messages (when the
-        simulator has one), then :func:`fedbayes.round.server_step`. Returns the new server
-        state, the new client states (every slot's; only accepted rows are written back), the
-        acceptance flags, the clients' info and the server's info."""
-        algorithm = self.algorithm
-        message = algorithm.broadcast(server_state)
+    def client_phase(self, message, client_states, client_ids, offsets, num_examples, round_idx, x, y, order):
+        """The cohort's client updates in the simulator's layout: ``(messages, new states, infos)``,
+        each split by slot over the devices. No step of it crosses devices."""
         if self.layout == "vmap":
             one = self._client_fn(message, round_idx, x, y, order)
             messages, new_states, infos = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
             # Keep every state leaf split by client, as the sequential layout's shard_map does: XLA
             # would replicate a leaf that does not depend on the client (a constant flag).
-            new_states = jax.lax.with_sharding_constraint(new_states, self._sharded)
-        else:
+            return messages, jax.lax.with_sharding_constraint(new_states, self._sharded), infos
 
-            def per_device(message, round_idx, x, y, order, cids, cstates, offs, n):
-                one = self._client_fn(message, round_idx, x, y, order)
-                return jax.lax.map(lambda a: one(*a), (cids, cstates, offs, n))
+        def per_device(message, round_idx, x, y, order, cids, cstates, offs, n):
+            one = self._client_fn(message, round_idx, x, y, order)
+            return jax.lax.map(lambda a: one(*a), (cids, cstates, offs, n))
 
-            # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
-            # over devices and clients would no longer be independent (docs/design.md).
-            messages, new_states, infos = jax.shard_map(
-                per_device,
-                mesh=self.mesh,
-                in_specs=(P(), P(), P(), P(), P(), P(_AXIS), P(_AXIS), P(_AXIS), P(_AXIS)),
-                out_specs=(P(_AXIS), P(_AXIS), P(_AXIS)),
-                check_vma=False,
-            )(message, round_idx, x, y, order, client_ids, client_states, offsets, num_examples)
+        # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
+        # over devices and clients would no longer be independent (docs/design.md).
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(), P(), P(), P(_AXIS), P(_AXIS), P(_AXIS), P(_AXIS)),
+            out_specs=(P(_AXIS), P(_AXIS), P(_AXIS)),
+            check_vma=False,
+        )(message, round_idx, x, y, order, client_ids, client_states, offsets, num_examples)
+
+    def round_program(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order, attackers=None):
+        """The compiled round (:meth:`run_round` calls it jitted): the cohort's client updates in
+        the simulator's layout (:meth:`client_phase`), the attack on the ``attackers`` slots'
+        messages (when the simulator has one), then :func:`fedbayes.round.server_step`. Returns
+        the new server state, the new client states (every slot's; only accepted rows are written
+        back), the acceptance flags, the clients' info and the server's info."""
+        algorithm = self.algorithm
+        message = algorithm.broadcast(server_state)
+        messages, new_states, infos = self.client_phase(message, client_states, client_ids, offsets, num_examples, round_idx, x, y, order)
         if self.attack is not None:
             messages = self.attack(messages, attackers, message)
         server_key = protocol.server_key(self.seed, round_idx)
@@ -360,6 +392,48 @@ class Simulator:
         # A rejected client keeps its old state: run_round writes back only the accepted rows
         # (no select over every client's state here, one pass less over the cohort's states).
         return new_server, new_states, ok, infos, server_info
+
+    def device_busy_times(self, state: SimState) -> np.ndarray:
+        """Seconds each device spends on its share of round ``state.round``'s client updates.
+
+        A probe, run apart from the round: the client phase alone (:meth:`client_phase`, which
+        does not cross devices) is launched once its inputs are on the devices, and one thread
+        per device waits for that device's share of the messages. The spread between devices is
+        the time the round's server step waits for the slowest one. ``state`` is not changed.
+        """
+        import threading
+        import time
+
+        if self._client_phase_fn is None:
+            algorithm = self.algorithm
+            self._client_phase_fn = jax.jit(
+                lambda server_state, *a: jax.tree.leaves(self.client_phase(algorithm.broadcast(server_state), *a)[0]),
+                compiler_options=round_compiler_options(self.mesh.devices.flat[0].platform),
+            )
+        p = self.prepare_round(state.round)
+        safe = np.where(p.slots >= 0, p.slots, 0)
+        if self.store == "device" and jax.tree.leaves(state.client_states):
+            ids = jax.device_put(safe, self._sharded)
+            states = jax.tree.map(lambda s: jnp.take(s, ids, axis=0), self.on_devices(state.client_states))
+        else:
+            states = self._put_states(as_store(state.client_states), safe, state.round)
+        ids, offsets, num_examples, _, round_idx, x, y, order = p.args[:8]
+        args = (state.server_state, states, ids, offsets, num_examples, round_idx, x, y, order)
+        jax.block_until_ready(args)
+        done: dict[int, float] = {}
+        t0 = time.perf_counter()
+        first = self._client_phase_fn(*args)[0]
+
+        def watch(shard):
+            shard.data.block_until_ready()
+            done[shard.device.id] = time.perf_counter() - t0
+
+        threads = [threading.Thread(target=watch, args=(shard,)) for shard in first.addressable_shards]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return np.array([done[d.id] for d in self.mesh.devices.flat])
 
     def num_compiled_rounds(self) -> int:
         """How many programs the round has compiled so far (one per size class of the cohort's
@@ -449,15 +523,11 @@ class Simulator:
             store = MemoryStore(jax.tree.map(np.copy, store.states))
         return store.held
 
-    def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
-        """Runs round ``state.round`` and returns the next state and what happened.
-
-        With a memory store, pure: ``state`` (its client store included) is left as it was, at the
-        price of copying the store; ``donate=True`` updates the store in place instead, for callers
-        that drop ``state``. A disk store is always updated in place (atomically, see
-        :mod:`fedbayes.store`), so only its newest state can be continued.
-        """
-        round_idx = state.round
+    # ----- one round in three steps: prepare (host), launch (device, asynchronous), complete ----
+    def prepare_round(self, round_idx: int) -> PreparedRound:
+        """The host work of round ``round_idx``, which does not depend on any state: the cohort,
+        its layout over the devices, failures, every client's epoch shuffles in one order buffer,
+        and the round's inputs put on the devices (asynchronously)."""
         cohort = self.sample_cohort(round_idx)
         all_slots = self.layout_cohort(cohort)
         dropped, late = self.failed_clients(round_idx, cohort)
@@ -467,25 +537,47 @@ class Simulator:
         x, y, order, offsets, num_examples, weights, padding = self.gather(round_idx, slots)
         real = slots >= 0
         safe = np.where(real, slots, 0)
-        extra = ()
+        # One batched transfer of the per-slot inputs (and the order buffer, replicated).
+        per_slot = [safe.astype(np.int32), offsets, num_examples, weights]
         if self.attack is not None:
-            extra = (jax.device_put(np.where(real, self.is_attacker[safe], False), self._sharded),)
+            per_slot.append(np.where(real, self.is_attacker[safe], False))
+        if self.store == "device":
+            per_slot.append(real)
+        placed = jax.device_put([*per_slot, order], [self._sharded] * len(per_slot) + [self._replicated])
+        ids, offsets_d, n_d, weights_d = placed[:4]
+        args = (ids, offsets_d, n_d, weights_d, np.int32(round_idx), x, y, placed[-1])
+        if self.attack is not None:
+            args += (placed[4],)
+        real_arg = placed[len(per_slot) - 1] if self.store == "device" else None
+        return PreparedRound(round_idx, cohort, all_slots, slots, dropped, late, num_examples, float(padding), args, real_arg)
+
+    def launch(self, state: SimState, prepared: PreparedRound, *, donate: bool = False) -> LaunchedRound:
+        """Starts the compiled round ``prepared`` on ``state`` and returns without waiting for it
+        (JAX dispatches asynchronously); ``state.server_state`` may itself still be computing.
+
+        The client states are gathered here: from a memory store, the rows are copied now (so a
+        later write to other rows cannot change them); a device store is passed whole and, with
+        ``donate=True``, updated in place by the round (``state.client_states`` is then no longer
+        usable)."""
+        if prepared.round != state.round:
+            raise ValueError(f"the prepared round is {prepared.round} but the state is at round {state.round}")
+        if self.store == "device" and jax.tree.leaves(state.client_states):
+            fn = self._device_round_fns[bool(donate)]
+            outputs = fn(state.server_state, self.on_devices(state.client_states), prepared.real_arg, *prepared.args)
+            return LaunchedRound(prepared, outputs)
         store = as_store(state.client_states)
-        put = lambda a: jax.device_put(a, self._sharded)  # noqa: E731
-        new_server, new_cstates, ok, client_info, server_info = self._round_fn(
-            state.server_state,
-            self._put_states(store, safe, round_idx),
-            put(safe.astype(np.int32)),
-            put(offsets),
-            put(num_examples),
-            put(weights),
-            jnp.int32(round_idx),
-            x,
-            y,
-            jax.device_put(order, self._replicated),
-            *extra,
-        )
-        ok = np.asarray(ok)
+        safe = np.where(prepared.slots >= 0, prepared.slots, 0)
+        outputs = self._round_fn(state.server_state, self._put_states(store, safe, prepared.round), *prepared.args)
+        return LaunchedRound(prepared, outputs)
+
+    def complete(self, state: SimState, launched: LaunchedRound, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
+        """Waits for ``launched`` (started on ``state``), writes the accepted clients' new states
+        back and returns the next state and what the round did."""
+        p = launched.prepared
+        round_idx, cohort, all_slots, slots, num_examples = p.round, p.cohort, p.all_slots, p.slots, p.num_examples
+        new_server, new_cstates, ok, client_info, server_info = launched.outputs
+        ok, client_info, server_info = jax.device_get((ok, client_info, server_info))  # one batched transfer
+        real = slots >= 0
         rejected = slots[real & ~ok]
         if len(rejected):
             log.warning("round %d: rejected messages from clients %s", round_idx, rejected.tolist())
@@ -494,9 +586,13 @@ class Simulator:
 
                 raise DivergedError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()} (server.fail_fast)")
         client_states = state.client_states
-        if jax.tree.leaves(client_states):
+        if not jax.tree.leaves(client_states):
+            pass
+        elif self.store == "device":
+            client_states = new_cstates  # rejected clients and padding slots were not written
+        else:
             # Rejected clients and padding slots keep their state.
-            client_states = self._write_back(store, slots, real & ok, new_cstates, round_idx, donate)
+            client_states = self._write_back(as_store(client_states), slots, real & ok, new_cstates, round_idx, donate)
         down, up = self.message_bytes(state)
         m = len(cohort)
         steps = num_local_steps(num_examples, self.algorithm.local_batch_size, self.algorithm.local_epochs)
@@ -509,8 +605,113 @@ class Simulator:
         clients.update({k: np.asarray(v)[order_in_cohort] for k, v in client_info.items()})
         if self.dropout > 0 or self.deadline is not None:
             clients["num_examples"] = self.sizes[cohort].astype(num_examples.dtype)  # a failed client still holds its data
-            clients["dropped"], clients["late"] = dropped, late
+            clients["dropped"], clients["late"] = p.dropped, p.late
         server = {k: np.asarray(v).item() for k, v in server_info.items()}
-        succeeded = m - len(failed_ids)  # failed clients upload nothing (they still got the broadcast)
-        info = RoundInfo(round_idx, cohort, rejected, up * succeeded, down * m, float(padding), step_waste, clients, server, cohort[dropped], cohort[late])
+        succeeded = m - int(np.sum(p.dropped | p.late))  # failed clients upload nothing (they still got the broadcast)
+        info = RoundInfo(round_idx, cohort, rejected, up * succeeded, down * m, p.padding, step_waste, clients, server, cohort[p.dropped], cohort[p.late])
         return SimState(round_idx + 1, new_server, client_states), info
+
+    def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
+        """Runs round ``state.round`` and returns the next state and what happened.
+
+        With a memory store, pure: ``state`` (its client store included) is left as it was, at the
+        price of copying the store; ``donate=True`` updates the store in place instead, for callers
+        that drop ``state``. A disk store is always updated in place (atomically, see
+        :mod:`fedbayes.store`), so only its newest state can be continued; a device store is
+        updated in place with ``donate=True`` (``state.client_states`` is then deleted).
+        """
+        launched = self.launch(state, self.prepare_round(state.round), donate=donate)
+        return self.complete(state, launched, donate=donate)
+
+    def rounds(self, state: SimState, stop: int, *, donate: bool = True, keep: Callable[[int], bool] | None = None) -> Iterator[tuple[SimState, RoundInfo]]:
+        """Runs rounds ``state.round .. stop - 1`` pipelined, yielding ``(state, info)`` after each.
+
+        Results are bitwise those of calling :meth:`run_round` in a loop (the same programs on the
+        same inputs); only the order of host and device work changes. While round ``r`` runs on
+        the devices, round ``r + 1``'s host work (:meth:`prepare_round`: cohort, shuffles, order
+        buffer, transfers) is done, and round ``r + 1`` is launched before round ``r``'s results
+        are waited for, so the devices find it queued: its server state is round ``r``'s output,
+        still being computed. The early launch is skipped when round ``r + 1`` reads a client
+        state that round ``r`` writes on the host (a memory store, overlapping cohorts), with a
+        disk store (its undo log is per round), and after a round for which ``keep(r)`` holds.
+
+        ``keep(r)``: whether the caller needs round ``r``'s yielded state intact until it resumes
+        the iteration (to checkpoint it: with a device store and ``donate=True`` the next launch
+        consumes the store). Between other rounds the caller may still read the yielded server
+        state; its client store may already be in use by the next round.
+        """
+        keep = keep or (lambda r: False)
+        if state.round >= stop:
+            return
+        stateful = bool(jax.tree.leaves(state.client_states))
+        launched = self.launch(state, self.prepare_round(state.round), donate=donate)
+        while True:
+            r = state.round
+            upcoming = self.prepare_round(r + 1) if r + 1 < stop else None
+            early = None
+            if upcoming is not None and not keep(r) and self._may_launch_early(launched.prepared, upcoming, stateful):
+                ahead = SimState(r + 1, launched.outputs[0], launched.outputs[1] if self.store == "device" else state.client_states)
+                early = self.launch(ahead, upcoming, donate=donate)
+            state, info = self.complete(state, launched, donate=donate)
+            yield state, info
+            if upcoming is None:
+                return
+            launched = early if early is not None else self.launch(state, upcoming, donate=donate)
+
+    def _may_launch_early(self, current: PreparedRound, upcoming: PreparedRound, stateful: bool) -> bool:
+        """Whether ``upcoming`` may start before ``current``'s client states are written back."""
+        if self.store == "device" or not stateful:
+            return True
+        if self.store == "disk":
+            return False
+        written = current.slots[current.slots >= 0]
+        read = np.where(upcoming.slots >= 0, upcoming.slots, 0)  # a padding slot reads row 0
+        return not np.intersect1d(written, read).size
+
+    # ----- the device-resident store -----------------------------------------------------------
+    def on_devices(self, client_states):
+        """The device store's arrays on the devices (replicated), as the round returns them; host
+        arrays (a fresh store, a restored checkpoint) are put there once."""
+
+        def put(a):
+            if isinstance(a, jax.Array) and a.sharding.is_equivalent_to(self._replicated, a.ndim):
+                return a
+            return jax.device_put(np.asarray(a), self._replicated)
+
+        return jax.tree.map(put, client_states)
+
+    def device_store_program(self, server_state, store, real, client_ids, *rest):
+        """:meth:`round_program` with the client store on the devices: each device gathers its
+        slots' rows from the (replicated) store inside the program, and the accepted clients' new
+        states are scattered back into it (padding slots and rejected clients are not written:
+        their rows are sent out of bounds and dropped). The store is donated by :meth:`launch`
+        with ``donate=True``, so the scatter updates it in place."""
+        num_clients = jax.tree.leaves(store)[0].shape[0]
+        states = jax.lax.with_sharding_constraint(jax.tree.map(lambda s: jnp.take(s, client_ids, axis=0), store), self._sharded)
+        new_server, new_states, ok, infos, server_info = self.round_program(server_state, states, client_ids, *rest)
+        rows = jnp.where(real & ok, client_ids, num_clients)
+        new_store = jax.tree.map(lambda s, n: s.at[rows].set(n.astype(s.dtype), mode="drop"), store, new_states)
+        return new_server, jax.lax.with_sharding_constraint(new_store, self._replicated), ok, infos, server_info
+
+
+class PreparedRound(NamedTuple):
+    """A round's host work (:meth:`Simulator.prepare_round`): what :meth:`Simulator.launch` and
+    :meth:`Simulator.complete` need besides the state."""
+
+    round: int
+    cohort: np.ndarray
+    all_slots: np.ndarray  # the cohort in device blocks, -1 for padding
+    slots: np.ndarray  # as all_slots, with failed clients as padding too
+    dropped: np.ndarray
+    late: np.ndarray
+    num_examples: np.ndarray
+    padding: float
+    args: tuple  # the compiled round's inputs after the client states, on the devices
+    real_arg: Any = None  # the device store's round: which slots hold a client, on the devices
+
+
+class LaunchedRound(NamedTuple):
+    """A round started on the devices (:meth:`Simulator.launch`): its outputs may still be computing."""
+
+    prepared: PreparedRound
+    outputs: tuple  # (server state, client states, accepted flags, clients' info, server's info)

@@ -105,7 +105,7 @@ class MemoryStore:
 
     def row_spec(self) -> Any:
         """Shape and dtype of one client's state."""
-        return jax.tree.map(lambda a: _row_spec(np.shape(a)[1:], np.asarray(a).dtype), self.states)
+        return jax.tree.map(lambda a: _row_spec(np.shape(a)[1:], a.dtype), self.states)
 
     def gather(self, ids: np.ndarray, round_idx: int | None = None) -> Any:
         """The states of clients ``ids`` (repeats allowed), stacked: a fresh copy."""

@@ -9,10 +9,11 @@ workload sets ``epochs``):
 
 * **Federated** (:class:`FederatedWorkload`): the :class:`~fedbayes.simulate.Simulator` with
   one XLA host device per core (``--xla_force_host_platform_device_count=<cores>``, as the CLI
-  sets it), running FedAvg, FedPA or FedEP (scaled identity, stateful sites in the memory store).
-  The first round is timed on its own; then ``rounds`` further rounds, each
-  ``run_round(state, donate=True)`` (as ``run_experiment`` runs them) timed to
-  ``block_until_ready`` on the new server state.
+  sets it), running FedAvg, FedPA, FedEP (scaled identity; sites in device memory, or in the
+  host memory store for ``fedep_100_host``) or a method of the PVI / FedLap family. The first
+  round is timed on its own; then ``rounds`` further rounds run pipelined, as ``run_experiment``
+  runs them (:meth:`~fedbayes.simulate.Simulator.rounds`, ``donate=True``), each timed from the
+  previous round's results to its own.
 
   - ``round_s``: median steady-state round time (the rounds after the first);
   - ``examples_per_s``: median over the steady rounds of the client examples the round trained,
@@ -20,7 +21,13 @@ workload sets ``epochs``):
   - ``compile_s``: first round time minus ``round_s`` (tracing, compilation, first transfers);
   - ``startup_s``: wall time from just before the process was started to the end of its first
     round: interpreter, imports, data, partition, model, first compile and round (target for
-    ``fedavg``: under 5 s), broken down in ``startup_parts``.
+    ``fedavg``: under 5 s), broken down in ``startup_parts``;
+  - ``rejected``: client messages rejected in the timed rounds (0 for a healthy workload);
+  - ``device_busy_s`` (per device, median over ``settings.idle_probes`` probe rounds after the
+    timed ones) and ``device_idle`` (median; ``device_idle_max`` the largest): each device's time
+    on its share of the client phase alone, and the share of the devices' time spent waiting for
+    the slowest, ``1 - mean(busy) / max(busy)``
+    (:meth:`~fedbayes.simulate.Simulator.device_busy_times`).
 
 * **Relative** (:class:`RelativeWorkload`, :mod:`fedbayes.bench.relative`): a computation timed
   against a reference computation in one process, paired per repetition: ``curvature`` (the
@@ -46,9 +53,10 @@ workload sets ``epochs``):
 ``ratio_to_limit`` is a workload's ``examples_per_s`` over ``limit_b32``'s **measured in the
 same repeat**, and ``ratio_to_fedavg`` (FedPA, FedEP) over its ``baseline``'s, FedAvg on the same
 federation with the same local epochs, in the same repeat; ``paired_ratio_to_fedavg`` is that
-ratio again from one process that runs the workload and its baseline with their rounds
-interleaved (median over the pairs of rounds), free of the noise between processes; with several repeats every number is
-the median over repeats (``*_range`` gives min and max of the throughput and the ratios). ``peak_rss_mb`` is the peak resident set of the
+ratio again from one process that runs the workload and its baseline interleaved in blocks of 5
+pipelined rounds (median over the pairs of blocks), free of the noise between processes; with several repeats every number is
+the median over repeats (``*_range`` gives min and max of the throughput and the ratios;
+``ratio_worst`` is the slowest repeat's ratio to the limit). ``peak_rss_mb`` is the peak resident set of the
 process that ran the workload (``ru_maxrss``), for ``limit_b32`` the largest of its processes.
 
 The workloads are a registry keyed by name (:data:`WORKLOADS`); the algorithms that federated

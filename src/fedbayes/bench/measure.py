@@ -38,17 +38,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def measure_paired(names: Sequence[str], settings: BenchSettings, rounds: int | None = None) -> dict[str, Any]:
-    """Times federated workloads in this one process, their rounds interleaved.
+def measure_paired(names: Sequence[str], settings: BenchSettings, rounds: int | None = None, block: int = 5) -> dict[str, Any]:
+    """Times federated workloads in this one process, their rounds interleaved in blocks.
 
-    Every workload is built and compiled (two rounds), then ``rounds`` passes each run one round
-    of every workload in turn (default: the first workload's :func:`steady_rounds`). Paired
-    rounds saw the same machine state, so the ratio of their times is far less noisy than a ratio
-    of separate processes' medians (on the 2-core development VM a fresh process's throughput
-    varies by up to +-25%).
+    Every workload is built and compiled (two rounds), then passes each run a block of ``block``
+    pipelined rounds (as run_experiment runs them) of every workload in turn, until each has run
+    ``rounds`` (default: the first workload's :func:`steady_rounds`). Paired blocks saw the same
+    machine state, so the ratio of their times is far less noisy than a ratio of separate
+    processes' medians (on the 2-core development VM a fresh process's throughput varies by up to
+    +-25%). A block waits for its last round, so workloads never overlap.
 
     Returns:
-      ``{"round_s": {name: [seconds per pass]}, "examples": {name: [examples per pass]}}``.
+      ``{"round_s": {name: [seconds per round of each block]}, "examples": {name: [examples per
+      round of each block]}}``.
     """
     import jax
 
@@ -64,15 +66,19 @@ def measure_paired(names: Sequence[str], settings: BenchSettings, rounds: int | 
         jax.block_until_ready(state.server_state)
         runs.append([sim, state])
     times: dict[str, list[float]] = {n: [] for n in names}
-    examples: dict[str, list[int]] = {n: [] for n in names}
-    for _ in range(rounds or steady_rounds(workloads[0], settings)):
+    examples: dict[str, list[float]] = {n: [] for n in names}
+    total = rounds or steady_rounds(workloads[0], settings)
+    for start in range(0, total, block):
+        n = min(block, total - start)
         for w, run in zip(workloads, runs):
             sim, state = run
+            count = 0
             t0 = time.perf_counter()
-            state, info = sim.run_round(state, donate=True)
+            for state, info in sim.rounds(state, state.round + n, donate=True):
+                count += int(sim.federation.sizes[info.cohort].sum()) * workload_epochs(w, settings)
             jax.block_until_ready(state.server_state)
-            times[w.name].append(time.perf_counter() - t0)
-            examples[w.name].append(int(sim.federation.sizes[info.cohort].sum()) * workload_epochs(w, settings))
+            times[w.name].append((time.perf_counter() - t0) / n)
+            examples[w.name].append(count / n)
             run[1] = state
     return {"kind": "paired", "round_s": times, "examples": examples}
 
@@ -121,20 +127,29 @@ def measure_federated(
 
     sizes = federation.sizes
     times, examples, padding, step_waste = [], [], [], []
+    rejected = 0
     profiler = None
     if profile_top > 0:
         import cProfile
 
         profiler = cProfile.Profile()
         profiler.enable()
-    for _ in range(steady_rounds(workload, settings)):
-        t0 = time.perf_counter()
-        state, info = sim.run_round(state, donate=True)
-        jax.block_until_ready(state.server_state)
-        times.append(time.perf_counter() - t0)
+    # Pipelined, as run_experiment runs them: a round's time is from the previous round's results
+    # to its own (the host work it overlaps with its predecessor is not counted twice).
+    t0 = time.perf_counter()
+    for state, info in sim.rounds(state, state.round + steady_rounds(workload, settings), donate=True):
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
         examples.append(int(sizes[np.asarray(info.cohort)].sum()) * epochs)
         padding.append(float(info.padding_waste))
         step_waste.append(float(info.step_waste))
+        rejected += len(info.rejected)
+        t0 = t1
+    jax.block_until_ready(state.server_state)
+    if profiler is not None:
+        profiler.disable()
+    # Each device's busy time in the client phase of a few more rounds (probes, not timed above).
+    busy = [sim.device_busy_times(state._replace(round=state.round + i)).tolist() for i in range(settings.idle_probes)]
     start = spawn_time if spawn_time is not None else t_enter
     out: dict[str, Any] = {
         "kind": "federated",
@@ -151,6 +166,9 @@ def measure_federated(
             "first_round_s": t_first - t_built,
         },
         "peak_rss_mb": peak_rss_mb(),
+        "device_busy_s": busy,
+        "rejected": rejected,
+        "store": sim.store,
         "layout": sim.layout,
         "devices": len(jax.local_devices()),
         "num_clients": workload.num_clients,
@@ -161,7 +179,6 @@ def measure_federated(
         "client_sizes": {"min": int(sizes.min()), "median": float(np.median(sizes)), "max": int(sizes.max())},
     }
     if profiler is not None:
-        profiler.disable()
         out["profile"] = _profile_rows(profiler, profile_top, sum(times))
     return out
 

@@ -40,7 +40,14 @@ def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
         "padding_waste": statistics.median(raw["padding_waste"]),
         "step_waste": statistics.median(raw["step_waste"]),
     }
-    for k in ("num_clients", "clients_per_round", "epochs", "algorithm", "partition", "layout", "devices", "client_sizes", "profile"):
+    if raw.get("device_busy_s"):
+        # The share of the client phase the devices spend waiting for the slowest one, and the
+        # slowest device's busy time over the round's time.
+        idle = [1.0 - sum(b) / (len(b) * max(b)) for b in raw["device_busy_s"]]
+        entry["device_idle"] = statistics.median(idle)
+        entry["device_idle_max"] = max(idle)
+        entry["device_busy_s"] = [statistics.median(col) for col in zip(*raw["device_busy_s"])]
+    for k in ("num_clients", "clients_per_round", "epochs", "algorithm", "partition", "layout", "store", "devices", "client_sizes", "rejected", "profile"):
         if k in raw:
             entry[k] = raw[k]
     return entry
@@ -103,6 +110,7 @@ def summarize(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
         if len(entries) > 1:
             merged["examples_per_s_range"] = [min(e["examples_per_s"] for e in entries), max(e["examples_per_s"] for e in entries)]
             merged["ratio_range"] = [min(e["ratio_to_limit"] for e in entries), max(e["ratio_to_limit"] for e in entries)]
+            merged["ratio_worst"] = merged["ratio_range"][0]  # the slowest repeat's
             if BASELINE_RATIO in merged:
                 got = [e[BASELINE_RATIO] for e in entries if BASELINE_RATIO in e]
                 merged[BASELINE_RATIO + "_range"] = [min(got), max(got)]
@@ -153,6 +161,7 @@ COLUMNS = (
     "vs FedAvg",
     "vs FedAvg, paired",
     "round (s)",
+    "device idle",
     "compile (s)",
     "start-up (s)",
     "peak RSS (MB)",
@@ -168,7 +177,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
             continue
         ratio = f"{e['ratio_to_limit']:.2f}"
         if "ratio_range" in e and name != REFERENCE:
-            ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"
+            ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"  # the worst repeat first
         vs = ""
         if BASELINE_RATIO in e:
             vs = f"{e[BASELINE_RATIO]:.2f}"
@@ -194,6 +203,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                 vs,
                 paired,
                 f"{e['round_s']:.3f}",
+                f"{e['device_idle']:.0%}" if "device_idle" in e else "",
                 f"{e['compile_s']:.2f}",
                 startup,
                 f"{e['peak_rss_mb']:,.0f}",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 
 class BenchError(RuntimeError):
@@ -42,6 +43,9 @@ class BenchSettings:
       relative_reps: paired repetitions of each relative workload (:mod:`fedbayes.bench.relative`).
       cnn_clients, cnn_per_client, cnn_batch: the ``cnn`` and ``vbnn`` workloads' federation
         (all clients in every round, one local epoch) and client batch size.
+      idle_probes: rounds whose client phase is probed for each device's busy time
+        (:meth:`~fedbayes.simulate.Simulator.device_busy_times`) after a federated workload's
+        timed rounds.
     """
 
     dataset: str = "fashion_mnist"
@@ -61,6 +65,7 @@ class BenchSettings:
     cnn_clients: int = 10
     cnn_per_client: int = 640
     cnn_batch: int = 64
+    idle_probes: int = 5
 
 
 FULL = BenchSettings()
@@ -89,6 +94,9 @@ class FederatedWorkload:
       baseline: another federated workload (FedAvg at the same epochs and federation) whose
         ``examples_per_s`` **in the same repeat** is the denominator of this workload's
         ``ratio_to_fedavg``; it always runs with this one.
+      store: where a stateful method's client states live (the simulator's ``store``:
+        ``"memory"`` on the host, ``"device"`` in device memory).
+      hparams: ``(name, value)`` pairs that override the method's registered defaults.
     """
 
     name: str
@@ -101,6 +109,8 @@ class FederatedWorkload:
     description: str = ""
     epochs: int | None = None
     baseline: str | None = None
+    store: str = "memory"
+    hparams: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +178,8 @@ WORKLOADS: dict[str, Workload] = {
             epochs=3,
             rounds_scale=0.5,
             baseline="fedavg_e3",
-            description="FedEP (identity, stateful sites), 10 of 10 IID clients, 3 epochs",
+            store="device",
+            description="FedEP (identity, sites in device memory), 10 of 10 IID clients, 3 epochs",
         ),
         FederatedWorkload("fedavg_e3_100", "fedavg", 100, 10, epochs=3, rounds_scale=2.0, description="FedAvg, 10 of 100 IID clients, 3 epochs"),
         FederatedWorkload(
@@ -182,7 +193,42 @@ WORKLOADS: dict[str, Workload] = {
             epochs=3,
             rounds_scale=2.0,
             baseline="fedavg_e3_100",
-            description="FedEP (identity, stateful sites), 10 of 100 IID clients, 3 epochs",
+            store="device",
+            description="FedEP (identity, sites in device memory), 10 of 100 IID clients, 3 epochs",
+        ),
+        FederatedWorkload(
+            "fedep_100_host",
+            "fedep",
+            100,
+            10,
+            epochs=3,
+            rounds_scale=2.0,
+            baseline="fedavg_e3_100",
+            description="FedEP (identity, sites in the host memory store), 10 of 100 IID clients, 3 epochs",
+        ),
+        # The methods of the PVI / FedLap family against FedAvg at the same epochs (FedLap-Cov
+        # counts its curvature pass; the stateful ones keep their sites in device memory).
+        # PVI with examples/digits_pvi.toml's start (local std 0.1, mean at the model's init): with
+        # the prior's std 1 its weight noise makes the client SGD diverge.
+        *(
+            FederatedWorkload(
+                f"{name}_100",
+                name,
+                100,
+                10,
+                epochs=3,
+                rounds_scale=2.0,
+                baseline="fedavg_e3_100",
+                store="device",
+                hparams=hparams,
+                description=f"{label}, 10 of 100 IID clients, 3 epochs",
+            )
+            for name, label, hparams in (
+                ("pvi", "PVI (1 weight sample per step)", (("init_std", 0.1), ("init_mean", "model"))),
+                ("fedlap", "FedLap", ()),
+                ("fedlap_cov", "FedLap-Cov (GGN pass included)", ()),
+                ("fedlap_func", "FedLap-Func (500 server steps)", ()),
+            )
         ),
         RelativeWorkload("curvature", description="diagonal Fisher, empirical Fisher and GGN against a training step (MLP, CNN)"),
         RelativeWorkload("cnn", description="CNN FedAvg round against a plain jitted step loop over the same examples"),
@@ -243,7 +289,7 @@ def algorithm_names() -> tuple[str, ...]:
     return registry.names()
 
 
-def build_algorithm(name: str, trainer, federation, clients_per_round: int, apply_fn, task: str):
+def build_algorithm(name: str, trainer, federation, clients_per_round: int, apply_fn, task: str, feature_spec=None, hparams=()):
     """The :class:`~fedbayes.algorithms.Algorithm` called ``name``, as the bench runs it: built by
     :mod:`fedbayes.algorithms.registry` from its default settings (FedPA ``rho = 0.01``, one
     mixing epoch; FedEP/FedSEP the scaled-identity method, damping ``1/M``), with the server
@@ -255,6 +301,8 @@ def build_algorithm(name: str, trainer, federation, clients_per_round: int, appl
       federation: the client sizes (a sequence) or a :class:`~fedbayes.algorithms.registry.FederationInfo`.
       clients_per_round: ``M``.
       apply_fn, task: the model's apply function and task.
+      feature_spec: one example's features (``jax.ShapeDtypeStruct``), for FedLap-Func's memory.
+      hparams: ``(name, value)`` pairs overriding the method's defaults.
 
     Raises:
       BenchError: ``name`` is not registered.
@@ -267,8 +315,8 @@ def build_algorithm(name: str, trainer, federation, clients_per_round: int, appl
         raise BenchError(f"unknown algorithm {name!r}; known: {', '.join(registry.names())}")
     info = federation if isinstance(federation, registry.FederationInfo) else registry.FederationInfo.from_sizes(federation)
     spec = registry.get(name)
-    ctx = registry.BuildContext(trainer, optax.sgd(1.0), info, clients_per_round, apply_fn, task)
-    return spec.build(spec.hparams(name=name), ctx)
+    ctx = registry.BuildContext(trainer, optax.sgd(1.0), info, clients_per_round, apply_fn, task, feature_spec=feature_spec)
+    return spec.build(spec.hparams(name=name, **dict(hparams)), ctx)
 
 
 # ----- building a workload ----------------------------------------------------------------------
@@ -332,6 +380,12 @@ def build_simulator(workload: FederatedWorkload, settings: BenchSettings, datase
     parts = workload_partition(workload, settings, dataset) if parts is None else parts
     params, trainer, apply_fn = model_and_trainer(settings, dataset, settings.batch_size, workload_epochs(workload, settings))
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
-    algorithm = build_algorithm(workload.algorithm, trainer, federation.sizes, workload.clients_per_round, apply_fn, dataset.task)
+    import jax
+
+    feature_spec = jax.ShapeDtypeStruct(dataset.x_train.shape[1:], dataset.x_train.dtype)
+    algorithm = build_algorithm(
+        workload.algorithm, trainer, federation.sizes, workload.clients_per_round, apply_fn, dataset.task, feature_spec, workload.hparams
+    )
+    simulator_kwargs.setdefault("store", workload.store)
     sim = Simulator(algorithm, federation, clients_per_round=workload.clients_per_round, seed=settings.seed, **simulator_kwargs)
     return sim, sim.init(params)
