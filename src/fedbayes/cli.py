@@ -968,7 +968,7 @@ def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to lo
 @app.command()
 def bench(
     json_: Annotated[bool, typer.Option("--json", help="print one JSON object keyed by workload instead of the table")] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat (under two minutes on 2 cores)")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (about 7 minutes on 2 cores)")] = False,
     workload: Annotated[Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable); limit_b32 always runs")] = None,
     repeats: Annotated[Optional[int], typer.Option(min=1, help="repeat every workload this many times and report medians")] = None,
     rounds: Annotated[Optional[int], typer.Option(min=1, help="steady-state rounds per federated workload")] = None,

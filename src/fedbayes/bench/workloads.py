@@ -69,9 +69,10 @@ class BenchSettings:
 
 
 FULL = BenchSettings()
-# A smoke check under two minutes on 2 cores (94 s quiet, paired stage included; the 3-epoch
-# 10-of-10 workloads then time one steady round each).
-QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128)
+# A smoke check: every workload compiles and runs a few rounds, one repeat (7 min 10 s on the
+# 2 cores on 2026-11-24, a machine 2.2x slower than the one that took 94 s on 2026-11-22 with 7
+# fewer workloads; compiles are most of it).
+QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128, idle_probes=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,14 @@ class RelativeWorkload:
 Workload = FederatedWorkload | LimitWorkload | RelativeWorkload
 REFERENCE = "limit_b32"  # the denominator of ratio_to_limit
 
+
+def _against_fedavg_e3_100(name: str, algorithm: str, label: str, **fields) -> FederatedWorkload:
+    """A method at 10 of 100 IID clients and 3 local epochs, measured against ``fedavg_e3_100``."""
+    return FederatedWorkload(
+        name, algorithm, 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description=f"{label}, 10 of 100 IID clients, 3 epochs", **fields
+    )
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -182,54 +191,17 @@ WORKLOADS: dict[str, Workload] = {
             description="FedEP (identity, sites in device memory), 10 of 10 IID clients, 3 epochs",
         ),
         FederatedWorkload("fedavg_e3_100", "fedavg", 100, 10, epochs=3, rounds_scale=2.0, description="FedAvg, 10 of 100 IID clients, 3 epochs"),
-        FederatedWorkload(
-            "fedpa_100", "fedpa", 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description="FedPA, 10 of 100 IID clients, 3 epochs"
-        ),
-        FederatedWorkload(
-            "fedep_100",
-            "fedep",
-            100,
-            10,
-            epochs=3,
-            rounds_scale=2.0,
-            baseline="fedavg_e3_100",
-            store="device",
-            description="FedEP (identity, sites in device memory), 10 of 100 IID clients, 3 epochs",
-        ),
-        FederatedWorkload(
-            "fedep_100_host",
-            "fedep",
-            100,
-            10,
-            epochs=3,
-            rounds_scale=2.0,
-            baseline="fedavg_e3_100",
-            description="FedEP (identity, sites in the host memory store), 10 of 100 IID clients, 3 epochs",
-        ),
-        # The methods of the PVI / FedLap family against FedAvg at the same epochs (FedLap-Cov
-        # counts its curvature pass; the stateful ones keep their sites in device memory).
-        # PVI with examples/digits_pvi.toml's start (local std 0.1, mean at the model's init): with
-        # the prior's std 1 its weight noise makes the client SGD diverge.
-        *(
-            FederatedWorkload(
-                f"{name}_100",
-                name,
-                100,
-                10,
-                epochs=3,
-                rounds_scale=2.0,
-                baseline="fedavg_e3_100",
-                store="device",
-                hparams=hparams,
-                description=f"{label}, 10 of 100 IID clients, 3 epochs",
-            )
-            for name, label, hparams in (
-                ("pvi", "PVI (1 weight sample per step)", (("init_std", 0.1), ("init_mean", "model"))),
-                ("fedlap", "FedLap", ()),
-                ("fedlap_cov", "FedLap-Cov (GGN pass included)", ()),
-                ("fedlap_func", "FedLap-Func (500 server steps)", ()),
-            )
-        ),
+        _against_fedavg_e3_100("fedpa_100", "fedpa", "FedPA"),
+        _against_fedavg_e3_100("fedep_100", "fedep", "FedEP (identity, sites in device memory)", store="device"),
+        _against_fedavg_e3_100("fedep_100_host", "fedep", "FedEP (identity, sites in the host memory store)"),
+        # The methods of the PVI / FedLap family (FedLap-Cov counts its curvature pass; the stateful
+        # ones keep their sites in device memory). PVI starts as examples/digits_pvi.toml does
+        # (local std 0.1, mean at the model's init): from the prior's std 1 its weight noise makes
+        # the client SGD diverge.
+        _against_fedavg_e3_100("pvi_100", "pvi", "PVI (1 weight sample per step)", store="device", hparams=(("init_std", 0.1), ("init_mean", "model"))),
+        _against_fedavg_e3_100("fedlap_100", "fedlap", "FedLap", store="device"),
+        _against_fedavg_e3_100("fedlap_cov_100", "fedlap_cov", "FedLap-Cov (GGN pass included)", store="device"),
+        _against_fedavg_e3_100("fedlap_func_100", "fedlap_func", "FedLap-Func (500 server steps)", store="device"),
         RelativeWorkload("curvature", description="diagonal Fisher, empirical Fisher and GGN against a training step (MLP, CNN)"),
         RelativeWorkload("cnn", description="CNN FedAvg round against a plain jitted step loop over the same examples"),
         RelativeWorkload("vbnn", description="VBNN (GAA) round against the CNN FedAvg round"),
