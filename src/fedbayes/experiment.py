@@ -10,7 +10,7 @@
   split, :mod:`fedbayes.data.holdout`), ``train_loss`` (after round 0: the
   round's accepted clients' mean training loss, weighted by their example counts) and four
   counters that are cumulative since round 0: ``seconds`` (training time: the wall time of the
-  rounds; evaluation runs alongside, on a thread of its own, and is not counted),
+  rounds, evaluation excluded),
   ``bytes_up``, ``bytes_down`` and ``rejected`` (messages refused);
 * ``clients.jsonl``: one line per sampled client and round (:class:`fedbayes.loggers.ClientLog`);
 * ``model.npz``: the final server parameters (and posterior) by tree path (:mod:`fedbayes.export`);
@@ -19,9 +19,9 @@
 * ``summary.json`` and ``curves.png`` at the end.
 
 Rounds run pipelined (:meth:`fedbayes.simulate.Simulator.rounds`: round ``r + 1``'s host work and
-launch overlap round ``r``) and each evaluation runs on its own thread while the next round trains;
-records, divergence checks, checkpoints and progress still happen strictly in round order, a
-checkpoint round waiting for its evaluation. Results are bitwise those of one round at a time.
+launch overlap round ``r``; round ``r``'s evaluation queues behind round ``r + 1``); records,
+divergence checks, checkpoints and progress happen strictly in round order. Results are bitwise
+those of one round at a time.
 
 A run killed at any point and resumed (``resume=True``) continues from its newest intact
 checkpoint, rewrites ``metrics.jsonl`` from the records the checkpoint holds, and ends with the same
@@ -44,7 +44,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -655,12 +655,17 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     def checkpointed(r: int) -> bool:  # after round r (1-based: the state's round)
         return r == config.rounds or bool(config.checkpoint_every and r % config.checkpoint_every == 0)
 
-    # Evaluation runs on a thread of its own, off the rounds' critical path: round r's server state
-    # is evaluated while round r + 1 trains. Rounds are then recorded, checked for divergence,
-    # checkpointed and reported strictly in order; a checkpoint round waits for every evaluation
-    # before it (and the round after it is not started early: its state must stay intact).
-    evaluator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedbayes-evaluate")
+    # Round r's evaluation is dispatched after round r + 1 was launched, so it queues behind it on
+    # the devices. It runs on this thread: two threads dispatching multi-device programs can queue
+    # them in different orders on different devices, and their all-reduces then deadlock (seen:
+    # XLA:CPU aborted in a rendezvous). Rounds are recorded, checked for divergence, checkpointed
+    # and reported strictly in order.
     pending: deque[_Pending] = deque()
+
+    def evaluate_now(server_state, round_idx: int) -> Future:
+        done: Future = Future()
+        done.set_result(exp.evaluate(server_state, round_idx))
+        return done
 
     def settle(block: bool) -> None:
         nonlocal warned, last_ckpt
@@ -698,13 +703,12 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
                 counters["late"] += len(info.late)
             client_log.write(info, state.round)
             r = state.round
-            evaluation = evaluator.submit(exp.evaluate, state.server_state, r) if (r % config.eval_every == 0 or r == config.rounds) else None
+            evaluation = evaluate_now(state.server_state, r) if (r % config.eval_every == 0 or r == config.rounds) else None
             pending.append(_Pending(r, info, evaluation, dict(counters), _non_finite(None, sim.server_params(state), train_loss(info))))
             settle(block=checkpointed(r))
             t0 = time.perf_counter()
         settle(block=True)
     finally:
-        evaluator.shutdown(wait=True, cancel_futures=True)
         reporter.stop()
     task = exp.dataset.task
     summary = summarize(config, records, task)
