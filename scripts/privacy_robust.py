@@ -50,14 +50,16 @@ METHODS = {
     "fedavg": {"name": "fedavg"},
     "fedpa": {"name": "fedpa", "rho": 0.1, "burn_in_rounds": 3},
     "fedep": {"name": "fedep", "method": "identity", "burn_in_rounds": 3},
-    "fedlap": {"name": "fedlap"},
+    # rho = 1 / (clients per round): the default 1 / K moves the global by a tenth of a round's change
+    # when 10 of 100 clients take part (19% accuracy after 15 rounds, against 70% for FedAvg)
+    "fedlap": {"name": "fedlap", "rho": 0.1},
     # FedEP (I) without burn-in: one clip fits all of its rounds (burn-in messages are FedAvg
     # deltas, ten times smaller than EP's natural-parameter deltas)
     "fedep_noburn": {"name": "fedep", "method": "identity", "burn_in_rounds": 0},
 }
 # Clip C per method: about the median norm of a round's messages in this setting (measured by
 # --calibrate; natural-parameter messages of FedEP are dominated by their precisions).
-CLIP = {"fedavg": 0.5, "fedpa": 0.5, "fedep": 7.0, "fedlap": 7.0, "fedep_noburn": 7.0}
+CLIP = {"fedavg": 0.5, "fedpa": 0.5, "fedep": 7.0, "fedlap": 0.05, "fedep_noburn": 7.0}
 NOISE = (0.5, 1.0, 2.0)
 FRACTIONS = (0.1, 0.3)
 KINDS = ("scaled", "sign_flip", "nan", "huge_precision", "label_flip")
@@ -70,7 +72,7 @@ AGGREGATORS = {
     "mean+share0.005": {"aggregator": "mean", "max_precision_share": 0.005},  # below an honest client's damped share
 }
 DROPOUTS = (0.0, 0.3, 0.6)
-GAUSSIAN = ("fedep", "fedlap", "fedep_noburn")
+GAUSSIAN = ("fedep", "fedep_noburn")  # messages with a precision (FedLap's site change is a point)
 
 
 def _merge(a: dict, b: dict) -> dict:

@@ -323,6 +323,60 @@ def test_marginal_prediction_with_zero_variance_equals_point():
     assert abs(noisy["nll"] - point["nll"]) > 1e-3
 
 
+def test_linearised_predictive():
+    """The GLM predictive (``predictive="linearised"``): equal to the point prediction at zero
+    variance; equal to the sampled network's for a model linear in its weights (logistic
+    regression: f(x; m + d) = f(x; m) + J d); and, on an MLP whose first layer's weights from an
+    input that is zero on the evaluation set have a huge variance, unaffected by that variance,
+    while the sampled network is not (it only sees the variance through the nonzero inputs here,
+    so the two differ by the other layers' nonlinearity alone)."""
+    fed = digits_federation()
+    model, params, _ = logreg_setup()
+    params = jax.tree.map(lambda p: p + 0.3, params)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    point = make_evaluator(apply_fn, fed.x, fed.y, batch_size=200)(params)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    lin = make_marginal_evaluator(apply_fn, fed.x, fed.y, num_samples=3, batch_size=200, predictive="linearised")
+    got = lin(jax.random.key(0), params, zero)
+    for k in ("accuracy", "nll", "ece"):
+        np.testing.assert_allclose(got[k], point[k], rtol=1e-5, atol=1e-6)
+    var = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    sampled = make_marginal_evaluator(apply_fn, fed.x, fed.y, num_samples=5, batch_size=200)(jax.random.key(1), params, var)
+    linear = make_marginal_evaluator(apply_fn, fed.x, fed.y, num_samples=5, batch_size=200, predictive="linearised")(jax.random.key(1), params, var)
+    for k in ("accuracy", "nll", "ece"):
+        np.testing.assert_allclose(linear[k], sampled[k], rtol=1e-4, atol=1e-5)
+    assert abs(sampled["nll"] - point["nll"]) > 1e-3  # the variance does matter
+
+    # An MLP with a dead ReLU unit (bias -10, incoming weights 0 at the mean) whose incoming
+    # weights have variance 1e4, as a Laplace posterior leaves a unit the data never switch on:
+    # the linearised predictive is unaffected (the unit's Jacobian is zero), the sampled network
+    # switches the unit on at random and its predictions fall apart.
+    from fedbayes.models import init_params, make_model
+
+    mlp = make_model("mlp", 10, hidden=(16,))
+    p = init_params(mlp, jax.random.key(3), fed.x.shape[1:])
+    p["hidden_0"]["kernel"] = p["hidden_0"]["kernel"].at[:, 0].set(0.0)
+    p["hidden_0"]["bias"] = p["hidden_0"]["bias"].at[0].set(-10.0)
+    p["output"]["kernel"] = p["output"]["kernel"].at[0].set(0.0).at[0, 0].set(1.0)  # the unit votes for class 0
+    mlp_apply = lambda q, xs: mlp.apply({"params": q}, xs)  # noqa: E731
+    tiny = jax.tree.map(lambda a: jnp.full_like(a, 1e-8), p)
+    huge = {**tiny, "hidden_0": {**tiny["hidden_0"], "kernel": tiny["hidden_0"]["kernel"].at[:, 0].set(1e4)}}
+    got = {}
+    for predictive in ("sample", "linearised"):
+        ev = make_marginal_evaluator(mlp_apply, fed.x, fed.y, num_samples=4, batch_size=200, predictive=predictive)
+        got[predictive] = ev(jax.random.key(5), p, tiny), ev(jax.random.key(5), p, huge)
+    small, large = got["linearised"]
+    for k in ("accuracy", "nll", "ece"):
+        np.testing.assert_allclose(large[k], small[k], rtol=1e-5, atol=1e-6)
+    small, large = got["sample"]
+    assert large["nll"] > small["nll"] + 0.1 and large["ece"] > small["ece"] + 0.1, (small, large)
+    with pytest.raises(ValueError, match="predictive must be one of sample, linearised"):
+        make_marginal_evaluator(apply_fn, fed.x, fed.y, predictive="laplace")
+    assert validate({"algorithm": {"name": "fedlap_cov", "predictive": "linearised"}}).algorithm.predictive == "linearised"
+    with pytest.raises(ConfigError, match="predictive"):
+        validate({"algorithm": {"name": "fedep", "predictive": "glm"}})
+
+
 def test_config_fedep_and_fedsep():
     cfg = validate({"algorithm": {"name": "fedsep", "method": "laplace", "sep_power": "one_over_k"}, "client": {"epochs": 2}})
     assert cfg.algorithm.method == "laplace" and cfg.algorithm.sep_power == "one_over_k"

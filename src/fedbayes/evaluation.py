@@ -61,6 +61,9 @@ def make_evaluator(
     return evaluate
 
 
+PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
+
+
 def _batches(x: np.ndarray, y: np.ndarray, batch_size: int):
     """The evaluation set on the device as ``[num_batches, batch, ...]`` with a validity mask."""
     n = len(x)
@@ -74,28 +77,55 @@ def _batches(x: np.ndarray, y: np.ndarray, batch_size: int):
 
 
 def make_marginal_evaluator(
-    apply_fn: Callable, x: np.ndarray, y: np.ndarray, *, num_samples: int = 10, batch_size: int = 2000, num_bins: int = 15
+    apply_fn: Callable,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    num_samples: int = 10,
+    batch_size: int = 2000,
+    num_bins: int = 15,
+    predictive: str = "sample",
 ) -> Callable[..., dict[str, float]]:
     """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction.
 
-    Guo et al. 2023 (FedEP) Sec. 3.3 (docs/algorithms.md §13.1): draw ``S = num_samples`` parameter vectors
-    ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average the
-    softmax probabilities ``p(y | x) = mean_s softmax(f(x; theta_s))``, and compute accuracy, NLL
-    and ECE of the averaged probabilities. The same ``theta_s`` serve every test batch. With
-    ``variance = 0`` every sample is the mean, so the result equals the point prediction.
+    Guo et al. 2023 (FedEP) Sec. 3.3 (docs/algorithms.md §13.1): draw ``S = num_samples`` parameter
+    vectors ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average
+    the softmax probabilities ``p(y | x) = mean_s softmax(f_s(x))``, and compute accuracy, NLL and
+    ECE of the averaged probabilities. The same ``theta_s`` serve every test batch.
+
+    ``predictive`` says what ``f_s`` is:
+
+    * ``"sample"``: the network at the drawn weights, ``f_s(x) = f(x; theta_s)`` (FedEP's).
+    * ``"linearised"``: the network linearised at the mean, ``f_s(x) = f(x; mean) + J(x) (theta_s -
+      mean)`` with ``J`` the Jacobian of the logits in the weights (one ``jax.jvp`` per sample): the
+      GLM predictive of Immer, Korzepa and Bauer, "Improving predictions of Bayesian neural nets via
+      local linearization" (AISTATS 2021). It is the predictive that matches a Laplace/GGN posterior:
+      a weight the data barely constrain (a dead unit, an input that is zero in training) keeps
+      its prior variance, and the sampled network turns that into noise on every test point, while
+      its Jacobian there is (near) zero. For a model linear in its weights both are the same.
+
+    With ``variance = 0`` every sample is the mean and both equal the point prediction.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+    if predictive not in PREDICTIVES:
+        raise ValueError(f"predictive must be one of {', '.join(PREDICTIVES)}; got {predictive!r}")
     xb, yb, mb = _batches(x, y, batch_size)
 
     @jax.jit
     def run(key, mean, variance):
         keys = optax.tree.split_key_like(key, mean)
-        thetas = jax.tree.map(lambda k, m, v: m[None] + jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
+        steps = jax.tree.map(lambda k, m, v: jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
+
+        def logits(step, xs):
+            if predictive == "sample":
+                return apply_fn(optax.tree.add(mean, step), xs)
+            f, jd = jax.jvp(lambda p: apply_fn(p, xs), (mean,), (step,))
+            return f + jd
 
         def body(acc, batch):
             xs, ys, ms = batch
-            log_probs = jax.vmap(lambda t: jax.nn.log_softmax(apply_fn(t, xs), axis=-1))(thetas)
+            log_probs = jax.vmap(lambda s: jax.nn.log_softmax(logits(s, xs), axis=-1))(steps)
             # log of the mean probability, stably: logsumexp over samples minus log S.
             log_mean = jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(num_samples))
             return metrics.merge_stats(acc, metrics.classification_stats(log_mean, ys, ms, num_bins)), None

@@ -330,7 +330,7 @@ def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig,
     the seed and the round only, so a resumed run draws the same ones."""
     marginal = make_marginal_evaluator(
         apply_fn, dataset.x_test, dataset.y_test, num_samples=config.algorithm.marginal_samples,
-        batch_size=config.eval_batch_size, num_bins=config.ece_bins,
+        batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=config.algorithm.predictive,
     )  # fmt: skip
 
     def evaluate(server_state, round_idx: int) -> dict[str, float]:

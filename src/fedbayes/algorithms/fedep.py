@@ -48,6 +48,7 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms._sites import all_positive, checked_cavity, clip_joint_norm, guard_positive, optimizer_step, safe_mean
 from fedbayes.algorithms.base import Algorithm, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.evaluation import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 from fedbayes.inference.tilted import METHODS, TiltedInference, TiltedSettings, make_tilted_inference
@@ -345,6 +346,9 @@ class EPConfig(TiltedSettings):
     init: Literal[INITS] = Field("benchmark", description="benchmark (docs/algorithms.md §7.3) or uniform (the paper's)")  # type: ignore[valid-type]
     prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
     marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
+    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
+        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
+    )
 
     @model_validator(mode="after")
     def _benchmark_needs_alpha_cov(self):

@@ -53,6 +53,7 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
+from fedbayes.evaluation import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.curvature import batch_diag_ggn
@@ -283,6 +284,9 @@ class FedLapCovConfig(HParams):
         "delta", description="S_g the clients use in round 1: delta (PVI's) or zero (the authors' code)"
     )
     marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
+    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
+        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
+    )
 
 
 def build(hp: FedLapCovConfig, ctx) -> Algorithm:

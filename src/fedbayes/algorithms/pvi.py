@@ -66,6 +66,7 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms._sites import all_positive, checked_cavity, guard_positive, optimizer_step, safe_mean
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData
+from fedbayes.evaluation import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -351,6 +352,9 @@ class PVIConfig(HParams):
     init_mean: Literal[INIT_MEANS] = Field("global", description="local mean's start: global (mean of q_g) or model (the model's init in round 1)")  # type: ignore[valid-type]
     improper_sites: Literal["allow", "reject"] = Field("allow", description="a message that gives its site a non-positive precision: allow or reject")
     marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
+    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
+        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
+    )
 
 
 def build(hp: PVIConfig, ctx) -> Algorithm:
