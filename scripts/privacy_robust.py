@@ -85,15 +85,26 @@ def _merge(a: dict, b: dict) -> dict:
 ALIASES: dict[str, str] = {}  # a run whose config equals an earlier one's -> that run (filled by runs())
 
 
-def runs(parts: list[str], methods: list[str], full: bool) -> dict[str, dict]:
-    """name -> raw config of every run of the chosen parts; a run with the same config as an
-    earlier one is not repeated (``ALIASES``: the attack part's ``none`` row with the mean rule,
-    dropout 0, natural coordinates are DP runs already)."""
-    base = _merge(BASE, FULL) if full else BASE
+def seeded(name: str, seed: int) -> str:
+    """The folder of run ``name`` with seed ``seed`` (seed 0 keeps the bare name)."""
+    return name if seed == 0 else f"{name}_seed{seed}"
+
+
+def runs(parts: list[str], methods: list[str], full: bool, seeds: int = 1) -> dict[str, dict]:
+    """name -> raw config of every run of the chosen parts, for seeds ``0 .. seeds-1`` (names from
+    :func:`seeded`); a run with the same config as an earlier one is not repeated (``ALIASES``: the
+    attack part's ``none`` row with the mean rule, dropout 0, natural coordinates are DP runs
+    already)."""
     out: dict[str, dict] = {}
     seen: dict[str, str] = {}
+    for seed in range(seeds):
+        _runs_of_seed(parts, methods, _merge(_merge(BASE, FULL) if full else BASE, {"seed": seed}), seed, out, seen)
+    return out
 
+
+def _runs_of_seed(parts, methods, base, seed, out, seen) -> None:
     def add(name, method, **sections):
+        name = seeded(name, seed)
         raw = _merge(base, {"algorithm": METHODS[method], **sections})
         key = json.dumps(validate(raw).model_dump(mode="json"), sort_keys=True)
         if key in seen:
@@ -125,7 +136,6 @@ def runs(parts: list[str], methods: list[str], full: bool) -> dict[str, dict]:
         if "dropout" in parts:
             for p in DROPOUTS:
                 add(f"dropout_{m}_{p}", m, server={"dropout": p})
-    return out
 
 
 def run_one(name: str, raw: dict, out: Path) -> str:
@@ -143,7 +153,10 @@ def run_one(name: str, raw: dict, out: Path) -> str:
     return f"{time.time() - t0:.0f} s"
 
 
-def _final(folder: Path) -> dict | None:
+MAX_SEEDS = 10
+
+
+def _one_final(folder: Path) -> dict | None:
     folder = folder.with_name(ALIASES.get(folder.name, folder.name))
     path = folder / "summary.json"
     if not path.is_file():
@@ -154,23 +167,38 @@ def _final(folder: Path) -> dict | None:
     return final
 
 
-def _acc(final: dict | None) -> str:
-    if final is None:
+def _final(folder: Path) -> list[dict] | None:
+    """The final metrics of run ``folder`` on every seed that finished (``None``: none did)."""
+    found = [f for s in range(MAX_SEEDS) if (f := _one_final(folder.with_name(seeded(folder.name, s)))) is not None]
+    return found or None
+
+
+def _acc(finals: list[dict] | None, key: str = "accuracy") -> str:
+    """The mean accuracy over seeds, with the sample standard deviation and the seed count when
+    there is more than one seed."""
+    if finals is None:
         return "—"
-    a = final.get("accuracy")
-    return "nan" if a is None or a != a else f"{a:.3f}"
+    vals = [f.get(key) for f in finals]
+    vals = [float("nan") if v is None else v for v in vals]
+    if any(v != v for v in vals):
+        return "nan"
+    if len(vals) == 1:
+        return f"{vals[0]:.3f}"
+    mean = sum(vals) / len(vals)
+    std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+    return f"{mean:.3f}±{std:.3f} ({len(vals)})"
 
 
 def table(out: Path, methods: list[str]) -> str:
     lines = []
     lines.append("### Accuracy against epsilon (client-level DP)\n")
-    lines.append("| method | clip C | no DP | " + " | ".join(f"sigma {s}: acc (eps)" for s in NOISE) + " |")
+    lines.append("| method | clip C | no DP | " + " | ".join(f"sigma {s}: acc [eps]" for s in NOISE) + " |")
     lines.append("|---|---|---|" + "---|" * len(NOISE))
     for m in methods:
         cells = [_acc(_final(out / f"dp_{m}_none"))]
         for s in NOISE:
             f = _final(out / f"dp_{m}_s{s}")
-            cells.append("—" if f is None else f"{_acc(f)} ({f.get('epsilon', float('nan')):.1f})")
+            cells.append("—" if f is None else f"{_acc(f)} [{f[0].get('epsilon', float('nan')):.1f}]")
         lines.append(f"| {m} | {CLIP[m]} | " + " | ".join(cells) + " |")
     lines.append("\n### Gaussian clipping coordinates (FedEP: natural parameters or mean and log precision)\n")
     lines.append("| method | coordinates | sigma 0 | sigma 1 | acc marg. sigma 1 |")
@@ -180,7 +208,7 @@ def table(out: Path, methods: list[str]) -> str:
             continue
         for c in ("natural", "moments"):
             f0, f1 = _final(out / f"coords_{m}_{c}_s0.0"), _final(out / f"coords_{m}_{c}_s1.0")
-            marg = "—" if f1 is None or f1.get("accuracy_marg") is None else f"{f1['accuracy_marg']:.3f}"
+            marg = "—" if f1 is None or f1[0].get("accuracy_marg") is None else _acc(f1, "accuracy_marg")
             lines.append(f"| {m} | {c} | {_acc(f0)} | {_acc(f1)} | {marg} |")
     lines.append("\n### Accuracy under attack (fraction of clients attacking; columns: aggregation rule)\n")
     aggs = list(AGGREGATORS)
@@ -199,7 +227,7 @@ def table(out: Path, methods: list[str]) -> str:
     lines.append("|---|" + "---|" * (len(DROPOUTS) + 1))
     for m in methods:
         last = _final(out / f"dropout_{m}_{DROPOUTS[-1]}")
-        dropped = "—" if last is None else str(last.get("dropped", "—"))
+        dropped = "—" if last is None else str(last[0].get("dropped", "—"))
         lines.append(f"| {m} | " + " | ".join(_acc(_final(out / f"dropout_{m}_{p}")) for p in DROPOUTS) + f" | {dropped} |")
     return "\n".join(lines) + "\n"
 
@@ -239,7 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="dp,coords,attack,dropout", help="comma-separated: dp, coords, attack, dropout")
     ap.add_argument("--methods", default="fedavg,fedpa,fedep,fedlap")
     ap.add_argument("--only", default="", help="comma-separated: run only the runs whose names contain one of these")
-    ap.add_argument("--full", action="store_true", help="the issue's setting: all of Fashion-MNIST, 50 rounds")
+    ap.add_argument("--full", action="store_true", help="all of Fashion-MNIST, 50 rounds")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds 0 .. N-1 of every run (tables: mean±std (n) over the seeds that finished)")
     ap.add_argument("--table", action="store_true", help="print the tables of finished runs and stop")
     ap.add_argument("--list", action="store_true", help="list the runs and stop")
     ap.add_argument("--calibrate", action="store_true", help="print the methods' message norms without DP (how CLIP was chosen) and stop")
@@ -255,11 +284,11 @@ def main(argv=None) -> int:
         calibrate(methods)
         return 0
     if args.table:
-        runs(["dp", "coords", "attack", "dropout"], methods, args.full)  # the aliases
+        runs(["dp", "coords", "attack", "dropout"], methods, args.full, MAX_SEEDS)  # the aliases
         print(table(out, methods), end="")
         return 0
     only = [o for o in args.only.split(",") if o]
-    plan = {k: v for k, v in runs(args.parts.split(","), methods, args.full).items() if not only or any(o == k or o in k for o in only)}
+    plan = {k: v for k, v in runs(args.parts.split(","), methods, args.full, args.seeds).items() if not only or any(o == k or o in k for o in only)}
     if args.list:
         print("\n".join(plan))
         return 0

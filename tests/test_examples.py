@@ -34,8 +34,10 @@ def test_example_is_valid(path):
 def test_demo_is_the_fedlap_papers_setting_with_every_family():
     path = Path(EXAMPLES[0]).parent / "fmnist_compare.toml"
     cfgs = {c.name: c for c in _configs(path)}
-    assert set(cfgs) == {"fedavg", "fedprox", "feddyn", "fedpa", "fedep", "fedsep", "fedlap", "fedlap_cov", "fedlap_func"}
+    assert set(cfgs) == {"fedavg", "fedprox", "feddyn", "fedpa", "fedep", "fedsep", "fedlap", "fedlap_cov", "fedlap_func", "vbnn_cf"}
     assert cfgs["fedep"].algorithm.method == "identity" and cfgs["fedsep"].algorithm.method == "identity"
+    assert cfgs["vbnn_cf"].algorithm.aggregation == "cf" and cfgs["vbnn_cf"].model.variational
+    assert not any(c.model.variational for n, c in cfgs.items() if n != "vbnn_cf")
     for c in cfgs.values():  # Swaroop et al. 2025 (ADMM and Bayes), Table 1's heterogeneous Fashion-MNIST
         assert c.data.dataset == "fashion_mnist" and c.data.num_clients == 10 and c.data.fraction == 0.1 and c.rounds == 50
         assert c.data.partition == "two_level_dirichlet" and c.model.name == "mlp" and c.server.clients_per_round == 10

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from fedbayes import report, summaries
 from fedbayes import sweep as sw
 from fedbayes.cli import app
-from fedbayes.config import validate
+from fedbayes.config import resolved, same_config, to_toml, validate
 from fedbayes.data.holdout import held_out_count, hold_out
 from fedbayes.experiment import build_experiment, prepare_data, prepare_split, read_metrics
 
@@ -367,3 +367,40 @@ def test_compare_over_seeds_reports_mean_and_std_and_resumes(tmp_path):
     assert runner.invoke(app, ["compare", str(config), "--out", str(out)]).exit_code == 2  # never overwrites
     res = runner.invoke(app, ["compare", str(config), "--out", str(out), "--resume", "--seeds", "0,1"])
     assert res.exit_code == 0 and res.output.count("finished earlier, not rerun") == 2, res.output
+
+    # A run written by an older version, before a defaulted key existed, is the same run; a run
+    # whose stored config really differs is not (and is never overwritten).
+    stored = out / "fedavg" / "seed_0" / "config.toml"
+    text = stored.read_text()
+    assert 'store = "memory"\n' in text
+    stored.write_text(text.replace('store = "memory"\n', ""))
+    res = runner.invoke(app, ["compare", str(config), "--out", str(out), "--resume", "--seeds", "0,1"])
+    assert res.exit_code == 0 and res.output.count("finished earlier, not rerun") == 2, res.output
+    stored.write_text(text.replace('store = "memory"', 'store = "disk"'))
+    res = runner.invoke(app, ["compare", str(config), "--out", str(out), "--resume", "--seeds", "0,1"])
+    assert res.exit_code == 2 and "holds a run of a different config" in res.output, res.output
+
+
+def test_same_config_reads_older_files_by_this_versions_schema(tmp_path):
+    cfg = validate({"algorithm": {"name": "fedlap_cov", "delta": 0.5}})
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert same_config(path, cfg)
+    path.write_text(to_toml(cfg).replace('predictive = "sample"\n', ""))  # written before the key existed
+    assert "predictive" not in path.read_text() and same_config(path, cfg)
+    assert not same_config(path, validate({"algorithm": {"name": "fedlap_cov", "delta": 0.5, "predictive": "linearised"}}))
+    assert not same_config(path, validate({"algorithm": {"name": "fedlap_cov", "delta": 1.0}}))
+    path.write_text("rounds = [")  # unreadable
+    assert not same_config(path, cfg) and not same_config(tmp_path / "missing.toml", cfg)
+    assert resolved({"rounds": "many"}) == {"rounds": "many"}  # invalid: kept as it is, equal to no valid config
+
+    # The same for a checkpoint's recorded config: an added defaulted key is no change on resume.
+    from fedbayes.config import ConfigError
+    from fedbayes.experiment import check_resume_config
+
+    old_meta = cfg.model_dump(mode="json")
+    del old_meta["algorithm"]["predictive"]
+    assert check_resume_config(cfg, {"config": old_meta, "config_hash": "older", "round": 3}, tmp_path) == {}
+    old_meta["algorithm"]["delta"] = 2.0
+    with pytest.raises(ConfigError, match=r"algorithm\.delta \(2\.0 -> 0\.5\)"):
+        check_resume_config(cfg, {"config": old_meta, "config_hash": "older", "round": 3}, tmp_path)

@@ -26,7 +26,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from fedbayes import __version__, report  # noqa: E402
-from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, parse_override, read_toml, to_toml, validate  # noqa: E402
+from fedbayes.config import ConfigError, RunConfig, apply_overrides, deep_merge, parse_override, read_toml, same_config, validate  # noqa: E402
 from fedbayes.errors import EXIT_INTERRUPTED, EXIT_UNEXPECTED, exit_code_for, one_line  # noqa: E402
 
 CACHE_ENV = "FEDBAYES_CACHE"
@@ -470,7 +470,7 @@ def compare(
 def _finished(cfg: RunConfig, folder: Path) -> dict | None:
     """The summary of a variant already finished in ``folder`` with this very config, else None."""
     try:
-        if (folder / "config.toml").read_text() == to_toml(cfg):
+        if same_config(folder / "config.toml", cfg):
             return json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError):
         pass
@@ -499,7 +499,7 @@ def _run_comparison(
     if resume:  # a variant whose folder holds another config must not be mixed in silently
         for name, cfg in runs.items():
             stored = out / name / "config.toml"
-            if stored.is_file() and stored.read_text() != to_toml(cfg):
+            if stored.is_file() and not same_config(stored, cfg):
                 _fail(f"error: {out / name} holds a run of a different config; pass --overwrite to replace it, or another --out")
     _hold(out, "compare")
     todo = {name: cfg for name, cfg in runs.items() if not (resume and _finished(cfg, out / name))}
@@ -657,7 +657,7 @@ def _run_seeded_comparison(runs: dict[str, RunConfig], out: Path, seeds: list[in
     jobs = {(name, seed): (cfg.model_copy(update={"seed": seed}), out / name / f"seed_{seed}") for name, cfg in runs.items() for seed in seeds}
     if resume:  # a run folder holding another config is never overwritten
         for cfg, folder in jobs.values():
-            if (folder / "config.toml").is_file() and (folder / "config.toml").read_text() != to_toml(cfg):
+            if (folder / "config.toml").is_file() and not same_config(folder / "config.toml", cfg):
                 _fail(f"error: {folder} holds a run of a different config; pass --overwrite to replace it, or another --out")
     _hold(out, "compare")
     _state["resume_target"] = out  # an interrupted run: `fedbayes resume OUT` continues the comparison

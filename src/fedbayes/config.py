@@ -423,3 +423,25 @@ def to_toml(config: RunConfig) -> str:
     """The resolved config as TOML (every default written out)."""
     data = config.model_dump(mode="json", exclude_none=True)
     return tomli_w.dumps(data)
+
+
+def resolved(raw: dict) -> dict:
+    """``raw`` (a config as a run folder or a checkpoint stored it) read by this version's schema:
+    keys this version added get their defaults, which by our rule reproduce the behaviour of the
+    versions before them. ``raw`` itself where it no longer validates (then it differs from any
+    valid config)."""
+    try:
+        return RunConfig.model_validate(raw).model_dump(mode="json")
+    except (ValidationError, TypeError, ValueError):
+        return raw
+
+
+def same_config(stored: str | Path, config: RunConfig) -> bool:
+    """Whether the ``config.toml`` at ``stored`` holds ``config``: equal once read by this
+    version's schema (:func:`resolved`), so that a run written before a defaulted key was added
+    still counts as the same run. ``False`` for a missing or unreadable file."""
+    try:
+        raw = tomllib.loads(Path(stored).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return resolved(raw) == config.model_dump(mode="json")

@@ -57,7 +57,7 @@ from fedbayes import metrics, runlock
 from fedbayes import round as protocol
 from fedbayes.algorithms import registry
 from fedbayes.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
-from fedbayes.config import ConfigError, RunConfig, to_toml
+from fedbayes.config import ConfigError, RunConfig, resolved, to_toml
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.data.holdout import hold_out
@@ -553,7 +553,7 @@ def check_resume_config(config: RunConfig, meta: dict, out: Path, accept_changes
     """
     if meta.get("config_hash") == config_hash(config):
         return {}
-    old, new = _flat(meta.get("config") or {}), _flat(config.model_dump(mode="json"))
+    old, new = _flat(resolved(meta.get("config") or {})), _flat(config.model_dump(mode="json"))
     changed = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
     accepted = set(accept_changes)
     log = out / "resume_changes.jsonl"

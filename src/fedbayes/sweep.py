@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fedbayes import report, summaries
-from fedbayes.config import ConfigError, RunConfig, to_toml, validate
+from fedbayes.config import ConfigError, RunConfig, same_config, validate
 
 SELECT_ON = ("validation", "test")
 DEFAULT_VALIDATION_FRACTION = 0.1  # held out when selecting on validation and the config holds out none
@@ -300,7 +300,7 @@ def selection_label(select_on: str, cells: Sequence[Cell], seeds: Sequence[int] 
 def finished(config: RunConfig, folder: Path) -> dict | None:
     """The summary of a run already finished in ``folder`` with this very config, else None."""
     try:
-        if (folder / "config.toml").read_text() == to_toml(config):
+        if same_config(folder / "config.toml", config):
             return json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError):
         pass
@@ -313,7 +313,7 @@ def conflicts(cells: Sequence[Cell], seeds_of: Callable[[Cell], Sequence[int]], 
     for cell in cells:
         for seed in seeds_of(cell):
             stored = cell.folder(out, seed) / "config.toml"
-            if stored.is_file() and stored.read_text() != to_toml(cell.config_for(seed)):
+            if stored.is_file() and not same_config(stored, cell.config_for(seed)):
                 bad.append(stored.parent)
     return bad
 
