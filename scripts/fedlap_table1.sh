@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every run behind docs/results/fedlap_table1.md, in the order they were run, then the table.
-#   scripts/fedlap_table1.sh [--with-100]   # from the repository root; 2-3 hours on 2 shared cores
+#   scripts/fedlap_table1.sh [--with-100] [--with-lr1e-4]   # from the repository root; 2-3 hours on 2 shared cores
 # Resumable: rerun it after an interruption and finished runs are skipped (sweeps and comparisons
 # get --resume when their folder exists). The run folders go to runs/t1/ (ignored by git).
 set -euo pipefail
@@ -54,10 +54,17 @@ final $OUT/fmnist_het_sweep $CFG/fmnist_homog.toml $CFG/fmnist_homog_selected.to
 ROWS="fmnist_het=$OUT/fmnist_het_final:$OUT/fmnist_het_sweep fmnist_homog=$OUT/fmnist_homog_final:$OUT/fmnist_het_sweep"
 # 100 clients, full data, the heterogeneous 10% selection, seed by seed as above (about an hour per
 # seed on 2 cores): pass --with-100 to run it and add its row.
-if [ "${1:-}" = --with-100 ]; then
+case " $* " in *" --with-100 "*) WITH_100=1 ;; *) WITH_100=0 ;; esac
+if [ "$WITH_100" = 1 ]; then
   final $OUT/fmnist_het_sweep $CFG/fmnist100_het.toml $CFG/fmnist100_het_selected.toml $OUT/fmnist100_het_final $M
   ROWS="$ROWS fmnist100_het=$OUT/fmnist100_het_final:$OUT/fmnist_het_sweep"
 fi
+
+# The heterogeneous 10% row's selected cells at Adam 1e-4 (seed 0; the results file's learning-rate
+# section): pass --with-lr1e-4. Its table is runs/t1/fmnist_het_lr1e-4/compare.md.
+case " $* " in *" --with-lr1e-4 "*)
+  $FB compare $CFG/fmnist_het_selected.toml --set client.lr=0.0001 $M --seeds 1 --out $OUT/fmnist_het_lr1e-4 --resume ;;
+esac
 
 $PY scripts/fedlap_table1.py table $ROWS breast_cancer_het=$OUT/bc_final:$OUT/bc_sweep \
   --md docs/results/fedlap_table1_tables.md --json docs/results/fedlap_table1.json
