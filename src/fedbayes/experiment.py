@@ -42,9 +42,7 @@ import os
 import shutil
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -463,11 +461,11 @@ def _non_finite(record: dict | None, params, training_loss: float | None = None)
 
 
 class _Pending(NamedTuple):
-    """A finished round waiting for its evaluation (``None``: not an evaluation round)."""
+    """A finished round and its evaluation's metrics (``None``: not an evaluation round)."""
 
     round: int
     info: Any
-    evaluation: Future | None
+    evaluation: dict | None
     counters: dict
     bad: str | None  # non-finite parameters or training loss, found when the round finished
 
@@ -660,33 +658,25 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     # them in different orders on different devices, and their all-reduces then deadlock (seen:
     # XLA:CPU aborted in a rendezvous). Rounds are recorded, checked for divergence, checkpointed
     # and reported strictly in order.
-    pending: deque[_Pending] = deque()
-
-    def evaluate_now(server_state, round_idx: int) -> Future:
-        done: Future = Future()
-        done.set_result(exp.evaluate(server_state, round_idx))
-        return done
-
-    def settle(block: bool) -> None:
+    def settle(e: _Pending) -> None:
+        """Records round ``e``, checks it for divergence, checkpoints and reports it."""
         nonlocal warned, last_ckpt
-        while pending and (block or pending[0].evaluation is None or pending[0].evaluation.done()):
-            e = pending.popleft()
-            rec = record(e.round, e.evaluation.result(), e.counters, e.info) if e.evaluation is not None else None
-            bad = e.bad or _non_finite(rec, None)
-            if bad is not None and not warned:
-                message = _divergence_message(config, e.round, bad, out, last_ckpt)
-                if config.server.on_divergence == "stop":
-                    summary = {**summarize(config, records, exp.dataset.task), "diverged": {"round": e.round, "metric": bad, "checkpoint": last_ckpt}}
-                    _write_atomic(out / "summary.json", dumps_record(summary, indent=2) + "\n")
-                    raise Diverged(message, e.round, bad, last_ckpt)
-                warn(f"warning: {message}")
-                warned = True
-            if not warned and checkpointed(e.round):
-                assert e.round == state.round, "a checkpoint round is settled before the next round starts"
-                strict = [json.loads(dumps_record(x)) for x in records]
-                save_checkpoint(ckpt_dir, state, {**fixed_meta, "counters": e.counters, "metrics": strict})
-                last_ckpt = e.round
-            reporter.update(e.round, config.rounds, rec)
+        rec = record(e.round, e.evaluation, e.counters, e.info) if e.evaluation is not None else None
+        bad = e.bad or _non_finite(rec, None)
+        if bad is not None and not warned:
+            message = _divergence_message(config, e.round, bad, out, last_ckpt)
+            if config.server.on_divergence == "stop":
+                summary = {**summarize(config, records, exp.dataset.task), "diverged": {"round": e.round, "metric": bad, "checkpoint": last_ckpt}}
+                _write_atomic(out / "summary.json", dumps_record(summary, indent=2) + "\n")
+                raise Diverged(message, e.round, bad, last_ckpt)
+            warn(f"warning: {message}")
+            warned = True
+        if not warned and checkpointed(e.round):
+            assert e.round == state.round, "a checkpoint round is settled before the next round starts"
+            strict = [json.loads(dumps_record(x)) for x in records]
+            save_checkpoint(ckpt_dir, state, {**fixed_meta, "counters": e.counters, "metrics": strict})
+            last_ckpt = e.round
+        reporter.update(e.round, config.rounds, rec)
 
     reporter.start(config.name, config.rounds, state.round)
     if state.round == 0 and not records:
@@ -703,11 +693,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
                 counters["late"] += len(info.late)
             client_log.write(info, state.round)
             r = state.round
-            evaluation = evaluate_now(state.server_state, r) if (r % config.eval_every == 0 or r == config.rounds) else None
-            pending.append(_Pending(r, info, evaluation, dict(counters), _non_finite(None, sim.server_params(state), train_loss(info))))
-            settle(block=checkpointed(r))
+            evaluation = exp.evaluate(state.server_state, r) if (r % config.eval_every == 0 or r == config.rounds) else None
+            settle(_Pending(r, info, evaluation, dict(counters), _non_finite(None, sim.server_params(state), train_loss(info))))
             t0 = time.perf_counter()
-        settle(block=True)
     finally:
         reporter.stop()
     task = exp.dataset.task
