@@ -1,6 +1,6 @@
 """Where a federated round's time goes: phases of the steady rounds, or cProfile's top functions.
 
-    .venv/bin/python benchmarks/profile_round.py [WORKLOAD ...] [--rounds N] [--mode phases|cprofile] [--top N] [--json]
+    .venv/bin/python benchmarks/profile_round.py [WORKLOAD ...] [--rounds N] [--mode phases|ops|cprofile] [--top N] [--json]
 
 Runs each workload (default ``fedavg``; any federated key of ``fedbayes.bench.WORKLOADS``, e.g.
 ``fedpa``, ``fedep``, ``fedavg_e3_100``) in a fresh process with one XLA host device per core,
@@ -22,6 +22,12 @@ round into:
 
 It then times the compiled program again on its own, the same inputs called back to back
 (``program_alone``): if that equals ``program``, the host adds nothing but the other phases.
+
+``--mode ops`` traces the steady rounds with the JAX profiler and reports the device threads' time
+per XLA operation (:mod:`fedbayes.bench.trace`): per thread its ``loop`` operations (a training
+step's, a curvature batch's, a server step's), the ``once`` operations (per client or per round),
+``control`` (loops and dispatch) and ``sync`` (collectives, i.e. waiting for the other device), then
+the operations with the most time. The profiler slows the round by a few percent.
 
 ``--mode cprofile`` is the older view: the steady rounds under cProfile, functions with the most
 own time (``fedbayes.bench.measure_federated(profile_top=...)``).
@@ -144,9 +150,53 @@ def measure_phases(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *
     }
 
 
-def _spawn_phases(name: str, settings: fb.BenchSettings) -> dict:
+def measure_ops(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *, top: int = 12) -> dict:
+    """Builds the workload as ``fedbayes bench`` does and traces its steady rounds (``--mode ops``)."""
+    import tempfile
+
+    import jax
+
+    from fedbayes.bench import trace
+
+    dataset = fb.load_data(settings)
+    sim, state = fb.build_simulator(workload, settings, dataset)
+    for _ in range(2):  # compile, then one steady round before the trace
+        state, _ = sim.run_round(state, donate=True)
+    jax.block_until_ready(state.server_state)
+    rounds = fb.steady_rounds(workload, settings)
+    with tempfile.TemporaryDirectory(prefix="fedbayes-trace-") as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                state, _ = sim.run_round(state, donate=True)
+            jax.block_until_ready(state.server_state)
+            wall = time.perf_counter() - t0
+        events, names = trace.load_events(trace.find_trace(tmp))
+    out = trace.op_breakdown(events, names, rounds=rounds, top=top)
+    round_ms = 1000 * wall / rounds
+    # The profiler keeps a bounded number of events: with many small operations a long trace loses
+    # some, and the threads look idle. Coverage says how much of the round the busiest thread's
+    # recorded operations explain.
+    coverage = max((t["busy_ms"] for t in out["threads"]), default=0.0) / round_ms
+    return {"workload": workload.name, "rounds": rounds, "round_ms": round_ms, "coverage": coverage, **out}
+
+
+def print_ops(r: dict) -> None:
+    print(f"{r['workload']}: {r['rounds']} traced rounds, {r['round_ms']:.1f} ms a round (profiler on); device threads, ms a round:")
+    if r["coverage"] < 0.8:
+        print(f"  note: the recorded operations explain {100 * r['coverage']:.0f}% of the round: the profiler dropped events; trace fewer rounds (--rounds 1)")
+    for t in r["threads"]:
+        print(
+            f"  {t['thread'][:28]:<28} busy {t['busy_ms']:7.1f}: loop {t['loop_ms']:7.1f}  once {t['once_ms']:6.1f}  control {t['control_ms']:5.1f}  sync {t['sync_ms']:6.1f}"
+        )
+    print(f"  {'operation':<44} {'class':<8} {'ms/round':>9} {'calls/round':>12}")
+    for o in r["ops"]:
+        print(f"  {o['name'][:44]:<44} {o['class']:<8} {o['ms']:9.2f} {o['calls']:12.1f}")
+
+
+def _spawn_phases(name: str, settings: fb.BenchSettings, mode: str = "phases", top: int = 12) -> dict:
     flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
-    spec = json.dumps({"workload": name, "settings": fb.settings_to_dict(settings)})
+    spec = json.dumps({"workload": name, "settings": fb.settings_to_dict(settings), "mode": mode, "top": top})
     res = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, env=dict(os.environ, XLA_FLAGS=flags))
     if res.returncode != 0:
         raise fb.BenchError(f"profile worker {name} failed:\n{res.stderr[-3000:]}")
@@ -165,7 +215,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     federated = [n for n, w in fb.WORKLOADS.items() if isinstance(w, fb.FederatedWorkload)]
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD", help=f"default: fedavg; one of {', '.join(federated)}")
-    parser.add_argument("--mode", choices=("phases", "cprofile"), default="phases")
+    parser.add_argument("--mode", choices=("phases", "ops", "cprofile"), default="phases")
     parser.add_argument("--rounds", type=int, default=10, help="steady rounds (scaled by the workload's rounds_scale)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--dataset", default=fb.FULL.dataset)
@@ -174,7 +224,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)
-        print(json.dumps(measure_phases(fb.WORKLOADS[spec["workload"]], fb.settings_from_dict(spec["settings"]))))
+        workload, settings = fb.WORKLOADS[spec["workload"]], fb.settings_from_dict(spec["settings"])
+        if spec.get("mode") == "ops":
+            print(json.dumps(measure_ops(workload, settings, top=spec.get("top", 12))))
+        else:
+            print(json.dumps(measure_phases(workload, settings)))
         return 0
     unknown = [n for n in args.workloads if n not in federated]
     if unknown:
@@ -182,9 +236,12 @@ def main(argv=None) -> int:
     settings = dataclasses.replace(fb.FULL, rounds=args.rounds, dataset=args.dataset)
     fb.check_dataset(settings)
     for name in args.workloads or ["fedavg"]:
-        if args.mode == "phases":
-            r = _spawn_phases(name, settings)
-            print(json.dumps(r)) if args.json else print_phases(r)
+        if args.mode in ("phases", "ops"):
+            r = _spawn_phases(name, settings, args.mode, args.top)
+            if args.json:
+                print(json.dumps(r))
+            else:
+                (print_phases if args.mode == "phases" else print_ops)(r)
             continue
         raw = fb.run_federated_process(fb.WORKLOADS[name], settings, profile_top=args.top)
         entry = fb.federated_entry(raw)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from fedbayes.inference import curvature as cv
 from fedbayes.models import init_params, make_model
+from fedbayes.models.layers import find_layers
 
 RTOL = 1e-5
 MODELS = {
@@ -247,7 +248,7 @@ def test_unknown_and_shared_layers_fall_back_exactly(flavour):
         apply = lambda p, xx: model.apply({"params": p}, xx)
         y = jnp.asarray([0, 1, 2, 1, 0])
         mask = jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0])
-        layers, _ = cv._discover(apply, params, x)
+        layers, _ = find_layers(apply, params, x)
         assert set(layers) == {("out",)}  # the shared layer and `scale` take the fallback
         if flavour == "ggn":
             got, ref = cv.diag_ggn(apply, params, x, y, mask), _ref_ggn(apply, params, x, mask, "classification")
@@ -262,7 +263,7 @@ def test_model_outputs_unchanged_by_the_intercepted_pass():
     params = init_params(model, jax.random.key(0), (28, 28, 1))
     apply = lambda p, x: model.apply({"params": p}, x)
     x = jax.random.normal(jax.random.key(1), (6, 28, 28, 1))
-    layers, _ = cv._discover(apply, params, x)
+    layers, _ = find_layers(apply, params, x)
     pert = {path: jnp.zeros(s.shape, s.dtype) for path, (_, s) in layers.items()}
     out, inputs = jax.jit(cv._forward(apply, params, x, layers))(pert)
     # exact zeros are added; compiled, XLA may fuse the two programs differently (float32 rounding)

@@ -54,9 +54,11 @@ floats: the model's initial parameters in round 1, the global's mean afterwards)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -70,13 +72,16 @@ from fedbayes.evaluation import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
+from fedbayes.models.layers import find_layers, layer_of
 
 PyTree = Any
 LocalVI = Callable[[jax.Array, DiagGaussian, DiagGaussian, ClientData], tuple[DiagGaussian, dict]]
 PARAMETERISATIONS = ("log", "softplus")
+ESTIMATORS = ("weights", "local")
 INIT_MEANS = ("global", "model")
 
 __all__ = [
+    "ESTIMATORS",
     "INIT_MEANS",
     "PARAMETERISATIONS",
     "Broadcast",
@@ -135,10 +140,18 @@ def draw_weights(key: jax.Array, vp: VariationalParams, parameterisation: str) -
     return jax.tree.map(leaf, keys, vp.mean, vp.raw_std)
 
 
-def expected_loss(loss_fn: Callable, *, samples: int, parameterisation: str) -> Callable:
+def expected_loss(loss_fn: Callable, *, samples: int, parameterisation: str, estimator: str = "weights") -> Callable:
     """``(vp, key, x, y, mask) -> (1/S) sum_s loss_fn(theta_s, k_s, x, y, mask)`` with
     ``theta_s = draw_weights(k_s, vp)`` and ``k_s = fold_in(key, s)``: the minibatch estimate of
-    ``E_q[mean loss]`` (the keyed loss of :func:`fedbayes.inference.sgd.run_sgd`)."""
+    ``E_q[mean loss]`` (the keyed loss of :func:`fedbayes.inference.sgd.run_sgd`).
+
+    ``estimator="local"`` gives the same expectation with :func:`local_reparameterisation`: the
+    dense layers' outputs are drawn per example instead of their weights per minibatch.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}; got {estimator!r}")
+    if estimator == "local":
+        return local_reparameterisation(loss_fn, samples=samples, parameterisation=parameterisation)
 
     def loss(vp, key, x, y, mask):
         def one(s):
@@ -152,7 +165,91 @@ def expected_loss(loss_fn: Callable, *, samples: int, parameterisation: str) -> 
     return loss
 
 
-def reparameterised_vi(trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None) -> LocalVI:
+def local_reparameterisation(loss_fn: Callable, *, samples: int, parameterisation: str) -> Callable:
+    """The local reparameterisation estimate of ``E_q[mean loss]`` (Kingma, Salimans & Welling 2015,
+    "Variational Dropout and the Local Reparameterization Trick", Sec. 2.3).
+
+    For a dense layer ``z = a W + b`` with independent ``W_ij ~ N(M_ij, S_ij^2)``,
+    ``b_j ~ N(m_j, s_j^2)``, the output given the input ``a`` of one example is Gaussian with
+    independent units:
+
+        z_j | a ~ N( (a M + m)_j,  (a^2 S^2 + s^2)_j ),
+
+    so drawing ``z_j = (a M + m)_j + sqrt((a^2 S^2 + s^2)_j) eps_j`` per example and unit is an exact
+    draw of the layer's output under **a separate weight draw per example**. The minibatch loss is
+    then an unbiased estimate of the same ``E_q[mean loss]`` as :func:`draw_weights`' one shared
+    draw, with lower variance (the examples' noise is independent), and it needs ``B x units``
+    normals per layer instead of ``units_in x units`` (PVI's cost on a CPU is mostly these normals:
+    docs/results/bench.md).
+
+    The dense layers are found by interception (:func:`fedbayes.models.layers.find_layers`: every
+    ``flax.linen.Dense`` called once on a ``[batch, features]`` input); their kernel and bias stay at
+    the mean and their outputs get the noise. Every other parameter (convolutions, whose shared
+    weights make the per-position draws correlated, and anything else) is drawn as
+    :func:`draw_weights` draws it. Keys: sample ``s`` splits ``fold_in(key, s)`` into
+    ``(k_weights, k_units)``; the other parameters are ``draw_weights(k_weights, ...)``; the dense
+    layers' noise is one ``normal(k_units, (sum of their output sizes,))``, sliced in the order
+    the model first calls them (one generator call a step: on the CPU each call is a loop of
+    dispatches), and ``k_units`` is the loss's key.
+    """
+
+    def loss(vp, key, x, y, mask):
+        layers, _ = find_layers(lambda p, xx: loss_fn(p, key, xx, y, mask), vp.mean, x)
+        # Each dense layer's slice of one normal draw per sample: one generator call per step.
+        dense, total = {}, 0
+        for path, (layer, shape) in layers.items():
+            if layer.kind == "dense":
+                dense[path] = (total, shape.shape)
+                total += math.prod(shape.shape)
+        std = std_of(vp, parameterisation)
+
+        def at(tree, path):
+            for name in path:
+                tree = tree[name]
+            return tree
+
+        def covered(kp, _):
+            names = tuple(getattr(k, "key", getattr(k, "name", k)) for k in kp)
+            return names[:-1] in dense and names[-1] in ("kernel", "bias")
+
+        cover = jax.tree_util.tree_map_with_path(covered, vp.mean)
+        all_covered = all(jax.tree.leaves(cover))
+
+        def one(s):
+            k_weights, k_units = jax.random.split(jax.random.fold_in(key, s))
+            theta = vp.mean
+            if not all_covered:
+                drawn = draw_weights(k_weights, vp, parameterisation)
+                theta = jax.tree.map(lambda c, m, d: m if c else d, cover, vp.mean, drawn)
+            noise = jax.random.normal(k_units, (total,), jnp.float32)
+
+            def interceptor(next_fun, args, kwargs, context):
+                out = next_fun(*args, **kwargs)
+                layer = layer_of(context, args)
+                if layer is None or layer.path not in dense:
+                    return out
+                start, shape = dense[layer.path]
+                node = at(std, layer.path)
+                var = jnp.square(args[0]).astype(out.dtype) @ jnp.square(node["kernel"]).astype(out.dtype)
+                if "bias" in node:
+                    var = var + jnp.square(node["bias"]).astype(out.dtype)[None, :]
+                eps = noise[start : start + math.prod(shape)].reshape(shape).astype(out.dtype)
+                # The tiny floor keeps sqrt's gradient finite for an all-zero input without a bias.
+                return out + jnp.sqrt(var + jnp.finfo(out.dtype).tiny) * eps
+
+            with nn.intercept_methods(interceptor):
+                return loss_fn(theta, k_units, x, y, mask).astype(jnp.float32)
+
+        if samples == 1:
+            return one(0)
+        return jnp.mean(jax.vmap(one)(jnp.arange(samples)))
+
+    return loss
+
+
+def reparameterised_vi(
+    trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None, estimator: str = "weights"
+) -> LocalVI:
     """The local step of mean-field Gaussian PVI (docs/algorithms.md §8.2): Bayes-by-backprop on the
     tilted objective, per minibatch (mean-loss scale, i.e. the objective divided by ``n_k``)
 
@@ -171,6 +268,9 @@ def reparameterised_vi(trainer: LocalTrainer, *, samples: int = 1, parameterisat
       init_std: if set, the local ``sigma`` starts at ``min(sigma_g, init_std)`` instead of the
         global's ``sigma_g`` (the objective is unchanged; a small start keeps early samples of a
         network near its mean, as Bayes-by-backprop initialisations do).
+      estimator: ``"weights"`` (one weight draw per minibatch and sample, Bayes-by-backprop) or
+        ``"local"`` (:func:`local_reparameterisation`: the same objective, the dense layers'
+        outputs drawn per example).
 
     Returns:
       ``fit(key, start, cavity, data) -> (q_k, info)`` (:data:`LocalVI`): ``start`` and ``cavity``
@@ -178,7 +278,7 @@ def reparameterised_vi(trainer: LocalTrainer, *, samples: int = 1, parameterisat
       expected data loss).
 
     Raises:
-      ValueError: for ``samples < 1``, an unknown parameterisation or ``init_std <= 0``.
+      ValueError: for ``samples < 1``, an unknown parameterisation or estimator, or ``init_std <= 0``.
     """
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
@@ -186,7 +286,7 @@ def reparameterised_vi(trainer: LocalTrainer, *, samples: int = 1, parameterisat
         raise ValueError(f"parameterisation must be one of {', '.join(PARAMETERISATIONS)}, got {parameterisation!r}")
     if init_std is not None and not init_std > 0:
         raise ValueError(f"init_std must be > 0 (or None), got {init_std}")
-    local = trainer._replace(loss_fn=expected_loss(trainer.loss_fn, samples=samples, parameterisation=parameterisation))
+    local = trainer._replace(loss_fn=expected_loss(trainer.loss_fn, samples=samples, parameterisation=parameterisation, estimator=estimator))
 
     def fit(key, start: DiagGaussian, cavity: DiagGaussian, data: ClientData):
         n = jnp.maximum(data.num_examples.astype(jnp.float32), 1.0)
@@ -249,6 +349,7 @@ def pvi(
     init_mean: str = "global",
     allow_improper_sites: bool = True,
     local: LocalVI | None = None,
+    estimator: str = "weights",
 ) -> Algorithm:
     """Synchronous mean-field Gaussian PVI (module docstring; docs/algorithms.md §8).
 
@@ -258,7 +359,7 @@ def pvi(
         PVI exactly).
       prior_precision: ``delta`` of the prior ``N(0, 1/delta)``, on the sum-loss scale.
       damping: ``rho``, in (0, 1].
-      samples, parameterisation, init_std: the local step's (:func:`reparameterised_vi`).
+      samples, parameterisation, init_std, estimator: the local step's (:func:`reparameterised_vi`).
       init_mean: where the local mean starts: ``"global"``, the mean of ``q_g`` (Ashman et al.);
         ``"model"``, the model's initial parameters in the first round (the prior's zero mean
         is a symmetric start for a network's hidden units) and the mean of ``q_g`` afterwards.
@@ -276,7 +377,7 @@ def pvi(
     if init_mean not in INIT_MEANS:
         raise ValueError(f"pvi: init_mean must be one of {', '.join(INIT_MEANS)}; got {init_mean!r}")
     if local is None:
-        local = reparameterised_vi(trainer, samples=samples, parameterisation=parameterisation, init_std=init_std)
+        local = reparameterised_vi(trainer, samples=samples, parameterisation=parameterisation, init_std=init_std, estimator=estimator)
     anchored = init_mean == "model"
 
     def server_init(key, params):
@@ -347,6 +448,9 @@ class PVIConfig(HParams):
     delta: float = Field(1.0, gt=0, description="prior precision: p(theta) = N(0, 1/delta), on the sum-loss scale")
     rho: float | None = Field(None, gt=0, le=1, description="damping of the site updates; default 1 / clients_per_round")
     samples: int = Field(1, ge=1, description="S, reparameterised weight samples per minibatch of the local VI")
+    estimator: Literal[ESTIMATORS] = Field(  # type: ignore[valid-type]
+        "weights", description="local VI gradient: weights (one draw per minibatch) or local (dense outputs drawn per example; same objective)"
+    )
     parameterisation: Literal[PARAMETERISATIONS] = Field("log", description="local standard deviation as exp(s) (log) or softplus(s)")  # type: ignore[valid-type]
     init_std: float | None = Field(None, gt=0, description="start the local std at min(global std, init_std); default: the global std")
     init_mean: Literal[INIT_MEANS] = Field("global", description="local mean's start: global (mean of q_g) or model (the model's init in round 1)")  # type: ignore[valid-type]
@@ -361,5 +465,5 @@ def build(hp: PVIConfig, ctx) -> Algorithm:
     return pvi(
         ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=hp.rho or 1.0 / ctx.clients_per_round,
         samples=hp.samples, parameterisation=hp.parameterisation, init_std=hp.init_std, init_mean=hp.init_mean,
-        allow_improper_sites=hp.improper_sites == "allow",
+        allow_improper_sites=hp.improper_sites == "allow", estimator=hp.estimator,
     )  # fmt: skip

@@ -199,6 +199,13 @@ WORKLOADS: dict[str, Workload] = {
         # (local std 0.1, mean at the model's init): from the prior's std 1 its weight noise makes
         # the client SGD diverge.
         _against_fedavg_e3_100("pvi_100", "pvi", "PVI (1 weight sample per step)", store="device", hparams=(("init_std", 0.1), ("init_mean", "model"))),
+        _against_fedavg_e3_100(
+            "pvi_local_100",
+            "pvi",
+            "PVI, local reparameterisation (dense outputs drawn per example)",
+            store="device",
+            hparams=(("init_std", 0.1), ("init_mean", "model"), ("estimator", "local")),
+        ),
         _against_fedavg_e3_100("fedlap_100", "fedlap", "FedLap", store="device"),
         _against_fedavg_e3_100("fedlap_cov_100", "fedlap_cov", "FedLap-Cov (GGN pass included)", store="device"),
         _against_fedavg_e3_100("fedlap_func_100", "fedlap_func", "FedLap-Func (500 server steps)", store="device"),

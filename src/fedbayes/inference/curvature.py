@@ -38,7 +38,7 @@ share the forward pass (``vmap`` over the cotangents). Then
   convolutions): per-example gradients of those leaves only, by ``vmap`` over examples (exact,
   slower).
 
-The layers are found with :func:`flax.linen.intercept_methods`, so ``apply_fn`` may be any function
+The layers are found with :func:`flax.linen.intercept_methods` (:mod:`fedbayes.models.layers`), so ``apply_fn`` may be any function
 ``(params, x) -> outputs`` that calls flax modules on the ``params`` collection (as
 ``model.apply({"params": p}, x)``); the models themselves are unchanged. The intercepted forward
 pass adds exact zeros, so it computes the model's outputs up to float rounding (compiled, XLA may
@@ -61,13 +61,13 @@ equal the full-batch value.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedbayes.models.conv import PatchConv
+from fedbayes.models.layers import find_layers, layer_of
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, x [B, ...]) -> outputs [B, C] or [B]
@@ -86,93 +86,6 @@ __all__ = [
 ]
 
 
-class _Layer(NamedTuple):
-    kind: str  # "dense" or "conv"
-    path: tuple[str, ...]
-    attrs: tuple  # conv: (kernel_size, strides, padding, input_dilation, kernel_dilation)
-
-
-def _conv_attrs(module: nn.Conv, ndim: int):
-    """The conv's geometry in ``lax`` terms, or None where the im2col path does not apply."""
-    if module.feature_group_count != 1 or ndim != 4 or getattr(module, "mask", None) is not None:
-        return None
-    ks = tuple(module.kernel_size)
-    if len(ks) != 2:
-        return None
-
-    def pair(v):
-        if v is None:
-            return (1, 1)
-        if isinstance(v, int):
-            return (v, v)
-        return tuple(v)
-
-    padding = module.padding
-    if isinstance(padding, str):
-        if padding not in ("SAME", "VALID"):
-            return None
-    elif isinstance(padding, int):
-        padding = ((padding, padding), (padding, padding))
-    else:
-        padding = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
-        if len(padding) != 2:
-            return None
-    return (ks, pair(module.strides), padding, pair(module.input_dilation), pair(module.kernel_dilation))
-
-
-def _layer_of(context, args) -> _Layer | None:
-    """The structured layer behind an intercepted call, or None."""
-    module = context.module
-    if context.method_name != "__call__" or not args:
-        return None
-    path = tuple(module.scope.path)
-    if type(module) is nn.Dense and jnp.ndim(args[0]) == 2:
-        return _Layer("dense", path, ())
-    if type(module) is nn.Conv:
-        attrs = _conv_attrs(module, jnp.ndim(args[0]))
-        if attrs is not None:
-            return _Layer("conv", path, attrs)
-    if type(module) is PatchConv and jnp.ndim(args[0]) == 4:
-        # The same stride-1, undilated convolution as nn.Conv, computed as patches plus a dot
-        # (fedbayes.models.conv): the same im2col identity applies.
-        return _Layer("conv", path, (tuple(module.kernel_size), (1, 1), module.padding, (1, 1), (1, 1)))
-    return None
-
-
-def _discover(apply_fn: ApplyFn, params: PyTree, x: jax.Array):
-    """Traces ``apply_fn`` once (shapes only) and lists its structured layers with their output
-    shapes; a layer called twice, or one whose parameters are not ``kernel`` (and ``bias``) of
-    ``params`` at its path, is left to the fallback."""
-    found: dict[tuple, tuple[_Layer, Any]] = {}
-    calls: dict[tuple, int] = {}
-
-    def interceptor(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        layer = _layer_of(context, args)
-        if layer is not None:
-            calls[layer.path] = calls.get(layer.path, 0) + 1
-            found[layer.path] = (layer, jax.ShapeDtypeStruct(out.shape, out.dtype))
-        return out
-
-    def run(p, xx):
-        with nn.intercept_methods(interceptor):
-            return apply_fn(p, xx)
-
-    out_shape = jax.eval_shape(run, params, x)
-    layers = {}
-    for path, (layer, shape) in found.items():
-        node = params
-        try:
-            for name in path:
-                node = node[name]
-        except (KeyError, TypeError):
-            continue
-        if calls[path] != 1 or not isinstance(node, dict) or "kernel" not in node or set(node) - {"kernel", "bias"}:
-            continue
-        layers[path] = (layer, shape)
-    return layers, out_shape
-
-
 def _forward(apply_fn, params, x, layers):
     """``pert -> (outputs, inputs)``: the model with zero perturbations added to each structured
     layer's output, and the layers' inputs."""
@@ -182,7 +95,7 @@ def _forward(apply_fn, params, x, layers):
 
         def interceptor(next_fun, args, kwargs, context):
             out = next_fun(*args, **kwargs)
-            layer = _layer_of(context, args)
+            layer = layer_of(context, args)
             if layer is not None and layer.path in pert:
                 inputs[layer.path] = args[0]
                 out = out + pert[layer.path]
@@ -292,7 +205,7 @@ def batch_curvature(
             raise ValueError("diag_fisher needs a key for the sampled labels")
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
-    layers, _ = _discover(apply_fn, params, x)
+    layers, _ = find_layers(apply_fn, params, x)
     pert0 = {path: jnp.zeros(shape.shape, shape.dtype) for path, (_, shape) in layers.items()}
     fwd = _forward(apply_fn, params, x, layers)
     out, vjp_fn, inputs = jax.vjp(fwd, pert0, has_aux=True)
