@@ -27,7 +27,9 @@ It then times the compiled program again on its own, the same inputs called back
 per XLA operation (:mod:`fedbayes.bench.trace`): per thread its ``loop`` operations (a training
 step's, a curvature batch's, a server step's), the ``once`` operations (per client or per round),
 ``control`` (loops and dispatch) and ``sync`` (collectives, i.e. waiting for the other device), then
-the operations with the most time. The profiler slows the round by a few percent.
+the operations with the most time. The profiler slows the round (by 10-30% on the development
+machine), so read shares, not absolute times; when it drops events (a long trace of many small
+operations) the output says how much of the round the recorded operations explain.
 
 ``--mode cprofile`` is the older view: the steady rounds under cProfile, functions with the most
 own time (``fedbayes.bench.measure_federated(profile_top=...)``).
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="steady rounds (scaled by the workload's rounds_scale)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--dataset", default=fb.FULL.dataset)
-    parser.add_argument("--json", action="store_true", help="phases: one JSON object per workload")
+    parser.add_argument("--json", action="store_true", help="phases, ops: one JSON object per workload")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
