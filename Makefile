@@ -35,7 +35,7 @@ $(FLOWER_VENV)/bin/flwr: pyproject.toml
 	@touch $@
 
 test-flower: $(FLOWER_VENV)/bin/flwr
-	$(FLOWER_VENV)/bin/python -m pytest -q tests/test_flower.py
+	$(FLOWER_VENV)/bin/python -m pytest -q tests/flower/test_flower.py
 
 # What .ci/run checks besides the tests (ruff settings in pyproject.toml).
 lint: env

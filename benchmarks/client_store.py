@@ -5,12 +5,12 @@ the others non-zero, like ADMM's dual and contribution), cohorts of ``--cohort``
 without replacement each round. One round = gather the cohort's rows + scatter new rows (the
 store's host work in ``Simulator.run_round``; no training). Each mode runs in a fresh process:
 
-* ``disk``: :class:`fedbayes.store.DiskStore` (pread/pwrite, undo log per round, fsync at every
+* ``disk``: :class:`fedbayes.sim.store.DiskStore` (pread/pwrite, undo log per round, fsync at every
   commit point); also times a rollback over all rounds run.
 * ``disk-nosync``: the same with ``durable=False`` (enough to survive a killed process).
 * ``memmap``: the alternative the store avoids: one ``np.memmap`` per leaf kept mapped, rows
   read and written by fancy indexing, ``flush()`` per round, no undo log.
-* ``memory`` / ``memory-donate``: :class:`fedbayes.store.MemoryStore`, pure (copies ``K`` rows
+* ``memory`` / ``memory-donate``: :class:`fedbayes.sim.store.MemoryStore`, pure (copies ``K`` rows
   per leaf each round) or in place.
 
 ``peak_rss_growth_mb`` is the process's peak resident set (``VmHWM``, reset through
@@ -60,7 +60,7 @@ def _reset_peak() -> int:
 def run_mode(mode: str, num_clients: int, params: int, leaves: int, cohort: int, rounds: int, folder: str) -> dict:
     import numpy as np
 
-    from fedbayes.store import DiskStore, MemoryStore
+    from fedbayes.sim.store import DiskStore, MemoryStore
 
     rng = np.random.default_rng(0)
     template = {f"leaf{i}": (np.zeros if i == 0 else np.ones)(params, np.float32) for i in range(leaves)}

@@ -3,7 +3,7 @@
     PYTHONPATH=src .venv/bin/python benchmarks/cnn_round.py [--clients 10] [--per-client 640]
         [--epochs 1] [--batch 64] [--reps 7] [--layout sequential] [--conv patches xla] [--vbnn] [--json]
 
-One process, one XLA host device per core (``fedbayes.hostdevices``). For each convolution
+One process, one XLA host device per core (``fedbayes.sim.hostdevices``). For each convolution
 implementation (``--conv``: ``patches``, the default model's patch extraction plus dot, and
 ``xla``, ``nn.Conv``) it builds
 
@@ -35,7 +35,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from fedbayes import hostdevices  # noqa: E402  (no JAX import)
+from fedbayes.sim import hostdevices  # noqa: E402  (no JAX import)
 
 hostdevices.configure()
 
@@ -49,7 +49,7 @@ from fedbayes.bench.relative import interleaved_times, plain_loop  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
 from fedbayes.models.variational import apply_with_key  # noqa: E402
-from fedbayes.simulate import Federation, Simulator  # noqa: E402
+from fedbayes.sim.simulator import Federation, Simulator  # noqa: E402
 
 
 def _images(num: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:

@@ -39,7 +39,7 @@ import tempfile
 import time
 
 from fedbayes import bench as fb
-from fedbayes.hostdevices import num_cores, xla_flags
+from fedbayes.sim.hostdevices import num_cores, xla_flags
 
 MODES = ("fedsep", "fedep-disk", "fedep-memory")
 
@@ -51,7 +51,7 @@ def run_mode(mode: str, args: argparse.Namespace, folder: str) -> dict:
     import numpy as np
 
     from fedbayes.data import partition
-    from fedbayes.simulate import Federation, Simulator
+    from fedbayes.sim.simulator import Federation, Simulator
     from fedbayes.tree import num_params
 
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ serverapp = ServerApp()
 def train(msg: Message, context: Context) -> Message:
     import jax
 
-    from fedbayes.config import load_config
+    from fedbayes.config.schema import load_config
     from fedbayes.flower.codec import decode, encode
     from fedbayes.flower.node import client_update, node_setup
 
@@ -42,9 +42,9 @@ def train(msg: Message, context: Context) -> Message:
 def main(grid: Grid, context: Context) -> None:
     from flwr.serverapp.strategy import FedAvg
 
-    from fedbayes.config import load_config
-    from fedbayes.experiment import build_experiment
+    from fedbayes.config.schema import load_config
     from fedbayes.flower.codec import encode
+    from fedbayes.runs.experiment import build_experiment
 
     config = load_config(str(context.run_config["config"]))
     exp = build_experiment(config)

@@ -18,10 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-from fedbayes.config import load_config, to_toml
-from fedbayes.experiment import build_experiment
+from fedbayes.config.schema import load_config, to_toml
 from fedbayes.flower.deploy import LocalFederation
 from fedbayes.flower.node import prepare_data
+from fedbayes.runs.experiment import build_experiment
 
 HERE = Path(__file__).resolve().parent
 

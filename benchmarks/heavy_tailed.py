@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from fedbayes import hostdevices  # noqa: E402  (no JAX: sets XLA_FLAGS before JAX starts)
+from fedbayes.sim import hostdevices  # noqa: E402  (no JAX: sets XLA_FLAGS before JAX starts)
 
 hostdevices.configure()  # laid out as the CLI lays itself out
 
@@ -33,7 +33,7 @@ from fedbayes.algorithms import fedavg  # noqa: E402
 from fedbayes.data import synthetic_heavy_tailed_federation  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
-from fedbayes.simulate import Simulator  # noqa: E402
+from fedbayes.sim.simulator import Simulator  # noqa: E402
 
 
 def measure(num_clients: int, per_round: int, rounds: int, seed: int = 0) -> dict:

@@ -4,7 +4,7 @@ paired in one process.
     PYTHONPATH=src .venv/bin/python benchmarks/pipeline.py [--workload fedavg_100 ...] [--blocks 12]
         [--block 5] [--json]
 
-One process, one XLA host device per core (``fedbayes.hostdevices``), Fashion-MNIST (the bench's
+One process, one XLA host device per core (``fedbayes.sim.hostdevices``), Fashion-MNIST (the bench's
 workloads, :data:`fedbayes.bench.WORKLOADS`). For each workload it builds
 
 * ``loop``: ``Simulator.run_round(state, donate=True)`` then ``block_until_ready``, round after
@@ -16,7 +16,7 @@ workloads, :data:`fedbayes.bench.WORKLOADS`). For each workload it builds
 Each variant compiles and warms up (two rounds), then ``--blocks`` passes run ``--block`` rounds of
 every variant in turn (rotating the order each pass). Reported per variant: median seconds per
 round, and, per pass, the throughput ratio to ``loop`` (median and range over passes). The
-variants' results are bitwise equal (tests/test_pipeline.py); only their timing differs.
+variants' results are bitwise equal (tests/sim/test_pipeline.py); only their timing differs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from fedbayes import hostdevices  # noqa: E402  (no JAX import)
+from fedbayes.sim import hostdevices  # noqa: E402  (no JAX import)
 
 hostdevices.configure()
 

@@ -47,7 +47,7 @@ import sys
 import time
 
 from fedbayes import bench as fb
-from fedbayes.hostdevices import num_cores, xla_flags
+from fedbayes.sim.hostdevices import num_cores, xla_flags
 
 PHASES = ("cohort", "host_layout", "store", "device_put", "program", "to_host", "python")
 
@@ -68,7 +68,7 @@ def measure_phases(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *
     import jax
     import numpy as np
 
-    from fedbayes import simulate
+    from fedbayes.sim import simulator as simulate
 
     dataset = fb.load_data(settings)
     epochs = fb.workload_epochs(workload, settings)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import tomli_w
 
-from fedbayes import summaries
-from fedbayes.experiment import read_metrics
+from fedbayes.runs import summaries
+from fedbayes.runs.experiment import read_metrics
 
 METHODS = ("fedavg", "fedprox", "feddyn", "fedlap", "fedlap_cov", "fedlap_func")
 ROUNDS = (10, 25, 50)

@@ -21,7 +21,7 @@ import numpy as np
 import tomli_w
 
 from fedbayes.algorithms import registry
-from fedbayes.checkpoint import latest_checkpoint, read_checkpoint
+from fedbayes.runs.checkpoint import latest_checkpoint, read_checkpoint
 
 
 def config_for(name: str, rounds: int) -> dict:

@@ -25,14 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from fedbayes import hostdevices  # noqa: E402
+from fedbayes.sim import hostdevices  # noqa: E402
 
 hostdevices.configure()  # one XLA device per core, as the CLI
 
 from fedbayes.cli import enable_compilation_cache  # noqa: E402
-from fedbayes.config import ALGORITHMS, validate  # noqa: E402
-from fedbayes.experiment import PlainReporter, run_experiment  # noqa: E402
-from fedbayes.summaries import mean_std  # noqa: E402
+from fedbayes.config.schema import ALGORITHMS, validate  # noqa: E402
+from fedbayes.runs.experiment import PlainReporter, run_experiment  # noqa: E402
+from fedbayes.runs.summaries import mean_std  # noqa: E402
 
 BASE = {
     "seed": 0,
@@ -239,8 +239,8 @@ def calibrate(methods: list[str], rounds: int = 5) -> None:
     import numpy as np
 
     from fedbayes.aggregators import weighted
-    from fedbayes.experiment import build_experiment
-    from fedbayes.robust import row_norms
+    from fedbayes.aggregators.robust import row_norms
+    from fedbayes.runs.experiment import build_experiment
 
     for m in methods:
         config = validate(_merge(BASE, {"name": f"calibrate_{m}", "algorithm": METHODS[m]}))

@@ -8,7 +8,8 @@ check that a run interrupted at that point resumes exactly. A test tool, not par
 import os
 import sys
 
-from fedbayes import cli, experiment
+from fedbayes import cli
+from fedbayes.runs import experiment
 
 
 def _die_after(round_to_die: int) -> None:

@@ -12,8 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from fedbayes.experiment import read_metrics
-from fedbayes.metrics import rounds_to_threshold
+from fedbayes.evaluation.metrics import rounds_to_threshold
+from fedbayes.runs.experiment import read_metrics
 
 
 def _runs(paths):

@@ -6,7 +6,7 @@ on FedLap itself, each a pure function:
 
 * :func:`select_memory`: a client's memory set, ``memory_per_class`` of its own examples per class,
   drawn from the first epoch's shuffle laid out in its order buffer (so from the NumPy stream
-  :func:`fedbayes.round.shuffle_rng` of that round and client), with the per-point weights
+  :func:`fedbayes.protocol.shuffle_rng` of that round and client), with the per-point weights
   ``tau_x = N_{k,c} / M_{k,c}`` of the paper's App. E;
 * :func:`soft_labels`: ``softmax f_w(x)`` on the memory inputs;
 * :func:`function_space_loss`: ``-sum_x tau_x sum_c t_c(x) log softmax f_w(x)_c``, the weighted

@@ -22,7 +22,7 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
 
 ``info`` outputs are dicts of scalar arrays with a fixed structure per algorithm (as blackjax's
 kernels return ``(state, info)``): the client's mean training loss and step count
-(:func:`fedbayes.inference.sgd.training_info`), the server's counts. The round protocol (:func:`fedbayes.round.server_step`) adds validation and aggregation;
+(:func:`fedbayes.inference.sgd.training_info`), the server's counts. The round protocol (:func:`fedbayes.protocol.server_step`) adds validation and aggregation;
 the simulator runs ``client_update`` for a cohort inside one ``jit``, a deployment calls the same
 functions one client at a time.
 """

@@ -48,7 +48,7 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms._sites import all_positive, checked_cavity, clip_joint_norm, guard_positive, optimizer_step, safe_mean
 from fedbayes.algorithms.base import Algorithm, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
-from fedbayes.evaluation import PREDICTIVES
+from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 from fedbayes.inference.tilted import METHODS, TiltedInference, TiltedSettings, make_tilted_inference

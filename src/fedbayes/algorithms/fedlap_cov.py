@@ -53,7 +53,7 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
-from fedbayes.evaluation import PREDICTIVES
+from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.curvature import batch_diag_ggn

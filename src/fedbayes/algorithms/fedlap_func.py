@@ -32,7 +32,7 @@ Choices where the paper leaves room (each one discussed in docs/results/fedlap_f
 2. **Memory sets** hold ``memory_per_class`` examples of each class of the client's own data (fewer
    where it has fewer; an absent class leaves empty slots of weight 0), drawn once, in the first
    round the client takes part: the first ones of each class in the first epoch's shuffle, which
-   comes from :func:`fedbayes.round.shuffle_rng` ``(seed, round, client)``. The client keeps them
+   comes from :func:`fedbayes.protocol.shuffle_rng` ``(seed, round, client)``. The client keeps them
    in its state; a run with the same seed draws the same memory sets.
 3. **The server's memory is the round's.** The round protocol gives the server the aggregate of
    the cohort's messages, not a per-client table (the server cannot tell which client sent a

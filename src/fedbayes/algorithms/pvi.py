@@ -68,7 +68,7 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms._sites import all_positive, checked_cavity, guard_positive, optimizer_step, safe_mean
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData
-from fedbayes.evaluation import PREDICTIVES
+from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd

@@ -7,7 +7,7 @@ trainer, the server optimizer and a :class:`FederationInfo` (how many clients, h
 rather than the data itself, so that a deployed server or client can build the same algorithm
 without loading anyone's data. ``fedbayes run``, ``compare``, ``bench`` and the config parser all
 read this registry; adding a method is one new module plus one line in :data:`_BUILTIN`, and the
-conformance suite (``tests/test_conformance.py``) then checks it like every other method.
+conformance suite (``tests/algorithms/test_conformance.py``) then checks it like every other method.
 """
 
 from __future__ import annotations

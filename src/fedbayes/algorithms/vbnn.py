@@ -59,9 +59,9 @@ from pydantic import Field
 
 from fedbayes import aggregators, tree
 from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
+from fedbayes.evaluation.metrics import classification_metrics
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
-from fedbayes.metrics import classification_metrics
 from fedbayes.models.variational import (
     LOGVAR_MAX,
     LOGVAR_MIN,

@@ -7,12 +7,12 @@ that its XLA flags can be set before JAX starts.
 Workloads (Fashion-MNIST, the MLP (200, 100), batch 32, client SGD; one local epoch unless the
 workload sets ``epochs``):
 
-* **Federated** (:class:`FederatedWorkload`): the :class:`~fedbayes.simulate.Simulator` with
+* **Federated** (:class:`FederatedWorkload`): the :class:`~fedbayes.sim.simulator.Simulator` with
   one XLA host device per core (``--xla_force_host_platform_device_count=<cores>``, as the CLI
   sets it), running FedAvg, FedPA, FedEP (scaled identity; sites in device memory, or in the
   host memory store for ``fedep_100_host``) or a method of the PVI / FedLap family. The first
   round is timed on its own; then ``rounds`` further rounds run pipelined, as ``run_experiment``
-  runs them (:meth:`~fedbayes.simulate.Simulator.rounds`, ``donate=True``), each timed from the
+  runs them (:meth:`~fedbayes.sim.simulator.Simulator.rounds`, ``donate=True``), each timed from the
   previous round's results to its own.
 
   - ``round_s``: median steady-state round time (the rounds after the first);
@@ -27,7 +27,7 @@ workload sets ``epochs``):
     timed ones) and ``device_idle`` (median; ``device_idle_max`` the largest): each device's time
     on its share of the client phase alone, and the share of the devices' time spent waiting for
     the slowest, ``1 - mean(busy) / max(busy)``
-    (:meth:`~fedbayes.simulate.Simulator.device_busy_times`).
+    (:meth:`~fedbayes.sim.simulator.Simulator.device_busy_times`).
 
 * **Relative** (:class:`RelativeWorkload`, :mod:`fedbayes.bench.relative`): a computation timed
   against a reference computation in one process, paired per repetition: ``curvature`` (the

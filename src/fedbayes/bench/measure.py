@@ -110,7 +110,7 @@ def measure_federated(
     import jax
     import numpy as np
 
-    import fedbayes.simulate  # noqa: F401  (imports counted before the data step, as before)
+    import fedbayes.sim.simulator  # noqa: F401  (imports counted before the data step, as before)
 
     t_imported = time.time()
     dataset = load_data(settings)
@@ -205,7 +205,7 @@ def _central_epoch(loss, optimizer, num_examples: int, batch_size: int):
     import jax.numpy as jnp
     import optax
 
-    from fedbayes.simulate import round_compiler_options
+    from fedbayes.sim.simulator import round_compiler_options
 
     steps = -(-num_examples // batch_size)
     pad = steps * batch_size - num_examples

@@ -33,7 +33,7 @@ from typing import Any
 
 from fedbayes.bench.measure import measure_federated, measure_limit, measure_paired
 from fedbayes.bench.workloads import WORKLOADS, BenchError, BenchSettings, FederatedWorkload, LimitWorkload
-from fedbayes.hostdevices import num_cores, xla_flags
+from fedbayes.sim.hostdevices import num_cores, xla_flags
 
 RESULT_PREFIX = "FEDBAYES_BENCH_RESULT "
 READY = "FEDBAYES_BENCH_READY"

@@ -15,7 +15,7 @@ of a shared machine moves numerator and denominator together.
   sampled-label Fisher (one label per example), the empirical Fisher and the exact GGN
   (C = 10 output vectors). Ratios are costs (time over the step's); targets ``<= 2`` (MLP) and
   ``<= 3`` (CNN) for the Fishers, ``<= C + 1`` for the GGN.
-* ``cnn``: the :class:`~fedbayes.simulate.Simulator`'s FedAvg round (one host device per core, the
+* ``cnn``: the :class:`~fedbayes.sim.simulator.Simulator`'s FedAvg round (one host device per core, the
   CLI's layout) on Ozer et al. 2022 (VBNN aggregation)'s CNN against ``plain``, one ``jax.jit`` SGD
   step (lr 0.01, momentum 0.9, the masked mean cross-entropy) called from Python over every
   client's minibatches in turn: the same examples and steps as the round (each client's last
@@ -204,7 +204,7 @@ def _cnn_round(settings, x, y, parts):
     from fedbayes.algorithms import fedavg, make_server_optimizer
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import init_params, loss_fn, make_model
-    from fedbayes.simulate import Federation, Simulator
+    from fedbayes.sim.simulator import Federation, Simulator
 
     model = make_model("cnn", NUM_CLASSES)
     params = init_params(model, jax.random.key(settings.seed), tuple(settings.image_shape))
@@ -248,7 +248,7 @@ def measure_vbnn(settings) -> dict[str, Any]:
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import init_params, make_model
     from fedbayes.models.variational import apply_with_key
-    from fedbayes.simulate import Federation, Simulator
+    from fedbayes.sim.simulator import Federation, Simulator
 
     x, y, parts = _images(settings)
     cnn_call, _, _ = _cnn_round(settings, x, y, parts)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedbayes.bench.workloads import REFERENCE, WORKLOADS, BenchError, BenchSettings, baseline_of
-from fedbayes.hostdevices import num_cores
+from fedbayes.sim.hostdevices import num_cores
 
 BASELINE_RATIO = "ratio_to_fedavg"  # a workload's examples_per_s over its baseline's, same repeat
 PAIRED_RATIO = "paired_ratio_to_fedavg"  # the same, from rounds interleaved in one process

@@ -44,7 +44,7 @@ class BenchSettings:
       cnn_clients, cnn_per_client, cnn_batch: the ``cnn`` and ``vbnn`` workloads' federation
         (all clients in every round, one local epoch) and client batch size.
       idle_probes: rounds whose client phase is probed for each device's busy time
-        (:meth:`~fedbayes.simulate.Simulator.device_busy_times`) after a federated workload's
+        (:meth:`~fedbayes.sim.simulator.Simulator.device_busy_times`) after a federated workload's
         timed rounds.
     """
 
@@ -350,9 +350,9 @@ def build_simulator(workload: FederatedWorkload, settings: BenchSettings, datase
     """``(simulator, initial state)`` of a federated workload, as every benchmark builds it.
 
     ``parts`` defaults to :func:`workload_partition`; ``simulator_kwargs`` go to
-    :class:`~fedbayes.simulate.Simulator` (e.g. ``store="disk"``).
+    :class:`~fedbayes.sim.simulator.Simulator` (e.g. ``store="disk"``).
     """
-    from fedbayes.simulate import Federation, Simulator
+    from fedbayes.sim.simulator import Federation, Simulator
 
     if workload.algorithm not in algorithm_names():
         raise BenchError(f"workload {workload.name!r}: unknown algorithm {workload.algorithm!r}; known: {', '.join(algorithm_names())}")

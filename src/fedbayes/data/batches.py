@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedbayes.round import shuffle_rng
+from fedbayes.protocol import shuffle_rng
 
 
 class ClientData(NamedTuple):
@@ -68,7 +68,7 @@ def get_batch(data: ClientData, step: jax.Array, batch_size: int):
 
 
 def client_rng(seed: int, round_idx: int, client_id: int) -> np.random.Generator:
-    """The host generator of one client's shuffles in one round (:func:`fedbayes.round.shuffle_rng`,
+    """The host generator of one client's shuffles in one round (:func:`fedbayes.protocol.shuffle_rng`,
     where every stream's tag is kept)."""
     return shuffle_rng(seed, round_idx, client_id)
 

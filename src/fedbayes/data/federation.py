@@ -16,7 +16,7 @@ from typing import Any, Union
 import numpy as np
 
 from fedbayes.data.synthetic import synthetic_leaf_client
-from fedbayes.round import sizes_rng
+from fedbayes.protocol import sizes_rng
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ training examples after partitioning**, not from the pooled training set before 
 * it is what a deployment can do: each client keeps some of its own data aside; no pool exists.
 
 Client ``k`` holds out ``floor(f * n_k + 1/2)`` of its ``n_k`` examples, always keeping at least
-one for training, drawn with :func:`fedbayes.round.validation_rng` ``(seed, k)``: the split of a
+one for training, drawn with :func:`fedbayes.protocol.validation_rng` ``(seed, k)``: the split of a
 client depends on the seed and on that client's examples only.
 """
 
@@ -38,7 +38,7 @@ def hold_out(parts: Sequence[np.ndarray], fraction: float, client_rng: Callable[
     Args:
       parts: client ``k``'s indices into the training set, for every ``k``.
       fraction: the fraction of each client's examples to hold out, in ``[0, 1)``.
-      client_rng: ``k -> generator`` (:func:`fedbayes.round.validation_rng` with the run's seed).
+      client_rng: ``k -> generator`` (:func:`fedbayes.protocol.validation_rng` with the run's seed).
 
     Returns:
       ``(train_parts, validation)``: each client's remaining indices, in their original order, and

@@ -15,7 +15,7 @@ import numpy as np
 
 from fedbayes.data import idx, leaf, sklearn_data, synthetic
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
-from fedbayes.round import subsample_rng
+from fedbayes.protocol import subsample_rng
 
 
 @dataclasses.dataclass(frozen=True)

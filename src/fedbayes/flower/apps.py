@@ -8,7 +8,7 @@ the example count.
 
 ServerApp (run config, see :data:`RUN_CONFIG`): ``config`` (the run's TOML file, on the
 SuperLink's machine), ``out`` (the run folder), ``resume``, and the failure settings of
-:class:`fedbayes.flower.rounds.Settings`. It runs :func:`fedbayes.experiment.run_experiment`
+:class:`fedbayes.flower.rounds.Settings`. It runs :func:`fedbayes.runs.experiment.run_experiment`
 with :class:`~fedbayes.flower.rounds.FlowerRounds` in place of the simulator, and writes
 ``flower_status.json`` in the run folder: ``{"ok": true}`` or the error's one line and exit code.
 """
@@ -68,7 +68,7 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
     """The reply content to a train message (no Flower process needed: tests call it)."""
     import jax
 
-    from fedbayes.config import validate
+    from fedbayes.config.schema import validate
     from fedbayes.flower.codec import decode, encode
     from fedbayes.flower.node import StateFolder, client_update, message_template, node_setup
 
@@ -122,9 +122,9 @@ def _settings(rc):
 
 def run_server(grid, run_config) -> dict:
     """Runs (or resumes) the configured experiment over ``grid``; returns its summary."""
-    from fedbayes.config import load_config
-    from fedbayes.experiment import run_experiment
+    from fedbayes.config.schema import load_config
     from fedbayes.flower.rounds import FlowerRounds, GridTransport
+    from fedbayes.runs.experiment import run_experiment
 
     settings = _settings(run_config)
     config = load_config(str(run_config["config"]))

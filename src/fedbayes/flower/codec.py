@@ -2,12 +2,12 @@
 
 A message (a broadcast, a client's reply, a client state) is a pytree of arrays: parameters,
 natural-parameter Gaussians, optimizer states, PRNG keys. :func:`encode` writes each leaf under
-its tree path (``"mean/Dense_0/kernel"``, :func:`fedbayes.export.flatten`'s names; PRNG keys as
+its tree path (``"mean/Dense_0/kernel"``, :func:`fedbayes.runs.export.flatten`'s names; PRNG keys as
 their key data under ``"<path>#key"``). :func:`decode` rebuilds the pytree of a *template* (the
 structure the receiver expects) and checks that the record holds exactly the template's names,
 each with the template's shape and dtype; anything else raises :class:`MalformedMessage` naming
 the first difference. Values (NaN, a non-positive precision) are the algorithm's business
-(``message_ok`` in :func:`fedbayes.round.server_step`), not the codec's.
+(``message_ok`` in :func:`fedbayes.protocol.server_step`), not the codec's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from fedbayes.export import _path_key
+from fedbayes.runs.export import _path_key
 
 __all__ = ["MalformedMessage", "decode", "encode", "leaf_names", "to_arrays"]
 

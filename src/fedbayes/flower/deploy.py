@@ -474,7 +474,7 @@ def deploy_local(
     metrics.jsonl record; ``prepare``: write each node's partition into its state folder first
     (one load of the dataset instead of one per node).
     """
-    from fedbayes.config import to_toml
+    from fedbayes.config.schema import to_toml
     from fedbayes.flower.apps import _settings
     from fedbayes.flower.rounds import check_deployable
 
@@ -489,8 +489,8 @@ def deploy_local(
     config_file.write_text(to_toml(config))
     federation = LocalFederation(work, config.data.num_clients, tls=tls)
     if prepare:  # each node's partition into its state folder (else every node loads the dataset itself)
-        from fedbayes.experiment import build_experiment
         from fedbayes.flower.node import prepare_data
+        from fedbayes.runs.experiment import build_experiment
 
         prepare_data(build_experiment(config, store_dir=work / "unused_store"), {n.partition: n.state_dir for n in federation.nodes})
     seen = 0

@@ -1,10 +1,10 @@
 """The client side of a deployment: one client's round on its node, and its state on disk.
 
 A SuperNode holds one client (its ``partition-id``). For a train message the node rebuilds the
-run's algorithm from the config it carries (:func:`fedbayes.experiment.build_experiment`, so
+run's algorithm from the config it carries (:func:`fedbayes.runs.experiment.build_experiment`, so
 the method, its hyperparameters and the data partition are the simulator's), takes its own
 partition, and calls ``algorithm.client_update`` with the simulator's key and shuffles for
-(seed, round, client) (:mod:`fedbayes.round`, :func:`fedbayes.data.batches.layout_orders`):
+(seed, round, client) (:mod:`fedbayes.protocol`, :func:`fedbayes.data.batches.layout_orders`):
 the same update the simulator computes for that client.
 
 Client state (FedEP sites, ADMM/FedDyn/FedLap duals) is the state after the last round whose
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedbayes import round as protocol
+from fedbayes import protocol
 from fedbayes.data.batches import ClientData, layout_orders
 
 KEEP_ROUNDS = 4  # state files kept per client besides the base (a resumed server may go back this far)
@@ -110,10 +110,10 @@ def node_setup(config, client: int, state_dir: str | Path, store_dir: str | Path
     The client's examples (its partition, as the simulator draws it) and the data's shape are
     cached in ``state_dir/data/<key>/client_<id>.npz`` the first time (loading and partitioning
     the dataset); later messages build the algorithm from the cache alone
-    (:func:`fedbayes.experiment.build_model_algorithm`), which spares each message's fresh
+    (:func:`fedbayes.runs.experiment.build_model_algorithm`), which spares each message's fresh
     ClientApp process the dataset's loaders.
     """
-    from fedbayes.experiment import build_experiment, build_model_algorithm, config_hash
+    from fedbayes.runs.experiment import build_experiment, build_model_algorithm, config_hash
 
     memo = (config_hash(config), client, str(state_dir))
     if memo in _SETUPS:  # a process that handles several messages (tests) builds once

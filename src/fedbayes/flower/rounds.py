@@ -1,11 +1,11 @@
 """The server side of a deployment: rounds over Flower nodes, as the simulator runs them.
 
-:class:`FlowerRounds` stands in for :class:`fedbayes.simulate.Simulator` inside
-:func:`fedbayes.experiment.run_experiment` (``init``, ``place``, ``run_round``,
+:class:`FlowerRounds` stands in for :class:`fedbayes.sim.simulator.Simulator` inside
+:func:`fedbayes.runs.experiment.run_experiment` (``init``, ``place``, ``run_round``,
 ``server_params``), so a deployed run writes the same run folder as ``fedbayes run``
 (metrics.jsonl, clients.jsonl, checkpoints, resume, model.npz, summary.json). One round:
 
-1. the cohort of :func:`fedbayes.round.sample_cohort` (the simulator's);
+1. the cohort of :func:`fedbayes.protocol.sample_cohort` (the simulator's);
 2. one train message per cohort client, to the node holding its partition: the encoded
    broadcast, the round, the client id, the config (TOML text) and ``base``, the last round
    whose reply from this client the server accepted (the node continues from its state after
@@ -14,8 +14,8 @@
    restarts during the round is found again and sent the message anew); each reply is decoded
    against the expected message (:mod:`fedbayes.flower.codec`): a malformed one, or a node's
    error (a ClientApp exception), is *rejected* and logged with the client and node id;
-4. :func:`fedbayes.round.server_step` with the aggregator of
-   :func:`fedbayes.experiment.make_server_aggregator` and the simulator's server key: messages
+4. :func:`fedbayes.protocol.server_step` with the aggregator of
+   :func:`fedbayes.runs.experiment.make_server_aggregator` and the simulator's server key: messages
    failing ``message_ok`` (NaN, a non-positive precision) are rejected there; rejected and
    missing clients get weight zero. A round in which no reply is accepted leaves the server
    state as it was.
@@ -25,7 +25,7 @@ Missing replies are counted (``dropped`` in metrics.jsonl and clients.jsonl);
 (``rejected``); ``server.fail_fast`` stops the run on the first.
 
 The per-client bookkeeping the server needs to resume (each client's ``base``) is the
-``client_states`` of the :class:`~fedbayes.simulate.SimState`, so the checkpoint holds it.
+``client_states`` of the :class:`~fedbayes.sim.simulator.SimState`, so the checkpoint holds it.
 """
 
 from __future__ import annotations
@@ -41,13 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedbayes import round as protocol
-from fedbayes import tree
-from fedbayes.config import to_toml
+from fedbayes import protocol, tree
+from fedbayes.config.schema import to_toml
 from fedbayes.errors import BadInputError, DivergedError, FedbayesError
 from fedbayes.flower.codec import MalformedMessage, decode, encode
 from fedbayes.flower.node import reply_template
-from fedbayes.simulate import RoundInfo, SimState
+from fedbayes.sim.simulator import RoundInfo, SimState
 
 log = logging.getLogger("fedbayes.flower")
 

@@ -52,8 +52,8 @@ from pydantic import Field
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
+from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_norm
 from fedbayes.inference.curvature import batch_diag_fisher
-from fedbayes.inference.fisher import ApplyFn, clip_by_spread, tree_scale_to_norm
 from fedbayes.inference.iasg import epoch_samples
 from fedbayes.inference.sgd import LocalTrainer
 

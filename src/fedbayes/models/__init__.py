@@ -84,7 +84,7 @@ def make_model(name: str, num_classes: int, *, variational: bool = False, **kwar
 
 # The initialiser runs once; LLVM's -O1 compiles it about 3x faster than the default -O2/-O3
 # (MLP (200, 100): 0.7 s against 2.3 s on the 2-core development machine, most of a cold
-# start-up's build step) and gives bit-identical parameters (tests/test_models.py).
+# start-up's build step) and gives bit-identical parameters (tests/models/test_models.py).
 INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

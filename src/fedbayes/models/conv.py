@@ -15,7 +15,7 @@ speed inside loops (and vmap into batched dots). The patch matrix is kh*kw times
 :class:`PatchConv` has the parameters of ``flax.linen.Conv`` (``kernel [kh, kw, C, F]`` and
 ``bias [F]``, the same initialisers), so a parameter tree and its initial values are the same
 under either implementation; outputs agree with ``lax.conv_general_dilated`` up to float32
-reassociation (tests/test_models.py: relative 1e-5).
+reassociation (tests/models/test_models.py: relative 1e-5).
 """
 
 from __future__ import annotations

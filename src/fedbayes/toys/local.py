@@ -20,7 +20,7 @@ exceeds the chain's mixing time ``1 / (lr lambda_min(A))``). With ``C = tau A`` 
 approximately draws from the client posterior ``N(mu, A^{-1})``: the noise level is
 calibrated to the sampler, ``tau = temperature * steps_per_sample``. (With finite ``K`` the
 averages are under-dispersed by about ``1 / (K lr lambda_min)`` in slow directions and mildly
-correlated; ``tests/test_toys.py`` measures ~30% on the 2-D toy.) This is the noise of a
+correlated; ``tests/toys/test_toys.py`` measures ~30% on the 2-D toy.) This is the noise of a
 client holding ``n = K B`` examples, sampled with one IASG sample per epoch of ``K`` minibatch
 steps of size ``B`` (TFF's ``fed_pa_schedule``; docs/algorithms.md §6.3). The ``"exact"`` sampler instead draws
 from ``N(mu, A^{-1})`` directly (the FedPA code's ``ExactQuadraticSampler``).

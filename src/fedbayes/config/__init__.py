@@ -1,0 +1,1 @@
+"""The run configuration: the schema (validated against the algorithm registry) and its reference."""

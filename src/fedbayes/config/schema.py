@@ -1,0 +1,447 @@
+"""Experiment configuration: a validated, immutable description of one run.
+
+Configs are TOML files (see ``examples/``) parsed into :class:`RunConfig` by pydantic. Unknown
+keys, wrong types and impossible values (``clients_per_round > num_clients``, ``lr <= 0``,
+``alpha <= 0``, ...) are rejected before any work starts, with one line naming the field and what
+is allowed (:func:`format_validation_error`).
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+import tomli_w
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from fedbayes.algorithms import registry
+from fedbayes.errors import BadInputError
+from fedbayes.hparams import HParams
+
+DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
+PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
+MODELS = ("logreg", "mlp", "cnn", "linear")
+VARIATIONAL_MODELS = ("mlp", "cnn")
+ACTIVATIONS = ("relu", "sigmoid", "tanh")
+EXACT_SERVER = ("fedlap", "fedlap_cov")  # methods whose server update is exact: no server optimizer
+
+
+_Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
+
+
+class DataConfig(_Strict):
+    """Which data, how much of it, and how it is split over clients."""
+
+    section: ClassVar[str] = "data."
+
+    dataset: Literal[DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
+    data_dir: str | None = None
+    fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (Swaroop et al. 2025 (ADMM and Bayes) uses 0.1 for FMNIST)")
+    num_clients: int = Field(10, ge=1)
+    partition: Literal[PARTITIONS] = "iid"  # type: ignore[valid-type]
+    alpha: float = Field(0.5, gt=0, description="Dirichlet label-skew concentration (partition = dirichlet)")
+    alpha1: float = Field(1.0, gt=0, description="two-level Dirichlet: client-size concentration")
+    alpha2: float = Field(0.5, gt=0, description="two-level Dirichlet: class-mix concentration")
+    classes_per_client: int = Field(2, ge=1, description="shards partition")
+    synthetic_alpha: float = Field(1.0, ge=0, description="synthetic_leaf: model heterogeneity")
+    synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
+    dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
+    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels): the declared number of classes; default from the labels")
+    validation_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of each client's training examples held out as a validation split (seeded; fedbayes sweep selects on it); 0 = none",
+    )
+
+
+class ModelConfig(_Strict):
+    """The flax model."""
+
+    section: ClassVar[str] = "model."
+
+    name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
+    hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
+    activation: Literal[ACTIVATIONS] = Field("relu", description="mlp hidden-layer nonlinearity (the FedLap authors' code uses sigmoid)")  # type: ignore[valid-type]
+    # Ozer et al. 2022 (VBNN aggregation)'s VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
+    variational: bool = False
+
+    @model_validator(mode="after")
+    def _variational_models(self) -> ModelConfig:
+        if self.variational and self.name not in VARIATIONAL_MODELS:
+            raise ValueError(f"model.variational: only {', '.join(VARIATIONAL_MODELS)} have a variational version; got {self.name!r}")
+        if self.activation != "relu" and self.name != "mlp":
+            raise ValueError(f"model.activation: only the mlp has a choice of activation; got {self.activation!r} with model {self.name!r}")
+        return self
+
+
+class ClientConfig(_Strict):
+    """Local training: epochs, batch size and the client optax optimizer."""
+
+    section: ClassVar[str] = "client."
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class ServerConfig(_Strict):
+    """Cohort size, client weighting and the server optimizer (docs/algorithms.md §1.2)."""
+
+    section: ClassVar[str] = "server."
+
+    clients_per_round: int = Field(10, ge=1)
+    weighting: Literal["examples", "uniform"] = "examples"
+    optimizer: Literal["sgd", "momentum", "adam", "yogi", "adagrad"] = "sgd"
+    lr: float = Field(1.0, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-3, gt=0)
+    variant: Literal["reddi", "optax"] = "reddi"
+    fail_fast: bool = False
+    on_divergence: Literal["stop", "warn"] = Field(
+        "stop", description="a non-finite loss or server model: stop the run (exit 3, last good checkpoint kept) or warn and go on"
+    )
+    # Robust aggregation, dropouts and stragglers (fedbayes.aggregators.robust, fedbayes.sim.simulator; docs/results/privacy_robust.md).
+    aggregator: Literal["mean", "median", "trimmed_mean", "norm_bound"] = Field(
+        "mean",
+        description="mean (the method's own rule), coordinate-wise median or trimmed_mean of the messages, or norm_bound (clip each message, then the mean)",
+    )
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: share of the largest and of the smallest values dropped per coordinate")
+    norm_bound: float | None = Field(None, gt=0, description="norm_bound: joint L2 bound of each client's message")
+    max_precision_share: float | None = Field(
+        None, gt=0, description="Gaussian methods: a client's precision delta is capped at this times the global precision, per coordinate (unset: no cap)"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="probability that a sampled client fails in a round (it keeps its state)")
+    deadline: int | None = Field(None, ge=1, description="clients whose local step count exceeds this miss the round (stragglers); unset: no deadline")
+
+    @model_validator(mode="after")
+    def _norm_bound_given(self):
+        if self.aggregator == "norm_bound" and self.norm_bound is None:
+            raise ValueError("server.norm_bound: aggregator 'norm_bound' needs a bound > 0; set server.norm_bound")
+        return self
+
+
+class PrivacyConfig(_Strict):
+    """Client-level differential privacy of the messages (fedbayes.aggregators.dp): clip, Gaussian noise, accountant."""
+
+    section: ClassVar[str] = "privacy."
+
+    clip: float | None = Field(None, gt=0, description="joint L2 bound C of each client's message; unset: no DP")
+    noise_multiplier: float = Field(0.0, ge=0, description="sigma: Gaussian noise of std sigma*C on the sum of the cohort's clipped messages")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported per evaluation as epsilon")
+    coordinates: Literal["natural", "moments"] = Field("natural", description="Gaussian messages: clip and noise natural parameters, or (mean, log precision)")
+    precision_floor: float = Field(0.5, gt=0, lt=1, description="natural coordinates: a noisy round can shrink a global precision at most to this fraction")
+
+    @model_validator(mode="after")
+    def _noise_needs_clip(self):
+        if self.noise_multiplier > 0 and self.clip is None:
+            raise ValueError("privacy.clip: noise_multiplier > 0 needs a clip C (the noise's scale is sigma*C)")
+        return self
+
+
+class AttackConfig(_Strict):
+    """Attacking clients, for measuring robust rules (fedbayes.sim.scenario)."""
+
+    section: ClassVar[str] = "attack."
+
+    fraction: float = Field(0.0, ge=0, lt=1, description="share of the clients (a fixed set drawn from the seed) that attack")
+    kind: Literal["scaled", "sign_flip", "nan", "huge_precision", "label_flip"] = Field(
+        "scaled", description="scaled, sign_flip, nan or huge_precision messages, or label_flip data"
+    )
+    scale: float | None = Field(None, gt=0, description="scaled: factor (default 10); huge_precision: the fake precision over the global's (default 1000)")
+
+
+# The algorithm sections come from the registry: each method declares its settings once, in its
+# own module (fedbayes.algorithms.<method>), and the union below is built from them.
+ALGORITHM_CONFIGS = {spec.name: spec.hparams for spec in registry.builtin_specs()}
+ALGORITHMS = tuple(ALGORITHM_CONFIGS)
+AlgorithmConfig = Annotated[Union[tuple(ALGORITHM_CONFIGS.values())], Field(discriminator="name")]  # type: ignore[valid-type]
+FedAvgConfig = ALGORITHM_CONFIGS["fedavg"]
+
+
+class RunConfig(_Strict):
+    """One experiment."""
+
+    section: ClassVar[str] = ""
+
+    name: str = Field("run", description="the run's name: a plain file name (runs/<name>/ is its folder)")
+    seed: int = Field(0, ge=0)
+    rounds: int = Field(10, ge=1)
+    eval_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(5, ge=0, description="rounds between checkpoints; 0 = only at the end")
+    layout: Literal["auto", "sequential", "vmap"] = "auto"
+    store: Literal["memory", "disk", "device"] = Field(
+        "memory",
+        description="where client states live between rounds: memory (host), disk (large federations) or device (in device memory, no per-round transfers)",
+    )
+    store_dir: str | None = Field(None, description="folder of the disk client store; default <out>/client_store")
+    eval_batch_size: int = Field(2000, ge=1)
+    ece_bins: int = Field(15, ge=1)
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    client: ClientConfig = ClientConfig()
+    server: ServerConfig = ServerConfig()
+    algorithm: AlgorithmConfig = FedAvgConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    attack: AttackConfig = AttackConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or v in (".", "..") or any(c in v for c in "/\\") or any(ord(c) < 32 for c in v) or len(v.encode()) > 200:
+            raise ValueError(f"must be a plain file name (no '/', not empty, not '.' or '..', at most 200 bytes); got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.server.clients_per_round > self.data.num_clients:
+            raise ValueError(f"server.clients_per_round: must be <= data.num_clients ({self.data.num_clients}); got {self.server.clients_per_round}")
+        regression = self.data.dataset == "least_squares"
+        if regression != (self.model.name == "linear"):
+            raise ValueError(
+                "model.name: the least_squares dataset needs model 'linear', and 'linear' needs least_squares; "
+                f"got model {self.model.name!r} with dataset {self.data.dataset!r}"
+            )
+        skip = getattr(self.algorithm, "skip_epochs", None)
+        if skip is not None and self.client.epochs <= skip:
+            raise ValueError(
+                f"client.epochs: {self.algorithm.name} takes one sample per epoch after algorithm.skip_epochs ({skip}), "
+                f"so it needs epochs > {skip}; got {self.client.epochs}"
+            )
+        if getattr(self.algorithm, "method", None) == "mcmc" and self.client.epochs < 2:
+            raise ValueError(
+                f"client.epochs: the mcmc method estimates a variance from one sample per epoch, so it needs epochs >= 2; got {self.client.epochs}"
+            )
+        if self.algorithm.name in EXACT_SERVER and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
+            raise ValueError(
+                f"server.optimizer: {self.algorithm.name}'s server multiplies the clients' sites exactly and uses no server optimizer; "
+                f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
+            )
+        if self.algorithm.name == "fedlap_func" and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
+            raise ValueError(
+                "server.optimizer: fedlap_func's server solves its own problem (the sum of the sites, then Adam over the memory points; "
+                f"algorithm.server_lr sets that rate) and uses no server optimizer; leave server.optimizer = 'sgd' and server.lr = 1; "
+                f"got {self.server.optimizer!r} with lr {self.server.lr}"
+            )
+        if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
+            raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _privacy_and_robustness(self) -> RunConfig:
+        own_rule = self.algorithm.name == "vbnn"  # VBNN aggregates with its own rule (algorithm.aggregation)
+        if self.server.aggregator != "mean" and own_rule:
+            raise ValueError(
+                f"server.aggregator: vbnn combines variational parameters with its own rule (algorithm.aggregation); allowed: mean; got {self.server.aggregator!r}"
+            )
+        if self.server.max_precision_share is not None and own_rule:
+            raise ValueError("server.max_precision_share: vbnn's messages are variational parameters, not natural-parameter deltas; unset it")
+        if self.privacy.clip is not None:
+            if own_rule:
+                raise ValueError(
+                    "privacy.clip: vbnn's messages are full variational parameters combined non-linearly, whose sensitivity a clip does not bound; unset privacy.clip"
+                )
+            if self.server.weighting != "uniform":
+                raise ValueError("server.weighting: client-level DP needs uniform weights (n_k is private and changes the sensitivity); allowed: uniform")
+            if self.server.aggregator in ("median", "trimmed_mean"):
+                raise ValueError(
+                    f"server.aggregator: the DP noise is calibrated to a sum of clipped messages; allowed with privacy: mean, norm_bound; got {self.server.aggregator!r}"
+                )
+        if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.dataset == "least_squares":
+            raise ValueError("attack.kind: label_flip needs a classification dataset; allowed here: scaled, sign_flip, nan")
+        return self
+
+    @model_validator(mode="after")
+    def _variational_needs_vbnn(self) -> RunConfig:
+        if self.model.variational != (self.algorithm.name == "vbnn"):
+            raise ValueError(
+                "model.variational: algorithm 'vbnn' trains variational models and only it does; "
+                f"got variational={self.model.variational} with algorithm {self.algorithm.name!r}"
+            )
+        return self
+
+
+class ReferenceTable(_Strict):
+    """A comparison file's ``[reference]`` table: a paper's numbers, printed beside ours.
+
+    ``values`` maps a variant to the paper's number in percent (``76.0``) or to the text the paper
+    prints (``"76.0(0.7)"``, mean and standard deviation); ``summary`` says which of our curve
+    summaries it is set beside: the mean (``mean_last``) or max (``max_last``) test accuracy over
+    rounds R-2..R, as "Federated learning with ADMM and Bayes" (Swaroop et al. 2025) reports them.
+    """
+
+    section: ClassVar[str] = "reference"
+
+    source: str = Field(min_length=1, description="where the numbers come from (paper, table, setting)")
+    summary: Literal["mean_last", "max_last"] = Field("mean_last", description="the curve summary the numbers are set beside")
+    values: dict[str, Union[float, str]] = Field(min_length=1, description="variant -> the paper's number (percent) or its printed text")
+
+
+def read_reference(raw: Any, path: str | Path, variants) -> ReferenceTable:
+    """Validates a ``[reference]`` table; every name in ``values`` must be a variant."""
+    try:
+        ref = ReferenceTable.model_validate(raw)
+    except ValidationError as exc:
+        detail = format_validation_error(exc, ReferenceTable).removeprefix("config error: ")
+        raise ConfigError(f"config error: {path}: reference.{detail}") from None
+    unknown = [k for k in ref.values if k not in variants]
+    if unknown:
+        raise ConfigError(f"config error: {path}: reference.values: unknown variant(s) {unknown}; allowed: {', '.join(variants)}")
+    return ref
+
+
+class ConfigError(BadInputError):
+    """A configuration problem, already formatted as one line for the user (exit code 2)."""
+
+
+def _allowed(err: dict) -> str:
+    ctx = err.get("ctx") or {}
+    if "expected" in ctx:
+        return "" if str(ctx["expected"]) in err["msg"] else f"allowed: {ctx['expected']}"
+    for key, word in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+        if key in ctx:
+            return f"allowed: {word} {ctx[key]}"
+    return ""
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel] = RunConfig) -> str:
+    """One line naming the first offending field, what is allowed and what was given."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in ALGORITHMS))
+    if err["type"] == "extra_forbidden":
+        parent = _section_model(model, err["loc"][:-1])
+        allowed = ", ".join(parent.model_fields) if parent is not None else ""
+        return f"config error: {loc}: unknown key; allowed keys here: {allowed}"
+    if err["type"] == "union_tag_invalid":
+        return f"config error: {loc or 'algorithm'}.name: unknown algorithm {err['input'].get('name')!r}; allowed: {', '.join(ALGORITHMS)}"
+    if err["type"] == "value_error":
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        return f"config error: {msg}" if ":" in msg.split(" ")[0] else f"config error: {loc}: {msg}"
+    allowed = _allowed(err)
+    given = err.get("input")
+    given_s = "" if isinstance(given, dict) else f"; got {given!r}"
+    return f"config error: {loc}: {err['msg']}" + (f" ({allowed})" if allowed else "") + given_s
+
+
+def _section_model(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, str) and part in ALGORITHMS:
+            return ALGORITHM_CONFIGS[part]
+        if part == "algorithm":
+            continue  # the next part is the discriminator tag
+        field = current.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            current = ann
+        else:
+            return None
+    return current
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"server.lr=0.5"`` -> ``(["server", "lr"], 0.5)``; values are read as TOML (strings may be bare)."""
+    if "=" not in item:
+        raise ConfigError(f"config error: --set {item!r}: expected key=value (e.g. server.lr=0.5)")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Returns a copy of ``raw`` with dotted ``key=value`` overrides applied."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config error: --set {item!r}: {part} is not a section")
+        node[path[-1]] = value
+    return out
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Recursively merges ``update`` into a copy of ``base`` (update wins)."""
+    out = copy.deepcopy(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    if "algorithm" in update and "name" in update["algorithm"]:
+        # Switching algorithm drops the old algorithm's keys (e.g. fedprox.mu when moving to feddyn).
+        out["algorithm"] = copy.deepcopy(update["algorithm"])
+    return out
+
+
+def validate(raw: dict) -> RunConfig:
+    """Validates a raw dict; raises :class:`ConfigError` with one line on failure."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def read_toml(path: str | Path) -> dict:
+    """Reads a TOML file; a missing file or a syntax error raises :class:`ConfigError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config error: {path}: no such file")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config error: {path}: invalid TOML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config error: {path}: not a text file (not UTF-8); a config is a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config error: {path}: cannot read it ({exc.strerror or exc})") from None
+    if not raw:
+        raise ConfigError(f"config error: {path}: the config is empty; start from `fedbayes config` or one of the commented examples in examples/")
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Reads, overrides and validates a run config."""
+    return validate(apply_overrides(read_toml(path), list(overrides)))
+
+
+def to_toml(config: RunConfig) -> str:
+    """The resolved config as TOML (every default written out)."""
+    data = config.model_dump(mode="json", exclude_none=True)
+    return tomli_w.dumps(data)
+
+
+def resolved(raw: dict) -> dict:
+    """``raw`` (a config as a run folder or a checkpoint stored it) read by this version's schema:
+    keys this version added get their defaults, which by our rule reproduce the behaviour of the
+    versions before them. ``raw`` itself where it no longer validates (then it differs from any
+    valid config)."""
+    try:
+        return RunConfig.model_validate(raw).model_dump(mode="json")
+    except (ValidationError, TypeError, ValueError):
+        return raw
+
+
+def same_config(stored: str | Path, config: RunConfig) -> bool:
+    """Whether the ``config.toml`` at ``stored`` holds ``config``: equal once read by this
+    version's schema (:func:`resolved`), so that a run written before a defaulted key was added
+    still counts as the same run. ``False`` for a missing or unreadable file."""
+    try:
+        raw = tomllib.loads(Path(stored).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return resolved(raw) == config.model_dump(mode="json")

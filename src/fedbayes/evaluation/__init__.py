@@ -1,0 +1,1 @@
+"""Evaluation: metrics computed on the devices, and the point, sampled and linearised predictives."""

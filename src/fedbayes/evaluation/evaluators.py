@@ -1,0 +1,139 @@
+"""Evaluation of a model on a held-out set: accuracy, NLL, ECE (classification) or MSE (regression).
+
+The test set is put on the device once, padded to whole batches with a mask, and evaluated in one
+compiled function that accumulates summable statistics over batches (docs/algorithms.md §13.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedbayes.evaluation import metrics
+
+
+def make_evaluator(
+    apply_fn: Callable, x: np.ndarray, y: np.ndarray, *, task: str = "classification", batch_size: int = 2000, num_bins: int = 15
+) -> Callable[[object], dict[str, float]]:
+    """Returns ``evaluate(params) -> {metric: float}`` over ``(x, y)``.
+
+    Args:
+      apply_fn: ``(params, x) -> logits`` (or predictions for regression).
+      x, y: host arrays of the evaluation set.
+      task: ``"classification"`` (accuracy, nll, ece) or ``"regression"`` (mse, rmse).
+      batch_size: evaluation batch size.
+      num_bins: ECE bins.
+    """
+    n = len(x)
+    xb, yb, mb = _batches(x, y, batch_size)
+
+    if task == "classification":
+
+        @jax.jit
+        def run(params):
+            def body(acc, batch):
+                xs, ys, ms = batch
+                return metrics.merge_stats(acc, metrics.classification_stats(apply_fn(params, xs), ys, ms, num_bins)), None
+
+            stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), (xb, yb, mb))
+            return metrics.finalize_stats(stats)
+
+    else:
+
+        @jax.jit
+        def run(params):
+            def body(acc, batch):
+                xs, ys, ms = batch
+                err = jnp.square(apply_fn(params, xs) - ys) * ms
+                return acc + jnp.sum(err), None
+
+            sse, _ = jax.lax.scan(body, jnp.zeros(()), (xb, yb, mb))
+            mse = sse / n
+            return {"mse": mse, "rmse": jnp.sqrt(mse)}
+
+    def evaluate(params) -> dict[str, float]:
+        return {k: float(v) for k, v in run(params).items()}
+
+    return evaluate
+
+
+PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
+
+
+def _batches(x: np.ndarray, y: np.ndarray, batch_size: int):
+    """The evaluation set on the device as ``[num_batches, batch, ...]`` with a validity mask."""
+    n = len(x)
+    batch_size = min(batch_size, n)
+    num_batches = -(-n // batch_size)
+    pad = num_batches * batch_size - n
+    xb = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]).reshape(num_batches, batch_size, *x.shape[1:])
+    yb = np.concatenate([y, np.zeros((pad,), y.dtype)]).reshape(num_batches, batch_size)
+    mb = (np.arange(num_batches * batch_size) < n).astype(np.float32).reshape(num_batches, batch_size)
+    return jax.device_put((xb, yb, mb))
+
+
+def make_marginal_evaluator(
+    apply_fn: Callable,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    num_samples: int = 10,
+    batch_size: int = 2000,
+    num_bins: int = 15,
+    predictive: str = "sample",
+) -> Callable[..., dict[str, float]]:
+    """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction.
+
+    Guo et al. 2023 (FedEP) Sec. 3.3 (docs/algorithms.md §13.1): draw ``S = num_samples`` parameter
+    vectors ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average
+    the softmax probabilities ``p(y | x) = mean_s softmax(f_s(x))``, and compute accuracy, NLL and
+    ECE of the averaged probabilities. The same ``theta_s`` serve every test batch.
+
+    ``predictive`` says what ``f_s`` is:
+
+    * ``"sample"``: the network at the drawn weights, ``f_s(x) = f(x; theta_s)`` (FedEP's).
+    * ``"linearised"``: the network linearised at the mean, ``f_s(x) = f(x; mean) + J(x) (theta_s -
+      mean)`` with ``J`` the Jacobian of the logits in the weights (one ``jax.jvp`` per sample): the
+      GLM predictive of Immer, Korzepa and Bauer, "Improving predictions of Bayesian neural nets via
+      local linearization" (AISTATS 2021). It is the predictive that matches a Laplace/GGN posterior:
+      a weight the data barely constrain (a dead unit, an input that is zero in training) keeps
+      its prior variance, and the sampled network turns that into noise on every test point, while
+      its Jacobian there is (near) zero. For a model linear in its weights both are the same.
+
+    With ``variance = 0`` every sample is the mean and both equal the point prediction.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+    if predictive not in PREDICTIVES:
+        raise ValueError(f"predictive must be one of {', '.join(PREDICTIVES)}; got {predictive!r}")
+    xb, yb, mb = _batches(x, y, batch_size)
+
+    @jax.jit
+    def run(key, mean, variance):
+        keys = optax.tree.split_key_like(key, mean)
+        steps = jax.tree.map(lambda k, m, v: jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
+
+        def logits(step, xs):
+            if predictive == "sample":
+                return apply_fn(optax.tree.add(mean, step), xs)
+            f, jd = jax.jvp(lambda p: apply_fn(p, xs), (mean,), (step,))
+            return f + jd
+
+        def body(acc, batch):
+            xs, ys, ms = batch
+            log_probs = jax.vmap(lambda s: jax.nn.log_softmax(logits(s, xs), axis=-1))(steps)
+            # log of the mean probability, stably: logsumexp over samples minus log S.
+            log_mean = jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(num_samples))
+            return metrics.merge_stats(acc, metrics.classification_stats(log_mean, ys, ms, num_bins)), None
+
+        stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), (xb, yb, mb))
+        return metrics.finalize_stats(stats)
+
+    def evaluate(key, mean, variance) -> dict[str, float]:
+        return {k: float(v) for k, v in run(key, mean, variance).items()}
+
+    return evaluate

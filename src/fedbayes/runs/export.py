@@ -1,0 +1,103 @@
+"""The trained model of a run folder: ``model.npz`` and :func:`load_run`.
+
+``model.npz`` is a plain NumPy archive (``numpy.load`` reads it; fedbayes is not needed). Keys are
+the parameters' tree paths joined by ``/`` under a prefix:
+
+* ``params/<path>``: the server's point estimate (what the metrics evaluate), e.g.
+  ``params/Dense_0/kernel``;
+* ``posterior_mean/<path>`` and ``posterior_variance/<path>``: the diagonal Gaussian posterior
+  ``q_g`` of the Bayesian methods (FedEP, FedSEP, PVI), absent for the others.
+
+``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`,
+the parameters as the nested dict the model's ``apply`` takes, and the ``metrics.jsonl`` records.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+MODEL_FILE = "model.npz"
+PREFIXES = ("params", "posterior_mean", "posterior_variance")
+
+
+def _path_key(path) -> str:
+    parts = []
+    for p in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(p, attr):
+                parts.append(str(getattr(p, attr)))
+                break
+        else:
+            parts.append(str(p))
+    return "/".join(parts)
+
+
+def flatten(tree: Any, prefix: str) -> dict[str, np.ndarray]:
+    """``{prefix/<tree path>: array}`` for every leaf of ``tree``."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {f"{prefix}/{_path_key(path)}": np.asarray(leaf) for path, leaf in leaves}
+
+
+def unflatten(arrays: dict[str, np.ndarray], prefix: str) -> dict:
+    """The nested dict of the keys under ``prefix/`` (the inverse of :func:`flatten` for dicts)."""
+    out: dict = {}
+    for key, value in arrays.items():
+        if not key.startswith(prefix + "/"):
+            continue
+        node = out
+        parts = key[len(prefix) + 1 :].split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def save_model(path: str | Path, algorithm, server_state) -> Path:
+    """Writes ``model.npz`` (atomically) from an algorithm's server state."""
+    arrays = flatten(algorithm.server_params(server_state), "params")
+    if algorithm.server_posterior is not None:
+        mean, variance = algorithm.server_posterior(server_state)
+        arrays.update(flatten(mean, "posterior_mean"))
+        arrays.update(flatten(variance, "posterior_variance"))
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def load_model(path: str | Path) -> dict[str, dict]:
+    """``{"params": ..., "posterior_mean": ..., "posterior_variance": ...}`` (the last two when present)."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    return {p: unflatten(arrays, p) for p in PREFIXES if any(k.startswith(p + "/") for k in arrays)}
+
+
+def load_run(run_dir: str | Path):
+    """``(config, params, metrics)`` of a finished run folder.
+
+    Example::
+
+        config, params, metrics = fedbayes.load_run("runs/digits_fedprox")
+        model = fedbayes.models.make_model(config.model.name, 10)
+        logits = model.apply({"params": params}, x)
+
+    Raises:
+      FileNotFoundError: the folder holds no ``config.toml`` or no ``model.npz`` (an unfinished run).
+    """
+    from fedbayes.config.schema import load_config
+    from fedbayes.runs.experiment import read_metrics
+
+    run_dir = Path(run_dir)
+    for name in ("config.toml", MODEL_FILE):
+        if not (run_dir / name).is_file():
+            raise FileNotFoundError(f"{run_dir} holds no {name}; is it a finished fedbayes run folder?")
+    config = load_config(run_dir / "config.toml")
+    params = load_model(run_dir / MODEL_FILE)["params"]
+    return config, params, read_metrics(run_dir / "metrics.jsonl")

@@ -1,0 +1,218 @@
+"""Experiment logging on the reporter hook: CSV, TensorBoard, Weights & Biases; per-client metrics.
+
+A *reporter* is what :func:`fedbayes.runs.experiment.run_experiment` calls as it goes:
+``start(name, total_rounds, rounds_done)``, ``update(round, total_rounds, record_or_None)`` and
+``stop()``. :class:`Reporters` fans one call out to several, so the progress bar and any number
+of loggers run side by side. ``fedbayes run --log csv --log tensorboard`` builds them with
+:func:`make_loggers`.
+
+* ``csv``: ``metrics.csv`` in the run folder, one row per evaluation (the same records as
+  ``metrics.jsonl``). Always available.
+* ``tensorboard``: event files in ``<run>/tensorboard`` through ``tensorboardX``
+  (``pip install 'fedbayes[tensorboard]'``); view with ``tensorboard --logdir runs``.
+* ``wandb``: a Weights & Biases run through the ``wandb`` client (``pip install 'fedbayes[wandb]'``),
+  written under ``<run>/wandb``. It runs offline unless ``WANDB_MODE`` says otherwise; upload later
+  with ``wandb sync``.
+
+Per-client metrics go to ``clients.jsonl`` (:class:`ClientLog`): one line per sampled client and
+round with its example count and, where the algorithm reports it, its training loss.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+LOGGERS = ("csv", "tensorboard", "wandb")
+
+
+class LoggerUnavailable(RuntimeError):
+    """A logger's optional package is not installed; the message says how to install it."""
+
+
+class Reporters:
+    """Calls every reporter in turn (the first is usually the progress display)."""
+
+    def __init__(self, reporters: Iterable[Any]):
+        self.reporters = [r for r in reporters if r is not None]
+
+    def start(self, name: str, total: int, done: int) -> None:
+        for r in self.reporters:
+            r.start(name, total, done)
+
+    def update(self, round_idx: int, total: int, record: dict | None) -> None:
+        for r in self.reporters:
+            r.update(round_idx, total, record)
+
+    def stop(self) -> None:
+        for r in self.reporters:
+            r.stop()
+
+
+class CSVLogger:
+    """``metrics.csv``: rewritten atomically after every evaluation from the run's records.
+
+    On a resumed run it starts from ``metrics.jsonl`` (already cut back to the checkpoint), so the
+    CSV never holds rows of rounds that were undone.
+    """
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        self.path = self.out / "metrics.csv"
+        self.records: list[dict] = []
+
+    def start(self, name: str, total: int, done: int) -> None:
+        from fedbayes.runs.experiment import read_metrics
+
+        self.records = [r for r in read_metrics(self.out / "metrics.jsonl") if r["round"] <= done]
+        self._write()
+
+    def update(self, round_idx: int, total: int, record: dict | None) -> None:
+        if record is not None:
+            self.records.append(record)
+            self._write()
+
+    def stop(self) -> None:
+        pass
+
+    def _write(self) -> None:
+        fields: list[str] = []
+        for r in self.records:
+            fields += [k for k in r if k not in fields]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(self.records)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(buf.getvalue())
+        os.replace(tmp, self.path)
+
+
+class TensorBoardLogger:
+    """Scalars per evaluated round in ``<run>/tensorboard`` (tensorboardX)."""
+
+    def __init__(self, out: str | Path):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise LoggerUnavailable("--log tensorboard needs tensorboardX: pip install 'fedbayes[tensorboard]'") from None
+        self.writer = SummaryWriter(logdir=str(Path(out) / "tensorboard"))
+
+    def start(self, name: str, total: int, done: int) -> None:
+        pass
+
+    def update(self, round_idx: int, total: int, record: dict | None) -> None:
+        if record is None:
+            return
+        for key, value in record.items():
+            if key != "round" and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, global_step=round_idx)
+        self.writer.flush()
+
+    def stop(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A Weights & Biases run (offline unless ``WANDB_MODE`` is set) in ``<run>/wandb``."""
+
+    def __init__(self, out: str | Path, config: dict | None = None):
+        try:
+            import wandb
+        except ImportError:
+            raise LoggerUnavailable("--log wandb needs the wandb client: pip install 'fedbayes[wandb]'") from None
+        self.wandb = wandb
+        self.out = Path(out)
+        self.config = config or {}
+        self.run = None
+
+    def start(self, name: str, total: int, done: int) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.run = self.wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "fedbayes"),
+            name=name,
+            dir=str(self.out),
+            config=self.config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            reinit="finish_previous",
+        )
+
+    def update(self, round_idx: int, total: int, record: dict | None) -> None:
+        if record is not None and self.run is not None:
+            self.run.log({k: v for k, v in record.items() if k != "round"}, step=round_idx)
+
+    def stop(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def make_loggers(names: Sequence[str], out: str | Path, config: dict | None = None) -> list[Any]:
+    """The loggers named (each at most once), writing into the run folder ``out``.
+
+    Raises:
+      ValueError: an unknown name (the message lists the allowed ones).
+      LoggerUnavailable: the logger's optional package is missing.
+    """
+    made = []
+    for name in dict.fromkeys(names):
+        if name == "csv":
+            made.append(CSVLogger(out))
+        elif name == "tensorboard":
+            made.append(TensorBoardLogger(out))
+        elif name == "wandb":
+            made.append(WandbLogger(out, config))
+        else:
+            raise ValueError(f"--log: unknown logger {name!r}; allowed: {', '.join(LOGGERS)}")
+    return made
+
+
+class ClientLog:
+    """``clients.jsonl``: one line per sampled client and round.
+
+    Each line holds ``round``, ``client``, ``examples`` (the client's training examples),
+    ``rejected`` (whether the server refused its message), ``loss`` (its mean minibatch training
+    loss this round) and ``steps`` (its local steps), from the round's
+    :attr:`fedbayes.sim.simulator.RoundInfo.clients`. A resumed run first drops lines after its
+    checkpoint.
+    """
+
+    def __init__(self, path: str | Path, sizes: Sequence[int]):
+        self.path = Path(path)
+        self.sizes = sizes
+
+    def restart(self, done: int) -> None:
+        """Keeps the lines of rounds ``<= done`` (0: a fresh run starts an empty file)."""
+        kept: list[str] = []
+        if done > 0 and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["round"] <= done:
+                        kept.append(line + "\n")
+                except (json.JSONDecodeError, KeyError):
+                    break  # a line torn by a kill
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+
+    def write(self, info: Any, round_idx: int) -> None:
+        """Appends the lines of round ``round_idx`` (1 for the first round trained, as in
+        ``metrics.jsonl``) from its ``RoundInfo``."""
+        c = info.clients
+        lines = []
+        for i, cid in enumerate(c["client"]):
+            line = {"round": int(round_idx), "client": int(cid), "examples": int(c["num_examples"][i]), "rejected": not bool(c["accepted"][i])}
+            loss = float(c["loss"][i])
+            line["loss"] = loss if math.isfinite(loss) else None  # strict JSON: no bare NaN
+            line["steps"] = int(c["steps"][i])
+            if "dropped" in c and (c["dropped"][i] or c["late"][i]):  # failed this round: sent nothing, was not rejected
+                line.update(rejected=False, dropped=bool(c["dropped"][i]), late=bool(c["late"][i]))
+            lines.append(json.dumps(line) + "\n")
+        with open(self.path, "a") as f:
+            f.writelines(lines)

@@ -1,0 +1,91 @@
+"""Plots of training curves (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+# (metric, axis label, scale, its marginalised form)
+_PANELS = {
+    "classification": (
+        ("accuracy", "test accuracy", 1.0, "accuracy_marg"),
+        ("nll", "test NLL", 1.0, "nll_marg"),
+        ("ece", "test ECE (%)", 100.0, "ece_marg"),
+    ),
+    "regression": (("mse", "test MSE", 1.0, None), ("rmse", "test RMSE", 1.0, None)),
+}
+_STYLES = ("-", "--", "-.", ":")
+
+
+def line_styles(n: int) -> list[tuple[str, str]]:
+    """``n`` distinct (colour, line style) pairs: the 10 tab10 colours, then again with the next
+    dash pattern, so 10+ methods stay distinguishable in print and for colour-blind readers."""
+    colours = [f"C{i}" for i in range(10)]
+    # The style also changes within the first ten, so neighbours differ in two ways; the pair
+    # (i mod 10, (i + i // 10) mod 4) is distinct for the first 40 runs.
+    return [(colours[i % 10], _STYLES[(i + i // 10) % len(_STYLES)]) for i in range(n)]
+
+
+def plot_curves(
+    path: str | Path,
+    runs: Mapping[str, Sequence[dict]],
+    *,
+    title: str = "",
+    task: str = "classification",
+    bands: Mapping[str, Sequence[dict]] | None = None,
+) -> Path:
+    """Overlays the evaluation curves of several runs, one panel per metric, and saves a PNG.
+
+    Each run has its own colour and line style; a run with marginalised predictions (Bayesian
+    methods) also gets its "marg." curve in the same colour, thinner and with square markers.
+    The legend sits below the panels, off the data.
+
+    Args:
+      path: output file.
+      runs: label -> the run's ``metrics.jsonl`` records (each with ``round`` and the metrics).
+      title: figure title (the experiment's name).
+      task: ``"classification"`` or ``"regression"`` (which metrics to draw).
+      bands: label -> records of the same rounds holding a spread (the standard deviation over
+        seeds, :func:`fedbayes.runs.summaries.mean_curves`): drawn as a shaded band of +-1 spread
+        around that run's curve (the mean over seeds).
+    """
+    import matplotlib  # imported here: pyplot costs about a second at start-up
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _PANELS[task]
+    styles = dict(zip(runs, line_styles(len(runs))))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
+    handles, labels = [], []
+    for ax, (key, label, scale, marg_key) in zip(axes, panels):
+        for name, records in runs.items():
+            colour, style = styles[name]
+            for k, suffix, width, marker in ((key, "", 1.6, "o"), (marg_key, " (marg.)", 1.0, "s")):
+                if k is None:
+                    continue
+                pts = [(r["round"], r[k] * scale) for r in records if k in r]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                spread = {r["round"]: r[k] * scale for r in (bands or {}).get(name, ()) if k in r}
+                if spread and all(x in spread for x in xs):
+                    lo = [y - spread[x] for x, y in zip(xs, ys)]
+                    hi = [y + spread[x] for x, y in zip(xs, ys)]
+                    ax.fill_between(xs, lo, hi, color=colour, alpha=0.15 if not suffix else 0.08, linewidth=0)
+                (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
+                if ax is axes[0] and name + suffix not in labels:
+                    handles.append(line)
+                    labels.append(name + suffix)
+        ax.set_xlabel("round")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 5), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,347 @@
+"""Result tables of runs and comparisons: plain text that fits the terminal, Markdown and JSON.
+
+A table never cuts a method name or a number. When the columns do not fit the width, optional
+columns are left out (least useful first, a footnote says which); when even the essential columns
+do not fit, every method is printed as a block of ``column: value`` lines instead. Marginalised
+columns ("marg.") appear only when some method has marginalised predictions; a regression run
+gets its own columns (MSE, RMSE). Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (the mean and max accuracy over
+rounds R-2..R, :mod:`fedbayes.runs.summaries`) appear when the summaries carry curves. A summary over
+several seeds (:func:`fedbayes.runs.summaries.aggregate`) shows each number as ``mean±std`` and a
+"seeds" column.
+
+The width is the terminal's; when the output is not a terminal, ``$COLUMNS`` when set, else
+:data:`PIPE_WIDTH`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+
+PIPE_WIDTH = 160  # logs and CI: do not squeeze tables into 80 columns unless COLUMNS says so
+GAP = 2  # spaces between columns
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One table column.
+
+    Attributes:
+      header: the column title (may wrap at spaces).
+      value: ``(name, summary, records) -> str``.
+      left: left-aligned (text) rather than right-aligned (numbers).
+      keep: rank when columns must be left out: 0 is never left out; higher ranks go first.
+    """
+
+    header: str
+    value: Callable[[str, dict, Sequence[dict]], str]
+    left: bool = False
+    keep: int = 0
+
+
+def _fmt(v, pct: bool = False, digits: int = 4) -> str:
+    """A number, or a mean over seeds with its standard deviation as ``mean±std`` (one token;
+    ``[n/of]`` follows when only ``n`` of ``of`` seeds have a value)."""
+    if isinstance(v, Mapping) and "mean" in v:
+        if v.get("mean") is None:
+            return "—"
+        text = _fmt(v["mean"], pct, digits) + ("" if v.get("std") is None else "±" + _fmt(v["std"], pct, digits))
+        return text if v.get("n", 0) == v.get("of", 0) else f"{text}[{v['n']}/{v['of']}]"
+    if v is None:
+        return "—"
+    return f"{100 * v:.2f}" if pct else f"{v:.{digits}f}"
+
+
+def _mean(v):
+    """A plain number, or the mean of a :func:`fedbayes.runs.summaries.mean_std`."""
+    return v.get("mean") if isinstance(v, Mapping) else v
+
+
+def _final(key: str, pct: bool = False, digits: int = 4):
+    return lambda name, s, recs: _fmt(s.get("final", {}).get(key), pct, digits)
+
+
+def is_regression(summary: dict) -> bool:
+    return "mse" in summary.get("final", {}) and "accuracy" not in summary.get("final", {})
+
+
+def _rounds_to(threshold: float):
+    from fedbayes.evaluation.metrics import rounds_to_threshold
+
+    def value(name, s, recs):
+        if "curve" in s:  # over seeds (fedbayes.runs.summaries.aggregate): the mean of each seed's round
+            rt = s["curve"].get("rounds_to") if s["curve"].get("threshold") == threshold else None
+            return "—" if rt is None else _fmt(rt, digits=1)
+        if recs:
+            try:
+                rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
+            except (KeyError, ValueError):  # a damaged metrics file must not lose the whole table
+                rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
+        else:
+            rt = s.get("rounds_to", {}).get(f"{threshold:.2f}")
+        return "—" if rt is None else str(rt)
+
+    return value
+
+
+def _curve(field: str, digits: int = 4):
+    """Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (:mod:`fedbayes.runs.summaries`): the mean or max of the metric over
+    rounds R-2..R; over seeds when the summary has them, else from the run's records."""
+    from fedbayes.runs.summaries import curve_summary
+
+    def value(name, s, recs):
+        if "curve" in s:
+            return _fmt(s["curve"].get(field), digits=digits)
+        if recs:
+            try:
+                c = curve_summary(recs)
+            except (KeyError, TypeError, ValueError):
+                c = None
+            if c is not None:
+                return _fmt(c[field], digits=digits)
+        return _fmt(s.get("final_mean_3"), digits=digits) if field == "mean_last" else "—"
+
+    return value
+
+
+def _seeds(name, s, recs):
+    seeds, bad = s.get("seeds") or [], s.get("diverged_seeds") or {}
+    return str(len(seeds)) if not bad else f"{len(seeds) - len(bad)}/{len(seeds)}"
+
+
+def _best_mse(name, s, recs):
+    values = [r["mse"] for r in recs if "mse" in r]
+    return _fmt(min(values), digits=5) if values else "—"
+
+
+def _seconds(name, s, recs):
+    f = s.get("final", {})
+    return f"{_mean(f.get('seconds_total', f.get('seconds', 0.0))) or 0.0:.1f}"
+
+
+def _mb_up(name, s, recs):
+    f = s.get("final", {})
+    return f"{(_mean(f.get('bytes_up_total', f.get('bytes_up', 0))) or 0) / 1e6:.1f}"
+
+
+def _epsilon(name, s, recs):
+    final = s.get("final", {})
+    if "epsilon" not in final:
+        return "—"
+    v = _mean(final["epsilon"])  # a mean over seeds (the same for every seed) or one run's
+    return "inf" if v is None or v == float("inf") else f"{v:.2f}"
+
+
+def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
+    """The columns for these summaries: classification or regression; "marg." only when present."""
+    cols = [
+        Column("method", lambda n, s, r: n, left=True),
+        Column("algorithm", lambda n, s, r: str(s.get("algorithm", "")), left=True, keep=9),
+        Column("server opt", lambda n, s, r: str(s.get("server_optimizer", "")), left=True, keep=10),
+    ]
+    over_seeds = any("seeds" in s for s in summaries.values())
+    if over_seeds:
+        cols.append(Column("seeds", _seeds, keep=8))
+    # Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (mean and max over rounds R-2..R), when some summary has a curve
+    curves_known = any("curve" in s or "final_mean_3" in s for s in summaries.values())
+    if summaries and all(is_regression(s) for s in summaries.values()):
+        cols += [
+            Column("MSE", _final("mse", digits=5)),
+            Column("RMSE", _final("rmse", digits=5), keep=3),
+            Column("best MSE", _best_mse, keep=5),
+        ]
+        if curves_known:
+            cols.append(Column("MSE mean R-2..R", _curve("mean_last", digits=5), keep=6))
+    else:
+        cols += [
+            Column("accuracy", _final("accuracy")),
+            Column("NLL", _final("nll"), keep=2),
+            Column("ECE (%)", _final("ece", pct=True), keep=3),
+        ]
+        if any("accuracy_marg" in s.get("final", {}) for s in summaries.values()):
+            cols += [
+                Column("acc marg.", _final("accuracy_marg"), keep=4),
+                Column("NLL marg.", _final("nll_marg"), keep=7),
+                Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=7),
+            ]
+        if curves_known:
+            cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=3), Column("acc max R-2..R", _curve("max_last"), keep=6)]
+        if any("epsilon" in s.get("final", {}) for s in summaries.values()):
+            cols += [Column("epsilon", _epsilon, keep=4)]  # client-level DP (fedbayes.aggregators.dp); inf: no noise
+        cols += [
+            Column("best acc", lambda n, s, r: _fmt(s.get("best_accuracy")), keep=6),
+            Column(f"rounds to {threshold:.0%}", _rounds_to(threshold), keep=5),
+        ]
+    cols += [Column("train s (total)", _seconds, keep=6), Column("MB up (total)", _mb_up, keep=8)]
+    return cols
+
+
+def cells(summaries: Mapping[str, dict], cols: Sequence[Column], curves: Mapping[str, Sequence[dict]] | None = None) -> list[list[str]]:
+    """The table's cells; a diverged run shows where it diverged instead of its numbers."""
+    curves = curves or {}
+    rows = []
+    for name, s in summaries.items():
+        if s.get("diverged"):
+            d = s["diverged"]
+            row = [c.value(name, s, []) if c.left else "—" for c in cols]
+            row[next(i for i, c in enumerate(cols) if not c.left)] = f"diverged (round {d['round']}: {d['metric']})"
+        else:
+            row = [c.value(name, s, curves.get(name) or []) for c in cols]
+        rows.append(row)
+    return rows
+
+
+def terminal_width(stream=None) -> int:
+    """The terminal's width; when not a terminal, ``$COLUMNS`` if set, else :data:`PIPE_WIDTH`."""
+    stream = stream or sys.stdout
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        if stream.isatty():
+            return shutil.get_terminal_size((PIPE_WIDTH, 24)).columns
+    except (AttributeError, ValueError, OSError):
+        pass
+    return PIPE_WIDTH
+
+
+def _wrap_header(header: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in header.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line]
+
+
+def _widths(cols: Sequence[Column], rows: Sequence[Sequence[str]]) -> list[int]:
+    """Each column as wide as its widest cell or the longest word of its header."""
+    return [max([len(r[i]) for r in rows] + [max(len(w) for w in c.header.split(" "))]) for i, c in enumerate(cols)]
+
+
+def _grid(cols: Sequence[Column], rows: Sequence[Sequence[str]], widths: Sequence[int]) -> list[str]:
+    headers = [_wrap_header(c.header, w) for c, w in zip(cols, widths)]
+    height = max(len(h) for h in headers)
+    headers = [[""] * (height - len(h)) + h for h in headers]  # bottom-aligned titles
+
+    def line(parts):
+        text = (" " * GAP).join(p.ljust(w) if c.left else p.rjust(w) for c, p, w in zip(cols, parts, widths))
+        return text.rstrip()
+
+    out = [line([h[i] for h in headers]) for i in range(height)]
+    out.append((" " * GAP).join("-" * w for w in widths))
+    out += [line(r) for r in rows]
+    return out
+
+
+def render(
+    summaries: Mapping[str, dict],
+    *,
+    width: int | None = None,
+    threshold: float = 0.8,
+    curves: Mapping[str, Sequence[dict]] | None = None,
+    title: str | None = None,
+) -> str:
+    """The table as plain text no wider than ``width`` (default :func:`terminal_width`)."""
+    cols = columns(summaries, threshold)
+    return render_rows(cols, cells(summaries, cols, curves), width=width, title=title)
+
+
+def render_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]], *, width: int | None = None, title: str | None = None) -> str:
+    """Any table of cells as plain text no wider than ``width``, by the rules of :func:`render`
+    (optional columns left out by rank, else one block per row); the first column names the row."""
+    width = width or terminal_width()
+    keep = list(range(len(cols)))
+    dropped: list[str] = []
+
+    def total(idx):
+        w = _widths([cols[i] for i in idx], [[r[i] for i in idx] for r in rows])
+        return sum(w) + GAP * (len(w) - 1)
+
+    for rank in sorted({c.keep for c in cols if c.keep}, reverse=True):
+        if total(keep) <= width:
+            break
+        for i in [i for i in keep if cols[i].keep == rank][::-1]:
+            if total(keep) <= width:
+                break
+            keep.remove(i)
+            dropped.append(cols[i].header)
+    lines = [title] if title else []
+    if total(keep) <= width:
+        sub_cols = [cols[i] for i in keep]
+        sub_rows = [[r[i] for i in keep] for r in rows]
+        lines += _grid(sub_cols, sub_rows, _widths(sub_cols, sub_rows))
+        if dropped:
+            note = f"({len(dropped)} column(s) left out to fit {width} columns: {', '.join(dropped)}; all in --json)"
+            lines += textwrap.wrap(note, width, break_long_words=False, break_on_hyphens=False)
+    else:  # too narrow for a grid: one block per method, every value whole
+        for r in rows:
+            lines.append(r[0])
+            lines += [f"  {c.header}: {v}" for c, v in zip(cols[1:], r[1:])]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(summaries: Mapping[str, dict], *, threshold: float = 0.8, curves: Mapping[str, Sequence[dict]] | None = None) -> str:
+    """Every column as a Markdown table (for ``compare.md``)."""
+    cols = columns(summaries, threshold)
+    return markdown_rows(cols, cells(summaries, cols, curves))
+
+
+def markdown_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
+    """Any table of cells as Markdown, every column kept."""
+    md = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(md) + "\n"
+
+
+def reference_table(summaries: Mapping[str, dict], curves: Mapping[str, Sequence[dict]], reference) -> tuple[list[Column], list[list[str]]]:
+    """Our curve summary beside a paper's number for each variant of a comparison.
+
+    ``reference`` is a :class:`fedbayes.config.schema.ReferenceTable`. Ours is the test accuracy's mean
+    (or max) over rounds R-2..R in percent, ``mean±std`` over seeds when the comparison has them;
+    "difference" is ours minus the paper's mean. Variants the paper has no number for show "—".
+    """
+    from fedbayes.runs.summaries import curve_summary
+
+    field = reference.summary
+
+    def ours(name, s):
+        if s.get("diverged"):
+            return None
+        if "curve" in s:
+            return s["curve"].get(field)
+        c = curve_summary(curves.get(name) or [])
+        return None if c is None else c[field]
+
+    def paper_mean(v):
+        if isinstance(v, (int, float)):
+            return float(v)
+        head = str(v).split("(")[0].split("±")[0].strip()
+        try:
+            return float(head)
+        except ValueError:
+            return None
+
+    label = {"mean_last": "mean", "max_last": "max"}[field]
+    cols = [
+        Column("method", lambda n, s, r: n, left=True),
+        Column(f"ours: acc {label} R-2..R (%)", lambda n, s, r: ""),
+        Column("paper (%)", lambda n, s, r: ""),
+        Column("difference", lambda n, s, r: "", keep=1),
+    ]
+    rows = []
+    for name, s in summaries.items():
+        v = ours(name, s)
+        text = "diverged" if s.get("diverged") else _fmt(v, pct=True).replace("±", " ± ") if v is not None else "—"
+        p = reference.values.get(name)
+        pm = paper_mean(p) if p is not None else None
+        m = _mean(v) if v is not None else None
+        diff = f"{100 * m - pm:+.2f}" if (m is not None and pm is not None) else "—"
+        rows.append([name, text, "—" if p is None else str(p), diff])
+    return cols, rows

@@ -1,0 +1,716 @@
+"""The round simulator: sample a cohort, run its clients together in one ``jit``, update the server.
+
+One round (docs/design.md, "One round, as data flows"):
+
+1. **Sample** ``M`` clients uniformly without replacement from a generator seeded by
+   (seed, round), in ``O(M)`` (Floyd's algorithm): round time does not grow with ``K``.
+2. **Gather**: draw each client's epoch shuffles on the host and lay the cohort out in one flat
+   order buffer of positions (:mod:`fedbayes.data.batches`: no per-client padding, the buffer's
+   tail padded to a size class, under 20%); positions index the training set, which sits on every
+   device once, or, for an on-demand federation (:class:`GeneratedFederation`), the cohort's
+   freshly generated data. Gather the cohort's client states from the host store.
+3. **Broadcast** the server message.
+4. **Client update**, in one ``jit``, in one of two layouts behind one interface:
+
+   * ``"sequential"`` (default on CPU): the cohort is split over the local devices with
+     ``shard_map``; each device runs its clients one after another (``lax.map``), each client with
+     its own trip count, so there is no padding waste. Clients are balanced over devices on the
+     host each round, longest first.
+   * ``"vmap"``: the cohort (client axis sharded over the devices) runs under ``jax.vmap``; each
+     client's loop is masked past its own step count, so every client takes exactly its steps.
+
+   Client ``k`` always uses the key :func:`fedbayes.protocol.client_key` and the shuffles of
+   :func:`fedbayes.protocol.shuffle_rng`: results do not depend on the cohort, its order, padding,
+   the layout or the device split.
+5. **Server step** (:func:`fedbayes.protocol.server_step`, fused into the same program): validate
+   each message (``algorithm.message_ok``; a rejected client gets weight zero and keeps its old
+   state; the count is reported), aggregate (the algorithm's rule, or the ``aggregator`` given),
+   update the server.
+6. **Scatter** new client states back to the store (:mod:`fedbayes.sim.store`: stacked host arrays,
+   or a :class:`~fedbayes.sim.store.DiskStore` for federations whose states do not fit in memory),
+   or, with ``store="device"``, keep the store in device memory (replicated on every device),
+   gathered and scattered inside the round's program (:meth:`Simulator.device_store_program`):
+   no per-round transfers, which is also the layout for a GPU.
+
+A round is three steps (:meth:`Simulator.prepare_round` on the host, :meth:`Simulator.launch`,
+:meth:`Simulator.complete`); :meth:`Simulator.run_round` runs them in turn and
+:meth:`Simulator.rounds` pipelines them (round ``r + 1`` prepared and launched while round ``r``
+runs), with bitwise the same results.
+
+Set ``XLA_FLAGS=--xla_force_host_platform_device_count=<cores>`` before JAX starts to get one XLA
+device per core (the CLI does this); with one device both layouts still work.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fedbayes import protocol, tree
+from fedbayes.algorithms.base import Algorithm
+from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
+from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation
+from fedbayes.protocol import WEIGHTINGS, cohort_rng, sample_without_replacement
+from fedbayes.sim.store import DiskStore, MemoryStore, as_store
+
+log = logging.getLogger(__name__)
+
+# XLA:CPU (jax 0.10) hands dots and reductions to YNNPACK by default. Its reductions over a short
+# axis ran about 40x slower than XLA's own loops on the development machine (the mean over FedEP's
+# 3 SG-MCMC samples, [3, 784, 200]: 6.2 ms against 0.14 ms), about 10 ms per FedEP client and
+# round; the round keeps YNNPACK for dots only (docs/results/bench.md, "Where time goes").
+_CPU_ROUND_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+@functools.cache
+def round_compiler_options(platform: str) -> dict[str, str] | None:
+    """XLA options of the compiled round on ``platform``: ``None`` (XLA's defaults) except on CPU,
+    and also there when this XLA does not know the option (checked once by a tiny compile)."""
+    if platform != "cpu":
+        return None
+    try:
+        jax.jit(lambda: 0, compiler_options=_CPU_ROUND_OPTIONS).lower().compile()
+    except Exception:  # an XLA without YNNPACK fusions: nothing to restrict
+        return None
+    return dict(_CPU_ROUND_OPTIONS)
+
+
+__all__ = [
+    "Federation",
+    "GeneratedFederation",
+    "LaunchedRound",
+    "PreparedRound",
+    "RoundInfo",
+    "SimState",
+    "Simulator",
+    "cohort_rng",
+    "sample_without_replacement",
+]
+
+LAYOUTS = ("auto", "sequential", "vmap")
+STORES = ("memory", "disk", "device")
+_AXIS = "clients"
+
+
+class SimState(NamedTuple):
+    """Everything a run needs to continue: the next round, server state, client store."""
+
+    round: int
+    server_state: Any
+    client_states: Any  # pytree of host arrays [num_clients, ...], a DiskStore, or () when stateless
+
+
+class RoundInfo(NamedTuple):
+    """What one round did.
+
+    ``padding_waste`` is the share of padded entries in the cohort's order buffer (and, for a
+    generated federation, its feature buffer); ``step_waste`` the share of masked no-op client
+    steps (0 in the sequential layout, where each client runs exactly its own steps).
+    """
+
+    round: int
+    cohort: np.ndarray
+    rejected: np.ndarray  # client ids whose messages were rejected
+    bytes_up: int
+    bytes_down: int
+    padding_waste: float = 0.0
+    step_waste: float = 0.0
+    clients: dict[str, np.ndarray] | None = None  # per cohort client (in cohort order): num_examples and its info
+    server: dict[str, float] | None = None  # the server update's info
+    dropped: np.ndarray | None = None  # client ids that failed this round (server.dropout)
+    late: np.ndarray | None = None  # client ids cut by the deadline (server.deadline)
+
+
+def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
+    """Longest-processing-time-first assignment with equal slot counts per device.
+
+    Items go, longest first, to the least-loaded device that still has a free slot; every device
+    gets ``ceil(n / num_devices)`` slots at most, so the cohort's padded shape (and the compiled
+    round) is the same every round, whatever the sizes.
+    """
+    capacity = -(-len(costs) // num_devices)
+    loads = np.zeros(num_devices)
+    groups: list[list[int]] = [[] for _ in range(num_devices)]
+    for i in np.argsort(-costs, kind="stable"):
+        open_devices = [d for d in range(num_devices) if len(groups[d]) < capacity]
+        d = min(open_devices, key=lambda j: loads[j])
+        groups[d].append(int(i))
+        loads[d] += costs[i]
+    return groups
+
+
+class Simulator:
+    """Runs rounds of a federated :class:`Algorithm` on a federation.
+
+    Args:
+      algorithm: the federated method.
+      federation: a :class:`Federation` (pooled data, on the devices once) or a
+        :class:`GeneratedFederation` (each cohort's data generated on demand).
+      clients_per_round: cohort size ``M`` (``1 <= M <= K``).
+      seed: root seed; cohorts and every client's randomness derive from it.
+      weighting: ``"examples"`` (``q_k`` proportional to ``n_k``) or ``"uniform"``.
+      layout: ``"sequential"``, ``"vmap"`` or ``"auto"`` (sequential on CPU, vmap elsewhere).
+      devices: devices to shard the cohort over (default: all local devices).
+      fail_fast: raise on the first rejected client message instead of dropping it.
+      store: where client states live: ``"memory"`` (stacked host arrays), ``"disk"`` (a
+        :class:`~fedbayes.sim.store.DiskStore` in ``store_dir``, for large federations) or
+        ``"device"`` (stacked arrays in device memory, one copy per device, updated in place by
+        the round's program; for stores that fit there).
+      store_dir: the disk store's folder (needed with ``store="disk"``).
+      aggregator: an :data:`fedbayes.aggregators.Aggregator` replacing the algorithm's own rule
+        (e.g. a robust rule or one that adds DP noise); ``None`` keeps the algorithm's.
+      dropout: probability that a sampled client fails in a round (drawn from
+        :func:`fedbayes.protocol.dropout_rng`, so reproducible by seed); a failed client sends
+        nothing and keeps its state, as a padding slot does.
+      deadline: a sampled client whose local step count ``E * ceil(n_k / B)`` exceeds it misses
+        the round (a straggler), as a failed one does; ``None``: no deadline.
+      attack: ``(messages, attackers, broadcast) -> messages`` (:func:`fedbayes.sim.scenario.message_attack`)
+        applied to the cohort's messages before the server step, for measuring robust rules.
+      attackers: the client ids that attack (:func:`fedbayes.sim.scenario.attacker_ids`).
+    """
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        federation: AnyFederation,
+        *,
+        clients_per_round: int,
+        seed: int = 0,
+        weighting: str = "examples",
+        layout: str = "auto",
+        devices: Sequence[jax.Device] | None = None,
+        fail_fast: bool = False,
+        store: str = "memory",
+        store_dir: str | None = None,
+        aggregator=None,
+        dropout: float = 0.0,
+        deadline: int | None = None,
+        attack=None,
+        attackers: Sequence[int] = (),
+    ):
+        k = federation.num_clients
+        if store not in STORES:
+            raise ValueError(f"store must be one of {', '.join(STORES)}; got {store!r}")
+        if store == "disk" and store_dir is None:
+            raise ValueError("store='disk' needs store_dir, the folder of the client store")
+        if not 1 <= clients_per_round <= k:
+            raise ValueError(f"clients_per_round must be between 1 and the number of clients ({k}); got {clients_per_round}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}; got {weighting!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+        sizes = np.asarray(federation.sizes, dtype=np.int64)
+        if np.any(sizes <= 0):
+            raise ValueError(f"every client needs at least one example; got empty clients {np.flatnonzero(sizes <= 0)[:10].tolist()}")
+        self.algorithm = algorithm
+        self.federation = federation
+        self.clients_per_round = clients_per_round
+        self.weighting = weighting
+        self.fail_fast = fail_fast
+        self.seed = seed
+        self.sizes = sizes
+        self.store = store
+        self.store_dir = store_dir
+        self.aggregator = aggregator
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        if deadline is not None and deadline < 1:
+            raise ValueError(f"deadline must be >= 1 local steps (or None); got {deadline}")
+        self.dropout = float(dropout)
+        self.deadline = deadline
+        self.attack = attack
+        self.is_attacker = np.zeros(k, np.bool_)
+        self.is_attacker[np.asarray(attackers, np.int64)] = True
+        devices = list(devices) if devices is not None else jax.local_devices()
+        if layout == "auto":
+            layout = "sequential" if devices[0].platform == "cpu" else "vmap"
+        self.layout = layout
+        self.mesh = Mesh(np.array(devices), (_AXIS,))
+        self.num_devices = len(devices)
+        self._replicated = NamedSharding(self.mesh, P())
+        self._sharded = NamedSharding(self.mesh, P(_AXIS))
+        self.generated = isinstance(federation, GeneratedFederation)
+        if self.generated:
+            self.x = self.y = None
+        else:
+            self.x = jax.device_put(federation.x, self._replicated)
+            self.y = jax.device_put(federation.y, self._replicated)
+        options = round_compiler_options(devices[0].platform)
+        self._round_fn = jax.jit(self.round_program, compiler_options=options)
+        # The device store's round, with and without the store donated (updated in place).
+        self._device_round_fns = {
+            donate: jax.jit(self.device_store_program, compiler_options=options, donate_argnums=(1,) if donate else ()) for donate in (False, True)
+        }
+        self._message_bytes: tuple[int, int] | None = None
+        self._client_phase_fn = None  # device_busy_times' program, compiled on first use
+
+    # ----- state -----------------------------------------------------------------------------
+    def init(self, params, *, resume: bool = False) -> SimState:
+        """Initial state: ``server_init`` and every client's ``client_init`` in the client store.
+
+        ``resume=True`` opens an existing disk store instead of writing it anew (a checkpoint's
+        :func:`~fedbayes.runs.checkpoint.load_checkpoint` then rolls it back to its round); the memory
+        store ignores it. Stateless algorithms keep ``()`` whatever the store.
+        """
+        server_state = self.place(self.algorithm.server_init(protocol.server_init_key(self.seed), params))
+        template = self.algorithm.client_init(params)
+        k = self.federation.num_clients
+        if self.store == "disk" and jax.tree.leaves(template):
+            client_states = (DiskStore.open(self.store_dir, template, k) if resume else DiskStore.create(self.store_dir, template, k)).held
+        else:
+            client_states = MemoryStore.create(template, k).held
+            if self.store == "device" and jax.tree.leaves(template):
+                client_states = self.on_devices(client_states)
+        return SimState(round=0, server_state=server_state, client_states=client_states)
+
+    def place(self, server_state):
+        """Puts a server state on the devices as the round returns it (replicated), so that the
+        compiled round is reused from the first call on."""
+        return jax.device_put(server_state, self._replicated)
+
+    def server_params(self, state: SimState):
+        return self.algorithm.server_params(state.server_state)
+
+    # ----- cohort ----------------------------------------------------------------------------
+    def sample_cohort(self, round_idx: int) -> np.ndarray:
+        """Uniform sample without replacement of ``M`` client ids for ``round_idx`` (sorted)."""
+        return protocol.sample_cohort(self.seed, round_idx, self.federation.num_clients, self.clients_per_round)
+
+    def layout_cohort(self, cohort: np.ndarray) -> np.ndarray:
+        """Orders the cohort into equal per-device blocks; ``-1`` marks padding slots."""
+        d = self.num_devices
+        if self.layout == "sequential" and d > 1:
+            groups = _lpt_assign(self.sizes[cohort].astype(np.float64), d)
+        else:
+            per = -(-len(cohort) // d)
+            groups = [list(range(i * per, min((i + 1) * per, len(cohort)))) for i in range(d)]
+        width = max(len(g) for g in groups)
+        slots = np.full((d, width), -1, dtype=np.int64)
+        for i, g in enumerate(groups):
+            slots[i, : len(g)] = cohort[g] if len(g) else []
+        return slots.reshape(-1)
+
+    def _cohort_data(self, slots: np.ndarray):
+        """Pooled features for the cohort and each slot's positions in them.
+
+        A pooled federation returns its device-resident arrays and the clients' own indices; a
+        generated one generates the cohort's clients, concatenates them and pads the tail to a
+        size class (so that shapes, and compiles, repeat).
+        """
+        if not self.generated:
+            return self.x, self.y, [self.federation.client_indices[c] if c >= 0 else np.zeros(0, np.int64) for c in slots], 0.0
+        fed = self.federation
+        xs, ys, positions, used = [], [], [], 0
+        for cid in slots:
+            if cid < 0:
+                positions.append(np.zeros(0, np.int64))
+                continue
+            x, y = fed.client_data(int(cid))
+            xs.append(np.asarray(x, fed.x_dtype))
+            ys.append(np.asarray(y, fed.y_dtype))
+            positions.append(np.arange(used, used + len(y)))
+            used += len(y)
+        total = size_class(used)
+        x = np.zeros((total, *fed.feature_shape), fed.x_dtype)
+        y = np.zeros((total,), fed.y_dtype)
+        x[:used] = np.concatenate(xs)
+        y[:used] = np.concatenate(ys)
+        x, y = jax.device_put((x, y), self._replicated)
+        return x, y, positions, 1.0 - used / total
+
+    def gather(self, round_idx: int, slots: np.ndarray):
+        """Host side of a round: ``(x, y, order, offsets, num_examples, weights, padding)`` of
+        the slots (see :meth:`layout_cohort`)."""
+        real = slots >= 0
+        x, y, positions, feature_waste = self._cohort_data(slots)
+        epochs, batch = self.algorithm.local_epochs, self.algorithm.local_batch_size
+        # A generated cohort's feature buffer already has a size class; tying the order buffer's
+        # length to it keeps one shape (one compile) per class instead of one per pair of classes.
+        length = epochs * x.shape[0] + batch if self.generated else None
+        order, offsets, used = layout_orders(self.seed, round_idx, slots, positions, epochs, batch, length)
+        num_examples = np.where(real, self.sizes[np.where(real, slots, 0)], 0).astype(np.int32)
+        weights = protocol.client_weights(num_examples, self.weighting)
+        padding = max(feature_waste, 1.0 - used / len(order))
+        return x, y, order, offsets, num_examples, weights, padding
+
+    # ----- the compiled round ----------------------------------------------------------------
+    def _client_fn(self, message, round_idx, x, y, order):
+        algorithm, round_key = self.algorithm, protocol.client_round_key(self.seed, round_idx)
+
+        def one(cid, cstate, offset, n):
+            key = jax.random.fold_in(round_key, cid)  # = protocol.client_key(seed, round_idx, cid)
+            return algorithm.client_update(key, message, cstate, ClientData(x, y, order, offset, n))
+
+        return one
+
+    def client_phase(self, message, client_states, client_ids, offsets, num_examples, round_idx, x, y, order):
+        """The cohort's client updates in the simulator's layout: ``(messages, new states, infos)``,
+        each split by slot over the devices. No step of it crosses devices."""
+        if self.layout == "vmap":
+            one = self._client_fn(message, round_idx, x, y, order)
+            messages, new_states, infos = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
+            # Keep every state leaf split by client, as the sequential layout's shard_map does: XLA
+            # would replicate a leaf that does not depend on the client (a constant flag).
+            return messages, jax.lax.with_sharding_constraint(new_states, self._sharded), infos
+
+        def per_device(message, round_idx, x, y, order, cids, cstates, offs, n):
+            one = self._client_fn(message, round_idx, x, y, order)
+            return jax.lax.map(lambda a: one(*a), (cids, cstates, offs, n))
+
+        # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
+        # over devices and clients would no longer be independent (docs/design.md).
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(), P(), P(), P(_AXIS), P(_AXIS), P(_AXIS), P(_AXIS)),
+            out_specs=(P(_AXIS), P(_AXIS), P(_AXIS)),
+            check_vma=False,
+        )(message, round_idx, x, y, order, client_ids, client_states, offsets, num_examples)
+
+    def round_program(self, server_state, client_states, client_ids, offsets, num_examples, weights, round_idx, x, y, order, attackers=None):
+        """The compiled round (:meth:`run_round` calls it jitted): the cohort's client updates in
+        the simulator's layout (:meth:`client_phase`), the attack on the ``attackers`` slots'
+        messages (when the simulator has one), then :func:`fedbayes.protocol.server_step`. Returns
+        the new server state, the new client states (every slot's; only accepted rows are written
+        back), the acceptance flags, the clients' info and the server's info."""
+        algorithm = self.algorithm
+        message = algorithm.broadcast(server_state)
+        messages, new_states, infos = self.client_phase(message, client_states, client_ids, offsets, num_examples, round_idx, x, y, order)
+        if self.attack is not None:
+            messages = self.attack(messages, attackers, message)
+        server_key = protocol.server_key(self.seed, round_idx)
+        new_server, ok, server_info = protocol.server_step(algorithm, server_state, messages, weights, server_key, self.aggregator)
+        # A rejected client keeps its old state: run_round writes back only the accepted rows
+        # (no select over every client's state here, one pass less over the cohort's states).
+        return new_server, new_states, ok, infos, server_info
+
+    def device_busy_times(self, state: SimState) -> np.ndarray:
+        """Seconds each device spends on its share of round ``state.round``'s client updates.
+
+        A probe, run apart from the round: the client phase alone (:meth:`client_phase`, which
+        does not cross devices) is launched once its inputs are on the devices, and one thread
+        per device waits for that device's share of the messages. The spread between devices is
+        the time the round's server step waits for the slowest one. ``state`` is not changed.
+        """
+        import threading
+        import time
+
+        if self._client_phase_fn is None:
+            algorithm = self.algorithm
+            self._client_phase_fn = jax.jit(
+                lambda server_state, *a: jax.tree.leaves(self.client_phase(algorithm.broadcast(server_state), *a)[0]),
+                compiler_options=round_compiler_options(self.mesh.devices.flat[0].platform),
+            )
+        p = self.prepare_round(state.round)
+        safe = np.where(p.slots >= 0, p.slots, 0)
+        if self.store == "device" and jax.tree.leaves(state.client_states):
+            ids = jax.device_put(safe, self._sharded)
+            states = jax.tree.map(lambda s: jnp.take(s, ids, axis=0), self.on_devices(state.client_states))
+        else:
+            states = self._put_states(as_store(state.client_states), safe, state.round)
+        ids, offsets, num_examples, _, round_idx, x, y, order = p.args[:8]
+        args = (state.server_state, states, ids, offsets, num_examples, round_idx, x, y, order)
+        jax.block_until_ready(args)
+        done: dict[int, float] = {}
+        t0 = time.perf_counter()
+        first = self._client_phase_fn(*args)[0]
+
+        def watch(shard):
+            shard.data.block_until_ready()
+            done[shard.device.id] = time.perf_counter() - t0
+
+        threads = [threading.Thread(target=watch, args=(shard,)) for shard in first.addressable_shards]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return np.array([done[d.id] for d in self.mesh.devices.flat])
+
+    def num_compiled_rounds(self) -> int:
+        """How many programs the round has compiled so far (one per size class of the cohort's
+        order buffer; a fixed cohort shape compiles once)."""
+        return self._round_fn._cache_size()
+
+    def message_bytes(self, state: SimState) -> tuple[int, int]:
+        """``(down, up)`` bytes of one broadcast message and one client message."""
+        if self._message_bytes is None:
+            message = jax.eval_shape(self.algorithm.broadcast, state.server_state)
+            cstate = as_store(state.client_states).row_spec()
+            if self.generated:
+                fed = self.federation
+                x = jax.ShapeDtypeStruct((256, *fed.feature_shape), fed.x_dtype)
+                y = jax.ShapeDtypeStruct((256,), fed.y_dtype)
+            else:
+                x = jax.ShapeDtypeStruct(self.x.shape, self.x.dtype)
+                y = jax.ShapeDtypeStruct(self.y.shape, self.y.dtype)
+            scalar = jax.ShapeDtypeStruct((), jnp.int32)
+            order = jax.ShapeDtypeStruct((2 * self.algorithm.local_batch_size + 256,), jnp.int32)
+            data = ClientData(x, y, order, scalar, scalar)
+            out, _, _ = jax.eval_shape(self.algorithm.client_update, jax.random.key(0), message, cstate, data)
+            self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
+        return self._message_bytes
+
+    def failed_clients(self, round_idx: int, cohort: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(dropped, late)``: boolean masks over the (sorted) cohort of the clients that fail
+        this round (``dropout``, one uniform draw per cohort client from
+        :func:`fedbayes.protocol.dropout_rng`) and of those that miss the ``deadline``."""
+        dropped = np.zeros(len(cohort), np.bool_)
+        if self.dropout > 0:
+            dropped = protocol.dropout_rng(self.seed, round_idx).random(len(cohort)) < self.dropout
+        late = np.zeros(len(cohort), np.bool_)
+        if self.deadline is not None:
+            steps = num_local_steps(self.sizes[cohort], self.algorithm.local_batch_size, self.algorithm.local_epochs)
+            late = ~dropped & (np.asarray(steps) > self.deadline)
+        return dropped, late
+
+    def _put_states(self, store, ids: np.ndarray, round_idx: int):
+        """The states of the clients in slots ``ids`` on the devices, sharded by slot.
+
+        From a memory store each device's block is gathered straight from the stacked host arrays
+        (one copy, no assembled cohort array in between: about 0.4 ms less per 7 MB leaf here).
+        """
+        if isinstance(store, MemoryStore):
+
+            def leaf(a):
+                return jax.make_array_from_callback((len(ids), *a.shape[1:]), self._sharded, lambda index: a[ids[index[0]]])
+
+            return jax.tree.map(leaf, store.states)
+        return jax.tree.map(lambda a: jax.device_put(a, self._sharded), store.gather(ids, round_idx))
+
+    def _write_back(self, store, slots: np.ndarray, keep: np.ndarray, new_states, round_idx: int, donate: bool):
+        """Writes the new states of the slots marked ``keep`` to the store; returns what
+        ``SimState.client_states`` holds next.
+
+        A memory store is written device block by device block from zero-copy host views of each
+        device's shard (no assembled copy of the cohort's states); a disk store gets one scatter
+        per round (its undo log is per round).
+        """
+        if not isinstance(store, MemoryStore):
+            rows = np.flatnonzero(keep)
+            new_rows = jax.tree.map(lambda a: np.asarray(a)[rows], new_states)
+            return store.scatter(slots[rows], new_rows, round_idx, donate=donate).held
+        leaves, treedef = jax.tree.flatten(new_states)
+        width = len(slots) // self.num_devices  # slots come in equal per-device blocks
+        bounds = [(i * width, (i + 1) * width) for i in range(self.num_devices)]
+
+        def blocks_of(a):
+            if a.sharding.is_equivalent_to(self._sharded, a.ndim):
+                views = {shard.index[0].indices(len(slots))[:2]: np.asarray(shard.data) for shard in a.addressable_shards}
+                return [views[b] for b in bounds]
+            host = np.asarray(a)  # laid out otherwise (e.g. replicated): slice one host copy
+            return [host[start:stop] for start, stop in bounds]
+
+        per_leaf = [blocks_of(a) for a in leaves]
+        owned = donate  # once copied (donate=False), later blocks may write in place
+        for b, (start, stop) in enumerate(bounds):
+            arrays = [blocks[b] for blocks in per_leaf]
+            sel = keep[start:stop]
+            if not sel.any():
+                continue
+            rows = arrays if sel.all() else [r[sel] for r in arrays]
+            store = store.scatter(slots[start:stop][sel], treedef.unflatten(rows), round_idx, donate=owned)
+            owned = True
+        if not owned:  # nothing written: still a store of its own, as a pure update promises
+            store = MemoryStore(jax.tree.map(np.copy, store.states))
+        return store.held
+
+    # ----- one round in three steps: prepare (host), launch (device, asynchronous), complete ----
+    def prepare_round(self, round_idx: int) -> PreparedRound:
+        """The host work of round ``round_idx``, which does not depend on any state: the cohort,
+        its layout over the devices, failures, every client's epoch shuffles in one order buffer,
+        and the round's inputs put on the devices (asynchronously)."""
+        cohort = self.sample_cohort(round_idx)
+        all_slots = self.layout_cohort(cohort)
+        dropped, late = self.failed_clients(round_idx, cohort)
+        failed_ids = cohort[dropped | late]
+        # A failed client runs as a padding slot: no data, weight zero, its state not written back.
+        slots = np.where(np.isin(all_slots, failed_ids), -1, all_slots) if len(failed_ids) else all_slots
+        x, y, order, offsets, num_examples, weights, padding = self.gather(round_idx, slots)
+        real = slots >= 0
+        safe = np.where(real, slots, 0)
+        # One batched transfer of the per-slot inputs (and the order buffer, replicated).
+        per_slot = [safe.astype(np.int32), offsets, num_examples, weights]
+        if self.attack is not None:
+            per_slot.append(np.where(real, self.is_attacker[safe], False))
+        if self.store == "device":
+            per_slot.append(real)
+        placed = jax.device_put([*per_slot, order], [self._sharded] * len(per_slot) + [self._replicated])
+        ids, offsets_d, n_d, weights_d = placed[:4]
+        args = (ids, offsets_d, n_d, weights_d, np.int32(round_idx), x, y, placed[-1])
+        if self.attack is not None:
+            args += (placed[4],)
+        real_arg = placed[len(per_slot) - 1] if self.store == "device" else None
+        return PreparedRound(round_idx, cohort, all_slots, slots, dropped, late, num_examples, float(padding), args, real_arg)
+
+    def launch(self, state: SimState, prepared: PreparedRound, *, donate: bool = False) -> LaunchedRound:
+        """Starts the compiled round ``prepared`` on ``state`` and returns without waiting for it
+        (JAX dispatches asynchronously); ``state.server_state`` may itself still be computing.
+
+        The client states are gathered here: from a memory store, the rows are copied now (so a
+        later write to other rows cannot change them); a device store is passed whole and, with
+        ``donate=True``, updated in place by the round (``state.client_states`` is then no longer
+        usable)."""
+        if prepared.round != state.round:
+            raise ValueError(f"the prepared round is {prepared.round} but the state is at round {state.round}")
+        if self.store == "device" and jax.tree.leaves(state.client_states):
+            fn = self._device_round_fns[bool(donate)]
+            outputs = fn(state.server_state, self.on_devices(state.client_states), prepared.real_arg, *prepared.args)
+            return LaunchedRound(prepared, outputs)
+        store = as_store(state.client_states)
+        safe = np.where(prepared.slots >= 0, prepared.slots, 0)
+        outputs = self._round_fn(state.server_state, self._put_states(store, safe, prepared.round), *prepared.args)
+        return LaunchedRound(prepared, outputs)
+
+    def complete(self, state: SimState, launched: LaunchedRound, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
+        """Waits for ``launched`` (started on ``state``), writes the accepted clients' new states
+        back and returns the next state and what the round did."""
+        p = launched.prepared
+        round_idx, cohort, all_slots, slots, num_examples = p.round, p.cohort, p.all_slots, p.slots, p.num_examples
+        new_server, new_cstates, ok, client_info, server_info = launched.outputs
+        ok, client_info, server_info = jax.device_get((ok, client_info, server_info))  # one batched transfer
+        real = slots >= 0
+        rejected = slots[real & ~ok]
+        if len(rejected):
+            log.warning("round %d: rejected messages from clients %s", round_idx, rejected.tolist())
+            if self.fail_fast:
+                from fedbayes.errors import DivergedError  # exit code 3 in the CLI
+
+                raise DivergedError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()} (server.fail_fast)")
+        client_states = state.client_states
+        if not jax.tree.leaves(client_states):
+            pass
+        elif self.store == "device":
+            client_states = new_cstates  # rejected clients and padding slots were not written
+        else:
+            # Rejected clients and padding slots keep their state.
+            client_states = self._write_back(as_store(client_states), slots, real & ok, new_cstates, round_idx, donate)
+        down, up = self.message_bytes(state)
+        m = len(cohort)
+        steps = num_local_steps(num_examples, self.algorithm.local_batch_size, self.algorithm.local_epochs)
+        step_waste = 0.0
+        if self.layout == "vmap" and steps.max() > 0:
+            step_waste = float(1.0 - steps.sum() / (len(slots) * steps.max()))
+        # Per-client facts in cohort order (slots hold the cohort in device blocks, -1 for padding).
+        order_in_cohort = np.argsort(np.where(all_slots >= 0, all_slots, np.iinfo(np.int64).max), kind="stable")[:m]
+        clients = {"client": all_slots[order_in_cohort], "num_examples": num_examples[order_in_cohort], "accepted": (real & ok)[order_in_cohort]}
+        clients.update({k: np.asarray(v)[order_in_cohort] for k, v in client_info.items()})
+        if self.dropout > 0 or self.deadline is not None:
+            clients["num_examples"] = self.sizes[cohort].astype(num_examples.dtype)  # a failed client still holds its data
+            clients["dropped"], clients["late"] = p.dropped, p.late
+        server = {k: np.asarray(v).item() for k, v in server_info.items()}
+        succeeded = m - int(np.sum(p.dropped | p.late))  # failed clients upload nothing (they still got the broadcast)
+        info = RoundInfo(round_idx, cohort, rejected, up * succeeded, down * m, p.padding, step_waste, clients, server, cohort[p.dropped], cohort[p.late])
+        return SimState(round_idx + 1, new_server, client_states), info
+
+    def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
+        """Runs round ``state.round`` and returns the next state and what happened.
+
+        With a memory store, pure: ``state`` (its client store included) is left as it was, at the
+        price of copying the store; ``donate=True`` updates the store in place instead, for callers
+        that drop ``state``. A disk store is always updated in place (atomically, see
+        :mod:`fedbayes.sim.store`), so only its newest state can be continued; a device store is
+        updated in place with ``donate=True`` (``state.client_states`` is then deleted).
+        """
+        launched = self.launch(state, self.prepare_round(state.round), donate=donate)
+        return self.complete(state, launched, donate=donate)
+
+    def rounds(self, state: SimState, stop: int, *, donate: bool = True, keep: Callable[[int], bool] | None = None) -> Iterator[tuple[SimState, RoundInfo]]:
+        """Runs rounds ``state.round .. stop - 1`` pipelined, yielding ``(state, info)`` after each.
+
+        Results are bitwise those of calling :meth:`run_round` in a loop (the same programs on the
+        same inputs); only the order of host and device work changes. While round ``r`` runs on
+        the devices, round ``r + 1``'s host work (:meth:`prepare_round`: cohort, shuffles, order
+        buffer, transfers) is done, and round ``r + 1`` is launched before round ``r``'s results
+        are waited for, so the devices find it queued: its server state is round ``r``'s output,
+        still being computed. The early launch is skipped when round ``r + 1`` reads a client
+        state that round ``r`` writes on the host (a memory store, overlapping cohorts), with a
+        disk store (its undo log is per round), and after a round for which ``keep(r)`` holds.
+
+        ``keep(r)``: whether the caller needs round ``r``'s yielded state intact until it resumes
+        the iteration (to checkpoint it: with a device store and ``donate=True`` the next launch
+        consumes the store). Between other rounds the caller may still read the yielded server
+        state; its client store may already be in use by the next round.
+        """
+        keep = keep or (lambda r: False)
+        if state.round >= stop:
+            return
+        stateful = bool(jax.tree.leaves(state.client_states))
+        launched = self.launch(state, self.prepare_round(state.round), donate=donate)
+        while True:
+            r = state.round
+            upcoming = self.prepare_round(r + 1) if r + 1 < stop else None
+            early = None
+            if upcoming is not None and not keep(r) and self._may_launch_early(launched.prepared, upcoming, stateful):
+                ahead = SimState(r + 1, launched.outputs[0], launched.outputs[1] if self.store == "device" else state.client_states)
+                early = self.launch(ahead, upcoming, donate=donate)
+            state, info = self.complete(state, launched, donate=donate)
+            yield state, info
+            if upcoming is None:
+                return
+            launched = early if early is not None else self.launch(state, upcoming, donate=donate)
+
+    def _may_launch_early(self, current: PreparedRound, upcoming: PreparedRound, stateful: bool) -> bool:
+        """Whether ``upcoming`` may start before ``current``'s client states are written back."""
+        if self.store == "device" or not stateful:
+            return True
+        if self.store == "disk":
+            return False
+        written = current.slots[current.slots >= 0]
+        read = np.where(upcoming.slots >= 0, upcoming.slots, 0)  # a padding slot reads row 0
+        return not np.intersect1d(written, read).size
+
+    # ----- the device-resident store -----------------------------------------------------------
+    def on_devices(self, client_states):
+        """The device store's arrays on the devices (replicated), as the round returns them; host
+        arrays (a fresh store, a restored checkpoint) are put there once."""
+
+        def put(a):
+            if isinstance(a, jax.Array) and a.sharding.is_equivalent_to(self._replicated, a.ndim):
+                return a
+            return jax.device_put(np.asarray(a), self._replicated)
+
+        return jax.tree.map(put, client_states)
+
+    def device_store_program(self, server_state, store, real, client_ids, *rest):
+        """:meth:`round_program` with the client store on the devices: each device gathers its
+        slots' rows from the (replicated) store inside the program, and the accepted clients' new
+        states are scattered back into it (padding slots and rejected clients are not written:
+        their rows are sent out of bounds and dropped). The store is donated by :meth:`launch`
+        with ``donate=True``, so the scatter updates it in place."""
+        num_clients = jax.tree.leaves(store)[0].shape[0]
+        states = jax.lax.with_sharding_constraint(jax.tree.map(lambda s: jnp.take(s, client_ids, axis=0), store), self._sharded)
+        new_server, new_states, ok, infos, server_info = self.round_program(server_state, states, client_ids, *rest)
+        rows = jnp.where(real & ok, client_ids, num_clients)
+        new_store = jax.tree.map(lambda s, n: s.at[rows].set(n.astype(s.dtype), mode="drop"), store, new_states)
+        return new_server, jax.lax.with_sharding_constraint(new_store, self._replicated), ok, infos, server_info
+
+
+class PreparedRound(NamedTuple):
+    """A round's host work (:meth:`Simulator.prepare_round`): what :meth:`Simulator.launch` and
+    :meth:`Simulator.complete` need besides the state."""
+
+    round: int
+    cohort: np.ndarray
+    all_slots: np.ndarray  # the cohort in device blocks, -1 for padding
+    slots: np.ndarray  # as all_slots, with failed clients as padding too
+    dropped: np.ndarray
+    late: np.ndarray
+    num_examples: np.ndarray
+    padding: float
+    args: tuple  # the compiled round's inputs after the client states, on the devices
+    real_arg: Any = None  # the device store's round: which slots hold a client, on the devices
+
+
+class LaunchedRound(NamedTuple):
+    """A round started on the devices (:meth:`Simulator.launch`): its outputs may still be computing."""
+
+    prepared: PreparedRound
+    outputs: tuple  # (server state, client states, accepted flags, clients' info, server's info)

@@ -1,0 +1,180 @@
+"""One conformance suite over every registered algorithm (as optax's common tests do for its
+transformations): a method gets these tests by being in the registry.
+
+For each method, on a small digits federation with unequal clients and a logistic regression:
+the simulator's cohort (both layouts) equals a plain per-client loop through the public round
+protocol; a killed-and-resumed run equals an uninterrupted one bit for bit; a NaN message is
+rejected, its client keeps its state and the server equals the round without it; a fixed cohort
+shape compiles the round once; the info outputs have the documented structure.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import digits_federation, logreg_setup, plain_loop_round
+
+from fedbayes import protocol, tree
+from fedbayes.algorithms import fedavg, registry
+from fedbayes.hparams import HParams
+from fedbayes.models import init_params, make_model
+from fedbayes.models.variational import apply_with_key
+from fedbayes.runs.checkpoint import load_checkpoint, save_checkpoint
+from fedbayes.sim.simulator import Simulator
+
+SIZES = (37, 90, 213, 11, 150)
+
+
+# A new method, added in a dozen lines: settings, builder, one registry entry. It gets the suite.
+class HalfStepConfig(HParams):
+    """FedAvg whose server moves half way to the clients' average."""
+
+    name: Literal["half_step"] = "half_step"
+
+
+def _build_half_step(hp: HalfStepConfig, ctx: registry.BuildContext):
+    return fedavg(ctx.trainer, optax.sgd(0.5))._replace(name="half_step")
+
+
+if "half_step" not in registry.names():
+    registry.register(registry.AlgorithmSpec("half_step", HalfStepConfig, _build_half_step, "test method"))
+
+NAMES = registry.names()
+
+
+def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm=None):
+    fed = digits_federation(SIZES)
+    model, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    keyed = None
+    if name == "vbnn":  # variational BNNs train variational models
+        model = make_model("mlp", 10, variational=True, hidden=(8,))
+        params = init_params(model, jax.random.key(1), (8, 8, 1))
+        keyed = apply_with_key(model)
+    spec = registry.get(name)
+    ctx = registry.BuildContext(
+        trainer, optax.sgd(1.0), registry.FederationInfo.from_sizes(fed.sizes), clients_per_round,
+        apply_fn=lambda p, x: model.apply({"params": p}, x), keyed_apply_fn=keyed,
+        feature_spec=jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype),
+    )  # fmt: skip
+    alg = algorithm or spec.build(spec.hparams(name=name), ctx)
+    return Simulator(alg, fed, clients_per_round=clients_per_round, seed=3, layout=layout), params
+
+
+def _close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
+
+
+def _equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("layout", ["sequential", "vmap"])
+@pytest.mark.parametrize("name", NAMES)
+def test_cohort_equals_a_plain_per_client_loop(name, layout):
+    sim, params = _simulator(name, layout=layout)
+    state = sim.init(params)
+    for _ in range(2):  # server optimizer and client states carry over
+        ref_server, cohort, ref_states, ref_ok = plain_loop_round(sim, state)
+        state, info = sim.run_round(state)
+        np.testing.assert_array_equal(info.cohort, cohort)
+        assert ref_ok.all() and len(info.rejected) == 0
+        # 1e-5: the sequential layout sums on two devices (reassociation, docs/design.md)
+        _close(state.server_state, ref_server)
+        for cid, ref in zip(cohort, ref_states):
+            _close(jax.tree.map(lambda s: s[cid], state.client_states), ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resume_from_a_checkpoint_is_exact(name, tmp_path):
+    sim, params = _simulator(name)
+    straight = sim.init(params)
+    for _ in range(3):
+        straight, _ = sim.run_round(straight)
+    broken = sim.init(params)
+    broken, _ = sim.run_round(broken)
+    path = save_checkpoint(tmp_path, broken, {"counters": {}})
+    fresh, _ = _simulator(name)
+    resumed, _ = load_checkpoint(path, fresh.init(params))
+    resumed = resumed._replace(server_state=fresh.place(resumed.server_state))
+    for _ in range(2):
+        resumed, _ = fresh.run_round(resumed)
+    assert resumed.round == straight.round == 3
+    _equal(resumed.server_state, straight.server_state)
+    _equal(resumed.client_states, straight.client_states)
+
+
+def _poison(update, bad_size):
+    """The client of ``bad_size`` examples sends NaN in every floating leaf."""
+
+    def client_update(key, message, state, data):
+        m, s, info = update(key, message, state, data)
+        bad = data.num_examples == bad_size
+        m = jax.tree.map(lambda a: jax.numpy.where(bad, jax.numpy.nan, a) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else a, m)
+        return m, s, info
+
+    return client_update
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_nan_message_is_rejected_and_changes_nothing(name):
+    k = len(SIZES)
+    honest, params = _simulator(name, clients_per_round=k)
+    bad_cid = 1
+    alg = honest.algorithm._replace(client_update=_poison(honest.algorithm.client_update, SIZES[bad_cid]))
+    sim, _ = _simulator(name, clients_per_round=k, algorithm=alg)
+    state0 = sim.init(params)
+    before = jax.tree.map(np.copy, state0.client_states)
+    state, info = sim.run_round(state0)
+    assert info.rejected.tolist() == [bad_cid]
+    assert not info.clients["accepted"][bad_cid] and info.clients["accepted"].sum() == k - 1
+    for a, b in zip(jax.tree.leaves(state.client_states), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a[bad_cid], b[bad_cid])  # the rejected client keeps its state
+    assert tree.all_finite(state.server_state)
+    # The server equals the honest round with the bad client's weight set to zero.
+    ref_server, cohort, _, _ = plain_loop_round(honest, honest.init(params))
+    msgs = []
+    for cid in cohort:
+        from helpers import single_client_data
+
+        m, _, _ = jax.jit(honest.algorithm.client_update)(
+            protocol.client_key(honest.seed, 0, int(cid)), honest.algorithm.broadcast(state0.server_state),
+            jax.tree.map(lambda a: a[cid], state0.client_states), single_client_data(honest, 0, cid),
+        )  # fmt: skip
+        msgs.append(m)
+    w = protocol.client_weights(honest.sizes[cohort], honest.weighting)
+    w[bad_cid] = 0.0
+    expected, ok, _ = protocol.server_step(honest.algorithm, state0.server_state, tree.stack(msgs), jax.numpy.asarray(w), protocol.server_key(honest.seed, 0))
+    assert not bool(ok[bad_cid])
+    _close(state.server_state, expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_info_outputs_and_a_fixed_cohort_shape_compiles_the_round_once(name):
+    sim, params = _simulator(name, clients_per_round=len(SIZES))
+    state, info = sim.run_round(sim.init(params))
+    c = info.clients
+    assert set(c) >= {"client", "num_examples", "accepted", "loss", "steps"}
+    np.testing.assert_array_equal(c["client"], info.cohort)
+    np.testing.assert_array_equal(c["num_examples"], np.asarray(SIZES)[info.cohort])
+    # every client took E * ceil(n_k / B) steps (E = 2, B = 16) and reports a finite, positive loss
+    np.testing.assert_array_equal(c["steps"], 2 * -(-np.asarray(SIZES)[info.cohort] // 16))
+    assert np.all(np.isfinite(c["loss"])) and np.all(c["loss"] > 0)
+    assert info.server["num_accepted"] == len(info.cohort)
+    assert all(np.isscalar(v) for v in info.server.values())
+    for _ in range(2):
+        state, _ = sim.run_round(state)
+    assert sim.num_compiled_rounds() == 1
+
+
+def test_registry_lists_the_builtin_methods_and_rejects_duplicates():
+    assert {"fedavg", "fedprox", "feddyn", "admm", "fedpa", "fedep", "fedsep", "vbnn"} <= set(registry.names())
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(registry.get("fedavg"))
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'; allowed: fedavg"):
+        registry.get("nope")

@@ -1,0 +1,470 @@
+"""VBNN (Ozer et al. 2022 (VBNN aggregation), docs/algorithms.md §12): aggregation rules (12.4), variational layers, client objective."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fedbayes import gaussian, protocol, tree
+from fedbayes.algorithms import fedavg, make_server_optimizer
+from fedbayes.algorithms.vbnn import (
+    RULES,
+    aggregate,
+    aggregate_params,
+    make_rule,
+    predictive_log_probs,
+    predictive_metrics,
+    variational_objective,
+    vbnn,
+)
+from fedbayes.inference import LocalTrainer
+from fedbayes.models import init_params, make_model
+from fedbayes.models.variational import (
+    VariationalDense,
+    apply_with_key,
+    kl_to_prior,
+    merge_variational,
+    split_variational,
+    std_norm,
+)
+
+EXACT_RULES = ("eaa", "gaa", "aalv", "cf")
+
+
+def _clients(seed, k, shape=(3, 4), lo=-8.0, hi=8.0):
+    km, ka = jax.random.split(jax.random.key(seed))
+    mean = jax.random.normal(km, (k, *shape))
+    log_var = jax.random.uniform(ka, (k, *shape), minval=lo, maxval=hi)
+    return mean, log_var
+
+
+weights_strategy = st.lists(st.floats(0.05, 10.0), min_size=1, max_size=8)
+
+
+# ----- 12.4 item 1: one client -------------------------------------------------------------------
+
+
+@given(st.integers(0, 2**16), st.floats(0.1, 10.0))
+def test_single_client_returns_its_input(seed, w):
+    mean, log_var = _clients(seed, 1)
+    for rule in EXACT_RULES:
+        m, a = aggregate(rule, mean, log_var, jnp.array([w]))
+        # EAA, GAA, AALV: bitwise; CF: e^{-a} then log, float32 rounding (|a| <= 8).
+        np.testing.assert_allclose(m, mean[0], rtol=1e-6, atol=1e-6, err_msg=rule)
+        np.testing.assert_allclose(a, log_var[0], rtol=0, atol=1e-5, err_msg=rule)
+
+
+def test_single_client_ppa_within_monte_carlo_error():
+    n = 1000
+    mean, log_var = _clients(0, 1, shape=(2000,), lo=-4.0, hi=2.0)
+    m, a = aggregate("ppa", mean, log_var, jnp.array([1.0]), key=jax.random.key(1), population=n)
+    sd = jnp.exp(0.5 * log_var[0])
+    # Pooled mean ~ N(mu, sigma^2 / n); pooled 1/n variance ~ sigma^2 chi2_{n-1} / n: log sd sqrt(2/n).
+    z_mean = (m - mean[0]) / (sd / math.sqrt(n))
+    z_logvar = (a - log_var[0]) / math.sqrt(2.0 / n)
+    assert float(jnp.max(jnp.abs(z_mean))) < 5.0
+    assert float(jnp.max(jnp.abs(z_logvar))) < 5.0
+    assert abs(float(jnp.mean(z_mean))) < 5.0 / math.sqrt(2000)
+
+
+# ----- 12.4 item 2: identical clients -------------------------------------------------------------
+
+
+@given(weights_strategy, st.floats(-8.0, 8.0), st.floats(-3.0, 3.0))
+def test_identical_clients(weights, alpha, mu):
+    k = len(weights)
+    w = jnp.array(weights, jnp.float32)
+    beta = np.asarray(w) / float(np.sum(np.asarray(w, np.float64)))
+    mean = jnp.full((k, 5), mu, jnp.float32)
+    log_var = jnp.full((k, 5), alpha, jnp.float32)
+    var = math.exp(alpha)
+    expected = {"eaa": var, "aalv": var, "gaa": var * float(np.sum(beta**2)), "cf": float(np.max(beta)) * var, "merging": var}
+    for rule, v in expected.items():
+        m, a = aggregate(rule, mean, log_var, w)
+        np.testing.assert_allclose(m, mu, rtol=1e-5, atol=1e-5, err_msg=rule)
+        np.testing.assert_allclose(a, math.log(v), rtol=0, atol=2e-5, err_msg=rule)
+
+
+def test_identical_clients_fvba_gaa_and_cf_shrink_by_k():
+    k = 7
+    mean, log_var = _clients(3, 1)
+    mean, log_var = jnp.repeat(mean, k, 0), jnp.repeat(log_var, k, 0)
+    for rule in ("gaa", "cf"):
+        _, a = aggregate(rule, mean, log_var, jnp.ones(k))
+        np.testing.assert_allclose(a, log_var[0] - math.log(k), atol=2e-5, err_msg=rule)
+
+
+# ----- 12.4 item 3: conflation is the product of Gaussians ------------------------------------------
+
+
+@given(st.integers(1, 10), st.integers(0, 2**16))
+def test_cf_uniform_is_product_of_gaussians(k, seed):
+    mean, log_var = _clients(seed, k, lo=-4.0, hi=4.0)
+    m, a = aggregate("cf", mean, log_var, jnp.ones(k))
+    product = functools.reduce(gaussian.product, [gaussian.from_moments(mean[i], jnp.exp(log_var[i])) for i in range(k)])
+    want_mean, want_var = gaussian.to_moments(product)
+    np.testing.assert_allclose(m, want_mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(jnp.exp(a), want_var, rtol=1e-4)
+
+
+# ----- 12.4 item 4: orderings ---------------------------------------------------------------------
+
+
+@given(weights_strategy, st.integers(0, 2**16))
+def test_gaa_and_aalv_variances_at_most_eaa(weights, seed):
+    mean, log_var = _clients(seed, len(weights))
+    w = jnp.array(weights, jnp.float32)
+    _, eaa = aggregate("eaa", mean, log_var, w)
+    for rule in ("gaa", "aalv"):
+        _, a = aggregate(rule, mean, log_var, w)
+        assert bool(jnp.all(a <= eaa + 1e-5)), rule
+
+
+# ----- 12.4 item 5: PPA approaches the moment-matched mixture ------------------------------------------
+
+
+def test_ppa_approaches_merging_as_population_grows():
+    k = 5
+    mean, log_var = _clients(4, k, shape=(4000,), lo=-3.0, hi=1.0)
+    w = jnp.array([1.0, 2.0, 3.0, 4.0, 10.0])
+    m_merge, a_merge = aggregate("merging", mean, log_var, w)
+    errors = []
+    for n in (20, 200, 20000):
+        m, a = aggregate("ppa", mean, log_var, w, key=jax.random.key(n), population=n)
+        errors.append((float(jnp.sqrt(jnp.mean((m - m_merge) ** 2))), float(jnp.sqrt(jnp.mean((a - a_merge) ** 2)))))
+    assert errors[0][0] > errors[1][0] > errors[2][0]
+    assert errors[0][1] > errors[1][1] > errors[2][1]
+    # At N = 20000 the root-mean-square log-variance error is about sqrt(2 / N) plus the floor's bias.
+    assert errors[2][1] < 0.05 and errors[2][0] < 0.05
+
+
+def test_ppa_keeps_every_client():
+    # beta_k N < 1 for the small clients: each still gets one draw (docs/algorithms.md §12.5), so their far-away
+    # means move the pool; with floor(beta N) = 0 they would vanish.
+    k = 11
+    mean = jnp.concatenate([jnp.zeros((1, 200)), jnp.full((k - 1, 200), 100.0)])
+    log_var = jnp.full((k, 200), -8.0)
+    w = jnp.array([1000.0] + [1.0] * (k - 1))
+    m, _ = aggregate("ppa", mean, log_var, w, key=jax.random.key(0), population=100)
+    np.testing.assert_allclose(m, 100.0 * 10 / 109, rtol=2e-3)  # 99 + 10 draws (floor(100 * 1000/1010) = 99)
+
+
+# ----- 12.5: conflation in precision form does not underflow ----------------------------------------
+
+
+def test_cf_forty_clients_at_minimum_log_variance_float32():
+    k = 40
+    mean = jax.random.normal(jax.random.key(5), (k, 100))
+    log_var = jnp.full((k, 100), -8.0, jnp.float32)
+    m, a = aggregate("cf", mean, log_var, jnp.ones(k, jnp.float32))
+    assert m.dtype == jnp.float32 and a.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(m))) and bool(jnp.all(jnp.isfinite(a)))
+    np.testing.assert_allclose(a, -8.0 - math.log(k), atol=1e-5)  # beta_max / (K e^8) = e^-8 / K
+    np.testing.assert_allclose(m, jnp.mean(mean, axis=0), rtol=1e-5, atol=1e-6)
+    # The reference code's product of variances is 0 in float32 here.
+    assert float(jnp.prod(jnp.exp(log_var[:, 0]))) == 0.0
+
+
+# ----- 12.4 item 6: deterministic parameters -------------------------------------------------------
+
+
+def _vcnn_clients(k):
+    model = make_model("cnn", 10, variational=True)
+    params = init_params(model, jax.random.key(0), (12, 12, 1))
+    keys = jax.random.split(jax.random.key(1), k)
+    return model, params, jax.vmap(lambda kk: jax.tree.map(lambda p: p + 0.1 * jax.random.normal(kk, p.shape), params))(keys)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_deterministic_leaves_aggregate_as_fedavg(rule):
+    k = 4
+    _, params, stacked = _vcnn_clients(k)
+    w = jnp.array([3.0, 1.0, 0.0, 6.0])
+    out = aggregate_params(rule, stacked, w, jax.random.key(2))
+    _, _, det_out = split_variational(out)
+    _, _, det_in = split_variational(stacked)
+    want = tree.weighted_mean(det_in, w)
+    jax.tree.map(np.testing.assert_array_equal, det_out, want)  # bitwise
+    assert set(det_out["conv_0"]) == {"kernel", "bias"} and det_out["dense_0"]["kernel_mean"] is None
+    # FedAvg's server step (SGD, lr 1) on the deterministic parameters: theta - mean(theta - theta_k).
+    fed = fedavg(LocalTrainer(None, optax.sgd(0.1), 1, 1), make_server_optimizer("sgd", 1.0))
+    state = fed.server_init(None, params)
+    deltas = jax.tree.map(lambda c, p: p[None] - c, stacked, params)
+    fed_params = fed.server_update(state, fed.aggregator(deltas, w, None), None)[0].params
+    for name in ("conv_0", "conv_1"):
+        np.testing.assert_allclose(out[name]["kernel"], fed_params[name]["kernel"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out["dense_0"]["bias"], fed_params["dense_0"]["bias"], rtol=1e-6, atol=1e-6)
+
+
+def test_absent_client_contributes_nothing_even_if_not_finite():
+    mean, log_var = _clients(6, 3)
+    bad_mean = mean.at[1].set(jnp.nan)
+    bad_lv = log_var.at[1].set(jnp.inf)
+    w = jnp.array([1.0, 0.0, 2.0])
+    for rule in RULES:
+        key = jax.random.key(0)
+        want = aggregate(rule, mean[jnp.array([0, 2])], log_var[jnp.array([0, 2])], w[jnp.array([0, 2])], key=key)
+        got = aggregate(rule, bad_mean, bad_lv, w, key=key)
+        assert bool(jnp.all(jnp.isfinite(got[0]))) and bool(jnp.all(jnp.isfinite(got[1]))), rule
+        if rule != "ppa":  # ppa draws per client slot, so its noise differs; finite is the point
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6, err_msg=rule)
+            np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6, err_msg=rule)
+
+
+def test_aggregate_accepts_pytrees_and_rejects_bad_input():
+    mean, log_var = _clients(7, 3)
+    tm = {"a": mean, "b": {"c": mean[:, 0]}}
+    tl = {"a": log_var, "b": {"c": log_var[:, 0]}}
+    m, a = aggregate("gaa", tm, tl, jnp.ones(3))
+    m0, a0 = aggregate("gaa", mean[:, 0], log_var[:, 0], jnp.ones(3))
+    np.testing.assert_array_equal(m["b"]["c"], m0)
+    np.testing.assert_array_equal(a["b"]["c"], a0)
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        aggregate("median", mean, log_var, jnp.ones(3))
+    with pytest.raises(ValueError, match="needs a key"):
+        aggregate("ppa", mean, log_var, jnp.ones(3))
+    with pytest.raises(ValueError, match="population"):
+        aggregate("ppa", mean, log_var, jnp.ones(3), key=jax.random.key(0), population=0)
+    with pytest.raises(ValueError, match="leading client axis"):
+        aggregate("eaa", mean, log_var, jnp.ones(2))
+    with pytest.raises(ValueError, match="same structure"):
+        aggregate("eaa", tm, {"a": log_var}, jnp.ones(3))
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        make_rule("mean")
+
+
+# ----- the naming convention -------------------------------------------------------------------
+
+
+def test_split_and_merge_round_trip():
+    params = {
+        "layer": {"kernel_mean": jnp.ones((2, 3)), "kernel_logvar": jnp.zeros((2, 3)), "bias": jnp.ones(3)},
+        "other": {"w_mean": jnp.ones(2)},  # no partner: deterministic
+    }
+    means, log_vars, det = split_variational(params)
+    assert list(means) == [("layer", "kernel")] and list(log_vars) == [("layer", "kernel")]
+    assert jax.tree.leaves(det)[0].shape in ((3,), (2,)) and len(jax.tree.leaves(det)) == 2
+    back = merge_variational(means, log_vars, det)
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_std_norm_and_kl():
+    params = {"l": {"kernel_mean": jnp.array([[0.5, -1.0]]), "kernel_logvar": jnp.array([[math.log(0.25), -20.0]]), "bias": jnp.ones(2)}}
+    var = np.array([0.25, math.exp(-8.0)])  # the clamp
+    np.testing.assert_allclose(std_norm(params, clamp=True), math.sqrt(var.sum()), rtol=1e-6)
+    np.testing.assert_allclose(std_norm(params), math.sqrt(0.25 + math.exp(-20.0)), rtol=1e-6)
+    mu = np.array([0.5, -1.0])
+    want = 0.5 * np.sum(var + mu**2 - 1.0 - np.log(var))
+    np.testing.assert_allclose(kl_to_prior(params), want, rtol=1e-5)
+
+
+# ----- the layer -----------------------------------------------------------------------------------
+
+
+def test_variational_dense_initialisation():
+    layer = VariationalDense(300)
+    p = layer.init(jax.random.key(0), jnp.zeros((1, 400)))["params"]
+    assert set(p) == {"kernel_mean", "kernel_logvar", "bias"}
+    np.testing.assert_allclose(float(jnp.std(p["kernel_mean"])), 1 / math.sqrt(400), rtol=0.02)
+    np.testing.assert_allclose(float(jnp.mean(p["kernel_logvar"])), -9.0, atol=1e-4)
+    np.testing.assert_allclose(float(jnp.std(p["kernel_logvar"])), 1e-3, rtol=0.02)
+    np.testing.assert_array_equal(p["bias"], 0.0)
+
+
+def test_local_reparameterisation_matches_weight_sampling():
+    """Same output mean and variance as sampling W ~ N(mu, sigma^2) and computing a W + b.
+
+    S = 20000 draws with fixed keys; per output unit the sample means agree within 5 standard
+    errors of their difference, and the sample variances within 6% (5 x sqrt(2 / S) = 5% each,
+    plus both sides' noise at 4 sigma)."""
+    s, din, dout = 20000, 6, 4
+    layer = VariationalDense(dout)
+    a = jax.random.normal(jax.random.key(0), (1, din))
+    p = layer.init(jax.random.key(1), a)["params"]
+    p = {
+        "kernel_mean": jax.random.normal(jax.random.key(2), (din, dout)),
+        "kernel_logvar": jax.random.uniform(jax.random.key(3), (din, dout), minval=-3.0, maxval=1.0),
+        "bias": jnp.arange(dout, dtype=jnp.float32),
+    }
+    keys = jax.random.split(jax.random.key(4), s)
+    local = jax.vmap(lambda k: layer.apply({"params": p}, a, rngs={"noise": k})[0])(keys)
+    sd = jnp.exp(0.5 * p["kernel_logvar"])
+    weights = p["kernel_mean"][None] + sd[None] * jax.random.normal(jax.random.key(5), (s, din, dout))
+    sampled = jnp.einsum("i,sio->so", a[0], weights) + p["bias"][None]
+    var_exact = jnp.square(a[0]) @ jnp.exp(p["kernel_logvar"]) + 1e-8
+    se = jnp.sqrt(2 * var_exact / s)
+    assert bool(jnp.all(jnp.abs(local.mean(0) - sampled.mean(0)) < 5 * se))
+    np.testing.assert_allclose(local.var(0), sampled.var(0), rtol=0.06)
+    np.testing.assert_allclose(local.var(0), var_exact, rtol=0.05)
+    np.testing.assert_allclose(local.mean(0), a[0] @ p["kernel_mean"] + p["bias"], atol=float(5 * jnp.max(se)))
+
+
+def test_noise_is_present_and_keyed():
+    model = make_model("mlp", 3, variational=True, hidden=(8,))
+    params = init_params(model, jax.random.key(0), (5,))
+    f = apply_with_key(model)
+    x = jnp.ones((2, 5))
+    np.testing.assert_array_equal(f(params, jax.random.key(1), x), f(params, jax.random.key(1), x))
+    assert not np.array_equal(f(params, jax.random.key(1), x), f(params, jax.random.key(2), x))
+
+
+def test_make_model_variational():
+    with pytest.raises(ValueError, match="variational"):
+        make_model("logreg", 3, variational=True)
+    cnn = make_model("cnn", 10, variational=True)
+    p = init_params(cnn, jax.random.key(0), (28, 28, 1))
+    assert set(p["dense_0"]) == {"kernel_mean", "kernel_logvar", "bias"}
+    assert set(p["conv_0"]) == {"kernel", "bias"}
+    assert p["dense_0"]["kernel_mean"].shape == (784, 120)
+
+
+# ----- objective, algorithm, predictions ---------------------------------------------------------------
+
+
+def test_objective_is_cross_entropy_plus_kl_over_n():
+    model = make_model("mlp", 3, variational=True, hidden=(4,))
+    params = init_params(model, jax.random.key(0), (5,))
+    apply = apply_with_key(model)
+    obj = variational_objective(apply)
+    x = jax.random.normal(jax.random.key(1), (6, 5))
+    y = jnp.array([0, 1, 2, 0, 1, 2])
+    mask = jnp.array([1.0, 1, 1, 1, 0, 0])
+    key = jax.random.key(3)
+    logits = apply(params, key, x)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)[:4].mean()
+    np.testing.assert_allclose(obj(params, key, x, y, mask, 50), ce + kl_to_prior(params) / 50, rtol=1e-6)
+
+
+def test_predictive_is_mean_of_softmaxes():
+    model = make_model("mlp", 3, variational=True, hidden=(4,))
+    params = init_params(model, jax.random.key(0), (5,))
+    apply = apply_with_key(model)
+    x = jax.random.normal(jax.random.key(1), (7, 5))
+    key = jax.random.key(2)
+    got = jnp.exp(predictive_log_probs(apply, params, key, x, num_samples=4))
+    want = jnp.mean(jnp.stack([jax.nn.softmax(apply(params, jax.random.fold_in(key, s), x)) for s in range(4)]), 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    out = predictive_metrics(apply, params, key, x, jnp.zeros(7, jnp.int32), num_samples=3, batch_size=3)
+    assert set(out) == {"accuracy", "nll", "ece", "std_norm", "std_norm_clamped"}
+    with pytest.raises(ValueError, match="num_samples"):
+        predictive_log_probs(apply, params, key, x, num_samples=0)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "examples"])
+def test_vbnn_learns_digits(weighting):
+    from fedbayes.data import load_dataset, partition
+    from fedbayes.sim.simulator import Federation, Simulator
+
+    data = load_dataset("digits")
+    parts = partition("iid", data.y_train, 4, np.random.default_rng(0))
+    model = make_model("mlp", data.num_classes, variational=True, hidden=(32,))
+    apply = apply_with_key(model)
+    trainer = LocalTrainer(None, optax.sgd(0.05, momentum=0.9), num_epochs=2, batch_size=32)
+    sim = Simulator(
+        vbnn(trainer, apply, aggregation="gaa"), Federation(data.x_train, data.y_train, tuple(parts)), clients_per_round=4, seed=0, weighting=weighting
+    )
+    state = sim.init(init_params(model, jax.random.key(0), data.feature_shape))
+    for _ in range(4):
+        state, info = sim.run_round(state)
+        assert len(info.rejected) == 0
+    metrics = predictive_metrics(apply, sim.server_params(state), jax.random.key(9), data.x_test, data.y_test)
+    assert metrics["accuracy"] > 0.8, metrics
+    assert np.isfinite(metrics["nll"]) and 0 <= metrics["ece"] <= 1
+
+
+def test_vbnn_rejects_a_deterministic_model_and_keeps_params_when_all_rejected():
+    model = make_model("mlp", 3, hidden=(4,))
+    params = init_params(model, jax.random.key(0), (5,))
+    trainer = LocalTrainer(None, optax.sgd(0.1), 1, 4)
+    algo = vbnn(trainer, lambda p, k, x: model.apply({"params": p}, x))
+    with pytest.raises(ValueError, match="variational model"):
+        algo.server_init(jax.random.key(0), params)
+    vmodel = make_model("mlp", 3, hidden=(4,), variational=True)
+    vparams = init_params(vmodel, jax.random.key(0), (5,))
+    algo = vbnn(trainer, apply_with_key(vmodel), aggregation="cf")
+    state = algo.server_init(jax.random.key(0), vparams)
+    stacked = jax.tree.map(lambda p: jnp.stack([p + 1.0, p - 1.0]), vparams)
+    k0, k1 = protocol.server_key(0, 0), protocol.server_key(0, 1)
+    new, _, _ = protocol.server_step(algo, state, stacked, jnp.zeros(2), k0)
+    jax.tree.map(np.testing.assert_array_equal, new.params, vparams)
+    ppa = vbnn(trainer, apply_with_key(vmodel), aggregation="ppa")
+    s0 = ppa.server_init(jax.random.key(0), vparams)
+    s1, _, _ = protocol.server_step(ppa, s0, stacked, jnp.ones(2), k0)
+    again, _, _ = protocol.server_step(ppa, s0, stacked, jnp.ones(2), k0)
+    jax.tree.map(np.testing.assert_array_equal, s1.params, again.params)  # keyed by the round's server key
+    s2, _, _ = protocol.server_step(ppa, s1, stacked, jnp.ones(2), k1)
+    assert not np.array_equal(s1.params["output"]["kernel_mean"], s2.params["output"]["kernel_mean"])
+    with pytest.raises(ValueError, match="prior_variance"):
+        vbnn(trainer, apply_with_key(vmodel), prior_variance=0.0)
+
+
+def test_aalv_averages_stored_log_variances():
+    # Ozer et al. 2022 (VBNN aggregation)'s code averages every parameter, alpha included, without the clamp.
+    mean = jnp.zeros((2, 3))
+    log_var = jnp.array([[-9.0, -12.0, 9.0], [-11.0, -4.0, 11.0]])
+    _, a = aggregate("aalv", mean, log_var, jnp.array([1.0, 1.0]))
+    np.testing.assert_allclose(a, [-10.0, -8.0, 10.0])
+    _, a = aggregate("eaa", mean, log_var, jnp.array([1.0, 1.0]))
+    np.testing.assert_allclose(a, [-8.0, np.log(0.5 * (np.exp(-8.0) + np.exp(-4.0))), 8.0], rtol=1e-6)
+
+
+def test_config_variational():
+    from fedbayes.config.schema import ModelConfig, RunConfig
+
+    assert ModelConfig(name="cnn", variational=True).variational
+    with pytest.raises(ValueError, match="model.variational"):
+        ModelConfig(name="logreg", variational=True)
+    with pytest.raises(ValueError, match="model.variational"):
+        RunConfig(model={"name": "cnn", "variational": True})
+
+
+def _reference_code_loop(rule, mu, alpha, beta):
+    """Ozer et al. 2022's published accumulation, written as its loop over clients (numpy)."""
+    clamp = lambda a: np.clip(a, -8.0, 8.0)  # noqa: E731
+    mean = np.sum(beta[:, None] * mu, axis=0)
+    s = None
+    for k in range(len(beta)):
+        if beta[k] == 0:
+            continue
+        if rule == "eaa":
+            term = np.exp(clamp(alpha[k])) * beta[k]
+        elif rule == "gaa":
+            term = np.exp(clamp(alpha[k])) * beta[k] ** 2
+        else:  # merging
+            term = ((mean - mu[k]) ** 2 + np.exp(clamp(alpha[k]))) * beta[k]
+        s = np.log(term) if s is None else np.log(np.exp(clamp(s)) + term)
+    return mean, s
+
+
+@pytest.mark.parametrize("rule", ["eaa", "gaa", "merging"])
+def test_reference_code_accumulation_is_the_published_loop(rule):
+    rng = np.random.default_rng(3)
+    mu = rng.normal(size=(5, 7))
+    alpha = rng.uniform(-10.0, -4.0, size=(5, 7))
+    beta = np.array([0.3, 0.0, 0.2, 0.1, 0.4])  # an absent client in the middle is skipped
+    with jax.enable_x64(True):
+        m, a = aggregate(rule, jnp.asarray(mu), jnp.asarray(alpha), jnp.asarray(beta), accumulation="reference_code")
+        em, ea = _reference_code_loop(rule, mu, alpha, beta)
+        np.testing.assert_allclose(np.asarray(m), em, rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(a), ea, rtol=1e-12)
+        # At the clamp floor the running clamp lifts GAA to about e^-8 (Table 4's GAA), where
+        # the paper's equation gives e^-8 * sum beta^2.
+        floor = jnp.full((4, 3), -9.0)
+        w = jnp.full((4,), 0.25)
+        _, ref = aggregate("gaa", jnp.zeros((4, 3)), floor, w, accumulation="reference_code")
+        _, exact = aggregate("gaa", jnp.zeros((4, 3)), floor, w)
+        np.testing.assert_allclose(np.asarray(exact), -8.0 + math.log(0.25), rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(ref), math.log(math.exp(-8.0) * (1 + 3 * 0.0625)), rtol=1e-12)
+    # The other rules do not depend on it; a wrong name is a clear error.
+    for other in ("aalv", "cf"):
+        x = aggregate(other, jnp.asarray(mu, jnp.float32), jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32), accumulation="reference_code")
+        y = aggregate(other, jnp.asarray(mu, jnp.float32), jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32))
+        assert all(np.array_equal(u, v) for u, v in zip(x, y))
+    with pytest.raises(ValueError, match="accumulation must be one of exact, reference_code"):
+        aggregate("gaa", jnp.zeros((2, 1)), jnp.zeros((2, 1)), jnp.ones(2), accumulation="code")

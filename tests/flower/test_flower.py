@@ -1,0 +1,375 @@
+"""The Flower adapter (fedbayes.flower): codec, rounds against the simulator, malformed replies,
+and real Flower processes (a SuperLink and SuperNodes on loopback; marked ``slow``).
+
+Needs the flower extra (``pip install -e ".[flower]"``); without it the module is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tomli_w
+
+pytest.importorskip("flwr", reason="the flower extra is not installed (pip install -e '.[flower]')")
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
+
+from fedbayes.config.schema import validate  # noqa: E402
+from fedbayes.flower.apps import train_reply  # noqa: E402
+from fedbayes.flower.codec import MalformedMessage, decode, encode, leaf_names  # noqa: E402
+from fedbayes.flower.rounds import FlowerRounds, Reply, Settings  # noqa: E402
+from fedbayes.runs.checkpoint import latest_checkpoint, read_checkpoint  # noqa: E402
+from fedbayes.runs.experiment import build_experiment, run_experiment  # noqa: E402
+
+pytestmark = pytest.mark.flower
+
+
+def raw_config(algorithm: str, rounds: int = 3, num_clients: int = 3) -> dict:
+    return {
+        "name": f"flower_{algorithm}",
+        "seed": 0,
+        "rounds": rounds,
+        "data": {"dataset": "breast_cancer", "num_clients": num_clients, "partition": "dirichlet", "alpha": 1.0},
+        "model": {"name": "logreg"},
+        "client": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+        "server": {"clients_per_round": num_clients},
+        "algorithm": {"name": algorithm},
+    }
+
+
+def server_arrays(run_dir: Path) -> dict[str, np.ndarray]:
+    arrays, _ = read_checkpoint(latest_checkpoint(Path(run_dir) / "checkpoints"))
+    return {k: v for k, v in arrays.items() if k.startswith("server")}
+
+
+def assert_same_server_state(a_dir: Path, b_dir: Path, tol: float = 1e-5) -> None:
+    a, b = server_arrays(a_dir), server_arrays(b_dir)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=tol, rtol=0, err_msg=k)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+# ----- codec -----------------------------------------------------------------------------------
+def test_codec_round_trip_keeps_names_shapes_dtypes_and_keys():
+    tree = {
+        "mean": {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}},
+        "count": jnp.int32(4),
+        "key": jax.random.key(7),
+        "flags": np.array([True, False]),
+    }
+    record = encode(tree)
+    assert set(record.keys()) == set(leaf_names(tree)) == {"mean/Dense_0/kernel", "mean/Dense_0/bias", "count", "key#key", "flags"}
+    back = decode(record, tree)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
+        else:
+            assert np.asarray(b).shape == np.shape(a) and np.asarray(b).dtype == np.asarray(a).dtype
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+@pytest.mark.parametrize(
+    "corrupt, words",
+    [
+        (lambda r: r.pop("b"), "missing array 'b'"),
+        (lambda r: r.__setitem__("c", Array(np.zeros(1, np.float32))), "unexpected array 'c'"),
+        (lambda r: r.__setitem__("a", Array(np.zeros((2, 3), np.float32))), "array 'a' has shape (2, 3), expected (3, 2)"),
+        (lambda r: r.__setitem__("a", Array(np.zeros((3, 2), np.float64))), "array 'a' has dtype float64, expected float32"),
+    ],
+)
+def test_codec_rejects_a_record_that_does_not_match(corrupt, words):
+    template = {"a": np.zeros((3, 2), np.float32), "b": np.zeros((), np.int32)}
+    record = encode(template)
+    corrupt(record)
+    with pytest.raises(MalformedMessage, match=words.replace("(", r"\(").replace(")", r"\)")):
+        decode(record, template)
+
+
+# ----- rounds in one process (the node's handler called directly) ------------------------------------
+class InProcess:
+    """A transport that runs each client's ClientApp handler in this process, with node ids
+    100 + client; ``corrupt(client, content) -> content or Reply`` tampers with replies."""
+
+    def __init__(self, num_clients: int, state_root: Path, corrupt=None, cache: dict | None = None):
+        self.states = {c: RecordDict() for c in range(num_clients)}
+        self.num_clients, self.root, self.corrupt = num_clients, state_root, corrupt
+        self.cache = cache  # (round, client) -> honest reply content, shared between transports of one test module
+
+    def wait_for_nodes(self, count, timeout, num_partitions):
+        pass
+
+    def _reply(self, round_idx, c, make):
+        node_config = {"partition-id": c, "num-partitions": self.num_clients, "state-dir": str(self.root)}
+        if self.cache is None:
+            return train_reply(make(), node_config, self.states[c])
+        if (round_idx, c) not in self.cache:
+            self.cache[round_idx, c] = train_reply(make(), node_config, self.states[c])
+        return _copy(self.cache[round_idx, c])
+
+    def exchange(self, round_idx, requests, timeout):
+        out = {}
+        for c, make in requests.items():
+            content = self._reply(round_idx, c, make)
+            got = self.corrupt(c, content) if self.corrupt else content
+            out[c] = got if isinstance(got, Reply) else Reply(100 + c, got)
+        return out
+
+
+def _copy(content: RecordDict) -> RecordDict:
+    arrays = {k: ArrayRecord({n: Array(a.numpy().copy()) for n, a in r.items()}) for k, r in content.array_records.items()}
+    configs = {k: ConfigRecord(dict(r)) for k, r in content.config_records.items()}
+    return RecordDict({**arrays, **configs})
+
+
+@pytest.fixture(scope="module")
+def fedep_experiment():
+    return build_experiment(validate(raw_config("fedep", rounds=1)))
+
+
+@pytest.fixture(scope="module")
+def honest(fedep_experiment, tmp_path_factory):
+    """The honest replies of FedEP's first round, computed once for the module's tests (the
+    nodes' partitions written from the built experiment, as `fedbayes deploy` does)."""
+    from fedbayes.flower.node import prepare_data
+
+    root = tmp_path_factory.mktemp("nodes")
+    prepare_data(fedep_experiment, dict.fromkeys(range(3), root))
+    return {"cache": {}, "root": root}
+
+
+def _message(content: RecordDict) -> ArrayRecord:
+    return content.array_records["message"]
+
+
+def _set(content, name, fn):
+    record = _message(content)
+    record[name] = Array(fn(record[name].numpy()))
+    return content
+
+
+def _precision_leaf(content) -> str:
+    return next(n for n in _message(content).keys() if "/precision/" in n)
+
+
+def _mean_leaf(content) -> str:
+    return next(n for n in _message(content).keys() if "/precision_mean/" in n)
+
+
+MALFORMED = {
+    "wrong shape": (lambda c: _set(c, _mean_leaf(c), lambda a: np.zeros((*a.shape, 2), a.dtype)), "has shape"),
+    "NaN": (lambda c: _set(c, _mean_leaf(c), lambda a: np.full_like(a, np.nan)), "message_ok failed"),
+    "missing key": (lambda c: (_message(c).pop(_mean_leaf(c)), c)[1], "missing array"),
+    "non-positive precision": (lambda c: _set(c, _precision_leaf(c), lambda a: np.full_like(a, -1e9)), "message_ok failed"),
+    "ClientApp exception": (lambda c: Reply(0, None, "<class 'RuntimeError'>:<'boom'>"), "the node reported an error: <class 'RuntimeError'>"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_malformed_replies_are_rejected_with_the_node_id_and_leave_the_server_state(kind, fedep_experiment, honest, caplog):
+    corrupt, words = MALFORMED[kind]
+
+    def tamper(client, content):
+        got = corrupt(content)
+        return got._replace(node_id=100 + client) if isinstance(got, Reply) else got
+
+    rounds = FlowerRounds(fedep_experiment, InProcess(3, honest["root"], tamper, honest["cache"]), Settings())
+    state = rounds.init(fedep_experiment.params)
+    with caplog.at_level(logging.WARNING, logger="fedbayes.flower"):
+        new, info = rounds.run_round(state)
+    assert sorted(info.rejected.tolist()) == [0, 1, 2]
+    assert not info.clients["accepted"].any()
+    assert new.client_states["base"].tolist() == [-1, -1, -1]  # no client state is taken as accepted
+    for a, b in zip(jax.tree.leaves(state.server_state), jax.tree.leaves(new.server_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for c in range(3):
+        assert any(f"client {c} (node {100 + c})" in r.getMessage() and words in r.getMessage() for r in caplog.records), (kind, c)
+
+
+def test_one_malformed_reply_is_left_out_of_an_otherwise_normal_round(fedep_experiment, honest):
+    """Client 1's NaN reply gets weight zero; the round equals one where client 1 sent nothing."""
+    nan, _ = MALFORMED["NaN"]
+    bad = FlowerRounds(fedep_experiment, InProcess(3, honest["root"], lambda c, x: nan(x) if c == 1 else x, honest["cache"]), Settings())
+    absent = FlowerRounds(fedep_experiment, InProcess(3, honest["root"], None, honest["cache"]), Settings())
+    full = absent.transport.exchange
+    absent.transport.exchange = lambda r, req, t: {c: v for c, v in full(r, req, t).items() if c != 1}
+    s_bad, info_bad = bad.run_round(bad.init(fedep_experiment.params))
+    s_abs, info_abs = absent.run_round(absent.init(fedep_experiment.params))
+    assert info_bad.rejected.tolist() == [1] and info_abs.dropped.tolist() == [1]
+    assert s_bad.client_states["base"].tolist() == s_abs.client_states["base"].tolist() == [0, -1, 0]
+    for a, b in zip(jax.tree.leaves(s_bad.server_state), jax.tree.leaves(s_abs.server_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_in_process_rounds_equal_the_simulator_for_a_stateful_method(tmp_path):
+    from fedbayes.flower.node import prepare_data
+
+    cfg = validate(raw_config("admm", rounds=2))
+    run_experiment(cfg, tmp_path / "sim")
+    prepare_data(build_experiment(cfg), dict.fromkeys(range(3), tmp_path / "nodes"))
+    run_experiment(cfg, tmp_path / "flower", rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
+    assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-6)
+    assert records(tmp_path / "flower" / "metrics.jsonl")[-1]["dropped"] == 0
+
+
+def test_simulator_only_settings_are_refused_naming_the_field(fedep_experiment):
+    from fedbayes.errors import BadInputError
+
+    exp = build_experiment(validate({**raw_config("fedavg", rounds=1), "server": {"clients_per_round": 3, "dropout": 0.1}}))
+    with pytest.raises(BadInputError, match="server.dropout"):
+        FlowerRounds(exp, None)
+    with pytest.raises(BadInputError, match="on-missing"):
+        Settings(on_missing="wait")
+
+
+# ----- real Flower processes ---------------------------------------------------------------------
+def _no_process_left(fed) -> None:
+    import psutil
+
+    fed.stop()
+    assert fed.processes() == []
+    marks = (str(fed.workdir), f"127.0.0.1:{fed.superlink_port}")
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and any(m in cmd for m in marks):
+            left.append((p.info["pid"], cmd[:120]))
+    assert left == []
+
+
+def _run(fed, tmp: Path, raw: dict, name: str, **settings) -> tuple[dict, Path]:
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(tomli_w.dumps(raw))
+    out = tmp / name
+    status = fed.run({"config": str(cfg), "out": str(out), **settings}, timeout=600)
+    return status, out
+
+
+def _check_complete(out: Path, num_clients: int, rounds: int) -> None:
+    last = records(out / "metrics.jsonl")[-1]
+    assert last["round"] == rounds and last["rejected"] == 0 and last["dropped"] == 0
+    lines = records(out / "clients.jsonl")
+    assert len(lines) == num_clients * rounds and not any(line["rejected"] or line.get("dropped") for line in lines)
+
+
+@pytest.mark.slow
+def test_real_federation_runs_equal_the_simulator_and_survive_a_restart(tmp_path):
+    """A SuperLink and 3 SuperNodes over TLS (certificates made here): FedAvg, FedEP (identity)
+    and ADMM, 3 rounds, every reply; ADMM's run kills SuperNode 1 after round 1 and restarts it
+    (its duals come from its state folder); each final server state equals the simulator's
+    within 1e-5; then no process is left."""
+    from fedbayes.flower.deploy import LocalFederation
+    from fedbayes.flower.node import prepare_data
+
+    fed = LocalFederation(tmp_path / "federation", 3, tls=True)
+    try:
+        prepare_data(build_experiment(validate(raw_config("fedavg"))), {n.partition: n.state_dir for n in fed.nodes})
+        fed.start()
+        for algorithm in ("fedavg", "fedep"):
+            raw = raw_config(algorithm)
+            status, out = _run(fed, tmp_path, raw, algorithm, **{"reply-timeout": 120.0})
+            assert status == {"ok": True}, status
+            _check_complete(out, 3, 3)
+            run_experiment(validate(raw), tmp_path / f"sim_{algorithm}")
+            assert_same_server_state(tmp_path / f"sim_{algorithm}", out)
+
+        raw = raw_config("admm")
+        cfg = tmp_path / "admm.toml"
+        cfg.write_text(tomli_w.dumps(raw))
+        out = tmp_path / "admm"
+        run_id = fed.submit({"config": str(cfg), "out": str(out), "reply-timeout": 120.0})
+        end = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file() or len(records(out / "metrics.jsonl")) < 2:  # round 1 recorded
+            assert time.monotonic() < end, "round 1 did not finish"
+            time.sleep(0.2)
+        fed.kill_node(1)
+        fed.start_node(1)
+        status = fed.wait(run_id, out, 600)
+        assert status == {"ok": True}, status
+        _check_complete(out, 3, 3)
+        restarted = (fed.workdir / "node1.log").read_text().split("Starting Flower SuperNode")
+        assert len(restarted) == 3 and "train message" in restarted[2], "the restarted SuperNode trained rounds 2 and 3"
+        folder = fed.nodes[1].state_dir
+        assert any(folder.rglob("round_000002.npz")), "the restarted node wrote its round-2 state"
+        run_experiment(validate(raw), tmp_path / "sim_admm")
+        assert_same_server_state(tmp_path / "sim_admm", out)
+    finally:
+        _no_process_left(fed)
+
+
+@pytest.mark.slow
+def test_a_node_that_never_returns_is_counted_missing_after_the_reply_timeout(tmp_path):
+    from fedbayes.flower.deploy import LocalFederation
+    from fedbayes.flower.node import prepare_data
+
+    raw = raw_config("fedavg", rounds=1, num_clients=2)
+    fed = LocalFederation(tmp_path / "federation", 2)
+    try:
+        prepare_data(build_experiment(validate(raw)), {n.partition: n.state_dir for n in fed.nodes})
+        fed.start()
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(tomli_w.dumps(raw))
+        out = tmp_path / "out"
+        run_id = fed.submit({"config": str(cfg), "out": str(out), "reply-timeout": 45.0})
+        # Kill node 1 once the ServerApp knows both nodes (its first query has been answered).
+        end = time.monotonic() + 300
+        while "query message" not in (fed.workdir / "node1.log").read_text() or "Sent successfully" not in (fed.workdir / "node1.log").read_text():
+            assert time.monotonic() < end
+            time.sleep(0.2)
+        fed.kill_node(1)
+        status = fed.wait(run_id, out, 600)
+        assert status == {"ok": True}, status
+        last = records(out / "metrics.jsonl")[-1]
+        assert last["round"] == 1 and last["dropped"] == 1 and last["rejected"] == 0
+        lines = {line["client"]: line for line in records(out / "clients.jsonl")}
+        assert lines[1]["dropped"] is True and lines[0].get("dropped") is not True
+    finally:
+        _no_process_left(fed)
+
+
+@pytest.mark.slow
+def test_a_supernode_whose_key_is_not_registered_is_refused(tmp_path):
+    """SuperNode authentication (TLS, --enable-supernode-auth): the node whose public key was
+    registered joins; one with an unregistered key is refused (Flower's exit code 305)."""
+    from fedbayes.flower.deploy import LocalFederation, free_port, make_node_key, supernode_command
+
+    fed = LocalFederation(tmp_path / "federation", 1, tls=True, auth=True)
+    try:
+        fed.start()
+        key, _ = make_node_key(tmp_path / "keys", "intruder")  # never registered
+        log = tmp_path / "intruder.log"
+        fed._spawn(supernode_command(fed.address, free_port(), 0, 1, tmp_path / "intruder_state", fed.certs, key), tmp_path / "intruder_home", log)
+        end = time.monotonic() + 120
+        while "Failed to activate SuperNode" not in log.read_text():
+            assert time.monotonic() < end, log.read_text()[-2000:]
+            time.sleep(0.5)
+        listed = fed.flwr("supernode", "ls", "local", "--format", "json")
+        nodes = json.loads(listed.stdout[listed.stdout.index("{") :])["nodes"]
+        assert [n["status"] for n in nodes] == ["online"], nodes  # only the registered node
+        assert "SuperNode ID" in (fed.workdir / "node0.log").read_text()
+    finally:
+        _no_process_left(fed)
+
+
+def test_resumed_run_and_nodes_without_memory_continue_from_the_state_folders(tmp_path):
+    """A deployed run stopped after round 2 and resumed (server from its checkpoint, every node
+    with an empty context.state, as after a SuperNode restart) ends as the simulator's 3 rounds."""
+    from fedbayes.flower.node import prepare_data
+
+    cfg2, cfg3 = validate(raw_config("admm", rounds=2)), validate(raw_config("admm", rounds=3))
+    prepare_data(build_experiment(cfg3), dict.fromkeys(range(3), tmp_path / "nodes"))
+    run_experiment(cfg2, tmp_path / "flower", rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
+    run_experiment(cfg3, tmp_path / "flower", resume=True, accept_changes=["rounds"], rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
+    run_experiment(cfg3, tmp_path / "sim")
+    assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-6)
+    assert [r["round"] for r in records(tmp_path / "flower" / "metrics.jsonl")] == [0, 1, 2, 3]

@@ -1,0 +1,51 @@
+"""Flower is optional: the core package imports and runs without flwr, `fedbayes deploy` says how
+to get it, and `--print-commands` prints a TLS federation's commands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "flower" / "breast_cancer_fedavg.toml"
+NO_FLWR = "import sys; sys.modules['flwr'] = None\n"  # `import flwr` now raises ImportError
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_core_package_imports_without_flwr():
+    code = NO_FLWR + (
+        "import fedbayes, fedbayes.cli, fedbayes.runs.experiment, fedbayes.sim.simulator, fedbayes.protocol\n"
+        "from fedbayes.config.schema import load_config\n"
+        f"cfg = load_config({str(CONFIG)!r})\n"
+        "assert 'flwr' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok', cfg.data.num_clients)\n"
+    )
+    res = _python(code)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok 3"
+
+
+def test_deploy_without_flwr_is_one_line_naming_the_extra():
+    code = NO_FLWR + "from fedbayes.cli import main; sys.argv = ['fedbayes', 'deploy', sys.argv[1], '--out', sys.argv[2]]; sys.exit(main())"
+    res = _python(code, str(CONFIG), "/nonexistent/out")
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install -e '.[flower]'" in lines[0]
+
+
+def test_print_commands_uses_tls_not_insecure():
+    code = "from fedbayes.cli import main; sys.argv = ['fedbayes', 'deploy', sys.argv[1], '--print-commands']; sys.exit(main())"
+    res = _python("import sys\n" + code, str(CONFIG))
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert "--insecure" not in out
+    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--root-certificates"):
+        assert flag in out
+    assert out.count("flower-supernode") == 3 and "partition-id=2 num-partitions=3" in out
+    assert "flwr run fedbayes-app" in out

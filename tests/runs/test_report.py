@@ -1,0 +1,104 @@
+"""Result tables fit the width and never cut a method name or a number."""
+
+import re
+
+import pytest
+
+from fedbayes.runs import report
+
+NAMES = [
+    "fedavg",
+    "fedavgm_heavy_ball_lr0.5",
+    "fedprox_mu0.01",
+    "feddyn",
+    "fedpa_rho0.1_burnin5",
+    "fedep_identity_scale500",
+    "fedep_laplace",
+    "fedep_mcmc",
+    "fedep_ngvi",
+    "fedsep_identity",
+    "fedsep_laplace",
+    "fedsep_ngvi_long_variant_name",
+]
+
+
+def _summaries(marg=True):
+    out = {}
+    for i, name in enumerate(NAMES):
+        final = {"accuracy": 0.8812345 - i / 1000, "nll": 0.35 + i / 97, "ece": 0.0348 + i / 1000, "seconds": 280.123 + i, "bytes_up": 1.2e9 + i}
+        if marg and name.startswith("fed") and ("ep" in name or "sep" in name):
+            final.update(accuracy_marg=0.86 - i / 1000, nll_marg=0.3764 + i / 100, ece_marg=0.0076)
+        out[name] = {
+            "algorithm": name.split("_")[0],
+            "server_optimizer": "momentum",
+            "final": final,
+            "best_accuracy": 0.8873 - i / 1000,
+            "rounds_to": {"0.80": 6 + i},
+        }
+    return out
+
+
+def _shown(text):
+    """Which columns a rendered table left out (from its footnote)."""
+    m = re.search(r"left out to fit \d+ columns: (.*); all in --json", " ".join(text.split()))
+    return set(m.group(1).split(", ")) if m else set()
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+@pytest.mark.parametrize("marg", [True, False])
+def test_tables_fit_and_keep_every_name_and_number_whole(width, marg):
+    summaries = _summaries(marg)
+    text = report.render(summaries, width=width)
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines), max(map(len, lines))
+    tokens = set(text.split())
+    cols = report.columns(summaries)
+    dropped = _shown(text)
+    assert "accuracy" not in dropped and "method" not in dropped
+    for (name, s), row in zip(summaries.items(), report.cells(summaries, cols)):
+        assert name in tokens
+        for col, cell in zip(cols, row):
+            if col.header not in dropped:
+                assert cell in tokens, (width, col.header, cell)
+    if width == 160:
+        assert not dropped  # everything fits in a wide terminal
+
+
+def test_marginal_columns_only_when_some_method_has_them():
+    assert "marg." in report.render(_summaries(marg=True), width=200)
+    assert "marg." not in report.render(_summaries(marg=False), width=200)
+
+
+def test_too_narrow_for_a_grid_prints_blocks_with_every_value():
+    summaries = _summaries()
+    text = report.render(summaries, width=30)
+    tokens = set(text.split())
+    cols = report.columns(summaries)
+    for (name, _), row in zip(summaries.items(), report.cells(summaries, cols)):
+        assert name in tokens and all(cell in tokens for cell in row[1:])
+
+
+def test_regression_table_shows_mse_and_rmse():
+    s = {"ls": {"algorithm": "fedavg", "server_optimizer": "sgd", "final": {"mse": 0.123456, "rmse": 0.351363, "seconds": 1.0, "bytes_up": 10}}}
+    text = report.render(s, width=100, curves={"ls": [{"round": 0, "mse": 0.5}, {"round": 1, "mse": 0.123456}]})
+    assert "MSE" in text and "RMSE" in text and "accuracy" not in text
+    assert "0.12346" in text and "0.35136" in text
+
+
+def test_width_follows_columns_when_piped(monkeypatch):
+    class Pipe:
+        def isatty(self):
+            return False
+
+    monkeypatch.setenv("COLUMNS", "93")
+    assert report.terminal_width(Pipe()) == 93
+    monkeypatch.delenv("COLUMNS")
+    assert report.terminal_width(Pipe()) == report.PIPE_WIDTH
+
+
+def test_markdown_has_every_column():
+    md = report.markdown(_summaries())
+    header = md.splitlines()[0]
+    for col in report.columns(_summaries()):
+        assert col.header in header
+    assert md.count("\n") == len(NAMES) + 2
