@@ -43,7 +43,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from fedbayes.algorithms import fedavg, make_server_optimizer  # noqa: E402
+from fedbayes.algorithms.fedavg import fedavg  # noqa: E402
+from fedbayes.algorithms.server_opt import make_server_optimizer  # noqa: E402
 from fedbayes.algorithms.vbnn import vbnn  # noqa: E402
 from fedbayes.bench.relative import interleaved_times, plain_loop  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402

@@ -29,7 +29,7 @@ hostdevices.configure()  # laid out as the CLI lays itself out
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from fedbayes.algorithms import fedavg  # noqa: E402
+from fedbayes.algorithms.fedavg import fedavg  # noqa: E402
 from fedbayes.data import synthetic_heavy_tailed_federation  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402

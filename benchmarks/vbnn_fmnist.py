@@ -37,7 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from fedbayes.algorithms import fedavg, make_server_optimizer  # noqa: E402
+from fedbayes.algorithms.fedavg import fedavg  # noqa: E402
+from fedbayes.algorithms.server_opt import make_server_optimizer  # noqa: E402
 from fedbayes.algorithms.vbnn import predictive_metrics, vbnn  # noqa: E402
 from fedbayes.data import load_dataset, partition  # noqa: E402
 from fedbayes.evaluation.metrics import classification_metrics  # noqa: E402

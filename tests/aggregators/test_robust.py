@@ -7,17 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import digits_federation, logreg_setup
 from scipy import stats
 
 from fedbayes import protocol
 from fedbayes.aggregators.robust import RobustAggregator
-from fedbayes.algorithms import fedep
 from fedbayes.algorithms.feddyn import feddyn
+from fedbayes.algorithms.fedep import fedep
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.sim.scenario import attacker_ids, flip_labels, message_attack
 from fedbayes.sim.simulator import Simulator
-from helpers import digits_federation, logreg_setup
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])

@@ -5,7 +5,9 @@ For each method, on a small digits federation with unequal clients and a logisti
 the simulator's cohort (both layouts) equals a plain per-client loop through the public round
 protocol; a killed-and-resumed run equals an uninterrupted one bit for bit; a NaN message is
 rejected, its client keeps its state and the server equals the round without it; a fixed cohort
-shape compiles the round once; the info outputs have the documented structure.
+shape compiles the round once; the info outputs have the documented structure; and the method
+builds and runs from a config (config -> build -> a round -> its evaluation, the marginalised
+metrics included when it has a posterior), so a method that passes the suite runs from a file.
 """
 
 from __future__ import annotations
@@ -19,44 +21,54 @@ import pytest
 from helpers import digits_federation, logreg_setup, plain_loop_round
 
 from fedbayes import protocol, tree
-from fedbayes.algorithms import fedavg, registry
+from fedbayes.algorithms import registry
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, FederationInfo
+from fedbayes.algorithms.fedavg import fedavg
+from fedbayes.config.schema import validate
 from fedbayes.hparams import HParams
 from fedbayes.models import init_params, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs.checkpoint import load_checkpoint, save_checkpoint
+from fedbayes.runs.experiment import build_experiment
 from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150)
 
 
-# A new method, added in a dozen lines: settings, builder, one registry entry. It gets the suite.
+# A new method, added in a dozen lines: settings, builder, a spec. Registered, it gets the suite.
 class HalfStepConfig(HParams):
     """FedAvg whose server moves half way to the clients' average."""
 
     name: Literal["half_step"] = "half_step"
 
 
-def _build_half_step(hp: HalfStepConfig, ctx: registry.BuildContext):
+def _build_half_step(hp: HalfStepConfig, ctx: BuildContext) -> Algorithm:
     return fedavg(ctx.trainer, optax.sgd(0.5))._replace(name="half_step")
 
 
-if "half_step" not in registry.names():
-    registry.register(registry.AlgorithmSpec("half_step", HalfStepConfig, _build_half_step, "test method"))
+HALF_STEP = AlgorithmSpec("half_step", HalfStepConfig, _build_half_step, "test method")
+NAMES = (*registry.names(), HALF_STEP.name)
 
-NAMES = registry.names()
+
+@pytest.fixture(autouse=True, scope="module")
+def _half_step_registered():
+    """The test method is in the registry while this module's tests run, and only then."""
+    registry.register(HALF_STEP)
+    yield
+    registry.unregister(HALF_STEP.name)
 
 
 def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm=None):
     fed = digits_federation(SIZES)
     model, params, trainer = logreg_setup(epochs=2, batch_size=16)
     keyed = None
-    if name == "vbnn":  # variational BNNs train variational models
+    spec = registry.get(name)
+    if spec.needs_variational_model:
         model = make_model("mlp", 10, variational=True, hidden=(8,))
         params = init_params(model, jax.random.key(1), (8, 8, 1))
         keyed = apply_with_key(model)
-    spec = registry.get(name)
-    ctx = registry.BuildContext(
-        trainer, optax.sgd(1.0), registry.FederationInfo.from_sizes(fed.sizes), clients_per_round,
+    ctx = BuildContext(
+        trainer, optax.sgd(1.0), FederationInfo.from_sizes(fed.sizes), clients_per_round,
         apply_fn=lambda p, x: model.apply({"params": p}, x), keyed_apply_fn=keyed,
         feature_spec=jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype),
     )  # fmt: skip
@@ -170,6 +182,31 @@ def test_info_outputs_and_a_fixed_cohort_shape_compiles_the_round_once(name):
     for _ in range(2):
         state, _ = sim.run_round(state)
     assert sim.num_compiled_rounds() == 1
+
+
+def _config(name: str):
+    """A small digits run of ``name`` with its default settings, as a config file would give it."""
+    spec = registry.get(name)
+    model = {"name": "mlp", "hidden": [8], "variational": True} if spec.needs_variational_model else {"name": "logreg"}
+    epochs = max(2, spec.min_local_epochs(spec.hparams(name=name))[0])
+    return validate({
+        "name": name, "rounds": 1, "algorithm": {"name": name}, "model": model, "evaluation": {"marginal_samples": 2},
+        "data": {"dataset": "digits", "num_clients": len(SIZES)}, "server": {"clients_per_round": 3},
+        "client": {"epochs": epochs, "batch_size": 16},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_method_builds_and_runs_from_a_config(name):
+    exp = build_experiment(_config(name))
+    sim = exp.simulator
+    assert sim.algorithm.name == name
+    state, info = sim.run_round(sim.init(exp.params))
+    assert len(info.rejected) == 0 and tree.all_finite(state.server_state)
+    metrics = exp.evaluate(state.server_state, 1)
+    assert np.isfinite(metrics["accuracy"]) and np.isfinite(metrics["nll"])
+    if sim.algorithm.server_posterior is not None:  # a Bayesian method's marginalised metrics, from [evaluation]
+        assert all(np.isfinite(metrics[k]) for k in ("accuracy_marg", "nll_marg", "ece_marg")), metrics
 
 
 def test_registry_lists_the_builtin_methods_and_rejects_duplicates():

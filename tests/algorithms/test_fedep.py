@@ -11,7 +11,7 @@ import pytest
 from helpers import digits_federation, logreg_setup
 
 from fedbayes import gaussian
-from fedbayes.algorithms import fedep, fedsep
+from fedbayes.algorithms.fedep import fedep, fedsep
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator
 from fedbayes.gaussian import DiagGaussian
@@ -372,7 +372,7 @@ def test_linearised_predictive():
     assert large["nll"] > small["nll"] + 0.1 and large["ece"] > small["ece"] + 0.1, (small, large)
     with pytest.raises(ValueError, match="predictive must be one of sample, linearised"):
         make_marginal_evaluator(apply_fn, fed.x, fed.y, predictive="laplace")
-    assert validate({"algorithm": {"name": "fedlap_cov", "predictive": "linearised"}}).algorithm.predictive == "linearised"
+    assert validate({"algorithm": {"name": "fedlap_cov", "predictive": "linearised"}}).evaluation.predictive == "linearised"
     with pytest.raises(ConfigError, match="predictive"):
         validate({"algorithm": {"name": "fedep", "predictive": "glm"}})
 

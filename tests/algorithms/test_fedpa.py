@@ -11,8 +11,9 @@ from helpers import digits_federation, logreg_setup
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedbayes.algorithms import fedavg, fedpa, make_server_optimizer
-from fedbayes.algorithms.fedpa import dense_shrinkage_delta, shrinkage_delta, shrinkage_rho
+from fedbayes.algorithms.fedavg import fedavg
+from fedbayes.algorithms.fedpa import dense_shrinkage_delta, fedpa, shrinkage_delta, shrinkage_rho
+from fedbayes.algorithms.server_opt import make_server_optimizer
 from fedbayes.data.batches import ClientData, layout_orders
 from fedbayes.inference import LocalTrainer, epoch_samples, iasg, run_sgd
 from fedbayes.sim.simulator import Simulator

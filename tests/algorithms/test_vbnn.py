@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedbayes import gaussian, protocol, tree
-from fedbayes.algorithms import fedavg, make_server_optimizer
+from fedbayes.algorithms.fedavg import fedavg
+from fedbayes.algorithms.server_opt import make_server_optimizer
 from fedbayes.algorithms.vbnn import (
     RULES,
     aggregate,

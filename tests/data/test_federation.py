@@ -5,7 +5,8 @@ import numpy as np
 import optax
 import pytest
 
-from fedbayes.algorithms import admm, fedavg
+from fedbayes.algorithms.admm import admm
+from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.data import Federation, GeneratedFederation, heavy_tailed_sizes, synthetic_heavy_tailed_federation
 from fedbayes.data.synthetic import synthetic_leaf_client
 from fedbayes.inference.sgd import LocalTrainer

@@ -399,7 +399,7 @@ def test_same_config_reads_older_files_by_this_versions_schema(tmp_path):
     from fedbayes.runs.experiment import check_resume_config
 
     old_meta = cfg.model_dump(mode="json")
-    del old_meta["algorithm"]["predictive"]
+    del old_meta["evaluation"]["predictive"]
     assert check_resume_config(cfg, {"config": old_meta, "config_hash": "older", "round": 3}, tmp_path) == {}
     old_meta["algorithm"]["delta"] = 2.0
     with pytest.raises(ConfigError, match=r"algorithm\.delta \(2\.0 -> 0\.5\)"):

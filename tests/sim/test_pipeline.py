@@ -8,8 +8,10 @@ import optax
 import pytest
 from helpers import digits_federation, logreg_setup
 
-from fedbayes.algorithms import admm, fedavg, feddyn
+from fedbayes.algorithms.admm import admm
 from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.fedavg import fedavg
+from fedbayes.algorithms.feddyn import feddyn
 from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150, 64, 23)

@@ -8,8 +8,11 @@ import pytest
 from helpers import digits_federation, logreg_setup, plain_loop_round, single_client_data
 
 from fedbayes import protocol
-from fedbayes.algorithms import admm, fedavg, feddyn, fedprox
+from fedbayes.algorithms.admm import admm
 from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.fedavg import fedavg
+from fedbayes.algorithms.feddyn import feddyn
+from fedbayes.algorithms.fedprox import fedprox
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.sim.simulator import Federation, Simulator
 

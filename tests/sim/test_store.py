@@ -17,7 +17,8 @@ from helpers import digits_federation, logreg_setup
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedbayes.algorithms import admm, fedavg
+from fedbayes.algorithms.admm import admm
+from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.config.schema import validate
 from fedbayes.runs.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.runs.experiment import PlainReporter, read_metrics, run_experiment

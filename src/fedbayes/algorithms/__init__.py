@@ -1,32 +1,38 @@
-"""Federated algorithms, each a small set of pure functions (see :mod:`fedbayes.algorithms.base`)."""
+"""Federated algorithms, each a small set of pure functions (see :mod:`fedbayes.algorithms.base`).
 
-from fedbayes.algorithms.admm import admm
-from fedbayes.algorithms.base import Algorithm
-from fedbayes.algorithms.fedavg import fedavg
-from fedbayes.algorithms.feddyn import feddyn
-from fedbayes.algorithms.fedep import fedep, fedsep
-from fedbayes.algorithms.fedlap import fedlap
-from fedbayes.algorithms.fedlap_cov import fedlap_cov
-from fedbayes.algorithms.fedlap_func import fedlap_func
-from fedbayes.algorithms.fedpa import fedpa, shrinkage_delta
-from fedbayes.algorithms.fedprox import fedprox
-from fedbayes.algorithms.pvi import pvi
-from fedbayes.algorithms.server_opt import make_server_optimizer, scale_by_reddi
+One module per method (``fedbayes.algorithms.fedavg``, ``...fedep`` with FedEP and FedSEP, ...),
+each declaring its factory, its settings and its ``SPEC``; :mod:`fedbayes.algorithms.registry`
+finds them by name. ``from fedbayes.algorithms import fedlap`` is the module (its factory is
+``fedlap.fedlap``). The package imports nothing until a name is used, so that reading a config
+imports only the method it names.
+"""
 
-__all__ = [
-    "Algorithm",
-    "admm",
-    "fedavg",
-    "feddyn",
-    "fedep",
-    "fedlap",
-    "fedlap_cov",
-    "fedlap_func",
-    "fedpa",
-    "fedprox",
-    "fedsep",
-    "make_server_optimizer",
-    "pvi",
-    "scale_by_reddi",
-    "shrinkage_delta",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, FederationInfo
+    from fedbayes.algorithms.server_opt import make_server_optimizer
+
+__all__ = ["Algorithm", "AlgorithmSpec", "BuildContext", "FederationInfo", "make_server_optimizer"]
+
+_NAMES = {
+    "Algorithm": "fedbayes.algorithms.base",
+    "AlgorithmSpec": "fedbayes.algorithms.base",
+    "BuildContext": "fedbayes.algorithms.base",
+    "FederationInfo": "fedbayes.algorithms.base",
+    "make_server_optimizer": "fedbayes.algorithms.server_opt",
+}
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    try:  # a submodule: fedbayes.algorithms.fedlap after a plain `import fedbayes.algorithms`
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 import optax
 from pydantic import Field
 
-from fedbayes.algorithms.base import Algorithm, point_estimate_algorithm
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, point_estimate_algorithm
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -102,5 +102,9 @@ class ADMMConfig(HParams):
     delta: float = Field(0.0, ge=0, description="global regulariser delta")
 
 
-def build(hp: ADMMConfig, ctx) -> Algorithm:
+def build(hp: ADMMConfig, ctx: BuildContext) -> Algorithm:
     return admm(ctx.trainer, ctx.server_optimizer, rho=hp.rho, num_clients=ctx.federation.num_clients, delta=hp.delta)
+
+
+SPEC = AlgorithmSpec("admm", ADMMConfig, build, "federated ADMM with per-client duals")
+SPECS = (SPEC,)

@@ -29,20 +29,32 @@ functions one client at a time.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import jax
+import numpy as np
 
 from fedbayes import aggregators, tree
 from fedbayes.aggregators import Aggregate
 from fedbayes.data.batches import ClientData
+from fedbayes.hparams import HParams
+from fedbayes.typing import ApplyFn, Info, KeyedApplyFn, PyTree
 
-PyTree = Any
-Info = dict[str, jax.Array]
+if TYPE_CHECKING:
+    import optax
+
+    from fedbayes.inference.sgd import LocalTrainer
 
 __all__ = [
+    "AGGREGATOR_POLICIES",
     "Algorithm",
+    "AlgorithmSpec",
+    "BuildContext",
+    "BuildFn",
     "ClientUpdateFn",
+    "FederationInfo",
     "Info",
     "ServerUpdateFn",
     "finite_message",
@@ -116,3 +128,157 @@ def stateless_client_init(params):
     """Stateless clients keep nothing between rounds."""
     del params
     return ()
+
+
+# ----- what a builder gets, and what the registry knows of a method ------------------------------
+
+
+class FederationInfo(NamedTuple):
+    """The few facts about a federation that a builder may use."""
+
+    num_clients: int
+    total_examples: int
+    client_sizes: tuple[int, ...]
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[int]) -> FederationInfo:
+        sizes = tuple(int(n) for n in np.asarray(sizes))
+        return cls(num_clients=len(sizes), total_examples=sum(sizes), client_sizes=sizes)
+
+
+class BuildContext(NamedTuple):
+    """What a builder gets besides its own settings: no data, so that a deployed server or client
+    builds the same algorithm without loading anyone's.
+
+    Attributes:
+      trainer: the clients' local training (loss, optimizer, epochs, batch size).
+      server_optimizer: the optax transformation of the server step.
+      federation: :class:`FederationInfo`.
+      clients_per_round: the cohort size ``M`` (e.g. FedEP's default damping ``1 / M``).
+      apply_fn: the model's forward pass, for methods that need the model's outputs (curvature);
+        ``None`` when not needed (:attr:`AlgorithmSpec.needs_apply_fn`).
+      task: ``"classification"`` or ``"regression"``.
+      keyed_apply_fn: one stochastic forward pass of a variational model (VBNN); ``None`` for
+        deterministic models (:attr:`AlgorithmSpec.needs_variational_model`).
+      feature_spec: shape and dtype of one example's features (no batch axis), for methods whose
+        states hold inputs (FedLap-Func's memory points); ``None`` when not needed
+        (:attr:`AlgorithmSpec.needs_feature_spec`).
+    """
+
+    trainer: LocalTrainer
+    server_optimizer: optax.GradientTransformation
+    federation: FederationInfo
+    clients_per_round: int
+    apply_fn: ApplyFn | None = None
+    task: str = "classification"
+    keyed_apply_fn: KeyedApplyFn | None = None
+    feature_spec: jax.ShapeDtypeStruct | None = None
+
+
+class BuildFn(Protocol):
+    """``build(hparams, ctx) -> Algorithm``: a method from its settings and the :class:`BuildContext`."""
+
+    def __call__(self, hparams: Any, ctx: BuildContext) -> Algorithm: ...
+
+
+AGGREGATOR_POLICIES = ("wrappable", "own", "refuses")
+AggregatorPolicy = Literal["wrappable", "own", "refuses"]
+
+
+def no_minimum_epochs(hparams: HParams) -> tuple[int, str]:
+    """The default :attr:`AlgorithmSpec.min_local_epochs`: any number of local epochs (at least one)."""
+    del hparams
+    return 1, ""
+
+
+def no_burn_in(hparams: HParams) -> int:
+    """The default :attr:`AlgorithmSpec.burn_in_rounds`: the method is itself from the first round."""
+    del hparams
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """One method as the registry, the config and the run read it: its name, settings and builder,
+    and the traits that the rest of the package needs to know of it (so that nothing outside the
+    method's module tests its name).
+
+    A method's module declares its spec (``SPEC = AlgorithmSpec(...)``; a module of two methods
+    declares one per method) and lists it in ``SPECS``; :mod:`fedbayes.algorithms.registry` has one
+    line per built-in method, and :func:`fedbayes.algorithms.registry.register` adds others.
+
+    Attributes:
+      name: the name used in configs (``[algorithm] name = ...``); ``hparams`` must have a ``name``
+        field whose literal or default is this name.
+      hparams: the :class:`~fedbayes.hparams.HParams` subclass the config's ``[algorithm]`` table
+        is validated into.
+      build: ``build(hparams, ctx) -> Algorithm`` (:class:`BuildFn`).
+      summary: one line for listings.
+      exact_server: non-empty when the server's update is exact and takes no server optimizer: what
+        it does instead, as a phrase after "<name>'s server" (the config then requires
+        ``server.optimizer = 'sgd'`` and ``server.lr = 1``, naming this phrase).
+      aggregator_policy: ``"wrappable"``: the method's aggregator may be replaced by a robust rule
+        or wrapped by DP (``server.aggregator``, ``server.max_precision_share``, ``[privacy]``);
+        ``"own"``: the method combines messages with a rule of its own settings; ``"refuses"``:
+        its server needs its own aggregator's output and cannot run under another rule. For
+        ``"own"`` and ``"refuses"`` the config allows only ``server.aggregator = 'mean'``, no
+        ``max_precision_share`` and no ``privacy.clip``.
+      aggregator_note: why, as a phrase after the method's name (for those config errors).
+      needs_variational_model: the method trains variational models (``BuildContext.keyed_apply_fn``);
+        the config requires ``model.variational`` to equal this.
+      needs_apply_fn: the builder reads ``BuildContext.apply_fn``.
+      needs_feature_spec: the builder reads ``BuildContext.feature_spec``.
+      min_local_epochs: ``hparams -> (minimum, why)``: the fewest ``client.epochs`` the settings
+        allow and why, as a phrase (the config error says "client.epochs: <why>, so it needs
+        epochs >= <minimum>").
+      burn_in_rounds: ``hparams -> rounds`` run before the method is itself (FedAvg rounds of FedPA
+        and FedEP); the calibration check skips them.
+      calibration_advice: what to change when the marginalised accuracy falls below the point
+        estimate's (the posterior too wide); empty: the run's default advice.
+      divergence_hint: a further likely cause of a non-finite loss, named in the divergence error.
+    """
+
+    name: str
+    hparams: type[HParams]
+    build: BuildFn
+    summary: str = ""
+    _: dataclasses.KW_ONLY
+    exact_server: str = ""
+    aggregator_policy: AggregatorPolicy = "wrappable"
+    aggregator_note: str = ""
+    needs_variational_model: bool = False
+    needs_apply_fn: bool = False
+    needs_feature_spec: bool = False
+    min_local_epochs: Callable[[Any], tuple[int, str]] = no_minimum_epochs
+    burn_in_rounds: Callable[[Any], int] = no_burn_in
+    calibration_advice: str = ""
+    divergence_hint: str = ""
+
+    def __post_init__(self):
+        if not (isinstance(self.hparams, type) and issubclass(self.hparams, HParams)):
+            raise ValueError(f"algorithm {self.name!r}: hparams must be an HParams subclass; got {self.hparams!r}")
+        if "name" not in self.hparams.model_fields:
+            raise ValueError(f"algorithm {self.name!r}: its settings {self.hparams.__name__} need a name field (Literal[{self.name!r}])")
+        if self.aggregator_policy not in AGGREGATOR_POLICIES:
+            raise ValueError(f"algorithm {self.name!r}: aggregator_policy must be one of {', '.join(AGGREGATOR_POLICIES)}; got {self.aggregator_policy!r}")
+        if self.aggregator_policy != "wrappable" and not self.aggregator_note:
+            raise ValueError(f"algorithm {self.name!r}: aggregator_policy {self.aggregator_policy!r} needs an aggregator_note (why; named in config errors)")
+
+    def check_context(self, ctx: BuildContext) -> None:
+        """Raises ``ValueError`` (one line) when ``ctx`` lacks what the traits say the builder needs."""
+        missing = [
+            what
+            for what, needed, given in (
+                ("apply_fn (the model's forward pass)", self.needs_apply_fn, ctx.apply_fn),
+                ("keyed_apply_fn (a variational model: model.variational = true)", self.needs_variational_model, ctx.keyed_apply_fn),
+                ("feature_spec (one example's feature shape)", self.needs_feature_spec, ctx.feature_spec),
+            )
+            if needed and given is None
+        ]
+        if missing:
+            raise ValueError(f"{self.name}: the build context lacks {'; '.join(missing)}")
+
+
+def burn_in_setting(hparams: Any) -> int:
+    """:attr:`AlgorithmSpec.burn_in_rounds` of methods whose settings have ``burn_in_rounds``."""
+    return hparams.burn_in_rounds

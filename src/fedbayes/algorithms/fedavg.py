@@ -13,7 +13,7 @@ from typing import Literal, NamedTuple
 
 import optax
 
-from fedbayes.algorithms.base import Algorithm, point_estimate_algorithm, stateless_client_init
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, point_estimate_algorithm, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -76,5 +76,9 @@ class FedAvgConfig(HParams):
     name: Literal["fedavg"] = "fedavg"
 
 
-def build(hp: FedAvgConfig, ctx) -> Algorithm:
+def build(hp: FedAvgConfig, ctx: BuildContext) -> Algorithm:
     return fedavg(ctx.trainer, ctx.server_optimizer)
+
+
+SPEC = AlgorithmSpec("fedavg", FedAvgConfig, build, "weighted averaging of local deltas; FedAvgM/FedAdam/FedYogi via the server optimizer")
+SPECS = (SPEC,)

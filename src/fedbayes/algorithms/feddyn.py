@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple
 import optax
 from pydantic import Field
 
-from fedbayes.algorithms.base import Algorithm, point_estimate_algorithm
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, point_estimate_algorithm
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -96,8 +96,11 @@ class FedDynConfig(HParams):
     weight_decay: float = Field(1e-4, ge=0, description="local weight decay lambda")
 
 
-def build(hp: FedDynConfig, ctx) -> Algorithm:
+def build(hp: FedDynConfig, ctx: BuildContext) -> Algorithm:
     return feddyn(ctx.trainer, ctx.server_optimizer, alpha=hp.alpha, num_clients=ctx.federation.num_clients, weight_decay=hp.weight_decay)
 
 
-__all__ = ["FedDynConfig", "ServerState", "feddyn"]
+SPEC = AlgorithmSpec("feddyn", FedDynConfig, build, "dynamic regularisation with per-client gradient corrections")
+SPECS = (SPEC,)
+
+__all__ = ["SPEC", "SPECS", "FedDynConfig", "ServerState", "feddyn"]

@@ -46,9 +46,8 @@ from pydantic import Field, model_validator
 
 from fedbayes import gaussian, tree
 from fedbayes.algorithms._sites import all_positive, checked_cavity, clip_joint_norm, guard_positive, optimizer_step, safe_mean
-from fedbayes.algorithms.base import Algorithm, stateless_client_init
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
-from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 from fedbayes.inference.tilted import METHODS, TiltedInference, TiltedSettings, make_tilted_inference
@@ -345,10 +344,6 @@ class EPConfig(TiltedSettings):
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
     init: Literal[INITS] = Field("benchmark", description="benchmark (docs/algorithms.md §7.3) or uniform (the paper's)")  # type: ignore[valid-type]
     prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
-    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
-    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
-        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
-    )
 
     @model_validator(mode="after")
     def _benchmark_needs_alpha_cov(self):
@@ -376,7 +371,7 @@ class FedSEPConfig(EPConfig):
     sep_power: Literal[SEP_POWERS] = Field("data_fraction", description="cavity power: 1 - n_k/N or 1 - 1/K")  # type: ignore[valid-type]
 
 
-def _common(hp: EPConfig, ctx) -> dict:
+def _common(hp: EPConfig, ctx: BuildContext) -> dict:
     inference = make_tilted_inference(hp.method, ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     return dict(
         inference=inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
@@ -385,9 +380,28 @@ def _common(hp: EPConfig, ctx) -> dict:
     )  # fmt: skip
 
 
-def build_fedep(hp: FedEPConfig, ctx) -> Algorithm:
+def build_fedep(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
     return fedep(ctx.trainer, ctx.server_optimizer, allow_improper_sites=hp.improper_sites == "allow", **_common(hp, ctx))
 
 
-def build_fedsep(hp: FedSEPConfig, ctx) -> Algorithm:
+def build_fedsep(hp: FedSEPConfig, ctx: BuildContext) -> Algorithm:
     return fedsep(ctx.trainer, ctx.server_optimizer, sep_power=hp.sep_power, **_common(hp, ctx))
+
+
+def _min_local_epochs(hp: EPConfig) -> tuple[int, str]:
+    if hp.method == "mcmc":
+        return 2, "the mcmc method estimates a variance from one sample per epoch"
+    return 1, ""
+
+
+# FedEP and FedSEP share their traits. The laplace and ngvi methods read the model's outputs, and
+# make_tilted_inference says so when they lack them; the identity and mcmc methods build without.
+_EP_TRAITS = dict(
+    min_local_epochs=_min_local_epochs,
+    burn_in_rounds=burn_in_setting,
+    calibration_advice="raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')",
+    divergence_hint="the tilted precisions of FedEP's laplace/ngvi methods",
+)
+FEDEP = AlgorithmSpec("fedep", FedEPConfig, build_fedep, "expectation propagation with stateful Gaussian sites", **_EP_TRAITS)
+FEDSEP = AlgorithmSpec("fedsep", FedSEPConfig, build_fedsep, "stochastic EP: one shared site, stateless clients", **_EP_TRAITS)
+SPECS = (FEDEP, FEDSEP)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field
 
-from fedbayes.algorithms.base import Algorithm, finite_message
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message
 from fedbayes.data.batches import ClientData
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -234,5 +234,12 @@ class FedLapConfig(HParams):
     rho: float | None = Field(None, gt=0, le=1, description="site damping rho; default 1 / num_clients")
 
 
-def build(hp: FedLapConfig, ctx) -> Algorithm:
+def build(hp: FedLapConfig, ctx: BuildContext) -> Algorithm:
     return fedlap(ctx.trainer, delta=hp.delta, rho=hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients)
+
+
+SPEC = AlgorithmSpec(
+    "fedlap", FedLapConfig, build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites",
+    exact_server="multiplies the clients' sites exactly",
+)  # fmt: skip
+SPECS = (SPEC,)

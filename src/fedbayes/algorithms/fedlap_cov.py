@@ -50,10 +50,9 @@ import optax
 from pydantic import Field
 
 from fedbayes import gaussian, tree
-from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
-from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.curvature import batch_diag_ggn
@@ -283,15 +282,20 @@ class FedLapCovConfig(HParams):
     init_precision: Literal[INIT_PRECISIONS] = Field(  # type: ignore[valid-type]
         "delta", description="S_g the clients use in round 1: delta (PVI's) or zero (the authors' code)"
     )
-    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
-    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
-        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
-    )
 
 
-def build(hp: FedLapCovConfig, ctx) -> Algorithm:
+def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
     if ctx.apply_fn is None:
         raise ValueError("fedlap_cov: needs the model's apply_fn for the curvature")
     curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
     rho = hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients
     return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, rho=rho, init_precision=hp.init_precision)
+
+
+SPEC = AlgorithmSpec(
+    "fedlap_cov", FedLapCovConfig, build, "FedLap with diagonal-GGN site precisions: two duals, a preconditioned server",
+    exact_server="multiplies the clients' sites exactly", needs_apply_fn=True,
+    # its posterior's width is set by the prior precision
+    calibration_advice="raise algorithm.delta, the prior precision (docs/algorithms.md §10)",
+)  # fmt: skip
+SPECS = (SPEC,)

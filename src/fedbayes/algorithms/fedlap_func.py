@@ -62,7 +62,6 @@ prediction and every function-space gradient vanishes.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -73,14 +72,13 @@ from pydantic import Field
 
 from fedbayes import aggregators
 from fedbayes.aggregators import Aggregate
+from fedbayes.algorithms import fedlap as lap
 from fedbayes.algorithms._memory import Memory, empty_memory, function_space_loss, memory_inputs, optimise_global, select_memory, soft_labels
-from fedbayes.algorithms.base import Algorithm, finite_message
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 PyTree = Any
-# The module, not the factory that fedbayes.algorithms re-exports under the same name.
-lap = importlib.import_module("fedbayes.algorithms.fedlap")
 
 __all__ = ["Broadcast", "ClientState", "FedLapFuncConfig", "Message", "ServerState", "fedlap_func"]
 
@@ -250,7 +248,7 @@ class FedLapFuncConfig(HParams):
     server_lr: float = Field(1e-3, gt=0, description="peak Adam learning rate of the server's optimisation (cosine decay to 0)")
 
 
-def build(hp: FedLapFuncConfig, ctx) -> Algorithm:
+def build(hp: FedLapFuncConfig, ctx: BuildContext) -> Algorithm:
     if ctx.task != "classification":
         raise ValueError(f"fedlap_func: needs a classification task (soft labels); got task {ctx.task!r}")
     if ctx.apply_fn is None or ctx.feature_spec is None:
@@ -260,3 +258,13 @@ def build(hp: FedLapFuncConfig, ctx) -> Algorithm:
         ctx.trainer, ctx.apply_fn, ctx.feature_spec, delta=hp.delta, rho=rho, tau=hp.tau,
         memory_per_class=hp.memory_per_class, server_steps=hp.server_steps, server_lr=hp.server_lr,
     )  # fmt: skip
+
+
+SPEC = AlgorithmSpec(
+    "fedlap_func", FedLapFuncConfig, build, "FedLap plus soft labels on memory points, fitted at the server",
+    exact_server="solves its own problem (the sum of the sites, then Adam over the memory points; algorithm.server_lr sets that rate)",
+    aggregator_policy="refuses",
+    aggregator_note="aggregates its sites and stacks the cohort's memory points with its own rule, which its server needs and a robust rule or DP cannot wrap",
+    needs_apply_fn=True, needs_feature_spec=True,
+)  # fmt: skip
+SPECS = (SPEC,)

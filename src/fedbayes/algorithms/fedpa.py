@@ -30,7 +30,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field, field_validator
 
-from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, finite_message, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.hparams import HParams
 from fedbayes.inference.iasg import epoch_samples
@@ -281,5 +281,16 @@ class FedPAConfig(HParams):
         return v
 
 
-def build(hp: FedPAConfig, ctx) -> Algorithm:
+def build(hp: FedPAConfig, ctx: BuildContext) -> Algorithm:
     return fedpa(ctx.trainer, ctx.server_optimizer, rho=hp.rho, burn_in_rounds=hp.burn_in_rounds, skip_epochs=hp.skip_epochs)
+
+
+def _min_local_epochs(hp: FedPAConfig) -> tuple[int, str]:
+    return hp.skip_epochs + 1, f"fedpa takes one sample per epoch after algorithm.skip_epochs ({hp.skip_epochs})"
+
+
+SPEC = AlgorithmSpec(
+    "fedpa", FedPAConfig, build, "posterior averaging: IASG samples, shrinkage covariance",
+    min_local_epochs=_min_local_epochs, burn_in_rounds=burn_in_setting,
+)  # fmt: skip
+SPECS = (SPEC,)

@@ -13,7 +13,7 @@ from typing import Literal
 import optax
 from pydantic import Field
 
-from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
 from fedbayes.algorithms.fedavg import local_delta_algorithm
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer
@@ -43,5 +43,9 @@ class FedProxConfig(HParams):
     mu: float = Field(0.01, ge=0, description="proximal strength mu (0: FedAvg)")
 
 
-def build(hp: FedProxConfig, ctx) -> Algorithm:
+def build(hp: FedProxConfig, ctx: BuildContext) -> Algorithm:
     return fedprox(ctx.trainer, ctx.server_optimizer, hp.mu)
+
+
+SPEC = AlgorithmSpec("fedprox", FedProxConfig, build, "FedAvg with a proximal term on the clients")
+SPECS = (SPEC,)

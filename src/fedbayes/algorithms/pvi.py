@@ -66,9 +66,8 @@ from pydantic import Field
 
 from fedbayes import gaussian, tree
 from fedbayes.algorithms._sites import all_positive, checked_cavity, guard_positive, optimizer_step, safe_mean
-from fedbayes.algorithms.base import Algorithm
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
 from fedbayes.data.batches import ClientData
-from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -455,15 +454,19 @@ class PVIConfig(HParams):
     init_std: float | None = Field(None, gt=0, description="start the local std at min(global std, init_std); default: the global std")
     init_mean: Literal[INIT_MEANS] = Field("global", description="local mean's start: global (mean of q_g) or model (the model's init in round 1)")  # type: ignore[valid-type]
     improper_sites: Literal["allow", "reject"] = Field("allow", description="a message that gives its site a non-positive precision: allow or reject")
-    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction")
-    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
-        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
-    )
 
 
-def build(hp: PVIConfig, ctx) -> Algorithm:
+def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
     return pvi(
         ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=hp.rho or 1.0 / ctx.clients_per_round,
         samples=hp.samples, parameterisation=hp.parameterisation, init_std=hp.init_std, init_mean=hp.init_mean,
         allow_improper_sites=hp.improper_sites == "allow", estimator=hp.estimator,
     )  # fmt: skip
+
+
+SPEC = AlgorithmSpec(
+    "pvi", PVIConfig, build, "partitioned variational inference: mean-field Gaussian sites, reparameterised local VI",
+    # its posterior's width comes from the prior and the local steps, not a scale
+    calibration_advice="set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2",
+)  # fmt: skip
+SPECS = (SPEC,)

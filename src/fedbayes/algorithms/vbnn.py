@@ -58,7 +58,7 @@ import optax
 from pydantic import Field
 
 from fedbayes import aggregators, tree
-from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message, stateless_client_init
 from fedbayes.evaluation.metrics import classification_metrics
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -395,10 +395,9 @@ class VBNNConfig(HParams):
     )
     population: int = Field(1000, ge=1, description="PPA: samples drawn from the clients' posteriors")
     prior_variance: float = Field(1.0, gt=0, description="the prior N(0, prior_variance) per variational weight")
-    marginal_samples: int = Field(10, ge=1, description="S, stochastic forward passes of the marginalised prediction")
 
 
-def build(hp: VBNNConfig, ctx) -> Algorithm:
+def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     if ctx.keyed_apply_fn is None:
         raise ValueError("vbnn needs a variational model's keyed apply function (model.variational = true)")
     return vbnn(
@@ -450,3 +449,12 @@ def predictive_metrics(
     out["std_norm"] = float(std_norm(params))
     out["std_norm_clamped"] = float(std_norm(params, clamp=True))
     return out
+
+
+SPEC = AlgorithmSpec(
+    "vbnn", VBNNConfig, build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors",
+    aggregator_policy="own",
+    aggregator_note="combines variational parameters with its own rule (algorithm.aggregation), not natural-parameter deltas that a robust rule, a precision cap or DP noise could act on",
+    needs_variational_model=True,
+)  # fmt: skip
+SPECS = (SPEC,)

@@ -201,7 +201,8 @@ def _round_call(sim, params) -> Callable[[], Any]:
 def _cnn_round(settings, x, y, parts):
     import jax
 
-    from fedbayes.algorithms import fedavg, make_server_optimizer
+    from fedbayes.algorithms.fedavg import fedavg
+    from fedbayes.algorithms.server_opt import make_server_optimizer
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import init_params, loss_fn, make_model
     from fedbayes.sim.simulator import Federation, Simulator

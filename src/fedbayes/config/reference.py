@@ -1,8 +1,8 @@
 """The config reference (``fedbayes config [SECTION]``), generated from the pydantic models.
 
 One source of truth: every key, its type, default and meaning come from :class:`RunConfig` and
-the models of its sections. The algorithm section is a discriminated union; its members are read
-from the union itself (whatever classes it holds), one table per algorithm.
+the models of its sections. The algorithm section is validated against the live registry; its
+tables are read from there (every registered method's settings), one table per algorithm.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Literal, Union
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from fedbayes.algorithms import registry
 from fedbayes.config.schema import RunConfig
+from fedbayes.hparams import HParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,10 @@ class Section:
 
 
 def _models(annotation) -> list[type[BaseModel]]:
-    """The BaseModel classes an annotation holds directly or as union members."""
+    """The BaseModel classes an annotation holds directly or as union members; the registered
+    methods' settings for the ``[algorithm]`` table (annotated with their base, ``HParams``)."""
+    if annotation is HParams:
+        return [spec.hparams for spec in registry.specs()]
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     origin = typing.get_origin(annotation)

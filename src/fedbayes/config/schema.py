@@ -4,6 +4,12 @@ Configs are TOML files (see ``examples/``) parsed into :class:`RunConfig` by pyd
 keys, wrong types and impossible values (``clients_per_round > num_clients``, ``lr <= 0``,
 ``alpha <= 0``, ...) are rejected before any work starts, with one line naming the field and what
 is allowed (:func:`format_validation_error`).
+
+The ``[algorithm]`` table is validated, when a config is, against the settings of the method it
+names in the live registry (:mod:`fedbayes.algorithms.registry`): a method added with
+``registry.register`` runs from a config file, and validating imports only the named method's
+module. What the rest of the config must be for that method (server optimizer, aggregation rule,
+privacy, variational model, local epochs) is read from its spec's traits, never from its name.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from fedbayes.algorithms import registry
 from fedbayes.errors import BadInputError
@@ -25,7 +31,8 @@ PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
 MODELS = ("logreg", "mlp", "cnn", "linear")
 VARIATIONAL_MODELS = ("mlp", "cnn")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
-EXACT_SERVER = ("fedlap", "fedlap_cov")  # methods whose server update is exact: no server optimizer
+PREDICTIVES = ("sample", "linearised")  # fedbayes.evaluation.evaluators.PREDICTIVES (a test keeps them equal)
+EVALUATION_KEYS = ("marginal_samples", "predictive")  # under [algorithm] before the [evaluation] section
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -158,12 +165,39 @@ class AttackConfig(_Strict):
     scale: float | None = Field(None, gt=0, description="scaled: factor (default 10); huge_precision: the fake precision over the global's (default 1000)")
 
 
-# The algorithm sections come from the registry: each method declares its settings once, in its
-# own module (fedbayes.algorithms.<method>), and the union below is built from them.
-ALGORITHM_CONFIGS = {spec.name: spec.hparams for spec in registry.builtin_specs()}
-ALGORITHMS = tuple(ALGORITHM_CONFIGS)
-AlgorithmConfig = Annotated[Union[tuple(ALGORITHM_CONFIGS.values())], Field(discriminator="name")]  # type: ignore[valid-type]
-FedAvgConfig = ALGORITHM_CONFIGS["fedavg"]
+class EvaluationConfig(_Strict):
+    """How a Bayesian method's posterior is evaluated: the marginalised predictions (the ``*_marg``
+    metrics of a method with a posterior ``q_g``; all metrics of a variational model)."""
+
+    section: ClassVar[str] = "evaluation."
+
+    marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction (a variational model: stochastic forward passes)")
+    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
+        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
+    )
+
+
+def _default_algorithm() -> HParams:
+    return registry.get("fedavg").hparams()
+
+
+def validate_algorithm(value: Any) -> HParams:
+    """The ``[algorithm]`` table validated against the settings of the method its ``name`` names
+    in the live registry; raises ``ValueError`` with one line naming the field."""
+    if isinstance(value, HParams):
+        registry.get(value.name)  # a registered method
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"algorithm: must be a table with a name (one of {', '.join(registry.names())}); got {value!r}")
+    name = value.get("name")
+    if name not in registry.names():
+        what = "missing" if name is None else f"unknown algorithm {name!r}"
+        raise ValueError(f"algorithm.name: {what}; allowed: {', '.join(registry.names())}")
+    hparams = registry.get(name).hparams
+    try:
+        return hparams.model_validate(value)
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(exc, hparams, prefix="algorithm.").removeprefix("config error: ")) from None
 
 
 class RunConfig(_Strict):
@@ -188,9 +222,36 @@ class RunConfig(_Strict):
     model: ModelConfig = ModelConfig()
     client: ClientConfig = ClientConfig()
     server: ServerConfig = ServerConfig()
-    algorithm: AlgorithmConfig = FedAvgConfig()
+    algorithm: SerializeAsAny[HParams] = Field(default_factory=_default_algorithm)
+    evaluation: EvaluationConfig = EvaluationConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     attack: AttackConfig = AttackConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _evaluation_keys_under_algorithm(cls, data: Any) -> Any:
+        """Configs written before the ``[evaluation]`` section (run folders, checkpoints, old
+        examples) hold ``marginal_samples`` and ``predictive`` under ``[algorithm]``: read them as
+        the ``[evaluation]`` keys they are now, so that such a run resumes as the same config."""
+        if not isinstance(data, dict) or not isinstance(data.get("algorithm"), dict) or not isinstance(data.get("evaluation", {}), dict):
+            return data
+        moved = {k: v for k, v in data["algorithm"].items() if k in EVALUATION_KEYS}
+        if not moved:
+            return data
+        evaluation = dict(data.get("evaluation", {}))
+        for key, value in moved.items():
+            if key in evaluation and evaluation[key] != value:
+                raise ValueError(
+                    f"evaluation.{key}: given as {evaluation[key]!r} and, in the old place algorithm.{key}, as {value!r}; keep the one under [evaluation]"
+                )
+            evaluation[key] = value
+        algorithm = {k: v for k, v in data["algorithm"].items() if k not in EVALUATION_KEYS}
+        return {**data, "algorithm": algorithm, "evaluation": evaluation}
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _registered_algorithm(cls, value: Any) -> HParams:
+        return validate_algorithm(value)
 
     @field_validator("name")
     @classmethod
@@ -209,26 +270,14 @@ class RunConfig(_Strict):
                 "model.name: the least_squares dataset needs model 'linear', and 'linear' needs least_squares; "
                 f"got model {self.model.name!r} with dataset {self.data.dataset!r}"
             )
-        skip = getattr(self.algorithm, "skip_epochs", None)
-        if skip is not None and self.client.epochs <= skip:
+        spec = self.spec
+        minimum, why = spec.min_local_epochs(self.algorithm)
+        if self.client.epochs < minimum:
+            raise ValueError(f"client.epochs: {why}, so it needs epochs >= {minimum}; got {self.client.epochs}")
+        if spec.exact_server and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
             raise ValueError(
-                f"client.epochs: {self.algorithm.name} takes one sample per epoch after algorithm.skip_epochs ({skip}), "
-                f"so it needs epochs > {skip}; got {self.client.epochs}"
-            )
-        if getattr(self.algorithm, "method", None) == "mcmc" and self.client.epochs < 2:
-            raise ValueError(
-                f"client.epochs: the mcmc method estimates a variance from one sample per epoch, so it needs epochs >= 2; got {self.client.epochs}"
-            )
-        if self.algorithm.name in EXACT_SERVER and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
-            raise ValueError(
-                f"server.optimizer: {self.algorithm.name}'s server multiplies the clients' sites exactly and uses no server optimizer; "
+                f"server.optimizer: {spec.name}'s server {spec.exact_server} and uses no server optimizer; "
                 f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
-            )
-        if self.algorithm.name == "fedlap_func" and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
-            raise ValueError(
-                "server.optimizer: fedlap_func's server solves its own problem (the sum of the sites, then Adam over the memory points; "
-                f"algorithm.server_lr sets that rate) and uses no server optimizer; leave server.optimizer = 'sgd' and server.lr = 1; "
-                f"got {self.server.optimizer!r} with lr {self.server.lr}"
             )
         if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
             raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")
@@ -236,18 +285,16 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _privacy_and_robustness(self) -> RunConfig:
-        own_rule = self.algorithm.name == "vbnn"  # VBNN aggregates with its own rule (algorithm.aggregation)
-        if self.server.aggregator != "mean" and own_rule:
-            raise ValueError(
-                f"server.aggregator: vbnn combines variational parameters with its own rule (algorithm.aggregation); allowed: mean; got {self.server.aggregator!r}"
-            )
-        if self.server.max_precision_share is not None and own_rule:
-            raise ValueError("server.max_precision_share: vbnn's messages are variational parameters, not natural-parameter deltas; unset it")
+        spec = self.spec
+        if spec.aggregator_policy != "wrappable":  # the method's own rule stays: no robust rule, cap or DP around it
+            why = f"{spec.name} {spec.aggregator_note}"
+            if self.server.aggregator != "mean":
+                raise ValueError(f"server.aggregator: {why}; allowed: mean; got {self.server.aggregator!r}")
+            if self.server.max_precision_share is not None:
+                raise ValueError(f"server.max_precision_share: {why}; unset it")
+            if self.privacy.clip is not None:
+                raise ValueError(f"privacy.clip: {why}; unset privacy.clip")
         if self.privacy.clip is not None:
-            if own_rule:
-                raise ValueError(
-                    "privacy.clip: vbnn's messages are full variational parameters combined non-linearly, whose sensitivity a clip does not bound; unset privacy.clip"
-                )
             if self.server.weighting != "uniform":
                 raise ValueError("server.weighting: client-level DP needs uniform weights (n_k is private and changes the sensitivity); allowed: uniform")
             if self.server.aggregator in ("median", "trimmed_mean"):
@@ -259,13 +306,17 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _variational_needs_vbnn(self) -> RunConfig:
-        if self.model.variational != (self.algorithm.name == "vbnn"):
-            raise ValueError(
-                "model.variational: algorithm 'vbnn' trains variational models and only it does; "
-                f"got variational={self.model.variational} with algorithm {self.algorithm.name!r}"
-            )
+    def _variational_model_as_the_method_needs(self) -> RunConfig:
+        needed = self.spec.needs_variational_model
+        if self.model.variational != needed:
+            kind = "variational models (model.variational = true; mlp or cnn)" if needed else "deterministic models (model.variational = false)"
+            raise ValueError(f"model.variational: algorithm {self.algorithm.name!r} trains {kind}; got variational={self.model.variational}")
         return self
+
+    @property
+    def spec(self):
+        """The :class:`~fedbayes.algorithms.base.AlgorithmSpec` of ``algorithm.name`` (its traits)."""
+        return registry.get(self.algorithm.name)
 
 
 class ReferenceTable(_Strict):
@@ -311,16 +362,16 @@ def _allowed(err: dict) -> str:
     return ""
 
 
-def format_validation_error(exc: ValidationError, model: type[BaseModel] = RunConfig) -> str:
-    """One line naming the first offending field, what is allowed and what was given."""
+def format_validation_error(exc: ValidationError, model: type[BaseModel] = RunConfig, prefix: str = "") -> str:
+    """One line naming the first offending field, what is allowed and what was given; ``prefix``
+    names the section ``model`` is (``"algorithm."`` for a method's settings)."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in ALGORITHMS))
+    loc = ".".join(str(p) for p in err["loc"])
+    loc = prefix + loc if loc else prefix.rstrip(".")
     if err["type"] == "extra_forbidden":
         parent = _section_model(model, err["loc"][:-1])
         allowed = ", ".join(parent.model_fields) if parent is not None else ""
         return f"config error: {loc}: unknown key; allowed keys here: {allowed}"
-    if err["type"] == "union_tag_invalid":
-        return f"config error: {loc or 'algorithm'}.name: unknown algorithm {err['input'].get('name')!r}; allowed: {', '.join(ALGORITHMS)}"
     if err["type"] == "value_error":
         msg = str(err["msg"]).removeprefix("Value error, ")
         return f"config error: {msg}" if ":" in msg.split(" ")[0] else f"config error: {loc}: {msg}"
@@ -333,10 +384,6 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] = RunCo
 def _section_model(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     current: Any = model
     for part in loc:
-        if isinstance(part, str) and part in ALGORITHMS:
-            return ALGORITHM_CONFIGS[part]
-        if part == "algorithm":
-            continue  # the next part is the discriminator tag
         field = current.model_fields.get(part) if isinstance(part, str) else None
         if field is None:
             return None

@@ -306,7 +306,7 @@ def _protection(config: RunConfig, dataset: Dataset, parts):
 
 def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, dataset: Dataset):
     """A variational model's metrics: accuracy, NLL and ECE of its marginalised predictive over
-    ``S = algorithm.marginal_samples`` stochastic forward passes (a variational network has no
+    ``S = evaluation.marginal_samples`` stochastic forward passes (a variational network has no
     deterministic forward pass; Ozer et al. 2022 report these), and ``std_norm``, the L2 norm of
     its learned standard deviations. The passes' key depends on the seed and the round only."""
     from fedbayes.algorithms.vbnn import predictive_metrics
@@ -314,7 +314,7 @@ def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, d
     def evaluate(server_state, round_idx: int) -> dict[str, float]:
         out = predictive_metrics(
             keyed_apply_fn, algorithm.server_params(server_state), protocol.evaluation_key(config.seed, round_idx),
-            dataset.x_test, dataset.y_test, num_samples=config.algorithm.marginal_samples, num_bins=config.ece_bins,
+            dataset.x_test, dataset.y_test, num_samples=config.evaluation.marginal_samples, num_bins=config.ece_bins,
             batch_size=config.eval_batch_size,
         )  # fmt: skip
         out.pop("std_norm_clamped", None)
@@ -328,8 +328,8 @@ def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig,
     ``nll_marg``, ``ece_marg``; Guo et al. 2023 (FedEP) Table 5) to the point metrics. The samples' key depends on
     the seed and the round only, so a resumed run draws the same ones."""
     marginal = make_marginal_evaluator(
-        apply_fn, dataset.x_test, dataset.y_test, num_samples=config.algorithm.marginal_samples,
-        batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=config.algorithm.predictive,
+        apply_fn, dataset.x_test, dataset.y_test, num_samples=config.evaluation.marginal_samples,
+        batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=config.evaluation.predictive,
     )  # fmt: skip
 
     def evaluate(server_state, round_idx: int) -> dict[str, float]:
@@ -487,7 +487,7 @@ def _round_stream(sim, state, stop: int, keep: Callable[[int], bool]):
 def _divergence_message(config: RunConfig, round_idx: int, metric: str, out: Path, checkpoint: int | None) -> str:
     cause = (
         "likely cause: a step too large for the loss's curvature (client.lr, server.lr"
-        + (", or the tilted precisions of FedEP's laplace/ngvi methods" if config.algorithm.name in ("fedep", "fedsep") else "")
+        + (f", or {config.spec.divergence_hint}" if config.spec.divergence_hint else "")
         + ")"
     )
     ckpt = f"last good checkpoint: round {checkpoint}" if checkpoint is not None else "no checkpoint was saved yet (checkpoint_every)"
@@ -523,11 +523,7 @@ class CalibrationCheck:
 
 
 def _calibration_advice(config: RunConfig) -> dict:
-    if config.algorithm.name == "pvi":  # its width comes from the prior and the local steps, not a scale
-        return {"advice": "set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2"}
-    if config.algorithm.name == "fedlap_cov":  # its posterior's width is set by the prior precision
-        return {"advice": "raise algorithm.delta, the prior precision (docs/algorithms.md §10)"}
-    return {}
+    return {"advice": config.spec.calibration_advice} if config.spec.calibration_advice else {}
 
 
 def config_hash(config: RunConfig) -> str:
@@ -631,7 +627,7 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter, accept
     _write_atomic(metrics_path, "".join(dumps_record(r) + "\n" for r in records))
     client_log = ClientLog(out / "clients.jsonl", exp.federation.sizes)
     client_log.restart(state.round)
-    calibration = CalibrationCheck(config.name, after_round=getattr(config.algorithm, "burn_in_rounds", 0), **_calibration_advice(config))
+    calibration = CalibrationCheck(config.name, after_round=config.spec.burn_in_rounds(config.algorithm), **_calibration_advice(config))
 
     def record(round_idx: int, evaluated: dict, snapshot: dict, info=None) -> dict:
         r = {"round": round_idx, **evaluated, **snapshot}
