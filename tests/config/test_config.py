@@ -65,3 +65,75 @@ def test_missing_or_broken_files(tmp_path):
     bad.write_text("rounds = = 3")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(bad)
+
+
+def test_the_evaluation_section():
+    cfg = validate({})
+    assert (cfg.evaluation.marginal_samples, cfg.evaluation.predictive) == (10, "sample")
+    cfg = validate({"algorithm": {"name": "pvi"}, "evaluation": {"marginal_samples": 3, "predictive": "linearised"}})
+    assert (cfg.evaluation.marginal_samples, cfg.evaluation.predictive) == (3, "linearised")
+    for raw, message in (
+        ({"evaluation": {"marginal_samples": 0}}, "evaluation.marginal_samples: Input should be greater than or equal to 1"),
+        ({"evaluation": {"predictive": "glm"}}, "evaluation.predictive: Input should be 'sample' or 'linearised'; got 'glm'"),
+        ({"evaluation": {"samples": 3}}, "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive"),
+        (
+            {"algorithm": {"name": "fedep", "marginal_samples": 5}, "evaluation": {"marginal_samples": 4}},
+            "evaluation.marginal_samples: given as 4 and, in the old place algorithm.marginal_samples, as 5; keep the one under [evaluation]",
+        ),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            validate(raw)
+        assert "\n" not in str(exc.value) and message in str(exc.value), str(exc.value)
+
+
+def test_the_config_and_the_evaluators_agree_on_predictives():
+    from fedbayes.config import schema
+    from fedbayes.evaluation.evaluators import PREDICTIVES
+
+    assert schema.PREDICTIVES == PREDICTIVES
+
+
+def _old_form(cfg: RunConfig) -> dict:
+    """``cfg`` as a run folder or checkpoint stored it before the [evaluation] section existed."""
+    raw = cfg.model_dump(mode="json", exclude_none=True)  # as to_toml writes it
+    raw["algorithm"].update(raw.pop("evaluation"))
+    return raw
+
+
+def test_configs_written_before_the_evaluation_section_are_the_same_config(tmp_path):
+    import tomli_w
+
+    from fedbayes.config.schema import resolved, same_config
+    from fedbayes.runs.experiment import check_resume_config
+
+    cfg = validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 5, "predictive": "linearised"}})
+    old = _old_form(cfg)
+    assert old["algorithm"]["marginal_samples"] == 5 and "evaluation" not in old
+    assert load_config_text(tmp_path, tomli_w.dumps(old)) == cfg  # an old example file or run folder still loads
+    assert resolved(old) == cfg.model_dump(mode="json")
+    path = tmp_path / "config.toml"
+    path.write_text(tomli_w.dumps(old))
+    assert same_config(path, cfg)
+    assert not same_config(path, validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 5}}))
+    # resuming from a checkpoint that recorded the old form: no change to accept
+    assert check_resume_config(cfg, {"config": old, "config_hash": "older", "round": 3}, tmp_path) == {}
+    other = validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 6, "predictive": "linearised"}})
+    with pytest.raises(ConfigError, match=r"evaluation\.marginal_samples \(5 -> 6\)"):
+        check_resume_config(other, {"config": old, "config_hash": "older", "round": 3}, tmp_path)
+
+
+def load_config_text(tmp_path, text: str) -> RunConfig:
+    path = tmp_path / "written.toml"
+    path.write_text(text)
+    return load_config(path)
+
+
+def test_the_reference_lists_the_evaluation_section_and_every_registered_method():
+    from fedbayes.algorithms import registry
+    from fedbayes.config import reference
+
+    names = reference.section_names()
+    assert "evaluation" in names and all(f"algorithm.{n}" in names for n in registry.names())
+    fedep = reference.select("fedep")[0]
+    assert not {"marginal_samples", "predictive"} & {k.name for k in fedep.keys}
+    assert {k.name for k in reference.select("evaluation")[0].keys} == {"marginal_samples", "predictive"}
