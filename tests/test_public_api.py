@@ -37,3 +37,11 @@ def test_the_public_names_are_the_objects_they_name():
     assert set(fedbayes.__all__) <= set(dir(fedbayes))
     with pytest.raises(AttributeError, match="no attribute 'simulate'"):
         fedbayes.simulate  # noqa: B018
+
+
+def test_all_lists_the_curated_names_and_each_resolves():
+    assert set(fedbayes.__all__) == {
+        "__version__", "Algorithm", "AlgorithmSpec", "BuildContext", "HParams", "register", "RunConfig", "load_config",
+        "Simulator", "run_experiment", "load_run", "gaussian", "protocol",
+    }  # fmt: skip
+    assert all(getattr(fedbayes, name) is not None for name in fedbayes.__all__)

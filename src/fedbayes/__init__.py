@@ -44,7 +44,21 @@ _API: dict[str, str | None] = {
     "protocol": None,
 }
 
-__all__ = ["__version__", *_API]
+__all__ = [
+    "Algorithm",
+    "AlgorithmSpec",
+    "BuildContext",
+    "HParams",
+    "RunConfig",
+    "Simulator",
+    "__version__",
+    "gaussian",
+    "load_config",
+    "load_run",
+    "protocol",
+    "register",
+    "run_experiment",
+]
 
 
 def __getattr__(name: str):
