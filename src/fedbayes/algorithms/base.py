@@ -38,13 +38,13 @@ import numpy as np
 
 from fedbayes import aggregators, tree
 from fedbayes.aggregators import Aggregate
-from fedbayes.data.batches import ClientData
 from fedbayes.hparams import HParams
 from fedbayes.typing import ApplyFn, Info, KeyedApplyFn, PyTree
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: reading a config need not import the data layer
     import optax
 
+    from fedbayes.data.batches import ClientData
     from fedbayes.inference.sgd import LocalTrainer
 
 __all__ = [
