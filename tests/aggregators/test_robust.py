@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import digits_federation, logreg_setup
 from scipy import stats
 
 from fedbayes import protocol
@@ -17,7 +18,6 @@ from fedbayes.config.schema import ConfigError, validate
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.sim.scenario import attacker_ids, flip_labels, message_attack
 from fedbayes.sim.simulator import Simulator
-from helpers import digits_federation, logreg_setup
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])

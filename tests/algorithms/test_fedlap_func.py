@@ -135,8 +135,8 @@ def runs():
     model, params, trainer = logreg_setup(epochs=2, batch_size=16)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     algs = {
-        "fedlap": fedlap_module.fedlap(trainer, delta=5.0, rho=0.2),
-        **{tau: func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, rho=0.2, tau=tau, server_steps=20, server_lr=1e-2) for tau in (0.0, 1.0)},
+        "fedlap": fedlap_module.fedlap(trainer, delta=5.0, damping=0.2),
+        **{tau: func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, damping=0.2, tau=tau, server_steps=20, server_lr=1e-2) for tau in (0.0, 1.0)},
     }
     return fed, {k: _run(Simulator(a, fed, clients_per_round=COHORT, seed=SEED), params) for k, a in algs.items()}
 
@@ -237,7 +237,7 @@ def test_old_soft_labels_are_subtracted_only_when_the_server_saw_them(runs):
     fed, r = runs
     model, params, trainer = logreg_setup(epochs=1, batch_size=16)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    alg = func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, rho=0.2, tau=1.0, server_steps=0)
+    alg = func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, damping=0.2, tau=1.0, server_steps=0)
     states = r[1.0][0]
     cid = int(r[1.0][1][0].cohort[0])  # drew its memory in round 0
     state = jax.tree.map(lambda a: np.asarray(a)[cid], states[1].client_states)

@@ -15,7 +15,8 @@ from helpers import digits_federation, logreg_setup, single_client_data
 from typer.testing import CliRunner
 
 from fedbayes import gaussian, protocol
-from fedbayes.algorithms.pvi import Message, pvi, reparameterised_vi
+from fedbayes.algorithms._sites import GaussianMessage
+from fedbayes.algorithms.pvi import pvi, reparameterised_vi
 from fedbayes.cli import app
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.batches import get_batch, num_local_steps
@@ -282,9 +283,9 @@ def test_site_validity_policies_and_bad_messages():
     # message_ok: a step that would take Lambda_g below zero, and a NaN.
     q = state.server_state.q
     for lam in (-2.0 * np.ones(DIM), np.full(DIM, np.nan)):
-        msg = Message(DiagGaussian(jnp.zeros(DIM), jnp.asarray(lam, jnp.float32)), jnp.ones((), jnp.bool_))
+        msg = GaussianMessage(DiagGaussian(jnp.zeros(DIM), jnp.asarray(lam, jnp.float32)), jnp.ones((), jnp.bool_))
         assert not bool(sim.algorithm.message_ok(state.server_state, msg))
-    ok = Message(DiagGaussian(jnp.zeros(DIM), jnp.full(DIM, -0.5)), jnp.ones((), jnp.bool_))
+    ok = GaussianMessage(DiagGaussian(jnp.zeros(DIM), jnp.full(DIM, -0.5)), jnp.ones((), jnp.bool_))
     assert bool(sim.algorithm.message_ok(state.server_state, ok)) and float(q.precision[0]) == 1.0
 
 

@@ -22,7 +22,7 @@ every site starts as the uniform factor, so ``q_g`` starts as the prior). In a r
    keeps the site ``t_k <- t_k Delta_k`` (``lambda_{t_k} += Delta_k``; Swaroop et al. 2025 Eq. 6).
 
 The server sets ``lambda_{q_g} <- lambda_{q_g} + ServerOpt(sum_k Delta_k)`` over the accepted
-clients (:func:`~fedbayes.algorithms._sites.optimizer_step`). With the default server optimizer,
+clients (:func:`~fedbayes.algorithms._sites.site_server_step`). With the default server optimizer,
 plain SGD at lr 1, this is PVI's synchronous update ``q_g = p prod_k t_k`` exactly; another optax
 transformation (momentum, Adam) treats ``sum_k Delta_k`` as a step on natural parameters, as FedEP
 does (docs/algorithms.md §1.3), and ``q_g`` then no longer equals ``p prod_k t_k``.
@@ -64,8 +64,8 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field
 
-from fedbayes import gaussian, tree
-from fedbayes.algorithms._sites import all_positive, checked_cavity, guard_positive, optimizer_step, safe_mean
+from fedbayes import gaussian
+from fedbayes.algorithms._sites import GaussianMessage, all_positive, checked_cavity, damped_difference, gaussian_message_ok, safe_mean, site_server_step
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData
 from fedbayes.evaluation.evaluators import PREDICTIVES
@@ -87,7 +87,6 @@ __all__ = [
     "Broadcast",
     "ClientState",
     "LocalVI",
-    "Message",
     "PVIConfig",
     "ServerState",
     "VariationalParams",
@@ -324,13 +323,6 @@ class Broadcast(NamedTuple):
     start: PyTree = None
 
 
-class Message(NamedTuple):
-    """A client's message: ``Delta_k = rho (lambda_{q_k} - lambda_{q_g})`` and its validity flag."""
-
-    delta: DiagGaussian
-    ok: jax.Array
-
-
 class ClientState(NamedTuple):
     """A client's site ``t_k`` (natural parameters; starts uniform)."""
 
@@ -404,21 +396,19 @@ def pvi(
         ok = jnp.logical_and(ok, all_positive(cavity.precision))  # the KL needs a proper cavity
         start = q if message.start is None else DiagGaussian(jax.tree.map(jnp.multiply, q.precision, message.start), q.precision)
         q_k, info = local(key, start, cavity, data)
-        delta = optax.tree.scale(damping, gaussian.delta(q_k, q))
-        site = gaussian.product(cstate.site, delta)
+        step = damped_difference(q_k, q, damping)
+        site = gaussian.product(cstate.site, step)
         if not allow_improper_sites:
             ok = jnp.logical_and(ok, all_positive(site.precision))
-        return Message(delta, ok), ClientState(site), info
+        return GaussianMessage(step, ok), ClientState(site), info
 
     def server_update(state, aggregate, key):
         del key
-        q, opt_state = optimizer_step(server_optimizer, state.q, state.opt_state, aggregate.total.delta)
-        q, guarded = guard_positive(q, state.q)
+        q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
         return ServerState(q, opt_state, state.round + 1, state.anchor), {"precision_guarded": guarded}
 
     def message_ok(state, message):
-        lam_after = jax.tree.map(jnp.add, state.q.precision, message.delta.precision)
-        return jnp.logical_and(jnp.logical_and(tree.all_finite(message.delta), message.ok), all_positive(lam_after))
+        return gaussian_message_ok(message, state.q)
 
     def server_posterior(state):
         return server_params(state), gaussian.variance(state.q)
