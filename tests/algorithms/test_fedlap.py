@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from fedbayes import gaussian, models, protocol
 from fedbayes.algorithms.fedlap import client_penalty, fedlap
-from fedbayes.algorithms.fedlap_cov import PrecisionOps, data_curvature, fedlap_cov
+from fedbayes.algorithms.fedlap_cov import PrecisionOps, fedlap_cov
 from fedbayes.algorithms.fedlap_cov import broadcast as cov_broadcast
 from fedbayes.algorithms.fedlap_cov import client_step as cov_client_step
 from fedbayes.algorithms.fedlap_cov import server_init as cov_server_init
@@ -30,6 +30,7 @@ from fedbayes.config import schema as config
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.batches import ClientData, get_batch
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.inference.curvature import data_curvature
 from fedbayes.inference.sgd import LocalTrainer, training_info
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.runs.experiment import read_metrics

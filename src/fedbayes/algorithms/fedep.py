@@ -8,17 +8,17 @@ docs/algorithms.md §7. The global approximation is ``q_g ∝ p_0 prod_k q_k`` w
    (:mod:`fedbayes.inference.tilted`: identity / mcmc / laplace / ngvi),
 3. sends the damped update ``delta * Delta_k`` with ``Delta_k = q^_{\\k} / q_g`` (natural-parameter
    difference; optionally clipped to a joint global norm ``G`` first; ``delta`` is the damping,
-   :func:`~fedbayes.algorithms._sites.damped_difference`),
+   :func:`~fedbayes.algorithms.sites.damped_difference`),
 4. FedEP only: updates its site, ``(eta_k, Lambda_k) <- (eta_k, Lambda_k) + ClientOpt(delta Delta_k)``.
 
 The server sets ``(eta_g, Lambda_g) <- (eta_g, Lambda_g) + ServerOpt(sum_k delta Delta_k)``: damping
 as adaptive optimisation on natural parameters (Guo et al. 2023 (FedEP) Sec. 2.2.3, App. A.1; docs/algorithms.md §1.3, 7.7). With
 ``delta = 1`` and plain SGD at lr 1 this is undamped EP: ``q_k <- q^_{\\k} / q_{-k}``,
 ``q_g <- q_g prod_k (q^_{\\k} / q_g)``. Optax transformations descend, so they receive ``-sum``
-(:func:`~fedbayes.algorithms._sites.site_server_step`).
+(:func:`~fedbayes.algorithms.sites.site_server_step`).
 
 **Burn-in** (docs/algorithms.md §7.3, benchmark semantics): the first ``burn_in_rounds`` rounds are FedAvg with
-the server optimizer (:func:`~fedbayes.algorithms._sites.burn_in_switch`, shared with FedPA); the model is kept as ``q_g = (theta, 1)`` so that ``mean(q_g) = theta``.
+the server optimizer (:func:`~fedbayes.algorithms.sites.burn_in_switch`, shared with FedPA); the model is kept as ``q_g = (theta, 1)`` so that ``mean(q_g) = theta``.
 Then ``q_g`` becomes ``N(theta_burn, 1 / (alpha_cov N))`` (times the prior) and the
 natural-parameter optimizer starts fresh. A client's site starts as ``q_g^{n_k / N}`` when the client
 is first sampled after burn-in (``Lambda_k = alpha_cov n_k``, ``mu_k = mu_g``): for every client
@@ -29,7 +29,7 @@ and sites (times the prior), with the sampler starting from the burn-in model wh
 
 **Robustness** (docs/algorithms.md §7.10): a client whose cavity is improper (a negative precision) or whose new
 site precision would be non-positive (unless ``allow_improper_sites``) flags its message;
-:func:`~fedbayes.algorithms._sites.gaussian_message_ok` also rejects a message
+:func:`~fedbayes.algorithms.sites.gaussian_message_ok` also rejects a message
 with non-finite values or one that would make ``Lambda_g + delta Delta Lambda_k`` non-positive. The
 simulator gives a rejected client weight zero and keeps its old site; ``fail_fast`` raises. Should
 the aggregated optimizer step still leave a coordinate of ``Lambda_g`` non-positive (momentum
@@ -48,7 +48,9 @@ import optax
 from pydantic import Field, model_validator
 
 from fedbayes import gaussian
-from fedbayes.algorithms._sites import (
+from fedbayes.algorithms.base import Algorithm, stateless_client_init
+from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.algorithms.sites import (
     GaussianMessage,
     all_positive,
     burn_in_switch,
@@ -59,12 +61,11 @@ from fedbayes.algorithms._sites import (
     safe_mean,
     site_server_step,
 )
-from fedbayes.algorithms.base import Algorithm, stateless_client_init
-from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.inference.base import CavityInference
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
-from fedbayes.inference.tilted import METHODS, TiltedInference, TiltedSettings, make_tilted_inference
+from fedbayes.inference.tilted import METHODS, TiltedSettings, make_tilted_inference
 
 PyTree = Any
 INITS = ("benchmark", "uniform")
@@ -111,7 +112,7 @@ def _ep_algorithm(
     name: str,
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
-    inference: TiltedInference,
+    inference: CavityInference,
     *,
     stateful: bool,
     total_examples: int,
@@ -223,7 +224,7 @@ def _ep_algorithm(
         q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
         return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor), {"precision_guarded": guarded}
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         return burn_in_switch(burn_in_rounds, state.round >= burn_in_rounds, ep_server, fedavg_server, state, aggregate)
 
@@ -264,7 +265,7 @@ def posterior_moments(state: ServerState, burn_in_rounds: int) -> tuple[PyTree, 
 def fedep(
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
-    inference: TiltedInference,
+    inference: CavityInference,
     *,
     total_examples: int,
     num_clients: int,
@@ -283,7 +284,8 @@ def fedep(
       trainer: local training of the burn-in rounds and of the SG-MCMC step.
       server_optimizer: optax transformation for the burn-in model and for ``(eta_g, Lambda_g)``
         (separate states; the latter starts fresh after burn-in).
-      inference: a :data:`fedbayes.inference.tilted.TiltedInference` (one of the four methods).
+      inference: a :class:`~fedbayes.inference.base.CavityInference` whose ``start`` is the sampler's
+        first iterate (one of the four methods of :func:`fedbayes.inference.tilted.make_tilted_inference`).
       total_examples: ``N``, all clients' examples (site init ``q_g^{n_k/N}``).
       num_clients: ``K``.
       damping: ``delta`` (Guo et al. 2023 (FedEP)'s default ``1 / M``).
@@ -310,7 +312,7 @@ def fedep(
 def fedsep(
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
-    inference: TiltedInference,
+    inference: CavityInference,
     *,
     total_examples: int,
     num_clients: int,

@@ -209,7 +209,7 @@ def fedlap(
         _, new_site, change, info = client_step(key, message, site, data, trainer, delta=delta, damping=damping, solver=solver)
         return change, new_site, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         return server_step(state, aggregate.total), {}
 

@@ -50,14 +50,14 @@ import optax
 from pydantic import Field
 
 from fedbayes import gaussian, tree
-from fedbayes.algorithms._sites import GaussianMessage, gaussian_message_ok
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
-from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
+from fedbayes.algorithms.sites import GaussianMessage, gaussian_message_ok
+from fedbayes.data.batches import ClientData
 from fedbayes.evaluation.evaluators import PREDICTIVES
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
-from fedbayes.inference.curvature import batch_diag_ggn
+from fedbayes.inference.curvature import data_curvature
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 PyTree = Any
@@ -73,7 +73,6 @@ __all__ = [
     "PrecisionOps",
     "ServerState",
     "client_step",
-    "data_curvature",
     "fedlap_cov",
     "server_step",
     "site_terms",
@@ -195,21 +194,6 @@ def server_step(state: ServerState, site_change_total: DiagGaussian, delta: floa
     return ServerState(ops.solve(q.precision, q.precision_mean), q, state.init, state.round + 1)
 
 
-def data_curvature(apply_fn, *, task: str = "classification", batch_size: int) -> Curvature:
-    """``(params, data) -> diag GGN`` of the client's sum loss: one pass over the client's
-    examples (the first laid-out epoch) in minibatches of ``batch_size``
-    (:func:`fedbayes.inference.curvature.batch_diag_ggn`)."""
-
-    def curvature(params, data: ClientData):
-        def body(step, total):
-            x, y, mask = get_batch(data, step, batch_size)
-            return optax.tree.add(total, batch_diag_ggn(apply_fn, params, x, y, mask, task=task))
-
-        return jax.lax.fori_loop(0, steps_per_epoch(data.num_examples, batch_size), body, optax.tree.zeros_like(params))
-
-    return curvature
-
-
 def _valid_curvature(h) -> jax.Array:
     return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.stack([jnp.all(x >= 0) for x in jax.tree.leaves(h)])))
 
@@ -228,7 +212,7 @@ def fedlap_cov(
     Args:
       trainer: local training (mean loss, optimizer, epochs, batch size).
       curvature: ``(params, data) -> diagonal curvature of the client's sum loss`` (PSD), e.g.
-        :func:`data_curvature`.
+        :func:`fedbayes.inference.curvature.data_curvature`.
       delta: prior precision (sum-loss scale), > 0.
       damping: site damping ``rho`` in (0, 1].
       init_precision: ``"delta"`` or ``"zero"``, the ``S_g`` clients use in round 1.
@@ -242,7 +226,7 @@ def fedlap_cov(
         _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=damping, curvature=curvature, solver=solver)
         return GaussianMessage(gaussian.difference(new_site, site), _valid_curvature(h_k)), new_site, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         return server_step(state, aggregate.total.difference, delta), {}
 

@@ -73,8 +73,8 @@ from pydantic import Field
 
 from fedbayes import aggregators
 from fedbayes.aggregators import Aggregate
-from fedbayes.algorithms._memory import Memory, empty_memory, function_space_loss, memory_inputs, optimise_global, select_memory, soft_labels
 from fedbayes.algorithms.base import Algorithm, finite_message
+from fedbayes.algorithms.fedlap_memory import Memory, empty_memory, function_space_loss, memory_inputs, optimise_global, select_memory, soft_labels
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
@@ -196,8 +196,8 @@ def fedlap_func(
         memory = Memory(inputs, weights, soft_labels(apply_fn, w_k, inputs))
         return Message(change, memory), ClientState(site, memory, message.round.astype(jnp.int32)), info
 
-    def aggregate(messages: Message, weights, key) -> Aggregate:
-        sites = aggregators.weighted(messages.site_change, weights, key)  # FedLap's own reduction
+    def aggregate(key, messages: Message, weights) -> Aggregate:
+        sites = aggregators.weighted(key, messages.site_change, weights)  # FedLap's own reduction
 
         def masked(a):
             keep = (weights > 0).reshape((-1,) + (1,) * (a.ndim - 1))
@@ -206,7 +206,7 @@ def fedlap_func(
         memory = jax.tree.map(masked, messages.memory)  # the cohort's, stacked; rejected clients zero
         return Aggregate(mean=Message(sites.mean, memory), total=Message(sites.total, memory), count=sites.count)
 
-    def server_update(state: ServerState, agg: Aggregate, key):
+    def server_update(key, state: ServerState, agg: Aggregate):
         del key
         memory = agg.total.memory
         if jnp.ndim(memory.weights) != 2:
@@ -234,7 +234,7 @@ def fedlap_func(
         message_ok=finite_message,
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
-        aggregator=aggregate,
+        aggregator=aggregators.Rule(aggregate),
     )
 
 

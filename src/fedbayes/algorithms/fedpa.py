@@ -30,9 +30,9 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field, field_validator
 
-from fedbayes.algorithms._sites import burn_in_switch
 from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.algorithms.sites import burn_in_switch
 from fedbayes.hparams import HParams
 from fedbayes.inference.iasg import epoch_samples
 from fedbayes.inference.sgd import LocalTrainer
@@ -207,7 +207,7 @@ def fedpa(
     Clients are stateless. Each runs ``trainer.num_epochs`` epochs of its optimizer; epochs after
     the first ``skip_epochs`` each yield one IASG sample (the epoch's mean iterate, TFF's
     ``fed_pa_schedule``), so ``l = num_epochs - skip_epochs``. In the first ``burn_in_rounds``
-    rounds the client returns FedAvg's ``theta - theta_last`` (:func:`~fedbayes.algorithms._sites.burn_in_switch`); afterwards
+    rounds the client returns FedAvg's ``theta - theta_last`` (:func:`~fedbayes.algorithms.sites.burn_in_switch`); afterwards
     :func:`shrinkage_delta` of its samples. The server takes the weighted mean of the deltas
     (``q_k`` from the simulator's weights) and applies ``server_optimizer`` (docs/algorithms.md §6.8).
 
@@ -243,7 +243,7 @@ def fedpa(
         delta = burn_in_switch(burn_in_rounds, message.sampling, lambda: shrinkage_delta(samples, theta, rho), lambda: fedavg_delta)
         return delta, client_state, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, aggregate.mean)
         return ServerState(params, opt_state, state.round + 1), {}

@@ -1,4 +1,4 @@
-"""Gaussian sites: the machinery shared by the methods that keep per-client Gaussian factors.
+"""Gaussian sites: the machinery shared by the methods that keep per-client Gaussian factors (public building blocks).
 
 FedEP, FedSEP, PVI and FedLap-Cov each keep the global approximation ``q_g ∝ p_0 prod_k q_k``
 with diagonal Gaussian sites in natural parameters (:class:`~fedbayes.gaussian.DiagGaussian`),
