@@ -238,7 +238,7 @@ def calibrate(methods: list[str], rounds: int = 5) -> None:
     import jax
     import numpy as np
 
-    from fedbayes.aggregators import weighted
+    from fedbayes.aggregators import Rule, weighted
     from fedbayes.aggregators.robust import row_norms
     from fedbayes.runs.experiment import build_experiment
 
@@ -247,12 +247,12 @@ def calibrate(methods: list[str], rounds: int = 5) -> None:
         exp = build_experiment(config)
         seen: list[np.ndarray] = []
 
-        def recording(messages, weights, key):
+        def recording(key, messages, weights):
             jax.debug.callback(lambda n, w: seen.append(np.asarray(n)[np.asarray(w) > 0]), row_norms(messages), weights)
-            return weighted(messages, weights, key)
+            return weighted(key, messages, weights)
 
         sim = exp.simulator
-        sim.aggregator = recording
+        sim.aggregator = Rule(recording)
         state = sim.init(exp.params)
         for _ in range(rounds):
             state, _ = sim.run_round(state)

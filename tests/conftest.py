@@ -32,7 +32,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Dtype promotion stays "standard" (docs/style.md asks for "strict"): optax 0.2.8 promotes implicitly
 # inside its own code, where no cast of ours reaches: Adam's bias correction (optax.tree_utils.
 # tree_bias_correction: a Python float decay to the power of the int32 step count) and the cosine
-# schedule of fedbayes.algorithms._memory.optimise_global. So "strict" fails every method that runs
+# schedule of fedbayes.algorithms.fedlap_memory.optimise_global. So "strict" fails every method that runs
 # Adam (PVI's local VI with client.optimizer = "adam", FedLap and FedLap-Cov in their tests, the
 # FedLap-Func server). Measured with "strict" on tests/inference, evaluation, models, aggregators and
 # the FedEP/PVI/FedLap tests: 22 failures; besides optax, fedbayes.data.batches.get_batch mixes int64

@@ -134,7 +134,7 @@ def test_product_quotient_golden():
         quot = G.quotient(a, b)
         np.testing.assert_array_equal(quot.precision_mean["x"], [-2.0, -6.0])
         np.testing.assert_array_equal(quot.precision["x"], [1.0, -1.0])
-        assert_tree_equal(G.delta(a, b), quot)
+        assert_tree_equal(G.difference(a, b), quot)
 
 
 @pytest.mark.parametrize("kind", ["diag", "iso"])
@@ -174,7 +174,7 @@ def test_damp_matches_seed_incremental_form():
     with jax.enable_x64(True):
         old, new = random_diag(5), random_diag(6)
         for step in (0.1, 0.75):
-            incremental = G.product(old, G.power(G.delta(new, old), step))
+            incremental = G.product(old, G.power(G.difference(new, old), step))
             # The two forms round differently: (1-d) x + d y versus x + d (y - x).
             assert_gaussian_close(G.damp(old, new, step), incremental, rtol=1e-13, atol=1e-13)
 
@@ -543,7 +543,7 @@ CASES = {
     "power": lambda i: G.power(i["a"], i["t"]),
     "power_iso": lambda i: G.power(i["ia"], i["t"]),
     "damp": lambda i: G.damp(i["a"], i["b"], i["t"]),
-    "delta": lambda i: G.delta(i["a"], i["b"]),
+    "difference": lambda i: G.difference(i["a"], i["b"]),
     "to_moments": lambda i: G.to_moments(i["a"]),
     "to_moments_iso": lambda i: G.to_moments(i["ia"]),
     "mean": lambda i: G.mean(i["ia"]),

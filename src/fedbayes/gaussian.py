@@ -39,7 +39,7 @@ __all__ = [
     "Gaussian",
     "IsoGaussian",
     "damp",
-    "delta",
+    "difference",
     "entropy",
     "from_moments",
     "is_proper",
@@ -296,27 +296,28 @@ def uniform_like(params: PyTree) -> DiagGaussian:
     return DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=optax.tree.zeros_like(params))
 
 
-def damp(old: Gaussian, new: Gaussian, delta: float | jax.Array) -> Gaussian:
-    """Damped update old^(1 - delta) new^delta: natural parameters (1 - delta) old + delta new.
+def damp(old: Gaussian, new: Gaussian, damping: float | jax.Array) -> Gaussian:
+    """Damped update old^(1 - damping) new^damping: natural parameters (1 - damping) old + damping new.
 
-    Guo et al. 2023 (FedEP) Sec. 2.2.3 and App. A.1 (q_k^new ∝ q_k^(1 - delta) (q_tilted / q_cavity)^delta);
-    docs/algorithms.md §7.1, 7.7. Written as a convex combination so that ``delta = 1`` returns ``new`` and
-    ``delta = 0`` returns ``old`` exactly (for finite inputs). With 0 <= delta <= 1 and both
-    inputs proper, the result is proper; outside that range it may not be.
+    Guo et al. 2023 (FedEP) Sec. 2.2.3 and App. A.1 (q_k^new ∝ q_k^(1 - delta) (q_tilted / q_cavity)^delta,
+    the paper's ``delta`` is the damping); docs/algorithms.md §7.1, 7.7. Written as a convex combination
+    so that ``damping = 1`` returns ``new`` and ``damping = 0`` returns ``old`` exactly (for finite
+    inputs). With 0 <= damping <= 1 and both inputs proper, the result is proper; outside that range
+    it may not be.
 
     Args:
       old: the current factor.
       new: the undamped target factor.
-      delta: damping step, a scalar (may be traced).
+      damping: damping step, a scalar (may be traced).
 
     Returns:
       The damped factor; ``IsoGaussian`` if both inputs are, else ``DiagGaussian``.
     """
-    _check_scalar(delta, "delta")
-    return product(power(old, 1 - delta), power(new, delta))
+    _check_scalar(damping, "damping")
+    return product(power(old, 1 - damping), power(new, damping))
 
 
-def delta(new: Gaussian, old: Gaussian) -> Gaussian:
+def difference(new: Gaussian, old: Gaussian) -> Gaussian:
     """Natural-parameter difference new / old: (eta_new - eta_old, L_new - L_old).
 
     This is the client "update distribution" Delta q_k ∝ q_tilted / q_g of Guo et al. 2023 (FedEP) Sec. 2.2.3

@@ -192,7 +192,7 @@ def server_step(algorithm, server_state, messages: PyTree, weights: jax.Array, k
     ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
     ok = jnp.logical_and(ok, weights > 0)
     rule = aggregator or algorithm.aggregator
-    extra = {"reference": algorithm.broadcast(server_state)} if getattr(rule, "needs_reference", False) else {}
-    aggregate = rule(messages, jnp.where(ok, weights, 0.0), jax.random.fold_in(key, 0), **extra)
-    new_state, info = algorithm.server_update(server_state, aggregate, jax.random.fold_in(key, 1))
+    extra = {"reference": algorithm.broadcast(server_state)} if rule.needs_reference else {}
+    aggregate = rule(jax.random.fold_in(key, 0), messages, jnp.where(ok, weights, 0.0), **extra)
+    new_state, info = algorithm.server_update(jax.random.fold_in(key, 1), server_state, aggregate)
     return new_state, ok, {**info, "num_accepted": jnp.sum(ok.astype(jnp.int32))}

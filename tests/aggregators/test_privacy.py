@@ -65,13 +65,13 @@ def test_clipping_and_noise_are_the_gaussian_mechanism():
     x[0] *= 1e-3 / np.linalg.norm(x[0])  # below the clip
     msgs = {"a": jnp.asarray(x[:, : d // 2]), "b": jnp.asarray(x[:, d // 2 :])}
     weights = jnp.array([1.0, 1.0, 1.0, 0.0])  # the last client rejected
-    clipped = DPAggregator(clip, 0.0)(msgs, weights, jax.random.key(0))
+    clipped = DPAggregator(clip, 0.0)(jax.random.key(0), msgs, weights)
     rows = [np.concatenate([x[i, : d // 2], x[i, d // 2 :]]) for i in range(3)]
     expected = sum(r * min(1.0, clip / np.linalg.norm(r)) for r in rows)
     got = np.concatenate([np.asarray(clipped.total["a"]), np.asarray(clipped.total["b"])])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert float(row_norms({"a": jnp.asarray(rows[1][None])})[0]) > clip  # the clip was needed
-    noisy = DPAggregator(clip, sigma)(msgs, weights, jax.random.key(1))
+    noisy = DPAggregator(clip, sigma)(jax.random.key(1), msgs, weights)
     noise = np.concatenate([np.asarray(noisy.total[k] - clipped.total[k]) for k in "ab"])
     assert abs(noise.std() / (sigma * clip) - 1) < 0.03 and abs(noise.mean()) < 4 * sigma * clip / math.sqrt(d)
     mean_noise = np.concatenate([np.asarray(noisy.mean[k] - clipped.mean[k]) for k in "ab"])
@@ -126,10 +126,10 @@ def test_noisy_precisions_stay_positive_natural_floor_and_moments():
     moment coordinates are positive by construction."""
     delta, q = _gaussian_messages()
     w = jnp.ones(5)
-    agg = DPAggregator(50.0, 100.0, precision_floor=0.5)(delta, w, jax.random.key(0), reference=q)
+    agg = DPAggregator(50.0, 100.0, precision_floor=0.5)(jax.random.key(0), delta, w, reference=q)
     assert np.all(np.asarray(q.precision + agg.total.precision) >= 0.5 * np.asarray(q.precision) - 1e-3)
     assert np.any(np.asarray(agg.total.precision) == -50.0)  # the floor acted
-    agg = DPAggregator(5.0, 100.0, coordinates="moments")(delta, w, jax.random.key(0), reference=q)
+    agg = DPAggregator(5.0, 100.0, coordinates="moments")(jax.random.key(0), delta, w, reference=q)
     lam_new = np.asarray(q.precision + agg.total.precision / 5)
     assert np.all(lam_new >= 100 * np.exp(-5.0) * 0.999) and np.all(lam_new <= 100 * np.exp(5.0) * 1.001)
 
@@ -145,8 +145,8 @@ def test_moment_coordinates_invert():
 def test_dp_without_reference_is_plain_mechanism_on_point_messages():
     """Point messages (no Gaussian nodes) need no reference and get the plain mechanism."""
     msgs = {"w": jnp.ones((3, 4))}
-    agg = DPAggregator(1.0, 0.0)(msgs, jnp.ones(3), jax.random.key(0))
-    ref = aggregators.weighted({"w": jnp.ones((3, 4)) * 0.5}, jnp.ones(3))
+    agg = DPAggregator(1.0, 0.0)(jax.random.key(0), msgs, jnp.ones(3))
+    ref = aggregators.weighted(None, {"w": jnp.ones((3, 4)) * 0.5}, jnp.ones(3))
     np.testing.assert_array_equal(np.asarray(agg.total["w"]), np.asarray(ref.total["w"]))
 
 

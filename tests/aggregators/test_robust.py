@@ -14,6 +14,7 @@ from fedbayes import protocol
 from fedbayes.aggregators.robust import RobustAggregator
 from fedbayes.algorithms.feddyn import feddyn
 from fedbayes.algorithms.fedep import fedep
+from fedbayes.algorithms.sites import GaussianMessage
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.sim.scenario import attacker_ids, flip_labels, message_attack
@@ -26,7 +27,7 @@ def test_median_and_trimmed_mean_of_identical_messages_is_that_message(rule):
     one = {"a": jnp.asarray(rng.normal(size=(3, 4)) * 1e3, jnp.float32), "b": jnp.asarray(rng.normal(size=5), jnp.float32)}
     msgs = jax.tree.map(lambda x: jnp.stack([x] * 5), one)
     msgs["a"] = msgs["a"].at[4].set(jnp.nan)  # a rejected client (weight 0) must not count
-    agg = RobustAggregator(rule, trim_fraction=0.2)(msgs, jnp.array([1.0, 3.0, 1.0, 2.0, 0.0]), None)
+    agg = RobustAggregator(rule, trim_fraction=0.2)(None, msgs, jnp.array([1.0, 3.0, 1.0, 2.0, 0.0]))
     for k in one:
         np.testing.assert_array_equal(np.asarray(agg.mean[k]), np.asarray(one[k]))
     assert float(agg.count) == 4.0
@@ -36,10 +37,10 @@ def test_median_and_trimmed_mean_match_numpy_and_scipy():
     x = np.random.default_rng(1).normal(size=(7, 6)).astype(np.float32)
     w = jnp.array([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     valid = x[np.asarray(w) > 0]
-    med = RobustAggregator("median")({"x": jnp.asarray(x)}, w, None)
+    med = RobustAggregator("median")(None, {"x": jnp.asarray(x)}, w)
     np.testing.assert_allclose(np.asarray(med.mean["x"]), np.median(valid, axis=0), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(med.total["x"]), 6 * np.median(valid, axis=0), rtol=1e-6)
-    tm = RobustAggregator("trimmed_mean", trim_fraction=0.2)({"x": jnp.asarray(x)}, w, None)
+    tm = RobustAggregator("trimmed_mean", trim_fraction=0.2)(None, {"x": jnp.asarray(x)}, w)
     np.testing.assert_allclose(np.asarray(tm.mean["x"]), stats.trim_mean(valid, 0.2, axis=0), rtol=1e-5)
 
 
@@ -53,7 +54,7 @@ def _fedep_setting(m=7, d=40, seed=0):
     state = alg.server_init(jax.random.key(0), params)
     lam = rng.uniform(0, 5, size=(m, d))
     eta = (100 + lam) * (np.asarray(state.q.precision_mean["w"]) / 100 + 0.01 * rng.normal(size=(m, d))) - np.asarray(state.q.precision_mean["w"])
-    msgs = fedep.__globals__["Message"](
+    msgs = GaussianMessage(
         DiagGaussian(precision_mean={"w": jnp.asarray(eta, jnp.float32)}, precision={"w": jnp.asarray(lam, jnp.float32)}), jnp.ones(m, jnp.bool_)
     )
     return alg, state, msgs

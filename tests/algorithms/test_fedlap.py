@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from fedbayes import gaussian, models, protocol
 from fedbayes.algorithms.fedlap import client_penalty, fedlap
-from fedbayes.algorithms.fedlap_cov import PrecisionOps, data_curvature, fedlap_cov
+from fedbayes.algorithms.fedlap_cov import PrecisionOps, fedlap_cov
 from fedbayes.algorithms.fedlap_cov import broadcast as cov_broadcast
 from fedbayes.algorithms.fedlap_cov import client_step as cov_client_step
 from fedbayes.algorithms.fedlap_cov import server_init as cov_server_init
@@ -30,6 +30,7 @@ from fedbayes.config import schema as config
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.batches import ClientData, get_batch
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.inference.curvature import data_curvature
 from fedbayes.inference.sgd import LocalTrainer, training_info
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.runs.experiment import read_metrics
@@ -116,7 +117,7 @@ def test_fedlap_converges_to_the_exact_map(delta, rho):
     # (A delta far below the clients' curvature converges too, but slowly: docs/algorithms.md §9.)
     with jax.enable_x64(True):
         prob = Problem()
-        alg = fedlap(prob.trainer, delta=delta, rho=rho, solver=newton_solver)
+        alg = fedlap(prob.trainer, delta=delta, damping=rho, solver=newton_solver)
         _, cstates, history = run_rounds(alg, prob, 100)
         target = prob.map(delta)
         errors = [np.max(np.abs(h - target)) for h in history]
@@ -130,7 +131,7 @@ def test_fedlap_converges_to_the_exact_map(delta, rho):
 def test_fedlap_single_client_undamped_is_the_map_in_one_round():
     with jax.enable_x64(True):
         prob = Problem(sizes=(11,))
-        alg = fedlap(prob.trainer, delta=2.0, rho=1.0, solver=newton_solver)
+        alg = fedlap(prob.trainer, delta=2.0, damping=1.0, solver=newton_solver)
         _, _, history = run_rounds(alg, prob, 2)
         np.testing.assert_allclose(history[0], prob.map(2.0), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(history[1], history[0], rtol=1e-10, atol=1e-12)  # a fixed point
@@ -141,7 +142,7 @@ def test_fedlap_round_one_is_the_local_map_under_the_prior():
     with jax.enable_x64(True):
         prob = Problem()
         delta, rho = 3.0, 0.25
-        alg = fedlap(prob.trainer, delta=delta, rho=rho, solver=newton_solver)
+        alg = fedlap(prob.trainer, delta=delta, damping=rho, solver=newton_solver)
         _, _, history = run_rounds(alg, prob, 1)
         local = [np.linalg.solve(z.T @ z + delta * np.eye(DIM + 1), z.T @ y) for z, y in zip(prob.z, prob.y)]
         np.testing.assert_allclose(history[0], rho * sum(local), rtol=1e-10)
@@ -150,7 +151,7 @@ def test_fedlap_round_one_is_the_local_map_under_the_prior():
 def test_fedlap_round_one_starts_from_the_initial_parameters_then_from_w_g():
     prob_params = {"w": jnp.asarray([1.0, -2.0])}
     trainer = LocalTrainer(lambda p, k, x, y, m: 0.0 * jnp.sum(p["w"]), optax.sgd(0.1), 1, 4)
-    alg = fedlap(trainer, delta=1.0, rho=0.5)
+    alg = fedlap(trainer, delta=1.0, damping=0.5)
     state = alg.server_init(jax.random.key(0), prob_params)
     np.testing.assert_array_equal(alg.server_params(state)["w"], [0.0, 0.0])  # the prior mean
     np.testing.assert_array_equal(alg.broadcast(state).start["w"], [1.0, -2.0])
@@ -170,7 +171,7 @@ def test_fedlap_penalty_is_the_site_terms_over_n():
 @pytest.mark.parametrize("delta, rho", [(0.0, 0.1), (-1.0, 0.1), (1.0, 0.0), (1.0, 1.5)])
 def test_fedlap_rejects_bad_settings(delta, rho):
     with pytest.raises(ValueError, match="fedlap: (delta|rho)"):
-        fedlap(LocalTrainer(None, optax.sgd(0.1), 1, 1), delta=delta, rho=rho)
+        fedlap(LocalTrainer(None, optax.sgd(0.1), 1, 1), delta=delta, damping=rho)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def test_fedlap_rejects_bad_settings(delta, rho):
 
 def cov_algorithm(prob: Problem, *, delta, rho, curvature=None, init_precision="delta"):
     curvature = curvature or data_curvature(prob.apply_fn, task="regression", batch_size=BATCH)
-    return fedlap_cov(prob.trainer, curvature, delta=delta, rho=rho, init_precision=init_precision, solver=newton_solver)
+    return fedlap_cov(prob.trainer, curvature, delta=delta, damping=rho, init_precision=init_precision, solver=newton_solver)
 
 
 FULL = PrecisionOps(
@@ -209,13 +210,13 @@ def test_fedlap_cov_full_covariance_exact_hessians_undamped_is_the_map_in_one_ro
         params = jnp.asarray(np.random.default_rng(5).normal(size=DIM + 1))
         state = cov_server_init(params, delta, FULL)
         client = jax.jit(
-            lambda m, site, data: cov_client_step(jax.random.key(0), m, site, data, trainer, rho=rho, curvature=hessian, ops=FULL, solver=newton_solver)[2]
+            lambda m, site, data: cov_client_step(jax.random.key(0), m, site, data, trainer, damping=rho, curvature=hessian, ops=FULL, solver=newton_solver)[2]
         )
         sites = [DiagGaussian(precision_mean=jnp.zeros(DIM + 1), precision=jnp.zeros((DIM + 1, DIM + 1))) for _ in prob.datas]
         for r in range(2):
             message = cov_broadcast(state)
             new_sites = [client(message, site, data) for site, data in zip(sites, prob.datas)]
-            total = jax.tree.map(lambda *xs: sum(xs), *[gaussian.delta(n, o) for n, o in zip(new_sites, sites)])
+            total = jax.tree.map(lambda *xs: sum(xs), *[gaussian.difference(n, o) for n, o in zip(new_sites, sites)])
             state, sites = cov_server_step(state, total, delta, FULL), new_sites
             np.testing.assert_allclose(np.asarray(state.params), prob.map(delta), rtol=1e-9, atol=1e-11)  # round 1, and it stays
             np.testing.assert_allclose(np.asarray(state.q.precision), sum(prob.hessians()) + delta * np.eye(DIM + 1), rtol=1e-12)
@@ -260,7 +261,7 @@ def test_fedlap_cov_gets_closer_than_fedlap_in_the_same_rounds():
     with jax.enable_x64(True):
         prob = Problem()
         target = prob.map(delta)
-        _, _, lap = run_rounds(fedlap(prob.trainer, delta=delta, rho=0.5, solver=newton_solver), prob, 10)
+        _, _, lap = run_rounds(fedlap(prob.trainer, delta=delta, damping=0.5, solver=newton_solver), prob, 10)
         _, _, cov = run_rounds(cov_algorithm(prob, delta=delta, rho=0.5), prob, 10)
         assert np.max(np.abs(cov[-1] - target)) < 0.1 * np.max(np.abs(lap[-1] - target))
 
@@ -271,7 +272,7 @@ def test_fedlap_cov_with_zero_curvature_is_fedlap():
     with jax.enable_x64(True):
         prob = Problem()
         zero = lambda p, data: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
-        lap_state, lap_sites, lap = run_rounds(fedlap(prob.trainer, delta=delta, rho=rho, solver=newton_solver), prob, 6)
+        lap_state, lap_sites, lap = run_rounds(fedlap(prob.trainer, delta=delta, damping=rho, solver=newton_solver), prob, 6)
         cov_state, cov_sites, cov = run_rounds(cov_algorithm(prob, delta=delta, rho=rho, curvature=zero), prob, 6)
         for a, b in zip(lap, cov):
             np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)
@@ -317,9 +318,9 @@ def test_fedlap_cov_rejects_a_negative_curvature_and_keeps_the_server():
 
 def test_fedlap_cov_settings_are_checked():
     with pytest.raises(ValueError, match="fedlap_cov: init_precision must be one of delta, zero"):
-        fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, rho=0.5, init_precision="one")
+        fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, damping=0.5, init_precision="one")
     with pytest.raises(ValueError, match="fedlap_cov: rho"):
-        fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, rho=2.0)
+        fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, damping=2.0)
 
 
 # ---------------------------------------------------------------------------------------------

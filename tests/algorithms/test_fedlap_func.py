@@ -11,7 +11,7 @@ import pytest
 from helpers import digits_federation, logreg_setup
 
 from fedbayes import protocol
-from fedbayes.algorithms import _memory
+from fedbayes.algorithms import fedlap_memory as memory
 from fedbayes.data.batches import ClientData, layout_orders
 
 SIZES = (37, 90, 213, 11, 150)
@@ -27,7 +27,7 @@ def _first_epoch_data(fed, cid, round_idx=0, seed=3, epochs=2):
 def test_memory_is_the_first_m_examples_of_each_class_in_the_first_epoch_shuffle(m):
     fed = digits_federation(SIZES)
     cid, round_idx, seed = 3, 4, 3  # client 3 has 11 examples: some classes are missing
-    positions, weights = jax.jit(_memory.select_memory, static_argnums=(1, 2))(_first_epoch_data(fed, cid, round_idx, seed), 10, m)
+    positions, weights = jax.jit(memory.select_memory, static_argnums=(1, 2))(_first_epoch_data(fed, cid, round_idx, seed), 10, m)
     # The reference, from the client's NumPy shuffle stream of that round.
     ix = fed.client_indices[cid]
     perm = protocol.shuffle_rng(seed, round_idx, cid).permutation(ix)
@@ -53,14 +53,14 @@ def test_function_space_loss_is_the_weighted_soft_cross_entropy():
     x = jnp.asarray(fed.x[:4])
     w = jnp.asarray([2.0, 0.0, 1.0, 0.5])
     t = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 10)))
-    got = _memory.function_space_loss(apply_fn, params, x, w, t)
+    got = memory.function_space_loss(apply_fn, params, x, w, t)
     log_p = jax.nn.log_softmax(apply_fn(params, x))
     want = sum(-float(w[i]) * float(jnp.sum(t[i] * log_p[i])) for i in range(4))
     assert float(got) == pytest.approx(want, rel=1e-5)
     # At its own soft labels the cross-entropy is stationary (zero gradient): the paper's
     # argument that the function-space terms vanish at a fixed point.
-    own = _memory.soft_labels(apply_fn, params, x)
-    g = jax.grad(lambda p: _memory.function_space_loss(apply_fn, p, x, w, own))(params)
+    own = memory.soft_labels(apply_fn, params, x)
+    g = jax.grad(lambda p: memory.function_space_loss(apply_fn, p, x, w, own))(params)
     assert max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(g)) < 1e-6
 
 
@@ -68,7 +68,7 @@ def _memory_of(apply_fn, params, fed, cids, tau_key):
     inputs = jnp.asarray(np.concatenate([fed.x[fed.client_indices[c][:10]] for c in cids]))
     weights = jnp.ones((inputs.shape[0],), jnp.float32)
     labels = jax.nn.softmax(3.0 * jax.random.normal(tau_key, (inputs.shape[0], 10)))
-    return _memory.Memory(inputs, weights, labels)
+    return memory.Memory(inputs, weights, labels)
 
 
 def test_server_optimisation_with_tau_zero_returns_the_anchor_bit_for_bit():
@@ -76,7 +76,7 @@ def test_server_optimisation_with_tau_zero_returns_the_anchor_bit_for_bit():
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     mem = _memory_of(apply_fn, params, digits_federation(SIZES), [0, 1], jax.random.key(1))
     anchor = jax.tree.map(lambda a: a + 0.3, params)
-    w, _ = jax.jit(lambda a, m: _memory.optimise_global(apply_fn, a, m, delta=2.0, tau=0.0, steps=50, lr=1e-2))(anchor, mem)
+    w, _ = jax.jit(lambda a, m: memory.optimise_global(apply_fn, a, m, delta=2.0, tau=0.0, steps=50, lr=1e-2))(anchor, mem)
     for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(anchor)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -86,11 +86,11 @@ def test_server_optimisation_reaches_the_minimiser_of_eq_17():
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     mem = _memory_of(apply_fn, params, digits_federation(SIZES), [0, 1], jax.random.key(1))
     delta, tau = 5.0, 0.5
-    w, info = jax.jit(lambda a, m: _memory.optimise_global(apply_fn, a, m, delta=delta, tau=tau, steps=3000, lr=1e-2))(params, mem)
+    w, info = jax.jit(lambda a, m: memory.optimise_global(apply_fn, a, m, delta=delta, tau=tau, steps=3000, lr=1e-2))(params, mem)
 
     def objective(p):
         d = jax.tree.map(jnp.subtract, p, params)
-        return 0.5 * delta * sum(jnp.sum(x * x) for x in jax.tree.leaves(d)) + tau * _memory.function_space_loss(apply_fn, p, *mem)
+        return 0.5 * delta * sum(jnp.sum(x * x) for x in jax.tree.leaves(d)) + tau * memory.function_space_loss(apply_fn, p, *mem)
 
     g = jax.grad(objective)(w)
     g0 = jax.grad(objective)(params)
@@ -98,7 +98,7 @@ def test_server_optimisation_reaches_the_minimiser_of_eq_17():
     # 1e-2: Adam at a fixed learning rate hovers near the minimiser
     assert gnorm(g) < 1e-2 * gnorm(g0)
     assert float(objective(w)) < float(objective(params))
-    assert float(info["server_fn_loss"]) < float(_memory.function_space_loss(apply_fn, params, *mem))
+    assert float(info["server_fn_loss"]) < float(memory.function_space_loss(apply_fn, params, *mem))
 
 
 # ----- the method ---------------------------------------------------------------------------------
@@ -135,8 +135,8 @@ def runs():
     model, params, trainer = logreg_setup(epochs=2, batch_size=16)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     algs = {
-        "fedlap": fedlap_module.fedlap(trainer, delta=5.0, rho=0.2),
-        **{tau: func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, rho=0.2, tau=tau, server_steps=20, server_lr=1e-2) for tau in (0.0, 1.0)},
+        "fedlap": fedlap_module.fedlap(trainer, delta=5.0, damping=0.2),
+        **{tau: func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, damping=0.2, tau=tau, server_steps=20, server_lr=1e-2) for tau in (0.0, 1.0)},
     }
     return fed, {k: _run(Simulator(a, fed, clients_per_round=COHORT, seed=SEED), params) for k, a in algs.items()}
 
@@ -237,7 +237,7 @@ def test_old_soft_labels_are_subtracted_only_when_the_server_saw_them(runs):
     fed, r = runs
     model, params, trainer = logreg_setup(epochs=1, batch_size=16)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    alg = func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, rho=0.2, tau=1.0, server_steps=0)
+    alg = func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, damping=0.2, tau=1.0, server_steps=0)
     states = r[1.0][0]
     cid = int(r[1.0][1][0].cohort[0])  # drew its memory in round 0
     state = jax.tree.map(lambda a: np.asarray(a)[cid], states[1].client_states)

@@ -15,13 +15,15 @@ from helpers import digits_federation, logreg_setup, single_client_data
 from typer.testing import CliRunner
 
 from fedbayes import gaussian, protocol
-from fedbayes.algorithms.pvi import Message, pvi, reparameterised_vi
+from fedbayes.algorithms.pvi import pvi
+from fedbayes.algorithms.sites import GaussianMessage
 from fedbayes.cli import app
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.batches import get_batch, num_local_steps
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.sgd import training_info
+from fedbayes.inference.vi import reparameterised_vi
 from fedbayes.runs.experiment import read_metrics
 from fedbayes.runs.export import load_model
 from fedbayes.sim.simulator import Federation, Simulator
@@ -282,9 +284,9 @@ def test_site_validity_policies_and_bad_messages():
     # message_ok: a step that would take Lambda_g below zero, and a NaN.
     q = state.server_state.q
     for lam in (-2.0 * np.ones(DIM), np.full(DIM, np.nan)):
-        msg = Message(DiagGaussian(jnp.zeros(DIM), jnp.asarray(lam, jnp.float32)), jnp.ones((), jnp.bool_))
+        msg = GaussianMessage(DiagGaussian(jnp.zeros(DIM), jnp.asarray(lam, jnp.float32)), jnp.ones((), jnp.bool_))
         assert not bool(sim.algorithm.message_ok(state.server_state, msg))
-    ok = Message(DiagGaussian(jnp.zeros(DIM), jnp.full(DIM, -0.5)), jnp.ones((), jnp.bool_))
+    ok = GaussianMessage(DiagGaussian(jnp.zeros(DIM), jnp.full(DIM, -0.5)), jnp.ones((), jnp.bool_))
     assert bool(sim.algorithm.message_ok(state.server_state, ok)) and float(q.precision[0]) == 1.0
 
 
@@ -374,7 +376,7 @@ def test_cli_run_writes_metrics_and_the_posterior(tmp_path):
 
 
 def _vp(params, std, key=None):
-    from fedbayes.algorithms.pvi import VariationalParams
+    from fedbayes.inference.vi import VariationalParams
 
     raw = jax.tree.map(lambda p: jnp.full_like(p, np.log(std)), params)
     if key is not None:  # distinct stds per coordinate
@@ -387,7 +389,7 @@ def test_local_reparameterisation_is_unbiased_for_the_expected_loss_and_has_lowe
     """A linear model (one flax Dense) under squared error has E_q[loss] in closed form:
     0.5 ((x M + m - y)^2 + x^2 S^2 + s^2) per example. Both estimators' Monte-Carlo means match it;
     the local one (independent draws per example) has the smaller spread (about half)."""
-    from fedbayes.algorithms.pvi import expected_loss, std_of
+    from fedbayes.inference.vi import expected_loss, std_of
     from fedbayes.models import init_params, loss_fn, make_model
 
     model = make_model("linear", 1)
@@ -417,7 +419,7 @@ def test_local_reparameterisation_is_unbiased_for_the_expected_loss_and_has_lowe
 def test_local_reparameterisation_on_an_mlp_matches_weight_draws_in_expectation():
     """No closed form through a ReLU, but both estimators are unbiased for the same E_q[loss] and
     its gradient: their Monte-Carlo means agree. With every std at zero both are the plain loss."""
-    from fedbayes.algorithms.pvi import expected_loss
+    from fedbayes.inference.vi import expected_loss
     from fedbayes.models import init_params, loss_fn, make_model
 
     model = make_model("mlp", 3, hidden=(8,))

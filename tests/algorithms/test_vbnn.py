@@ -12,18 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedbayes import gaussian, protocol, tree
+from fedbayes.aggregators.variational import RULES, aggregate, aggregate_params, variational_rule
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.algorithms.server_opt import make_server_optimizer
-from fedbayes.algorithms.vbnn import (
-    RULES,
-    aggregate,
-    aggregate_params,
-    make_rule,
-    predictive_log_probs,
-    predictive_metrics,
-    variational_objective,
-    vbnn,
-)
+from fedbayes.algorithms.vbnn import variational_objective, vbnn
+from fedbayes.evaluation.variational import predictive_log_probs, predictive_metrics
 from fedbayes.inference import LocalTrainer
 from fedbayes.models import init_params, make_model
 from fedbayes.models.variational import (
@@ -197,7 +190,7 @@ def test_deterministic_leaves_aggregate_as_fedavg(rule):
     fed = fedavg(LocalTrainer(None, optax.sgd(0.1), 1, 1), make_server_optimizer("sgd", 1.0))
     state = fed.server_init(None, params)
     deltas = jax.tree.map(lambda c, p: p[None] - c, stacked, params)
-    fed_params = fed.server_update(state, fed.aggregator(deltas, w, None), None)[0].params
+    fed_params = fed.server_update(None, state, fed.aggregator(None, deltas, w))[0].params
     for name in ("conv_0", "conv_1"):
         np.testing.assert_allclose(out[name]["kernel"], fed_params[name]["kernel"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out["dense_0"]["bias"], fed_params["dense_0"]["bias"], rtol=1e-6, atol=1e-6)
@@ -237,7 +230,7 @@ def test_aggregate_accepts_pytrees_and_rejects_bad_input():
     with pytest.raises(ValueError, match="same structure"):
         aggregate("eaa", tm, {"a": log_var}, jnp.ones(3))
     with pytest.raises(ValueError, match="aggregation must be one of"):
-        make_rule("mean")
+        variational_rule("mean")
 
 
 # ----- the naming convention -------------------------------------------------------------------

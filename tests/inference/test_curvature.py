@@ -265,10 +265,10 @@ def test_model_outputs_unchanged_by_the_intercepted_pass():
     x = jax.random.normal(jax.random.key(1), (6, 28, 28, 1))
     layers, _ = find_layers(apply, params, x)
     pert = {path: jnp.zeros(s.shape, s.dtype) for path, (_, s) in layers.items()}
-    out, inputs = jax.jit(cv._forward(apply, params, x, layers))(pert)
+    out, inputs = jax.jit(cv.instrumented_forward(apply, params, x, layers))(pert)
     # exact zeros are added; compiled, XLA may fuse the two programs differently (float32 rounding)
     np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(apply)(params, x)), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(cv._forward(apply, params, x, layers)(pert)[0]), np.asarray(apply(params, x)))
+    np.testing.assert_array_equal(np.asarray(cv.instrumented_forward(apply, params, x, layers)(pert)[0]), np.asarray(apply(params, x)))
     assert set(inputs) == set(layers) and len(layers) == 5
 
 

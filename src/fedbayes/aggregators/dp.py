@@ -15,7 +15,7 @@ before sending and secure aggregation or a trusted server adds the noise. The cl
 (an EP site) follows its unclipped update, as the client computes it before clipping.
 
 **Gaussian messages, two coordinate systems** (``coordinates``). A Gaussian method's message is a
-natural-parameter delta ``Delta = (Delta eta, Delta Lambda)`` against the broadcast ``q_g``; the
+natural-parameter difference ``Delta = (Delta eta, Delta Lambda)`` against the broadcast ``q_g``; the
 client's new belief is ``q' = q_g + Delta`` with mean ``m'`` and precision ``Lambda'``.
 
 * ``"natural"`` (default): clip ``(Delta eta, Delta Lambda)`` jointly and add the noise to both.
@@ -24,7 +24,7 @@ client's new belief is ``q' = q_g + Delta`` with mean ``m'`` and precision ``Lam
   Lambda_g)`` with ``rho = precision_floor`` (default 0.5), i.e. one round can at most halve a
   precision. It reads only the noisy output and the public ``q_g``, so it costs no privacy (the
   post-processing property of DP); should a server optimizer with momentum still overshoot,
-  the method's own guard (``fedbayes.algorithms._sites.guard_positive``) keeps the old value.
+  the method's own guard (``fedbayes.algorithms.sites.guard_positive``) keeps the old value.
 * ``"moments"``: clip ``u = (m' - m_g, log Lambda' - log Lambda_g)`` instead, add the noise to
   the sum of the ``u``, and map the noisy mean ``u_bar`` back: ``q_new = (m_g + u_bar_m,
   Lambda_g exp(u_bar_l))``, ``mean = q_new - q_g`` in natural parameters, ``total = count *
@@ -35,7 +35,7 @@ client's new belief is ``q' = q_g + Delta`` with mean ``m'`` and precision ``Lam
   order of ``Lambda_g ~ alpha N``, thousands) dwarfs ``|Delta eta|``, so a joint clip spends the
   budget on precisions and shrinks the mean's move by the same factor. The price: the aggregate
   is the client's average in moment coordinates (a geometric mean of precisions), not the sum of
-  natural-parameter deltas, so it is not bit for bit the method without DP even without noise.
+  natural-parameter differences, so it is not bit for bit the method without DP even without noise.
 
 **Measured** (docs/results/privacy_robust.md, "Gaussian clipping coordinates"; FedEP (I),
 Fashion-MNIST subset, 100 clients, 10 a round, 15 rounds): with the clip alone both keep the
@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from fedbayes import aggregators
-from fedbayes.aggregators import Aggregate
+from fedbayes.aggregators import Aggregate, is_floating
 from fedbayes.aggregators.robust import clip_rows, gaussian_nodes, map_gaussians
 from fedbayes.gaussian import DiagGaussian
 
@@ -80,10 +80,6 @@ PyTree = Any
 COORDINATES = ("natural", "moments")
 
 __all__ = ["COORDINATES", "DPAggregator", "epsilon", "from_moments", "to_moments"]
-
-
-def _floating(leaf) -> bool:
-    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 
 def _ref_moments(q: DiagGaussian):
@@ -99,11 +95,11 @@ def _lead(ref: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.reshape(ref, (1,) * (jnp.ndim(x) - jnp.ndim(ref)) + jnp.shape(ref))
 
 
-def to_moments(delta: DiagGaussian, q: DiagGaussian) -> DiagGaussian:
-    """Stacked natural deltas as ``(m' - m_g, log Lambda' - log Lambda_g)`` (stored in a
+def to_moments(difference: DiagGaussian, q: DiagGaussian) -> DiagGaussian:
+    """Stacked natural-parameter differences as ``(m' - m_g, log Lambda' - log Lambda_g)`` (stored in a
     :class:`DiagGaussian` for its structure: ``precision_mean`` holds the mean part, ``precision``
     the log-precision part). Coordinates where ``Lambda_g <= 0`` (no information yet) keep the
-    natural delta; a ``Lambda'`` below ``1e-6 Lambda_g`` is raised to it (a message the method
+    natural-parameter difference; a ``Lambda'`` below ``1e-6 Lambda_g`` is raised to it (a message the method
     rejects, weight zero, must not make NaN)."""
     m_g, log_g, pos = _ref_moments(q)
 
@@ -118,13 +114,13 @@ def to_moments(delta: DiagGaussian, q: DiagGaussian) -> DiagGaussian:
         return jnp.where(p, jnp.log(lam_new) - lg, d_lam)
 
     return DiagGaussian(
-        precision_mean=jax.tree.map(mean_part, delta.precision_mean, delta.precision, q.precision_mean, q.precision, m_g, pos),
-        precision=jax.tree.map(log_part, delta.precision, q.precision, log_g, pos),
+        precision_mean=jax.tree.map(mean_part, difference.precision_mean, difference.precision, q.precision_mean, q.precision, m_g, pos),
+        precision=jax.tree.map(log_part, difference.precision, q.precision, log_g, pos),
     )
 
 
 def from_moments(u: DiagGaussian, q: DiagGaussian) -> DiagGaussian:
-    """The natural delta of the belief ``(m_g + u_m, Lambda_g exp(u_l))`` against ``q_g`` (the
+    """The natural-parameter difference of the belief ``(m_g + u_m, Lambda_g exp(u_l))`` against ``q_g`` (the
     inverse of :func:`to_moments` on one, unstacked, ``u``)."""
     m_g, _, pos = _ref_moments(q)
     lam_new = jax.tree.map(lambda ul, lam_g, p: jnp.where(p, lam_g * jnp.exp(ul), lam_g + ul), u.precision, q.precision, pos)
@@ -169,20 +165,20 @@ class DPAggregator:
         """The per-coordinate standard deviation of the noise on the sum, ``sigma * C``."""
         return self.noise_multiplier * self.clip
 
-    def __call__(self, messages: PyTree, weights: jax.Array, key: jax.Array | None, reference: PyTree = None) -> Aggregate:
+    def __call__(self, key: jax.Array | None, messages: PyTree, weights: jax.Array, reference: PyTree = None) -> Aggregate:
         moments = False
         if self.coordinates == "moments":
             u = map_gaussians(to_moments, messages, reference)
             if u is not None:
                 messages, moments = u, True
-        agg = self.base(clip_rows(messages, self.clip), weights, key)
+        agg = self.base(key, clip_rows(messages, self.clip), weights)
         count = agg.count
         if self.noise_multiplier > 0:
             std = self.noise_std()
             leaves, treedef = jax.tree.flatten(agg.total)
             noise_key = jax.random.fold_in(key, 1)
             noise = treedef.unflatten([
-                std * jax.random.normal(jax.random.fold_in(noise_key, i), jnp.shape(x), jnp.result_type(x)) if _floating(x) else None
+                std * jax.random.normal(jax.random.fold_in(noise_key, i), jnp.shape(x), jnp.result_type(x)) if is_floating(x) else None
                 for i, x in enumerate(leaves)
             ])  # fmt: skip
             safe = jnp.where(count > 0, count, 1.0)
@@ -192,9 +188,9 @@ class DPAggregator:
         if moments:
             clip = self.clip
             if self.noise_multiplier > 0:  # every client's u lies in the C-ball, so their mean does: clamp the noisy one to [-C, C]
-                agg = agg._replace(mean=jax.tree.map(lambda m: jnp.clip(m, -clip, clip) if _floating(m) else m, agg.mean))
+                agg = agg._replace(mean=jax.tree.map(lambda m: jnp.clip(m, -clip, clip) if is_floating(m) else m, agg.mean))
             mean = map_gaussians(from_moments, agg.mean, reference)
-            total = jax.tree.map(lambda m: m * count.astype(m.dtype) if _floating(m) else m, mean)
+            total = jax.tree.map(lambda m: m * count.astype(m.dtype) if is_floating(m) else m, mean)
             return Aggregate(mean=mean, total=total, count=count)
         if self.noise_multiplier > 0 and gaussian_nodes(agg.total):
             floor = functools.partial(_floor_precision, rho=self.precision_floor)

@@ -6,7 +6,7 @@ the same code through :func:`fedbayes.protocol.server_step`:
 * ``"mean"``: the method's own rule (the weighted mean, the masked sum and the count).
 * ``"median"``: the coordinate-wise median of the accepted messages, unweighted (a client's
   weight ``n_k`` is its own claim, so a robust rule cannot trust it). Messages are deltas (point
-  deltas ``theta - theta_k``, FedPA's deltas, natural-parameter deltas ``(Delta eta,
+  deltas ``theta - theta_k``, FedPA's deltas, natural-parameter differences ``(Delta eta,
   Delta Lambda)`` of the Gaussian methods), each coordinate taken on its own. ``mean`` is the
   median and ``total`` is ``count * median``: a method that sums (EP's sites) gets ``count``
   copies of the typical client, a method that averages gets the typical client. With ``f < M/2``
@@ -19,7 +19,7 @@ the same code through :func:`fedbayes.protocol.server_step`:
   at most ``B``, then the method's own rule (Sun et al., "Can you really backdoor federated
   learning?", 2019): an attacker's pull on the mean is at most ``B * w_k / sum w``.
 
-And for Gaussian messages (natural-parameter deltas ``Delta`` against the broadcast ``q_g``),
+And for Gaussian messages (natural-parameter differences ``Delta`` against the broadcast ``q_g``),
 with any of the rules: **a bound on one client's share of the global precision**
 (``max_precision_share = s``). Per coordinate, a client's ``(Delta eta, Delta Lambda)`` is
 scaled by ``min(1, s Lambda_g / Delta Lambda)``: its precision adds at most ``s Lambda_g`` and,
@@ -28,7 +28,7 @@ posterior mean at most ``s / (1 + s)`` of the way to its own. A confident outlie
 precision) then weighs as much as a client with ``s`` times the global's information, not
 everything. Needs the broadcast's Gaussian, so the rule is called with ``reference=``
 (:func:`fedbayes.protocol.server_step` passes ``algorithm.broadcast(server_state)`` to an aggregator
-whose ``needs_reference`` is true). Messages and broadcast are paired by their
+whose ``needs_reference`` is true, :class:`fedbayes.aggregators.Aggregator`). Messages and broadcast are paired by their
 :class:`~fedbayes.gaussian.DiagGaussian` nodes, in order.
 
 A method with its own rule (VBNN's ``algorithm.aggregation``) is not wrapped: the config refuses
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from fedbayes import aggregators
-from fedbayes.aggregators import Aggregate
+from fedbayes.aggregators import Aggregate, is_floating
 from fedbayes.gaussian import DiagGaussian
 
 PyTree = Any
@@ -62,10 +62,6 @@ __all__ = [
     "map_gaussians",
     "row_norms",
 ]
-
-
-def _floating(leaf) -> bool:
-    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 
 def _is_gaussian(x) -> bool:
@@ -92,7 +88,7 @@ def map_gaussians(fn, messages: PyTree, reference: PyTree) -> PyTree | None:
 
 def row_norms(messages: PyTree) -> jax.Array:
     """``[M]`` joint L2 norms of the stacked messages' rows over all floating leaves."""
-    sq = [jnp.sum(jnp.square(x).reshape(x.shape[0], -1), axis=1) for x in jax.tree.leaves(messages) if _floating(x)]
+    sq = [jnp.sum(jnp.square(x).reshape(x.shape[0], -1), axis=1) for x in jax.tree.leaves(messages) if is_floating(x)]
     return jnp.sqrt(sum(sq))
 
 
@@ -103,15 +99,15 @@ def clip_rows(messages: PyTree, max_norm: float) -> PyTree:
     factor = jnp.minimum(1.0, max_norm / jnp.maximum(norms, 1e-30))
 
     def leaf(x):
-        if not _floating(x):
+        if not is_floating(x):
             return x
         return x * factor.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
 
     return jax.tree.map(leaf, messages)
 
 
-def bound_precision_share(delta: DiagGaussian, q: DiagGaussian, share: float) -> DiagGaussian:
-    """Per coordinate, scales stacked deltas ``(Delta eta, Delta Lambda)`` by
+def bound_precision_share(difference: DiagGaussian, q: DiagGaussian, share: float) -> DiagGaussian:
+    """Per coordinate, scales stacked natural-parameter differences ``(Delta eta, Delta Lambda)`` by
     ``min(1, share * Lambda_g / Delta Lambda)`` (module docstring); rows within the bound are
     unchanged bit for bit."""
 
@@ -120,10 +116,10 @@ def bound_precision_share(delta: DiagGaussian, q: DiagGaussian, share: float) ->
         over = d_lam > cap
         return jnp.where(over, cap / jnp.where(over, d_lam, 1.0), 1.0).astype(d_lam.dtype)
 
-    factors = jax.tree.map(scale, delta.precision, q.precision)
+    factors = jax.tree.map(scale, difference.precision, q.precision)
     return DiagGaussian(
-        precision_mean=jax.tree.map(lambda e, f: jnp.where(f < 1, e * f, e), delta.precision_mean, factors),
-        precision=jax.tree.map(lambda lam, f: jnp.where(f < 1, lam * f, lam), delta.precision, factors),
+        precision_mean=jax.tree.map(lambda e, f: jnp.where(f < 1, e * f, e), difference.precision_mean, factors),
+        precision=jax.tree.map(lambda lam, f: jnp.where(f < 1, lam * f, lam), difference.precision, factors),
     )
 
 
@@ -159,19 +155,19 @@ def _coordinatewise(rule, messages: PyTree, weights: jax.Array) -> Aggregate:
     count = jnp.sum(valid.astype(jnp.int32))
 
     def leaf(x):
-        if not _floating(x):
+        if not is_floating(x):
             return jnp.zeros(jnp.shape(x)[1:], jnp.result_type(x))
         return rule(x, valid, count)
 
     mean = jax.tree.map(leaf, messages)
     countf = count.astype(jnp.float32)
-    total = jax.tree.map(lambda m: m * countf.astype(m.dtype) if _floating(m) else m, mean)
+    total = jax.tree.map(lambda m: m * countf.astype(m.dtype) if is_floating(m) else m, mean)
     return Aggregate(mean=mean, total=total, count=countf)
 
 
 class RobustAggregator:
-    """An aggregator (``(messages, weights, key, reference=None) -> Aggregate``) made by
-    :func:`make_aggregator`; ``needs_reference`` tells :func:`fedbayes.protocol.server_step` to pass
+    """An :class:`~fedbayes.aggregators.Aggregator` (``(key, messages, weights, reference=None) -> Aggregate``)
+    made by :func:`make_aggregator`; ``needs_reference`` tells :func:`fedbayes.protocol.server_step` to pass
     the broadcast (only when a precision share bound is set)."""
 
     def __init__(self, rule: str, *, trim_fraction: float = 0.1, norm_bound: float | None = None, max_precision_share: float | None = None, base=None):
@@ -190,14 +186,16 @@ class RobustAggregator:
         self.base = base or aggregators.weighted
         self.needs_reference = max_precision_share is not None
 
-    def __call__(self, messages: PyTree, weights: jax.Array, key: jax.Array | None, reference: PyTree = None) -> Aggregate:
+    def __call__(self, key: jax.Array | None, messages: PyTree, weights: jax.Array, reference: PyTree = None) -> Aggregate:
         if self.max_precision_share is not None:
             share = self.max_precision_share
             bounded = map_gaussians(lambda d, q: bound_precision_share(d, q, share), messages, reference)
             if bounded is None:
                 from fedbayes.errors import BadInputError
 
-                raise BadInputError("config error: server.max_precision_share: this method's messages are not Gaussian (no natural-parameter deltas); unset it")
+                raise BadInputError(
+                    "config error: server.max_precision_share: this method's messages are not Gaussian (no natural-parameter differences); unset it"
+                )
             messages = bounded
         if self.rule == "median":
             return _coordinatewise(_median_leaf, messages, weights)
@@ -205,7 +203,7 @@ class RobustAggregator:
             return _coordinatewise(_trimmed_leaf(self.trim_fraction), messages, weights)
         if self.rule == "norm_bound":
             messages = clip_rows(messages, self.norm_bound)
-        return self.base(messages, weights, key)
+        return self.base(key, messages, weights)
 
 
 def make_aggregator(rule: str = "mean", *, trim_fraction: float = 0.1, norm_bound: float | None = None, max_precision_share: float | None = None, base=None):

@@ -76,7 +76,7 @@ def admm(
         message = optax.tree.sub(contribution, state.contribution)
         return message, ClientState(dual=dual, contribution=contribution), info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         consensus_sum = optax.tree.add(state.consensus_sum, aggregate.total)
         target = optax.tree.scale(rho / (num_clients * rho + delta), consensus_sum)

@@ -72,7 +72,7 @@ class ClientUpdateFn(Protocol):
 
 
 class ServerUpdateFn(Protocol):
-    def __call__(self, server_state: PyTree, aggregate: Aggregate, key: jax.Array) -> tuple[PyTree, Info]: ...
+    def __call__(self, key: jax.Array, server_state: PyTree, aggregate: Aggregate) -> tuple[PyTree, Info]: ...
 
 
 class MessageOkFn(Protocol):

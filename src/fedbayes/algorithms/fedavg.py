@@ -50,7 +50,7 @@ def local_delta_algorithm(
         local, info = run_sgd(key, server_params, data, trainer, pen)
         return optax.tree.sub(server_params, local), client_state, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, aggregate.mean)
         return ServerState(params=params, opt_state=opt_state), {}

@@ -70,7 +70,7 @@ def feddyn(
         new_grad = optax.tree.add_scale(grad_k, alpha, message)  # grad_k - alpha (theta_k - theta)
         return message, new_grad, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         h = optax.tree.add_scale(state.h, alpha / num_clients, aggregate.total)
         # theta^{t-1} - theta^t = mean g_k + h / alpha (uniform mean over the cohort)

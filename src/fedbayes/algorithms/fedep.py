@@ -7,16 +7,18 @@ docs/algorithms.md §7. The global approximation is ``q_g ∝ p_0 prod_k q_k`` w
 2. approximates its tilted distribution ``p(D_k | theta) q_{-k}`` by ``q^_{\\k}``
    (:mod:`fedbayes.inference.tilted`: identity / mcmc / laplace / ngvi),
 3. sends the damped update ``delta * Delta_k`` with ``Delta_k = q^_{\\k} / q_g`` (natural-parameter
-   difference; optionally clipped to a joint global norm ``G`` first),
+   difference; optionally clipped to a joint global norm ``G`` first; ``delta`` is the damping,
+   :func:`~fedbayes.algorithms.sites.damped_difference`),
 4. FedEP only: updates its site, ``(eta_k, Lambda_k) <- (eta_k, Lambda_k) + ClientOpt(delta Delta_k)``.
 
 The server sets ``(eta_g, Lambda_g) <- (eta_g, Lambda_g) + ServerOpt(sum_k delta Delta_k)``: damping
 as adaptive optimisation on natural parameters (Guo et al. 2023 (FedEP) Sec. 2.2.3, App. A.1; docs/algorithms.md §1.3, 7.7). With
 ``delta = 1`` and plain SGD at lr 1 this is undamped EP: ``q_k <- q^_{\\k} / q_{-k}``,
-``q_g <- q_g prod_k (q^_{\\k} / q_g)``. Optax transformations descend, so they receive ``-sum``.
+``q_g <- q_g prod_k (q^_{\\k} / q_g)``. Optax transformations descend, so they receive ``-sum``
+(:func:`~fedbayes.algorithms.sites.site_server_step`).
 
 **Burn-in** (docs/algorithms.md §7.3, benchmark semantics): the first ``burn_in_rounds`` rounds are FedAvg with
-the server optimizer; the model is kept as ``q_g = (theta, 1)`` so that ``mean(q_g) = theta``.
+the server optimizer (:func:`~fedbayes.algorithms.sites.burn_in_switch`, shared with FedPA); the model is kept as ``q_g = (theta, 1)`` so that ``mean(q_g) = theta``.
 Then ``q_g`` becomes ``N(theta_burn, 1 / (alpha_cov N))`` (times the prior) and the
 natural-parameter optimizer starts fresh. A client's site starts as ``q_g^{n_k / N}`` when the client
 is first sampled after burn-in (``Lambda_k = alpha_cov n_k``, ``mu_k = mu_g``): for every client
@@ -26,7 +28,8 @@ sampled later it is FedSEP's estimate of its share of that round's ``q_g``, whic
 and sites (times the prior), with the sampler starting from the burn-in model where ``Lambda_g = 0``.
 
 **Robustness** (docs/algorithms.md §7.10): a client whose cavity is improper (a negative precision) or whose new
-site precision would be non-positive (unless ``allow_improper_sites``) flags its message; :func:`message_ok` also rejects a message
+site precision would be non-positive (unless ``allow_improper_sites``) flags its message;
+:func:`~fedbayes.algorithms.sites.gaussian_message_ok` also rejects a message
 with non-finite values or one that would make ``Lambda_g + delta Delta Lambda_k`` non-positive. The
 simulator gives a rejected client weight zero and keeps its old site; ``fail_fast`` raises. Should
 the aggregated optimizer step still leave a coordinate of ``Lambda_g`` non-positive (momentum
@@ -44,19 +47,30 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field, model_validator
 
-from fedbayes import gaussian, tree
-from fedbayes.algorithms._sites import all_positive, checked_cavity, clip_joint_norm, guard_positive, optimizer_step, safe_mean
+from fedbayes import gaussian
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.algorithms.sites import (
+    GaussianMessage,
+    all_positive,
+    burn_in_switch,
+    checked_cavity,
+    damped_difference,
+    gaussian_message_ok,
+    optimizer_step,
+    safe_mean,
+    site_server_step,
+)
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.inference.base import CavityInference
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
-from fedbayes.inference.tilted import METHODS, TiltedInference, TiltedSettings, make_tilted_inference
+from fedbayes.inference.tilted import METHODS, TiltedSettings, make_tilted_inference
 
 PyTree = Any
 INITS = ("benchmark", "uniform")
 SEP_POWERS = ("data_fraction", "one_over_k")
 
-__all__ = ["ClientState", "EPConfig", "FedEPConfig", "FedSEPConfig", "INITS", "Message", "SEP_POWERS", "ServerState", "fedep", "fedsep", "posterior_moments"]
+__all__ = ["ClientState", "EPConfig", "FedEPConfig", "FedSEPConfig", "INITS", "SEP_POWERS", "ServerState", "fedep", "fedsep", "posterior_moments"]
 
 
 class ServerState(NamedTuple):
@@ -85,14 +99,6 @@ class Broadcast(NamedTuple):
     anchor: PyTree = None
 
 
-class Message(NamedTuple):
-    """A client's message: the damped natural-parameter update (burn-in: ``(theta - theta_k, 0)``)
-    and the client's own validity flag."""
-
-    delta: DiagGaussian
-    ok: jax.Array
-
-
 class ClientState(NamedTuple):
     """A FedEP site, its optimizer state, and whether it has been initialised."""
 
@@ -105,7 +111,7 @@ def _ep_algorithm(
     name: str,
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
-    inference: TiltedInference,
+    inference: CavityInference,
     *,
     stateful: bool,
     total_examples: int,
@@ -173,8 +179,8 @@ def _ep_algorithm(
         def burn_in():
             theta = q.precision_mean  # Lambda = 1 during burn-in
             last, info = run_sgd(key, theta, data, trainer)
-            delta = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
-            return Message(delta, jnp.ones((), jnp.bool_)), cstate, info
+            step = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
+            return GaussianMessage(step, jnp.ones((), jnp.bool_)), cstate, info
 
         def ep_round():
             share = n / total
@@ -195,19 +201,17 @@ def _ep_algorithm(
             cavity, cavity_ok = checked_cavity(cavity, q)
             start = safe_mean(q, message.anchor if uniform else q.precision_mean)
             tilted, info = inference(key, start, cavity, data)
-            delta = optax.tree.scale(damping, clip_joint_norm(gaussian.delta(tilted, q), delta_clip))
+            step = damped_difference(tilted, q, damping, delta_clip)
             if not stateful:
-                return Message(delta, cavity_ok), cstate, info
-            new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, delta)
+                return GaussianMessage(step, cavity_ok), cstate, info
+            new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
             ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, all_positive(new_site.precision))
-            return Message(delta, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
+            return GaussianMessage(step, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
 
-        if burn_in_rounds == 0:
-            return ep_round()
-        return jax.lax.cond(message.ep, ep_round, burn_in)
+        return burn_in_switch(burn_in_rounds, message.ep, ep_round, burn_in)
 
     def fedavg_server(state, aggregate):
-        g = aggregate.mean.delta.precision_mean
+        g = aggregate.mean.difference.precision_mean
         theta, fopt = apply_server_optimizer(server_optimizer, state.q.precision_mean, state.fedavg_opt_state, g)
         done = state.round + 1 >= burn_in_rounds
         q_ep, _ = ep_start(theta)
@@ -216,19 +220,15 @@ def _ep_algorithm(
         return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor), {"precision_guarded": jnp.zeros((), jnp.int32)}
 
     def ep_server(state, aggregate):
-        q, opt_state = optimizer_step(server_optimizer, state.q, state.opt_state, aggregate.total.delta)
-        q, guarded = guard_positive(q, state.q)
+        q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
         return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor), {"precision_guarded": guarded}
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
-        if burn_in_rounds == 0:
-            return ep_server(state, aggregate)
-        return jax.lax.cond(state.round >= burn_in_rounds, ep_server, fedavg_server, state, aggregate)
+        return burn_in_switch(burn_in_rounds, state.round >= burn_in_rounds, ep_server, fedavg_server, state, aggregate)
 
     def message_ok(state, message):
-        lam_after = jax.tree.map(jnp.add, state.q.precision, message.delta.precision)
-        return jnp.logical_and(jnp.logical_and(tree.all_finite(message.delta), message.ok), all_positive(lam_after))
+        return gaussian_message_ok(message, state.q)
 
     def server_params(state):
         return safe_mean(state.q, state.q.precision_mean)
@@ -264,7 +264,7 @@ def posterior_moments(state: ServerState, burn_in_rounds: int) -> tuple[PyTree, 
 def fedep(
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
-    inference: TiltedInference,
+    inference: CavityInference,
     *,
     total_examples: int,
     num_clients: int,
@@ -283,7 +283,8 @@ def fedep(
       trainer: local training of the burn-in rounds and of the SG-MCMC step.
       server_optimizer: optax transformation for the burn-in model and for ``(eta_g, Lambda_g)``
         (separate states; the latter starts fresh after burn-in).
-      inference: a :data:`fedbayes.inference.tilted.TiltedInference` (one of the four methods).
+      inference: a :class:`~fedbayes.inference.base.CavityInference` whose ``start`` is the sampler's
+        first iterate (one of the four methods of :func:`fedbayes.inference.tilted.make_tilted_inference`).
       total_examples: ``N``, all clients' examples (site init ``q_g^{n_k/N}``).
       num_clients: ``K``.
       damping: ``delta`` (Guo et al. 2023 (FedEP)'s default ``1 / M``).
@@ -310,7 +311,7 @@ def fedep(
 def fedsep(
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
-    inference: TiltedInference,
+    inference: CavityInference,
     *,
     total_examples: int,
     num_clients: int,

@@ -100,12 +100,13 @@ class Broadcast(NamedTuple):
     start: optax.Params
 
 
-def check_settings(name: str, delta: float, rho: float) -> None:
-    """Raises ``ValueError`` naming the field unless ``delta > 0`` and ``0 < rho <= 1``."""
+def check_settings(name: str, delta: float, damping: float) -> None:
+    """Raises ``ValueError`` naming the field (the config's ``delta``, ``rho``) unless ``delta > 0``
+    and ``0 < damping <= 1``."""
     if not delta > 0:
         raise ValueError(f"{name}: delta must be > 0; got {delta}")
-    if not 0 < rho <= 1:
-        raise ValueError(f"{name}: rho must be in (0, 1]; got {rho}")
+    if not 0 < damping <= 1:
+        raise ValueError(f"{name}: rho must be in (0, 1]; got {damping}")
 
 
 def server_init(params) -> ServerState:
@@ -153,9 +154,9 @@ def client_penalty(anchor, site, *, delta: float, num_examples, extra: Callable 
     return penalty
 
 
-def dual_update(site, w_k, anchor, rho: float):
-    """``v_k + rho (w_k - w_g)``."""
-    return optax.tree.add_scale(site, rho, optax.tree.sub(w_k, anchor))
+def dual_update(site, w_k, anchor, damping: float):
+    """``v_k + rho (w_k - w_g)``, ``rho`` the damping (Eq. 9's dual step on a point site)."""
+    return optax.tree.add_scale(site, damping, optax.tree.sub(w_k, anchor))
 
 
 def client_step(
@@ -166,7 +167,7 @@ def client_step(
     trainer: LocalTrainer,
     *,
     delta: float,
-    rho: float,
+    damping: float,
     extra: Callable | None = None,
     solver: LocalSolver = run_sgd,
 ):
@@ -177,7 +178,7 @@ def client_step(
     """
     penalty = client_penalty(message.anchor, site, delta=delta, num_examples=data.num_examples, extra=extra)
     w_k, info = solver(key, message.start, data, trainer, penalty)
-    new_site = dual_update(site, w_k, message.anchor, rho)
+    new_site = dual_update(site, w_k, message.anchor, damping)
     return w_k, new_site, optax.tree.sub(new_site, site), info
 
 
@@ -190,7 +191,7 @@ def fedlap(
     trainer: LocalTrainer,
     *,
     delta: float,
-    rho: float,
+    damping: float,
     solver: LocalSolver = run_sgd,
 ) -> Algorithm:
     """FedLap (docs/algorithms.md §9) with prior precision ``delta > 0`` (sum-loss scale) and
@@ -199,16 +200,16 @@ def fedlap(
     Args:
       trainer: local training (mean loss, optimizer, epochs, batch size).
       delta: precision of the prior and of ``q_g``.
-      rho: site damping (the paper's choice is ``1 / K``).
+      damping: site damping ``rho`` (the paper's choice is ``1 / K``).
       solver: the local solver, ``run_sgd`` by default (tests pass an exact one).
     """
-    check_settings("fedlap", delta, rho)
+    check_settings("fedlap", delta, damping)
 
     def client_update(key, message: Broadcast, site, data):
-        _, new_site, change, info = client_step(key, message, site, data, trainer, delta=delta, rho=rho, solver=solver)
+        _, new_site, change, info = client_step(key, message, site, data, trainer, delta=delta, damping=damping, solver=solver)
         return change, new_site, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         return server_step(state, aggregate.total), {}
 
@@ -235,7 +236,7 @@ class FedLapConfig(HParams):
 
 
 def build(hp: FedLapConfig, ctx: BuildContext) -> Algorithm:
-    return fedlap(ctx.trainer, delta=hp.delta, rho=hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients)
+    return fedlap(ctx.trainer, delta=hp.delta, damping=hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients)
 
 
 SPEC = AlgorithmSpec(

@@ -52,10 +52,11 @@ from pydantic import Field
 from fedbayes import gaussian, tree
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
-from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
+from fedbayes.algorithms.sites import GaussianMessage, gaussian_message_ok
+from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
-from fedbayes.inference.curvature import batch_diag_ggn
+from fedbayes.inference.curvature import data_curvature
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 PyTree = Any
@@ -68,11 +69,9 @@ __all__ = [
     "Broadcast",
     "Curvature",
     "FedLapCovConfig",
-    "Message",
     "PrecisionOps",
     "ServerState",
     "client_step",
-    "data_curvature",
     "fedlap_cov",
     "server_step",
     "site_terms",
@@ -129,13 +128,6 @@ class Broadcast(NamedTuple):
     start: optax.Params
 
 
-class Message(NamedTuple):
-    """A client's site change ``(Delta v_k, Delta V_k)`` and whether its curvature was valid."""
-
-    delta: DiagGaussian
-    ok: jax.Array
-
-
 def site_terms(w, message: Broadcast, site: DiagGaussian, ops: PrecisionOps = DIAGONAL) -> jax.Array:
     """``v_k^T w - 1/2 w^T V_k w + 1/2 (w - w_g)^T S_g (w - w_g)``: the site and cavity terms of the
     client objective on the sum-loss scale."""
@@ -147,14 +139,15 @@ def site_terms(w, message: Broadcast, site: DiagGaussian, ops: PrecisionOps = DI
     )
 
 
-def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, rho: float, ops: PrecisionOps = DIAGONAL) -> DiagGaussian:
-    """The damped site update: ``t_k <- t_k^(1 - rho) (t_k q_k / q_g)^rho`` with the local Laplace
-    ``q_k = (S_k w_k, S_k)``, ``S_k = H_k + S_g - V_k``; the target's precision is ``H_k``."""
+def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, damping: float, ops: PrecisionOps = DIAGONAL) -> DiagGaussian:
+    """The damped site update: ``t_k <- t_k^(1 - rho) (t_k q_k / q_g)^rho`` (``rho`` the damping) with
+    the local Laplace ``q_k = (S_k w_k, S_k)``, ``S_k = H_k + S_g - V_k``; the target's precision is
+    ``H_k``. A convex combination (:func:`fedbayes.gaussian.damp`), as the paper writes it."""
     s_g = message.precision
     s_k = optax.tree.sub(optax.tree.add(curvature, s_g), site.precision)
     change = optax.tree.sub(ops.matvec(s_k, w_k), ops.matvec(s_g, message.anchor))
     target = DiagGaussian(precision_mean=optax.tree.add(site.precision_mean, change), precision=curvature)
-    return gaussian.damp(site, target, rho)
+    return gaussian.damp(site, target, damping)
 
 
 def client_step(
@@ -164,7 +157,7 @@ def client_step(
     data: ClientData,
     trainer: LocalTrainer,
     *,
-    rho: float,
+    damping: float,
     curvature: Curvature,
     ops: PrecisionOps = DIAGONAL,
     solver: LocalSolver = run_sgd,
@@ -176,7 +169,7 @@ def client_step(
 
     w_k, info = solver(key, message.start, data, trainer, penalty)
     h_k = curvature(w_k, data)
-    return w_k, h_k, site_update(site, w_k, message, h_k, rho, ops), info
+    return w_k, h_k, site_update(site, w_k, message, h_k, damping, ops), info
 
 
 def server_init(params, delta: float, ops: PrecisionOps = DIAGONAL) -> ServerState:
@@ -200,21 +193,6 @@ def server_step(state: ServerState, site_change_total: DiagGaussian, delta: floa
     return ServerState(ops.solve(q.precision, q.precision_mean), q, state.init, state.round + 1)
 
 
-def data_curvature(apply_fn, *, task: str = "classification", batch_size: int) -> Curvature:
-    """``(params, data) -> diag GGN`` of the client's sum loss: one pass over the client's
-    examples (the first laid-out epoch) in minibatches of ``batch_size``
-    (:func:`fedbayes.inference.curvature.batch_diag_ggn`)."""
-
-    def curvature(params, data: ClientData):
-        def body(step, total):
-            x, y, mask = get_batch(data, step, batch_size)
-            return optax.tree.add(total, batch_diag_ggn(apply_fn, params, x, y, mask, task=task))
-
-        return jax.lax.fori_loop(0, steps_per_epoch(data.num_examples, batch_size), body, optax.tree.zeros_like(params))
-
-    return curvature
-
-
 def _valid_curvature(h) -> jax.Array:
     return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.stack([jnp.all(x >= 0) for x in jax.tree.leaves(h)])))
 
@@ -224,7 +202,7 @@ def fedlap_cov(
     curvature: Curvature,
     *,
     delta: float,
-    rho: float,
+    damping: float,
     init_precision: str = "delta",
     solver: LocalSolver = run_sgd,
 ) -> Algorithm:
@@ -233,27 +211,27 @@ def fedlap_cov(
     Args:
       trainer: local training (mean loss, optimizer, epochs, batch size).
       curvature: ``(params, data) -> diagonal curvature of the client's sum loss`` (PSD), e.g.
-        :func:`data_curvature`.
+        :func:`fedbayes.inference.curvature.data_curvature`.
       delta: prior precision (sum-loss scale), > 0.
-      rho: site damping in (0, 1].
+      damping: site damping ``rho`` in (0, 1].
       init_precision: ``"delta"`` or ``"zero"``, the ``S_g`` clients use in round 1.
       solver: the local solver, ``run_sgd`` by default (tests pass an exact one).
     """
-    check_settings("fedlap_cov", delta, rho)
+    check_settings("fedlap_cov", delta, damping)
     if init_precision not in INIT_PRECISIONS:
         raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
 
     def client_update(key, message: Broadcast, site, data):
-        _, h_k, new_site, info = client_step(key, message, site, data, trainer, rho=rho, curvature=curvature, solver=solver)
-        return Message(gaussian.delta(new_site, site), _valid_curvature(h_k)), new_site, info
+        _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=damping, curvature=curvature, solver=solver)
+        return GaussianMessage(gaussian.difference(new_site, site), _valid_curvature(h_k)), new_site, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
-        return server_step(state, aggregate.total.delta, delta), {}
+        return server_step(state, aggregate.total.difference, delta), {}
 
     def message_ok(state, message):
-        del state
-        return jnp.logical_and(tree.all_finite(message.delta), message.ok)
+        # No positivity check: the server floors S_g at delta (server_step), it never keeps an old value.
+        return gaussian_message_ok(message)
 
     def server_posterior(state):
         return state.params, jax.tree.map(jnp.reciprocal, state.q.precision)
@@ -289,7 +267,7 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
         raise ValueError("fedlap_cov: needs the model's apply_fn for the curvature")
     curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
     rho = hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients
-    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, rho=rho, init_precision=hp.init_precision)
+    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=rho, init_precision=hp.init_precision)
 
 
 SPEC = AlgorithmSpec(

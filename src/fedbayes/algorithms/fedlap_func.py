@@ -73,8 +73,8 @@ from pydantic import Field
 from fedbayes import aggregators
 from fedbayes.aggregators import Aggregate
 from fedbayes.algorithms import fedlap as lap
-from fedbayes.algorithms._memory import Memory, empty_memory, function_space_loss, memory_inputs, optimise_global, select_memory, soft_labels
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message
+from fedbayes.algorithms.fedlap_memory import Memory, empty_memory, function_space_loss, memory_inputs, optimise_global, select_memory, soft_labels
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
@@ -125,7 +125,7 @@ def fedlap_func(
     feature_spec: jax.ShapeDtypeStruct,
     *,
     delta: float,
-    rho: float,
+    damping: float,
     tau: float,
     memory_per_class: int = 1,
     server_steps: int = 500,
@@ -139,14 +139,14 @@ def fedlap_func(
       apply_fn: the model's forward pass, ``[B, *feature_shape] -> [B, C]`` logits.
       feature_spec: shape and dtype of one example's features (the memory points' slots).
       delta: prior precision (sum-loss scale), as FedLap's.
-      rho: site damping, as FedLap's.
+      damping: site damping ``rho``, as FedLap's.
       tau: weight of the function-space terms (``0``: FedLap).
       memory_per_class: memory points per class and client.
       server_steps: Adam steps of the server problem (``0``: FedLap's server).
       server_lr: the peak of Adam's learning rate there (it decays to 0 by a cosine).
       solver: the local solver (as :func:`fedbayes.algorithms.fedlap.fedlap`).
     """
-    lap.check_settings("fedlap_func", delta, rho)
+    lap.check_settings("fedlap_func", delta, damping)
     if not tau >= 0:
         raise ValueError(f"fedlap_func: tau must be >= 0; got {tau}")
     if memory_per_class < 1:
@@ -190,12 +190,12 @@ def fedlap_func(
         def extra(w):
             return tau * function_space_loss(apply_fn, w, inputs, weights, targets)
 
-        w_k, site, change, info = lap.client_step(key, message.lap, state.site, data, trainer, delta=delta, rho=rho, extra=extra, solver=solver)
+        w_k, site, change, info = lap.client_step(key, message.lap, state.site, data, trainer, delta=delta, damping=damping, extra=extra, solver=solver)
         memory = Memory(inputs, weights, soft_labels(apply_fn, w_k, inputs))
         return Message(change, memory), ClientState(site, memory, message.round.astype(jnp.int32)), info
 
-    def aggregate(messages: Message, weights, key) -> Aggregate:
-        sites = aggregators.weighted(messages.site_change, weights, key)  # FedLap's own reduction
+    def aggregate(key, messages: Message, weights) -> Aggregate:
+        sites = aggregators.weighted(key, messages.site_change, weights)  # FedLap's own reduction
 
         def masked(a):
             keep = (weights > 0).reshape((-1,) + (1,) * (a.ndim - 1))
@@ -204,7 +204,7 @@ def fedlap_func(
         memory = jax.tree.map(masked, messages.memory)  # the cohort's, stacked; rejected clients zero
         return Aggregate(mean=Message(sites.mean, memory), total=Message(sites.total, memory), count=sites.count)
 
-    def server_update(state: ServerState, agg: Aggregate, key):
+    def server_update(key, state: ServerState, agg: Aggregate):
         del key
         memory = agg.total.memory
         if jnp.ndim(memory.weights) != 2:
@@ -232,7 +232,7 @@ def fedlap_func(
         message_ok=finite_message,
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
-        aggregator=aggregate,
+        aggregator=aggregators.Rule(aggregate),
     )
 
 
@@ -255,7 +255,7 @@ def build(hp: FedLapFuncConfig, ctx: BuildContext) -> Algorithm:
         raise ValueError("fedlap_func: needs the model's forward pass and feature shape (BuildContext.apply_fn, BuildContext.feature_spec)")
     rho = hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients
     return fedlap_func(
-        ctx.trainer, ctx.apply_fn, ctx.feature_spec, delta=hp.delta, rho=rho, tau=hp.tau,
+        ctx.trainer, ctx.apply_fn, ctx.feature_spec, delta=hp.delta, damping=rho, tau=hp.tau,
         memory_per_class=hp.memory_per_class, server_steps=hp.server_steps, server_lr=hp.server_lr,
     )  # fmt: skip
 

@@ -32,6 +32,7 @@ from pydantic import Field, field_validator
 
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, finite_message, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.algorithms.sites import burn_in_switch
 from fedbayes.hparams import HParams
 from fedbayes.inference.iasg import epoch_samples
 from fedbayes.inference.sgd import LocalTrainer
@@ -101,7 +102,7 @@ def shrinkage_rho(samples: jax.Array, method: str = "oas") -> jax.Array:
     return (1.0 / s - 1.0) / (num - 1)
 
 
-def _dp_delta(x: jax.Array, x0: jax.Array, rho) -> jax.Array:
+def _shrinkage_solve(x: jax.Array, x0: jax.Array, rho) -> jax.Array:
     """The dynamic programme of Al-Shedivat et al. 2021 (FedPA) App. C.2 (docs/algorithms.md §6.5) on flat arrays ``x [l, d]``, ``x0 [d]``.
 
     Keeps ``Sigma~_t = I + rho (t-1) S_t`` implicitly through the rank-one updates
@@ -164,7 +165,7 @@ def shrinkage_delta(samples: PyTree, theta: PyTree, rho: float | jax.Array | str
     flat, flat_theta, unravel = _flatten_samples(samples, theta)
     if isinstance(rho, str):
         rho = shrinkage_rho(flat, rho)
-    return unravel(_dp_delta(flat, flat_theta, rho))
+    return unravel(_shrinkage_solve(flat, flat_theta, rho))
 
 
 def dense_shrinkage_delta(samples: jax.Array, theta: jax.Array, rho) -> jax.Array:
@@ -206,7 +207,7 @@ def fedpa(
     Clients are stateless. Each runs ``trainer.num_epochs`` epochs of its optimizer; epochs after
     the first ``skip_epochs`` each yield one IASG sample (the epoch's mean iterate, TFF's
     ``fed_pa_schedule``), so ``l = num_epochs - skip_epochs``. In the first ``burn_in_rounds``
-    rounds the client returns FedAvg's ``theta - theta_last``; afterwards
+    rounds the client returns FedAvg's ``theta - theta_last`` (:func:`~fedbayes.algorithms.sites.burn_in_switch`); afterwards
     :func:`shrinkage_delta` of its samples. The server takes the weighted mean of the deltas
     (``q_k`` from the simulator's weights) and applies ``server_optimizer`` (docs/algorithms.md §6.8).
 
@@ -239,14 +240,10 @@ def fedpa(
         theta = message.params
         samples, last, info = epoch_samples(key, theta, data, trainer, skip_epochs=skip_epochs)
         fedavg_delta = optax.tree.sub(theta, last)
-        delta = jax.lax.cond(
-            message.sampling,
-            lambda: shrinkage_delta(samples, theta, rho),
-            lambda: fedavg_delta,
-        )
+        delta = burn_in_switch(burn_in_rounds, message.sampling, lambda: shrinkage_delta(samples, theta, rho), lambda: fedavg_delta)
         return delta, client_state, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, aggregate.mean)
         return ServerState(params, opt_state, state.round + 1), {}

@@ -10,41 +10,7 @@ exactly as FedAvg's :func:`fedbayes.tree.weighted_mean`. The weights ``beta_k`` 
 client weights normalised to sum 1: uniform gives Ozer et al. 2022 (VBNN aggregation)'s FVBA, ``n_k``-proportional its FVBWA
 (the simulator's ``weighting``).
 
-Rules (``alpha`` = log-variance, clamped to [-8, 8] wherever it is exponentiated):
-
-* ``eaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta sigma_k^2`` (log-sum-exp in log space);
-* ``gaa``: ``mu = sum beta mu_k``, ``sigma^2 = sum beta^2 sigma_k^2``;
-* ``aalv``: ``mu = sum beta mu_k``, ``alpha = sum beta alpha_k`` on the stored (unclamped)
-  ``alpha``, as Ozer et al. 2022 (VBNN aggregation)'s code (``geometric`` averages every parameter); for ``alpha`` in
-  [-8, 8] this is the weighted geometric mean of the variances, at most EAA's (AM-GM);
-* ``ppa``: pooled population of ``c_k = max(1, floor(beta_k N))`` draws from each client with
-  ``beta_k > 0`` (``N = population``), mean and variance (the paper's ``1/N`` estimator; the code's
-  ``torch.std`` is ``1/(N-1)``) of the pool. The draws are not materialised: per client and
-  weight, the sample mean ``mu_k + sigma_k z / sqrt(c_k)`` and the within-client sum of squares
-  ``sigma_k^2 chi^2_{c_k - 1}`` are drawn from their exact distributions (independent for Gaussian
-  samples), so the pooled moments have exactly the distribution of the explicit pool at
-  ``O(K d)`` cost and with traced ``c_k``;
-* ``cf`` (conflation) in precision form: ``lambda = sum beta e^{-alpha_k}``,
-  ``mu = sum beta e^{-alpha_k} mu_k / lambda``, ``alpha = log beta_max - log lambda``;
-* ``merging``: moment-matched mixture, ``mu = sum beta mu_k``,
-  ``sigma^2 = sum beta [(mu - mu_k)^2 + sigma_k^2]`` (Ozer et al. 2022 (VBNN aggregation)'s code, not its paper).
-
-A client with weight 0 (padded, rejected) contributes nothing, even when its values are not
-finite.
-
-``accumulation = "reference_code"`` reproduces how Ozer et al. 2022 (VBNN aggregation)'s published
-code (BFL-P, ``utils/FL/update.py``) sums the variances of ``eaa``, ``gaa`` and ``merging``: client
-by client, with the running partial sum's log clamped to [-8, 8] before each addition,
-
-    s_1 = log(c_1 e^{clamp alpha_1}),   s_k = log(e^{clamp s_{k-1}} + c_k e^{clamp alpha_k}),
-
-(``c_k = beta_k``, ``beta_k^2`` or ``beta_k ((mu - mu_k)^2 + ...)``). Whenever the first terms lie
-below ``e^-8`` the clamp lifts the partial sum to the floor, so the result is at least
-``e^-8 + sum_{k>=2} c_k sigma_k^2`` rather than the paper's ``sum_k c_k sigma_k^2`` (Eqs. for EAA and
-GAA): GAA stays at the floor instead of shrinking by ``sum beta^2``, and EAA inflates round after
-round. The paper's Table 4 (std norms CF < AALV < GAA << EAA, PPA) comes from this code; the
-default ``"exact"`` is the paper's equations (docs/results/vbnn.md compares both). The order of
-the clients matters there (the cohort's order); absent clients are skipped.
+The rules, ``aggregation`` and ``accumulation``, are :mod:`fedbayes.aggregators.variational`'s.
 """
 
 from __future__ import annotations
@@ -57,207 +23,13 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field
 
-from fedbayes import aggregators, tree
+from fedbayes.aggregators.variational import ACCUMULATIONS, RULES, variational_rule
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message, stateless_client_init
-from fedbayes.evaluation.metrics import classification_metrics
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
-from fedbayes.models.variational import (
-    LOGVAR_MAX,
-    LOGVAR_MIN,
-    kl_to_prior,
-    merge_variational,
-    split_variational,
-    std_norm,
-)
+from fedbayes.models.variational import kl_to_prior, split_variational
 
-__all__ = [
-    "ACCUMULATIONS",
-    "RULES",
-    "VBNNState",
-    "aggregate",
-    "aggregate_params",
-    "make_rule",
-    "predictive_log_probs",
-    "predictive_metrics",
-    "std_norm",
-    "variational_objective",
-    "vbnn",
-]
-
-RULES: tuple[str, ...] = ("eaa", "gaa", "aalv", "ppa", "cf", "merging")
-_TINY_VAR = 1e-30  # floor of a pooled variance before its log (PPA with all draws equal)
-
-
-def _clamp(alpha: jax.Array) -> jax.Array:
-    return jnp.clip(alpha, LOGVAR_MIN, LOGVAR_MAX)
-
-
-def _expand(beta: jax.Array, leaf: jax.Array) -> jax.Array:
-    return beta.reshape((-1,) + (1,) * (leaf.ndim - 1)).astype(leaf.dtype)
-
-
-ACCUMULATIONS = ("exact", "reference_code")
-
-
-def _reference_code_log_sum(alpha: jax.Array, coef: jax.Array, present: jax.Array) -> jax.Array:
-    """``log sum_k coef_k e^{alpha_k}`` accumulated as Ozer et al. 2022's code does (module
-    docstring): the running log-sum clamped to [-8, 8] before each addition after the first;
-    clients with ``present`` false are skipped. ``alpha`` is already clamped."""
-
-    def step(carry, inputs):
-        s, started = carry
-        a, c, p = inputs
-        first = jnp.log(c) + a
-        later = jnp.log(jnp.exp(_clamp(s)) + c * jnp.exp(a))
-        new = jnp.where(p, jnp.where(started, later, first), s)
-        return (new, started | p), None
-
-    init = (jnp.zeros(alpha.shape[1:], alpha.dtype), jnp.zeros(alpha.shape[1:], bool))
-    (s, _), _ = jax.lax.scan(step, init, (alpha, jnp.broadcast_to(coef, alpha.shape), jnp.broadcast_to(present, alpha.shape)))
-    return s
-
-
-def _leaf_rule(rule: str, mu: jax.Array, alpha: jax.Array, beta: jax.Array, key: jax.Array | None, population: int, accumulation: str = "exact"):
-    """One rule on one leaf ``mu, alpha [K, ...]`` with normalised weights ``beta [K]``."""
-    b = _expand(beta, mu)
-    present = b > 0
-    # Absent clients must not leak NaN/inf into any sum (0 * nan = nan).
-    mu = jnp.where(present, mu, jnp.zeros((), mu.dtype))
-    raw_alpha = jnp.where(present, alpha, jnp.zeros((), alpha.dtype))
-    alpha = _clamp(raw_alpha)
-    mean = jnp.sum(b * mu, axis=0)
-    if accumulation == "reference_code" and rule in ("eaa", "gaa", "merging"):
-        if rule == "merging":
-            # the code sums beta_k ((mu_g - mu_k)^2 + sigma_k^2) with the same running clamp
-            extra = jnp.square(mean[None] - mu)
-            alpha_m = jnp.log(extra + jnp.exp(alpha))
-            return mean, _reference_code_log_sum(alpha_m, b, present)
-        return mean, _reference_code_log_sum(alpha, b if rule == "eaa" else jnp.square(b), present)
-    if rule == "eaa":
-        return mean, jax.nn.logsumexp(alpha, axis=0, b=jnp.broadcast_to(b, alpha.shape))
-    if rule == "gaa":
-        return mean, jax.nn.logsumexp(alpha, axis=0, b=jnp.broadcast_to(jnp.square(b), alpha.shape))
-    if rule == "aalv":
-        return mean, jnp.sum(b * raw_alpha, axis=0)
-    if rule == "merging":
-        var = jnp.sum(b * (jnp.square(mean[None] - mu) + jnp.exp(alpha)), axis=0)
-        return mean, jnp.log(var)
-    if rule == "cf":
-        precision = b * jnp.exp(-alpha)  # at most e^8 per client: no underflow, no overflow
-        lam = jnp.sum(precision, axis=0)
-        cf_mean = jnp.sum(precision * mu, axis=0) / lam
-        return cf_mean, jnp.log(jnp.max(beta)).astype(alpha.dtype) - jnp.log(lam)
-    if rule == "ppa":
-        counts = jnp.where(beta > 0, jnp.maximum(1.0, jnp.floor(beta * population)), 0.0).astype(mu.dtype)
-        c = _expand(counts, mu)
-        sigma2 = jnp.exp(alpha)
-        k_mean, k_ss = jax.random.split(key)
-        z = jax.random.normal(k_mean, mu.shape, mu.dtype)
-        sample_mean = mu + jnp.sqrt(sigma2 / jnp.maximum(c, 1.0)) * z
-        dof = jnp.broadcast_to(c - 1.0, mu.shape)
-        chi2 = 2.0 * jax.random.gamma(k_ss, jnp.maximum(dof, 1.0) / 2.0, mu.shape, mu.dtype)
-        within = jnp.where(dof > 0, sigma2 * chi2, jnp.zeros((), mu.dtype))
-        total = jnp.sum(counts)
-        pooled_mean = jnp.sum(c * sample_mean, axis=0) / total
-        between = c * jnp.square(sample_mean - pooled_mean[None])
-        pooled_var = jnp.sum(jnp.where(c > 0, within + between, jnp.zeros((), mu.dtype)), axis=0) / total
-        return pooled_mean, jnp.log(jnp.maximum(pooled_var, _TINY_VAR))
-    raise ValueError(f"aggregation must be one of {', '.join(RULES)}, got {rule!r}")
-
-
-def aggregate(
-    rule: str,
-    mean: Any,
-    log_var: Any,
-    weights: jax.Array,
-    *,
-    key: jax.Array | None = None,
-    population: int = 1000,
-    accumulation: str = "exact",
-) -> tuple[Any, Any]:
-    """Aggregates clients' mean-field Gaussians by one of Ozer et al. 2022 (VBNN aggregation)'s rules (module docstring).
-
-    Args:
-        rule: one of :data:`RULES`.
-        mean: clients' means, an array or pytree whose leaves have a leading client axis ``[K, ...]``.
-        log_var: clients' log-variances, the same structure and shapes.
-        weights: ``[K]`` non-negative client weights (normalised here to ``beta``; 0 = absent).
-        key: PRNG key, needed by ``"ppa"`` only.
-        population: ``N`` of ``"ppa"``, at least 1.
-        accumulation: ``"exact"`` (the paper's equations) or ``"reference_code"`` (the published
-            code's running clamp for ``eaa``, ``gaa`` and ``merging``; module docstring).
-
-    Returns:
-        ``(mean, log_var)`` with the client axis reduced, the inputs' structure.
-
-    Raises:
-        ValueError: for an unknown rule or accumulation, mismatched structures or shapes, ``ppa``
-            without a key, or a population below 1.
-    """
-    if rule not in RULES:
-        raise ValueError(f"aggregation must be one of {', '.join(RULES)}, got {rule!r}")
-    if accumulation not in ACCUMULATIONS:
-        raise ValueError(f"accumulation must be one of {', '.join(ACCUMULATIONS)}, got {accumulation!r}")
-    if rule == "ppa" and key is None:
-        raise ValueError("aggregation 'ppa' needs a key")
-    if int(population) < 1:
-        raise ValueError(f"population must be at least 1, got {population}")
-    weights = jnp.asarray(weights)
-    if weights.ndim != 1:
-        raise ValueError(f"weights must be a vector [K], got shape {weights.shape}")
-    m_leaves, treedef = jax.tree.flatten(mean)
-    a_leaves, a_treedef = jax.tree.flatten(log_var)
-    if treedef != a_treedef:
-        raise ValueError(f"mean and log_var must have the same structure, got {treedef} and {a_treedef}")
-    for m, a in zip(m_leaves, a_leaves):
-        if jnp.shape(m) != jnp.shape(a) or jnp.ndim(m) == 0 or jnp.shape(m)[0] != weights.shape[0]:
-            raise ValueError(
-                f"mean and log_var leaves need equal shapes with a leading client axis of {weights.shape[0]}, got {jnp.shape(m)} and {jnp.shape(a)}"
-            )
-    total = jnp.sum(weights)
-    beta = weights / jnp.where(total > 0, total, 1.0)
-    out_m, out_a = [], []
-    for i, (m, a) in enumerate(zip(m_leaves, a_leaves)):
-        leaf_key = None if key is None else jax.random.fold_in(key, i)
-        mu, alpha = _leaf_rule(rule, jnp.asarray(m), jnp.asarray(a), beta.astype(jnp.result_type(m)), leaf_key, int(population), accumulation)
-        out_m.append(mu)
-        out_a.append(alpha)
-    return jax.tree.unflatten(treedef, out_m), jax.tree.unflatten(treedef, out_a)
-
-
-def aggregate_params(
-    rule: str, stacked_params: Any, weights: jax.Array, key: jax.Array | None = None, population: int = 1000, accumulation: str = "exact"
-) -> Any:
-    """Aggregates stacked variational parameter trees ``[K, ...]``: variational weights by
-    ``rule`` (:func:`aggregate`), deterministic leaves by :func:`fedbayes.tree.weighted_mean`.
-
-    When every weight is 0 (all clients rejected) the result is not meaningful; callers keep the
-    previous parameters (:func:`vbnn` does).
-    """
-    means, log_vars, deterministic = split_variational(stacked_params)
-    agg_m, agg_a = aggregate(rule, means, log_vars, weights, key=key, population=population, accumulation=accumulation) if means else ({}, {})
-    return merge_variational(agg_m, agg_a, tree.weighted_mean(deterministic, weights))
-
-
-def make_rule(rule: str, population: int = 1000, accumulation: str = "exact") -> Callable[[Any, jax.Array, jax.Array], Any]:
-    """The rule as ``(stacked_params, weights, key) -> aggregated params`` (the aggregator seam).
-
-    Raises:
-        ValueError: for an unknown rule or accumulation or a population below 1 (at construction).
-    """
-    if rule not in RULES:
-        raise ValueError(f"aggregation must be one of {', '.join(RULES)}, got {rule!r}")
-    if accumulation not in ACCUMULATIONS:
-        raise ValueError(f"accumulation must be one of {', '.join(ACCUMULATIONS)}, got {accumulation!r}")
-    if int(population) < 1:
-        raise ValueError(f"population must be at least 1, got {population}")
-
-    def combine(stacked_params: Any, weights: jax.Array, key: jax.Array) -> Any:
-        return aggregate_params(rule, stacked_params, weights, key, population, accumulation)
-
-    return combine
-
+__all__ = ["VBNNState", "variational_data_loss", "variational_objective", "vbnn"]
 
 # ----- the client -------------------------------------------------------------------------------
 
@@ -308,18 +80,6 @@ class VBNNState(NamedTuple):
     round: jax.Array
 
 
-def rule_aggregator(rule: str, population: int = 1000, accumulation: str = "exact") -> aggregators.Aggregator:
-    """The rule as an aggregator (the seam of :mod:`fedbayes.aggregators`): its ``mean`` is the
-    combined parameter tree (:func:`aggregate_params`; PPA samples with the round's server key),
-    ``total`` and ``count`` as the default rule's."""
-    combine = make_rule(rule, population, accumulation)
-
-    def aggregator(messages, weights, key):
-        return aggregators.weighted(messages, weights, key)._replace(mean=combine(messages, weights, key))
-
-    return aggregator
-
-
 def vbnn(
     trainer: LocalTrainer,
     apply_fn: Callable,
@@ -334,7 +94,18 @@ def vbnn(
     Clients train their variational parameters by Bayes-by-backprop from the broadcast ones
     (:func:`fedbayes.inference.sgd.run_sgd` with the keyed loss of :func:`variational_data_loss`,
     fresh noise at every step, and ``KL / n_k`` as the penalty) and send them; the server combines
-    them with the rule (the algorithm's aggregator, :func:`rule_aggregator`).
+    them with the rule (the algorithm's aggregator, :mod:`fedbayes.aggregators.variational`).
+
+    The client is not :func:`fedbayes.inference.vi.reparameterised_vi` (PVI's local VI), for three
+    reasons. It has no cavity: its KL is to a fixed prior ``N(0, prior_variance)``
+    (:func:`fedbayes.models.variational.kl_to_prior`), not to ``q_g / t_k``, so it is not a
+    :class:`~fedbayes.inference.base.CavityInference`. Its variational parameters are the
+    model's own ``*_mean``/``*_logvar`` leaves (log-variances clamped in the forward pass, the
+    server's rules combine them as such), where PVI's are ``(mean, raw_std)`` beside a
+    deterministic model. And the model draws its own noise inside the forward pass from the
+    step's key (``apply_fn(params, key, x)``), where PVI draws weights outside it
+    (:func:`fedbayes.inference.vi.draw_weights`). Sharing ``vi.py`` would change all three, and
+    with them every VBNN result.
 
     Args:
         trainer: the client optimizer, epochs and batch size (``trainer.loss_fn`` is replaced by
@@ -363,7 +134,7 @@ def vbnn(
         new, info = run_sgd(key, params, data, local, lambda p: kl_to_prior(p, prior_variance) / n)
         return new, client_state, info
 
-    def server_update(state, aggregate, key):
+    def server_update(key, state, aggregate):
         del key  # PPA's draws use the aggregator's key
         any_accepted = aggregate.count > 0  # none accepted: keep the old parameters
         params = jax.tree.map(lambda n, o: jnp.where(any_accepted, n, o), aggregate.mean, state.params)
@@ -380,7 +151,7 @@ def vbnn(
         message_ok=finite_message,
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
-        aggregator=rule_aggregator(aggregation, population, accumulation),
+        aggregator=variational_rule(aggregation, population, accumulation),
     )
 
 
@@ -403,52 +174,6 @@ def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     return vbnn(
         ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance, accumulation=hp.accumulation
     )
-
-
-# ----- predictions ------------------------------------------------------------------------------
-
-
-def predictive_log_probs(apply_fn: Callable, params: Any, key: jax.Array, x: jax.Array, num_samples: int = 10) -> jax.Array:
-    """``log (1/S sum_s softmax(f(x; eps_s)))``, the marginalised predictive over ``S`` stochastic
-    forward passes (Ozer et al. 2022 (VBNN aggregation) uses S = 10); pass ``s`` draws its noise from ``fold_in(key, s)``.
-
-    Raises:
-        ValueError: for ``num_samples < 1``.
-    """
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
-
-    def one(s):
-        return jax.nn.log_softmax(apply_fn(params, jax.random.fold_in(key, s), x), axis=-1)
-
-    log_p = jax.lax.map(one, jnp.arange(num_samples))
-    return jax.nn.logsumexp(log_p, axis=0) - jnp.log(float(num_samples))
-
-
-def predictive_metrics(
-    apply_fn: Callable,
-    params: Any,
-    key: jax.Array,
-    x: jax.Array,
-    y: jax.Array,
-    *,
-    num_samples: int = 10,
-    num_bins: int = 15,
-    batch_size: int = 1000,
-) -> dict[str, float]:
-    """Accuracy, NLL and ECE (``num_bins`` bins) of the marginalised predictive on ``(x, y)``, plus
-    ``std_norm``, the L2 norm of the learned standard deviations ``exp(logvar / 2)`` as stored
-    (Ozer et al. 2022 (VBNN aggregation) Table 4; ``std_norm_clamped`` with the forward pass's clamp). Batched over
-    examples; batch ``b`` uses ``fold_in(key, b)``."""
-    predict = jax.jit(lambda p, k, xb: predictive_log_probs(apply_fn, p, k, xb, num_samples))
-    chunks = []
-    for b, start in enumerate(range(0, len(x), batch_size)):
-        chunks.append(predict(params, jax.random.fold_in(key, b), jnp.asarray(x[start : start + batch_size])))
-    log_probs = jnp.concatenate(chunks)
-    out = {k: float(v) for k, v in classification_metrics(log_probs, jnp.asarray(y), num_bins).items()}
-    out["std_norm"] = float(std_norm(params))
-    out["std_norm_clamped"] = float(std_norm(params, clamp=True))
-    return out
 
 
 SPEC = AlgorithmSpec(

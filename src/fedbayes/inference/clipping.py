@@ -1,11 +1,11 @@
-"""FedEP's Fisher clipping and rescaling.
+"""Clipping and rescaling of diagonal curvature and precision vectors (FedEP's client methods).
 
-The diagonal Fisher itself (labels sampled from the model, Kunstner, Balles & Hennig 2019) comes
-from :mod:`fedbayes.inference.curvature`, the one place for diagonal curvature; it no longer
-materialises per-example gradients with ``vmap(grad)``.
-
-Clipping (docs/algorithms.md §7.6, "Fisher clipping" [I]): every Fisher or precision vector is clipped
-elementwise to ``[mean - kappa std, mean + kappa std]`` over all its ``d`` coordinates.
+What this module holds: :func:`clip_by_spread`, FedEP's clipping of a Fisher or precision vector
+elementwise to ``[mean - kappa std, mean + kappa std]`` over all its ``d`` coordinates
+(docs/algorithms.md §7.6, "Fisher clipping" [I]); :func:`tree_scale_to_norm`, the rescaling of a
+vector to the norm of another (the mcmc method's); and :data:`ApplyFn`, the forward-pass type.
+The diagonal Fisher itself (labels sampled from the model, Kunstner, Balles & Hennig 2019) is
+:mod:`fedbayes.inference.curvature`'s, the one place for diagonal curvature.
 """
 
 from __future__ import annotations

@@ -52,10 +52,15 @@ diagonals by materialising ``J`` per example or by matrix-free diagonal estimato
 matrix-vector product per parameter or Hutchinson samples), which is exact only at ``d`` products
 or approximate otherwise. Neither fits, so this is plain JAX.
 
-Minibatches and layout: the ``batch_*`` functions act on one ``[B, ...]`` batch with its mask;
-:func:`diag_ggn` and friends split a client's data ``(x, y, mask)`` into chunks of ``batch_size``
-(padding the last one with masked examples) and sum with ``lax.scan``. Sums over minibatches
-equal the full-batch value.
+Minibatches and layout: the ``batch_*`` functions act on one ``[B, ...]`` batch with its mask.
+:func:`over_client_data` is the one pass over a client's laid-out data
+(:class:`~fedbayes.data.batches.ClientData`) in minibatches that every method's sum goes through:
+FedEP's Laplace and NGVI passes (:mod:`fedbayes.inference.tilted`) and FedLap-Cov's curvature
+(:func:`data_curvature`); each passes its own body, so each keeps its own arithmetic.
+:func:`diag_ggn` and friends take host arrays ``(x, y, mask)`` instead (Laplace predictions, tests),
+split them into chunks of ``batch_size`` (padding the last one with masked examples) and sum with
+``lax.scan``; they draw one key per chunk by ``split`` where the data pass folds the step in, so
+they stay a separate loop. Sums over minibatches equal the full-batch value.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
+from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
 from fedbayes.models.layers import find_layers, layer_of
 
 PyTree = Any
@@ -80,13 +87,16 @@ __all__ = [
     "batch_diag_empirical_fisher",
     "batch_diag_fisher",
     "batch_diag_ggn",
+    "data_curvature",
     "diag_empirical_fisher",
     "diag_fisher",
     "diag_ggn",
+    "instrumented_forward",
+    "over_client_data",
 ]
 
 
-def _forward(apply_fn, params, x, layers):
+def instrumented_forward(apply_fn, params, x, layers):
     """``pert -> (outputs, inputs)``: the model with zero perturbations added to each structured
     layer's output, and the layers' inputs."""
 
@@ -207,7 +217,7 @@ def batch_curvature(
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
     layers, _ = find_layers(apply_fn, params, x)
     pert0 = {path: jnp.zeros(shape.shape, shape.dtype) for path, (_, shape) in layers.items()}
-    fwd = _forward(apply_fn, params, x, layers)
+    fwd = instrumented_forward(apply_fn, params, x, layers)
     out, vjp_fn, inputs = jax.vjp(fwd, pert0, has_aux=True)
     u = _output_vectors(flavour, task, jax.lax.stop_gradient(out), y, mask, key, num_samples)
     (grads,) = jax.vmap(vjp_fn)(u.astype(out.dtype))  # {path: [K, B, ...out shape]}
@@ -328,3 +338,40 @@ def diag_fisher(
 def diag_empirical_fisher(apply_fn: ApplyFn, params: PyTree, x, y, mask=None, *, task: str = "classification", batch_size: int | None = None) -> PyTree:
     """``sum_n m_n (grad l(f_n, y_n))^2`` with the true labels ``y``."""
     return _over_batches("empirical", apply_fn, params, x, y, mask, batch_size, task)
+
+
+def over_client_data(
+    data: ClientData, batch_size: int, body: Callable, init: PyTree, *, passes: int = 1, laid_out_epochs: int = 1, max_batches: int = 0
+) -> PyTree:
+    """Runs ``carry = body(carry, step, (x, y, mask))`` over ``passes`` epochs of a client's
+    minibatches of ``batch_size`` (at most ``max_batches`` of them when > 0), in order, cycling
+    through the ``laid_out_epochs`` epochs of shuffles laid out in ``data``; returns the last carry.
+
+    The body does the sum (and draws its keys, e.g. by ``fold_in(key, step)``), so the order and
+    form of every addition stay the caller's; this owns only the pass.
+    """
+    spe = steps_per_epoch(data.num_examples, batch_size)
+    laid_out = jnp.maximum(laid_out_epochs * spe, 1)
+    total = passes * spe
+    if max_batches > 0:
+        total = jnp.minimum(total, max_batches)
+
+    def step(s, carry):
+        return body(carry, s, get_batch(data, s % laid_out, batch_size))
+
+    return jax.lax.fori_loop(0, total, step, init)
+
+
+def data_curvature(apply_fn: ApplyFn, *, task: str = "classification", batch_size: int) -> Callable[[PyTree, ClientData], PyTree]:
+    """``(params, data) -> diag GGN`` of the client's sum loss: one pass over the client's
+    examples (the first laid-out epoch) in minibatches of ``batch_size`` (:func:`over_client_data`,
+    :func:`batch_diag_ggn`); FedLap-Cov's curvature."""
+
+    def curvature(params, data: ClientData):
+        def body(total, step, batch):
+            x, y, mask = batch
+            return optax.tree.add(total, batch_diag_ggn(apply_fn, params, x, y, mask, task=task))
+
+        return over_client_data(data, batch_size, body, optax.tree.zeros_like(params))
+
+    return curvature

@@ -34,14 +34,17 @@ sampler stays stable when the Laplace/NGVI precisions make the cavity stiff (pla
 once ``lr h_i > 2``); the tilted mode is unchanged and every coordinate with ``lr h_i <= 1`` takes
 SGD's step bitwise.
 
-Finally ``eta^ = Lambda^ mu^``. A method is a function
-``infer(key, start, cavity, data) -> (DiagGaussian, info)`` (:data:`TiltedInference`; ``info`` is the SG-MCMC step's training info); the FedEP algorithm
-takes any such function (tests plug in exact Gaussian inference).
+Finally ``eta^ = Lambda^ mu^``. A method is a
+:class:`~fedbayes.inference.base.CavityInference`, ``infer(key, start, cavity, data) -> (DiagGaussian, info)``
+(``start`` the sampler's first iterate; ``info`` the SG-MCMC step's training info); the FedEP
+algorithm takes any such function (tests plug in exact Gaussian inference).
+
+The Laplace and NGVI passes over the client's data are
+:func:`fedbayes.inference.curvature.over_client_data`, the one pass FedLap-Cov's curvature uses too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,19 +52,19 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field
 
-from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
+from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
+from fedbayes.inference.base import CavityInference
 from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_norm
-from fedbayes.inference.curvature import batch_diag_fisher
+from fedbayes.inference.curvature import batch_diag_fisher, over_client_data
 from fedbayes.inference.iasg import epoch_samples
 from fedbayes.inference.sgd import LocalTrainer
 
 PyTree = Any
-TiltedInference = Callable[[jax.Array, PyTree, DiagGaussian, ClientData], tuple[DiagGaussian, dict]]
 METHODS = ("identity", "mcmc", "laplace", "ngvi")
 
-__all__ = ["METHODS", "TiltedInference", "TiltedSettings", "make_tilted_inference", "sgmcmc_moments"]
+__all__ = ["METHODS", "TiltedSettings", "make_tilted_inference", "sgmcmc_moments"]
 
 
 class TiltedSettings(HParams):
@@ -155,22 +158,6 @@ def stiff_step_control(trainer: LocalTrainer, prior: DiagGaussian, num_examples:
     return trainer._replace(optimizer=optax.chain(precondition, opt))
 
 
-def _scan_batches(data: ClientData, trainer: LocalTrainer, passes: int, body, init, max_batches: int = 0):
-    """Runs ``body(carry, step, (x, y, mask))`` over ``passes`` epochs of minibatches (at most
-    ``max_batches`` when > 0), cycling through the ``trainer.num_epochs`` epochs of shuffles laid
-    out in ``data``."""
-    spe = steps_per_epoch(data.num_examples, trainer.batch_size)
-    laid_out = jnp.maximum(trainer.num_epochs * spe, 1)
-    total = passes * spe
-    if max_batches > 0:
-        total = jnp.minimum(total, max_batches)
-
-    def step(s, carry):
-        return body(carry, s, get_batch(data, s % laid_out, trainer.batch_size))
-
-    return jax.lax.fori_loop(0, total, step, init)
-
-
 def make_tilted_inference(
     method: str,
     trainer: LocalTrainer,
@@ -178,8 +165,8 @@ def make_tilted_inference(
     *,
     apply_fn: ApplyFn | None = None,
     task: str = "classification",
-) -> TiltedInference:
-    """One of the four client methods as a :data:`TiltedInference` function.
+) -> CavityInference:
+    """One of the four client methods as a :class:`~fedbayes.inference.base.CavityInference`.
 
     Args:
       method: ``"identity"``, ``"mcmc"``, ``"laplace"`` or ``"ngvi"`` (I / M / L / V of Guo et al. 2023 (FedEP)).
@@ -208,7 +195,9 @@ def make_tilted_inference(
             return jax.tree.map(jnp.add, total, f), count + jnp.sum(mask)
 
         init = (optax.tree.zeros_like(mu), jnp.zeros(()))
-        total, count = _scan_batches(data, trainer, s.laplace_epochs, body, init, s.fisher_max_batches)
+        total, count = over_client_data(
+            data, trainer.batch_size, body, init, passes=s.laplace_epochs, laid_out_epochs=trainer.num_epochs, max_batches=s.fisher_max_batches
+        )
         return optax.tree.scale(1.0 / jnp.maximum(count, 1.0), total)
 
     def ngvi_precision(key, mu, prior, data, n):
@@ -233,7 +222,9 @@ def make_tilted_inference(
             return jax.tree.map(lambda a, b: jnp.where(has_data, a, b), new, state)
 
         init = optax.tree.full_like(mu, s.initial_precision)
-        return _scan_batches(data, trainer, s.ngvi_epochs, body, init, s.fisher_max_batches)
+        return over_client_data(
+            data, trainer.batch_size, body, init, passes=s.ngvi_epochs, laid_out_epochs=trainer.num_epochs, max_batches=s.fisher_max_batches
+        )
 
     def infer(key, start, cavity: DiagGaussian, data: ClientData) -> tuple[DiagGaussian, dict]:
         n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)

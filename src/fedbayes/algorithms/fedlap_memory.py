@@ -1,4 +1,4 @@
-"""Function-space memory for FedLap-Func: memory sets, soft labels and the terms built on them.
+"""Function-space memory for FedLap-Func: memory sets, soft labels and the terms built on them (public, tested on their own).
 
 The pieces of FedLap-Func (Swaroop, Khan and Doshi-Velez, "Connecting Federated ADMM to Bayes",
 ICLR 2025, Sec. 3.4, App. C and App. E; :mod:`fedbayes.algorithms.fedlap_func`) that do not depend

@@ -1,0 +1,146 @@
+"""Gaussian sites: the machinery shared by the methods that keep per-client Gaussian factors (public building blocks).
+
+FedEP, FedSEP, PVI and FedLap-Cov each keep the global approximation ``q_g ∝ p_0 prod_k q_k``
+with diagonal Gaussian sites in natural parameters (:class:`~fedbayes.gaussian.DiagGaussian`),
+form cavities and send natural-parameter differences (:class:`GaussianMessage`, checked by
+:func:`gaussian_message_ok`). FedEP, FedSEP and PVI send the damped difference
+(:func:`damped_difference`) and move the global by an optax optimizer (:func:`site_server_step`:
+damping as optimisation on natural parameters; Guo et al., "Federated learning as variational
+inference: a scalable expectation propagation approach", ICLR 2023, Sec. 2.2.3). FedLap-Cov
+damps its site as a convex combination (:func:`fedbayes.gaussian.damp`: ``(1 - rho) t + rho t*``
+is not ``t + rho (t* - t)`` in floating point, so the two forms stay apart) and its exact server
+multiplies the sites' changes into ``q_g`` with a floor instead of an optimizer.
+
+Every step states its policy for an improper result (docs/style.md): a cavity or site that is not
+proper enough rejects the client's message; a global coordinate that an aggregated step would make
+non-positive keeps its value.
+
+:func:`burn_in_switch` is the "FedAvg for the first ``B`` rounds" switch that FedEP, FedSEP and
+FedPA share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedbayes import gaussian, tree
+from fedbayes.algorithms.server_opt import apply_server_optimizer
+from fedbayes.gaussian import DiagGaussian
+
+PyTree = Any
+
+__all__ = [
+    "GaussianMessage",
+    "all_positive",
+    "burn_in_switch",
+    "checked_cavity",
+    "clip_joint_norm",
+    "damped_difference",
+    "gaussian_message_ok",
+    "guard_positive",
+    "optimizer_step",
+    "safe_mean",
+    "site_server_step",
+]
+
+
+class GaussianMessage(NamedTuple):
+    """A site method's message: a natural-parameter difference (a factor, usually improper) and the
+    client's own validity flag (a proper cavity, a valid site or curvature)."""
+
+    difference: DiagGaussian
+    ok: jax.Array
+
+
+def checked_cavity(cavity: DiagGaussian, q: DiagGaussian, rtol: float = 1e-5) -> tuple[DiagGaussian, jax.Array]:
+    """The cavity with float round-off below zero clamped to 0, and whether it is proper enough to
+    serve as a prior: finite, and no precision below ``-rtol * Lambda_g`` (a truly negative cavity
+    precision means the site outweighs the global: the client is rejected)."""
+    tol_ok = jax.tree.map(lambda c, g: jnp.all(c >= -rtol * jnp.abs(g)), cavity.precision, q.precision)
+    ok = jnp.logical_and(tree.all_finite(cavity), jnp.all(jnp.stack(jax.tree.leaves(tol_ok))))
+    clamped = DiagGaussian(precision_mean=cavity.precision_mean, precision=jax.tree.map(lambda c: jnp.maximum(c, 0.0), cavity.precision))
+    return clamped, ok
+
+
+def all_positive(precision: PyTree) -> jax.Array:
+    """Whether every precision is strictly positive."""
+    return jnp.all(jnp.stack([jnp.all(lam > 0) for lam in jax.tree.leaves(precision)]))
+
+
+def safe_mean(q: DiagGaussian, fallback: PyTree) -> PyTree:
+    """``eta / Lambda`` where ``Lambda > 0``, else ``fallback`` (a coordinate without information)."""
+    return jax.tree.map(lambda eta, lam, f: jnp.where(lam > 0, eta / jnp.where(lam > 0, lam, 1.0), f), q.precision_mean, q.precision, fallback)
+
+
+def clip_joint_norm(d: DiagGaussian, max_norm: float | None) -> DiagGaussian:
+    """Scales both natural parameters together to a global L2 norm of at most ``max_norm``
+    (``None``: no clipping)."""
+    if max_norm is None:
+        return d
+    norm = optax.tree.norm(d)
+    return optax.tree.scale(jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30)), d)
+
+
+def optimizer_step(optimizer: optax.GradientTransformation, value: PyTree, opt_state, increase: PyTree):
+    """Moves ``value`` by ``optimizer`` in the direction of ``increase`` (optax descends, so it
+    receives ``-increase``); with ``optax.sgd(1)`` this is ``value + increase``."""
+    return apply_server_optimizer(optimizer, value, opt_state, optax.tree.scale(-1.0, increase))
+
+
+def guard_positive(new: DiagGaussian, old: DiagGaussian) -> tuple[DiagGaussian, jax.Array]:
+    """``new`` where its precision is positive, ``old`` elsewhere (a momentum overshoot must not
+    make the global improper), and the number of coordinates kept."""
+    keep = jax.tree.map(lambda lam: lam > 0, new.precision)
+    guarded = DiagGaussian(
+        precision_mean=jax.tree.map(jnp.where, keep, new.precision_mean, old.precision_mean),
+        precision=jax.tree.map(jnp.where, keep, new.precision, old.precision),
+    )
+    kept = sum(jnp.sum(jnp.logical_not(k).astype(jnp.int32)) for k in jax.tree.leaves(keep))
+    return guarded, jnp.asarray(kept, jnp.int32)
+
+
+def damped_difference(new: DiagGaussian, reference: DiagGaussian, damping: float, max_norm: float | None = None) -> DiagGaussian:
+    """``damping * clip(new / reference)``: the damped natural-parameter difference that FedEP and
+    PVI send (Guo et al. 2023 (FedEP) Sec. 2.2.3, ``delta Delta_k``; Swaroop et al. 2025 (ADMM and
+    Bayes) Eq. 6, ``rho (lambda_{q_k} - lambda_{q_g})``), the difference clipped to a joint norm of
+    at most ``max_norm`` first (:func:`clip_joint_norm`; ``None``: no clipping)."""
+    return optax.tree.scale(damping, clip_joint_norm(gaussian.difference(new, reference), max_norm))
+
+
+def gaussian_message_ok(message: GaussianMessage, q: DiagGaussian | None = None) -> jax.Array:
+    """The server's acceptance test of a :class:`GaussianMessage`: finite, flagged valid by its
+    client and, given the global ``q`` it will be added to, keeping every precision of
+    ``q`` positive on its own (``None``: no such check, for a server that floors its precision)."""
+    ok = jnp.logical_and(tree.all_finite(message.difference), message.ok)
+    if q is None:
+        return ok
+    lam_after = jax.tree.map(jnp.add, q.precision, message.difference.precision)
+    return jnp.logical_and(ok, all_positive(lam_after))
+
+
+def site_server_step(optimizer: optax.GradientTransformation, q: DiagGaussian, opt_state, total: DiagGaussian):
+    """The site methods' server step: ``q_g <- q_g + ServerOpt(sum_k Delta_k)`` (:func:`optimizer_step`;
+    with ``optax.sgd(1)`` the product of the accepted differences into ``q_g``), then the positivity
+    guard (:func:`guard_positive`). Returns ``(q, opt_state, guarded)``, ``guarded`` the number of
+    coordinates that kept their old value."""
+    new_q, opt_state = optimizer_step(optimizer, q, opt_state, total)
+    new_q, guarded = guard_positive(new_q, q)
+    return new_q, opt_state, guarded
+
+
+def burn_in_switch(burn_in_rounds: int, over: jax.Array, main: Callable, burn_in: Callable, *operands):
+    """``main(*operands)`` once burn-in is ``over`` (a traced boolean, e.g. ``round >= B``), else
+    ``burn_in(*operands)``, the "FedAvg for the first ``B`` rounds" of FedEP, FedSEP and FedPA.
+
+    A ``lax.cond``: a client run on its own (the sequential layout) computes only the branch it
+    takes; under vmap this is a select. Without burn-in (``burn_in_rounds == 0``) ``main`` is
+    called directly.
+    """
+    if burn_in_rounds == 0:
+        return main(*operands)
+    return jax.lax.cond(over, main, burn_in, *operands)

@@ -1,0 +1,38 @@
+"""The client-inference protocol: how a client approximates its tilted distribution.
+
+A site method (FedEP, FedSEP, PVI) gives its client a cavity ``q_{\\k}`` (the global without the
+client's own site) and asks for a Gaussian approximation of the tilted distribution
+``p(D_k | theta) q_{\\k}(theta)``. Every such client inference method is one pure function of the
+same shape, as blackjax's kernels are (key first, ``(state, info)`` out):
+
+    infer(key, start, cavity, data) -> (q, info)
+
+so the methods plug into the algorithms interchangeably and one conformance test runs each under
+``jit`` and ``vmap`` (tests/inference/test_base.py). ``start`` is where the inference starts: the
+parameters of the sampler's first iterate for FedEP's tilted methods
+(:func:`fedbayes.inference.tilted.make_tilted_inference`), the Gaussian whose mean and standard
+deviations the variational parameters start from for PVI's
+(:func:`fedbayes.inference.vi.reparameterised_vi`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+from fedbayes.data.batches import ClientData
+from fedbayes.gaussian import DiagGaussian
+
+PyTree = Any
+Info = dict[str, jax.Array]
+
+__all__ = ["CavityInference", "Info"]
+
+
+class CavityInference(Protocol):
+    """``(key, start, cavity, data) -> (q, info)``: a diagonal Gaussian approximation ``q`` of the
+    tilted distribution ``p(D_k | theta) cavity(theta)`` and the inference's info (its training
+    info: ``loss`` and the like)."""
+
+    def __call__(self, key: jax.Array, start: PyTree, cavity: DiagGaussian, data: ClientData) -> tuple[DiagGaussian, Info]: ...

@@ -1,0 +1,61 @@
+"""The site machinery (fedbayes.algorithms.sites): the Gaussian message and its check, the damped
+difference, the server step with its positivity guard, and the burn-in switch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedbayes import gaussian
+from fedbayes.algorithms import sites
+from fedbayes.gaussian import DiagGaussian
+
+
+def _g(eta, lam):
+    return DiagGaussian(precision_mean={"w": jnp.asarray(eta, jnp.float32)}, precision={"w": jnp.asarray(lam, jnp.float32)})
+
+
+def test_gaussian_message_ok_checks_finiteness_the_flag_and_the_global_precision():
+    q = _g([1.0, 2.0], [2.0, 3.0])
+    yes = jnp.ones((), jnp.bool_)
+    assert bool(sites.gaussian_message_ok(sites.GaussianMessage(_g([0.5, 0.0], [-1.0, 1.0]), yes), q))
+    assert not bool(sites.gaussian_message_ok(sites.GaussianMessage(_g([0.5, 0.0], [-1.0, 1.0]), ~yes), q))
+    assert not bool(sites.gaussian_message_ok(sites.GaussianMessage(_g([np.nan, 0.0], [0.0, 0.0]), yes), q))
+    # Lambda_g + Delta Lambda must stay positive on its own ...
+    assert not bool(sites.gaussian_message_ok(sites.GaussianMessage(_g([0.0, 0.0], [-2.0, 0.0]), yes), q))
+    # ... unless the server floors its precision (no global given).
+    assert bool(sites.gaussian_message_ok(sites.GaussianMessage(_g([0.0, 0.0], [-2.0, 0.0]), yes)))
+
+
+def test_damped_difference_is_the_scaled_natural_parameter_difference_bit_for_bit():
+    new, old = _g([1.0, 3.0], [2.0, 5.0]), _g([0.5, 1.0], [1.0, 4.0])
+    got = sites.damped_difference(new, old, 0.3)
+    want = optax.tree.scale(0.3, gaussian.difference(new, old))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # with a clip: the difference is clipped to the joint norm first, then damped
+    clipped = sites.damped_difference(new, old, 0.5, max_norm=1.0)
+    assert float(optax.tree.norm(clipped)) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_site_server_step_with_sgd_1_adds_the_total_and_guards_positivity():
+    q = _g([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    opt = optax.sgd(1.0)
+    total = _g([0.5, 0.5, 0.5], [1.0, -5.0, 0.5])
+    new, _, guarded = jax.jit(lambda q, s, t: sites.site_server_step(opt, q, s, t))(q, opt.init(q), total)
+    np.testing.assert_allclose(np.asarray(new.precision["w"]), [2.0, 2.0, 3.5])  # the middle one kept its old value
+    np.testing.assert_allclose(np.asarray(new.precision_mean["w"]), [1.5, 2.0, 3.5])
+    assert int(guarded) == 1
+
+
+@pytest.mark.parametrize("burn_in_rounds", [0, 2])
+def test_burn_in_switch_runs_burn_in_then_the_main_branch(burn_in_rounds):
+    def at(round_idx):
+        return jax.jit(lambda r, x: sites.burn_in_switch(burn_in_rounds, r >= burn_in_rounds, lambda v: v + 1.0, lambda v: v - 1.0, x))(
+            jnp.int32(round_idx), jnp.float32(0.0)
+        )
+
+    assert [float(at(r)) for r in range(4)] == [(1.0 if r >= burn_in_rounds else -1.0) for r in range(4)]
