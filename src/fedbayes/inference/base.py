@@ -17,15 +17,15 @@ deviations the variational parameters start from for PVI's
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 
-from fedbayes.data.batches import ClientData
-from fedbayes.gaussian import DiagGaussian
+from fedbayes.typing import Info, PyTree
 
-PyTree = Any
-Info = dict[str, jax.Array]
+if TYPE_CHECKING:  # annotations only: importing fedbayes.inference stays light (no flax)
+    from fedbayes.data.batches import ClientData
+    from fedbayes.gaussian import DiagGaussian
 
 __all__ = ["CavityInference", "Info"]
 
