@@ -8,30 +8,22 @@ import pytest
 from helpers import digits_federation, logreg_setup, plain_loop_round, single_client_data
 
 from fedbayes import protocol
-from fedbayes.algorithms import admm, fedavg, feddyn, fedprox
+from fedbayes.algorithms import admm, fedavg, feddyn, fedpa, fedprox
 from fedbayes.algorithms.base import Algorithm
+from fedbayes.data.federation import Federation
 from fedbayes.inference.sgd import LocalTrainer
-from fedbayes.sim.simulator import Federation, Simulator
+from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150)  # unequal on purpose, incl. a client smaller than one batch
 
 
-def _algorithms(trainer, k):
-    return {
-        "fedavg": fedavg(trainer, optax.sgd(1.0)),
-        "fedavgm": fedavg(trainer, optax.sgd(1.0, momentum=0.9)),
-        "fedprox": fedprox(trainer, optax.sgd(1.0), mu=0.1),
-        "feddyn": feddyn(trainer, optax.sgd(1.0), alpha=0.1, num_clients=k, weight_decay=1e-3),
-        "admm": admm(trainer, optax.sgd(1.0), rho=0.1, num_clients=k),
-    }
-
-
-@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedprox", "feddyn", "admm"])
 @pytest.mark.parametrize("layout", ["vmap", "sequential"])
-def test_layouts_equal_plain_per_client_loop(name, layout):
+def test_layouts_equal_plain_per_client_loop_with_server_momentum(layout):
+    """FedAvgM (server optimizer state); the registered methods are compared with the plain loop
+    in tests/algorithms/test_conformance.py."""
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup(epochs=2, batch_size=16)
-    alg = _algorithms(trainer, fed.num_clients)[name]
+    alg = fedavg(trainer, optax.sgd(1.0, momentum=0.9))
     sim = Simulator(alg, fed, clients_per_round=3, seed=4, layout=layout)
     state = sim.init(params)
     for _ in range(2):  # two rounds: server optimizer and client state carry over
@@ -236,18 +228,6 @@ def test_round_compiles_once_across_changing_cohorts(layout):
     assert sim.num_compiled_rounds() <= len({len(sim.gather(r, sim.layout_cohort(sim.sample_cohort(r)))[2]) for r in range(4)})
 
 
-def test_floyd_sampling_is_uniform_over_subsets():
-    from collections import Counter
-
-    from fedbayes.sim.simulator import sample_without_replacement
-
-    rng = np.random.default_rng(0)
-    counts = Counter(tuple(sample_without_replacement(rng, 6, 3)) for _ in range(20000))
-    assert len(counts) == 20  # every 3-subset of 6 occurs
-    chi2 = sum((c - 1000) ** 2 / 1000 for c in counts.values())
-    assert chi2 < 43.8  # chi-square, 19 degrees of freedom, p = 0.001
-
-
 def test_device_assignment_is_balanced_with_a_fixed_shape():
     from fedbayes.sim.simulator import _lpt_assign
 
@@ -270,3 +250,30 @@ def test_round_compiler_options_keep_ynnpack_for_dots_only_on_cpu():
     assert round_compiler_options("gpu") is None
     opts = round_compiler_options("cpu")
     assert opts is None or opts == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_a_round_with_no_accepted_message_leaves_the_server_state(layout):
+    """Nothing was learned: FedPA's round counter and its server optimizer's state (Adam's count
+    and moments) stay as they were, in run_round and in the pipelined rounds (docs: the protocol's
+    end of a round, fedbayes.protocol.finish_round)."""
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    honest = fedpa(trainer, optax.adam(0.1), rho=0.5, burn_in_rounds=1)
+    refuse = honest._replace(message_ok=lambda server_state, message: jnp.bool_(False))
+    sim = Simulator(refuse, fed, clients_per_round=3, seed=0, layout=layout)
+    state = sim.init(params)
+    before = jax.tree.map(np.asarray, state.server_state)
+    new, info = sim.run_round(state)
+    assert sorted(info.rejected.tolist()) == sorted(info.cohort.tolist()) and info.server["num_accepted"] == 0
+    assert new.round == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new.server_state)):
+        np.testing.assert_array_equal(np.asarray(b), a)
+    for streamed, _ in sim.rounds(sim.init(params), 3):
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(streamed.server_state)):
+            np.testing.assert_array_equal(np.asarray(b), a)
+    # The same round with the messages accepted moves the counter and the optimizer's state.
+    sim_ok = Simulator(honest, fed, clients_per_round=3, seed=0, layout=layout)
+    moved, _ = sim_ok.run_round(sim_ok.init(params))
+    assert int(moved.server_state.round) == int(before.round) + 1
+    assert not all(np.array_equal(np.asarray(b), a) for a, b in zip(jax.tree.leaves(before.opt_state), jax.tree.leaves(moved.server_state.opt_state)))

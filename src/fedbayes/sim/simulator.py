@@ -57,8 +57,8 @@ from jax.sharding import PartitionSpec as P
 from fedbayes import protocol, tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
-from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation
-from fedbayes.protocol import WEIGHTINGS, cohort_rng, sample_without_replacement
+from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation  # noqa: F401  (Federation: runs/experiment.py imports it from here)
+from fedbayes.protocol import WEIGHTINGS, RoundInfo, SimState
 from fedbayes.sim.store import DiskStore, MemoryStore, as_store
 
 log = logging.getLogger(__name__)
@@ -83,50 +83,11 @@ def round_compiler_options(platform: str) -> dict[str, str] | None:
     return dict(_CPU_ROUND_OPTIONS)
 
 
-__all__ = [
-    "Federation",
-    "GeneratedFederation",
-    "LaunchedRound",
-    "PreparedRound",
-    "RoundInfo",
-    "SimState",
-    "Simulator",
-    "cohort_rng",
-    "sample_without_replacement",
-]
+__all__ = ["LaunchedRound", "PreparedRound", "Simulator", "round_compiler_options"]
 
 LAYOUTS = ("auto", "sequential", "vmap")
 STORES = ("memory", "disk", "device")
 _AXIS = "clients"
-
-
-class SimState(NamedTuple):
-    """Everything a run needs to continue: the next round, server state, client store."""
-
-    round: int
-    server_state: Any
-    client_states: Any  # pytree of host arrays [num_clients, ...], a DiskStore, or () when stateless
-
-
-class RoundInfo(NamedTuple):
-    """What one round did.
-
-    ``padding_waste`` is the share of padded entries in the cohort's order buffer (and, for a
-    generated federation, its feature buffer); ``step_waste`` the share of masked no-op client
-    steps (0 in the sequential layout, where each client runs exactly its own steps).
-    """
-
-    round: int
-    cohort: np.ndarray
-    rejected: np.ndarray  # client ids whose messages were rejected
-    bytes_up: int
-    bytes_down: int
-    padding_waste: float = 0.0
-    step_waste: float = 0.0
-    clients: dict[str, np.ndarray] | None = None  # per cohort client (in cohort order): num_examples and its info
-    server: dict[str, float] | None = None  # the server update's info
-    dropped: np.ndarray | None = None  # client ids that failed this round (server.dropout)
-    late: np.ndarray | None = None  # client ids cut by the deadline (server.deadline)
 
 
 def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
@@ -176,6 +137,8 @@ class Simulator:
         applied to the cohort's messages before the server step, for measuring robust rules.
       attackers: the client ids that attack (:func:`fedbayes.sim.scenario.attacker_ids`).
     """
+
+    counts_dropped = False  # clients fail only as the config asks (server.dropout, server.deadline)
 
     def __init__(
         self,
@@ -388,6 +351,7 @@ class Simulator:
             messages = self.attack(messages, attackers, message)
         server_key = protocol.server_key(self.seed, round_idx)
         new_server, ok, server_info = protocol.server_step(algorithm, server_state, messages, weights, server_key, self.aggregator)
+        new_server = protocol.keep_unless_accepted(ok, new_server, server_state)  # no accepted message: nothing learned
         # A rejected client keeps its old state: run_round writes back only the accepted rows
         # (no select over every client's state here, one pass less over the cohort's states).
         return new_server, new_states, ok, infos, server_info
@@ -570,8 +534,10 @@ class Simulator:
         return LaunchedRound(prepared, outputs)
 
     def complete(self, state: SimState, launched: LaunchedRound, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
-        """Waits for ``launched`` (started on ``state``), writes the accepted clients' new states
-        back and returns the next state and what the round did."""
+        """Waits for ``launched`` (started on ``state``), ends the round
+        (:func:`fedbayes.protocol.finish_round`: ``fail_fast``, the server state kept when no message
+        was accepted), writes the accepted clients' new states back and returns the next state and
+        what the round did."""
         p = launched.prepared
         round_idx, cohort, all_slots, slots, num_examples = p.round, p.cohort, p.all_slots, p.slots, p.num_examples
         new_server, new_cstates, ok, client_info, server_info = launched.outputs
@@ -580,18 +546,6 @@ class Simulator:
         rejected = slots[real & ~ok]
         if len(rejected):
             log.warning("round %d: rejected messages from clients %s", round_idx, rejected.tolist())
-            if self.fail_fast:
-                from fedbayes.errors import DivergedError  # exit code 3 in the CLI
-
-                raise DivergedError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()} (server.fail_fast)")
-        client_states = state.client_states
-        if not jax.tree.leaves(client_states):
-            pass
-        elif self.store == "device":
-            client_states = new_cstates  # rejected clients and padding slots were not written
-        else:
-            # Rejected clients and padding slots keep their state.
-            client_states = self._write_back(as_store(client_states), slots, real & ok, new_cstates, round_idx, donate)
         down, up = self.message_bytes(state)
         m = len(cohort)
         steps = num_local_steps(num_examples, self.algorithm.local_batch_size, self.algorithm.local_epochs)
@@ -606,8 +560,32 @@ class Simulator:
             clients["num_examples"] = self.sizes[cohort].astype(num_examples.dtype)  # a failed client still holds its data
             clients["dropped"], clients["late"] = p.dropped, p.late
         server = {k: np.asarray(v).item() for k, v in server_info.items()}
-        succeeded = m - int(np.sum(p.dropped | p.late))  # failed clients upload nothing (they still got the broadcast)
-        info = RoundInfo(round_idx, cohort, rejected, up * succeeded, down * m, p.padding, step_waste, clients, server, cohort[p.dropped], cohort[p.late])
+        succeeded = m - int(np.sum(p.dropped | p.late))
+        new_server, info = protocol.finish_round(
+            state.server_state,
+            new_server,
+            ok,
+            round_idx=round_idx,
+            cohort=cohort,
+            rejected=rejected,
+            fail_fast=self.fail_fast,
+            bytes_up=up * succeeded,  # failed clients upload nothing (they still got the broadcast)
+            bytes_down=down * m,
+            padding_waste=p.padding,
+            step_waste=step_waste,
+            clients=clients,
+            server=server,
+            dropped=cohort[p.dropped],
+            late=cohort[p.late],
+        )
+        client_states = state.client_states
+        if not jax.tree.leaves(client_states):
+            pass
+        elif self.store == "device":
+            client_states = new_cstates  # rejected clients and padding slots were not written
+        else:
+            # Rejected clients and padding slots keep their state.
+            client_states = self._write_back(as_store(client_states), slots, real & ok, new_cstates, round_idx, donate)
         return SimState(round_idx + 1, new_server, client_states), info
 
     def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
