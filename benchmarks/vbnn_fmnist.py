@@ -40,11 +40,12 @@ import optax  # noqa: E402
 from fedbayes.algorithms import fedavg, make_server_optimizer  # noqa: E402
 from fedbayes.algorithms.vbnn import predictive_metrics, vbnn  # noqa: E402
 from fedbayes.data import load_dataset, partition  # noqa: E402
+from fedbayes.data.federation import Federation  # noqa: E402
 from fedbayes.evaluation.metrics import classification_metrics  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
 from fedbayes.models.variational import apply_with_key  # noqa: E402
-from fedbayes.sim.simulator import Federation, Simulator  # noqa: E402
+from fedbayes.sim.simulator import Simulator  # noqa: E402
 
 
 def _settings(args, part: str, weighting: str, rule: str) -> dict:

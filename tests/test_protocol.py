@@ -158,3 +158,20 @@ def test_keep_unless_accepted_selects_per_leaf_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
         assert got["n"].dtype == want["n"].dtype and int(got["n"]) == int(want["n"])
         np.testing.assert_array_equal(jax.random.key_data(got["key"]), jax.random.key_data(want["key"]))
+
+
+# ----- message shapes ----------------------------------------------------------------------------
+def test_message_templates_give_the_shapes_of_a_rounds_messages():
+    from fedbayes.sim.simulator import client_data_template
+
+    algo, state = _fedavgm()
+    params = {"w": jnp.arange(3, dtype=jnp.float32)}
+    data = client_data_template((4,), jnp.float32, jnp.int32, epochs=2, batch_size=8)
+    assert data.x.shape == (8, 4) and data.y.shape == (8,) and data.order.shape[0] >= 2 * 8 + 8
+    t = protocol.message_templates(algo, params, data)
+    spec = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    assert spec(t.broadcast) == spec(t.message) == {"w": ((3,), jnp.float32)}
+    assert set(t.info) and all(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(t.info))
+    assert spec(protocol.message_templates(algo, None, data, server_state=state, client_state=()).message) == spec(t.message)
+    only = protocol.message_templates(algo, params)  # what a node decodes the broadcast against
+    assert spec(only.broadcast) == spec(t.broadcast) and only.message is None and only.info is None

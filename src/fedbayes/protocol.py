@@ -26,6 +26,9 @@ Flower adapter) all run a round through these functions, so that they agree bit 
   burn-in switches and optimizer state do not move. :func:`keep_unless_accepted` is that policy
   inside a compiled round (the simulator's); :func:`finish_round` applies it on the host, owns the
   ``fail_fast`` check and builds the :class:`RoundInfo`, for every runner.
+* **Messages.** :func:`message_templates`: the shapes and dtypes of the broadcast, a client's
+  message and its info, which a runner needs before any message exists (byte counts, decoding a
+  deployment's replies).
 * **Runners.** A :class:`Runner` (the simulator, :class:`fedbayes.sim.simulator.Simulator`; a
   deployment, :class:`fedbayes.flower.rounds.FlowerRounds`) runs rounds on a :class:`SimState`;
   the run loop (:mod:`fedbayes.runs`) drives any of them the same way.
@@ -34,7 +37,7 @@ Flower adapter) all run a round through these functions, so that they agree bit 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +54,8 @@ __all__ = [
     "SimState",
     "finish_round",
     "keep_unless_accepted",
+    "MessageTemplates",
+    "message_templates",
     "client_key",
     "client_round_key",
     "attackers_rng",
@@ -249,6 +254,7 @@ class RoundInfo(NamedTuple):
     late: np.ndarray | None = None  # client ids cut by the deadline (server.deadline)
 
 
+@runtime_checkable
 class Runner(Protocol):
     """What runs the rounds of a run: the simulator or a deployment.
 
@@ -352,3 +358,36 @@ def finish_round(
         late=late,
     )
     return (new_server_state if np.any(accepted) else server_state), info
+
+
+# ----- message shapes ----------------------------------------------------------------------------
+class MessageTemplates(NamedTuple):
+    """Shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees) of one round's messages."""
+
+    broadcast: PyTree  # the server's message, algorithm.broadcast(server_state)
+    message: PyTree  # one client's message, client_update's first output
+    info: PyTree  # one client's info, client_update's third output
+
+
+def message_templates(algorithm, params: PyTree, data=None, *, server_state: PyTree = None, client_state: PyTree = None) -> MessageTemplates:
+    """The shapes of a round's messages, traced (``jax.eval_shape``) without computing anything.
+
+    Args:
+      algorithm: the :class:`~fedbayes.algorithms.base.Algorithm`.
+      params: the model's parameters (arrays or ``jax.ShapeDtypeStruct``); unused when both
+        ``server_state`` and ``client_state`` are given.
+      data: a client's data or its shapes (:func:`fedbayes.sim.simulator.client_data_template`); ``None``: the broadcast
+        only (``message`` and ``info`` are ``None``; a client that decodes the broadcast does not
+        trace its update twice).
+      server_state: a server state (or its shapes) to broadcast; default ``server_init(params)``'s.
+      client_state: one client's state (or its shapes); default ``client_init(params)``'s.
+    """
+    if server_state is None:
+        server_state = jax.eval_shape(algorithm.server_init, server_init_key(0), params)
+    if data is None:
+        return MessageTemplates(broadcast=jax.eval_shape(algorithm.broadcast, server_state), message=None, info=None)
+    if client_state is None:
+        client_state = jax.eval_shape(algorithm.client_init, params)
+    broadcast = jax.eval_shape(algorithm.broadcast, server_state)
+    message, _, info = jax.eval_shape(algorithm.client_update, jax.random.key(0), broadcast, client_state, data)
+    return MessageTemplates(broadcast=broadcast, message=message, info=info)

@@ -200,7 +200,8 @@ def test_a_round_with_no_accepted_message_ends_the_same_in_both_runners(fedep_ex
     """The protocol's end of a round (fedbayes.protocol.finish_round): every message of round 0
     is NaN, in a deployment (the nodes' replies) and in the simulator (a NaN message attack by
     every client). Both runners keep the server state bit for bit and report the same round."""
-    from fedbayes.sim.scenario import message_attack
+    from fedbayes import protocol
+    from fedbayes.sim.scenario import Scenario, message_attack
     from fedbayes.sim.simulator import Simulator
 
     nan, _ = MALFORMED["NaN"]
@@ -208,8 +209,14 @@ def test_a_round_with_no_accepted_message_ends_the_same_in_both_runners(fedep_ex
     f_start = flower.init(fedep_experiment.params)
     f_state, f_info = flower.run_round(f_start)
     sim = Simulator(
-        fedep_experiment.simulator.algorithm, fedep_experiment.federation, clients_per_round=3, seed=0, attack=message_attack("nan"), attackers=[0, 1, 2]
+        fedep_experiment.simulator.algorithm,
+        fedep_experiment.federation,
+        clients_per_round=3,
+        seed=0,
+        scenario=Scenario(attack=message_attack("nan"), attackers=[0, 1, 2]),
     )
+    assert isinstance(flower, protocol.Runner) and isinstance(sim, protocol.Runner)
+    assert flower.counts_dropped and not sim.counts_dropped
     s_start = sim.init(fedep_experiment.params)
     s_state, s_info = sim.run_round(s_start)
     for start, end in ((f_start, f_state), (s_start, s_state), (s_state, f_state)):

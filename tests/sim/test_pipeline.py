@@ -10,6 +10,7 @@ from helpers import digits_federation, logreg_setup
 
 from fedbayes.algorithms import admm, fedavg, feddyn
 from fedbayes.algorithms.base import Algorithm
+from fedbayes.sim.scenario import Scenario
 from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150, 64, 23)
@@ -64,7 +65,7 @@ def test_pipelined_and_device_store_equal_plain_loop(name, store, layout, per_ro
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup(epochs=2, batch_size=16)
     alg = _algorithm(name, trainer, fed.num_clients)
-    make = lambda store: Simulator(alg, fed, clients_per_round=per_round, seed=5, layout=layout, store=store, dropout=0.2)  # noqa: E731
+    make = lambda store: Simulator(alg, fed, clients_per_round=per_round, seed=5, layout=layout, store=store, scenario=Scenario(dropout=0.2))  # noqa: E731
     ref, ref_infos = _loop(make("memory"), params, 5, donate=False)
     sim = make(store)
     got = list(sim.rounds(sim.init(params), 5))

@@ -12,6 +12,7 @@ from fedbayes.algorithms import admm, fedavg, feddyn, fedpa, fedprox
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.federation import Federation
 from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.sim.scenario import Scenario
 from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150)  # unequal on purpose, incl. a client smaller than one batch
@@ -50,18 +51,17 @@ def test_every_client_takes_exactly_its_own_steps(layout):
     alg, params = _step_counter()
     sim = Simulator(alg, fed, clients_per_round=len(sizes), seed=0, layout=layout)
     state = sim.init(params)
-    slots = sim.layout_cohort(sim.sample_cohort(0))
-    x, y, order, offsets, n, w, _ = sim.gather(0, slots)
+    prepared = sim.prepare_round(0)
+    slots = prepared.slots
     program = jax.jit(sim.round_program)
-    put = lambda a: jax.device_put(a, sim._sharded)  # noqa: E731
-    ids = np.where(slots >= 0, slots, 0).astype(np.int32)
     # run the compiled round and read each client's message through a weight vector e_k
     for k in range(len(slots)):
         if slots[k] < 0:
             continue
         onehot = np.zeros(len(slots), np.float32)
         onehot[k] = 1.0
-        new_server, _, ok, _, _ = program(state.server_state, (), put(ids), put(offsets), put(n), put(onehot), jnp.int32(0), x, y, order)
+        args = prepared.args._replace(weights=jax.device_put(onehot, sim.sharded))
+        new_server, _, ok, _, _ = program(state.server_state, (), *args)
         assert -float(new_server.params["w"]) == 3 * -(-sizes[slots[k]] // 8), slots[k]
 
 
@@ -204,6 +204,24 @@ def test_invalid_arguments_raise_clear_errors():
         Simulator(alg, empty, clients_per_round=1)
 
 
+def test_a_scenario_checks_its_knobs_and_draws_failures_by_seed():
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        Scenario(dropout=1.0).check()
+    with pytest.raises(ValueError, match="deadline must be >= 1"):
+        Scenario(deadline=0).check()
+    assert not Scenario().fails_clients and Scenario(deadline=3).fails_clients
+    np.testing.assert_array_equal(Scenario(attackers=[1, 3]).attacker_mask(5), [False, True, False, True, False])
+    cohort = np.arange(8)
+    steps = lambda c: np.array([1, 2, 3, 4, 5, 6, 7, 8])[c]  # noqa: E731
+    dropped, late = Scenario(dropout=0.5, deadline=4).failed_clients(3, 2, cohort, steps)
+    again, _ = Scenario(dropout=0.5, deadline=4).failed_clients(3, 2, cohort, steps)
+    np.testing.assert_array_equal(dropped, again)
+    np.testing.assert_array_equal(dropped, protocol.dropout_rng(3, 2).random(8) < 0.5)
+    np.testing.assert_array_equal(late, ~dropped & (steps(cohort) > 4))
+    none = Scenario().failed_clients(3, 2, cohort, steps)
+    assert not none[0].any() and not none[1].any()
+
+
 def test_bytes_are_counted_from_message_shapes():
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup()
@@ -229,12 +247,12 @@ def test_round_compiles_once_across_changing_cohorts(layout):
 
 
 def test_device_assignment_is_balanced_with_a_fixed_shape():
-    from fedbayes.sim.simulator import _lpt_assign
+    from fedbayes.sim.simulator import lpt_assign
 
     rng = np.random.default_rng(0)
     for _ in range(50):
         costs = rng.lognormal(5, 1.5, 10)
-        groups = _lpt_assign(costs, 2)
+        groups = lpt_assign(costs, 2)
         assert sorted(sum(groups, [])) == list(range(10))
         assert [len(g) for g in groups] == [5, 5]  # the same shape every round
         loads = [costs[g].sum() for g in groups]

@@ -202,9 +202,10 @@ def _cnn_round(settings, x, y, parts):
     import jax
 
     from fedbayes.algorithms import fedavg, make_server_optimizer
+    from fedbayes.data.federation import Federation
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import init_params, loss_fn, make_model
-    from fedbayes.sim.simulator import Federation, Simulator
+    from fedbayes.sim.simulator import Simulator
 
     model = make_model("cnn", NUM_CLASSES)
     params = init_params(model, jax.random.key(settings.seed), tuple(settings.image_shape))
@@ -245,10 +246,11 @@ def measure_vbnn(settings) -> dict[str, Any]:
     import jax
 
     from fedbayes.algorithms.vbnn import vbnn
+    from fedbayes.data.federation import Federation
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import init_params, make_model
     from fedbayes.models.variational import apply_with_key
-    from fedbayes.sim.simulator import Federation, Simulator
+    from fedbayes.sim.simulator import Simulator
 
     x, y, parts = _images(settings)
     cnn_call, _, _ = _cnn_round(settings, x, y, parts)

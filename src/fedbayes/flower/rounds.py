@@ -45,8 +45,8 @@ from fedbayes import protocol, tree
 from fedbayes.config.schema import to_toml
 from fedbayes.errors import BadInputError, FedbayesError
 from fedbayes.flower.codec import MalformedMessage, decode, encode
-from fedbayes.flower.node import reply_template
 from fedbayes.protocol import RoundInfo, SimState
+from fedbayes.sim.simulator import client_data_template
 
 log = logging.getLogger("fedbayes.flower")
 
@@ -134,10 +134,10 @@ class FlowerRounds:
         self.config_text = to_toml(exp.config)
         self.run_key = run_key(exp.config)
         fed = exp.federation
-        x_spec = jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype)
-        self.x_spec = jax.ShapeDtypeStruct((256, *x_spec.shape), x_spec.dtype)
-        self.y_spec = jax.ShapeDtypeStruct((256,), fed.y.dtype)
-        self.message_spec, self.info_spec = reply_template(self.algorithm, exp.params, self.x_spec, self.y_spec)
+        alg = self.algorithm
+        data = client_data_template(fed.x.shape[1:], fed.x.dtype, fed.y.dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size)
+        templates = protocol.message_templates(alg, exp.params, data)  # what the replies are decoded against
+        self.message_spec, self.info_spec = templates.message, templates.info
         self._step = jax.jit(lambda s, m, w, k: protocol.server_step(self.algorithm, s, m, w, k, self.aggregator))
         self._waited = False
 
