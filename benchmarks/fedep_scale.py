@@ -51,7 +51,8 @@ def run_mode(mode: str, args: argparse.Namespace, folder: str) -> dict:
     import numpy as np
 
     from fedbayes.data import partition
-    from fedbayes.sim.simulator import Federation, Simulator
+    from fedbayes.data.federation import Federation
+    from fedbayes.sim.simulator import Simulator
     from fedbayes.tree import num_params
 
     t0 = time.perf_counter()

@@ -41,12 +41,13 @@ from fedbayes.algorithms.fedavg import fedavg  # noqa: E402
 from fedbayes.algorithms.server_opt import make_server_optimizer  # noqa: E402
 from fedbayes.algorithms.vbnn import vbnn  # noqa: E402
 from fedbayes.data import load_dataset, partition  # noqa: E402
+from fedbayes.data.federation import Federation  # noqa: E402
 from fedbayes.evaluation.metrics import classification_metrics  # noqa: E402
 from fedbayes.evaluation.variational import predictive_metrics  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
 from fedbayes.models.variational import apply_with_key  # noqa: E402
-from fedbayes.sim.simulator import Federation, Simulator  # noqa: E402
+from fedbayes.sim.simulator import Simulator  # noqa: E402
 
 
 def _settings(args, part: str, weighting: str, rule: str) -> dict:

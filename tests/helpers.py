@@ -10,9 +10,10 @@ from sklearn.datasets import load_digits
 
 from fedbayes import protocol, tree
 from fedbayes.data.batches import ClientData, layout_orders, size_class
+from fedbayes.data.federation import Federation
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
-from fedbayes.sim.simulator import Federation, Simulator
+from fedbayes.sim.simulator import Simulator
 
 
 def digits_federation(sizes=(37, 90, 213, 11, 150), seed=0) -> Federation:

@@ -1,9 +1,21 @@
-"""The layering of the package: the core never imports the harness around it.
+"""The layering of the package: every module imports only its own layer or the layers below it.
 
-The algebra (gaussian, tree), the round protocol, the aggregators, the algorithms, client
-inference and the models are pure functions over pytrees that a simulator, a deployment or a
-user's own loop can call; nothing in them may import the simulator, the client-state store,
-checkpoints, the experiment runner, the CLI, the bench or a deployment adapter.
+The layers, bottom to top, as today's imports draw them (``LAYERS``):
+
+* the algebra (``typing``, ``gaussian``, ``tree``, ``hparams``, ``errors``): pure functions and types;
+* the round protocol (keys and streams, cohorts, weights, the server step, the end of a round), the
+  aggregation rules and the models, which stand side by side;
+* the data (its random streams come from the protocol);
+* client inference and evaluation;
+* the algorithms; the config (its schema is built from the algorithm registry);
+* the simulator; the runs (build, loop, run folders);
+* on top, the harness that drives them: the CLI, the Flower deployment, the bench, the toys and the
+  package root's curated API.
+
+So the core (algebra, protocol, aggregators, models, data, inference, evaluation, algorithms) never
+imports the harness, and nothing below ``runs`` imports ``runs`` or ``cli``. Imports are read from
+the source: ``import`` statements anywhere in a module (function-level ones included) and
+``importlib.import_module("fedbayes....")`` calls with a literal name.
 """
 
 import ast
@@ -12,32 +24,110 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedbayes"
-CORE = ["gaussian.py", "tree.py", "protocol.py", "hparams.py", "aggregators", "algorithms", "inference", "models"]
-HARNESS = ("sim", "runs", "cli", "bench", "flower", "toys")
+
+# Bottom to top; the units of one layer may import each other.
+LAYERS = (
+    ("typing", "gaussian", "tree", "hparams", "errors"),
+    ("protocol", "round", "aggregators", "models"),
+    ("data",),
+    ("inference", "evaluation"),
+    ("algorithms",),
+    ("config",),
+    ("sim",),
+    ("runs",),
+    ("cli", "flower", "bench", "toys", "__init__"),
+)
+LEVEL = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+HARNESS = ("sim", "runs", "cli", "flower", "bench", "toys")
 
 
-def _modules():
-    for entry in CORE:
-        path = SRC / entry
-        yield from (sorted(path.rglob("*.py")) if path.is_dir() else [path])
+def _unit_of_path(path: Path) -> str:
+    """The layer unit of a source file: its top-level module or package under fedbayes/."""
+    return path.relative_to(SRC).parts[0].removesuffix(".py")
+
+
+def _unit_of_module(name: str) -> str:
+    """The layer unit of an imported name (``fedbayes.sim.store`` -> ``sim``); a name of the root
+    package that is not a unit (``fedbayes.__version__``) is the root, ``__init__``."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return "__init__"
+    return parts[1] if parts[1] in LEVEL else "__init__"
 
 
 def _imports(path: Path):
+    """Every fedbayes module name ``path`` imports: statements anywhere (function level too),
+    relative imports resolved, and ``importlib.import_module`` calls with a literal name."""
+    package = ".".join(("fedbayes", *path.relative_to(SRC).parent.parts)) if path.is_relative_to(SRC) else "fedbayes"
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
-            yield from (f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module
+            if module != "fedbayes":  # `from fedbayes import protocol`: the names below say which units
+                yield module
+            yield from (f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == "import_module":
+                yield node.args[0].value
 
 
-@pytest.mark.parametrize("path", list(_modules()), ids=lambda p: str(p.relative_to(SRC)))
-def test_core_modules_do_not_import_the_harness(path):
-    bad = sorted({m for m in _imports(path) if m.startswith("fedbayes.") and m.split(".")[1] in HARNESS})
-    assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+def _violations(path: Path, unit: str) -> list[str]:
+    level = LEVEL[unit]
+    bad = set()
+    for name in _imports(path):
+        if name != "fedbayes" and not name.startswith("fedbayes."):
+            continue
+        other = _unit_of_module(name)
+        if other != unit and LEVEL[other] > level:
+            bad.add(f"{name} ({other}, layer {LEVEL[other]} above {unit}'s {level})")
+    return sorted(bad)
+
+
+def _modules():
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_every_unit_of_the_package_has_a_layer():
+    units = {_unit_of_path(p) for p in _modules()}
+    assert units <= set(LEVEL), f"units without a layer in LAYERS: {sorted(units - set(LEVEL))}"
+
+
+def test_the_harness_sits_above_the_core():
+    assert min(LEVEL[u] for u in HARNESS) > max(LEVEL[u] for u in ("algorithms", "inference", "evaluation", "aggregators", "models", "data", "protocol"))
+    assert all(LEVEL[u] > LEVEL["runs"] for u in ("cli", "flower", "bench", "toys"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_modules_import_only_their_layer_and_below(path):
+    bad = _violations(path, _unit_of_path(path))
+    assert not bad, f"{path.relative_to(SRC)} imports upwards: {bad}"
 
 
 def test_the_check_sees_a_violation(tmp_path):
     bad = tmp_path / "m.py"
-    bad.write_text("from fedbayes.sim.simulator import Simulator\nimport fedbayes.cli\n")
-    assert {"fedbayes.sim.simulator", "fedbayes.cli"} <= set(_imports(bad))
+    bad.write_text(
+        "import importlib\n"
+        "from fedbayes.sim.simulator import Simulator\n"
+        "import fedbayes.cli\n"
+        "def late():\n"
+        "    from fedbayes.runs import experiment\n"
+        "    return importlib.import_module('fedbayes.flower.rounds')\n"
+    )
+    assert {"fedbayes.sim.simulator", "fedbayes.cli", "fedbayes.runs", "fedbayes.flower.rounds"} <= set(_imports(bad))
+    found = _violations(bad, "algorithms")
+    assert [v.split()[0] for v in found] == [
+        "fedbayes.cli",
+        "fedbayes.flower.rounds",
+        "fedbayes.runs",
+        "fedbayes.runs.experiment",
+        "fedbayes.sim.simulator",
+        "fedbayes.sim.simulator.Simulator",
+    ]
+    assert _violations(bad, "cli") == []  # the top layer may import anything

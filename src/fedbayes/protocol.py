@@ -21,20 +21,41 @@ Flower adapter) all run a round through these functions, so that they agree bit 
 * **The server step.** :func:`server_step`: validate every message (``algorithm.message_ok``),
   give rejected clients weight zero, reduce the messages with the aggregator (the algorithm's own
   rule unless another is given: a robust rule, DP noise) and apply ``algorithm.server_update``.
+* **The end of a round.** A round in which no message is accepted (every one rejected, dropped or
+  missing) teaches the server nothing, so the server state stays as it was: round counters,
+  burn-in switches and optimizer state do not move. :func:`keep_unless_accepted` is that policy
+  inside a compiled round (the simulator's); :func:`finish_round` applies it on the host, owns the
+  ``fail_fast`` check and builds the :class:`RoundInfo`, for every runner.
+* **Messages.** :func:`message_templates`: the shapes and dtypes of the broadcast, a client's
+  message and its info, which a runner needs before any message exists (byte counts, decoding a
+  deployment's replies).
+* **Runners.** A :class:`Runner` (the simulator, :class:`fedbayes.sim.simulator.Simulator`; a
+  deployment, :class:`fedbayes.flower.rounds.FlowerRounds`) runs rounds on a :class:`SimState`;
+  the run loop (:mod:`fedbayes.runs`) drives any of them the same way.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedbayes.errors import DivergedError
+
 PyTree = Any
 
 __all__ = [
     "WEIGHTINGS",
+    "RoundInfo",
+    "Runner",
+    "SimState",
+    "finish_round",
+    "keep_unless_accepted",
+    "MessageTemplates",
+    "message_templates",
     "client_key",
     "client_round_key",
     "attackers_rng",
@@ -196,3 +217,177 @@ def server_step(algorithm, server_state, messages: PyTree, weights: jax.Array, k
     aggregate = rule(jax.random.fold_in(key, 0), messages, jnp.where(ok, weights, 0.0), **extra)
     new_state, info = algorithm.server_update(jax.random.fold_in(key, 1), server_state, aggregate)
     return new_state, ok, {**info, "num_accepted": jnp.sum(ok.astype(jnp.int32))}
+
+
+# ----- runners and the end of a round ------------------------------------------------------------
+class SimState(NamedTuple):
+    """Everything a run needs to continue: the next round, server state, client store.
+
+    ``client_states`` is the runner's: the simulator's client store (a pytree of host arrays
+    ``[num_clients, ...]``, a :class:`~fedbayes.sim.store.DiskStore`, device arrays, or ``()`` when
+    stateless), a deployment's per-client bookkeeping (:class:`~fedbayes.flower.rounds.FlowerRounds`).
+    """
+
+    round: int
+    server_state: Any
+    client_states: Any
+
+
+class RoundInfo(NamedTuple):
+    """What one round did.
+
+    ``padding_waste`` is the share of padded entries in the cohort's order buffer (and, for a
+    generated federation, its feature buffer); ``step_waste`` the share of masked no-op client
+    steps (0 in the sequential layout, where each client runs exactly its own steps).
+    """
+
+    round: int
+    cohort: np.ndarray
+    rejected: np.ndarray  # client ids whose messages were rejected
+    bytes_up: int
+    bytes_down: int
+    padding_waste: float = 0.0
+    step_waste: float = 0.0
+    clients: dict[str, np.ndarray] | None = None  # per cohort client (in cohort order): num_examples and its info
+    server: dict[str, float] | None = None  # the server update's info
+    dropped: np.ndarray | None = None  # client ids that failed this round (server.dropout) or never replied
+    late: np.ndarray | None = None  # client ids cut by the deadline (server.deadline)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What runs the rounds of a run: the simulator or a deployment.
+
+    Attributes:
+      algorithm: the :class:`~fedbayes.algorithms.base.Algorithm` it runs.
+      counts_dropped: whether its rounds can lose clients that the config does not ask to drop
+        (a deployment's missing replies), so that the run loop counts ``dropped`` clients even
+        without ``server.dropout`` or ``server.deadline``.
+    """
+
+    algorithm: Any
+    counts_dropped: bool
+
+    def init(self, params: PyTree, *, resume: bool = False) -> SimState:
+        """The state before round 0: ``server_init`` and every client's initial state.
+        ``resume=True``: a checkpoint will replace it (open the existing client store)."""
+        ...
+
+    def place(self, server_state: PyTree) -> PyTree:
+        """A server state (e.g. restored from a checkpoint) laid out as :meth:`run_round` returns it."""
+        ...
+
+    def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
+        """Runs round ``state.round``; ``donate=True``: the caller drops ``state`` (update in place)."""
+        ...
+
+    def rounds(self, state: SimState, stop: int, *, donate: bool = True, keep: Callable[[int], bool] | None = None) -> Iterator[tuple[SimState, RoundInfo]]:
+        """Runs rounds ``state.round .. stop - 1``, yielding ``(state, info)`` after each: bitwise
+        what :meth:`run_round` in a loop gives. ``keep(r)``: the caller needs round ``r``'s
+        yielded state intact until it resumes the iteration (to checkpoint it)."""
+        ...
+
+    def server_params(self, state: SimState) -> PyTree:
+        """The model parameters the server state stands for (what is evaluated and exported)."""
+        ...
+
+
+def keep_unless_accepted(accepted: jax.Array, new_server_state: PyTree, server_state: PyTree) -> PyTree:
+    """The policy for a round with no accepted message, inside a compiled round.
+
+    ``new_server_state`` when any entry of ``accepted`` (the ``[M]`` flags of
+    :func:`server_step`) is true, else ``server_state``: a per-leaf select, so a round with an
+    accepted message returns ``new_server_state`` bit for bit.
+    """
+    any_accepted = jnp.any(accepted)
+    return jax.tree.map(lambda new, old: jnp.where(any_accepted, new, old), new_server_state, server_state)
+
+
+def finish_round(
+    server_state: PyTree,
+    new_server_state: PyTree,
+    accepted: np.ndarray,
+    *,
+    round_idx: int,
+    cohort: np.ndarray,
+    rejected: np.ndarray,
+    fail_fast: bool,
+    bytes_up: int,
+    bytes_down: int,
+    padding_waste: float = 0.0,
+    step_waste: float = 0.0,
+    clients: dict[str, np.ndarray] | None = None,
+    server: dict[str, float] | None = None,
+    dropped: np.ndarray | None = None,
+    late: np.ndarray | None = None,
+) -> tuple[PyTree, RoundInfo]:
+    """The end of a round on the host, the same for every runner.
+
+    Args:
+      server_state: the server state the round started from.
+      new_server_state: the server step's result (:func:`server_step`).
+      accepted: ``[M]`` booleans, the messages the server step accepted.
+      round_idx, cohort, bytes_up, bytes_down, padding_waste, step_waste, clients, server,
+        dropped, late: the :class:`RoundInfo` fields.
+      rejected: the client ids whose messages were rejected.
+      fail_fast: raise on a rejected message (``server.fail_fast``).
+
+    Returns:
+      ``(server_state, info)``: the state to continue from (``server_state`` itself when no
+      message was accepted: nothing was learned, see :func:`keep_unless_accepted`) and what the
+      round did.
+
+    Raises:
+      DivergedError: ``fail_fast`` and a message was rejected (exit code 3 in the CLI).
+    """
+    if fail_fast and len(rejected):
+        raise DivergedError(
+            f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {np.asarray(rejected).tolist()} (server.fail_fast)"
+        )
+    info = RoundInfo(
+        round=round_idx,
+        cohort=cohort,
+        rejected=rejected,
+        bytes_up=bytes_up,
+        bytes_down=bytes_down,
+        padding_waste=padding_waste,
+        step_waste=step_waste,
+        clients=clients,
+        server=server,
+        dropped=dropped,
+        late=late,
+    )
+    return (new_server_state if np.any(accepted) else server_state), info
+
+
+# ----- message shapes ----------------------------------------------------------------------------
+class MessageTemplates(NamedTuple):
+    """Shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees) of one round's messages."""
+
+    broadcast: PyTree  # the server's message, algorithm.broadcast(server_state)
+    message: PyTree  # one client's message, client_update's first output
+    info: PyTree  # one client's info, client_update's third output
+
+
+def message_templates(algorithm, params: PyTree, data=None, *, server_state: PyTree = None, client_state: PyTree = None) -> MessageTemplates:
+    """The shapes of a round's messages, traced (``jax.eval_shape``) without computing anything.
+
+    Args:
+      algorithm: the :class:`~fedbayes.algorithms.base.Algorithm`.
+      params: the model's parameters (arrays or ``jax.ShapeDtypeStruct``); unused when both
+        ``server_state`` and ``client_state`` are given.
+      data: a client's data or its shapes (:func:`fedbayes.sim.simulator.client_data_template`); ``None``: the broadcast
+        only (``message`` and ``info`` are ``None``; a client that decodes the broadcast does not
+        trace its update twice).
+      server_state: a server state (or its shapes) to broadcast; default ``server_init(params)``'s.
+      client_state: one client's state (or its shapes); default ``client_init(params)``'s.
+    """
+    if server_state is None:
+        server_state = jax.eval_shape(algorithm.server_init, server_init_key(0), params)
+    if data is None:
+        return MessageTemplates(broadcast=jax.eval_shape(algorithm.broadcast, server_state), message=None, info=None)
+    if client_state is None:
+        client_state = jax.eval_shape(algorithm.client_init, params)
+    broadcast = jax.eval_shape(algorithm.broadcast, server_state)
+    message, _, info = jax.eval_shape(algorithm.client_update, jax.random.key(0), broadcast, client_state, data)
+    return MessageTemplates(broadcast=broadcast, message=message, info=info)

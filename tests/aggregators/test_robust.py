@@ -17,7 +17,7 @@ from fedbayes.algorithms.fedep import fedep
 from fedbayes.algorithms.sites import GaussianMessage
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.gaussian import DiagGaussian
-from fedbayes.sim.scenario import attacker_ids, flip_labels, message_attack
+from fedbayes.sim.scenario import Scenario, attacker_ids, flip_labels, message_attack
 from fedbayes.sim.simulator import Simulator
 
 
@@ -125,7 +125,9 @@ def test_message_attacks_touch_only_the_attackers():
 def _feddyn_sim(seed, dropout=0.0, deadline=None, attack=None, attackers=()):
     _, params, trainer = logreg_setup(epochs=1)
     alg = feddyn(trainer, optax.sgd(1.0), alpha=0.1, num_clients=5)
-    sim = Simulator(alg, digits_federation(), clients_per_round=4, seed=seed, dropout=dropout, deadline=deadline, attack=attack, attackers=attackers)
+    sim = Simulator(
+        alg, digits_federation(), clients_per_round=4, seed=seed, scenario=Scenario(dropout=dropout, deadline=deadline, attack=attack, attackers=attackers)
+    )
     return sim, sim.init(params)
 
 

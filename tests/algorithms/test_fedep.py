@@ -13,6 +13,7 @@ from helpers import digits_federation, logreg_setup
 from fedbayes import gaussian
 from fedbayes.algorithms.fedep import fedep, fedsep
 from fedbayes.config.schema import ConfigError, validate
+from fedbayes.data.federation import Federation
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
@@ -20,7 +21,7 @@ from fedbayes.inference.clipping import clip_by_spread
 from fedbayes.inference.curvature import diag_fisher
 from fedbayes.inference.sgd import training_info
 from fedbayes.inference.tilted import TiltedSettings, make_tilted_inference
-from fedbayes.sim.simulator import Federation, Simulator
+from fedbayes.sim.simulator import Simulator
 
 # Guo et al. 2023 (FedEP) Fig. 1 / docs/algorithms.md §15.1: two Gaussian clients in 2-D.
 MEANS = np.array([[7.0, -10.6], [0.2, 2.24]])

@@ -20,13 +20,14 @@ from fedbayes.algorithms.sites import GaussianMessage
 from fedbayes.cli import app
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.batches import get_batch, num_local_steps
+from fedbayes.data.federation import Federation
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.sgd import training_info
 from fedbayes.inference.vi import reparameterised_vi
 from fedbayes.runs.experiment import read_metrics
 from fedbayes.runs.export import load_model
-from fedbayes.sim.simulator import Federation, Simulator
+from fedbayes.sim.simulator import Simulator
 
 DIM = 3
 

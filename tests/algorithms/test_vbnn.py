@@ -353,7 +353,8 @@ def test_predictive_is_mean_of_softmaxes():
 @pytest.mark.parametrize("weighting", ["uniform", "examples"])
 def test_vbnn_learns_digits(weighting):
     from fedbayes.data import load_dataset, partition
-    from fedbayes.sim.simulator import Federation, Simulator
+    from fedbayes.data.federation import Federation
+    from fedbayes.sim.simulator import Simulator
 
     data = load_dataset("digits")
     parts = partition("iid", data.y_train, 4, np.random.default_rng(0))

@@ -72,7 +72,7 @@ def test_numpy_streams_of_a_run_are_distinct():
     """Cohort sampling, shuffles, subsample and partition use different seed sequences (numpy
     drops trailing zeros of a seed list, so [s, 1, 0] would equal [s, 1])."""
     from fedbayes.data.batches import client_rng
-    from fedbayes.sim.simulator import cohort_rng
+    from fedbayes.protocol import cohort_rng
 
     seed = 0
     streams = {

@@ -196,6 +196,41 @@ def test_malformed_replies_are_rejected_with_the_node_id_and_leave_the_server_st
         assert any(f"client {c} (node {100 + c})" in r.getMessage() and words in r.getMessage() for r in caplog.records), (kind, c)
 
 
+def test_a_round_with_no_accepted_message_ends_the_same_in_both_runners(fedep_experiment, honest):
+    """The protocol's end of a round (fedbayes.protocol.finish_round): every message of round 0
+    is NaN, in a deployment (the nodes' replies) and in the simulator (a NaN message attack by
+    every client). Both runners keep the server state bit for bit and report the same round."""
+    from fedbayes import protocol
+    from fedbayes.sim.scenario import Scenario, message_attack
+    from fedbayes.sim.simulator import Simulator
+
+    nan, _ = MALFORMED["NaN"]
+    flower = FlowerRounds(fedep_experiment, InProcess(3, honest["root"], lambda c, x: nan(x), honest["cache"]), Settings())
+    f_start = flower.init(fedep_experiment.params)
+    f_state, f_info = flower.run_round(f_start)
+    sim = Simulator(
+        fedep_experiment.simulator.algorithm,
+        fedep_experiment.federation,
+        clients_per_round=3,
+        seed=0,
+        scenario=Scenario(attack=message_attack("nan"), attackers=[0, 1, 2]),
+    )
+    assert isinstance(flower, protocol.Runner) and isinstance(sim, protocol.Runner)
+    assert flower.counts_dropped and not sim.counts_dropped
+    s_start = sim.init(fedep_experiment.params)
+    s_state, s_info = sim.run_round(s_start)
+    for start, end in ((f_start, f_state), (s_start, s_state), (s_state, f_state)):
+        assert end.round == 1
+        for a, b in zip(jax.tree.leaves(start.server_state), jax.tree.leaves(end.server_state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for info in (f_info, s_info):
+        assert info.round == 0 and info.cohort.tolist() == [0, 1, 2] and sorted(info.rejected.tolist()) == [0, 1, 2]
+        assert info.dropped.tolist() == [] and info.late.tolist() == []
+        assert info.clients["client"].tolist() == [0, 1, 2] and not info.clients["accepted"].any()
+        assert info.server["num_accepted"] == 0
+    assert sorted(f_info.server) == sorted(s_info.server)
+
+
 def test_one_malformed_reply_is_left_out_of_an_otherwise_normal_round(fedep_experiment, honest):
     """Client 1's NaN reply gets weight zero; the round equals one where client 1 sent nothing."""
     nan, _ = MALFORMED["NaN"]

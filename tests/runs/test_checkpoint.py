@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fedbayes.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from fedbayes.sim.simulator import SimState
+from fedbayes.protocol import SimState
 
 
 def _state(r, v=1.0):

@@ -31,7 +31,7 @@ from fedbayes.runs import runlock
 from fedbayes.runs.checkpoint import CheckpointError, find_resume_checkpoint, list_checkpoints, read_checkpoint, save_checkpoint
 from fedbayes.runs.experiment import read_metrics
 from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
-from fedbayes.sim.simulator import SimState
+from fedbayes.protocol import SimState
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()

@@ -12,6 +12,7 @@ from fedbayes.algorithms.admm import admm
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.algorithms.feddyn import feddyn
+from fedbayes.sim.scenario import Scenario
 from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150, 64, 23)
@@ -66,7 +67,7 @@ def test_pipelined_and_device_store_equal_plain_loop(name, store, layout, per_ro
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup(epochs=2, batch_size=16)
     alg = _algorithm(name, trainer, fed.num_clients)
-    make = lambda store: Simulator(alg, fed, clients_per_round=per_round, seed=5, layout=layout, store=store, dropout=0.2)  # noqa: E731
+    make = lambda store: Simulator(alg, fed, clients_per_round=per_round, seed=5, layout=layout, store=store, scenario=Scenario(dropout=0.2))  # noqa: E731
     ref, ref_infos = _loop(make("memory"), params, 5, donate=False)
     sim = make(store)
     got = list(sim.rounds(sim.init(params), 5))

@@ -12,29 +12,23 @@ from fedbayes.algorithms.admm import admm
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.algorithms.feddyn import feddyn
+from fedbayes.algorithms.fedpa import fedpa
 from fedbayes.algorithms.fedprox import fedprox
+from fedbayes.data.federation import Federation
 from fedbayes.inference.sgd import LocalTrainer
-from fedbayes.sim.simulator import Federation, Simulator
+from fedbayes.sim.scenario import Scenario
+from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150)  # unequal on purpose, incl. a client smaller than one batch
 
 
-def _algorithms(trainer, k):
-    return {
-        "fedavg": fedavg(trainer, optax.sgd(1.0)),
-        "fedavgm": fedavg(trainer, optax.sgd(1.0, momentum=0.9)),
-        "fedprox": fedprox(trainer, optax.sgd(1.0), mu=0.1),
-        "feddyn": feddyn(trainer, optax.sgd(1.0), alpha=0.1, num_clients=k, weight_decay=1e-3),
-        "admm": admm(trainer, optax.sgd(1.0), rho=0.1, num_clients=k),
-    }
-
-
-@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedprox", "feddyn", "admm"])
 @pytest.mark.parametrize("layout", ["vmap", "sequential"])
-def test_layouts_equal_plain_per_client_loop(name, layout):
+def test_layouts_equal_plain_per_client_loop_with_server_momentum(layout):
+    """FedAvgM (server optimizer state); the registered methods are compared with the plain loop
+    in tests/algorithms/test_conformance.py."""
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup(epochs=2, batch_size=16)
-    alg = _algorithms(trainer, fed.num_clients)[name]
+    alg = fedavg(trainer, optax.sgd(1.0, momentum=0.9))
     sim = Simulator(alg, fed, clients_per_round=3, seed=4, layout=layout)
     state = sim.init(params)
     for _ in range(2):  # two rounds: server optimizer and client state carry over
@@ -61,18 +55,17 @@ def test_every_client_takes_exactly_its_own_steps(layout):
     alg, params = _step_counter()
     sim = Simulator(alg, fed, clients_per_round=len(sizes), seed=0, layout=layout)
     state = sim.init(params)
-    slots = sim.layout_cohort(sim.sample_cohort(0))
-    x, y, order, offsets, n, w, _ = sim.gather(0, slots)
+    prepared = sim.prepare_round(0)
+    slots = prepared.slots
     program = jax.jit(sim.round_program)
-    put = lambda a: jax.device_put(a, sim._sharded)  # noqa: E731
-    ids = np.where(slots >= 0, slots, 0).astype(np.int32)
     # run the compiled round and read each client's message through a weight vector e_k
     for k in range(len(slots)):
         if slots[k] < 0:
             continue
         onehot = np.zeros(len(slots), np.float32)
         onehot[k] = 1.0
-        new_server, _, ok, _, _ = program(state.server_state, (), put(ids), put(offsets), put(n), put(onehot), jnp.int32(0), x, y, order)
+        args = prepared.args._replace(weights=jax.device_put(onehot, sim.sharded))
+        new_server, _, ok, _, _ = program(state.server_state, (), *args)
         assert -float(new_server.params["w"]) == 3 * -(-sizes[slots[k]] // 8), slots[k]
 
 
@@ -215,6 +208,24 @@ def test_invalid_arguments_raise_clear_errors():
         Simulator(alg, empty, clients_per_round=1)
 
 
+def test_a_scenario_checks_its_knobs_and_draws_failures_by_seed():
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        Scenario(dropout=1.0).check()
+    with pytest.raises(ValueError, match="deadline must be >= 1"):
+        Scenario(deadline=0).check()
+    assert not Scenario().fails_clients and Scenario(deadline=3).fails_clients
+    np.testing.assert_array_equal(Scenario(attackers=[1, 3]).attacker_mask(5), [False, True, False, True, False])
+    cohort = np.arange(8)
+    steps = lambda c: np.array([1, 2, 3, 4, 5, 6, 7, 8])[c]  # noqa: E731
+    dropped, late = Scenario(dropout=0.5, deadline=4).failed_clients(3, 2, cohort, steps)
+    again, _ = Scenario(dropout=0.5, deadline=4).failed_clients(3, 2, cohort, steps)
+    np.testing.assert_array_equal(dropped, again)
+    np.testing.assert_array_equal(dropped, protocol.dropout_rng(3, 2).random(8) < 0.5)
+    np.testing.assert_array_equal(late, ~dropped & (steps(cohort) > 4))
+    none = Scenario().failed_clients(3, 2, cohort, steps)
+    assert not none[0].any() and not none[1].any()
+
+
 def test_bytes_are_counted_from_message_shapes():
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup()
@@ -239,25 +250,13 @@ def test_round_compiles_once_across_changing_cohorts(layout):
     assert sim.num_compiled_rounds() <= len({len(sim.gather(r, sim.layout_cohort(sim.sample_cohort(r)))[2]) for r in range(4)})
 
 
-def test_floyd_sampling_is_uniform_over_subsets():
-    from collections import Counter
-
-    from fedbayes.sim.simulator import sample_without_replacement
-
-    rng = np.random.default_rng(0)
-    counts = Counter(tuple(sample_without_replacement(rng, 6, 3)) for _ in range(20000))
-    assert len(counts) == 20  # every 3-subset of 6 occurs
-    chi2 = sum((c - 1000) ** 2 / 1000 for c in counts.values())
-    assert chi2 < 43.8  # chi-square, 19 degrees of freedom, p = 0.001
-
-
 def test_device_assignment_is_balanced_with_a_fixed_shape():
-    from fedbayes.sim.simulator import _lpt_assign
+    from fedbayes.sim.simulator import lpt_assign
 
     rng = np.random.default_rng(0)
     for _ in range(50):
         costs = rng.lognormal(5, 1.5, 10)
-        groups = _lpt_assign(costs, 2)
+        groups = lpt_assign(costs, 2)
         assert sorted(sum(groups, [])) == list(range(10))
         assert [len(g) for g in groups] == [5, 5]  # the same shape every round
         loads = [costs[g].sum() for g in groups]
@@ -273,3 +272,30 @@ def test_round_compiler_options_keep_ynnpack_for_dots_only_on_cpu():
     assert round_compiler_options("gpu") is None
     opts = round_compiler_options("cpu")
     assert opts is None or opts == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_a_round_with_no_accepted_message_leaves_the_server_state(layout):
+    """Nothing was learned: FedPA's round counter and its server optimizer's state (Adam's count
+    and moments) stay as they were, in run_round and in the pipelined rounds (docs: the protocol's
+    end of a round, fedbayes.protocol.finish_round)."""
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    honest = fedpa(trainer, optax.adam(0.1), rho=0.5, burn_in_rounds=1)
+    refuse = honest._replace(message_ok=lambda server_state, message: jnp.bool_(False))
+    sim = Simulator(refuse, fed, clients_per_round=3, seed=0, layout=layout)
+    state = sim.init(params)
+    before = jax.tree.map(np.asarray, state.server_state)
+    new, info = sim.run_round(state)
+    assert sorted(info.rejected.tolist()) == sorted(info.cohort.tolist()) and info.server["num_accepted"] == 0
+    assert new.round == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new.server_state)):
+        np.testing.assert_array_equal(np.asarray(b), a)
+    for streamed, _ in sim.rounds(sim.init(params), 3):
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(streamed.server_state)):
+            np.testing.assert_array_equal(np.asarray(b), a)
+    # The same round with the messages accepted moves the counter and the optimizer's state.
+    sim_ok = Simulator(honest, fed, clients_per_round=3, seed=0, layout=layout)
+    moved, _ = sim_ok.run_round(sim_ok.init(params))
+    assert int(moved.server_state.round) == int(before.round) + 1
+    assert not all(np.array_equal(np.asarray(b), a) for a, b in zip(jax.tree.leaves(before.opt_state), jax.tree.leaves(moved.server_state.opt_state)))

@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -20,10 +21,11 @@ from hypothesis import strategies as st
 from fedbayes.algorithms.admm import admm
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.config.schema import validate
+from fedbayes.protocol import SimState
 from fedbayes.runs.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedbayes.runs.experiment import PlainReporter, read_metrics, run_experiment
-from fedbayes.sim.simulator import SimState, Simulator
-from fedbayes.sim.store import DiskStore, MemoryStore, as_store
+from fedbayes.sim.simulator import Simulator
+from fedbayes.sim.store import ClientStore, DeviceStore, DiskStore, MemoryStore, as_store
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = (37, 90, 213, 11, 150, 64)
@@ -88,6 +90,26 @@ def test_memory_store_scatter_is_pure_unless_donated():
     assert store.states["w"].sum() == 0 and new.states["w"][2].sum() == 3
     same = new.scatter(np.array([0]), {"w": np.ones((1, 3), np.float32)}, donate=True)
     assert same.states["w"] is new.states["w"] and new.states["w"].sum() == 6
+
+
+def test_device_store_gathers_and_scatters_in_a_program_dropping_out_of_range_rows():
+    host = MemoryStore.create({"w": np.zeros(3, np.float32), "n": np.int32(0)}, 5)
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.local_devices()), ("clients",)), jax.sharding.PartitionSpec())
+    store = DeviceStore.place(host.held, sharding)
+    assert store.num_clients == 5 and DeviceStore.place(store.held, sharding).held["w"] is store.held["w"]  # placed once
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), store.row_spec()) == jax.tree.map(lambda a: (a.shape, a.dtype), host.row_spec())
+
+    @jax.jit
+    def step(states, ids, rows):
+        return DeviceStore(states).scatter(ids, rows).held
+
+    rows = {"w": jnp.ones((3, 3), jnp.float32), "n": jnp.array([7, 8, 9], jnp.int32)}
+    new = DeviceStore(step(store.held, jnp.array([1, 5, 3]), rows))  # id 5 is out of range: dropped
+    np.testing.assert_array_equal(np.asarray(new.held["n"]), [0, 7, 0, 9, 0])
+    got = jax.jit(lambda states, ids: DeviceStore(states).gather(ids))(new.held, jnp.array([3, 3, 0]))
+    np.testing.assert_array_equal(np.asarray(got["n"]), [9, 9, 0])
+    assert np.asarray(got["w"]).sum() == 6
+    assert isinstance(new, ClientStore) and isinstance(host, ClientStore)
 
 
 def _admm_sim(fed, trainer, **kwargs):
@@ -159,13 +181,13 @@ def test_a_round_killed_at_any_point_is_undone_when_the_store_opens(tmp_path, cr
     if crash == "writing_undo_log":
         (tmp_path / "undo_000002.bin.tmp").write_bytes(b"FBUNDO1\n torn")
     else:
-        store._write_undo(2, ids)
-        leaves = store._rows(rows, len(ids))
+        store.write_undo_log(2, ids)
         if crash == "mid_rows":  # two clients written, the third torn inside its first leaf
-            store._write_rows(ids[:2], [leaf[:2] for leaf in leaves])
-            os.pwrite(store._fds[0], b"\xff" * 7, int(ids[2]) * store._row_bytes[0])
+            store.write_rows(ids[:2], jax.tree.map(lambda a: a[:2], rows))
+            with open(store.leaf_path(0), "r+b") as f:
+                os.pwrite(f.fileno(), b"\xff" * 7, int(ids[2]) * store.row_bytes[0])
         elif crash == "before_commit":
-            store._write_rows(ids, leaves)
+            store.write_rows(ids, rows)
     del store
     reopened = DiskStore.open(tmp_path, template, 8)
     assert reopened.round == 2 and reopened.undo_rounds() == [0, 1]
@@ -178,7 +200,7 @@ def test_a_round_killed_at_any_point_is_undone_when_the_store_opens(tmp_path, cr
 
 def test_a_killed_rollback_finishes_when_the_store_opens(tmp_path, monkeypatch):
     store, template, snapshots = _filled_store(tmp_path, 4)
-    real, applied = DiskStore._apply_undo, []
+    real, applied = DiskStore.apply_undo_log, []
 
     def dies_on_second_log(self, r):
         if applied:
@@ -186,7 +208,7 @@ def test_a_killed_rollback_finishes_when_the_store_opens(tmp_path, monkeypatch):
         applied.append(r)
         real(self, r)
 
-    monkeypatch.setattr(DiskStore, "_apply_undo", dies_on_second_log)
+    monkeypatch.setattr(DiskStore, "apply_undo_log", dies_on_second_log)
     with pytest.raises(OSError, match="killed"):
         store.rollback(1)
     monkeypatch.undo()

@@ -27,7 +27,7 @@ workload sets ``epochs``):
     timed ones) and ``device_idle`` (median; ``device_idle_max`` the largest): each device's time
     on its share of the client phase alone, and the share of the devices' time spent waiting for
     the slowest, ``1 - mean(busy) / max(busy)``
-    (:meth:`~fedbayes.sim.simulator.Simulator.device_busy_times`).
+    (:func:`fedbayes.bench.measure.device_busy_times`).
 
 * **Relative** (:class:`RelativeWorkload`, :mod:`fedbayes.bench.relative`): a computation timed
   against a reference computation in one process, paired per repetition: ``curvature`` (the

@@ -12,6 +12,7 @@ No JAX at top level (it is imported by the functions that run).
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import time
@@ -149,7 +150,7 @@ def measure_federated(
     if profiler is not None:
         profiler.disable()
     # Each device's busy time in the client phase of a few more rounds (probes, not timed above).
-    busy = [sim.device_busy_times(state._replace(round=state.round + i)).tolist() for i in range(settings.idle_probes)]
+    busy = [device_busy_times(sim, state._replace(round=state.round + i)).tolist() for i in range(settings.idle_probes)]
     start = spawn_time if spawn_time is not None else t_enter
     out: dict[str, Any] = {
         "kind": "federated",
@@ -181,6 +182,56 @@ def measure_federated(
     if profiler is not None:
         out["profile"] = _profile_rows(profiler, profile_top, sum(times))
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _client_phase_program(sim):
+    """The simulator's client phase alone, jitted with the round's XLA options (compiled on first use)."""
+    import jax
+
+    from fedbayes.sim.simulator import round_compiler_options
+
+    algorithm = sim.algorithm
+    return jax.jit(
+        lambda server_state, *a: jax.tree.leaves(sim.client_phase(algorithm.broadcast(server_state), *a)[0]),
+        compiler_options=round_compiler_options(sim.mesh.devices.flat[0].platform),
+    )
+
+
+def device_busy_times(sim, state):
+    """Seconds each device of ``sim`` (a :class:`~fedbayes.sim.simulator.Simulator`) spends on its
+    share of round ``state.round``'s client updates: ``[num_devices]``.
+
+    A probe, run apart from the round: the client phase alone
+    (:meth:`~fedbayes.sim.simulator.Simulator.client_phase`, which does not cross devices) is
+    launched once its inputs are on the devices, and one thread per device waits for that
+    device's share of the messages. The spread between devices is the time the round's server
+    step waits for the slowest one. ``state`` is not changed.
+    """
+    import threading
+
+    import jax
+    import numpy as np
+
+    program = _client_phase_program(sim)
+    p = sim.prepare_round(state.round)
+    a = p.args
+    args = (state.server_state, sim.cohort_states(state, p), a.client_ids, a.offsets, a.num_examples, a.round_idx, a.x, a.y, a.order)
+    jax.block_until_ready(args)
+    done: dict[int, float] = {}
+    t0 = time.perf_counter()
+    first = program(*args)[0]
+
+    def watch(shard):
+        shard.data.block_until_ready()
+        done[shard.device.id] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=watch, args=(shard,)) for shard in first.addressable_shards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return np.array([done[d.id] for d in sim.mesh.devices.flat])
 
 
 def _profile_rows(profiler, top: int, total_s: float) -> list[dict[str, Any]]:

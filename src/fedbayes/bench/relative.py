@@ -203,9 +203,10 @@ def _cnn_round(settings, x, y, parts):
 
     from fedbayes.algorithms.fedavg import fedavg
     from fedbayes.algorithms.server_opt import make_server_optimizer
+    from fedbayes.data.federation import Federation
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import init_params, loss_fn, make_model
-    from fedbayes.sim.simulator import Federation, Simulator
+    from fedbayes.sim.simulator import Simulator
 
     model = make_model("cnn", NUM_CLASSES)
     params = init_params(model, jax.random.key(settings.seed), tuple(settings.image_shape))
@@ -246,10 +247,11 @@ def measure_vbnn(settings) -> dict[str, Any]:
     import jax
 
     from fedbayes.algorithms.vbnn import vbnn
+    from fedbayes.data.federation import Federation
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import init_params, make_model
     from fedbayes.models.variational import apply_with_key
-    from fedbayes.sim.simulator import Federation, Simulator
+    from fedbayes.sim.simulator import Simulator
 
     x, y, parts = _images(settings)
     cnn_call, _, _ = _cnn_round(settings, x, y, parts)

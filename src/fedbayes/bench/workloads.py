@@ -44,7 +44,7 @@ class BenchSettings:
       cnn_clients, cnn_per_client, cnn_batch: the ``cnn`` and ``vbnn`` workloads' federation
         (all clients in every round, one local epoch) and client batch size.
       idle_probes: rounds whose client phase is probed for each device's busy time
-        (:meth:`~fedbayes.sim.simulator.Simulator.device_busy_times`) after a federated workload's
+        (:func:`fedbayes.bench.measure.device_busy_times`) after a federated workload's
         timed rounds.
     """
 
@@ -352,7 +352,8 @@ def build_simulator(workload: FederatedWorkload, settings: BenchSettings, datase
     ``parts`` defaults to :func:`workload_partition`; ``simulator_kwargs`` go to
     :class:`~fedbayes.sim.simulator.Simulator` (e.g. ``store="disk"``).
     """
-    from fedbayes.sim.simulator import Federation, Simulator
+    from fedbayes.data.federation import Federation
+    from fedbayes.sim.simulator import Simulator
 
     if workload.algorithm not in algorithm_names():
         raise BenchError(f"workload {workload.name!r}: unknown algorithm {workload.algorithm!r}; known: {', '.join(algorithm_names())}")

@@ -68,9 +68,10 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
     """The reply content to a train message (no Flower process needed: tests call it)."""
     import jax
 
+    from fedbayes import protocol
     from fedbayes.config.schema import validate
     from fedbayes.flower.codec import decode, encode
-    from fedbayes.flower.node import StateFolder, client_update, message_template, node_setup
+    from fedbayes.flower.node import StateFolder, client_update, node_setup
 
     part, _ = _node_partition(node_config)
     meta = content.config_records["fedbayes"]
@@ -81,7 +82,7 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
     _compilation_cache(state_dir)
     config = validate(tomllib.loads(str(meta["config"])))
     algorithm, params, x, y = node_setup(config, client, state_dir)
-    broadcast = decode(content.array_records["broadcast"], message_template(algorithm, params))
+    broadcast = decode(content.array_records["broadcast"], protocol.message_templates(algorithm, params).broadcast)
     template = algorithm.client_init(params)
     stateful = bool(jax.tree.leaves(template))
     folder = StateFolder(state_dir, run_key, client)

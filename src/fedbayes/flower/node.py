@@ -24,7 +24,6 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -143,20 +142,3 @@ def client_update(algorithm, seed: int, round_idx: int, client: int, message, cl
     if id(algorithm) not in _UPDATES:  # algorithms are kept alive by _SETUPS, so ids are not reused
         _UPDATES[id(algorithm)] = jax.jit(algorithm.client_update)
     return _UPDATES[id(algorithm)](key, message, client_state, data)
-
-
-def message_template(algorithm, params) -> Any:
-    """Shapes and dtypes of the broadcast (what a node decodes)."""
-    server_state = jax.eval_shape(algorithm.server_init, protocol.server_init_key(0), params)
-    return jax.eval_shape(algorithm.broadcast, server_state)
-
-
-def reply_template(algorithm, params, x_spec, y_spec) -> tuple[Any, Any]:
-    """Shapes and dtypes of a client's reply message and of its info (what the server decodes)."""
-    broadcast = message_template(algorithm, params)
-    cstate = jax.eval_shape(algorithm.client_init, params)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    order = jax.ShapeDtypeStruct((2 * algorithm.local_batch_size + 256,), jnp.int32)
-    data = ClientData(x_spec, y_spec, order, scalar, scalar)
-    message, _, info = jax.eval_shape(algorithm.client_update, jax.random.key(0), broadcast, cstate, data)
-    return message, info

@@ -1,6 +1,6 @@
 """The server side of a deployment: rounds over Flower nodes, as the simulator runs them.
 
-:class:`FlowerRounds` stands in for :class:`fedbayes.sim.simulator.Simulator` inside
+:class:`FlowerRounds` is a :class:`fedbayes.protocol.Runner`, as the simulator is, inside
 :func:`fedbayes.runs.experiment.run_experiment` (``init``, ``place``, ``run_round``,
 ``server_params``), so a deployed run writes the same run folder as ``fedbayes run``
 (metrics.jsonl, clients.jsonl, checkpoints, resume, model.npz, summary.json). One round:
@@ -17,15 +17,15 @@
 4. :func:`fedbayes.protocol.server_step` with the aggregator of
    :func:`fedbayes.runs.experiment.make_server_aggregator` and the simulator's server key: messages
    failing ``message_ok`` (NaN, a non-positive precision) are rejected there; rejected and
-   missing clients get weight zero. A round in which no reply is accepted leaves the server
-   state as it was.
+   missing clients get weight zero; :func:`fedbayes.protocol.finish_round` ends the round as the
+   simulator does (a round in which no reply is accepted leaves the server state as it was).
 
 Missing replies are counted (``dropped`` in metrics.jsonl and clients.jsonl);
 ``on_missing = "fail"`` stops the run instead. Rejected replies are counted as in the simulator
 (``rejected``); ``server.fail_fast`` stops the run on the first.
 
 The per-client bookkeeping the server needs to resume (each client's ``base``) is the
-``client_states`` of the :class:`~fedbayes.sim.simulator.SimState`, so the checkpoint holds it.
+``client_states`` of the :class:`~fedbayes.protocol.SimState`, so the checkpoint holds it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -43,10 +43,10 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedbayes import protocol, tree
 from fedbayes.config.schema import to_toml
-from fedbayes.errors import BadInputError, DivergedError, FedbayesError
+from fedbayes.errors import BadInputError, FedbayesError
 from fedbayes.flower.codec import MalformedMessage, decode, encode
-from fedbayes.flower.node import reply_template
-from fedbayes.sim.simulator import RoundInfo, SimState
+from fedbayes.protocol import RoundInfo, SimState
+from fedbayes.sim.simulator import client_data_template
 
 log = logging.getLogger("fedbayes.flower")
 
@@ -117,9 +117,9 @@ def check_deployable(config) -> None:
 
 
 class FlowerRounds:
-    """Runs rounds of ``exp``'s algorithm over a transport; the simulator's interface."""
+    """Runs rounds of ``exp``'s algorithm over a transport: a :class:`~fedbayes.protocol.Runner`."""
 
-    counts_dropped = True  # run_experiment counts missing replies as `dropped`
+    counts_dropped = True  # missing replies are counted as `dropped`
 
     def __init__(self, exp, transport: Transport, settings: Settings = Settings()):
         check_deployable(exp.config)
@@ -134,10 +134,10 @@ class FlowerRounds:
         self.config_text = to_toml(exp.config)
         self.run_key = run_key(exp.config)
         fed = exp.federation
-        x_spec = jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype)
-        self.x_spec = jax.ShapeDtypeStruct((256, *x_spec.shape), x_spec.dtype)
-        self.y_spec = jax.ShapeDtypeStruct((256,), fed.y.dtype)
-        self.message_spec, self.info_spec = reply_template(self.algorithm, exp.params, self.x_spec, self.y_spec)
+        alg = self.algorithm
+        data = client_data_template(fed.x.shape[1:], fed.x.dtype, fed.y.dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size)
+        templates = protocol.message_templates(alg, exp.params, data)  # what the replies are decoded against
+        self.message_spec, self.info_spec = templates.message, templates.info
         self._step = jax.jit(lambda s, m, w, k: protocol.server_step(self.algorithm, s, m, w, k, self.aggregator))
         self._waited = False
 
@@ -221,10 +221,6 @@ class FlowerRounds:
         rejected = cohort[rejected_mask]
         for c in cohort[received & ~bad & ~ok]:
             log.warning("round %d: client %d (node %d): reply rejected: message_ok failed (non-finite or invalid values)", r, c, replies[int(c)].node_id)
-        if len(rejected) and self.config.server.fail_fast:
-            raise DivergedError(f"round {r}: client messages rejected from clients {rejected.tolist()} (server.fail_fast)")
-        if not ok.any():
-            new_server = state.server_state  # no accepted reply: the server state stays
         new_base = base.copy()
         new_base[cohort[ok]] = r
         clients: dict[str, np.ndarray] = {"client": cohort, "num_examples": num_examples, "accepted": ok}
@@ -235,8 +231,33 @@ class FlowerRounds:
         clients["dropped"] = ~received
         clients["late"] = np.zeros(m, np.bool_)
         server = {k: np.asarray(v).item() for k, v in server_info.items()}
-        info = RoundInfo(r, cohort, rejected, bytes_up, tree.tree_bytes(broadcast_tree) * m, 0.0, 0.0, clients, server, missing, missing[:0])
+        new_server, info = protocol.finish_round(
+            state.server_state,
+            new_server,
+            ok,
+            round_idx=r,
+            cohort=cohort,
+            rejected=rejected,
+            fail_fast=self.config.server.fail_fast,
+            bytes_up=bytes_up,
+            bytes_down=tree.tree_bytes(broadcast_tree) * m,
+            clients=clients,
+            server=server,
+            dropped=missing,
+            late=missing[:0],
+        )
         return SimState(r + 1, new_server, {"base": new_base}), info
+
+    def rounds(self, state: SimState, stop: int, *, donate: bool = True, keep: Callable[[int], bool] | None = None) -> Iterator[tuple[SimState, RoundInfo]]:
+        """Runs rounds ``state.round .. stop - 1`` one at a time, yielding ``(state, info)`` after
+        each (each round waits for its replies, so there is nothing to pipeline); ``keep`` is
+        accepted for the :class:`~fedbayes.protocol.Runner` interface: no round consumes the state
+        of the one before."""
+        del keep
+        while state.round < stop:
+            state, info = self.run_round(state, donate=donate)
+            jax.block_until_ready(state.server_state)
+            yield state, info
 
 
 def _at(tree_, path):

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from fedbayes.errors import RunFolderError, one_line
-from fedbayes.sim.simulator import SimState
+from fedbayes.protocol import SimState
 from fedbayes.sim.store import DiskStore
 from fedbayes.runs.strictjson import loads_strict, sanitize
 

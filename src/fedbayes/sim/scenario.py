@@ -1,4 +1,14 @@
-"""Attacks, for measuring robust aggregation (``attack = {fraction, kind, scale}``).
+"""What goes wrong in a simulated federation: client failures, stragglers and attacks.
+
+A :class:`Scenario` gathers the simulator's knobs for them (``server.dropout``,
+``server.deadline``, ``attack``); :class:`~fedbayes.sim.simulator.Simulator` takes one.
+
+Failures (:meth:`Scenario.failed_clients`): each sampled client fails with probability
+``dropout`` (one uniform draw per cohort client from :func:`fedbayes.protocol.dropout_rng`, so
+reproducible by seed), and one whose local step count ``E * ceil(n_k / B)`` exceeds
+``deadline`` misses the round (a straggler). A failed client sends nothing and keeps its state.
+
+Attacks, for measuring robust aggregation (``attack = {fraction, kind, scale}``):
 
 A fixed set of ``floor(fraction * K)`` clients, drawn once per run from
 :func:`fedbayes.protocol.attackers_rng` (so it depends on the seed only), misbehaves whenever
@@ -20,7 +30,8 @@ before the server step (the server cannot tell): the simulator applies them with
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +47,55 @@ KINDS = ("scaled", "sign_flip", "nan", "huge_precision", "label_flip")
 MESSAGE_KINDS = ("scaled", "sign_flip", "nan", "huge_precision")
 DEFAULT_SCALE = {"scaled": 10.0, "sign_flip": 1.0, "nan": 1.0, "huge_precision": 1000.0, "label_flip": 1.0}
 
-__all__ = ["DEFAULT_SCALE", "KINDS", "MESSAGE_KINDS", "attacker_ids", "flip_labels", "message_attack"]
+__all__ = ["DEFAULT_SCALE", "KINDS", "MESSAGE_KINDS", "Scenario", "attacker_ids", "flip_labels", "message_attack"]
+
+
+class Scenario(NamedTuple):
+    """The simulated federation's failures and attacks (the default: none).
+
+    Attributes:
+      dropout: probability that a sampled client fails in a round, in ``[0, 1)``.
+      deadline: local steps a sampled client may take; one with more misses the round; ``None``:
+        no deadline.
+      attack: ``(messages, attackers, broadcast) -> messages`` (:func:`message_attack`), applied
+        to the cohort's messages before the server step; ``None``: no message attack.
+      attackers: the client ids that attack (:func:`attacker_ids`).
+    """
+
+    dropout: float = 0.0
+    deadline: int | None = None
+    attack: Callable[[PyTree, jax.Array, PyTree], PyTree] | None = None
+    attackers: Sequence[int] = ()
+
+    def check(self) -> None:
+        """Raises ValueError naming the knob that is out of range."""
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1); got {self.dropout}")
+        if self.deadline is not None and self.deadline < 1:
+            raise ValueError(f"deadline must be >= 1 local steps (or None); got {self.deadline}")
+
+    @property
+    def fails_clients(self) -> bool:
+        """Whether clients can fail (dropout or a deadline)."""
+        return self.dropout > 0 or self.deadline is not None
+
+    def attacker_mask(self, num_clients: int) -> np.ndarray:
+        """``[num_clients]`` booleans, true for the attackers."""
+        mask = np.zeros(num_clients, np.bool_)
+        mask[np.asarray(self.attackers, np.int64)] = True
+        return mask
+
+    def failed_clients(self, seed: int, round_idx: int, cohort: np.ndarray, steps: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``(dropped, late)``: boolean masks over the (sorted) cohort of the clients that fail
+        round ``round_idx`` (``dropout``) and of those that miss the ``deadline``; ``steps(cohort)``
+        gives each cohort client's local step count (only called with a deadline)."""
+        dropped = np.zeros(len(cohort), np.bool_)
+        if self.dropout > 0:
+            dropped = protocol.dropout_rng(seed, round_idx).random(len(cohort)) < self.dropout
+        late = np.zeros(len(cohort), np.bool_)
+        if self.deadline is not None:
+            late = ~dropped & (np.asarray(steps(cohort)) > self.deadline)
+        return dropped, late
 
 
 def attacker_ids(seed: int, num_clients: int, fraction: float) -> np.ndarray:

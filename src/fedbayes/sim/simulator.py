@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +57,10 @@ from jax.sharding import PartitionSpec as P
 from fedbayes import protocol, tree
 from fedbayes.algorithms.base import Algorithm
 from fedbayes.data.batches import ClientData, layout_orders, num_local_steps, size_class
-from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation
-from fedbayes.protocol import WEIGHTINGS, cohort_rng, sample_without_replacement
-from fedbayes.sim.store import DiskStore, MemoryStore, as_store
+from fedbayes.data.federation import AnyFederation, GeneratedFederation
+from fedbayes.protocol import WEIGHTINGS, RoundInfo, SimState
+from fedbayes.sim.scenario import Scenario
+from fedbayes.sim.store import DeviceStore, DiskStore, MemoryStore, as_store
 
 log = logging.getLogger(__name__)
 
@@ -83,53 +84,14 @@ def round_compiler_options(platform: str) -> dict[str, str] | None:
     return dict(_CPU_ROUND_OPTIONS)
 
 
-__all__ = [
-    "Federation",
-    "GeneratedFederation",
-    "LaunchedRound",
-    "PreparedRound",
-    "RoundInfo",
-    "SimState",
-    "Simulator",
-    "cohort_rng",
-    "sample_without_replacement",
-]
+__all__ = ["LaunchedRound", "PreparedRound", "RoundArgs", "Simulator", "client_data_template", "lpt_assign", "round_compiler_options"]
 
 LAYOUTS = ("auto", "sequential", "vmap")
 STORES = ("memory", "disk", "device")
 _AXIS = "clients"
 
 
-class SimState(NamedTuple):
-    """Everything a run needs to continue: the next round, server state, client store."""
-
-    round: int
-    server_state: Any
-    client_states: Any  # pytree of host arrays [num_clients, ...], a DiskStore, or () when stateless
-
-
-class RoundInfo(NamedTuple):
-    """What one round did.
-
-    ``padding_waste`` is the share of padded entries in the cohort's order buffer (and, for a
-    generated federation, its feature buffer); ``step_waste`` the share of masked no-op client
-    steps (0 in the sequential layout, where each client runs exactly its own steps).
-    """
-
-    round: int
-    cohort: np.ndarray
-    rejected: np.ndarray  # client ids whose messages were rejected
-    bytes_up: int
-    bytes_down: int
-    padding_waste: float = 0.0
-    step_waste: float = 0.0
-    clients: dict[str, np.ndarray] | None = None  # per cohort client (in cohort order): num_examples and its info
-    server: dict[str, float] | None = None  # the server update's info
-    dropped: np.ndarray | None = None  # client ids that failed this round (server.dropout)
-    late: np.ndarray | None = None  # client ids cut by the deadline (server.deadline)
-
-
-def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
+def lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
     """Longest-processing-time-first assignment with equal slot counts per device.
 
     Items go, longest first, to the least-loaded device that still has a free slot; every device
@@ -145,6 +107,25 @@ def _lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
         groups[d].append(int(i))
         loads[d] += costs[i]
     return groups
+
+
+def client_data_template(feature_shape, x_dtype, y_dtype, *, epochs: int, batch_size: int):
+    """Shapes of the :class:`~fedbayes.data.batches.ClientData` of a client holding one batch of
+    examples, laid out alone (:func:`~fedbayes.data.batches.layout_orders`: ``epochs`` shuffles
+    of its examples, then one batch of slack, in a buffer of the next size class).
+
+    A client's message and info have the model's shapes, not the data's, so any client's data
+    gives the same templates; this is the smallest that takes full steps.
+    """
+    n = batch_size
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return ClientData(
+        x=jax.ShapeDtypeStruct((n, *feature_shape), x_dtype),
+        y=jax.ShapeDtypeStruct((n,), y_dtype),
+        order=jax.ShapeDtypeStruct((size_class(epochs * n + batch_size),), jnp.int32),
+        offset=scalar,
+        num_examples=scalar,
+    )
 
 
 class Simulator:
@@ -167,15 +148,17 @@ class Simulator:
       store_dir: the disk store's folder (needed with ``store="disk"``).
       aggregator: an :data:`fedbayes.aggregators.Aggregator` replacing the algorithm's own rule
         (e.g. a robust rule or one that adds DP noise); ``None`` keeps the algorithm's.
-      dropout: probability that a sampled client fails in a round (drawn from
-        :func:`fedbayes.protocol.dropout_rng`, so reproducible by seed); a failed client sends
-        nothing and keeps its state, as a padding slot does.
-      deadline: a sampled client whose local step count ``E * ceil(n_k / B)`` exceeds it misses
-        the round (a straggler), as a failed one does; ``None``: no deadline.
-      attack: ``(messages, attackers, broadcast) -> messages`` (:func:`fedbayes.sim.scenario.message_attack`)
-        applied to the cohort's messages before the server step, for measuring robust rules.
-      attackers: the client ids that attack (:func:`fedbayes.sim.scenario.attacker_ids`).
+      scenario: client failures, stragglers and message attacks
+        (:class:`~fedbayes.sim.scenario.Scenario`); a failed or late client sends nothing and
+        keeps its state, as a padding slot does; an attacker's message is replaced before the
+        server step. Default: none of them.
+
+    Attributes:
+      replicated, sharded: the shardings of the round's inputs over the devices, whole on every
+        device and split by slot (the client axis).
     """
+
+    counts_dropped = False  # clients fail only as the config asks (server.dropout, server.deadline)
 
     def __init__(
         self,
@@ -191,10 +174,7 @@ class Simulator:
         store: str = "memory",
         store_dir: str | None = None,
         aggregator=None,
-        dropout: float = 0.0,
-        deadline: int | None = None,
-        attack=None,
-        attackers: Sequence[int] = (),
+        scenario: Scenario = Scenario(),
     ):
         k = federation.num_clients
         if store not in STORES:
@@ -220,29 +200,23 @@ class Simulator:
         self.store = store
         self.store_dir = store_dir
         self.aggregator = aggregator
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
-        if deadline is not None and deadline < 1:
-            raise ValueError(f"deadline must be >= 1 local steps (or None); got {deadline}")
-        self.dropout = float(dropout)
-        self.deadline = deadline
-        self.attack = attack
-        self.is_attacker = np.zeros(k, np.bool_)
-        self.is_attacker[np.asarray(attackers, np.int64)] = True
+        scenario.check()
+        self.scenario = scenario
+        self.is_attacker = scenario.attacker_mask(k)
         devices = list(devices) if devices is not None else jax.local_devices()
         if layout == "auto":
             layout = "sequential" if devices[0].platform == "cpu" else "vmap"
         self.layout = layout
         self.mesh = Mesh(np.array(devices), (_AXIS,))
         self.num_devices = len(devices)
-        self._replicated = NamedSharding(self.mesh, P())
-        self._sharded = NamedSharding(self.mesh, P(_AXIS))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.sharded = NamedSharding(self.mesh, P(_AXIS))
         self.generated = isinstance(federation, GeneratedFederation)
         if self.generated:
             self.x = self.y = None
         else:
-            self.x = jax.device_put(federation.x, self._replicated)
-            self.y = jax.device_put(federation.y, self._replicated)
+            self.x = jax.device_put(federation.x, self.replicated)
+            self.y = jax.device_put(federation.y, self.replicated)
         options = round_compiler_options(devices[0].platform)
         self._round_fn = jax.jit(self.round_program, compiler_options=options)
         # The device store's round, with and without the store donated (updated in place).
@@ -250,7 +224,6 @@ class Simulator:
             donate: jax.jit(self.device_store_program, compiler_options=options, donate_argnums=(1,) if donate else ()) for donate in (False, True)
         }
         self._message_bytes: tuple[int, int] | None = None
-        self._client_phase_fn = None  # device_busy_times' program, compiled on first use
 
     # ----- state -----------------------------------------------------------------------------
     def init(self, params, *, resume: bool = False) -> SimState:
@@ -268,13 +241,13 @@ class Simulator:
         else:
             client_states = MemoryStore.create(template, k).held
             if self.store == "device" and jax.tree.leaves(template):
-                client_states = self.on_devices(client_states)
+                client_states = DeviceStore.place(client_states, self.replicated).held
         return SimState(round=0, server_state=server_state, client_states=client_states)
 
     def place(self, server_state):
         """Puts a server state on the devices as the round returns it (replicated), so that the
         compiled round is reused from the first call on."""
-        return jax.device_put(server_state, self._replicated)
+        return jax.device_put(server_state, self.replicated)
 
     def server_params(self, state: SimState):
         return self.algorithm.server_params(state.server_state)
@@ -288,7 +261,7 @@ class Simulator:
         """Orders the cohort into equal per-device blocks; ``-1`` marks padding slots."""
         d = self.num_devices
         if self.layout == "sequential" and d > 1:
-            groups = _lpt_assign(self.sizes[cohort].astype(np.float64), d)
+            groups = lpt_assign(self.sizes[cohort].astype(np.float64), d)
         else:
             per = -(-len(cohort) // d)
             groups = [list(range(i * per, min((i + 1) * per, len(cohort)))) for i in range(d)]
@@ -323,7 +296,7 @@ class Simulator:
         y = np.zeros((total,), fed.y_dtype)
         x[:used] = np.concatenate(xs)
         y[:used] = np.concatenate(ys)
-        x, y = jax.device_put((x, y), self._replicated)
+        x, y = jax.device_put((x, y), self.replicated)
         return x, y, positions, 1.0 - used / total
 
     def gather(self, round_idx: int, slots: np.ndarray):
@@ -359,7 +332,7 @@ class Simulator:
             messages, new_states, infos = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
             # Keep every state leaf split by client, as the sequential layout's shard_map does: XLA
             # would replicate a leaf that does not depend on the client (a constant flag).
-            return messages, jax.lax.with_sharding_constraint(new_states, self._sharded), infos
+            return messages, jax.lax.with_sharding_constraint(new_states, self.sharded), infos
 
         def per_device(message, round_idx, x, y, order, cids, cstates, offs, n):
             one = self._client_fn(message, round_idx, x, y, order)
@@ -384,55 +357,22 @@ class Simulator:
         algorithm = self.algorithm
         message = algorithm.broadcast(server_state)
         messages, new_states, infos = self.client_phase(message, client_states, client_ids, offsets, num_examples, round_idx, x, y, order)
-        if self.attack is not None:
-            messages = self.attack(messages, attackers, message)
+        if self.scenario.attack is not None:
+            messages = self.scenario.attack(messages, attackers, message)
         server_key = protocol.server_key(self.seed, round_idx)
         new_server, ok, server_info = protocol.server_step(algorithm, server_state, messages, weights, server_key, self.aggregator)
+        new_server = protocol.keep_unless_accepted(ok, new_server, server_state)  # no accepted message: nothing learned
         # A rejected client keeps its old state: run_round writes back only the accepted rows
         # (no select over every client's state here, one pass less over the cohort's states).
         return new_server, new_states, ok, infos, server_info
 
-    def device_busy_times(self, state: SimState) -> np.ndarray:
-        """Seconds each device spends on its share of round ``state.round``'s client updates.
-
-        A probe, run apart from the round: the client phase alone (:meth:`client_phase`, which
-        does not cross devices) is launched once its inputs are on the devices, and one thread
-        per device waits for that device's share of the messages. The spread between devices is
-        the time the round's server step waits for the slowest one. ``state`` is not changed.
-        """
-        import threading
-        import time
-
-        if self._client_phase_fn is None:
-            algorithm = self.algorithm
-            self._client_phase_fn = jax.jit(
-                lambda server_state, *a: jax.tree.leaves(self.client_phase(algorithm.broadcast(server_state), *a)[0]),
-                compiler_options=round_compiler_options(self.mesh.devices.flat[0].platform),
-            )
-        p = self.prepare_round(state.round)
-        safe = np.where(p.slots >= 0, p.slots, 0)
+    def cohort_states(self, state: SimState, prepared: PreparedRound):
+        """The client states of ``prepared``'s slots on the devices, split by slot (a padding slot
+        reads client 0's), as the round's client phase takes them; ``state`` is not changed."""
+        safe = np.where(prepared.slots >= 0, prepared.slots, 0)
         if self.store == "device" and jax.tree.leaves(state.client_states):
-            ids = jax.device_put(safe, self._sharded)
-            states = jax.tree.map(lambda s: jnp.take(s, ids, axis=0), self.on_devices(state.client_states))
-        else:
-            states = self._put_states(as_store(state.client_states), safe, state.round)
-        ids, offsets, num_examples, _, round_idx, x, y, order = p.args[:8]
-        args = (state.server_state, states, ids, offsets, num_examples, round_idx, x, y, order)
-        jax.block_until_ready(args)
-        done: dict[int, float] = {}
-        t0 = time.perf_counter()
-        first = self._client_phase_fn(*args)[0]
-
-        def watch(shard):
-            shard.data.block_until_ready()
-            done[shard.device.id] = time.perf_counter() - t0
-
-        threads = [threading.Thread(target=watch, args=(shard,)) for shard in first.addressable_shards]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return np.array([done[d.id] for d in self.mesh.devices.flat])
+            return DeviceStore.place(state.client_states, self.replicated).gather(jax.device_put(safe, self.sharded))
+        return self._put_states(as_store(state.client_states), safe, state.round)
 
     def num_compiled_rounds(self) -> int:
         """How many programs the round has compiled so far (one per size class of the cohort's
@@ -442,34 +382,22 @@ class Simulator:
     def message_bytes(self, state: SimState) -> tuple[int, int]:
         """``(down, up)`` bytes of one broadcast message and one client message."""
         if self._message_bytes is None:
-            message = jax.eval_shape(self.algorithm.broadcast, state.server_state)
-            cstate = as_store(state.client_states).row_spec()
+            fed = self.federation
             if self.generated:
-                fed = self.federation
-                x = jax.ShapeDtypeStruct((256, *fed.feature_shape), fed.x_dtype)
-                y = jax.ShapeDtypeStruct((256,), fed.y_dtype)
+                feature_shape, x_dtype, y_dtype = fed.feature_shape, fed.x_dtype, fed.y_dtype
             else:
-                x = jax.ShapeDtypeStruct(self.x.shape, self.x.dtype)
-                y = jax.ShapeDtypeStruct(self.y.shape, self.y.dtype)
-            scalar = jax.ShapeDtypeStruct((), jnp.int32)
-            order = jax.ShapeDtypeStruct((2 * self.algorithm.local_batch_size + 256,), jnp.int32)
-            data = ClientData(x, y, order, scalar, scalar)
-            out, _, _ = jax.eval_shape(self.algorithm.client_update, jax.random.key(0), message, cstate, data)
-            self._message_bytes = (tree.tree_bytes(message), tree.tree_bytes(out))
+                feature_shape, x_dtype, y_dtype = self.x.shape[1:], self.x.dtype, self.y.dtype
+            alg = self.algorithm
+            data = client_data_template(feature_shape, x_dtype, y_dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size)
+            t = protocol.message_templates(alg, None, data, server_state=state.server_state, client_state=as_store(state.client_states).row_spec())
+            self._message_bytes = (tree.tree_bytes(t.broadcast), tree.tree_bytes(t.message))
         return self._message_bytes
 
     def failed_clients(self, round_idx: int, cohort: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(dropped, late)``: boolean masks over the (sorted) cohort of the clients that fail
-        this round (``dropout``, one uniform draw per cohort client from
-        :func:`fedbayes.protocol.dropout_rng`) and of those that miss the ``deadline``."""
-        dropped = np.zeros(len(cohort), np.bool_)
-        if self.dropout > 0:
-            dropped = protocol.dropout_rng(self.seed, round_idx).random(len(cohort)) < self.dropout
-        late = np.zeros(len(cohort), np.bool_)
-        if self.deadline is not None:
-            steps = num_local_steps(self.sizes[cohort], self.algorithm.local_batch_size, self.algorithm.local_epochs)
-            late = ~dropped & (np.asarray(steps) > self.deadline)
-        return dropped, late
+        this round and of those that miss the deadline (:meth:`Scenario.failed_clients`)."""
+        alg = self.algorithm
+        return self.scenario.failed_clients(self.seed, round_idx, cohort, lambda c: num_local_steps(self.sizes[c], alg.local_batch_size, alg.local_epochs))
 
     def _put_states(self, store, ids: np.ndarray, round_idx: int):
         """The states of the clients in slots ``ids`` on the devices, sharded by slot.
@@ -480,10 +408,10 @@ class Simulator:
         if isinstance(store, MemoryStore):
 
             def leaf(a):
-                return jax.make_array_from_callback((len(ids), *a.shape[1:]), self._sharded, lambda index: a[ids[index[0]]])
+                return jax.make_array_from_callback((len(ids), *a.shape[1:]), self.sharded, lambda index: a[ids[index[0]]])
 
             return jax.tree.map(leaf, store.states)
-        return jax.tree.map(lambda a: jax.device_put(a, self._sharded), store.gather(ids, round_idx))
+        return jax.tree.map(lambda a: jax.device_put(a, self.sharded), store.gather(ids, round_idx))
 
     def _write_back(self, store, slots: np.ndarray, keep: np.ndarray, new_states, round_idx: int, donate: bool):
         """Writes the new states of the slots marked ``keep`` to the store; returns what
@@ -502,7 +430,7 @@ class Simulator:
         bounds = [(i * width, (i + 1) * width) for i in range(self.num_devices)]
 
         def blocks_of(a):
-            if a.sharding.is_equivalent_to(self._sharded, a.ndim):
+            if a.sharding.is_equivalent_to(self.sharded, a.ndim):
                 views = {shard.index[0].indices(len(slots))[:2]: np.asarray(shard.data) for shard in a.addressable_shards}
                 return [views[b] for b in bounds]
             host = np.asarray(a)  # laid out otherwise (e.g. replicated): slice one host copy
@@ -537,18 +465,25 @@ class Simulator:
         real = slots >= 0
         safe = np.where(real, slots, 0)
         # One batched transfer of the per-slot inputs (and the order buffer, replicated).
-        per_slot = [safe.astype(np.int32), offsets, num_examples, weights]
-        if self.attack is not None:
-            per_slot.append(np.where(real, self.is_attacker[safe], False))
+        per_slot = {"client_ids": safe.astype(np.int32), "offsets": offsets, "num_examples": num_examples, "weights": weights}
+        if self.scenario.attack is not None:
+            per_slot["attackers"] = np.where(real, self.is_attacker[safe], False)
         if self.store == "device":
-            per_slot.append(real)
-        placed = jax.device_put([*per_slot, order], [self._sharded] * len(per_slot) + [self._replicated])
-        ids, offsets_d, n_d, weights_d = placed[:4]
-        args = (ids, offsets_d, n_d, weights_d, np.int32(round_idx), x, y, placed[-1])
-        if self.attack is not None:
-            args += (placed[4],)
-        real_arg = placed[len(per_slot) - 1] if self.store == "device" else None
-        return PreparedRound(round_idx, cohort, all_slots, slots, dropped, late, num_examples, float(padding), args, real_arg)
+            per_slot["real"] = real
+        placed = jax.device_put([*per_slot.values(), order], [self.sharded] * len(per_slot) + [self.replicated])
+        on_devices = dict(zip(per_slot, placed))
+        args = RoundArgs(
+            client_ids=on_devices["client_ids"],
+            offsets=on_devices["offsets"],
+            num_examples=on_devices["num_examples"],
+            weights=on_devices["weights"],
+            round_idx=np.int32(round_idx),
+            x=x,
+            y=y,
+            order=placed[-1],
+            attackers=on_devices.get("attackers"),
+        )
+        return PreparedRound(round_idx, cohort, all_slots, slots, dropped, late, num_examples, float(padding), args, on_devices.get("real"))
 
     def launch(self, state: SimState, prepared: PreparedRound, *, donate: bool = False) -> LaunchedRound:
         """Starts the compiled round ``prepared`` on ``state`` and returns without waiting for it
@@ -562,7 +497,8 @@ class Simulator:
             raise ValueError(f"the prepared round is {prepared.round} but the state is at round {state.round}")
         if self.store == "device" and jax.tree.leaves(state.client_states):
             fn = self._device_round_fns[bool(donate)]
-            outputs = fn(state.server_state, self.on_devices(state.client_states), prepared.real_arg, *prepared.args)
+            store = DeviceStore.place(state.client_states, self.replicated).held
+            outputs = fn(state.server_state, store, prepared.real, *prepared.args)
             return LaunchedRound(prepared, outputs)
         store = as_store(state.client_states)
         safe = np.where(prepared.slots >= 0, prepared.slots, 0)
@@ -570,8 +506,10 @@ class Simulator:
         return LaunchedRound(prepared, outputs)
 
     def complete(self, state: SimState, launched: LaunchedRound, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
-        """Waits for ``launched`` (started on ``state``), writes the accepted clients' new states
-        back and returns the next state and what the round did."""
+        """Waits for ``launched`` (started on ``state``), ends the round
+        (:func:`fedbayes.protocol.finish_round`: ``fail_fast``, the server state kept when no message
+        was accepted), writes the accepted clients' new states back and returns the next state and
+        what the round did."""
         p = launched.prepared
         round_idx, cohort, all_slots, slots, num_examples = p.round, p.cohort, p.all_slots, p.slots, p.num_examples
         new_server, new_cstates, ok, client_info, server_info = launched.outputs
@@ -580,18 +518,6 @@ class Simulator:
         rejected = slots[real & ~ok]
         if len(rejected):
             log.warning("round %d: rejected messages from clients %s", round_idx, rejected.tolist())
-            if self.fail_fast:
-                from fedbayes.errors import DivergedError  # exit code 3 in the CLI
-
-                raise DivergedError(f"round {round_idx}: client messages rejected (non-finite or invalid) from clients {rejected.tolist()} (server.fail_fast)")
-        client_states = state.client_states
-        if not jax.tree.leaves(client_states):
-            pass
-        elif self.store == "device":
-            client_states = new_cstates  # rejected clients and padding slots were not written
-        else:
-            # Rejected clients and padding slots keep their state.
-            client_states = self._write_back(as_store(client_states), slots, real & ok, new_cstates, round_idx, donate)
         down, up = self.message_bytes(state)
         m = len(cohort)
         steps = num_local_steps(num_examples, self.algorithm.local_batch_size, self.algorithm.local_epochs)
@@ -602,12 +528,36 @@ class Simulator:
         order_in_cohort = np.argsort(np.where(all_slots >= 0, all_slots, np.iinfo(np.int64).max), kind="stable")[:m]
         clients = {"client": all_slots[order_in_cohort], "num_examples": num_examples[order_in_cohort], "accepted": (real & ok)[order_in_cohort]}
         clients.update({k: np.asarray(v)[order_in_cohort] for k, v in client_info.items()})
-        if self.dropout > 0 or self.deadline is not None:
+        if self.scenario.fails_clients:
             clients["num_examples"] = self.sizes[cohort].astype(num_examples.dtype)  # a failed client still holds its data
             clients["dropped"], clients["late"] = p.dropped, p.late
         server = {k: np.asarray(v).item() for k, v in server_info.items()}
-        succeeded = m - int(np.sum(p.dropped | p.late))  # failed clients upload nothing (they still got the broadcast)
-        info = RoundInfo(round_idx, cohort, rejected, up * succeeded, down * m, p.padding, step_waste, clients, server, cohort[p.dropped], cohort[p.late])
+        succeeded = m - int(np.sum(p.dropped | p.late))
+        new_server, info = protocol.finish_round(
+            state.server_state,
+            new_server,
+            ok,
+            round_idx=round_idx,
+            cohort=cohort,
+            rejected=rejected,
+            fail_fast=self.fail_fast,
+            bytes_up=up * succeeded,  # failed clients upload nothing (they still got the broadcast)
+            bytes_down=down * m,
+            padding_waste=p.padding,
+            step_waste=step_waste,
+            clients=clients,
+            server=server,
+            dropped=cohort[p.dropped],
+            late=cohort[p.late],
+        )
+        client_states = state.client_states
+        if not jax.tree.leaves(client_states):
+            pass
+        elif self.store == "device":
+            client_states = new_cstates  # rejected clients and padding slots were not written
+        else:
+            # Rejected clients and padding slots keep their state.
+            client_states = self._write_back(as_store(client_states), slots, real & ok, new_cstates, round_idx, donate)
         return SimState(round_idx + 1, new_server, client_states), info
 
     def run_round(self, state: SimState, *, donate: bool = False) -> tuple[SimState, RoundInfo]:
@@ -668,29 +618,36 @@ class Simulator:
         return not np.intersect1d(written, read).size
 
     # ----- the device-resident store -----------------------------------------------------------
-    def on_devices(self, client_states):
-        """The device store's arrays on the devices (replicated), as the round returns them; host
-        arrays (a fresh store, a restored checkpoint) are put there once."""
-
-        def put(a):
-            if isinstance(a, jax.Array) and a.sharding.is_equivalent_to(self._replicated, a.ndim):
-                return a
-            return jax.device_put(np.asarray(a), self._replicated)
-
-        return jax.tree.map(put, client_states)
-
     def device_store_program(self, server_state, store, real, client_ids, *rest):
-        """:meth:`round_program` with the client store on the devices: each device gathers its
-        slots' rows from the (replicated) store inside the program, and the accepted clients' new
-        states are scattered back into it (padding slots and rejected clients are not written:
-        their rows are sent out of bounds and dropped). The store is donated by :meth:`launch`
-        with ``donate=True``, so the scatter updates it in place."""
-        num_clients = jax.tree.leaves(store)[0].shape[0]
-        states = jax.lax.with_sharding_constraint(jax.tree.map(lambda s: jnp.take(s, client_ids, axis=0), store), self._sharded)
+        """:meth:`round_program` with the client store on the devices
+        (:class:`~fedbayes.sim.store.DeviceStore`): each device gathers its slots' rows from the
+        (replicated) store inside the program, and the accepted clients' new states are scattered
+        back into it (padding slots and rejected clients are not written: their rows are sent out
+        of bounds and dropped). The store is donated by :meth:`launch` with ``donate=True``, so
+        the scatter updates it in place."""
+        device_store = DeviceStore(store)
+        states = jax.lax.with_sharding_constraint(device_store.gather(client_ids), self.sharded)
         new_server, new_states, ok, infos, server_info = self.round_program(server_state, states, client_ids, *rest)
-        rows = jnp.where(real & ok, client_ids, num_clients)
-        new_store = jax.tree.map(lambda s, n: s.at[rows].set(n.astype(s.dtype), mode="drop"), store, new_states)
-        return new_server, jax.lax.with_sharding_constraint(new_store, self._replicated), ok, infos, server_info
+        rows = jnp.where(real & ok, client_ids, device_store.num_clients)
+        new_store = device_store.scatter(rows, new_states).held
+        return new_server, jax.lax.with_sharding_constraint(new_store, self.replicated), ok, infos, server_info
+
+
+class RoundArgs(NamedTuple):
+    """The compiled round's inputs after the server and client states (:meth:`Simulator.round_program`),
+    on the devices: per slot (split over the devices) ``client_ids``, ``offsets`` (where each
+    client's epochs start in ``order``), ``num_examples``, ``weights`` and, with a message attack,
+    ``attackers``; for the whole cohort the round, the features and targets, and the order buffer."""
+
+    client_ids: jax.Array
+    offsets: jax.Array
+    num_examples: jax.Array
+    weights: jax.Array
+    round_idx: np.int32
+    x: jax.Array
+    y: jax.Array
+    order: jax.Array
+    attackers: jax.Array | None = None
 
 
 class PreparedRound(NamedTuple):
@@ -705,8 +662,8 @@ class PreparedRound(NamedTuple):
     late: np.ndarray
     num_examples: np.ndarray
     padding: float
-    args: tuple  # the compiled round's inputs after the client states, on the devices
-    real_arg: Any = None  # the device store's round: which slots hold a client, on the devices
+    args: RoundArgs  # the compiled round's inputs after the client states, on the devices
+    real: jax.Array | None = None  # the device store's round: which slots hold a client, on the devices
 
 
 class LaunchedRound(NamedTuple):

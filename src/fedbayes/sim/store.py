@@ -1,4 +1,4 @@
-"""Where client states live between rounds: stacked host arrays, or files on disk.
+r"""Where client states live between rounds: stacked host arrays, files on disk, or device memory.
 
 Stateful algorithms (ADMM and FedDyn duals, FedEP/PVI sites, client optimizer state) keep one
 pytree of fixed structure per client. A store holds ``K`` of them, indexed by client id, and
@@ -14,6 +14,13 @@ cohort's rows before the client update, **scatter** the new rows after it.
   ``preadv``/``pwrite`` calls (and ``copy_file_range`` for undo logs), never through a memory map,
   so the process's resident memory grows with the cohort, not with ``K`` x parameters (a mapping
   counts every touched page of the file in the resident set; docs/results/client_store.md).
+* :class:`DeviceStore`: one stacked array ``[K, ...]`` per leaf in device memory, one copy per
+  device (replicated); the pytree is what ``SimState.client_states`` holds. Its gather and
+  scatter are traceable: the simulator runs them inside the round's program
+  (:meth:`~fedbayes.sim.simulator.Simulator.device_store_program`), with the store donated so that
+  the scatter updates it in place: no per-round transfers, the layout for a GPU.
+
+All three are :class:`ClientStore`\ s.
 
 A disk store is updated in place, so it must be **atomic per round and able to return to an
 earlier round** (a run killed after round ``r`` resumes from its newest checkpoint ``c <= r``):
@@ -45,14 +52,15 @@ import re
 import uuid
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedbayes.errors import RunFolderError, one_line
 
-__all__ = ["DiskStore", "MemoryStore", "StoreDamagedError", "as_store"]
+__all__ = ["ClientStore", "DeviceStore", "DiskStore", "MemoryStore", "StoreDamagedError", "as_store"]
 
 _FORMAT = "fedbayes-client-store/2"  # /2: per-row checksums in rowsums.bin
 _META = "store.json"
@@ -81,6 +89,33 @@ def _row_sums(leaves: list[np.ndarray], n: int) -> np.ndarray:
 
 def _row_spec(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), np.dtype(dtype))
+
+
+@runtime_checkable
+class ClientStore(Protocol):
+    """``K`` client states of one fixed structure, indexed by client id.
+
+    ``round_idx`` is the caller's ``SimState.round``: a store updated in place (:class:`DiskStore`)
+    checks it, a store that is a value ignores it. ``scatter`` returns the updated store, which
+    is this one when updated in place (``donate=True``, or always for a :class:`DiskStore`).
+    """
+
+    @property
+    def held(self) -> Any:
+        """What ``SimState.client_states`` holds for this store."""
+        ...
+
+    def row_spec(self) -> Any:
+        """Shape and dtype of one client's state."""
+        ...
+
+    def gather(self, ids: np.ndarray, round_idx: int | None = None) -> Any:
+        """The states of clients ``ids`` (repeats allowed), stacked ``[len(ids), ...]`` per leaf."""
+        ...
+
+    def scatter(self, ids: np.ndarray, rows: Any, round_idx: int | None = None, *, donate: bool = False) -> ClientStore:
+        """A store with ``rows[j]`` as client ``ids[j]``'s state."""
+        ...
 
 
 class MemoryStore:
@@ -127,6 +162,57 @@ class MemoryStore:
             return store
 
         return MemoryStore(jax.tree.map(put, self.states, rows))
+
+
+class DeviceStore:
+    """Client states as one stacked device array ``[K, ...]`` per leaf, replicated on the devices.
+
+    Gather and scatter are traceable (``jnp.take`` and ``.at[].set``), so they run inside a
+    compiled round; a row id out of ``[0, K)`` in :meth:`scatter` is dropped, which is how a
+    round leaves padding slots and rejected clients unwritten.
+
+    Args:
+      states: a pytree of arrays sharing the leading client axis.
+    """
+
+    def __init__(self, states: Any):
+        self.states = states
+
+    @classmethod
+    def place(cls, client_states: Any, sharding) -> DeviceStore:
+        """The store on the devices with ``sharding`` (replicated): host arrays (a fresh store, a
+        restored checkpoint) are put there once; arrays already laid out so are kept."""
+
+        def put(a):
+            if isinstance(a, jax.Array) and a.sharding.is_equivalent_to(sharding, a.ndim):
+                return a
+            return jax.device_put(np.asarray(a), sharding)
+
+        return cls(jax.tree.map(put, client_states))
+
+    @property
+    def held(self) -> Any:
+        """What ``SimState.client_states`` holds for this store: the stacked device arrays."""
+        return self.states
+
+    @property
+    def num_clients(self) -> int:
+        return jax.tree.leaves(self.states)[0].shape[0]
+
+    def row_spec(self) -> Any:
+        """Shape and dtype of one client's state."""
+        return jax.tree.map(lambda a: _row_spec(np.shape(a)[1:], a.dtype), self.states)
+
+    def gather(self, ids, round_idx: int | None = None) -> Any:
+        """The states of clients ``ids`` (repeats allowed), stacked (traceable)."""
+        del round_idx  # a device store is a value
+        return jax.tree.map(lambda s: jnp.take(s, ids, axis=0), self.states)
+
+    def scatter(self, ids, rows: Any, round_idx: int | None = None, *, donate: bool = False) -> DeviceStore:
+        """A store with ``rows[j]`` as client ``ids[j]``'s state, ids outside ``[0, K)`` dropped
+        (traceable; in place when the caller's program donates the store)."""
+        del round_idx, donate  # XLA updates in place when the store's buffers are donated
+        return DeviceStore(jax.tree.map(lambda s, n: s.at[ids].set(n.astype(s.dtype), mode="drop"), self.states, rows))
 
 
 def as_store(client_states: Any) -> MemoryStore | DiskStore:
@@ -223,14 +309,14 @@ class DiskStore:
         self._fds: list[int] = []
         try:
             for i in range(len(specs)):
-                self._fds.append(os.open(self._leaf_path(i), os.O_RDWR))
+                self._fds.append(os.open(self.leaf_path(i), os.O_RDWR))
             # The row checksums are one more "leaf" to the undo logs: logged and undone with the rows.
             self._fds.append(os.open(path / _SUMS, os.O_RDWR))
         except FileNotFoundError as exc:
             self.close()
             raise StoreDamagedError(f"{exc.filename}: missing from the client store {path} (the store is damaged)") from None
         self._row_bytes.append(4 * len(specs))
-        for fd, nbytes, name in zip(self._fds, self._row_bytes, [self._leaf_path(i) for i in range(len(specs))] + [path / _SUMS]):
+        for fd, nbytes, name in zip(self._fds, self._row_bytes, [self.leaf_path(i) for i in range(len(specs))] + [path / _SUMS]):
             size = os.fstat(fd).st_size
             if size != nbytes * self.num_clients:
                 self.close()
@@ -409,7 +495,7 @@ class DiskStore:
         if len(bad):
             j, i = bad[0]
             raise StoreDamagedError(
-                f"{self._leaf_path(int(i))}: client {int(ids[j])}'s row does not match its checksum in {self.path / _SUMS}; the client store is damaged"
+                f"{self.leaf_path(int(i))}: client {int(ids[j])}'s row does not match its checksum in {self.path / _SUMS}; the client store is damaged"
             )
 
     def scatter(self, ids: np.ndarray, rows: Any, round_idx: int | None = None, *, donate: bool = True) -> DiskStore:
@@ -425,8 +511,8 @@ class DiskStore:
         leaves = self._rows(rows, len(ids))
         r = self._round
         self._dirty = True
-        self._write_undo(r, ids)
-        self._write_rows(ids, leaves)
+        self.write_undo_log(r, ids)
+        self._write_leaf_rows(ids, leaves)
         self._commit(r + 1)
         self._dirty = False
         return self
@@ -470,7 +556,8 @@ class DiskStore:
         return {"kind": "disk", "path": str(self.path.resolve()), "uuid": self.uuid, "round": self._round}
 
     # ----- internals -------------------------------------------------------------------------
-    def _leaf_path(self, i: int) -> Path:
+    def leaf_path(self, i: int) -> Path:
+        """The file of leaf ``i`` (row ``k`` at byte ``k * row_bytes[i]``)."""
         return self.path / f"leaf_{i:05d}.bin"
 
     def _check_live(self) -> None:
@@ -517,8 +604,17 @@ class DiskStore:
             out.append(np.ascontiguousarray(a, dtype=spec.dtype))
         return out
 
-    def _write_undo(self, r: int, ids: np.ndarray) -> None:
-        """Step 1: the old rows of ``ids``, renamed into place only once complete."""
+    # ----- the steps of a round's scatter and of a rollback --------------------------------------
+    # Public so that a test can stop a process between them (a crash): :meth:`scatter` is
+    # write_undo_log, write_rows, then the metadata; :meth:`rollback` applies undo logs newest first.
+    @property
+    def row_bytes(self) -> list[int]:
+        """Bytes of one client's row in each leaf file, then in ``rowsums.bin``."""
+        return list(self._row_bytes)
+
+    def write_undo_log(self, r: int, ids: np.ndarray) -> None:
+        """Step 1 of round ``r``'s scatter: the old rows of ``ids`` in ``undo_<r>.bin``, renamed
+        into place only once complete."""
         header = json.dumps({"round": r, "ids": ids.tolist(), "row_bytes": self._row_bytes}).encode()
         final = self.path / f"undo_{r:06d}.bin"
         tmp = final.with_name(final.name + ".tmp")
@@ -539,8 +635,13 @@ class DiskStore:
         if self.durable:
             _fsync_dir(self.path)
 
-    def _write_rows(self, ids: np.ndarray, leaves: list[np.ndarray]) -> None:
-        """Step 2: the new rows, in place."""
+    def write_rows(self, ids: np.ndarray, rows: Any) -> None:
+        """Step 2 of a scatter: ``rows[j]`` written in place as client ``ids[j]``'s row, with its
+        checksums (the metadata still names the round before: an open undoes them)."""
+        ids = self._ids(ids, unique=True)
+        self._write_leaf_rows(ids, self._rows(rows, len(ids)))
+
+    def _write_leaf_rows(self, ids: np.ndarray, leaves: list[np.ndarray]) -> None:
         order = np.argsort(ids, kind="stable")
         leaves = leaves + [_row_sums(leaves, len(ids))]  # the checksums are written with the rows
         for fd, leaf, nbytes in zip(self._fds, leaves, self._row_bytes):
@@ -565,7 +666,8 @@ class DiskStore:
         _write_atomic(self.path / _META, json.dumps(meta).encode(), self.durable)
         self._round = round_idx
 
-    def _apply_undo(self, r: int) -> None:
+    def apply_undo_log(self, r: int) -> None:
+        """One step of a rollback: the rows saved by round ``r``'s undo log written back."""
         path = self.path / f"undo_{r:06d}.bin"
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -606,7 +708,7 @@ class DiskStore:
         self._dirty = True
         self._commit(self._round, rollback_to=to_round)  # an interrupted rollback finishes on open
         for r in sorted(pending, reverse=True):
-            self._apply_undo(r)
+            self.apply_undo_log(r)
             (self.path / f"undo_{r:06d}.bin").unlink()
         if self.durable:
             _fsync_dir(self.path)
