@@ -6,7 +6,7 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
 * ``broadcast(server_state) -> server_message`` (what every sampled client receives)
 * ``client_init(params) -> client_state`` (persistent per-client state; ``()`` when stateless)
 * ``client_update(key, server_message, client_state, data) -> (client_message, client_state, info)``
-* ``server_update(server_state, aggregate, key) -> (server_state, info)``: ``aggregate`` is the
+* ``server_update(key, server_state, aggregate) -> (server_state, info)``: ``aggregate`` is the
   :class:`~fedbayes.aggregators.Aggregate` of the round's accepted messages, made by the
   algorithm's ``aggregator`` (or one that wraps or replaces it: a robust rule, DP noise)
 * ``server_params(server_state) -> params``: the point estimate used for evaluation

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedbayes import protocol
+from fedbayes.aggregators import is_floating
 from fedbayes.aggregators.robust import map_gaussians
 from fedbayes.gaussian import DiagGaussian
 
@@ -115,10 +116,6 @@ def flip_labels(y: np.ndarray, indices: np.ndarray, num_classes: int) -> np.ndar
     return out
 
 
-def _floating(leaf) -> bool:
-    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-
-
 def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
     return mask.reshape((-1,) + (1,) * (x.ndim - 1))
 
@@ -159,11 +156,11 @@ def message_attack(kind: str, scale: float | None = None):
                     "config error: attack.kind: 'huge_precision' needs a method with Gaussian messages (fedep, fedsep, ...); use scaled, sign_flip, nan or label_flip"
                 )
         elif kind == "scaled":
-            fake = jax.tree.map(lambda x: x * jnp.asarray(s, x.dtype) if _floating(x) else x, messages)
+            fake = jax.tree.map(lambda x: x * jnp.asarray(s, x.dtype) if is_floating(x) else x, messages)
         elif kind == "sign_flip":
-            fake = jax.tree.map(lambda x: -x * jnp.asarray(s, x.dtype) if _floating(x) else x, messages)
+            fake = jax.tree.map(lambda x: -x * jnp.asarray(s, x.dtype) if is_floating(x) else x, messages)
         else:
-            fake = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if _floating(x) else x, messages)
-        return jax.tree.map(lambda f, x: jnp.where(_rows(attackers, x), f, x) if _floating(x) else x, fake, messages)
+            fake = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if is_floating(x) else x, messages)
+        return jax.tree.map(lambda f, x: jnp.where(_rows(attackers, x), f, x) if is_floating(x) else x, fake, messages)
 
     return attack
