@@ -22,8 +22,8 @@ from fedbayes.data.batches import get_batch, num_local_steps
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.sgd import training_info
-from fedbayes.runs.experiment import read_metrics
 from fedbayes.runs.export import load_model
+from fedbayes.runs.folder import read_metrics
 from fedbayes.sim.simulator import Federation, Simulator
 
 DIM = 3

@@ -15,8 +15,11 @@ from typer.testing import CliRunner
 import fedbayes
 from fedbayes.cli import app
 from fedbayes.config.schema import RunConfig, validate
-from fedbayes.runs.experiment import CalibrationCheck, build_experiment, read_metrics, run_experiment
+from fedbayes.runs.build import build_experiment
 from fedbayes.runs.export import flatten
+from fedbayes.runs.folder import read_metrics
+from fedbayes.runs.health import CalibrationCheck
+from fedbayes.runs.loop import run_experiment
 
 runner = CliRunner()
 

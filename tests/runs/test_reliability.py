@@ -29,7 +29,7 @@ from fedbayes.data.registry import load_dataset
 from fedbayes.errors import DataError, exit_code_for
 from fedbayes.runs import runlock
 from fedbayes.runs.checkpoint import CheckpointError, find_resume_checkpoint, list_checkpoints, read_checkpoint, save_checkpoint
-from fedbayes.runs.experiment import read_metrics
+from fedbayes.runs.folder import read_metrics
 from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
 from fedbayes.sim.simulator import SimState
 
@@ -245,7 +245,7 @@ def test_a_second_process_on_a_folder_exits_at_once_naming_the_holder(tmp_path, 
 
 
 def test_the_lock_is_released_when_its_holder_is_killed(tmp_path):
-    code = "import sys, time; sys.path.insert(0, %r); from fedbayes import runlock\nwith runlock.hold(%r):\n    print('held', flush=True); time.sleep(60)"
+    code = "import sys, time; sys.path.insert(0, %r); from fedbayes.runs import runlock\nwith runlock.hold(%r):\n    print('held', flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code % (str(ROOT / "src"), str(tmp_path))], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "held"
@@ -292,7 +292,7 @@ def test_bad_configs_are_one_line_exit_2(tmp_path):
 
 def test_fail_fast_is_one_line_exit_3(tmp_path, monkeypatch):
     """The simulator's fail_fast error (a DivergedError) reaches the user as one line, exit 3."""
-    import fedbayes.runs.experiment as experiment
+    import fedbayes.runs.loop as experiment
     from fedbayes.errors import DivergedError
 
     def rejected(*a, **k):
@@ -304,7 +304,7 @@ def test_fail_fast_is_one_line_exit_3(tmp_path, monkeypatch):
 
 
 def test_unanticipated_errors_name_a_log_with_the_traceback_and_interrupts_say_how_to_resume(tmp_path, monkeypatch):
-    import fedbayes.runs.experiment as experiment
+    import fedbayes.runs.loop as experiment
 
     cfg = write_cfg(tmp_path)
     out = tmp_path / "o"

@@ -12,7 +12,8 @@ from fedbayes.config.schema import resolved, same_config, to_toml, validate
 from fedbayes.data.holdout import held_out_count, hold_out
 from fedbayes.runs import report, summaries
 from fedbayes.runs import sweep as sw
-from fedbayes.runs.experiment import build_experiment, prepare_data, prepare_split, read_metrics
+from fedbayes.runs.build import build_experiment, prepare_data, prepare_split
+from fedbayes.runs.folder import read_metrics
 
 runner = CliRunner()
 
@@ -314,7 +315,7 @@ def test_resumed_sweep_runs_no_finished_cell_again_and_gives_the_same_tables(swe
     tmp, config, out, args, _ = swept
     before = (out / "sweep.json").read_text()
     assert runner.invoke(app, args).exit_code == 2  # never overwrites
-    import fedbayes.runs.experiment as experiment
+    import fedbayes.runs.loop as experiment
 
     calls = []
     real = experiment.run_experiment
@@ -396,7 +397,7 @@ def test_same_config_reads_older_files_by_this_versions_schema(tmp_path):
 
     # The same for a checkpoint's recorded config: an added defaulted key is no change on resume.
     from fedbayes.config.schema import ConfigError
-    from fedbayes.runs.experiment import check_resume_config
+    from fedbayes.runs.resume import check_resume_config
 
     old_meta = cfg.model_dump(mode="json")
     del old_meta["algorithm"]["predictive"]

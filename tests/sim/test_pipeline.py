@@ -156,7 +156,9 @@ def test_killed_pipelined_run_with_a_device_store_resumes_exactly(tmp_path):
     from test_store import CONFIG
 
     from fedbayes.config.schema import validate
-    from fedbayes.runs.experiment import PlainReporter, read_metrics, run_experiment
+    from fedbayes.runs.folder import read_metrics
+    from fedbayes.runs.loggers import PlainReporter
+    from fedbayes.runs.loop import run_experiment
 
     root = Path(__file__).resolve().parents[2]
     cfg_path = tmp_path / "c.toml"

@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from fedbayes.algorithms import admm, fedavg
 from fedbayes.config.schema import validate
 from fedbayes.runs.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fedbayes.runs.experiment import PlainReporter, read_metrics, run_experiment
+from fedbayes.runs.folder import read_metrics
+from fedbayes.runs.loggers import PlainReporter
+from fedbayes.runs.loop import run_experiment
 from fedbayes.sim.simulator import SimState, Simulator
 from fedbayes.sim.store import DiskStore, MemoryStore, as_store
 

@@ -124,7 +124,7 @@ def run_server(grid, run_config) -> dict:
     """Runs (or resumes) the configured experiment over ``grid``; returns its summary."""
     from fedbayes.config.schema import load_config
     from fedbayes.flower.rounds import FlowerRounds, GridTransport
-    from fedbayes.runs.experiment import run_experiment
+    from fedbayes.runs.loop import run_experiment
 
     settings = _settings(run_config)
     config = load_config(str(run_config["config"]))

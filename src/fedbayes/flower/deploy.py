@@ -490,7 +490,7 @@ def deploy_local(
     federation = LocalFederation(work, config.data.num_clients, tls=tls)
     if prepare:  # each node's partition into its state folder (else every node loads the dataset itself)
         from fedbayes.flower.node import prepare_data
-        from fedbayes.runs.experiment import build_experiment
+        from fedbayes.runs.build import build_experiment
 
         prepare_data(build_experiment(config, store_dir=work / "unused_store"), {n.partition: n.state_dir for n in federation.nodes})
     seen = 0
