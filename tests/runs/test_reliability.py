@@ -563,13 +563,21 @@ def test_strict_json_round_trip():
 
 
 def test_a_diverged_run_writes_strict_json(tmp_path):
+    """A run that diverges exits 3, records where in summary.json, and every JSON file it wrote is strict JSON."""
     cfg = write_cfg(tmp_path, rounds=2)
     out = tmp_path / "o"
-    runner.invoke(app, ["run", str(cfg), "--out", str(out), "--set", "server.lr=1e30", "--set", "client.lr=1e30"])
-    for f in [out / "metrics.jsonl", out / "summary.json"]:
-        if f.exists():
-            for line in [f.read_text()] if f.suffix == ".json" else f.read_text().splitlines():
-                loads_strict(line)
+    res = runner.invoke(app, ["run", str(cfg), "--out", str(out), "--set", "server.lr=1e30", "--set", "client.lr=1e30"])
+    assert res.exit_code == 3, res.output
+    summary = loads_strict((out / "summary.json").read_text())
+    diverged = summary["diverged"]
+    assert diverged["round"] in (1, 2), diverged
+    assert diverged["metric"] in ("training loss", "server parameters") or diverged["metric"].startswith("evaluated "), diverged
+    assert "checkpoint" in diverged
+    written = sorted(p for p in out.rglob("*") if p.suffix in (".json", ".jsonl"))
+    assert {p.name for p in written} >= {"summary.json", "metrics.jsonl", "clients.jsonl"}
+    for f in written:
+        for line in [f.read_text()] if f.suffix == ".json" else f.read_text().splitlines():
+            loads_strict(line)
 
 
 # ----- crash consistency: kill -9 at random moments, resume bitwise ---------------------------------------------

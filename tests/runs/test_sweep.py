@@ -97,7 +97,7 @@ def test_mean_and_sample_std_over_seeds():
     partial = summaries.mean_std([12, None, 14])  # a seed that never reached the threshold
     assert partial == {"mean": 13.0, "std": pytest.approx(np.sqrt(2)), "n": 2, "of": 3}
     assert summaries.mean_std([0.5])["std"] is None and summaries.mean_std([None])["mean"] is None
-    assert report._fmt(partial, digits=1) == "13.0±1.4[2/3]"
+    assert report.format_value(partial, digits=1) == "13.0±1.4[2/3]"
 
 
 def _run(final_acc, curve, diverged=False):
@@ -132,7 +132,7 @@ def test_aggregate_over_seeds_by_hand():
     runs[1], curves[1] = _run(0.2, [0.1, 0.2, 0.2, 0.2], diverged=True)
     agg = summaries.aggregate("m", runs, curves, threshold=0.65)
     assert agg["final"]["accuracy"]["mean"] == pytest.approx(0.8) and agg["final"]["accuracy"]["n"] == 2
-    assert list(agg["diverged_seeds"]) == ["1"] and report._seeds("m", agg, None) == "2/3"
+    assert list(agg["diverged_seeds"]) == ["1"] and report.seeds_value("m", agg, None) == "2/3"
     mean, std = summaries.mean_curves([curves[0], curves[2]])
     assert [r["accuracy"] for r in mean] == pytest.approx([0.1, 0.55, 0.6, 0.8])
     assert std[3]["accuracy"] == pytest.approx(np.std([0.7, 0.9], ddof=1))

@@ -363,16 +363,16 @@ def _columns(keys: Sequence[str], select_on: str, threshold: float, regression: 
     metric = "MSE" if regression else "acc"
     cols = [C("method", lambda n, r, _: r["variant"], left=True)]
     cols += [C(k, (lambda k: lambda n, r, _: _value_text(r["settings"][k]) if k in r["settings"] else "—")(k)) for k in keys]
-    cols.append(C("seeds", lambda n, r, _: report._seeds(n, r["summary"], None), keep=8))
+    cols.append(C("seeds", lambda n, r, _: report.seeds_value(n, r["summary"], None), keep=8))
     digits = 5 if regression else 4
     if select_on == "validation":
-        cols.append(C(f"val {metric} mean R-2..R", lambda n, r, _: report._fmt((r["summary"].get("val_curve") or {}).get("mean_last"), digits=digits)))
-    cols.append(C(f"test {metric} mean R-2..R", lambda n, r, _: report._fmt((r["summary"].get("curve") or {}).get("mean_last"), digits=digits)))
-    cols.append(C(f"test {metric} max R-2..R", lambda n, r, _: report._fmt((r["summary"].get("curve") or {}).get("max_last"), digits=digits), keep=4))
+        cols.append(C(f"val {metric} mean R-2..R", lambda n, r, _: report.format_value((r["summary"].get("val_curve") or {}).get("mean_last"), digits=digits)))
+    cols.append(C(f"test {metric} mean R-2..R", lambda n, r, _: report.format_value((r["summary"].get("curve") or {}).get("mean_last"), digits=digits)))
+    cols.append(C(f"test {metric} max R-2..R", lambda n, r, _: report.format_value((r["summary"].get("curve") or {}).get("max_last"), digits=digits), keep=4))
     if not regression:
-        cols.append(C(f"rounds to {threshold:.0%}", lambda n, r, _: report._rounds_to(threshold)(n, r["summary"], []), keep=5))
-        cols.append(C("test NLL", lambda n, r, _: report._fmt(r["summary"].get("final", {}).get("nll")), keep=6))
-    cols.append(C("train s", lambda n, r, _: report._seconds(n, r["summary"], []), keep=7))
+        cols.append(C(f"rounds to {threshold:.0%}", lambda n, r, _: report.rounds_to_value(threshold)(n, r["summary"], []), keep=5))
+        cols.append(C("test NLL", lambda n, r, _: report.format_value(r["summary"].get("final", {}).get("nll")), keep=6))
+    cols.append(C("train s", lambda n, r, _: report.seconds_value(n, r["summary"], []), keep=7))
     if best_marker:
         cols.append(C("best", lambda n, r, _: "*" if r.get("best") else "", left=True))
     return cols
