@@ -147,10 +147,14 @@ class RunRecorder:
             self.warned = True
         if not self.warned and self.is_checkpoint_round(e.round):
             assert e.round == state.round, "a checkpoint round is settled before the next round starts"
-            strict = [json.loads(dumps_record(x)) for x in self.records]
-            save_checkpoint(self.out / folder.CHECKPOINTS, state, {**self.meta, "counters": e.counters, "metrics": strict})
-            self.last_checkpoint = e.round
+            self.checkpoint(state, e.counters)
         self.reporter.update(e.round, config.rounds, rec)
+
+    def checkpoint(self, state, counters: dict) -> None:
+        """Saves ``state`` with the run's metadata, counters and every record so far (strict JSON)."""
+        strict = [json.loads(dumps_record(x)) for x in self.records]
+        save_checkpoint(self.out / folder.CHECKPOINTS, state, {**self.meta, "counters": counters, "metrics": strict})
+        self.last_checkpoint = int(state.round)
 
     def finish(self, algorithm, server_state) -> dict:
         """Writes ``model.npz``, ``summary.json`` and ``curves.png``; returns the summary."""
