@@ -149,3 +149,40 @@ def test_a_run_resumed_from_a_checkpoint_of_the_first_format_ends_as_an_uninterr
     assert strip(read_metrics(out / "metrics.jsonl")) == strip(read_metrics(ref / "metrics.jsonl"))
     with np.load(out / "model.npz") as a, np.load(ref / "model.npz") as b:
         assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+# ----- the tree-path names checkpoints, model.npz and the Flower codec share ---------------------
+
+
+def test_tree_path_names_round_trip_and_are_checked():
+    from typing import NamedTuple
+
+    import jax
+
+    from fedbayes import tree
+
+    class State(NamedTuple):
+        params: dict
+        opt: tuple
+
+    t = State({"Dense_0": {"kernel": np.ones((2, 3), np.float32), "bias": np.zeros(3, np.float32)}}, (np.int32(4), [np.ones(2)]))
+    named = tree.to_named_arrays({"q": t, "key": jax.random.key(1)}, "server")
+    assert sorted(named) == ["server/key#key", "server/q/opt/0", "server/q/opt/1/0", "server/q/params/Dense_0/bias", "server/q/params/Dense_0/kernel"]
+    assert tree.to_named_arrays(np.ones(2)).keys() == {"."}  # a tree that is one leaf
+    template = {"q": jax.tree.map(np.zeros_like, t), "key": jax.random.key(0)}
+    back = tree.from_named_arrays(named, template, "server")
+    assert jax.tree.structure(back) == jax.tree.structure(template)
+    np.testing.assert_array_equal(back["q"].params["Dense_0"]["kernel"], np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(jax.random.key_data(back["key"]), jax.random.key_data(jax.random.key(1)))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), t)  # a template of shapes only
+    assert jax.tree.structure(tree.from_named_arrays(tree.to_named_arrays(t), shapes)) == jax.tree.structure(t)
+    with pytest.raises(ValueError, match="missing array 'server/q/opt/0'"):
+        tree.from_named_arrays({k: v for k, v in named.items() if k != "server/q/opt/0"}, template, "server")
+    with pytest.raises(ValueError, match="unexpected array 'server/extra'"):
+        tree.from_named_arrays({**named, "server/extra": np.ones(1)}, template, "server")
+    with pytest.raises(KeyError, match="has shape"):
+        tree.from_named_arrays({**named, "server/q/opt/1/0": np.ones(3)}, template, "server", error=KeyError)
+    with pytest.raises(ValueError, match="has dtype"):
+        tree.from_named_arrays({**named, "server/q/opt/1/0": np.ones(2, np.float32)}, template, "server")
+    with pytest.raises(ValueError, match="share the name"):
+        tree.to_named_arrays({"a/b": np.ones(1), "a": {"b": np.ones(1)}})
