@@ -44,7 +44,7 @@ def main(grid: Grid, context: Context) -> None:
 
     from fedbayes.config.schema import load_config
     from fedbayes.flower.codec import encode
-    from fedbayes.runs.experiment import build_experiment
+    from fedbayes.runs.build import build_experiment
 
     config = load_config(str(context.run_config["config"]))
     exp = build_experiment(config)

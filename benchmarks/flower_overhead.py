@@ -21,7 +21,7 @@ from pathlib import Path
 from fedbayes.config.schema import load_config, to_toml
 from fedbayes.flower.deploy import LocalFederation
 from fedbayes.flower.node import prepare_data
-from fedbayes.runs.experiment import build_experiment
+from fedbayes.runs.build import build_experiment
 
 HERE = Path(__file__).resolve().parent
 

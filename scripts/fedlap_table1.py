@@ -22,7 +22,7 @@ from pathlib import Path
 import tomli_w
 
 from fedbayes.runs import summaries
-from fedbayes.runs.experiment import read_metrics
+from fedbayes.runs.folder import read_metrics
 
 METHODS = ("fedavg", "fedprox", "feddyn", "fedlap", "fedlap_cov", "fedlap_func")
 ROUNDS = (10, 25, 50)

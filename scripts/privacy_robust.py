@@ -31,7 +31,8 @@ hostdevices.configure()  # one XLA device per core, as the CLI
 
 from fedbayes.cli import enable_compilation_cache  # noqa: E402
 from fedbayes.config.schema import ALGORITHMS, validate  # noqa: E402
-from fedbayes.runs.experiment import PlainReporter, run_experiment  # noqa: E402
+from fedbayes.runs.loggers import PlainReporter  # noqa: E402
+from fedbayes.runs.loop import run_experiment  # noqa: E402
 from fedbayes.runs.summaries import mean_std  # noqa: E402
 
 BASE = {
@@ -240,7 +241,7 @@ def calibrate(methods: list[str], rounds: int = 5) -> None:
 
     from fedbayes.aggregators import Rule, weighted
     from fedbayes.aggregators.robust import row_norms
-    from fedbayes.runs.experiment import build_experiment
+    from fedbayes.runs.build import build_experiment
 
     for m in methods:
         config = validate(_merge(BASE, {"name": f"calibrate_{m}", "algorithm": METHODS[m]}))

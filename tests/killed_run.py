@@ -9,11 +9,11 @@ import os
 import sys
 
 from fedbayes import cli
-from fedbayes.runs import experiment
+from fedbayes.runs import loggers
 
 
 def _die_after(round_to_die: int) -> None:
-    for reporter in (experiment.PlainReporter, cli.RichReporter):
+    for reporter in (loggers.PlainReporter, cli.RichReporter):
         update = reporter.update
 
         def killing_update(self, round_idx, total, record, _update=update):

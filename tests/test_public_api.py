@@ -26,13 +26,13 @@ def test_the_public_names_are_the_objects_they_name():
     from fedbayes.algorithms import base, registry
     from fedbayes.config import schema
     from fedbayes.hparams import HParams
-    from fedbayes.runs import experiment, export
+    from fedbayes.runs import export, loop
     from fedbayes.sim.simulator import Simulator
 
     assert (fedbayes.Algorithm, fedbayes.AlgorithmSpec, fedbayes.BuildContext) == (base.Algorithm, base.AlgorithmSpec, base.BuildContext)
     assert fedbayes.register is registry.register and fedbayes.HParams is HParams
     assert fedbayes.RunConfig is schema.RunConfig and fedbayes.load_config is schema.load_config
-    assert fedbayes.Simulator is Simulator and fedbayes.run_experiment is experiment.run_experiment and fedbayes.load_run is export.load_run
+    assert fedbayes.Simulator is Simulator and fedbayes.run_experiment is loop.run_experiment and fedbayes.load_run is export.load_run
     assert fedbayes.gaussian is gaussian and fedbayes.protocol is protocol
     assert set(fedbayes.__all__) <= set(dir(fedbayes))
     with pytest.raises(AttributeError, match="no attribute 'simulate'"):

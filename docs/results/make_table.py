@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from fedbayes.evaluation.metrics import rounds_to_threshold
-from fedbayes.runs.experiment import read_metrics
+from fedbayes.runs.folder import read_metrics
 
 
 def _runs(paths):

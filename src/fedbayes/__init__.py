@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from fedbayes.algorithms.registry import register
     from fedbayes.config.schema import RunConfig, load_config
     from fedbayes.hparams import HParams
-    from fedbayes.runs.experiment import run_experiment
     from fedbayes.runs.export import load_run
+    from fedbayes.runs.loop import run_experiment
     from fedbayes.sim.simulator import Simulator
 
 # name -> the module that defines it (None: the name is the module fedbayes.<name>)
@@ -38,7 +38,7 @@ _API: dict[str, str | None] = {
     "RunConfig": "fedbayes.config.schema",
     "load_config": "fedbayes.config.schema",
     "Simulator": "fedbayes.sim.simulator",
-    "run_experiment": "fedbayes.runs.experiment",
+    "run_experiment": "fedbayes.runs.loop",
     "load_run": "fedbayes.runs.export",
     "gaussian": None,
     "protocol": None,

@@ -3,7 +3,10 @@
 Arithmetic on pytrees (``add``, ``sub``, ``scale``, ``vdot``, ``zeros_like``, ``where``, ``sum``,
 ``norm``, ...) comes from ``optax.tree``; this module adds the client-axis reductions of the server
 step (messages stacked on axis 0 with a weight vector, 0 = absent; docs/design.md "One round"), size
-accounting for the bytes-up/bytes-down counters, and stacking.
+accounting for the bytes-up/bytes-down counters, stacking, and the one tree-path serialisation
+(:func:`to_named_arrays` / :func:`from_named_arrays`) that checkpoints, ``model.npz`` and the
+Flower codec share: every leaf is stored under its tree path (``"Dense_0/kernel"``), typed PRNG
+keys as their key data under ``"<path>#key"``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 __all__ = [
+    "KEY_SUFFIX",
+    "from_named_arrays",
+    "is_prng_key",
+    "leaf_name",
+    "path_key",
+    "to_named_arrays",
     "all_finite",
     "num_params",
     "ravel",
@@ -185,3 +194,102 @@ def unstack(tree: PyTree, n: int | None = None) -> list[PyTree]:
     elif sizes and sizes != {n}:
         raise ValueError(f"expected a leading axis of size {n} on every leaf, got {sizes}")
     return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(n)]
+
+
+# ----- tree-path serialisation ------------------------------------------------------------------
+
+KEY_SUFFIX = "#key"
+"""Appended to a typed PRNG key's name: the stored array is its raw key data."""
+
+
+def path_key(path: Sequence[Any]) -> str:
+    """A leaf's tree path as ``/``-joined names: dict keys, attribute names, sequence indices.
+
+    ``{"Dense_0": {"kernel": w}}``'s leaf is ``"Dense_0/kernel"``; a NamedTuple field is its name,
+    a list or tuple element its index; a tree that is one leaf has the empty path ``""``.
+    """
+    parts = []
+    for p in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(p, attr):
+                parts.append(str(getattr(p, attr)))
+                break
+        else:
+            parts.append(str(p))
+    return "/".join(parts)
+
+
+def is_prng_key(leaf: Any) -> bool:
+    """Whether ``leaf`` (an array or a ``jax.ShapeDtypeStruct``) holds typed PRNG keys."""
+    return isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def leaf_name(path: Sequence[Any], leaf: Any) -> str:
+    """The stored name of one leaf: its :func:`path_key` (``"."`` for the root), plus
+    :data:`KEY_SUFFIX` for a typed PRNG key."""
+    name = path_key(path) or "."
+    return name + KEY_SUFFIX if is_prng_key(leaf) else name
+
+
+def to_named_arrays(tree: PyTree, prefix: str = "") -> dict[str, np.ndarray]:
+    """``{name: host array}`` for every leaf of ``tree`` (:func:`leaf_name`; PRNG keys as their
+    key data), each name under ``prefix/`` when ``prefix`` is given.
+
+    Raises:
+      ValueError: two leaves share a name (e.g. a dict key ``"a/b"`` beside ``{"a": {"b": ...}}``).
+    """
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = leaf_name(path, leaf)
+        name = f"{prefix}/{name}" if prefix else name
+        if name in out:
+            raise ValueError(f"two leaves share the name {name!r}")
+        out[name] = np.asarray(jax.random.key_data(leaf) if is_prng_key(leaf) else leaf)
+    return out
+
+
+def _stored_spec(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if is_prng_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        return tuple(data.shape), np.dtype(data.dtype)
+    return _shape_dtype(leaf)
+
+
+def _key_impl(leaf: Any):
+    return jax.random.key_impl(leaf) if isinstance(leaf, jax.Array) else leaf.dtype._impl
+
+
+def from_named_arrays(arrays: Any, template: PyTree, prefix: str = "", error: type[Exception] = ValueError, read=np.asarray) -> PyTree:
+    """The pytree of ``template``'s structure from ``arrays`` (a mapping of names to arrays, as
+    :func:`to_named_arrays` writes it), after checking that the names under ``prefix/`` are exactly
+    the template's and that each array has the template leaf's shape and dtype (``template``:
+    arrays or ``jax.ShapeDtypeStruct``\\ s). PRNG keys are rewrapped with the template's
+    implementation; other leaves are returned as ``read(stored)`` (host arrays).
+
+    Raises:
+      error: with a one-line message naming the first missing or unexpected name, or the first
+        wrong shape or dtype; a ``read`` failure too ("cannot be read").
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
+    head = f"{prefix}/" if prefix else ""
+    names = [head + leaf_name(p, leaf) for p, leaf in flat]
+    have = {k for k in arrays.keys() if k.startswith(head)}
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise error(f"missing array {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(have - set(names))
+    if extra:
+        raise error(f"unexpected array {extra[0]!r}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    leaves = []
+    for name, (_, leaf) in zip(names, flat):
+        try:
+            a = read(arrays[name])
+        except Exception as exc:  # a damaged buffer: readers raise various errors
+            raise error(f"array {name!r} cannot be read: {' '.join(str(exc).split())}") from None
+        shape, dtype = _stored_spec(leaf)
+        if a.shape != shape:
+            raise error(f"array {name!r} has shape {a.shape}, expected {shape}")
+        if a.dtype != dtype:
+            raise error(f"array {name!r} has dtype {a.dtype}, expected {dtype}")
+        leaves.append(jax.random.wrap_key_data(a, impl=_key_impl(leaf)) if is_prng_key(leaf) else a)
+    return jax.tree_util.tree_unflatten(treedef, leaves)

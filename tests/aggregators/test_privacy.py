@@ -19,7 +19,10 @@ from fedbayes.aggregators.dp import DPAggregator, epsilon, from_moments, to_mome
 from fedbayes.aggregators.robust import row_norms
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.gaussian import DiagGaussian
-from fedbayes.runs.experiment import PlainReporter, build_experiment, read_metrics, run_experiment
+from fedbayes.runs.build import build_experiment
+from fedbayes.runs.folder import read_metrics
+from fedbayes.runs.loggers import PlainReporter
+from fedbayes.runs.loop import run_experiment
 
 CONFIG = """
 name = "dp_test"

@@ -28,8 +28,8 @@ from fedbayes.config.schema import validate
 from fedbayes.hparams import HParams
 from fedbayes.models import init_params, make_model
 from fedbayes.models.variational import apply_with_key
+from fedbayes.runs.build import build_experiment
 from fedbayes.runs.checkpoint import load_checkpoint, save_checkpoint
-from fedbayes.runs.experiment import build_experiment
 from fedbayes.sim.simulator import Simulator
 
 SIZES = (37, 90, 213, 11, 150)

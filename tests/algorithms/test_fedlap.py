@@ -33,8 +33,8 @@ from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.curvature import data_curvature
 from fedbayes.inference.sgd import LocalTrainer, training_info
 from fedbayes.models import init_params, loss_fn, make_model
-from fedbayes.runs.experiment import read_metrics
 from fedbayes.runs.export import load_model
+from fedbayes.runs.folder import read_metrics
 
 SIZES = (7, 12, 5, 9)
 DIM = 3

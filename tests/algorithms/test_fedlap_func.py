@@ -108,7 +108,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from fedbayes import tree  # noqa: E402
 from fedbayes.cli import app  # noqa: E402
-from fedbayes.runs.experiment import read_metrics  # noqa: E402
+from fedbayes.runs.folder import read_metrics  # noqa: E402
 from fedbayes.sim.simulator import Simulator  # noqa: E402
 
 # The modules, not the factories that fedbayes.algorithms re-exports under the same names.

@@ -25,8 +25,8 @@ from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.sgd import training_info
 from fedbayes.inference.vi import reparameterised_vi
-from fedbayes.runs.experiment import read_metrics
 from fedbayes.runs.export import load_model
+from fedbayes.runs.folder import read_metrics
 from fedbayes.sim.simulator import Simulator
 
 DIM = 3

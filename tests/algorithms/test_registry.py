@@ -189,7 +189,7 @@ marginal_samples = 3
 
 def test_a_registered_bayesian_method_runs_from_a_toml_config(gauss_avg, tmp_path):
     from fedbayes.cli import app
-    from fedbayes.runs.experiment import read_metrics
+    from fedbayes.runs.folder import read_metrics
 
     path = tmp_path / "gauss.toml"
     path.write_text(CONFIG)

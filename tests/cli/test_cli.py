@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedbayes.cli import app
-from fedbayes.runs.experiment import read_metrics
+from fedbayes.runs.folder import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from fedbayes.config.schema import deep_merge, load_config, read_reference, read_toml, validate
-from fedbayes.runs.experiment import run_experiment
+from fedbayes.runs.loop import run_experiment
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
 

@@ -104,7 +104,7 @@ def test_configs_written_before_the_evaluation_section_are_the_same_config(tmp_p
     import tomli_w
 
     from fedbayes.config.schema import resolved, same_config
-    from fedbayes.runs.experiment import check_resume_config
+    from fedbayes.runs.resume import check_resume_config
 
     cfg = validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 5, "predictive": "linearised"}})
     old = _old_form(cfg)

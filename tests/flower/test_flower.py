@@ -25,8 +25,9 @@ from fedbayes.config.schema import validate  # noqa: E402
 from fedbayes.flower.apps import train_reply  # noqa: E402
 from fedbayes.flower.codec import MalformedMessage, decode, encode, leaf_names  # noqa: E402
 from fedbayes.flower.rounds import FlowerRounds, Reply, Settings  # noqa: E402
+from fedbayes.runs.build import build_experiment  # noqa: E402
 from fedbayes.runs.checkpoint import latest_checkpoint, read_checkpoint  # noqa: E402
-from fedbayes.runs.experiment import build_experiment, run_experiment  # noqa: E402
+from fedbayes.runs.loop import run_experiment  # noqa: E402
 
 pytestmark = pytest.mark.flower
 

@@ -20,7 +20,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_core_package_imports_without_flwr():
     code = NO_FLWR + (
-        "import fedbayes, fedbayes.cli, fedbayes.runs.experiment, fedbayes.sim.simulator, fedbayes.protocol\n"
+        "import fedbayes, fedbayes.cli, fedbayes.runs.loop, fedbayes.sim.simulator, fedbayes.protocol\n"
         "from fedbayes.config.schema import load_config\n"
         f"cfg = load_config({str(CONFIG)!r})\n"
         "assert 'flwr' not in [m for m in sys.modules if sys.modules[m] is not None]\n"

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from fedbayes.cli import app
 from fedbayes.runs.checkpoint import latest_checkpoint
-from fedbayes.runs.experiment import read_metrics
+from fedbayes.runs.folder import read_metrics
 
 runner = CliRunner()
 

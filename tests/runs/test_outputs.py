@@ -15,8 +15,11 @@ from typer.testing import CliRunner
 import fedbayes
 from fedbayes.cli import app
 from fedbayes.config.schema import RunConfig, validate
-from fedbayes.runs.experiment import CalibrationCheck, build_experiment, read_metrics, run_experiment
+from fedbayes.runs.build import build_experiment
 from fedbayes.runs.export import flatten
+from fedbayes.runs.folder import read_metrics
+from fedbayes.runs.health import CalibrationCheck
+from fedbayes.runs.loop import run_experiment
 
 runner = CliRunner()
 
@@ -216,9 +219,24 @@ def test_wandb_log_offline(tmp_path, monkeypatch):
     assert (out / "metrics.csv").is_file()
 
 
-def _all_keys(model, prefix=""):
-    from fedbayes.config.reference import _models
+def _models(annotation) -> list:
+    """The pydantic models an annotation holds directly or as union members (typing's public API)."""
+    import types
+    import typing
 
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(annotation) for m in _models(a)]
+    return []
+
+
+def _all_keys(model, prefix=""):
     keys = set()
     for name, field in model.model_fields.items():
         members = _models(field.annotation)

@@ -29,7 +29,7 @@ from fedbayes.data.registry import load_dataset
 from fedbayes.errors import DataError, exit_code_for
 from fedbayes.runs import runlock
 from fedbayes.runs.checkpoint import CheckpointError, find_resume_checkpoint, list_checkpoints, read_checkpoint, save_checkpoint
-from fedbayes.runs.experiment import read_metrics
+from fedbayes.runs.folder import read_metrics
 from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
 from fedbayes.protocol import SimState
 
@@ -245,7 +245,7 @@ def test_a_second_process_on_a_folder_exits_at_once_naming_the_holder(tmp_path, 
 
 
 def test_the_lock_is_released_when_its_holder_is_killed(tmp_path):
-    code = "import sys, time; sys.path.insert(0, %r); from fedbayes import runlock\nwith runlock.hold(%r):\n    print('held', flush=True); time.sleep(60)"
+    code = "import sys, time; sys.path.insert(0, %r); from fedbayes.runs import runlock\nwith runlock.hold(%r):\n    print('held', flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code % (str(ROOT / "src"), str(tmp_path))], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "held"
@@ -292,7 +292,7 @@ def test_bad_configs_are_one_line_exit_2(tmp_path):
 
 def test_fail_fast_is_one_line_exit_3(tmp_path, monkeypatch):
     """The simulator's fail_fast error (a DivergedError) reaches the user as one line, exit 3."""
-    import fedbayes.runs.experiment as experiment
+    import fedbayes.runs.loop as experiment
     from fedbayes.errors import DivergedError
 
     def rejected(*a, **k):
@@ -304,7 +304,7 @@ def test_fail_fast_is_one_line_exit_3(tmp_path, monkeypatch):
 
 
 def test_unanticipated_errors_name_a_log_with_the_traceback_and_interrupts_say_how_to_resume(tmp_path, monkeypatch):
-    import fedbayes.runs.experiment as experiment
+    import fedbayes.runs.loop as experiment
 
     cfg = write_cfg(tmp_path)
     out = tmp_path / "o"
@@ -563,13 +563,21 @@ def test_strict_json_round_trip():
 
 
 def test_a_diverged_run_writes_strict_json(tmp_path):
+    """A run that diverges exits 3, records where in summary.json, and every JSON file it wrote is strict JSON."""
     cfg = write_cfg(tmp_path, rounds=2)
     out = tmp_path / "o"
-    runner.invoke(app, ["run", str(cfg), "--out", str(out), "--set", "server.lr=1e30", "--set", "client.lr=1e30"])
-    for f in [out / "metrics.jsonl", out / "summary.json"]:
-        if f.exists():
-            for line in [f.read_text()] if f.suffix == ".json" else f.read_text().splitlines():
-                loads_strict(line)
+    res = runner.invoke(app, ["run", str(cfg), "--out", str(out), "--set", "server.lr=1e30", "--set", "client.lr=1e30"])
+    assert res.exit_code == 3, res.output
+    summary = loads_strict((out / "summary.json").read_text())
+    diverged = summary["diverged"]
+    assert diverged["round"] in (1, 2), diverged
+    assert diverged["metric"] in ("training loss", "server parameters") or diverged["metric"].startswith("evaluated "), diverged
+    assert "checkpoint" in diverged
+    written = sorted(p for p in out.rglob("*") if p.suffix in (".json", ".jsonl"))
+    assert {p.name for p in written} >= {"summary.json", "metrics.jsonl", "clients.jsonl"}
+    for f in written:
+        for line in [f.read_text()] if f.suffix == ".json" else f.read_text().splitlines():
+            loads_strict(line)
 
 
 # ----- crash consistency: kill -9 at random moments, resume bitwise ---------------------------------------------

@@ -12,7 +12,8 @@ from fedbayes.config.schema import resolved, same_config, to_toml, validate
 from fedbayes.data.holdout import held_out_count, hold_out
 from fedbayes.runs import report, summaries
 from fedbayes.runs import sweep as sw
-from fedbayes.runs.experiment import build_experiment, prepare_data, prepare_split, read_metrics
+from fedbayes.runs.build import build_experiment, prepare_data, prepare_split
+from fedbayes.runs.folder import read_metrics
 
 runner = CliRunner()
 
@@ -96,7 +97,7 @@ def test_mean_and_sample_std_over_seeds():
     partial = summaries.mean_std([12, None, 14])  # a seed that never reached the threshold
     assert partial == {"mean": 13.0, "std": pytest.approx(np.sqrt(2)), "n": 2, "of": 3}
     assert summaries.mean_std([0.5])["std"] is None and summaries.mean_std([None])["mean"] is None
-    assert report._fmt(partial, digits=1) == "13.0±1.4[2/3]"
+    assert report.format_value(partial, digits=1) == "13.0±1.4[2/3]"
 
 
 def _run(final_acc, curve, diverged=False):
@@ -131,7 +132,7 @@ def test_aggregate_over_seeds_by_hand():
     runs[1], curves[1] = _run(0.2, [0.1, 0.2, 0.2, 0.2], diverged=True)
     agg = summaries.aggregate("m", runs, curves, threshold=0.65)
     assert agg["final"]["accuracy"]["mean"] == pytest.approx(0.8) and agg["final"]["accuracy"]["n"] == 2
-    assert list(agg["diverged_seeds"]) == ["1"] and report._seeds("m", agg, None) == "2/3"
+    assert list(agg["diverged_seeds"]) == ["1"] and report.seeds_value("m", agg, None) == "2/3"
     mean, std = summaries.mean_curves([curves[0], curves[2]])
     assert [r["accuracy"] for r in mean] == pytest.approx([0.1, 0.55, 0.6, 0.8])
     assert std[3]["accuracy"] == pytest.approx(np.std([0.7, 0.9], ddof=1))
@@ -314,7 +315,7 @@ def test_resumed_sweep_runs_no_finished_cell_again_and_gives_the_same_tables(swe
     tmp, config, out, args, _ = swept
     before = (out / "sweep.json").read_text()
     assert runner.invoke(app, args).exit_code == 2  # never overwrites
-    import fedbayes.runs.experiment as experiment
+    import fedbayes.runs.loop as experiment
 
     calls = []
     real = experiment.run_experiment
@@ -396,7 +397,7 @@ def test_same_config_reads_older_files_by_this_versions_schema(tmp_path):
 
     # The same for a checkpoint's recorded config: an added defaulted key is no change on resume.
     from fedbayes.config.schema import ConfigError
-    from fedbayes.runs.experiment import check_resume_config
+    from fedbayes.runs.resume import check_resume_config
 
     old_meta = cfg.model_dump(mode="json")
     del old_meta["evaluation"]["predictive"]

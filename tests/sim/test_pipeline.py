@@ -159,7 +159,9 @@ def test_killed_pipelined_run_with_a_device_store_resumes_exactly(tmp_path):
     from test_store import CONFIG
 
     from fedbayes.config.schema import validate
-    from fedbayes.runs.experiment import PlainReporter, read_metrics, run_experiment
+    from fedbayes.runs.folder import read_metrics
+    from fedbayes.runs.loggers import PlainReporter
+    from fedbayes.runs.loop import run_experiment
 
     root = Path(__file__).resolve().parents[2]
     cfg_path = tmp_path / "c.toml"
@@ -183,7 +185,7 @@ def test_killed_pipelined_run_with_a_device_store_resumes_exactly(tmp_path):
     b, c = (read_metrics(d / "metrics.jsonl") for d in (broken, memory))
     assert [x["round"] for x in b] == [0, 1, 2, 3, 4, 5] and strip(b) == strip(c)
     with np.load(broken / "checkpoints" / "round_000005.npz") as f, np.load(memory / "checkpoints" / "round_000005.npz") as g:
-        assert sorted(f.files) == sorted(g.files) and any(k.startswith("client_") for k in f.files)
+        assert sorted(f.files) == sorted(g.files) and any(k.startswith("client/") for k in f.files)
         for k in f.files:
-            if k.startswith(("server_", "client_")):  # the rest is metadata (the config's hash differs: store)
+            if k.startswith(("server/", "client/")):  # the rest is metadata (the config's hash differs: store)
                 np.testing.assert_array_equal(f[k], g[k])

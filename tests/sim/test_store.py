@@ -22,8 +22,11 @@ from fedbayes.algorithms.admm import admm
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.config.schema import validate
 from fedbayes.protocol import SimState
+from fedbayes.runs.build import build_experiment
 from fedbayes.runs.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fedbayes.runs.experiment import PlainReporter, read_metrics, run_experiment
+from fedbayes.runs.folder import read_metrics
+from fedbayes.runs.loggers import PlainReporter
+from fedbayes.runs.loop import run_experiment
 from fedbayes.sim.simulator import Simulator
 from fedbayes.sim.store import ClientStore, DeviceStore, DiskStore, MemoryStore, as_store
 
@@ -225,7 +228,7 @@ def test_checkpoints_record_the_store_prune_its_logs_and_roll_it_back(tmp_path):
     path = save_checkpoint(tmp_path / "ckpt", SimState(4, server, store), {"counters": {}})
     assert store.undo_rounds() == []  # nothing before round 4 is needed any more
     with np.load(path) as f:
-        assert not [k for k in f.files if k.startswith("client_")]
+        assert not [k for k in f.files if k.startswith("client/")]
         assert json.loads(f["meta"].tobytes())["client_store"]["uuid"] == store.uuid
     rng = np.random.default_rng(5)
     for r in (4, 5):
@@ -298,8 +301,9 @@ def test_killed_run_with_a_disk_store_resumes_to_the_same_metrics(tmp_path):
     assert json.loads((broken / "client_store" / "store.json").read_text())["round"] == 5
     # pruned by the final checkpoint down to what the older kept checkpoint (round 4) needs
     assert [p.name for p in (broken / "client_store").glob("undo_*")] == ["undo_000004.bin"]
-    with np.load(memory / "checkpoints" / "round_000005.npz") as f:  # the memory run's client arrays
-        stacked = [f[k] for k in sorted(f.files) if k.startswith("client_")]
+    exp = build_experiment(cfg.model_copy(update={"store": "memory"}))  # the memory run's client arrays, in leaf order
+    restored, _ = load_checkpoint(memory / "checkpoints" / "round_000005.npz", exp.simulator.init(exp.params))
+    stacked = [np.asarray(x) for x in jax.tree.leaves(restored.client_states)]
     leaves = sorted((broken / "client_store").glob("leaf_*.bin"))
     assert len(leaves) == len(stacked) == 4  # ADMM's dual and contribution, each a kernel and a bias
     for path, want in zip(leaves, stacked):

@@ -8,7 +8,7 @@ the example count.
 
 ServerApp (run config, see :data:`RUN_CONFIG`): ``config`` (the run's TOML file, on the
 SuperLink's machine), ``out`` (the run folder), ``resume``, and the failure settings of
-:class:`fedbayes.flower.rounds.Settings`. It runs :func:`fedbayes.runs.experiment.run_experiment`
+:class:`fedbayes.flower.rounds.Settings`. It runs :func:`fedbayes.runs.loop.run_experiment`
 with :class:`~fedbayes.flower.rounds.FlowerRounds` in place of the simulator, and writes
 ``flower_status.json`` in the run folder: ``{"ok": true}`` or the error's one line and exit code.
 """
@@ -125,7 +125,7 @@ def run_server(grid, run_config) -> dict:
     """Runs (or resumes) the configured experiment over ``grid``; returns its summary."""
     from fedbayes.config.schema import load_config
     from fedbayes.flower.rounds import FlowerRounds, GridTransport
-    from fedbayes.runs.experiment import run_experiment
+    from fedbayes.runs.loop import run_experiment
 
     settings = _settings(run_config)
     config = load_config(str(run_config["config"]))

@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from fedbayes.errors import BadInputError, FedbayesError
+from fedbayes.runs import folder as run_folder
 
 APP_NAME = "fedbayes-app"
 APP_MODULE = "fedbayes.flower.apps"
@@ -485,16 +486,16 @@ def deploy_local(
     if not resume:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
-    config_file = work / "config.toml"
+    config_file = work / run_folder.CONFIG
     config_file.write_text(to_toml(config))
     federation = LocalFederation(work, config.data.num_clients, tls=tls)
     if prepare:  # each node's partition into its state folder (else every node loads the dataset itself)
         from fedbayes.flower.node import prepare_data
-        from fedbayes.runs.experiment import build_experiment
+        from fedbayes.runs.build import build_experiment
 
         prepare_data(build_experiment(config, store_dir=work / "unused_store"), {n.partition: n.state_dir for n in federation.nodes})
     seen = 0
-    metrics = out / "metrics.jsonl"
+    metrics = out / run_folder.METRICS
 
     def report() -> None:
         nonlocal seen
@@ -516,4 +517,4 @@ def deploy_local(
         federation.stop()
     if not status.get("ok"):
         raise _error_for(status)
-    return json.loads((out / "summary.json").read_text())
+    return run_folder.read_summary(out)

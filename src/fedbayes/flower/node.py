@@ -1,7 +1,7 @@
 """The client side of a deployment: one client's round on its node, and its state on disk.
 
 A SuperNode holds one client (its ``partition-id``). For a train message the node rebuilds the
-run's algorithm from the config it carries (:func:`fedbayes.runs.experiment.build_experiment`, so
+run's algorithm from the config it carries (:func:`fedbayes.runs.build.build_experiment`, so
 the method, its hyperparameters and the data partition are the simulator's), takes its own
 partition, and calls ``algorithm.client_update`` with the simulator's key and shuffles for
 (seed, round, client) (:mod:`fedbayes.protocol`, :func:`fedbayes.data.batches.layout_orders`):
@@ -109,10 +109,12 @@ def node_setup(config, client: int, state_dir: str | Path, store_dir: str | Path
     The client's examples (its partition, as the simulator draws it) and the data's shape are
     cached in ``state_dir/data/<key>/client_<id>.npz`` the first time (loading and partitioning
     the dataset); later messages build the algorithm from the cache alone
-    (:func:`fedbayes.runs.experiment.build_model_algorithm`), which spares each message's fresh
+    (:func:`fedbayes.runs.build.build_algorithm_and_aggregator`), which spares each message's fresh
     ClientApp process the dataset's loaders.
     """
-    from fedbayes.runs.experiment import build_experiment, build_model_algorithm, config_hash
+    from fedbayes.algorithms.base import FederationInfo
+    from fedbayes.runs.build import DataSpec, build_algorithm_and_aggregator, build_experiment, build_model
+    from fedbayes.runs.resume import config_hash
 
     memo = (config_hash(config), client, str(state_dir))
     if memo in _SETUPS:  # a process that handles several messages (tests) builds once
@@ -123,8 +125,10 @@ def node_setup(config, client: int, state_dir: str | Path, store_dir: str | Path
     with np.load(path) as z:
         x, y, sizes = z["x"], z["y"], z["sizes"]
         meta = json.loads(str(z["meta"]))
-    _, params, algorithm, _, _ = build_model_algorithm(config, meta["num_classes"], tuple(meta["feature_shape"]), x.dtype, meta["task"], sizes)
-    _SETUPS[memo] = (algorithm, params, x, y)
+    spec = DataSpec(meta["num_classes"], tuple(meta["feature_shape"]), x.dtype, meta["task"])
+    model = build_model(config, spec)
+    algorithm, _ = build_algorithm_and_aggregator(config, FederationInfo.from_sizes(sizes), spec, model)
+    _SETUPS[memo] = (algorithm, model.params, x, y)
     return _SETUPS[memo]
 
 

@@ -1,7 +1,7 @@
 """The server side of a deployment: rounds over Flower nodes, as the simulator runs them.
 
 :class:`FlowerRounds` is a :class:`fedbayes.protocol.Runner`, as the simulator is, inside
-:func:`fedbayes.runs.experiment.run_experiment` (``init``, ``place``, ``run_round``,
+:func:`fedbayes.runs.loop.run_experiment` (``init``, ``place``, ``run_round``,
 ``server_params``), so a deployed run writes the same run folder as ``fedbayes run``
 (metrics.jsonl, clients.jsonl, checkpoints, resume, model.npz, summary.json). One round:
 
@@ -15,7 +15,7 @@
    against the expected message (:mod:`fedbayes.flower.codec`): a malformed one, or a node's
    error (a ClientApp exception), is *rejected* and logged with the client and node id;
 4. :func:`fedbayes.protocol.server_step` with the aggregator of
-   :func:`fedbayes.runs.experiment.make_server_aggregator` and the simulator's server key: messages
+   :func:`fedbayes.runs.build.make_server_aggregator` and the simulator's server key: messages
    failing ``message_ok`` (NaN, a non-positive precision) are rejected there; rejected and
    missing clients get weight zero; :func:`fedbayes.protocol.finish_round` ends the round as the
    simulator does (a round in which no reply is accepted leaves the server state as it was).
@@ -125,8 +125,7 @@ class FlowerRounds:
         check_deployable(exp.config)
         self.exp = exp
         self.config = exp.config
-        self.algorithm = exp.simulator.algorithm
-        self.aggregator = exp.simulator.aggregator
+        self.algorithm, self.aggregator = exp.algorithm, exp.aggregator  # no Simulator: the server holds no data
         self.transport = transport
         self.settings = settings
         self.seed = exp.config.seed

@@ -2,8 +2,11 @@
 
 A checkpoint is written to a temporary name, flushed to disk and renamed into place, so a run
 killed at any moment leaves either the previous complete checkpoint or the new one, never a torn
-file (docs/design.md, "State that persists"). Leaves are stored in the pytree's flatten order and
-restored into a template of the same structure, which is checked leaf by leaf.
+file (docs/design.md, "State that persists"). Leaves are stored by tree path
+(:func:`fedbayes.tree.to_named_arrays`: ``server/<path>`` and ``client/<path>``, as ``model.npz`` and
+the Flower codec name them) and restored into a template of the same structure, which is checked
+name by name, shape and dtype. Checkpoints written before the tree-path format (leaves keyed by
+flatten index, ``server_00000``, ...) still load (:func:`_restore_by_index`).
 
 A :class:`~fedbayes.sim.store.DiskStore` is not copied into the checkpoint: the checkpoint records
 which store (path, id) and its round; the store's undo logs from before that round are then
@@ -29,10 +32,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from fedbayes import tree as tree_lib
 from fedbayes.errors import RunFolderError, one_line
 from fedbayes.protocol import SimState
-from fedbayes.sim.store import DiskStore
+from fedbayes.runs import folder
+from fedbayes.runs.folder import write_atomic
 from fedbayes.runs.strictjson import loads_strict, sanitize
+from fedbayes.sim.store import DiskStore
 
 CHECKSUM = "checksum"
 
@@ -53,11 +59,11 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-_NAME = re.compile(r"^round_(\d{6,})\.npz$")
+_NAME = folder.CHECKPOINT_NAME
 
 
 def checkpoint_path(directory: str | Path, round_idx: int) -> Path:
-    return Path(directory) / f"round_{round_idx:06d}.npz"
+    return Path(directory) / folder.checkpoint_name(round_idx)
 
 
 def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any], keep: int = 2) -> Path:
@@ -71,20 +77,11 @@ def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any]
             raise ValueError(f"save_checkpoint: the client store is at round {store.round}, the state at round {state.round}")
         meta = {**meta, "client_store": store.describe()}
     for prefix, t in (("server", state.server_state), ("client", () if store is not None else state.client_states)):
-        for i, leaf in enumerate(jax.tree.leaves(t)):
-            if _is_key(leaf):  # typed PRNG keys are stored as their raw key data
-                leaf = jax.random.key_data(leaf)
-            arrays[f"{prefix}_{i:05d}"] = np.asarray(leaf)
+        arrays.update(tree_lib.to_named_arrays(t, prefix))  # typed PRNG keys as their raw key data
     meta, _ = sanitize({**meta, "round": state.round})  # strict JSON; records carry their own flags
     arrays["meta"] = np.frombuffer(json.dumps(meta, allow_nan=False).encode(), dtype=np.uint8)
     arrays[CHECKSUM] = np.frombuffer(_digest(arrays).encode(), dtype=np.uint8)
-    final = checkpoint_path(directory, state.round)
-    tmp = final.with_name(final.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    final = write_atomic(checkpoint_path(directory, state.round), lambda f: np.savez(f, **arrays), durable=True)
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     if store is not None:  # keep the undo logs every kept checkpoint needs (a fallback target too)
@@ -167,11 +164,20 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def _is_key(leaf) -> bool:
-    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+_LEGACY = re.compile(r"^(server|client)_\d{5}$")  # the flatten-index keys of the first format
 
 
 def _restore(template, arrays, prefix: str, path: Path):
+    """The ``prefix`` tree of ``template``'s structure: by tree path, or by flatten index for a
+    checkpoint written in the first format."""
+    if any(_LEGACY.match(k) for k in arrays):
+        return _restore_by_index(template, arrays, prefix, path)
+    error = lambda message: CheckpointError(f"{path}: the checkpoint's {prefix} arrays do not fit the run: {message}; was it written by another config?")  # noqa: E731
+    return tree_lib.from_named_arrays(arrays, template, prefix, error=error)
+
+
+def _restore_by_index(template, arrays, prefix: str, path: Path):
+    """A checkpoint of the first format: leaves stored in flatten order as ``<prefix>_00000``, ..."""
     leaves, treedef = jax.tree.flatten(template)
     stored = sorted(k for k in arrays if k.startswith(prefix + "_"))
     if len(stored) != len(leaves):
@@ -179,7 +185,7 @@ def _restore(template, arrays, prefix: str, path: Path):
     out = []
     for k, leaf in zip(stored, leaves):
         a = arrays[k]
-        if _is_key(leaf):
+        if tree_lib.is_prng_key(leaf):
             want = jax.random.key_data(leaf)
             if a.shape != want.shape or a.dtype != want.dtype:
                 raise CheckpointError(f"{path}: {prefix} key {k} has shape {a.shape} {a.dtype}, the run expects {want.shape} {want.dtype}")

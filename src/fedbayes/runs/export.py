@@ -14,33 +14,21 @@ the parameters as the nested dict the model's ``apply`` takes, and the ``metrics
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-MODEL_FILE = "model.npz"
+from fedbayes.runs import folder
+from fedbayes.tree import to_named_arrays
+
+MODEL_FILE = folder.MODEL
 PREFIXES = ("params", "posterior_mean", "posterior_variance")
 
 
-def _path_key(path) -> str:
-    parts = []
-    for p in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(p, attr):
-                parts.append(str(getattr(p, attr)))
-                break
-        else:
-            parts.append(str(p))
-    return "/".join(parts)
-
-
 def flatten(tree: Any, prefix: str) -> dict[str, np.ndarray]:
-    """``{prefix/<tree path>: array}`` for every leaf of ``tree``."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {f"{prefix}/{_path_key(path)}": np.asarray(leaf) for path, leaf in leaves}
+    """``{prefix/<tree path>: array}`` for every leaf of ``tree`` (:func:`fedbayes.tree.to_named_arrays`)."""
+    return to_named_arrays(tree, prefix)
 
 
 def unflatten(arrays: dict[str, np.ndarray], prefix: str) -> dict:
@@ -64,12 +52,7 @@ def save_model(path: str | Path, algorithm, server_state) -> Path:
         mean, variance = algorithm.server_posterior(server_state)
         arrays.update(flatten(mean, "posterior_mean"))
         arrays.update(flatten(variance, "posterior_variance"))
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
-    return path
+    return folder.write_atomic(path, lambda f: np.savez(f, **arrays))
 
 
 def load_model(path: str | Path) -> dict[str, dict]:
@@ -82,6 +65,8 @@ def load_model(path: str | Path) -> dict[str, dict]:
 def load_run(run_dir: str | Path):
     """``(config, params, metrics)`` of a finished run folder.
 
+    Reads files only: it loads neither the simulator nor the run loop.
+
     Example::
 
         config, params, metrics = fedbayes.load_run("runs/digits_fedprox")
@@ -92,12 +77,11 @@ def load_run(run_dir: str | Path):
       FileNotFoundError: the folder holds no ``config.toml`` or no ``model.npz`` (an unfinished run).
     """
     from fedbayes.config.schema import load_config
-    from fedbayes.runs.experiment import read_metrics
 
     run_dir = Path(run_dir)
-    for name in ("config.toml", MODEL_FILE):
+    for name in (folder.CONFIG, folder.MODEL):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir} holds no {name}; is it a finished fedbayes run folder?")
-    config = load_config(run_dir / "config.toml")
-    params = load_model(run_dir / MODEL_FILE)["params"]
-    return config, params, read_metrics(run_dir / "metrics.jsonl")
+    config = load_config(run_dir / folder.CONFIG)
+    params = load_model(run_dir / folder.MODEL)["params"]
+    return config, params, folder.read_metrics(run_dir / folder.METRICS)

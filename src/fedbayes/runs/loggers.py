@@ -1,8 +1,9 @@
 """Experiment logging on the reporter hook: CSV, TensorBoard, Weights & Biases; per-client metrics.
 
-A *reporter* is what :func:`fedbayes.runs.experiment.run_experiment` calls as it goes:
+A *reporter* (:class:`Reporter`) is what :func:`fedbayes.runs.loop.run_experiment` calls as it goes:
 ``start(name, total_rounds, rounds_done)``, ``update(round, total_rounds, record_or_None)`` and
-``stop()``. :class:`Reporters` fans one call out to several, so the progress bar and any number
+``stop()``. :class:`PlainReporter` prints one line per evaluation (the default);
+:class:`Reporters` fans one call out to several, so the progress bar and any number
 of loggers run side by side. ``fedbayes run --log csv --log tensorboard`` builds them with
 :func:`make_loggers`.
 
@@ -25,11 +26,50 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from fedbayes.runs import folder
 
 LOGGERS = ("csv", "tensorboard", "wandb")
+
+
+class Reporter(Protocol):
+    """What the run loop tells as it goes (progress displays and loggers)."""
+
+    def start(self, name: str, total: int, done: int) -> None: ...
+
+    def update(self, round_idx: int, total: int, record: dict | None) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def format_record(r: dict, total: int) -> str:
+    """One evaluation as a progress line: ``round R/T  acc ... nll ... ece ...%  S s``."""
+    if "accuracy" in r:
+        body = f"acc {r['accuracy']:.4f}  nll {r['nll']:.4f}  ece {100 * r['ece']:.2f}%"
+    else:
+        body = f"mse {r['mse']:.5f}"
+    rej = f"  rejected {r['rejected']}" if r.get("rejected") else ""
+    return f"round {r['round']:>4}/{total}  {body}  {r['seconds']:.1f}s{rej}"
+
+
+class PlainReporter:
+    """Progress as plain lines (when output is not a terminal)."""
+
+    def __init__(self, echo: Callable[[str], None] = print):
+        self.echo = echo
+
+    def start(self, name: str, total: int, done: int) -> None:
+        self.echo(f"[{name}] rounds {done}/{total}")
+
+    def update(self, round_idx: int, total: int, record: dict | None) -> None:
+        if record is not None:
+            self.echo(format_record(record, total))
+
+    def stop(self) -> None:
+        pass
 
 
 class LoggerUnavailable(RuntimeError):
@@ -64,13 +104,11 @@ class CSVLogger:
 
     def __init__(self, out: str | Path):
         self.out = Path(out)
-        self.path = self.out / "metrics.csv"
+        self.path = self.out / folder.METRICS_CSV
         self.records: list[dict] = []
 
     def start(self, name: str, total: int, done: int) -> None:
-        from fedbayes.runs.experiment import read_metrics
-
-        self.records = [r for r in read_metrics(self.out / "metrics.jsonl") if r["round"] <= done]
+        self.records = [r for r in folder.read_metrics(self.out / folder.METRICS) if r["round"] <= done]
         self._write()
 
     def update(self, round_idx: int, total: int, record: dict | None) -> None:
@@ -89,9 +127,7 @@ class CSVLogger:
         writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.records)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(buf.getvalue())
-        os.replace(tmp, self.path)
+        folder.write_atomic(self.path, buf.getvalue())
 
 
 class TensorBoardLogger:
@@ -197,9 +233,7 @@ class ClientLog:
                         kept.append(line + "\n")
                 except (json.JSONDecodeError, KeyError):
                     break  # a line torn by a kill
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)
+        folder.write_atomic(self.path, "".join(kept))
 
     def write(self, info: Any, round_idx: int) -> None:
         """Appends the lines of round ``round_idx`` (1 for the first round trained, as in

@@ -43,13 +43,14 @@ class Column:
     keep: int = 0
 
 
-def _fmt(v, pct: bool = False, digits: int = 4) -> str:
-    """A number, or a mean over seeds with its standard deviation as ``mean±std`` (one token;
-    ``[n/of]`` follows when only ``n`` of ``of`` seeds have a value)."""
+def format_value(v, pct: bool = False, digits: int = 4) -> str:
+    """One table cell: a number (``digits`` decimals; ``pct``: as a percentage), ``—`` for None, or
+    a mean over seeds (:func:`fedbayes.runs.summaries.mean_std`) with its standard deviation as
+    ``mean±std`` (one token; ``[n/of]`` follows when only ``n`` of ``of`` seeds have a value)."""
     if isinstance(v, Mapping) and "mean" in v:
         if v.get("mean") is None:
             return "—"
-        text = _fmt(v["mean"], pct, digits) + ("" if v.get("std") is None else "±" + _fmt(v["std"], pct, digits))
+        text = format_value(v["mean"], pct, digits) + ("" if v.get("std") is None else "±" + format_value(v["std"], pct, digits))
         return text if v.get("n", 0) == v.get("of", 0) else f"{text}[{v['n']}/{v['of']}]"
     if v is None:
         return "—"
@@ -62,20 +63,22 @@ def _mean(v):
 
 
 def _final(key: str, pct: bool = False, digits: int = 4):
-    return lambda name, s, recs: _fmt(s.get("final", {}).get(key), pct, digits)
+    return lambda name, s, recs: format_value(s.get("final", {}).get(key), pct, digits)
 
 
 def is_regression(summary: dict) -> bool:
     return "mse" in summary.get("final", {}) and "accuracy" not in summary.get("final", {})
 
 
-def _rounds_to(threshold: float):
+def rounds_to_value(threshold: float):
+    """The "rounds to" cell at ``threshold``: the first evaluated round whose accuracy reaches it (the
+    mean over seeds for a summary over seeds), ``—`` when never reached."""
     from fedbayes.evaluation.metrics import rounds_to_threshold
 
     def value(name, s, recs):
         if "curve" in s:  # over seeds (fedbayes.runs.summaries.aggregate): the mean of each seed's round
             rt = s["curve"].get("rounds_to") if s["curve"].get("threshold") == threshold else None
-            return "—" if rt is None else _fmt(rt, digits=1)
+            return "—" if rt is None else format_value(rt, digits=1)
         if recs:
             try:
                 rt = rounds_to_threshold([r["round"] for r in recs], [r["accuracy"] for r in recs], threshold, window=1)
@@ -95,30 +98,32 @@ def _curve(field: str, digits: int = 4):
 
     def value(name, s, recs):
         if "curve" in s:
-            return _fmt(s["curve"].get(field), digits=digits)
+            return format_value(s["curve"].get(field), digits=digits)
         if recs:
             try:
                 c = curve_summary(recs)
             except (KeyError, TypeError, ValueError):
                 c = None
             if c is not None:
-                return _fmt(c[field], digits=digits)
-        return _fmt(s.get("final_mean_3"), digits=digits) if field == "mean_last" else "—"
+                return format_value(c[field], digits=digits)
+        return format_value(s.get("final_mean_3"), digits=digits) if field == "mean_last" else "—"
 
     return value
 
 
-def _seeds(name, s, recs):
+def seeds_value(name, s, recs):
+    """The "seeds" cell of a summary over seeds: their count, or ``ok/all`` when some diverged."""
     seeds, bad = s.get("seeds") or [], s.get("diverged_seeds") or {}
     return str(len(seeds)) if not bad else f"{len(seeds) - len(bad)}/{len(seeds)}"
 
 
 def _best_mse(name, s, recs):
     values = [r["mse"] for r in recs if "mse" in r]
-    return _fmt(min(values), digits=5) if values else "—"
+    return format_value(min(values), digits=5) if values else "—"
 
 
-def _seconds(name, s, recs):
+def seconds_value(name, s, recs):
+    """The "train s" cell: the run's total training seconds (the mean over seeds for a summary over seeds)."""
     f = s.get("final", {})
     return f"{_mean(f.get('seconds_total', f.get('seconds', 0.0))) or 0.0:.1f}"
 
@@ -145,7 +150,7 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
     ]
     over_seeds = any("seeds" in s for s in summaries.values())
     if over_seeds:
-        cols.append(Column("seeds", _seeds, keep=8))
+        cols.append(Column("seeds", seeds_value, keep=8))
     # Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (mean and max over rounds R-2..R), when some summary has a curve
     curves_known = any("curve" in s or "final_mean_3" in s for s in summaries.values())
     if summaries and all(is_regression(s) for s in summaries.values()):
@@ -173,10 +178,10 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
         if any("epsilon" in s.get("final", {}) for s in summaries.values()):
             cols += [Column("epsilon", _epsilon, keep=4)]  # client-level DP (fedbayes.aggregators.dp); inf: no noise
         cols += [
-            Column("best acc", lambda n, s, r: _fmt(s.get("best_accuracy")), keep=6),
-            Column(f"rounds to {threshold:.0%}", _rounds_to(threshold), keep=5),
+            Column("best acc", lambda n, s, r: format_value(s.get("best_accuracy")), keep=6),
+            Column(f"rounds to {threshold:.0%}", rounds_to_value(threshold), keep=5),
         ]
-    cols += [Column("train s (total)", _seconds, keep=6), Column("MB up (total)", _mb_up, keep=8)]
+    cols += [Column("train s (total)", seconds_value, keep=6), Column("MB up (total)", _mb_up, keep=8)]
     return cols
 
 
@@ -338,7 +343,7 @@ def reference_table(summaries: Mapping[str, dict], curves: Mapping[str, Sequence
     rows = []
     for name, s in summaries.items():
         v = ours(name, s)
-        text = "diverged" if s.get("diverged") else _fmt(v, pct=True).replace("±", " ± ") if v is not None else "—"
+        text = "diverged" if s.get("diverged") else format_value(v, pct=True).replace("±", " ± ") if v is not None else "—"
         p = reference.values.get(name)
         pm = paper_mean(p) if p is not None else None
         m = _mean(v) if v is not None else None

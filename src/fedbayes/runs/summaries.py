@@ -1,4 +1,5 @@
-"""Curve summaries of one run and their mean and spread over seeds.
+"""A run's summary (``summary.json``, :func:`summarize`), curve summaries of one run and their
+mean and spread over seeds.
 
 Swaroop et al. 2025 (ADMM and Bayes) summarise a run's test-accuracy curve at round
 ``R`` three ways and average each over 3 seeds, with the standard deviation in parentheses:
@@ -23,8 +24,35 @@ import numpy as np
 
 from fedbayes.evaluation import metrics
 
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)  # accuracies of summary.json's rounds_to
 SPAN = 3  # rounds R-2..R
 STD_DDOF = 1  # the sample standard deviation over seeds (n - 1 in the denominator)
+
+
+def summarize(config, records: list[dict], task: str) -> dict:
+    """Final metrics and curve summaries (docs/algorithms.md §13.2) of one run: ``summary.json``
+    (``config``: its :class:`~fedbayes.config.schema.RunConfig`)."""
+    last = records[-1] if records else {}
+    summary: dict[str, Any] = {
+        "name": config.name,
+        "algorithm": config.algorithm.name,
+        "server_optimizer": config.server.optimizer,
+        "rounds": config.rounds,
+        "final": {k: v for k, v in last.items() if k != "round"},
+    }
+    if task == "classification" and records:
+        rounds = [r["round"] for r in records]
+        acc = [r["accuracy"] for r in records]
+        summary["best_accuracy"] = float(max(acc))
+        # Swaroop et al. 2025 (ADMM and Bayes) Table 3: the first round whose accuracy reaches the threshold (no smoothing);
+        # Guo et al. 2023 (FedEP) and Al-Shedivat et al. 2021 (FedPA): the first round whose 10-evaluation running mean reaches it.
+        summary["rounds_to"] = {f"{t:.2f}": metrics.rounds_to_threshold(rounds, acc, t, window=1) for t in THRESHOLDS}
+        summary["rounds_to_rm10"] = {f"{t:.2f}": metrics.rounds_to_threshold(rounds, acc, t, window=10) for t in THRESHOLDS}
+        summary["final_mean_3"] = metrics.final_mean(acc, 3)
+        for w in (10, 100):
+            m = metrics.running_mean(acc, w)
+            summary[f"running_mean_{w}"] = None if np.isnan(m[-1]) else float(m[-1])
+    return summary
 
 
 def curve_key(records: Sequence[dict], prefix: str = "") -> str | None:

@@ -14,9 +14,12 @@ over the seeds, on the **validation split** held out from the clients' training 
 (``select_on = "test"``), as the papers choose; the tables then say so. A cell with a diverged
 seed is never selected. The test metrics of every cell are reported either way.
 
-No command line here: :func:`plan` validates a sweep into cells, :func:`run` runs them through a
-``run_one`` callable (the CLI passes one that writes run folders), and :func:`tables` builds the
-two tables (every cell; the best cell per variant) as Markdown and JSON.
+No command line here: :func:`prepare` validates a sweep (:func:`plan`: its cells) into a
+:class:`SweepPlan`; :func:`run_sweep` checks every unfinished run's data, writes ``sweep.toml``,
+runs what is not finished through a ``run_one`` callable (the CLI passes one that reports progress
+and writes run folders) and builds and writes the two tables (every cell; the best cell per
+variant, :func:`tables`) as Markdown and JSON; :func:`load_sweep` reads ``sweep.toml`` back for a
+resume.
 """
 
 from __future__ import annotations
@@ -29,14 +32,16 @@ import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from fedbayes.config.schema import ConfigError, RunConfig, read_toml, same_config, validate
+from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report, summaries
-from fedbayes.config.schema import ConfigError, RunConfig, same_config, validate
+from fedbayes.runs.strictjson import dumps_record
 
 SELECT_ON = ("validation", "test")
 DEFAULT_VALIDATION_FRACTION = 0.1  # held out when selecting on validation and the config holds out none
-SWEEP_FILE = "sweep.toml"
+SWEEP_FILE = run_folder.SWEEP
 NOT_A_GRID_AXIS = {"seed": "seeds are not a grid axis; use --seeds", "name": "the run's name is not a setting to sweep"}
 
 
@@ -69,7 +74,7 @@ class Cell:
     config: RunConfig  # the variant's config with these settings (its own seed)
 
     def folder(self, out: Path, seed: int) -> Path:
-        return Path(out) / self.variant / self.name / f"seed_{seed}"
+        return run_folder.seed_folder(Path(out) / self.variant / self.name, seed)
 
     def config_for(self, seed: int) -> RunConfig:
         return self.config.model_copy(update={"seed": seed})
@@ -297,14 +302,7 @@ def selection_label(select_on: str, cells: Sequence[Cell], seeds: Sequence[int] 
 # ----- running ----------------------------------------------------------------------------------
 
 
-def finished(config: RunConfig, folder: Path) -> dict | None:
-    """The summary of a run already finished in ``folder`` with this very config, else None."""
-    try:
-        if same_config(folder / "config.toml", config):
-            return json.loads((folder / "summary.json").read_text())
-    except (OSError, ValueError):
-        pass
-    return None
+finished = run_folder.finished  # the summary of a run already finished with this very config, else None
 
 
 def conflicts(cells: Sequence[Cell], seeds_of: Callable[[Cell], Sequence[int]], out: Path) -> list[Path]:
@@ -312,7 +310,7 @@ def conflicts(cells: Sequence[Cell], seeds_of: Callable[[Cell], Sequence[int]], 
     bad = []
     for cell in cells:
         for seed in seeds_of(cell):
-            stored = cell.folder(out, seed) / "config.toml"
+            stored = cell.folder(out, seed) / run_folder.CONFIG
             if stored.is_file() and not same_config(stored, cell.config_for(seed)):
                 bad.append(stored.parent)
     return bad
@@ -338,20 +336,17 @@ def run(
             if done is not None:
                 on_skip(cell, seed)
             else:
-                ckpts = folder / "checkpoints"
-                done = run_one(config, folder, ckpts.is_dir() and any(ckpts.glob("round_*.npz")))
+                done = run_one(config, folder, run_folder.has_checkpoint(folder))
             results.setdefault((cell.variant, cell.name), {})[seed] = done
     return results
 
 
 def cell_summaries(cells: Sequence[Cell], results, out: Path, threshold: float) -> dict[tuple[str, str], dict]:
     """Each cell's runs over its seeds as one summary (:func:`fedbayes.runs.summaries.aggregate`)."""
-    from fedbayes.runs.experiment import read_metrics
-
     agg = {}
     for cell in cells:
         runs = results[(cell.variant, cell.name)]
-        curves = {s: read_metrics(cell.folder(out, s) / "metrics.jsonl") for s in runs}
+        curves = {s: run_folder.read_metrics(cell.folder(out, s) / run_folder.METRICS) for s in runs}
         agg[(cell.variant, cell.name)] = summaries.aggregate(cell.variant, runs, curves, threshold)
     return agg
 
@@ -368,16 +363,16 @@ def _columns(keys: Sequence[str], select_on: str, threshold: float, regression: 
     metric = "MSE" if regression else "acc"
     cols = [C("method", lambda n, r, _: r["variant"], left=True)]
     cols += [C(k, (lambda k: lambda n, r, _: _value_text(r["settings"][k]) if k in r["settings"] else "—")(k)) for k in keys]
-    cols.append(C("seeds", lambda n, r, _: report._seeds(n, r["summary"], None), keep=8))
+    cols.append(C("seeds", lambda n, r, _: report.seeds_value(n, r["summary"], None), keep=8))
     digits = 5 if regression else 4
     if select_on == "validation":
-        cols.append(C(f"val {metric} mean R-2..R", lambda n, r, _: report._fmt((r["summary"].get("val_curve") or {}).get("mean_last"), digits=digits)))
-    cols.append(C(f"test {metric} mean R-2..R", lambda n, r, _: report._fmt((r["summary"].get("curve") or {}).get("mean_last"), digits=digits)))
-    cols.append(C(f"test {metric} max R-2..R", lambda n, r, _: report._fmt((r["summary"].get("curve") or {}).get("max_last"), digits=digits), keep=4))
+        cols.append(C(f"val {metric} mean R-2..R", lambda n, r, _: report.format_value((r["summary"].get("val_curve") or {}).get("mean_last"), digits=digits)))
+    cols.append(C(f"test {metric} mean R-2..R", lambda n, r, _: report.format_value((r["summary"].get("curve") or {}).get("mean_last"), digits=digits)))
+    cols.append(C(f"test {metric} max R-2..R", lambda n, r, _: report.format_value((r["summary"].get("curve") or {}).get("max_last"), digits=digits), keep=4))
     if not regression:
-        cols.append(C(f"rounds to {threshold:.0%}", lambda n, r, _: report._rounds_to(threshold)(n, r["summary"], []), keep=5))
-        cols.append(C("test NLL", lambda n, r, _: report._fmt(r["summary"].get("final", {}).get("nll")), keep=6))
-    cols.append(C("train s", lambda n, r, _: report._seconds(n, r["summary"], []), keep=7))
+        cols.append(C(f"rounds to {threshold:.0%}", lambda n, r, _: report.rounds_to_value(threshold)(n, r["summary"], []), keep=5))
+        cols.append(C("test NLL", lambda n, r, _: report.format_value(r["summary"].get("final", {}).get("nll")), keep=6))
+    cols.append(C("train s", lambda n, r, _: report.seconds_value(n, r["summary"], []), keep=7))
     if best_marker:
         cols.append(C("best", lambda n, r, _: "*" if r.get("best") else "", left=True))
     return cols
@@ -460,9 +455,146 @@ def tables(cells: Sequence[Cell], agg, *, select_on: str, threshold: float, seed
 
 def write_tables(t: Tables, out: Path, title: str) -> tuple[Path, Path]:
     """Writes ``sweep.md`` and ``sweep.json`` (strict JSON) into the sweep folder."""
-    from fedbayes.runs.strictjson import dumps_record
-
-    md, js = Path(out) / "sweep.md", Path(out) / "sweep.json"
-    md.write_text(t.markdown(title))
-    js.write_text(dumps_record(t.data, indent=2) + "\n")
+    md, js = Path(out) / run_folder.SWEEP_MD, Path(out) / run_folder.SWEEP_JSON
+    run_folder.write_atomic(md, t.markdown(title))
+    run_folder.write_atomic(js, dumps_record(t.data, indent=2) + "\n")
     return md, js
+
+
+# ----- the whole sweep --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPlan:
+    """A validated sweep: its variants, its settings as ``sweep.toml`` records them (``grid``,
+    ``seeds``, ``select_on``, ``threshold``, ``title``), the grid's axes and its cells."""
+
+    runs: dict[str, RunConfig]
+    spec: dict
+    axes: list[Axis]
+    cells: list[Cell]
+
+    @property
+    def seeds(self) -> list[int] | None:
+        return self.spec.get("seeds")
+
+    def seeds_of(self, cell: Cell) -> list[int]:
+        """The seeds a cell runs with: the sweep's, else its config's own."""
+        return self.seeds if self.seeds is not None else [cell.config.seed]
+
+    @property
+    def total(self) -> int:
+        return sum(len(self.seeds_of(c)) for c in self.cells)
+
+    def label(self, cell: Cell, seed: int) -> str:
+        """``VARIANT key=value ... seed S``: one run of the sweep, as progress shows it."""
+        settings = " ".join(f"{k}={v}" for k, v in cell.settings)
+        return f"{cell.variant} {settings} seed {seed}"
+
+    def todo(self, out: Path) -> list[tuple[Cell, int]]:
+        """The (cell, seed) runs not finished in ``out`` with their very config."""
+        return [(cell, s) for cell in self.cells for s in self.seeds_of(cell) if finished(cell.config_for(s), cell.folder(out, s)) is None]
+
+
+def prepare(runs: dict[str, RunConfig], spec: dict) -> SweepPlan:
+    """Validates a sweep (its grid against every variant, ``select_on``).
+
+    Raises:
+      ConfigError: one line naming the bad key or value.
+    """
+    axes = parse_grid(spec.get("grid") or [], list(runs))
+    cells = plan(runs, axes)
+    select_key(spec.get("select_on", "validation"))
+    return SweepPlan(runs, spec, axes, cells)
+
+
+def with_validation_fraction(runs: dict[str, RunConfig], select_on: str, fraction: float | None) -> dict[str, RunConfig]:
+    """Every variant with ``data.validation_fraction`` set: ``fraction`` when given, else (when
+    selecting on validation) the config's own or :data:`DEFAULT_VALIDATION_FRACTION`.
+
+    Raises:
+      ConfigError: a fraction the data does not allow, naming ``--validation-fraction``.
+    """
+    if fraction is None and select_on != "validation":
+        return runs
+    out = {}
+    for name, cfg in runs.items():
+        value = fraction if fraction is not None else (cfg.data.validation_fraction or DEFAULT_VALIDATION_FRACTION)
+        try:
+            out[name] = validate(
+                {
+                    **cfg.model_dump(mode="json", exclude_none=True),
+                    "data": {**cfg.data.model_dump(mode="json", exclude_none=True), "validation_fraction": value},
+                }
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (--validation-fraction)") from None
+    return out
+
+
+def load_sweep(out: Path) -> tuple[dict[str, RunConfig], dict]:
+    """The variants and settings of the sweep in ``out`` (its ``sweep.toml``), for a resume.
+
+    Raises:
+      ConfigError: an unreadable file or a variant that no longer validates, naming the file.
+    """
+    path = Path(out) / SWEEP_FILE
+    try:
+        raw = read_toml(path)
+        runs = {name: validate(cfg) for name, cfg in (raw.get("variants") or {}).items()}
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({path})") from None
+    return runs, raw.get("sweep") or {}
+
+
+def clear(out: Path) -> None:
+    """Removes everything in a sweep folder but its lock (``--overwrite``: every run of the sweep,
+    not only this grid's)."""
+    import shutil
+
+    from fedbayes.runs.runlock import LOCK_NAME
+
+    for child in Path(out).iterdir():
+        if child.name != LOCK_NAME:
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+class SweepResult(NamedTuple):
+    """What a sweep wrote, for the caller to print."""
+
+    tables: Tables
+    markdown: Path
+    json: Path
+
+
+def run_sweep(
+    p: SweepPlan,
+    out: Path,
+    run_one: Callable[[RunConfig, Path, bool], dict],
+    *,
+    on_start: Callable[[int, int], None] = lambda total, finished_before: None,
+    on_skip: Callable[[Cell, int], None] = lambda cell, seed: None,
+) -> SweepResult:
+    """Checks the data of every unfinished run, writes ``sweep.toml``, runs what is not finished
+    (:func:`run`), and writes the tables (:func:`tables`, :func:`write_tables`).
+
+    ``on_start(total runs, runs finished earlier)`` is called once before the first run.
+
+    Raises:
+      ConfigError, DatasetNotFoundError: an unfinished run's data check, before any run.
+    """
+    from fedbayes.runs.compare import check_data, toml_text
+
+    out = Path(out)
+    todo = p.todo(out)
+    check_data([((cell.variant, cell.name, s), cell.config_for(s)) for cell, s in todo], lambda key: f"variant {key[0]!r}, cell {key[1]}, seed {key[2]}")
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"sweep": p.spec, "variants": {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in p.runs.items()}}
+    run_folder.write_atomic(out / SWEEP_FILE, "# written by `fedbayes sweep`; `fedbayes resume` continues it\n" + toml_text(record))
+    on_start(p.total, p.total - len(todo))
+    results = run(p.cells, p.seeds_of, out, run_one, on_skip=on_skip)
+    threshold = p.spec.get("threshold", 0.8)
+    agg = cell_summaries(p.cells, results, out, threshold)
+    t = tables(p.cells, agg, select_on=p.spec.get("select_on", "validation"), threshold=threshold, seeds=p.seeds, axes=p.axes)
+    md, js = write_tables(t, out, f"sweep {p.spec.get('title', out.name)}")
+    return SweepResult(t, md, js)

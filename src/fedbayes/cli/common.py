@@ -1,0 +1,90 @@
+"""What the commands share: reading configs, checking the output folder, running one run with its
+errors mapped to exit codes, printing the table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fedbayes.cli import progress
+from fedbayes.cli.base import CommandContext, fail
+from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, read_toml, validate
+from fedbayes.runs import folder as run_folder
+from fedbayes.runs import report
+
+LOG_HELP = "also log to csv (metrics.csv), tensorboard or wandb (repeatable; the last two are optional extras)"
+SEEDS_HELP = "run every variant with these seeds and report mean and std: a count N (seeds 0..N-1) or a list such as 0,3,7; default: the comparison file's `seeds`, else each config's own seed"
+
+
+def check_out(out: Path, overwrite: bool, resume: bool = False, what: str = "run") -> None:
+    """Refuses an output folder that another process is writing (exit 5, naming it), and an
+    existing non-empty one unless told to overwrite or resume it (its lock file does not count)."""
+    from fedbayes.runs import runlock
+
+    if out.is_dir() and (out / runlock.LOCK_NAME).exists():
+        with runlock.hold(out, what):  # held by another process: one line naming its pid
+            pass
+    if overwrite or resume or not out.exists():
+        return
+    if out.is_file():
+        fail(f"error: --out {out} is a file; pass a folder")
+    if any(p.name != runlock.LOCK_NAME for p in out.iterdir()):
+        hint = f"`fedbayes resume {out}` to continue it" if what == "run" else "--resume to continue it"
+        fail(f"error: {out} is not empty (an earlier {what}?); pass --overwrite to replace it, {hint}, or choose another --out")
+
+
+def load(path: Path, overrides: list[str]) -> RunConfig:
+    """The validated config of a run file with ``--set`` overrides; a bad one exits 2 with one line."""
+    try:
+        return validate(apply_overrides(read_toml(path), overrides))
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def run_one(
+    ctx: CommandContext,
+    config: RunConfig,
+    out: Path,
+    resume: bool = False,
+    logs: list[str] | None = None,
+    stderr: bool = False,
+    accept_changes=(),
+    *,
+    diverged_ok: bool = False,
+    reporter=None,
+) -> dict:
+    """Runs (or resumes) one experiment into ``out`` and returns its summary; a diverged run is
+    exit 3 (or, with ``diverged_ok``, a ``diverged:`` line and its summary); a missing dataset
+    exit 3; a config error exit 2. ``reporter``: the progress display (default: bar or lines,
+    with the loggers of ``logs``)."""
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.runs import loop
+    from fedbayes.runs.health import Diverged
+
+    ctx.folder = out
+    try:
+        return loop.run_experiment(config, out, resume=resume, reporter=reporter or progress.reporter(out, logs, config, stderr), accept_changes=accept_changes)
+    except Diverged as exc:
+        if not diverged_ok:
+            raise  # one line and exit 3 (the top-level handler)
+        print(f"diverged: {exc}", file=sys.stderr, flush=True)
+        return run_folder.read_summary(out)
+    except DatasetNotFoundError as exc:
+        fail(f"data error: {exc}", code=3)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def records(out: Path) -> list[dict]:
+    """A run's metrics.jsonl records (for the table's curve summaries)."""
+    return run_folder.read_metrics(out / run_folder.METRICS)
+
+
+def print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dict[str, list[dict]] | None = None, title: str | None = None) -> None:
+    """Prints the table to fit the terminal (:mod:`fedbayes.runs.report`).
+
+    "rounds to" is the first evaluated round whose accuracy reaches ``threshold`` (as in
+    "Federated Learning via Posterior Averaging", Al-Shedivat et al. 2021, Table 3). The "marg."
+    columns are the marginalised predictions of the Bayesian methods, shown only when one has them.
+    """
+    print(report.render(summaries, threshold=threshold, curves=curves, title=title), end="", flush=True)

@@ -1,0 +1,251 @@
+"""``fedbayes compare`` and ``fedbayes sweep``: the commands, their progress and their output.
+The orchestration is :mod:`fedbayes.runs.compare` and :mod:`fedbayes.runs.sweep`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fedbayes.cli import progress
+from fedbayes.cli.base import CommandContext, console, fail, handled
+from fedbayes.cli.common import LOG_HELP, SEEDS_HELP, check_out, print_table, run_one
+from fedbayes.config.schema import ConfigError, RunConfig
+from fedbayes.runs import folder as run_folder
+from fedbayes.runs import report
+
+__all__ = ["SWEEP_HELP", "compare", "resume_comparison", "resume_sweep", "sweep"]
+
+
+def _or_fail(read: Callable[[], object]):
+    """``read()``, a bad config or comparison file ending the command with its one line (exit 2)."""
+    try:
+        return read()
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def _seeds_option(text: str) -> list[int]:
+    from fedbayes.runs.sweep import parse_seeds
+
+    return _or_fail(lambda: parse_seeds(text))
+
+
+def _print_reference(summaries, curves, reference) -> None:
+    if reference is None:
+        return
+    cols, rows = report.reference_table(summaries, curves, reference)
+    print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}"), end="", flush=True)
+
+
+@handled
+def compare(
+    ctx: CommandContext,
+    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML (\\[base] + \\[variants.NAME]) or several run TOMLs")],
+    out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
+    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the comparison already in --out")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the comparison in --out: finished variants are not rerun")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object (progress goes to stderr)")] = False,
+    log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help=SEEDS_HELP)] = None,
+):
+    """Run several methods or configs and print one table and one overlaid plot.
+
+    With seeds (`seeds = [0, 1, 2]` in the comparison file, or --seeds 3) every variant runs once
+    per seed, each run in its own folder OUT/VARIANT/seed_S/, and the table, compare.json and the
+    plot show the mean and standard deviation over the seeds (the plot: the mean curve in a band
+    of +-1 standard deviation)."""
+    from fedbayes.runs import compare as cmp
+
+    if overwrite and resume:
+        fail("error: --overwrite and --resume exclude each other")
+    runs = _or_fail(lambda: cmp.load_comparison(configs, set_ or []))
+    seed_list = _seeds_option(seeds) if seeds is not None else _or_fail(lambda: cmp.file_seeds(configs))
+    check_out(out, overwrite, resume, what="comparison")
+    datasets = sorted({c.data.dataset for c in runs.values()})
+    title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
+    reference = _or_fail(lambda: cmp.file_reference(configs, list(runs)))
+    _run_comparison(ctx, runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list, reference=reference)
+
+
+def resume_comparison(ctx: CommandContext, out: Path, logs=None) -> None:
+    """Continues the comparison in ``out`` from its comparison.toml."""
+    from fedbayes.runs import compare as cmp
+
+    files = [out / run_folder.COMPARISON]
+    runs = _or_fail(lambda: cmp.load_comparison(files, []))
+    seeds = _or_fail(lambda: cmp.file_seeds(files))
+    reference = _or_fail(lambda: cmp.file_reference(files, list(runs)))
+    _run_comparison(ctx, runs, out, resume=True, logs=logs, seeds=seeds, reference=reference)
+
+
+def _run_comparison(
+    ctx: CommandContext,
+    runs: dict[str, RunConfig],
+    out: Path,
+    *,
+    resume: bool = False,
+    logs=None,
+    json_out: bool = False,
+    title: str = "comparison",
+    threshold: float = 0.8,
+    seeds: list[int] | None = None,
+    reference=None,
+) -> None:
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.runs import compare as cmp
+    from fedbayes.runs.strictjson import dumps_record
+
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
+    if resume:  # a run folder holding another config is never overwritten (nor mixed in silently)
+        bad = cmp.conflicts(cmp.jobs(runs, out, seeds))
+        if bad:
+            fail(f"error: {bad[0]} holds a run of a different config; pass --overwrite to replace it, or another --out")
+    ctx.hold(out, "compare")
+    if seeds is not None:
+        ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
+
+    def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
+        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True)
+
+    try:
+        result = cmp.run_comparison(runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say)
+    except DatasetNotFoundError as exc:
+        fail(f"data error: {exc}", code=3)
+    except ConfigError as exc:
+        fail(str(exc))
+    if json_out:
+        print(dumps_record(result.body), flush=True)
+    else:
+        print_table(result.summaries, threshold, result.curves, title=result.title)
+        _print_reference(result.summaries, result.curves, reference)
+        console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False)
+    if result.diverged:
+        fail(f"error: diverged: {', '.join(result.diverged)} (see their rows; each kept its last good checkpoint for fedbayes resume DIR --set ...)", code=3)
+
+
+# ----- sweeps -----------------------------------------------------------------------------------
+
+SWEEP_HELP = r"""Run a grid of settings, several seeds each; tables of every cell and of the best cell per method.
+
+CONFIG is a run TOML or a comparison TOML (\[base] + \[variants.NAME]); the grid applies to every
+variant. Every combination of --grid values is a cell; every (variant, cell, seed) is its own run
+folder OUT/VARIANT/CELL/seed_S/.
+
+  fedbayes sweep CONFIG --grid algorithm.delta=0.1,1,10 --grid client.epochs=1,2,5 --seeds 3
+
+--grid KEY=V1,V2,...   any config key (`fedbayes config` lists them); values read as TOML
+                       (strings may be bare; brackets keep commas: model.hidden=[100],[200,100]);
+                       VARIANT.KEY=... sweeps a key in one variant only (e.g. feddyn.algorithm.alpha=...).
+                       A key that is not a setting of some variant it applies to is an error.
+--seeds N | S1,S2,...  N seeds (0..N-1) or these seeds; default the comparison file's `seeds`,
+                       else each config's own seed. Cells are compared on their mean over seeds.
+--select-on validation (default) chooses each method's best cell on a validation split held out
+                       from every client's training data (data.validation_fraction; when the
+                       config holds out nothing, --validation-fraction, default 0.1); the test
+                       metrics are reported beside it. The split is taken per client after
+                       partitioning, seeded, so the federation is the one a run without it gets.
+--select-on test       chooses on the test set, as the papers do; the output says so.
+
+A cell's score: its mean accuracy over rounds R-2..R (Swaroop et al. 2025, Table 1), averaged
+over seeds (regression: the lowest MSE); a cell with a diverged seed is never chosen. The tables
+also give the max accuracy over R-2..R and the rounds to --threshold (mean±std over seeds, the
+sample standard deviation). They are printed and written to OUT/sweep.md and OUT/sweep.json.
+
+Nothing is overwritten: a non-empty OUT needs --resume (or `fedbayes resume OUT`), which runs
+only what is missing (finished runs are not rerun, an interrupted run continues from its
+checkpoint; new grid values or seeds are added), or --overwrite. Bad input (an unknown key, a
+value the key does not allow, an empty grid) is one line naming it, exit code 2, before any run.
+"""
+
+
+@handled
+def sweep(
+    ctx: CommandContext,
+    config: Annotated[Path, typer.Argument(help="a run TOML or a comparison TOML (\\[base] + \\[variants.NAME])")],
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", help="KEY=V1,V2,... (repeatable; VARIANT.KEY=... for one variant)")] = None,
+    seeds: Annotated[Optional[str], typer.Option("--seeds", help="N (seeds 0..N-1) or S1,S2,...; default the file's `seeds`, else the config's seed")] = None,
+    select_on: Annotated[
+        str, typer.Option("--select-on", help="validation (default: a split held out from the training data) or test (as the papers)")
+    ] = "validation",
+    validation_fraction: Annotated[
+        Optional[float],
+        typer.Option("--validation-fraction", help="data.validation_fraction for every variant (default: the config's, else 0.1 when selecting on validation)"),
+    ] = None,
+    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
+    out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/sweep_<config name>)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the sweep already in --out")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the sweep in --out: finished runs are not rerun")] = False,
+):
+    from fedbayes.runs import compare as cmp
+    from fedbayes.runs import sweep as sw
+
+    if overwrite and resume:
+        fail("error: --overwrite and --resume exclude each other")
+    if select_on not in sw.SELECT_ON:
+        fail(f"error: --select-on {select_on!r}: allowed: {', '.join(sw.SELECT_ON)}")
+    runs = _or_fail(lambda: cmp.load_comparison([config], set_ or []))
+    seed_list = _seeds_option(seeds) if seeds is not None else _or_fail(lambda: cmp.file_seeds([config]))
+    runs = _or_fail(lambda: sw.with_validation_fraction(runs, select_on, validation_fraction))
+    out = out or Path("runs") / f"sweep_{config.stem}"
+    spec = {"grid": list(grid or []), "select_on": select_on, "threshold": threshold, "title": config.stem}
+    if seed_list is not None:
+        spec["seeds"] = seed_list
+    _sweep(ctx, runs, spec, out, overwrite=overwrite, resume=resume)
+
+
+def resume_sweep(ctx: CommandContext, out: Path) -> None:
+    """Continues the sweep in ``out`` from its sweep.toml."""
+    from fedbayes.runs import sweep as sw
+
+    runs, spec = _or_fail(lambda: sw.load_sweep(out))
+    _sweep(ctx, runs, spec, out, resume=True)
+
+
+def _sweep(ctx: CommandContext, runs: dict[str, RunConfig], spec: dict, out: Path, *, overwrite: bool = False, resume: bool = False) -> None:
+    from fedbayes.data.dataset import DatasetNotFoundError
+    from fedbayes.runs import sweep as sw
+
+    plan = _or_fail(lambda: sw.prepare(runs, spec))
+    check_out(out, overwrite, resume, what="sweep")
+    if resume:
+        bad = sw.conflicts(plan.cells, plan.seeds_of, out)
+        if bad:
+            fail(f"error: {bad[0]} holds a run of a different config (the sweep's settings changed?); pass --overwrite to replace the sweep, or another --out")
+    ctx.hold(out, "sweep")
+    if overwrite and out.is_dir():
+        sw.clear(out)
+    shown: list[progress.SweepProgress] = []
+
+    def start(total: int, finished_before: int) -> None:
+        axes_text = " x ".join(f"{a.label} ({len(a.values)})" for a in plan.axes)
+        console.print(
+            f"sweep: {len(runs)} variant(s), grid {axes_text}: {len(plan.cells)} cell(s), {total} run(s), {finished_before} finished earlier",
+            highlight=False,
+            markup=False,
+        )
+        shown.append(progress.SweepProgress(total))
+        ctx.resume_target = out
+
+    def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
+        cell = next(c for c in plan.cells if c.folder(out, cfg.seed) == folder)
+        return run_one(ctx, cfg, folder, resume=resume_run, diverged_ok=True, reporter=shown[0].reporter(plan.label(cell, cfg.seed)))
+
+    try:
+        result = sw.run_sweep(plan, out, one, on_start=start, on_skip=lambda cell, seed: shown[0].skip(plan.label(cell, seed)))
+    except DatasetNotFoundError as exc:
+        fail(f"data error: {exc}", code=3)
+    except ConfigError as exc:
+        fail(str(exc))
+    finally:
+        for display in shown:
+            display.close()
+    ctx.resume_target = None
+    print(result.tables.render(), end="", flush=True)
+    console.print(f"tables: {result.markdown}  {result.json}", highlight=False)

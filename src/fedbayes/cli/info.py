@@ -1,0 +1,71 @@
+"""``fedbayes config``, ``datasets`` and ``bench``: the config reference, the datasets present,
+the machine's throughput."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from fedbayes.cli.base import console, fail
+
+__all__ = ["bench", "config_reference", "datasets"]
+
+
+def config_reference(
+    section: Annotated[Optional[str], typer.Argument(help="run, data, model, client, server, privacy, attack, algorithm or an algorithm's name")] = None,
+):
+    """Every config key with its type, default and meaning (from the config's own definitions)."""
+    from fedbayes.config import reference as config_doc
+
+    try:
+        chosen = config_doc.select(section)
+    except ValueError as exc:
+        fail(f"error: {exc}")
+    print(config_doc.render(chosen), end="")
+
+
+def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to look in as well")] = None):
+    """List the datasets and whether each is present on this machine."""
+    from fedbayes.data import dataset_status
+
+    table = Table()
+    table.add_column("dataset")
+    table.add_column("present")
+    table.add_column("where / how to get it")
+    for name, present, detail in dataset_status(data_dir):
+        table.add_row(name, "yes" if present else "no", detail)
+    console.print(table)
+
+
+def bench(
+    json_: Annotated[bool, typer.Option("--json", help="print one JSON object keyed by workload instead of the table")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (about 7 minutes on 2 cores)")] = False,
+    workload: Annotated[Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable); limit_b32 always runs")] = None,
+    repeats: Annotated[Optional[int], typer.Option(min=1, help="repeat every workload this many times and report medians")] = None,
+    rounds: Annotated[Optional[int], typer.Option(min=1, help="steady-state rounds per federated workload")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="folder holding the dataset")] = None,
+):
+    """Round throughput, compile time and peak memory against this machine's compute limit."""
+    import dataclasses
+
+    from fedbayes import bench as fb
+
+    settings = fb.QUICK if quick else fb.FULL
+    changes = {k: v for k, v in (("repeats", repeats), ("rounds", rounds), ("data_dir", data_dir and str(data_dir))) if v is not None}
+    settings = dataclasses.replace(settings, **changes)
+    title = fb.describe_run(settings, quick)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
+    log(title)
+    try:
+        results = fb.run_bench(settings, workload, log=log)
+    except fb.BenchError as exc:
+        fail(f"bench error: {exc}", code=3)
+    if json_:
+        print(json.dumps(results))
+    else:
+        console.print(fb.rich_table(results, title=title))

@@ -1,0 +1,123 @@
+"""Progress displays: a rich progress bar on a terminal, plain lines otherwise (runs and sweeps),
+and the reporter of a run with the loggers of ``--log`` beside it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fedbayes.cli.base import console, fail
+from fedbayes.config.schema import RunConfig
+from fedbayes.runs.loggers import PlainReporter, format_record
+
+__all__ = ["RichReporter", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
+
+
+def progress_bar():
+    """The rich progress bar of runs and sweeps: description, bar, done/total, status, time left."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console
+    )
+
+
+class RichReporter:
+    """A rich progress bar (round, accuracy, ETA) for terminals."""
+
+    def __init__(self):
+        self.progress = progress_bar()
+        self.task = None
+
+    def start(self, name, total, done):
+        self.progress.start()
+        self.task = self.progress.add_task(name, total=total, completed=done, status="")
+
+    def update(self, round_idx, total, record):
+        status = None
+        if record is not None:
+            status = f"acc {record['accuracy']:.4f}" if "accuracy" in record else f"mse {record['mse']:.5f}"
+        self.progress.update(self.task, completed=round_idx, **({"status": status} if status else {}))
+
+    def stop(self):
+        self.progress.stop()
+
+
+def reporter(out: Path | None = None, logs: list[str] | None = None, config: RunConfig | None = None, stderr: bool = False):
+    """The progress display (stderr when stdout is for JSON) plus the loggers of ``--log``."""
+    from fedbayes.runs.loggers import LoggerUnavailable, Reporters, make_loggers
+
+    if console.is_terminal and not stderr:
+        progress = RichReporter()
+    else:
+        progress = PlainReporter(lambda s: print(s, file=sys.stderr if stderr else sys.stdout, flush=True))
+    if not logs:
+        return progress
+    try:
+        loggers = make_loggers(logs, out, config.model_dump(mode="json") if config is not None else None)
+    except (ValueError, LoggerUnavailable) as exc:
+        fail(f"error: {exc}")
+    return Reporters([progress, *loggers])
+
+
+class SweepProgress:
+    """One rich progress display for a sweep: the whole sweep and the run in progress; plain
+    lines (one per run) when the output is not a terminal."""
+
+    def __init__(self, total: int):
+        self.total, self.count = total, 0
+        self.progress = None
+        if console.is_terminal:
+            self.progress = progress_bar()
+            self.progress.start()
+            self.overall = self.progress.add_task("sweep (runs)", total=total, status="")
+
+    def skip(self, label: str) -> None:
+        self.count += 1
+        if self.progress is None:
+            console.print(f"[{self.count}/{self.total}] {label}: finished earlier, not rerun", highlight=False, markup=False)
+        else:
+            self.progress.advance(self.overall)
+
+    def reporter(self, label: str):
+        return SweepRunReporter(self, label)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+class SweepRunReporter:
+    """The reporter of one run of a sweep (``run_experiment``'s start/update/stop)."""
+
+    def __init__(self, parent: SweepProgress, label: str):
+        self.parent, self.label, self.task, self.last, self.total = parent, label, None, None, 0
+
+    def start(self, name, total, done):
+        p = self.parent
+        self.total = total
+        if p.progress is not None:
+            self.task = p.progress.add_task(self.label, total=total, completed=done, status="")
+        else:
+            console.print(
+                f"[{p.count + 1}/{p.total}] {self.label} (from round {done})" if done else f"[{p.count + 1}/{p.total}] {self.label}",
+                highlight=False,
+                markup=False,
+            )
+
+    def update(self, round_idx, total, record):
+        if record is not None:
+            self.last = record
+        if self.task is not None:
+            status = "" if record is None else (f"acc {record['accuracy']:.4f}" if "accuracy" in record else f"mse {record.get('mse', float('nan')):.5f}")
+            self.parent.progress.update(self.task, completed=round_idx, **({"status": status} if status else {}))
+
+    def stop(self):
+        p = self.parent
+        p.count += 1
+        if p.progress is not None:
+            if self.task is not None:
+                p.progress.remove_task(self.task)
+            p.progress.advance(p.overall)
+        elif self.last is not None:
+            console.print(f"    {format_record(self.last, self.total)}", highlight=False, markup=False)

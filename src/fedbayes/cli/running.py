@@ -1,0 +1,123 @@
+"""``fedbayes run``, ``deploy`` and ``resume``: one run into its folder (or a comparison or sweep
+resumed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fedbayes.cli.base import CommandContext, console, fail, handled
+from fedbayes.cli.common import LOG_HELP, check_out, load, print_table, records, run_one
+from fedbayes.config.schema import parse_override
+from fedbayes.runs import folder as run_folder
+
+
+@handled
+def run(
+    ctx: CommandContext,
+    config: Annotated[Path, typer.Argument(help="experiment TOML file; every key: `fedbayes config`")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/<name>)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key, e.g. --set server.lr=0.5")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the run already in --out")] = False,
+    log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
+):
+    """Run one experiment: metrics.jsonl, summary.json, config.toml, model.npz, curves.png, checkpoints.
+
+    Every config key, with its type, default and meaning: `fedbayes config`.
+
+    Privacy: a [privacy] section (clip, noise_multiplier, delta, coordinates) clips every client's
+    message to an L2 norm and adds Gaussian noise to the cohort's sum (needs server.weighting =
+    "uniform"); metrics.jsonl then has each evaluation's epsilon at delta (dp-accounting, RDP).
+    Robustness: server.aggregator = mean | median | trimmed_mean | norm_bound,
+    server.max_precision_share, server.dropout, server.deadline; [attack] (fraction, kind) for
+    measuring. `fedbayes config privacy` lists the keys.
+    """
+    cfg = load(config, set_ or [])
+    out = out or Path("runs") / cfg.name
+    check_out(out, overwrite)
+    summary = run_one(ctx, cfg, out, logs=log)
+    print_table({cfg.name: summary}, curves={cfg.name: records(out)})
+    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False)
+
+
+@handled
+def deploy(
+    ctx: CommandContext,
+    config: Annotated[Path, typer.Argument(help="experiment TOML file (as for `fedbayes run`)")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/<name>)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key, e.g. --set rounds=5")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the run already in --out")] = False,
+    resume_: Annotated[bool, typer.Option("--resume", help="continue the run in --out from its newest checkpoint")] = False,
+    print_commands: Annotated[
+        bool, typer.Option("--print-commands", help="print the commands that start this federation on real machines (TLS) instead")
+    ] = False,
+    tls: Annotated[bool, typer.Option("--tls", help="run the local federation over TLS with certificates made for it")] = False,
+    reply_timeout: Annotated[float, typer.Option("--reply-timeout", help="seconds a round waits for its replies")] = 120.0,
+    node_timeout: Annotated[float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join")] = 120.0,
+    min_nodes: Annotated[int, typer.Option("--min-nodes", help="nodes to wait for before the first round (0: one per client)")] = 0,
+    on_missing: Annotated[str, typer.Option("--on-missing", help="a missing reply: skip (aggregate the others) or fail")] = "skip",
+):
+    """Run an experiment on Flower: a SuperLink and one SuperNode per client on this machine (real
+    processes on loopback), the same run folder as `fedbayes run`, every process ended at the end.
+
+    Needs the flower extra (pip install -e '.[flower]'); examples/flower/README.md walks through it."""
+    cfg = load(config, set_ or [])
+    out = out or Path("runs") / cfg.name
+    try:
+        from fedbayes.flower import deploy as flower_deploy
+    except ImportError as exc:
+        fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
+    if print_commands and set_:
+        fail("error: --print-commands names CONFIG as written (the SuperLink reads it there); put the --set changes in the file")
+    if print_commands:  # needs no Flower here: the commands run on the federation's machines
+        print(flower_deploy.print_commands(config.resolve(), cfg, out.resolve()), end="")
+        return
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        fail("error: fedbayes deploy needs Flower (flwr is missing): pip install -e '.[flower]'")
+    check_out(out, overwrite, resume_)
+    from fedbayes.runs.loggers import format_record
+
+    run_config = {"reply-timeout": reply_timeout, "node-timeout": node_timeout, "min-nodes": min_nodes, "on-missing": on_missing}
+    echo = lambda r: console.print(format_record(r, cfg.rounds), highlight=False)  # noqa: E731
+    summary = flower_deploy.deploy_local(cfg, out, resume=resume_, tls=tls, run_config=run_config, progress=echo)
+    print_table({cfg.name: summary}, curves={cfg.name: records(out)})
+    console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False)
+
+
+@handled
+def resume(
+    ctx: CommandContext,
+    out: Annotated[Path, typer.Argument(help="the folder of an interrupted run or comparison")],
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="change a key of the run's config on purpose, e.g. --set rounds=50 (recorded in resume_changes.jsonl)")
+    ] = None,
+    log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
+):
+    """Resume an interrupted run from its newest intact checkpoint (or a comparison: its unfinished
+    variants; or a sweep: its unfinished runs, then its tables); ends as if it never stopped.
+
+    The run's config.toml must match its checkpoint's config; a change is accepted only when given
+    here with --set (and is then recorded in the folder)."""
+    from fedbayes.cli import comparing
+
+    cfg_path = out / run_folder.CONFIG
+    if not cfg_path.is_file() and (out / run_folder.SWEEP).is_file():
+        comparing.resume_sweep(ctx, out)
+        return
+    if not cfg_path.is_file() and (out / run_folder.COMPARISON).is_file():
+        comparing.resume_comparison(ctx, out, logs=log)
+        return
+    if not cfg_path.is_file():
+        from fedbayes.runs import runlock
+
+        if out.is_dir() and [p.name for p in out.iterdir()] == [runlock.LOCK_NAME]:  # a run's lock, nothing else
+            fail(f"error: {out} holds nothing to resume (the run stopped before it wrote its config); start it again with fedbayes run CONFIG --out {out}")
+        fail(f"error: {out} holds no {run_folder.CONFIG} or {run_folder.COMPARISON}; is it a fedbayes run folder?")
+    cfg = load(cfg_path, set_ or [])
+    accept = [".".join(parse_override(item)[0]) for item in set_ or []]
+    summary = run_one(ctx, cfg, out, resume=True, logs=log, accept_changes=accept)
+    print_table({cfg.name: summary}, curves={cfg.name: records(out)})

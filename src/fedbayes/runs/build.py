@@ -1,0 +1,414 @@
+"""From a validated config to the parts of a run: data, model, algorithm, aggregator, evaluator.
+
+The path, in the order a run takes it:
+
+1. **data** (:func:`prepare_split`): load the dataset, check the model against it, partition the
+   training set over the clients (seeded by ``config.seed``) and hold out the validation split;
+2. **scenario** (:func:`build_scenario`): the attacking clients, the message attack, the labels
+   (flipped for ``attack.kind = "label_flip"``);
+3. **model** (:func:`build_model`): the flax model, its initial parameters and the clients' local
+   trainer, from the data's shape alone (:class:`DataSpec`);
+4. **algorithm and aggregator** (:func:`build_algorithm_and_aggregator`): the registry's method
+   with its settings and the server's rule (robust and/or DP, :func:`make_server_aggregator`);
+   **no data**: a deployed server (Flower), the bench and the tests build the same algorithm
+   from the config, the federation's sizes and the data's shape;
+5. **evaluator** (:func:`build_evaluator`): ``(server state, round) -> metrics`` on the test split
+   (plus the validation split's ``val_*`` metrics).
+
+:func:`build_experiment` runs all five and returns an :class:`Experiment`; its ``simulator`` is
+built only when asked for (a Flower deployment runs the rounds without one).
+
+:func:`build_context` is the one constructor of the registry's
+:class:`~fedbayes.algorithms.registry.BuildContext`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from fedbayes import algorithms as algs
+from fedbayes import protocol
+from fedbayes.algorithms import registry
+from fedbayes.config.schema import ConfigError, RunConfig
+from fedbayes.data import load_dataset, natural, partition
+from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.data.holdout import hold_out
+from fedbayes.errors import DataError
+from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator
+from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.models import init_params, loss_fn, make_model
+from fedbayes.models.variational import apply_with_key
+from fedbayes.data.federation import Federation
+from fedbayes.sim import scenario as attacks
+from fedbayes.sim.scenario import Scenario
+from fedbayes.sim.simulator import Simulator
+
+__all__ = [
+    "VALIDATION_METRICS",
+    "DataSpec",
+    "Experiment",
+    "ModelParts",
+    "Scenario",
+    "build_algorithm_and_aggregator",
+    "build_context",
+    "build_evaluator",
+    "build_experiment",
+    "build_model",
+    "build_scenario",
+    "build_simulator",
+    "check_model",
+    "client_optimizer",
+    "load_data",
+    "make_server_aggregator",
+    "prepare_data",
+    "prepare_split",
+    "split_clients",
+]
+
+Evaluate = Callable[[Any, int], dict[str, float]]  # (server state, round) -> metrics
+
+
+# ----- 1. data -----------------------------------------------------------------------------------
+
+
+def load_data(config: RunConfig) -> Dataset:
+    """Loads the configured dataset (generated ones get their own parameters)."""
+    d = config.data
+    params: dict[str, Any] = {}
+    if d.dataset == "synthetic_leaf":
+        params = dict(num_clients=d.num_clients, alpha=d.synthetic_alpha, beta=d.synthetic_beta, dim=d.dim)
+    elif d.dataset == "least_squares":
+        params = dict(num_clients=d.num_clients, dim=d.dim)
+    if d.fraction < 1.0:
+        params["fraction"] = d.fraction
+    if d.dataset == "leaf" and d.num_classes is not None:
+        params["num_classes"] = d.num_classes
+    try:
+        return load_dataset(d.dataset, data_dir=d.data_dir, seed=config.seed, **params)
+    except (DatasetNotFoundError, DataError):
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"config error: data: {exc}") from None
+
+
+def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
+    """Partitions the training set over clients with a generator seeded by ``config.seed``."""
+    d = config.data
+    rng = protocol.partition_rng(config.seed)
+    params: dict[str, Any] = {}
+    if d.partition == "dirichlet":
+        params = {"alpha": d.alpha}
+    elif d.partition == "two_level_dirichlet":
+        params = {"alpha1": d.alpha1, "alpha2": d.alpha2}
+    elif d.partition == "shards":
+        params = {"classes_per_client": d.classes_per_client}
+    elif d.partition == "natural":
+        parts = natural(dataset.client_ids)
+        if len(parts) != d.num_clients:
+            raise ConfigError(f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients}")
+        return parts
+    try:
+        return partition(d.partition, dataset.y_train, d.num_clients, rng, **params)
+    except ValueError as exc:  # PartitionError included
+        raise ConfigError(f"config error: data.partition ({d.partition}, data.num_clients = {d.num_clients}, {dataset.num_train} examples): {exc}") from None
+
+
+def check_model(config: RunConfig, dataset: Dataset) -> None:
+    """Rejects model/data pairs that cannot work, naming the field (before any training)."""
+    if not np.issubdtype(dataset.x_train.dtype, np.floating):
+        raise ConfigError(
+            f"config error: data.dataset: {dataset.name!r} holds token ids (text, shape {dataset.feature_shape}); "
+            "no fedbayes model takes text yet; allowed here: image or tabular data"
+        )
+    if config.model.name == "cnn" and len(dataset.feature_shape) not in (2, 3):
+        raise ConfigError(
+            f"config error: model.name: 'cnn' needs image data [H, W] or [H, W, C]; {dataset.name!r} has features of shape "
+            f"{dataset.feature_shape}; allowed here: logreg, mlp"
+        )
+
+
+def prepare_data(config: RunConfig) -> tuple[Dataset, list[np.ndarray]]:
+    """Loads and partitions the data and checks the model against it: every check that needs
+    the data, cheap enough to run for all variants of a comparison before any of them trains.
+    The parts are the clients' training examples (without a validation split)."""
+    dataset, parts, _ = prepare_split(config)
+    return dataset, parts
+
+
+def prepare_split(config: RunConfig) -> tuple[Dataset, list[np.ndarray], np.ndarray | None]:
+    """:func:`prepare_data` plus the validation split held out from each client's training
+    examples (``data.validation_fraction``, :mod:`fedbayes.data.holdout`); None when it is 0."""
+    dataset = load_data(config)
+    check_model(config, dataset)
+    parts = split_clients(config, dataset)
+    fraction = config.data.validation_fraction
+    if fraction == 0:
+        return dataset, parts, None
+    parts, validation = hold_out(parts, fraction, lambda k: protocol.validation_rng(config.seed, k))
+    if validation.size == 0:
+        raise ConfigError(
+            f"config error: data.validation_fraction: {fraction} of each client's examples holds out none "
+            f"({sum(map(len, parts))} training examples over {len(parts)} clients, every client keeping one); raise it, or set 0 for no validation split"
+        )
+    return dataset, parts, validation
+
+
+class DataSpec(NamedTuple):
+    """The data's shape, all that building the model and the algorithm needs of it."""
+
+    num_classes: int
+    feature_shape: tuple[int, ...]  # one example's features, no batch axis
+    x_dtype: Any
+    task: str  # "classification" or "regression"
+
+    @classmethod
+    def of(cls, dataset: Dataset) -> DataSpec:
+        return cls(dataset.num_classes, tuple(dataset.feature_shape), dataset.x_train.dtype, dataset.task)
+
+
+# ----- 2. scenario (attacks) ---------------------------------------------------------------------
+
+
+def build_scenario(config: RunConfig, dataset: Dataset, parts) -> tuple[Scenario, np.ndarray]:
+    """The simulated failures and attacks (``server.dropout``, ``server.deadline``, ``[attack]``)
+    over the partition ``parts``, and the training labels (flipped on the attackers' examples for
+    ``attack.kind = "label_flip"``; otherwise the dataset's own)."""
+    a = config.attack
+    attackers = attacks.attacker_ids(config.seed, len(parts), a.fraction)
+    y_train = dataset.y_train
+    attack = None
+    if len(attackers) and a.kind == "label_flip":
+        y_train = attacks.flip_labels(dataset.y_train, np.concatenate([parts[c] for c in attackers]), dataset.num_classes)
+    elif len(attackers):
+        attack = attacks.message_attack(a.kind, a.scale)
+    return Scenario(dropout=config.server.dropout, deadline=config.server.deadline, attack=attack, attackers=attackers), y_train
+
+
+# ----- 3. model ----------------------------------------------------------------------------------
+
+
+class ModelParts(NamedTuple):
+    """The model and what the algorithm needs of it."""
+
+    model: Any  # the flax module
+    params: Any  # its initial parameters (key: protocol.params_key(seed))
+    trainer: LocalTrainer  # the clients' local training
+    apply_fn: Callable[[Any, Any], Any]  # (params, x) -> outputs
+    keyed_apply_fn: Callable[[Any, Any, Any], Any] | None  # (params, key, x): a variational model's stochastic pass
+
+
+def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
+    """The clients' optax optimizer from the ``[client]`` section."""
+    c = config.client
+    if c.optimizer == "sgd":
+        opt = optax.sgd(c.lr, momentum=c.momentum or None)
+    else:
+        opt = optax.adam(c.lr)
+    if c.weight_decay > 0:
+        opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+    return opt
+
+
+def build_model(config: RunConfig, spec: DataSpec) -> ModelParts:
+    """The model, its initial parameters and the local trainer from the config and the data's shape."""
+    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
+    variational = config.model.variational
+    model = make_model(config.model.name, spec.num_classes, variational=variational, **kwargs)
+    params = init_params(model, protocol.params_key(config.seed), spec.feature_shape)
+    trainer = LocalTrainer(loss_fn(model, spec.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    keyed_apply_fn = apply_with_key(model) if variational else None
+    return ModelParts(model, params, trainer, apply_fn, keyed_apply_fn)
+
+
+# ----- 4. algorithm and aggregator ---------------------------------------------------------------
+
+
+def build_context(config: RunConfig, spec: DataSpec, federation: registry.FederationInfo, model: ModelParts) -> registry.BuildContext:
+    """The one constructor of what the registry's builders get besides their own settings: the
+    trainer, the server optimizer, the federation's sizes, the cohort size, the model's apply
+    functions, the task and one example's feature shape. No data."""
+    s = config.server
+    server_opt = algs.make_server_optimizer(s.optimizer, s.lr, momentum=s.momentum, b1=s.beta1, b2=s.beta2, tau=s.tau, variant=s.variant)
+    return registry.BuildContext(
+        trainer=model.trainer,
+        server_optimizer=server_opt,
+        federation=federation,
+        clients_per_round=s.clients_per_round,
+        apply_fn=model.apply_fn,
+        task=spec.task,
+        keyed_apply_fn=model.keyed_apply_fn,
+        feature_spec=jax.ShapeDtypeStruct(tuple(spec.feature_shape), spec.x_dtype),
+    )
+
+
+def make_server_aggregator(config: RunConfig, algorithm: algs.Algorithm):
+    """The server's aggregation rule from ``server.aggregator`` and ``[privacy]``: a robust rule
+    (:mod:`fedbayes.aggregators.robust`) and/or the DP mechanism around it (:mod:`fedbayes.aggregators.dp`), or
+    ``None`` for the method's own. Needs no data: a deployment (the Flower adapter) passes it to
+    :func:`fedbayes.protocol.server_step` as the simulator does."""
+    from fedbayes.aggregators.dp import DPAggregator
+    from fedbayes.aggregators.robust import make_aggregator
+
+    s, p = config.server, config.privacy
+    robust = make_aggregator(
+        s.aggregator, trim_fraction=s.trim_fraction, norm_bound=s.norm_bound, max_precision_share=s.max_precision_share, base=algorithm.aggregator
+    )
+    if p.clip is None:
+        return robust
+    return DPAggregator(p.clip, p.noise_multiplier, coordinates=p.coordinates, precision_floor=p.precision_floor, base=robust or algorithm.aggregator)
+
+
+def build_algorithm_and_aggregator(
+    config: RunConfig, federation: registry.FederationInfo, spec: DataSpec, model: ModelParts | None = None
+) -> tuple[algs.Algorithm, Any]:
+    """The configured algorithm (through the registry) and the server's aggregation rule
+    (:func:`make_server_aggregator`; ``None``: the method's own), without any data: ``federation``
+    gives the clients' example counts and ``spec`` the data's shape. ``model``: the parts already
+    built by :func:`build_model` (built here when None)."""
+    model = build_model(config, spec) if model is None else model
+    algorithm = registry.build(config.algorithm, build_context(config, spec, federation, model))
+    return algorithm, make_server_aggregator(config, algorithm)
+
+
+# ----- 5. evaluator ------------------------------------------------------------------------------
+
+VALIDATION_METRICS = ("accuracy", "nll", "ece", "mse", "rmse")  # recorded as val_<metric>
+
+
+def build_evaluator(config: RunConfig, algorithm: algs.Algorithm, dataset: Dataset, model: ModelParts, validation: np.ndarray | None = None) -> Evaluate:
+    """``(server state, round) -> metrics`` on ``dataset``'s test split, plus ``val_*`` on the
+    validation split (training indices ``validation``) when there is one."""
+    evaluate = _evaluation(algorithm, config, dataset, model.apply_fn, model.keyed_apply_fn)
+    if validation is not None:
+        held_out = dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation], test_client_ids=None)
+        evaluate = _with_validation(evaluate, _evaluation(algorithm, config, held_out, model.apply_fn, model.keyed_apply_fn, marginal=False))
+    return evaluate
+
+
+def _evaluation(algorithm: algs.Algorithm, config: RunConfig, dataset: Dataset, apply_fn, keyed_apply_fn, marginal: bool = True) -> Evaluate:
+    """``(server state, round) -> metrics`` on ``dataset``'s test split."""
+    if config.model.variational:
+        return _variational(algorithm, config, keyed_apply_fn, dataset)
+    evaluate = make_evaluator(apply_fn, dataset.x_test, dataset.y_test, task=dataset.task, batch_size=config.eval_batch_size, num_bins=config.ece_bins)
+    if marginal and algorithm.server_posterior is not None and dataset.task == "classification":
+        return _with_marginal(evaluate, algorithm, config, apply_fn, dataset)
+    return _on_state(evaluate, algorithm)
+
+
+def _with_validation(evaluate_test: Evaluate, evaluate_validation: Evaluate) -> Evaluate:
+    """Adds the validation split's metrics as ``val_accuracy``, ``val_nll``, ... to the test metrics."""
+
+    def evaluate(server_state, round_idx: int) -> dict[str, float]:
+        out = evaluate_test(server_state, round_idx)
+        held_out = evaluate_validation(server_state, round_idx)
+        out.update({f"val_{k}": v for k, v in held_out.items() if k in VALIDATION_METRICS})
+        return out
+
+    return evaluate
+
+
+def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, dataset: Dataset) -> Evaluate:
+    """A variational model's metrics: accuracy, NLL and ECE of its marginalised predictive over
+    ``S = evaluation.marginal_samples`` stochastic forward passes (a variational network has no
+    deterministic forward pass; Ozer et al. 2022 report these), and ``std_norm``, the L2 norm of
+    its learned standard deviations. The passes' key depends on the seed and the round only."""
+    from fedbayes.evaluation.variational import predictive_metrics
+
+    def evaluate(server_state, round_idx: int) -> dict[str, float]:
+        out = predictive_metrics(
+            keyed_apply_fn, algorithm.server_params(server_state), protocol.evaluation_key(config.seed, round_idx),
+            dataset.x_test, dataset.y_test, num_samples=config.evaluation.marginal_samples, num_bins=config.ece_bins,
+            batch_size=config.eval_batch_size,
+        )  # fmt: skip
+        out.pop("std_norm_clamped", None)
+        return out
+
+    return evaluate
+
+
+def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig, apply_fn, dataset: Dataset) -> Evaluate:
+    """Adds the marginalised prediction over ``S`` samples of ``q_g`` (``accuracy_marg``,
+    ``nll_marg``, ``ece_marg``; Guo et al. 2023 (FedEP) Table 5) to the point metrics. The samples' key depends on
+    the seed and the round only, so a resumed run draws the same ones."""
+    marginal = make_marginal_evaluator(
+        apply_fn, dataset.x_test, dataset.y_test, num_samples=config.evaluation.marginal_samples,
+        batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=config.evaluation.predictive,
+    )  # fmt: skip
+
+    def evaluate(server_state, round_idx: int) -> dict[str, float]:
+        out = evaluate_point(algorithm.server_params(server_state))
+        mean, variance = algorithm.server_posterior(server_state)
+        key = protocol.evaluation_key(config.seed, round_idx)
+        out.update({f"{k}_marg": v for k, v in marginal(key, mean, variance).items() if k in ("accuracy", "nll", "ece")})
+        return out
+
+    return evaluate
+
+
+def _on_state(evaluate_point, algorithm: algs.Algorithm) -> Evaluate:
+    """The point evaluation of the server state's model."""
+    return lambda server_state, round_idx: evaluate_point(algorithm.server_params(server_state))
+
+
+# ----- all of it ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything built from a config, ready to run (:func:`build_experiment`)."""
+
+    config: RunConfig
+    dataset: Dataset
+    federation: Federation  # the clients' training examples (labels flipped for label_flip attackers)
+    model: Any  # the flax module
+    params: Any  # its initial parameters
+    algorithm: algs.Algorithm
+    aggregator: Any  # the server's rule (None: the algorithm's own)
+    scenario: Scenario  # simulated failures and attacks
+    evaluate: Evaluate  # (server state, round) -> metrics
+    validation: np.ndarray | None = None  # held-out training indices (data.validation_fraction)
+    store_dir: str | Path | None = None  # the disk client store's folder when config.store_dir is unset
+
+    @functools.cached_property
+    def simulator(self) -> Simulator:
+        """The simulator of this experiment (:func:`build_simulator`), built on first use."""
+        return build_simulator(self)
+
+
+def build_simulator(exp: Experiment) -> Simulator:
+    """The simulator that runs ``exp``'s rounds: its algorithm, aggregator, scenario and store."""
+    config = exp.config
+    return Simulator(
+        exp.algorithm,
+        exp.federation,
+        clients_per_round=config.server.clients_per_round,
+        seed=config.seed,
+        weighting=config.server.weighting,
+        layout=config.layout,
+        fail_fast=config.server.fail_fast,
+        store=config.store,
+        store_dir=config.store_dir or exp.store_dir,
+        aggregator=exp.aggregator,
+        scenario=exp.scenario,
+    )
+
+
+def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
+    """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
+    dataset, parts, validation = prepare_split(config)
+    scenario, y_train = build_scenario(config, dataset, parts)
+    federation = Federation(dataset.x_train, y_train, tuple(parts))
+    spec = DataSpec.of(dataset)
+    model = build_model(config, spec)
+    algorithm, aggregator = build_algorithm_and_aggregator(config, registry.FederationInfo.from_sizes(federation.sizes), spec, model)
+    evaluate = build_evaluator(config, algorithm, dataset, model, validation)
+    return Experiment(config, dataset, federation, model.model, model.params, algorithm, aggregator, scenario, evaluate, validation, store_dir)

@@ -1,0 +1,296 @@
+"""Comparisons: several variants (methods or configs) run side by side, one table and one plot.
+
+A comparison comes from one comparison file (``[base]`` + ``[variants.NAME]``, optional ``seeds``
+and a ``[reference]`` table of a paper's numbers) or several run files (:func:`load_comparison`).
+Every (variant, seed) is one run (:class:`Job`): in ``OUT/VARIANT/`` when the comparison has no
+seeds (each variant its config's own seed), in ``OUT/VARIANT/seed_S/`` with seeds, where the
+table and plot give the mean and sample standard deviation over seeds
+(:mod:`fedbayes.runs.summaries`). One path serves both: without seeds, each variant is a list of
+one run whose summary is the variant's.
+
+:func:`run_comparison` runs what is not finished (a resumed comparison skips finished runs and
+continues interrupted ones from their checkpoints) through a ``run_one`` callable (the CLI passes
+one that reports progress and maps errors to exit codes), writes ``comparison.toml``,
+``compare.md``, ``compare.json`` and ``compare.png``, and returns a :class:`ComparisonResult` for
+the caller to print. No command line here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, deep_merge, read_reference, read_toml, same_config, validate
+from fedbayes.runs import folder, report
+from fedbayes.runs import summaries as sm
+from fedbayes.runs.strictjson import dumps_record
+
+__all__ = [
+    "COMPARISON_KEYS",
+    "ComparisonResult",
+    "Job",
+    "check_data",
+    "conflicts",
+    "file_reference",
+    "file_seeds",
+    "jobs",
+    "load_comparison",
+    "reference_markdown",
+    "run_comparison",
+    "split_overrides",
+    "toml_text",
+    "without_numbers",
+]
+
+COMPARISON_KEYS = ("base", "variants", "seeds", "reference")  # the top-level keys of a comparison file
+DIVERGED_KEYS = ("name", "algorithm", "server_optimizer", "rounds", "seeds", "diverged_seeds", "diverged", "runs")
+
+
+# ----- reading a comparison ----------------------------------------------------------------------
+
+
+def _is_comparison(raw: dict) -> bool:
+    return "variants" in raw or "base" in raw
+
+
+def split_overrides(overrides: Sequence[str], variants) -> tuple[list[str], dict[str, list[str]]]:
+    """``--set`` items for every variant, and those of the form ``VARIANT.key=value`` by variant."""
+    common: list[str] = []
+    targeted: dict[str, list[str]] = {}
+    for item in overrides:
+        head, _, rest = item.partition(".")
+        if head in variants and rest and "=" in rest and "=" not in head:
+            targeted.setdefault(head, []).append(rest)
+        else:
+            common.append(item)
+    return common, targeted
+
+
+def load_comparison(files: Sequence[Path], overrides: Sequence[str]) -> dict[str, RunConfig]:
+    """Variant name -> config, from one comparison file ([base] + [variants.*]) or several run files.
+
+    ``--set key=value`` applies to every variant; ``--set VARIANT.key=value`` to that one only.
+
+    Raises:
+      ConfigError: one line naming the file, the variant and the field.
+    """
+    runs: dict[str, RunConfig] = {}
+    all_overrides = list(overrides)
+    for path in files:
+        raw = read_toml(path)
+        if _is_comparison(raw):
+            unknown = set(raw) - set(COMPARISON_KEYS)
+            if unknown:
+                raise ConfigError(
+                    f"config error: {path}: unknown top-level key(s) {sorted(unknown)} in a comparison file; allowed: {', '.join(COMPARISON_KEYS)}"
+                )
+            variants = raw.get("variants") or {}
+            if not variants:
+                raise ConfigError(f"config error: {path}: variants: a comparison needs at least one [variants.NAME] table")
+            common, targeted = split_overrides(all_overrides, variants)
+            for name, update in variants.items():
+                merged = deep_merge(raw.get("base", {}), update)
+                merged["name"] = name
+                try:
+                    runs[name] = validate(apply_overrides(merged, common + targeted.get(name, [])))
+                except ConfigError as exc:
+                    raise ConfigError(f"{exc} (variant {name!r})") from None
+        else:
+            cfg = validate(apply_overrides(read_toml(path), all_overrides))
+            runs[cfg.name if cfg.name not in runs else f"{cfg.name}_{len(runs)}"] = cfg
+    return runs
+
+
+def file_reference(files: Sequence[Path], variants: Sequence[str]):
+    """The ``[reference]`` table of the comparison file (a paper's numbers), else None.
+
+    Raises:
+      ConfigError: a bad table, or two files that both hold one.
+    """
+    found = None
+    for path in files:
+        raw = read_toml(path)
+        if "reference" in raw and _is_comparison(raw):
+            if found is not None:
+                raise ConfigError(f"config error: {path}: reference: only one comparison file may hold a [reference] table")
+            found = read_reference(raw["reference"], path, list(variants))
+    return found
+
+
+def file_seeds(files: Sequence[Path]) -> list[int] | None:
+    """The ``seeds = [...]`` of the comparison files (one list for all), else None.
+
+    Raises:
+      ConfigError: a bad list, or two files with different lists.
+    """
+    from fedbayes.runs.sweep import check_seeds
+
+    found: list[int] | None = None
+    for path in files:
+        raw = read_toml(path)
+        if "seeds" not in raw or not _is_comparison(raw):
+            continue
+        seeds = check_seeds(raw["seeds"], f"{path}: seeds")
+        if found is not None and seeds != found:
+            raise ConfigError(f"config error: {path}: seeds: {seeds} differs from another file's {found}; give one list (or --seeds)")
+        found = seeds
+    return found
+
+
+def toml_text(data: dict) -> str:
+    """``data`` as TOML (the comparison and sweep files)."""
+    import tomli_w
+
+    return tomli_w.dumps(data)
+
+
+# ----- the runs ----------------------------------------------------------------------------------
+
+
+class Job(NamedTuple):
+    """One run of a comparison: a variant with one seed (None: the variant's own) in its folder."""
+
+    variant: str
+    seed: int | None
+    config: RunConfig
+    folder: Path
+
+    @property
+    def label(self) -> str:
+        return self.variant if self.seed is None else f"{self.variant} seed {self.seed}"
+
+
+def jobs(runs: dict[str, RunConfig], out: Path, seeds: Sequence[int] | None) -> list[Job]:
+    """Every (variant, seed) of a comparison: ``OUT/VARIANT`` without seeds, else ``OUT/VARIANT/seed_S``."""
+    if seeds is None:
+        return [Job(name, None, cfg, Path(out) / name) for name, cfg in runs.items()]
+    return [Job(name, seed, cfg.model_copy(update={"seed": seed}), folder.seed_folder(Path(out) / name, seed)) for name, cfg in runs.items() for seed in seeds]
+
+
+def conflicts(planned: Sequence[Job]) -> list[Path]:
+    """Run folders that hold a run of another config (a resume never overwrites them)."""
+    return [j.folder for j in planned if (j.folder / folder.CONFIG).is_file() and not same_config(j.folder / folder.CONFIG, j.config)]
+
+
+def check_data(configs: Sequence[tuple[Any, RunConfig]], label: Callable[[Any], str]) -> None:
+    """Loads and partitions the data of every config (each distinct data setting once) before
+    any run trains: a bad data setting fails at once, naming the field.
+
+    Raises:
+      ConfigError: the config's error with ``(label(key))`` appended.
+      DatasetNotFoundError: a dataset is missing.
+    """
+    from fedbayes.runs.build import prepare_split
+
+    seen = set()
+    for key, cfg in configs:
+        ident = (cfg.seed, json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True), json.dumps(cfg.model.model_dump(mode="json"), sort_keys=True))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        try:
+            prepare_split(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({label(key)})") from None
+
+
+def without_numbers(summary: dict) -> dict:
+    """A diverged variant's summary keeps its name, settings and where it diverged, not its metrics."""
+    if "runs" in summary:  # over seeds: each diverged seed's run loses its numbers too
+        summary = {**summary, "runs": {k: without_numbers(v) for k, v in summary["runs"].items()}}
+    if not summary.get("diverged"):
+        return summary
+    return {k: summary[k] for k in DIVERGED_KEYS if k in summary}
+
+
+def reference_markdown(summaries: dict, curves: dict, reference) -> str:
+    """The "beside the paper" table in Markdown ("" without a reference)."""
+    if reference is None:
+        return ""
+    cols, rows = report.reference_table(summaries, curves, reference)
+    return f"\n**Beside the paper** ({reference.source}):\n\n" + report.markdown_rows(cols, rows)
+
+
+class ComparisonResult(NamedTuple):
+    """What a comparison wrote, for the caller to print."""
+
+    summaries: dict[str, dict]  # variant -> summary (mean and std over seeds with seeds)
+    curves: dict[str, list[dict]]  # variant -> its records (the mean records with seeds)
+    body: dict  # compare.json's content
+    title: str | None  # the printed table's title
+    plot: Path
+    markdown: Path
+    diverged: list[str]  # the diverged runs: "VARIANT", or "VARIANT (seed S)"
+
+
+def run_comparison(
+    runs: dict[str, RunConfig],
+    out: Path,
+    run_one: Callable[[RunConfig, Path, bool], dict],
+    *,
+    seeds: Sequence[int] | None = None,
+    resume: bool = False,
+    reference=None,
+    threshold: float = 0.8,
+    title: str = "comparison",
+    say: Callable[[str], None] = print,
+) -> ComparisonResult:
+    """Runs every (variant, seed) not finished yet and writes the comparison's files.
+
+    ``run_one(config, folder, resume)`` runs one config into its folder (``resume`` when the folder
+    holds a checkpoint) and returns its summary, also for a run that diverged. ``say`` gets one
+    line per run. A resume's conflicting folders are the caller's to refuse first
+    (:func:`conflicts`).
+
+    Raises:
+      ConfigError, DatasetNotFoundError: a run's data check (:func:`check_data`), before any run.
+    """
+    out = Path(out)
+    planned = jobs(runs, out, seeds)
+    done = {j: folder.finished(j.config, j.folder) if resume else None for j in planned}
+    todo = [j for j in planned if done[j] is None]
+    label = (lambda j: f"variant {j.variant!r}") if seeds is None else (lambda j: f"variant {j.variant!r}, seed {j.seed}")
+    check_data([(j, j.config) for j in todo], label)
+    out.mkdir(parents=True, exist_ok=True)
+    comparison: dict[str, Any] = {} if seeds is None else {"seeds": list(seeds)}
+    comparison["variants"] = {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}
+    if reference is not None:
+        comparison["reference"] = reference.model_dump(mode="json")
+    folder.write_atomic(out / folder.COMPARISON, "# written by `fedbayes compare`; `fedbayes resume` continues it\n" + toml_text(comparison))
+    results: dict[str, dict[Any, dict]] = {}
+    for j in planned:
+        if done[j] is not None:
+            say(f"== {j.label}: finished earlier, not rerun")
+            results.setdefault(j.variant, {})[j.seed] = done[j]
+            continue
+        say(f"== {j.label} ({j.config.algorithm.name}, server {j.config.server.optimizer})")
+        results.setdefault(j.variant, {})[j.seed] = run_one(j.config, j.folder, resume and folder.has_checkpoint(j.folder))
+    curves = {j: folder.read_metrics(j.folder / folder.METRICS) for j in planned}
+    task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
+    from fedbayes.runs.plotting import plot_curves
+
+    if seeds is None:  # each variant is its one run
+        summaries = {j.variant: results[j.variant][None] for j in planned}
+        records = {j.variant: curves[j] for j in planned}
+        plot = plot_curves(out / folder.COMPARE_PLOT, records, title=title, task=task)
+        md = report.markdown(summaries, threshold=threshold, curves=records) + reference_markdown(summaries, records, reference)
+        table_title = "fedbayes comparison" if len(summaries) > 1 else None
+        diverged = [n for n, s in summaries.items() if s.get("diverged")]
+    else:
+        by_seed = {name: {j.seed: curves[j] for j in planned if j.variant == name} for name in runs}
+        summaries = {name: sm.aggregate(name, results[name], by_seed[name], threshold) for name in runs}
+        means = {name: sm.mean_curves([by_seed[name][s] for s in seeds if not results[name][s].get("diverged")]) for name in runs}
+        records = {n: m for n, (m, _) in means.items()}
+        plot = plot_curves(
+            out / folder.COMPARE_PLOT, records, title=f"{title}, mean ± std over seeds {list(seeds)}", task=task, bands={n: sd for n, (_, sd) in means.items()}
+        )
+        note = f"\nMean±std over seeds {list(seeds)} (sample standard deviation); curve summaries as Swaroop et al. 2025 (ADMM and Bayes) report them.\n"
+        md = report.markdown(summaries, threshold=threshold, curves=records) + note + reference_markdown(summaries, records, reference)
+        table_title = f"fedbayes comparison, mean±std over seeds {list(seeds)}"
+        diverged = [f"{n} (seed {s})" for n in runs for s in seeds if results[n][s].get("diverged")]
+    folder.write_atomic(out / folder.COMPARE_MD, md)
+    body = {n: without_numbers(s) for n, s in summaries.items()}
+    folder.write_atomic(out / folder.COMPARE_JSON, dumps_record(body, indent=2) + "\n")
+    return ComparisonResult(summaries, records, body, table_title, plot, out / folder.COMPARE_MD, diverged)

@@ -1,0 +1,237 @@
+"""One experiment from a validated config: build, run, record, resume (:func:`run_experiment`).
+
+``run_experiment`` writes the run folder (:mod:`fedbayes.runs.folder` names every file):
+
+* ``config.toml``: the resolved config (every default written out; ``fedbayes run`` accepts it);
+* ``metrics.jsonl``: one line per evaluation, round 0 being the initial model: ``round``, the
+  test metrics (``accuracy``, ``nll``, ``ece``, and ``accuracy_marg``, ``nll_marg``, ``ece_marg``
+  for Bayesian methods; ``mse``, ``rmse`` for regression; with ``data.validation_fraction > 0``
+  also ``val_accuracy``, ``val_nll``, ``val_ece`` (or ``val_mse``, ``val_rmse``) on the held-out
+  split, :mod:`fedbayes.data.holdout`), ``train_loss`` (after round 0: the
+  round's accepted clients' mean training loss, weighted by their example counts) and four
+  counters that are cumulative since round 0: ``seconds`` (training time: the wall time of the
+  rounds, evaluation excluded),
+  ``bytes_up``, ``bytes_down`` and ``rejected`` (messages refused);
+* ``clients.jsonl``: one line per sampled client and round (:class:`fedbayes.runs.loggers.ClientLog`);
+* ``model.npz``: the final server parameters (and posterior) by tree path (:mod:`fedbayes.runs.export`);
+* ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
+  the end;
+* ``summary.json`` and ``curves.png`` at the end.
+
+Rounds run pipelined (the runner's ``rounds``: round ``r + 1``'s host work and launch overlap
+round ``r``; round ``r``'s evaluation queues behind round ``r + 1``); a :class:`RunRecorder`
+records, checks for divergence (:mod:`fedbayes.runs.health`), checkpoints and reports them
+strictly in round order. Results are bitwise those of one round at a time.
+
+A run killed at any point and resumed (``resume=True``) continues from its newest intact
+checkpoint, rewrites ``metrics.jsonl`` from the records the checkpoint holds, and ends with the same
+metrics as a run that never stopped (same machine and seed): every random choice derives from
+(seed, round, client). One process at a time writes a run folder (:mod:`fedbayes.runs.runlock`); a
+resume refuses a config that differs from the checkpoint's unless each change is accepted
+(:mod:`fedbayes.runs.resume`). Every JSON file is strict JSON (:mod:`fedbayes.runs.strictjson`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fedbayes.aggregators.dp import epsilon as privacy_epsilon
+from fedbayes.config.schema import RunConfig, to_toml
+from fedbayes.runs import folder, health, runlock
+from fedbayes.runs.build import Experiment, build_experiment
+from fedbayes.runs.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from fedbayes.runs.export import save_model
+from fedbayes.runs.loggers import ClientLog, PlainReporter, Reporter
+from fedbayes.runs.plotting import plot_curves
+from fedbayes.runs.resume import check_resume_config, check_store_dir, config_hash, record_changes
+from fedbayes.runs.strictjson import dumps_record, restore_record
+from fedbayes.runs.summaries import summarize
+
+__all__ = ["Pending", "RunRecorder", "run_experiment", "train_loss"]
+
+
+def train_loss(info) -> float | None:
+    """The round's training loss: the mean over its accepted clients of their mean minibatch loss,
+    weighted by their example counts (``None`` when no client was accepted)."""
+    c = info.clients
+    w = np.where(c["accepted"], c["num_examples"], 0).astype(np.float64)
+    if not w.sum():
+        return None
+    return float(np.sum(w * np.where(c["accepted"], c["loss"], 0.0)) / w.sum())
+
+
+class Pending(NamedTuple):
+    """A finished round and its evaluation's metrics (``None``: not an evaluation round)."""
+
+    round: int
+    info: Any
+    evaluation: dict | None
+    counters: dict
+    bad: str | None  # non-finite parameters or training loss, found when the round finished
+
+
+class RunRecorder:
+    """Records one run's rounds strictly in order: metric records (``metrics.jsonl``), the
+    divergence guard, checkpoints and progress.
+
+    Round ``r``'s evaluation is dispatched after round ``r + 1`` was launched, so it queues
+    behind it on the devices. It runs on the loop's thread: two threads dispatching multi-device
+    programs can queue them in different orders on different devices, and their all-reduces then
+    deadlock (seen: XLA:CPU aborted in a rendezvous).
+    """
+
+    def __init__(
+        self, config: RunConfig, out: Path, exp: Experiment, reporter: Reporter, warn: Callable[[str], None], records: list[dict], last_checkpoint: int | None
+    ):
+        self.config, self.out, self.reporter, self.warn = config, out, reporter, warn
+        self.num_clients = len(exp.federation.sizes)
+        self.task = exp.dataset.task
+        self.records = records
+        self.last_checkpoint = last_checkpoint  # the round of the newest checkpoint written or resumed from
+        self.warned = False  # a divergence was reported (on_divergence = "warn"): no more checkpoints
+        self.metrics = folder.MetricsWriter(out / folder.METRICS)
+        self.calibration = health.make_calibration_check(config)
+        self.meta = {"name": config.name, "config": config.model_dump(mode="json"), "config_hash": config_hash(config)}
+
+    def is_checkpoint_round(self, r: int) -> bool:
+        """Whether the state after round ``r`` (1-based: the state's round) is checkpointed."""
+        c = self.config
+        return r == c.rounds or bool(c.checkpoint_every and r % c.checkpoint_every == 0)
+
+    def record(self, round_idx: int, evaluated: dict, snapshot: dict, info=None) -> dict:
+        """Appends round ``round_idx``'s metric record (evaluation, counters, epsilon, training loss)."""
+        r = {"round": round_idx, **evaluated, **snapshot}
+        if self.config.privacy.clip is not None:
+            p = self.config.privacy
+            r["epsilon"] = privacy_epsilon(p.noise_multiplier, self.num_clients, self.config.server.clients_per_round, round_idx, p.delta)
+        if info is not None:
+            r["train_loss"] = train_loss(info)
+        r["seconds"] = round(r["seconds"], 3)
+        self.calibration.check(r)
+        self.records.append(r)
+        self.metrics.append(r)
+        return r
+
+    def start(self, evaluate_initial: Callable[[], dict], counters: dict, done: int) -> None:
+        """Starts the progress display; a fresh run records the initial model as round 0."""
+        self.reporter.start(self.config.name, self.config.rounds, done)
+        if done == 0 and not self.records:
+            self.reporter.update(0, self.config.rounds, self.record(0, evaluate_initial(), dict(counters)))
+
+    def settle(self, e: Pending, state) -> None:
+        """Records round ``e`` (``state``: the state after it), checks it for divergence,
+        checkpoints and reports it.
+
+        Raises:
+          health.Diverged: a quantity turned non-finite and ``server.on_divergence = "stop"``;
+            ``summary.json`` then records ``diverged`` (round, metric, last good checkpoint).
+        """
+        config = self.config
+        rec = self.record(e.round, e.evaluation, e.counters, e.info) if e.evaluation is not None else None
+        bad = e.bad or health.non_finite(rec, None)
+        if bad is not None and not self.warned:
+            message = health.divergence_message(config, e.round, bad, self.out, self.last_checkpoint)
+            if config.server.on_divergence == "stop":
+                summary = {**summarize(config, self.records, self.task), "diverged": {"round": e.round, "metric": bad, "checkpoint": self.last_checkpoint}}
+                folder.write_json(self.out / folder.SUMMARY, summary)
+                raise health.Diverged(message, e.round, bad, self.last_checkpoint)
+            self.warn(f"warning: {message}")
+            self.warned = True
+        if not self.warned and self.is_checkpoint_round(e.round):
+            assert e.round == state.round, "a checkpoint round is settled before the next round starts"
+            self.checkpoint(state, e.counters)
+        self.reporter.update(e.round, config.rounds, rec)
+
+    def checkpoint(self, state, counters: dict) -> None:
+        """Saves ``state`` with the run's metadata, counters and every record so far (strict JSON)."""
+        strict = [json.loads(dumps_record(x)) for x in self.records]
+        save_checkpoint(self.out / folder.CHECKPOINTS, state, {**self.meta, "counters": counters, "metrics": strict})
+        self.last_checkpoint = int(state.round)
+
+    def finish(self, algorithm, server_state) -> dict:
+        """Writes ``model.npz``, ``summary.json`` and ``curves.png``; returns the summary."""
+        config, out = self.config, self.out
+        summary = summarize(config, self.records, self.task)
+        save_model(out / folder.MODEL, algorithm, server_state)
+        if self.calibration.message:
+            summary["warnings"] = [self.calibration.message]
+        folder.write_json(out / folder.SUMMARY, summary)
+        plot_curves(out / folder.CURVES, {config.name: self.records}, title=config.name, task=self.task)
+        return summary
+
+
+def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None, accept_changes=(), warn=None, rounds=None) -> dict:
+    """Runs (or resumes) one experiment and returns its summary (see the module docstring).
+
+    ``accept_changes``: dotted config keys that may differ from the checkpoint's on resume.
+    ``warn``: where one-line warnings go (a damaged checkpoint skipped); default stderr.
+    ``rounds``: ``Experiment -> runner`` (a :class:`fedbayes.protocol.Runner`: ``init``, ``place``,
+    ``rounds``, ``server_params``, ``algorithm``, ``counts_dropped``) that runs the rounds instead of
+    ``exp.simulator`` (the Flower deployment, :class:`fedbayes.flower.rounds.FlowerRounds`);
+    ``None``: the simulator.
+    """
+    with runlock.hold(out_dir):
+        return _run_experiment(config, Path(out_dir), resume, reporter or PlainReporter(), tuple(accept_changes), warn or _stderr, rounds)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Reporter, accept_changes: tuple, warn, rounds=None) -> dict:
+    ckpt_dir = out / folder.CHECKPOINTS
+    found = find_resume_checkpoint(ckpt_dir, warn) if resume else None
+    changes = check_resume_config(config, found[1], out, accept_changes) if found is not None else {}
+    check_store_dir(config, out)
+    exp = build_experiment(config, store_dir=out / folder.CLIENT_STORE)
+    runner = exp.simulator if rounds is None else rounds(exp)
+    ckpt = found[0] if found is not None else None
+    if ckpt is None:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
+    state = runner.init(exp.params, resume=ckpt is not None)  # resume: open the disk store, not rewrite it
+    counters = {"seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "rejected": 0}
+    if config.server.dropout > 0 or config.server.deadline is not None or runner.counts_dropped:
+        counters.update(dropped=0, late=0)
+    records: list[dict] = []
+    if ckpt is not None:
+        state, meta = load_checkpoint(ckpt, state)
+        state = state._replace(server_state=runner.place(state.server_state))
+        counters = meta["counters"]
+        records = [restore_record(dict(r)) for r in meta["metrics"]]  # metrics.jsonl is rewritten from these
+        if changes:
+            record_changes(out, state.round, changes)
+    else:
+        for stale in (folder.SUMMARY, folder.CURVES):  # a killed fresh run must not look finished
+            (out / stale).unlink(missing_ok=True)
+    folder.write_atomic(out / folder.CONFIG, to_toml(config))
+    recorder = RunRecorder(config, out, exp, reporter, warn, records, int(state.round) if ckpt is not None else None)
+    recorder.metrics.rewrite(records)
+    client_log = ClientLog(out / folder.CLIENTS, exp.federation.sizes)
+    client_log.restart(state.round)
+    recorder.start(lambda: exp.evaluate(state.server_state, 0), counters, state.round)
+    try:
+        t0 = time.perf_counter()
+        for state, info in runner.rounds(state, config.rounds, donate=True, keep=lambda r: recorder.is_checkpoint_round(r + 1)):
+            counters["seconds"] += time.perf_counter() - t0
+            counters["bytes_up"] += info.bytes_up
+            counters["bytes_down"] += info.bytes_down
+            counters["rejected"] += len(info.rejected)
+            if "dropped" in counters:
+                counters["dropped"] += len(info.dropped)
+                counters["late"] += len(info.late)
+            client_log.write(info, state.round)
+            r = state.round
+            evaluation = exp.evaluate(state.server_state, r) if (r % config.eval_every == 0 or r == config.rounds) else None
+            recorder.settle(Pending(r, info, evaluation, dict(counters), health.non_finite(None, runner.server_params(state), train_loss(info))), state)
+            t0 = time.perf_counter()
+    finally:
+        reporter.stop()
+    return recorder.finish(runner.algorithm, state.server_state)
