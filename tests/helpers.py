@@ -62,5 +62,5 @@ def plain_loop_round(sim: Simulator, state, client_update=None):
         msgs.append(m)
         new_states.append(s)
     w = jnp.asarray(protocol.client_weights(sim.sizes[cohort], sim.weighting))
-    server, ok, _ = protocol.server_step(alg, state.server_state, tree.stack(msgs), w, protocol.server_key(sim.seed, state.round))
+    server, ok, _ = protocol.server_step(protocol.server_key(sim.seed, state.round), alg, state.server_state, tree.stack(msgs), w)
     return server, cohort, new_states, np.asarray(ok)

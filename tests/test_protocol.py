@@ -90,19 +90,19 @@ def _fedavgm():
 def test_server_step_with_zero_weights_accepts_nothing():
     algo, state = _fedavgm()
     messages = {"w": jnp.ones((4, 3), jnp.float32)}
-    _, ok, info = protocol.server_step(algo, state, messages, jnp.zeros(4), protocol.server_key(0, 0))
+    _, ok, info = protocol.server_step(protocol.server_key(0, 0), algo, state, messages, jnp.zeros(4))
     assert not np.asarray(ok).any() and int(info["num_accepted"]) == 0
-    _, ok, info = protocol.server_step(algo, state, messages, jnp.array([1.0, 0.0, 2.0, 0.0]), protocol.server_key(0, 0))
+    _, ok, info = protocol.server_step(protocol.server_key(0, 0), algo, state, messages, jnp.array([1.0, 0.0, 2.0, 0.0]))
     assert np.asarray(ok).tolist() == [True, False, True, False] and int(info["num_accepted"]) == 2
 
 
 def test_server_step_rejects_what_message_ok_rejects():
     algo, state = _fedavgm()
     messages = {"w": jnp.array([[1.0, 2.0, 3.0], [jnp.nan, 0.0, 0.0]], jnp.float32)}
-    new, ok, _ = protocol.server_step(algo, state, messages, jnp.ones(2), protocol.server_key(0, 0))
+    new, ok, _ = protocol.server_step(protocol.server_key(0, 0), algo, state, messages, jnp.ones(2))
     assert np.asarray(ok).tolist() == [True, False]
     # the rejected message has weight zero: the step equals one with the first message alone
-    alone, _, _ = protocol.server_step(algo, state, {"w": messages["w"][:1]}, jnp.ones(1), protocol.server_key(0, 0))
+    alone, _, _ = protocol.server_step(protocol.server_key(0, 0), algo, state, {"w": messages["w"][:1]}, jnp.ones(1))
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(alone)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -191,15 +191,16 @@ def client_weights(num_examples, weighting: str):
     return (n > 0).astype(xp.float32)
 
 
-def server_step(algorithm, server_state, messages: PyTree, weights: jax.Array, key: jax.Array, aggregator=None):
+def server_step(key: jax.Array, algorithm, server_state, messages: PyTree, weights: jax.Array, aggregator=None):
     """One server step: validation, masking, aggregation and the server update.
 
     Args:
+      key: the server's key of the round (:func:`server_key`); the rule draws from
+        ``fold_in(key, 0)``, the server update from ``fold_in(key, 1)``.
       algorithm: the :class:`~fedbayes.algorithms.base.Algorithm`.
       server_state: its server state before the round.
       messages: the cohort's client messages, stacked on a leading axis ``[M, ...]``.
       weights: ``[M]`` client weights (:func:`client_weights`); 0 marks an absent client.
-      key: the server's key of the round (:func:`server_key`).
       aggregator: an :data:`fedbayes.aggregators.Aggregator`; default ``algorithm.aggregator``.
         One whose ``needs_reference`` attribute is true (a DP or robust rule for Gaussian
         messages, :mod:`fedbayes.aggregators.dp`, :mod:`fedbayes.aggregators.robust`) also receives

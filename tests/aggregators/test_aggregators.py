@@ -90,7 +90,7 @@ def test_the_server_passes_the_broadcast_only_to_a_rule_that_needs_it(needs):
     alg = _point_algorithm()
     state = jnp.arange(3.0)
     rule = _Recording(needs)
-    new, ok, info = protocol.server_step(alg, state, jnp.ones((2, 3)), jnp.ones(2), protocol.server_key(0, 0), rule)
+    new, ok, info = protocol.server_step(protocol.server_key(0, 0), alg, state, jnp.ones((2, 3)), jnp.ones(2), rule)
     assert bool(jnp.all(ok)) and int(info["num_accepted"]) == 2
     np.testing.assert_array_equal(np.asarray(new), np.arange(3.0) + 1.0)
     if needs:

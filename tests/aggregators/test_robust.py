@@ -79,11 +79,11 @@ def test_huge_precision_attackers_swamp_the_mean_but_not_the_robust_rules():
     bad = message_attack("huge_precision")(msgs, attackers, alg.broadcast(state))
     w = jnp.ones(7)
     key = protocol.server_key(0, 0)
-    honest, _, _ = protocol.server_step(alg, state, msgs, jnp.where(attackers, 0.0, 1.0), key)
+    honest, _, _ = protocol.server_step(key, alg, state, msgs, jnp.where(attackers, 0.0, 1.0))
     m_h, lam_h = _posterior(alg, honest)
 
     def distance(aggregator):
-        new, ok, _ = protocol.server_step(alg, state, bad, w, key, aggregator)
+        new, ok, _ = protocol.server_step(key, alg, state, bad, w, aggregator)
         assert bool(jnp.all(ok))  # the attack passes validation: finite, positive precisions
         m, lam = _posterior(alg, new)
         return np.max(np.abs(np.log(lam / lam_h))), np.max(np.abs(m - m_h))
@@ -103,8 +103,8 @@ def test_huge_precision_attackers_swamp_the_mean_but_not_the_robust_rules():
 def test_precision_share_bound_leaves_honest_messages_unchanged():
     alg, state, msgs = _fedep_setting()
     key = protocol.server_key(0, 0)
-    plain, _, _ = protocol.server_step(alg, state, msgs, jnp.ones(7), key)
-    bounded, _, _ = protocol.server_step(alg, state, msgs, jnp.ones(7), key, RobustAggregator("mean", max_precision_share=0.1))
+    plain, _, _ = protocol.server_step(key, alg, state, msgs, jnp.ones(7))
+    bounded, _, _ = protocol.server_step(key, alg, state, msgs, jnp.ones(7), RobustAggregator("mean", max_precision_share=0.1))
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(bounded), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -161,7 +161,7 @@ def test_a_nan_message_is_rejected_and_changes_nothing(name):
         msgs.append(m)
     w = protocol.client_weights(honest.sizes[cohort], honest.weighting)
     w[bad_cid] = 0.0
-    expected, ok, _ = protocol.server_step(honest.algorithm, state0.server_state, tree.stack(msgs), jax.numpy.asarray(w), protocol.server_key(honest.seed, 0))
+    expected, ok, _ = protocol.server_step(protocol.server_key(honest.seed, 0), honest.algorithm, state0.server_state, tree.stack(msgs), jax.numpy.asarray(w))
     assert not bool(ok[bad_cid])
     _close(state.server_state, expected)
 

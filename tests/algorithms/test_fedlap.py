@@ -97,7 +97,7 @@ def run_rounds(alg, prob: Problem, rounds: int, on_round=None):
     cstates = [alg.client_init(prob.params) for _ in prob.datas]
     weights = jnp.asarray([float(d.num_examples) for d in prob.datas])
     update = jax.jit(alg.client_update)
-    step = jax.jit(lambda s, m, w: protocol.server_step(alg, s, m, w, jax.random.key(2)))
+    step = jax.jit(lambda s, m, w: protocol.server_step(jax.random.key(2), alg, s, m, w))
     history = []
     for r in range(rounds):
         message = alg.broadcast(state)
@@ -311,7 +311,7 @@ def test_fedlap_cov_rejects_a_negative_curvature_and_keeps_the_server():
         update = jax.jit(alg.client_update)
         msgs = [update(jax.random.key(0), message, alg.client_init(prob.params), d)[0] for d in prob.datas]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *msgs)
-        new, accepted, _ = protocol.server_step(alg, state, stacked, jnp.ones(len(SIZES)), jax.random.key(1))
+        new, accepted, _ = protocol.server_step(jax.random.key(1), alg, state, stacked, jnp.ones(len(SIZES)))
         assert not np.any(np.asarray(accepted))
         np.testing.assert_array_equal(flat_params(new.q.precision), flat_params(state.q.precision))
 

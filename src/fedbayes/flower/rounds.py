@@ -137,7 +137,7 @@ class FlowerRounds:
         data = client_data_template(fed.x.shape[1:], fed.x.dtype, fed.y.dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size)
         templates = protocol.message_templates(alg, exp.params, data)  # what the replies are decoded against
         self.message_spec, self.info_spec = templates.message, templates.info
-        self._step = jax.jit(lambda s, m, w, k: protocol.server_step(self.algorithm, s, m, w, k, self.aggregator))
+        self._step = jax.jit(lambda s, m, w, k: protocol.server_step(k, self.algorithm, s, m, w, self.aggregator))
         self._waited = False
 
     # ----- the simulator's interface ----------------------------------------------------------

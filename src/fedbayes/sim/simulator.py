@@ -360,7 +360,7 @@ class Simulator:
         if self.scenario.attack is not None:
             messages = self.scenario.attack(messages, attackers, message)
         server_key = protocol.server_key(self.seed, round_idx)
-        new_server, ok, server_info = protocol.server_step(algorithm, server_state, messages, weights, server_key, self.aggregator)
+        new_server, ok, server_info = protocol.server_step(server_key, algorithm, server_state, messages, weights, self.aggregator)
         new_server = protocol.keep_unless_accepted(ok, new_server, server_state)  # no accepted message: nothing learned
         # A rejected client keeps its old state: run_round writes back only the accepted rows
         # (no select over every client's state here, one pass less over the cohort's states).
