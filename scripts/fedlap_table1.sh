@@ -40,7 +40,7 @@ sweep_fmnist() {  # $1: het (the homogeneous split reuses its selection)
 # by seed, so that an interrupted comparison has every method on the seeds it finished. FedLap-Cov's
 # marginalised prediction (not in the table) on FMNIST with 1 sample instead of 10 ($M): it is
 # evaluation only, and on this machine half of FedLap-Cov's time.
-M="--set fedlap_cov.algorithm.marginal_samples=1"
+M="--set fedlap_cov.evaluation.marginal_samples=1"
 final() {  # $1: sweep folder, $2: base config, $3: selected config to write, $4: output folder, then compare options
   $PY scripts/fedlap_table1.py winners "$1" "$2" "$3"
   for n in 1 2 3; do $FB compare "$3" "${@:5}" --seeds $n --out "$4" --resume; done
