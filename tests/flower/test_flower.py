@@ -384,7 +384,7 @@ def test_a_supernode_whose_key_is_not_registered_is_refused(tmp_path):
         fed.start()
         key, _ = make_node_key(tmp_path / "keys", "intruder")  # never registered
         log = tmp_path / "intruder.log"
-        fed._spawn(supernode_command(fed.address, free_port(), 0, 1, tmp_path / "intruder_state", fed.certs, key), tmp_path / "intruder_home", log)
+        fed.spawn(supernode_command(fed.address, free_port(), 0, 1, tmp_path / "intruder_state", fed.certs, key), tmp_path / "intruder_home", log)
         end = time.monotonic() + 120
         while "Failed to activate SuperNode" not in log.read_text():
             assert time.monotonic() < end, log.read_text()[-2000:]

@@ -276,7 +276,10 @@ class LocalFederation:
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
-    def _spawn(self, cmd: list[str], home: Path, log: Path) -> subprocess.Popen:
+    def spawn(self, cmd: list[str], home: Path, log: Path) -> subprocess.Popen:
+        """Starts one Flower process of this federation (``cmd``, e.g. a SuperNode's command) with
+        the federation's environment and ``home``, its output appended to ``log``; the process is
+        tracked, so :meth:`stop` ends it and its children with the rest."""
         with open(log, "ab") as f:
             p = subprocess.Popen(cmd, env=self._env(home), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self._seen[p.pid] = psutil.Process(p.pid)
@@ -284,7 +287,7 @@ class LocalFederation:
 
     def start(self, timeout: float = 60.0) -> None:
         home = self.workdir / "superlink_home"
-        self.superlink = self._spawn(superlink_command(self.superlink_port, self.certs, self.auth), home, self.workdir / "superlink.log")
+        self.superlink = self.spawn(superlink_command(self.superlink_port, self.certs, self.auth), home, self.workdir / "superlink.log")
         self._wait_port(self.superlink_port, self.superlink, "superlink", timeout)
         if self.auth:
             for node in self.nodes:
@@ -307,7 +310,7 @@ class LocalFederation:
         node = self.nodes[partition]
         node.state_dir.mkdir(parents=True, exist_ok=True)
         cmd = supernode_command(self.address, node.port, partition, self.num_nodes, node.state_dir, self.certs, node.key)
-        node.process = self._spawn(cmd, node.home, self.workdir / f"node{partition}.log")
+        node.process = self.spawn(cmd, node.home, self.workdir / f"node{partition}.log")
 
     def register(self, public_key: Path) -> None:
         """Registers a SuperNode's public key with the SuperLink (``flwr supernode register``)."""
