@@ -32,6 +32,7 @@ __all__ = [
     "ComparisonResult",
     "Job",
     "check_data",
+    "check_seeds",
     "conflicts",
     "file_reference",
     "file_seeds",
@@ -119,14 +120,22 @@ def file_reference(files: Sequence[Path], variants: Sequence[str]):
     return found
 
 
+def check_seeds(seeds, where: str) -> list[int]:
+    """Seeds must be a non-empty list of distinct integers >= 0; else a one-line error naming ``where``."""
+    allowed = "allowed: a non-empty list of distinct integers >= 0, e.g. seeds = [0, 1, 2]"
+    if not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise ConfigError(f"config error: {where}: {allowed}; got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"config error: {where}: a seed is repeated ({allowed}); got {seeds!r}")
+    return seeds
+
+
 def file_seeds(files: Sequence[Path]) -> list[int] | None:
     """The ``seeds = [...]`` of the comparison files (one list for all), else None.
 
     Raises:
       ConfigError: a bad list, or two files with different lists.
     """
-    from fedbayes.runs.sweep import check_seeds
-
     found: list[int] | None = None
     for path in files:
         raw = read_toml(path)

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 from fedbayes.config.schema import ConfigError, RunConfig, read_toml, same_config, validate
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report, summaries
+from fedbayes.runs.compare import check_data, check_seeds, toml_text
 from fedbayes.runs.strictjson import dumps_record
 
 SELECT_ON = ("validation", "test")
@@ -117,18 +118,10 @@ def parse_seeds(text: str) -> list[int]:
         seeds = [int(t) for t in items] if items is not None else list(range(int(text)))
     except ValueError:
         raise SweepError(f"error: --seeds {text!r}: expected a count N (seeds 0..N-1) or a list of seeds, e.g. --seeds 3 or --seeds 0,1,2") from None
-    check_seeds(seeds, "--seeds")
-    return seeds
-
-
-def check_seeds(seeds, where: str) -> list[int]:
-    """Seeds must be a non-empty list of distinct integers >= 0; else a one-line error naming ``where``."""
-    allowed = "allowed: a non-empty list of distinct integers >= 0, e.g. seeds = [0, 1, 2]"
-    if not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
-        raise SweepError(f"config error: {where}: {allowed}; got {seeds!r}")
-    if len(set(seeds)) != len(seeds):
-        raise SweepError(f"config error: {where}: a seed is repeated ({allowed}); got {seeds!r}")
-    return seeds
+    try:
+        return check_seeds(seeds, "--seeds")
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
 
 
 def parse_grid(items: Sequence[str], variants: Sequence[str]) -> list[Axis]:
@@ -583,8 +576,6 @@ def run_sweep(
     Raises:
       ConfigError, DatasetNotFoundError: an unfinished run's data check, before any run.
     """
-    from fedbayes.runs.compare import check_data, toml_text
-
     out = Path(out)
     todo = p.todo(out)
     check_data([((cell.variant, cell.name, s), cell.config_for(s)) for cell, s in todo], lambda key: f"variant {key[0]!r}, cell {key[1]}, seed {key[2]}")
