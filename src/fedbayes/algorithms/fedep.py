@@ -52,7 +52,7 @@ from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, bur
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.algorithms.sites import (
     GaussianMessage,
-    all_positive,
+    all_non_negative,
     burn_in_switch,
     checked_cavity,
     damped_difference,
@@ -70,7 +70,21 @@ PyTree = Any
 INITS = ("benchmark", "uniform")
 SEP_POWERS = ("data_fraction", "one_over_k")
 
-__all__ = ["ClientState", "EPConfig", "FedEPConfig", "FedSEPConfig", "INITS", "SEP_POWERS", "ServerState", "fedep", "fedsep", "posterior_moments"]
+__all__ = [
+    "DEFAULT_DAMPING",
+    "INITS",
+    "PAPER_SETTINGS",
+    "PRESETS",
+    "SEP_POWERS",
+    "ClientState",
+    "EPConfig",
+    "FedEPConfig",
+    "FedSEPConfig",
+    "ServerState",
+    "fedep",
+    "fedsep",
+    "posterior_moments",
+]
 
 
 class ServerState(NamedTuple):
@@ -132,8 +146,10 @@ def _ep_algorithm(
         raise ValueError(f"{name}: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
     if not damping > 0:
         raise ValueError(f"{name}: damping must be > 0; got {damping}")
-    if init == "benchmark" and not alpha_cov > 0:
-        raise ValueError(f"{name}: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; got {alpha_cov}")
+    if init == "benchmark" and not (alpha_cov > 0 or prior_precision > 0):
+        raise ValueError(
+            f"{name}: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 or prior_precision > 0; got {alpha_cov}"
+        )
     if prior_precision < 0:
         raise ValueError(f"{name}: prior_precision must be >= 0; got {prior_precision}")
     if burn_in_rounds < 0:
@@ -143,6 +159,9 @@ def _ep_algorithm(
     site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
     total = float(total_examples)
     uniform = init == "uniform"
+
+    def prior_like(theta) -> DiagGaussian:
+        return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=optax.tree.full_like(theta, prior_precision))
 
     def ep_start(theta) -> tuple[DiagGaussian, PyTree]:
         """``q_g`` at the start of EP from the model ``theta`` (docs/algorithms.md §7.3), and the anchor."""
@@ -175,6 +194,7 @@ def _ep_algorithm(
     def client_update(key, message: Broadcast, cstate, data):
         q = message.q
         n = data.num_examples.astype(jnp.float32)
+        prior = prior_like(q.precision_mean)
 
         def burn_in():
             theta = q.precision_mean  # Lambda = 1 during burn-in
@@ -190,14 +210,17 @@ def _ep_algorithm(
                 def fresh():
                     if uniform:
                         return gaussian.uniform_like(q.precision), q
-                    return gaussian.power(q, share), gaussian.power(q, rest)
+                    # the site's share of q_g / p_0: the prior stays one factor of q_g, not K sites' shares
+                    site = gaussian.power(gaussian.quotient(q, prior), share)
+                    return site, gaussian.quotient(q, site)
 
                 # lax.cond, not a select: a client run on its own (the sequential layout) computes
                 # only the branch it takes; under vmap this is a select again.
                 site, cavity = jax.lax.cond(cstate.initialized, lambda: (cstate.site, gaussian.quotient(q, cstate.site)), fresh)
             else:
                 frac = rest if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
-                cavity = gaussian.power(q, frac)
+                # p_0 (q_g / p_0)^frac: the power acts on the shared site f^K, not on the prior
+                cavity = gaussian.product(prior, gaussian.power(gaussian.quotient(q, prior), frac))
             cavity, cavity_ok = checked_cavity(cavity, q)
             start = safe_mean(q, message.anchor if uniform else q.precision_mean)
             tilted, info = inference(key, start, cavity, data)
@@ -205,7 +228,8 @@ def _ep_algorithm(
             if not stateful:
                 return GaussianMessage(step, cavity_ok), cstate, info
             new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
-            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, all_positive(new_site.precision))
+            # a zero site precision is a flat factor (no information there), not an improper one
+            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, all_non_negative(new_site.precision))
             return GaussianMessage(step, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
 
         return burn_in_switch(burn_in_rounds, message.ep, ep_round, burn_in)
@@ -333,27 +357,75 @@ def fedsep(
     )  # fmt: skip
 
 
+PRESETS = ("posterior", "paper")
+# The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
+# fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
+PAPER_SETTINGS = {"method": "identity", "scale": 500.0, "clip_ratio": 2.0, "weight_decay": 1e-4, "prior_precision": 0.0, "ngvi_bias_correction": False}
+DEFAULT_DAMPING = 0.5  # the posterior preset's delta (docs/results/posterior_defaults.md)
+
+
 class EPConfig(TiltedSettings):
     """Settings shared by FedEP and FedSEP (docs/algorithms.md §7; Guo et al. 2023 (FedEP) Table 7): the client method's
-    (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones."""
+    (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones.
 
-    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
-        "identity", description="client tilted inference: identity (I), mcmc (M), laplace (L) or ngvi (V)"
+    Two presets fill the fields a config leaves unset. ``"posterior"`` (the default): the laplace
+    method with sites at the likelihood's scale (``scale = 1``, no Fisher clipping, bias-corrected
+    NGVI), the prior ``N(0, 1 / prior_precision)`` (``prior_precision = 1``, ``weight_decay = 0``)
+    and damping ``0.5``: the laplace and ngvi methods then reach the diagonal Laplace at the MAP
+    (docs/results/posterior_defaults.md). ``"paper"``: Guo et al. 2023 (FedEP)'s heuristics
+    (:data:`PAPER_SETTINGS`: identity method, ``scale = 500``, ``clip_ratio = 2``,
+    ``weight_decay = 1e-4``, no separate prior, uncorrected NGVI, damping ``1 / clients_per_round``)
+    for reproducing its tables; its variances are set by ``scale``, not by the data.
+    """
+
+    preset: Literal[PRESETS] = Field(  # type: ignore[valid-type]
+        "posterior",
+        description="defaults of the unset fields: posterior (laplace, scale 1, clip 0, prior N(0, 1/prior_precision), damping 0.5: "
+        "the family's posterior) or paper (Guo et al.'s heuristics: identity, scale 500, clip 2, weight_decay 1e-4, damping 1/M)",
     )
-    damping: float | None = Field(None, gt=0, le=1, description="delta; default 1 / clients_per_round")
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "laplace",
+        description="client tilted inference: laplace (L, default) or ngvi (V) give a posterior; identity (I) and mcmc (M) "
+        "give a variance set by alpha_cov = scale * (initial_precision + weight_decay), a hyperparameter, not the data",
+    )
+    damping: float | None = Field(
+        None, gt=0, le=1, description="delta; default 0.5 (preset posterior: converges in ~100 rounds) or 1 / clients_per_round (preset paper: slow)"
+    )
     delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
     init: Literal[INITS] = Field("benchmark", description="benchmark (docs/algorithms.md §7.3) or uniform (the paper's)")  # type: ignore[valid-type]
-    prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
+    prior_precision: float = Field(
+        1.0,
+        ge=0,
+        description="delta of the prior p0 = N(0, 1/delta), one factor of q_g (default 1: N(0, 1)); weight_decay adds lambda_wd n_k per client on top",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_preset(cls, data):
+        if isinstance(data, dict) and data.get("preset") == "paper":
+            data = {**PAPER_SETTINGS, **data}
+        return data
 
     @model_validator(mode="after")
     def _benchmark_needs_alpha_cov(self):
-        if self.init == "benchmark" and not self.alpha_cov > 0:
+        if self.init == "benchmark" and not (self.alpha_cov > 0 or self.prior_precision > 0):
             raise ValueError(
-                "algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; "
-                "set weight_decay or initial_precision > 0, or init = 'uniform'"
+                "algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 "
+                "or prior_precision > 0; set one of them, or init = 'uniform'"
+            )
+        if self.method in ("identity", "mcmc") and not self.alpha_cov > 0:
+            raise ValueError(
+                f"algorithm.initial_precision: the {self.method} method's precision is alpha_cov = scale * (initial_precision + weight_decay) "
+                "per example and needs it > 0; set initial_precision (or weight_decay), or preset = 'paper'"
             )
         return self
+
+    def default_damping(self, clients_per_round: int) -> float:
+        """``damping`` if set, else the preset's: :data:`DEFAULT_DAMPING` or ``1 / clients_per_round``."""
+        if self.damping is not None:
+            return self.damping
+        return 1.0 / clients_per_round if self.preset == "paper" else DEFAULT_DAMPING
 
 
 class FedEPConfig(EPConfig):
@@ -376,7 +448,7 @@ def _common(hp: EPConfig, ctx: BuildContext) -> dict:
     inference = make_tilted_inference(hp.method, ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     return dict(
         inference=inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
-        damping=hp.damping or 1.0 / ctx.clients_per_round, alpha_cov=hp.alpha_cov, burn_in_rounds=hp.burn_in_rounds,
+        damping=hp.default_damping(ctx.clients_per_round), alpha_cov=hp.alpha_cov, burn_in_rounds=hp.burn_in_rounds,
         init=hp.init, prior_precision=hp.prior_precision, delta_clip=hp.delta_clip,
     )  # fmt: skip
 

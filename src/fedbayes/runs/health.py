@@ -8,6 +8,12 @@ too wide for the data).
   :func:`divergence_message` says what to change and how to continue.
 * **Calibration**: :class:`CalibrationCheck` warns once when the marginalised accuracy falls more
   than :data:`CALIBRATION_GAP` below the point estimate's.
+* **Fixed point**: :class:`FixedPointCheck` follows the server posterior (mean and variance; the
+  server parameters of a point method) round by round, gives each evaluation record the last
+  round's relative change (``posterior_change``), and warns at the end of a run whose last
+  :data:`FIXED_POINT_WINDOW` rounds still moved it by more than :data:`FIXED_POINT_MEAN_TOL`
+  (mean) or :data:`FIXED_POINT_VAR_TOL` (the variances' mean log ratio): the run stopped before
+  its fixed point.
 
 The per-method advice (which knob to turn) is read from the method in :func:`divergence_hint`,
 :func:`calibration_advice` and :func:`calibration_after_round`.
@@ -28,13 +34,18 @@ from fedbayes.errors import DivergedError
 __all__ = [
     "CALIBRATION_GAP",
     "DIVERGENCE_METRICS",
+    "FIXED_POINT_MEAN_TOL",
+    "FIXED_POINT_VAR_TOL",
+    "FIXED_POINT_WINDOW",
     "CalibrationCheck",
     "Diverged",
+    "FixedPointCheck",
     "calibration_advice",
     "calibration_after_round",
     "divergence_hint",
     "divergence_message",
     "make_calibration_check",
+    "posterior_snapshot",
     "non_finite",
 ]
 
@@ -136,3 +147,92 @@ class CalibrationCheck:
 def make_calibration_check(config: RunConfig) -> CalibrationCheck:
     """The run's calibration check with the method's burn-in and advice."""
     return CalibrationCheck(config.name, after_round=calibration_after_round(config), **calibration_advice(config))
+
+
+# ----- fixed point -------------------------------------------------------------------------------
+
+FIXED_POINT_WINDOW = 10  # rounds over which the end of a run is judged
+FIXED_POINT_MEAN_TOL = 0.01  # relative L2 change of the mean over the window
+FIXED_POINT_VAR_TOL = 0.05  # |mean change of log variance| over the window
+
+
+def posterior_snapshot(algorithm, server_state, params) -> tuple[np.ndarray, np.ndarray | None]:
+    """The server posterior on the host, flattened: ``(mean, variance)`` from the method's
+    ``server_posterior``, or ``(params, None)`` for a point method (``params``: the server model)."""
+    posterior = getattr(algorithm, "server_posterior", None)
+    if posterior is not None:
+        mean, var = jax.device_get(posterior(server_state))
+        return _flat(mean), _flat(var)
+    return _flat(jax.device_get(params)), None
+
+
+def _flat(tree) -> np.ndarray:
+    leaves = [np.asarray(v, np.float64).ravel() for v in jax.tree.leaves(tree)]
+    return np.concatenate(leaves) if leaves else np.zeros(0)
+
+
+def relative_change(new: tuple, old: tuple) -> tuple[float, float | None]:
+    """``(||m - m'|| / ||m||, |mean(log v - log v')|)`` between two snapshots: the mean's relative
+    L2 change and the variances' systematic change (coordinates with both variances positive;
+    ``None`` without variances). The variances' mean log ratio, not its RMS: sampled curvature
+    (a Fisher from sampled labels) makes single variances jitter round to round at the fixed point,
+    while a run on its way moves them together."""
+    (m, v), (m0, v0) = new, old
+    dm = float(np.linalg.norm(m - m0) / max(np.linalg.norm(m), 1e-12))
+    if v is None or v0 is None:
+        return dm, None
+    ok = (v > 0) & (v0 > 0) & np.isfinite(v) & np.isfinite(v0)
+    dv = float(abs(np.mean(np.log(v[ok]) - np.log(v0[ok])))) if ok.any() else 0.0
+    return dm, dv
+
+
+class FixedPointCheck:
+    """Whether a run ended at its fixed point, judged from the server posterior's last rounds.
+
+    Every round :meth:`observe` takes the posterior after it (:func:`posterior_snapshot`), keeps the
+    previous round's (for ``posterior_change``, the relative change of the mean in one round, and
+    ``posterior_var_change``, the mean change of log variance) and the one of round
+    ``rounds - window``. :meth:`finish` compares the final posterior with that one: a mean that
+    still moved by more than :data:`FIXED_POINT_MEAN_TOL` (relative L2), or variances by more than
+    :data:`FIXED_POINT_VAR_TOL` (mean log ratio), over the last ``window`` rounds gives one
+    warning that says how far and what to change. A run shorter than ``2 * window`` rounds, or
+    resumed inside the window, is not judged.
+    """
+
+    def __init__(self, name: str, rounds: int, window: int = FIXED_POINT_WINDOW):
+        self.name, self.rounds, self.window = name, rounds, window
+        self.previous: tuple | None = None
+        self.anchor: tuple | None = None  # the posterior after round rounds - window
+        self.last: tuple | None = None
+        self.change: dict = {}
+        self.message: str | None = None
+
+    def observe(self, round_idx: int, snapshot: tuple) -> None:
+        """Takes the posterior after round ``round_idx`` (the resumed state's too, as a start)."""
+        if self.previous is not None:
+            dm, dv = relative_change(snapshot, self.previous)
+            self.change = {"posterior_change": dm} if dv is None else {"posterior_change": dm, "posterior_var_change": dv}
+        if round_idx == self.rounds - self.window:
+            self.anchor = snapshot
+        self.previous = self.last = snapshot
+
+    def finish(self) -> str | None:
+        """The warning (also returned) when the last ``window`` rounds moved the posterior too much."""
+        if self.anchor is None or self.last is None or self.rounds < 2 * self.window:
+            return None
+        dm, dv = relative_change(self.last, self.anchor)
+        moved = []
+        if dm > FIXED_POINT_MEAN_TOL:
+            moved.append(f"mean by {100 * dm:.1f}% (relative L2)")
+        if dv is not None and dv > FIXED_POINT_VAR_TOL:
+            moved.append(f"variances by {100 * dv:.1f}% (mean log ratio)")
+        if not moved:
+            return None
+        what = "posterior" if dv is not None else "model"
+        self.message = (
+            f"{self.name}: the run ended before its fixed point: the last {self.window} rounds moved the server {what}'s "
+            f"{' and '.join(moved)} (tolerance {100 * FIXED_POINT_MEAN_TOL:.0f}% and {100 * FIXED_POINT_VAR_TOL:.0f}%); "
+            "its result is not yet the method's answer: run more rounds (rounds), or converge faster "
+            "with a larger damping or more local steps (client.epochs, client.lr); metrics.jsonl's posterior_change shows the trend"
+        )
+        return self.message
