@@ -1,0 +1,390 @@
+"""Centralised reference posteriors of a model on pooled data, computed in float64.
+
+The yardsticks a federated posterior is measured against (``fedbayes bench posterior``): with the
+negative log joint
+
+    L(theta) = sum_i CE(f(theta, x_i), y_i) + (lambda / 2) ||theta||^2,
+
+i.e. a softmax likelihood and the prior N(0, I / lambda) on every parameter (bias included),
+
+* :func:`map_estimate`: the MAP ``theta* = argmin L`` by damped Newton;
+* :func:`diagonal_laplace`: ``N(theta*, 1 / diag(H))`` with ``H = nabla^2 L(theta*)``, the fixed
+  point of a diagonal Laplace / GGN method (FedLap-Cov, FedEP with Laplace or NGVI clients);
+* :func:`laplace_marginals`: ``N(theta*, diag(H^{-1}))``, the marginals of the full Laplace
+  approximation (Laplace Redux, Daxberger et al. 2021);
+* :func:`mean_field_vi`: the exact optimum of the mean-field Gaussian ELBO for a model that is
+  affine in its parameters with two classes (binary logistic regression), the fixed point of PVI
+  (Partitioned Variational Inference, Ashman et al. 2022) and of a federated mean-field VBNN.
+
+For an affine two-class model the logit difference ``g_i(theta) = f_1 - f_0 = a_i^T theta + c_i``
+is Gaussian under a diagonal Gaussian ``q = N(m, diag(v))``: ``g_i ~ N(a_i^T m + c_i,
+sum_j a_ij^2 v_j)``. The expected log-likelihood and the predictive ``E_q[sigmoid(g_i)]`` are
+then one-dimensional integrals, computed exactly (to float64 rounding) by Gauss-Hermite
+quadrature (:func:`affine_predictive_metrics`).
+
+All arithmetic runs under ``jax.enable_x64``; results come back as float32 pytrees shaped like the
+parameters. Newton's method on the flat parameter vector (``jax.flatten_util.ravel_pytree``) is
+written here rather than taken from optax or jax.scipy: the problems are small (tens to hundreds of
+parameters), the exact Hessian is cheap, and Newton reaches float64 rounding in a dozen steps where
+the first-order solvers stop at their tolerances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+
+from fedbayes.evaluation.metrics import classification_metrics
+
+__all__ = [
+    "GAUSS_HERMITE_NODES",
+    "AffineLogits",
+    "References",
+    "affine_logit_difference",
+    "affine_predictive_metrics",
+    "diagonal_laplace",
+    "laplace_marginals",
+    "map_estimate",
+    "mean_field_elbo",
+    "mean_field_vi",
+    "negative_log_joint",
+    "references",
+]
+
+PyTree = Any
+Loss = Callable[[PyTree], jax.Array]
+
+GAUSS_HERMITE_NODES = 80
+"""Quadrature nodes for the 1-D Gaussian integrals; 80 nodes integrate log-sigmoid of a Gaussian to
+float64 rounding for the logit scales of a standardised logistic regression."""
+
+
+def _to64(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), tree)
+
+
+def _to32(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float32), tree)
+
+
+def negative_log_joint(apply_fn: Callable[[PyTree, jax.Array], jax.Array], x: Any, y: Any, prior_precision: float) -> Loss:
+    """``L(theta) = sum_i CE(apply_fn(theta, x)_i, y_i) + (prior_precision / 2) ||theta||^2``.
+
+    The sum (not the mean) of the softmax cross-entropies over all examples, plus the Gaussian
+    prior N(0, I / prior_precision) on every leaf. The features are held in float64 and converted
+    when the loss is called, so under ``jax.enable_x64`` with float64 parameters the whole loss is
+    float64.
+
+    Args:
+        apply_fn: ``apply_fn(params, x) -> logits [n, C]``.
+        x: features ``[n, ...]``.
+        y: int labels ``[n]``.
+        prior_precision: lambda > 0.
+
+    Raises:
+        ValueError: for ``prior_precision <= 0`` or ``x`` and ``y`` of different lengths.
+    """
+    if not prior_precision > 0:
+        raise ValueError(f"prior_precision must be > 0, got {prior_precision}")
+    x64 = np.asarray(x, np.float64)
+    labels = np.asarray(y, np.int64)
+    if x64.shape[0] != labels.shape[0]:
+        raise ValueError(f"x and y must have the same length, got {x64.shape[0]} and {labels.shape[0]}")
+
+    def loss(params: PyTree) -> jax.Array:
+        dtype = jnp.result_type(*jax.tree.leaves(params))
+        logits = apply_fn(params, jnp.asarray(x64, dtype))
+        nll = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(labels)))
+        sq = sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(params))
+        return nll + 0.5 * prior_precision * sq
+
+    return loss
+
+
+def _newton(f: Callable[[jax.Array], jax.Array], z0: jax.Array, max_steps: int, tol: float, what: str) -> jax.Array:
+    """Damped Newton minimisation of ``f`` on a flat float64 vector (call under x64).
+
+    Levenberg-style damping ``H + mu I`` when the Hessian is not positive definite, then an Armijo
+    backtracking line search. Converged when ``max |grad| <= tol * max(1, |f|)``, or when the
+    line search can no longer decrease ``f`` and the Newton decrement is at float64 rounding.
+    """
+    value_and_grad = jax.jit(jax.value_and_grad(f))
+    hessian = jax.jit(jax.hessian(f))
+    f_jit = jax.jit(f)
+    z = z0
+    for _ in range(max_steps):
+        value, grad = value_and_grad(z)
+        value, grad = float(value), np.asarray(grad)
+        if not np.isfinite(value) or not np.all(np.isfinite(grad)):
+            raise ValueError(f"{what}: non-finite objective or gradient")
+        if np.max(np.abs(grad)) <= tol * max(1.0, abs(value)):
+            return z
+        h = np.asarray(hessian(z))
+        h = 0.5 * (h + h.T)
+        mu, scale = 0.0, max(1e-12, float(np.max(np.abs(np.diag(h)))))
+        while True:
+            try:
+                chol = np.linalg.cholesky(h + mu * np.eye(h.shape[0]))
+                break
+            except np.linalg.LinAlgError:
+                mu = max(2.0 * mu, 1e-10 * scale)
+        direction = -np.linalg.solve(chol.T, np.linalg.solve(chol, grad))
+        decrement = -float(grad @ direction)  # g^T (H + mu I)^{-1} g >= 0
+        step, accepted = 1.0, False
+        while step > 1e-12:
+            trial = z + step * direction
+            new = float(f_jit(trial))
+            if np.isfinite(new) and new <= value - 1e-4 * step * decrement:
+                accepted = True
+                break
+            step *= 0.5
+        if not accepted:
+            if decrement <= 1e-20 * max(1.0, abs(value)) or decrement <= 1e-24:
+                return z
+            raise ValueError(f"{what}: line search failed (max |grad| {np.max(np.abs(grad)):.3g})")
+        z = trial
+    raise ValueError(f"{what}: Newton did not converge in {max_steps} steps (max |grad| {np.max(np.abs(grad)):.3g}, tol {tol})")
+
+
+def map_estimate(loss: Loss, params0: PyTree, *, max_steps: int = 100, tol: float = 1e-9) -> PyTree:
+    """The minimiser of ``loss`` (a MAP estimate for :func:`negative_log_joint`), float32 pytree.
+
+    Damped Newton in float64 on the flat vector from ``ravel_pytree``, started at ``params0``.
+
+    Raises:
+        ValueError: if ``max |grad| <= tol * max(1, |loss|)`` is not reached in ``max_steps``.
+    """
+    with jax.enable_x64(True):
+        return _to32(_map64(loss, params0, max_steps, tol))
+
+
+def _map64(loss: Loss, params0: PyTree, max_steps: int = 100, tol: float = 1e-9) -> PyTree:
+    flat0, unravel = ravel_pytree(_to64(params0))
+    z = _newton(lambda z: loss(unravel(z)), flat0, max_steps, tol, "map_estimate")
+    return unravel(z)
+
+
+def _hessian64(loss: Loss, params: PyTree) -> tuple[np.ndarray, Callable[[jax.Array], PyTree]]:
+    flat, unravel = ravel_pytree(_to64(params))
+    h = np.asarray(jax.jit(jax.hessian(lambda z: loss(unravel(z))))(flat))
+    return 0.5 * (h + h.T), unravel
+
+
+def diagonal_laplace(loss: Loss, map_params: PyTree) -> tuple[PyTree, PyTree]:
+    """The diagonal-precision Laplace approximation ``N(theta*, 1 / diag(H))`` at ``map_params``.
+
+    ``H`` is the exact Hessian of ``loss`` at ``map_params`` (float64). This is the fixed point of a
+    diagonal Laplace/GGN federated method: each site's precision is the diagonal of its share of
+    the Hessian, and their product's precision is ``diag(H)``.
+
+    Returns:
+        ``(mean, variance)`` float32 pytrees shaped like ``map_params``.
+
+    Raises:
+        ValueError: if a diagonal entry of ``H`` is not positive.
+    """
+    with jax.enable_x64(True):
+        h, unravel = _hessian64(loss, map_params)
+        diag = np.diag(h)
+        if not np.all(diag > 0):
+            raise ValueError("diagonal_laplace: the Hessian's diagonal is not positive at map_params")
+        return _to32(map_params), _to32(unravel(jnp.asarray(1.0 / diag)))
+
+
+def laplace_marginals(loss: Loss, map_params: PyTree) -> tuple[PyTree, PyTree]:
+    """The marginals ``N(theta*, diag(H^{-1}))`` of the full Laplace approximation at ``map_params``.
+
+    Raises:
+        ValueError: if the Hessian is not positive definite.
+    """
+    with jax.enable_x64(True):
+        h, unravel = _hessian64(loss, map_params)
+        try:
+            chol = np.linalg.cholesky(h)
+        except np.linalg.LinAlgError as err:
+            raise ValueError("laplace_marginals: the Hessian is not positive definite at map_params") from err
+        inv_chol = np.linalg.solve(chol, np.eye(h.shape[0]))
+        marginal = np.sum(np.square(inv_chol), axis=0)  # diag(L^-T L^-1)
+        return _to32(map_params), _to32(unravel(jnp.asarray(marginal)))
+
+
+class AffineLogits(NamedTuple):
+    """The logit difference of an affine two-class model: ``g = a @ theta_flat + c``.
+
+    Attributes:
+        a: ``[n, P]`` float64, the Jacobian of ``f_1 - f_0`` in the flat parameters.
+        c: ``[n]`` float64, the offset (``g`` at ``theta = 0``).
+        unravel: maps a flat ``[P]`` vector back to the parameter pytree.
+    """
+
+    a: np.ndarray
+    c: np.ndarray
+    unravel: Callable[[jax.Array], PyTree]
+
+
+def affine_logit_difference(apply_fn: Callable[[PyTree, jax.Array], jax.Array], params0: PyTree, x: Any) -> AffineLogits:
+    """Decomposes the logit difference of a two-class model affine in its parameters.
+
+    The Jacobian is taken at ``params0`` and at a second, deterministic point; the model is
+    accepted when the two agree and ``g(theta_2) = g(theta_1) + J (theta_2 - theta_1)``.
+
+    Raises:
+        ValueError: if the model does not give 2 logits per example or is not affine in its
+            parameters.
+    """
+    with jax.enable_x64(True):
+        flat0, unravel = ravel_pytree(_to64(params0))
+        x64 = jnp.asarray(np.asarray(x, np.float64))
+
+        def diff(z: jax.Array) -> jax.Array:
+            logits = apply_fn(unravel(z), x64)
+            if logits.ndim != 2 or logits.shape[1] != 2:
+                raise ValueError(f"reference: the model must give 2 logits per example (a 2-class model), got shape {logits.shape}")
+            return logits[:, 1] - logits[:, 0]
+
+        jac = jax.jit(jax.jacfwd(diff))
+        z1 = flat0
+        z2 = flat0 + jnp.asarray(np.random.default_rng(0).normal(size=flat0.shape))
+        a1, a2 = np.asarray(jac(z1)), np.asarray(jac(z2))
+        g1, g2 = np.asarray(diff(z1)), np.asarray(diff(z2))
+        scale = max(1.0, float(np.max(np.abs(a1))))
+        pred = g1 + a1 @ np.asarray(z2 - z1)
+        if not (np.allclose(a1, a2, atol=1e-9 * scale, rtol=1e-9) and np.allclose(pred, g2, atol=1e-8 * scale * max(1.0, float(np.max(np.abs(g2)))))):
+            raise ValueError("reference: the model is not affine in its parameters (exact mean-field VI needs a linear model such as logreg)")
+        c = g1 - a1 @ np.asarray(z1)
+        return AffineLogits(a=a1, c=c, unravel=unravel)
+
+
+def _hermite(num_nodes: int) -> tuple[jax.Array, jax.Array]:
+    t, w = np.polynomial.hermite.hermgauss(num_nodes)
+    # E_{z ~ N(0,1)}[h(z)] = sum_k w_k / sqrt(pi) h(sqrt(2) t_k); shaped [1, K] to broadcast over examples
+    return jnp.asarray(np.sqrt(2.0) * t)[None, :], jnp.asarray(w / np.sqrt(np.pi))[None, :]
+
+
+def _expected_log_sigmoid(mu: jax.Array, sd: jax.Array, nodes: int) -> jax.Array:
+    """``E[log sigmoid(g)]`` for ``g ~ N(mu, sd^2)``, elementwise, by Gauss-Hermite."""
+    t, w = _hermite(nodes)
+    return jnp.sum(w * jax.nn.log_sigmoid(mu[:, None] + sd[:, None] * t), axis=-1)
+
+
+def mean_field_elbo(
+    affine: AffineLogits, y: Any, prior_precision: float, mean: jax.Array, log_variance: jax.Array, nodes: int = GAUSS_HERMITE_NODES
+) -> jax.Array:
+    """The ELBO of ``q = N(mean, diag(exp(log_variance)))`` (flat vectors) for an affine 2-class model.
+
+    ``ELBO = sum_i E_q[log sigmoid(s_i g_i)] - KL(q || N(0, I / lambda))`` with ``s_i = 2 y_i - 1``
+    and ``g_i ~ N(a_i^T m + c_i, sum_j a_ij^2 v_j)`` under q; the expectation by Gauss-Hermite.
+    Call under ``jax.enable_x64`` for float64.
+    """
+    a, c = jnp.asarray(affine.a), jnp.asarray(affine.c)
+    sign = 2.0 * jnp.asarray(np.asarray(y), a.dtype) - 1.0
+    var = jnp.exp(log_variance)
+    mu = sign * (a @ mean + c)
+    sd = jnp.sqrt(jnp.square(a) @ var)
+    expected = jnp.sum(_expected_log_sigmoid(mu, sd, nodes))
+    lam = prior_precision
+    kl = 0.5 * jnp.sum(lam * var + lam * jnp.square(mean) - 1.0 - jnp.log(lam) - log_variance)
+    return expected - kl
+
+
+def mean_field_vi(
+    apply_fn: Callable[[PyTree, jax.Array], jax.Array],
+    params0: PyTree,
+    x: Any,
+    y: Any,
+    prior_precision: float,
+    *,
+    max_steps: int = 100,
+    tol: float = 1e-9,
+    nodes: int = GAUSS_HERMITE_NODES,
+) -> tuple[PyTree, PyTree]:
+    """The exact optimum of the mean-field Gaussian ELBO of an affine 2-class model.
+
+    Maximises :func:`mean_field_elbo` over the mean and the log-variance by damped Newton in
+    float64, started from the diagonal Laplace approximation at the MAP. ``params0`` fixes the
+    parameter structure and starts the MAP search.
+
+    Returns:
+        ``(mean, variance)`` float32 pytrees shaped like ``params0``.
+
+    Raises:
+        ValueError: for a model that is not affine in its parameters or not 2-class, or if the
+            optimisation does not converge.
+    """
+    affine = affine_logit_difference(apply_fn, params0, x)
+    loss = negative_log_joint(apply_fn, x, y, prior_precision)
+    with jax.enable_x64(True):
+        map64 = _map64(loss, params0, max_steps, tol)
+        h, unravel = _hessian64(loss, map64)
+        m0, _ = ravel_pytree(map64)
+        z0 = jnp.concatenate([m0, jnp.asarray(-np.log(np.diag(h)))])
+        p = m0.shape[0]
+        z = _newton(lambda z: -mean_field_elbo(affine, y, prior_precision, z[:p], z[p:], nodes), z0, max_steps, tol, "mean_field_vi")
+        return _to32(unravel(z[:p])), _to32(unravel(jnp.exp(z[p:])))
+
+
+class References(NamedTuple):
+    """The centralised references of one problem: each a ``(mean, variance)`` pair of pytrees,
+    except ``map`` (the MAP pytree)."""
+
+    map: PyTree
+    diag_laplace: tuple[PyTree, PyTree]
+    laplace_marginals: tuple[PyTree, PyTree]
+    mfvi: tuple[PyTree, PyTree]
+
+
+def references(apply_fn: Callable[[PyTree, jax.Array], jax.Array], params0: PyTree, x: Any, y: Any, prior_precision: float) -> References:
+    """MAP, diagonal Laplace, full-Laplace marginals and exact mean-field VI of one problem.
+
+    The Laplace approximations are taken at the float64 MAP (not its float32 rounding).
+    """
+    loss = negative_log_joint(apply_fn, x, y, prior_precision)
+    with jax.enable_x64(True):
+        map64 = _map64(loss, params0)
+        diag = diagonal_laplace(loss, map64)
+        marginals = laplace_marginals(loss, map64)
+    mfvi = mean_field_vi(apply_fn, params0, x, y, prior_precision)
+    return References(map=_to32(map64), diag_laplace=diag, laplace_marginals=marginals, mfvi=mfvi)
+
+
+def affine_predictive_metrics(
+    apply_fn: Callable[[PyTree, jax.Array], jax.Array],
+    mean: PyTree,
+    variance: PyTree | None,
+    x: Any,
+    y: Any,
+    *,
+    num_bins: int = 15,
+    nodes: int = GAUSS_HERMITE_NODES,
+) -> dict[str, float]:
+    """Exact accuracy, NLL and ECE of the predictive of ``N(mean, diag(variance))`` (affine 2-class).
+
+    ``p(y = 1 | x_i) = E_q[sigmoid(g_i)]`` with ``g_i ~ N(a_i^T m + c_i, sum_j a_ij^2 v_j)``, by
+    Gauss-Hermite quadrature in float64 (no Monte Carlo error); ``variance = None`` gives the point
+    predictive at ``mean``. The metrics are :func:`~fedbayes.evaluation.metrics.classification_metrics`'s
+    (ECE a fraction, ``num_bins`` equal-width bins).
+
+    Raises:
+        ValueError: for a model that is not affine in its parameters or not 2-class.
+    """
+    affine = affine_logit_difference(apply_fn, mean, x)
+    with jax.enable_x64(True):
+        m, _ = ravel_pytree(_to64(mean))
+        v = jnp.zeros_like(m) if variance is None else ravel_pytree(_to64(variance))[0]
+        a, c = jnp.asarray(affine.a), jnp.asarray(affine.c)
+        mu = a @ m + c
+        sd = jnp.sqrt(jnp.square(a) @ v)
+        t, w = _hermite(nodes)
+        g = mu[:, None] + sd[:, None] * t
+        log_w = jnp.log(w)
+        log_p1 = jax.scipy.special.logsumexp(log_w + jax.nn.log_sigmoid(g), axis=-1)
+        log_p0 = jax.scipy.special.logsumexp(log_w + jax.nn.log_sigmoid(-g), axis=-1)
+        log_probs = jnp.stack([log_p0, log_p1], axis=-1)
+        out = classification_metrics(log_probs, jnp.asarray(np.asarray(y, np.int64)), num_bins=num_bins)
+        return {k: float(out[k]) for k in ("accuracy", "nll", "ece")}

@@ -1,0 +1,204 @@
+"""Centralised references (fedbayes.evaluation.reference) and posterior distances
+(fedbayes.evaluation.distances), each checked against an independent computation: a closed-form
+Hessian of the softmax likelihood, scipy's optimiser, a Monte Carlo ELBO through the model itself."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+from jax.flatten_util import ravel_pytree
+
+from fedbayes.evaluation.distances import flat64, kl_diag, relative_l2, variance_ratio
+from fedbayes.evaluation.metrics import classification_metrics
+from fedbayes.evaluation.reference import (
+    affine_logit_difference,
+    affine_predictive_metrics,
+    diagonal_laplace,
+    laplace_marginals,
+    map_estimate,
+    mean_field_elbo,
+    mean_field_vi,
+    negative_log_joint,
+    references,
+)
+from fedbayes.models import init_params, make_model
+
+LAMBDA = 0.7
+
+
+def _problem(n=40, d=3, classes=2, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    w = rng.normal(size=(d,))
+    y = (x @ w + 0.8 * rng.normal(size=n) > 0).astype(np.int32) if classes == 2 else rng.integers(0, classes, n).astype(np.int32)
+    model = make_model("logreg", classes)
+    params0 = init_params(model, jax.random.key(1), (d,))
+    return model, (lambda p, xs: model.apply({"params": p}, xs)), params0, x, y
+
+
+def _closed_form_hessian(params, x, y):
+    """The exact Hessian of the softmax log joint of ``logits = x W + b`` in the flat order of
+    ravel_pytree ({bias [C], kernel [d, C]} row-major), from sum_i (diag p_i - p_i p_i^T) (x) [1, x_i]."""
+    w = np.asarray(params["dense"]["kernel"], np.float64)
+    b = np.asarray(params["dense"]["bias"], np.float64)
+    x = np.asarray(x, np.float64)
+    logits = x @ w + b
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    c = w.shape[1]
+    n_params = c + w.size
+    h = np.zeros((n_params, n_params))
+    for xi, pi in zip(x, p, strict=True):
+        s = np.diag(pi) - np.outer(pi, pi)
+        # d logits_c / d theta: bias block then kernel rows (feature j, class c) -> index c + j*C + c'
+        jac = np.zeros((c, n_params))
+        jac[:, :c] = np.eye(c)
+        for j, xj in enumerate(xi):
+            jac[:, c + j * c : c + (j + 1) * c] = xj * np.eye(c)
+        h += jac.T @ s @ jac
+    return h + LAMBDA * np.eye(n_params)
+
+
+def test_map_matches_scipy_and_zeroes_the_gradient():
+    _, apply_fn, params0, x, y = _problem()
+    loss = negative_log_joint(apply_fn, x, y, LAMBDA)
+    theta = map_estimate(loss, params0)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(theta))
+    assert jax.tree.structure(theta) == jax.tree.structure(params0)
+    with jax.enable_x64(True):
+        flat0, unravel = ravel_pytree(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params0))
+        f = jax.jit(lambda z: loss(unravel(z)))
+        g = jax.jit(jax.grad(lambda z: loss(unravel(z))))
+        grad = np.asarray(g(jnp.asarray(flat64(theta))))
+        ref = scipy.optimize.minimize(
+            lambda z: float(f(jnp.asarray(z))), np.asarray(flat0), jac=lambda z: np.asarray(g(jnp.asarray(z))), method="BFGS", options={"gtol": 1e-10}
+        )
+    # float32 rounding of the MAP leaves a gradient of order |H| * 1e-7
+    assert np.max(np.abs(grad)) < 1e-4
+    np.testing.assert_allclose(flat64(theta), ref.x, rtol=1e-5, atol=1e-6)
+
+
+def test_map_raises_when_newton_cannot_converge():
+    _, apply_fn, params0, x, y = _problem()
+    loss = negative_log_joint(apply_fn, x, y, LAMBDA)
+    with pytest.raises(ValueError, match="did not converge"):
+        map_estimate(loss, params0, max_steps=1)
+
+
+def test_negative_log_joint_rejects_bad_input():
+    _, apply_fn, _, x, y = _problem()
+    with pytest.raises(ValueError, match="prior_precision"):
+        negative_log_joint(apply_fn, x, y, 0.0)
+    with pytest.raises(ValueError, match="same length"):
+        negative_log_joint(apply_fn, x, y[:-1], 1.0)
+
+
+@pytest.mark.parametrize("classes", [2, 3])
+def test_laplace_variances_match_the_closed_form_hessian(classes):
+    _, apply_fn, params0, x, y = _problem(classes=classes)
+    loss = negative_log_joint(apply_fn, x, y, LAMBDA)
+    theta = map_estimate(loss, params0)
+    h = _closed_form_hessian(theta, x, y)
+    mean, var = diagonal_laplace(loss, theta)
+    np.testing.assert_array_equal(flat64(mean), flat64(theta))
+    np.testing.assert_allclose(flat64(var), 1.0 / np.diag(h), rtol=1e-5)
+    _, marginal = laplace_marginals(loss, theta)
+    np.testing.assert_allclose(flat64(marginal), np.diag(np.linalg.inv(h)), rtol=1e-5)
+    # the diagonal-precision approximation is never wider than the true marginal
+    assert np.all(flat64(var) <= flat64(marginal) * (1 + 1e-6))
+
+
+def _mc_elbo(apply_fn, mean, var, x, y, key, num=10000):
+    """ELBO by Monte Carlo through the model itself (no affine decomposition, no quadrature)."""
+    m, unravel = ravel_pytree(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), mean))
+    v = jnp.asarray(flat64(var))
+    z = m[None, :] + jnp.sqrt(v)[None, :] * jax.random.normal(key, (num, m.shape[0]), jnp.float64)
+    xs = jnp.asarray(x, jnp.float64)
+
+    def loglik(theta):
+        logits = apply_fn(unravel(theta), xs)
+        return jnp.sum(jax.nn.log_softmax(logits)[jnp.arange(xs.shape[0]), jnp.asarray(y)])
+
+    values = np.asarray(jax.lax.map(loglik, z, batch_size=1000))
+    mn, vn = np.asarray(m), np.asarray(v)
+    kl = 0.5 * np.sum(LAMBDA * vn + LAMBDA * np.square(mn) - 1 - np.log(LAMBDA) - np.log(vn))
+    return float(values.mean() - kl), float(values.std() / np.sqrt(num))
+
+
+def test_mean_field_vi_is_the_elbo_optimum():
+    _, apply_fn, params0, x, y = _problem()
+    mean, var = mean_field_vi(apply_fn, params0, x, y, LAMBDA)
+    assert jax.tree.structure(var) == jax.tree.structure(params0)
+    affine = affine_logit_difference(apply_fn, params0, x)
+    with jax.enable_x64(True):
+        z = jnp.asarray(np.concatenate([flat64(mean), np.log(flat64(var))]))
+        p = z.shape[0] // 2
+
+        def elbo(z):
+            return mean_field_elbo(affine, y, LAMBDA, z[:p], z[p:])
+
+        grad = np.asarray(jax.grad(elbo)(z))
+        best = float(elbo(z))
+        rng = np.random.default_rng(0)
+        for _ in range(5):
+            assert float(elbo(z + jnp.asarray(0.05 * rng.normal(size=z.shape)))) < best
+        mc, stderr = _mc_elbo(apply_fn, mean, var, x, y, jax.random.key(3))
+    assert np.max(np.abs(grad)) < 1e-4
+    assert abs(mc - best) < 5 * stderr + 1e-6
+
+
+def test_mean_field_vi_variances_lie_between_the_diagonal_laplace_and_the_prior():
+    # For a logistic likelihood the MFVI precision is the prior plus the *expected* curvature,
+    # so on a well-determined problem it is close to the diagonal Laplace's.
+    _, apply_fn, params0, x, y = _problem(n=400)
+    refs = references(apply_fn, params0, x, y, LAMBDA)
+    median, low, high = variance_ratio(refs.mfvi[1], refs.diag_laplace[1])
+    assert 0.8 < median < 1.5 and high < 1 / LAMBDA / np.min(flat64(refs.diag_laplace[1]))
+    assert relative_l2(refs.mfvi[0], refs.map) < 0.1
+    assert relative_l2(refs.diag_laplace[0], refs.map) == 0.0
+
+
+def test_references_reject_a_model_that_is_not_affine_or_not_binary():
+    _, apply3, params3, x, y3 = _problem(classes=3)
+    with pytest.raises(ValueError, match="2 logits"):
+        mean_field_vi(apply3, params3, x, y3, LAMBDA)
+    mlp = make_model("mlp", 2, hidden=[4])
+    params = init_params(mlp, jax.random.key(0), (3,))
+    _, _, _, x, y = _problem()
+    with pytest.raises(ValueError, match="not affine"):
+        mean_field_vi(lambda p, xs: mlp.apply({"params": p}, xs), params, x, y, LAMBDA)
+
+
+def test_affine_predictive_metrics():
+    _, apply_fn, params0, x, y = _problem()
+    theta = map_estimate(negative_log_joint(apply_fn, x, y, LAMBDA), params0)
+    point = affine_predictive_metrics(apply_fn, theta, None, x, y)
+    direct = classification_metrics(apply_fn(theta, jnp.asarray(x)), jnp.asarray(y))
+    for k in ("accuracy", "nll", "ece"):
+        assert point[k] == pytest.approx(float(direct[k]), rel=1e-5, abs=1e-6)
+    # with a variance: the predictive probability against Monte Carlo through the model
+    var = jax.tree.map(lambda a: jnp.full_like(a, 0.3), theta)
+    exact = affine_predictive_metrics(apply_fn, theta, var, x, y)
+    m, unravel = ravel_pytree(theta)
+    draws = m[None, :] + jnp.sqrt(0.3) * jax.random.normal(jax.random.key(0), (20000, m.shape[0]))
+    probs = jnp.mean(jax.vmap(lambda t: jax.nn.softmax(apply_fn(unravel(t), jnp.asarray(x))))(draws), axis=0)
+    mc_nll = float(-jnp.mean(jnp.log(probs[jnp.arange(len(y)), y])))
+    assert exact["nll"] == pytest.approx(mc_nll, rel=5e-3)
+    assert exact["nll"] > point["nll"] - 1.0  # finite and of the same order
+
+
+def test_distances():
+    a = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([2.0])}
+    b = {"w": jnp.array([1.0, 2.0]), "b": jnp.array([0.0])}
+    assert relative_l2(a, a) == 0.0
+    assert relative_l2(a, b) == pytest.approx(2.0 / np.sqrt(5.0))
+    assert variance_ratio(a, {"w": jnp.array([1.0, 1.0]), "b": jnp.array([4.0])}) == (1.0, 0.5, 2.0)
+    mp, vp, mq, vq = np.array([0.3, -1.0]), np.array([0.5, 2.0]), np.array([0.0, 1.0]), np.array([1.0, 0.25])
+    expected = sum(np.log(np.sqrt(vq[i]) / np.sqrt(vp[i])) + (vp[i] + (mp[i] - mq[i]) ** 2) / (2 * vq[i]) - 0.5 for i in range(2))
+    assert kl_diag(mp, vp, mq, vq) == pytest.approx(expected)
+    assert kl_diag(mp, vp, mp, vp) == 0.0
+    with pytest.raises(ValueError, match="structure"):
+        relative_l2(a, {"w": jnp.array([1.0, 2.0, 3.0])})
+    with pytest.raises(ValueError, match="> 0"):
+        kl_diag(mp, np.zeros(2), mq, vq)
