@@ -93,7 +93,7 @@ class TiltedSettings(HParams):
         1.0,
         gt=0,
         description="c, the local-precision scale; 1 (default) puts the sites at the likelihood's scale, so laplace/ngvi give a posterior; "
-        "the paper's 500 (preset = 'paper') gives variances ~500x too small",
+        "the paper's 500 (preset = 'paper') gives variances ~600x too small",
     )
     weight_decay: float = Field(
         0.0, ge=0, description="lambda_wd: weight decay as an extra prior of precision lambda_wd n_k per client (0 by default: the prior is prior_precision)"

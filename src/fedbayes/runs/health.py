@@ -11,9 +11,9 @@ too wide for the data).
 * **Fixed point**: :class:`FixedPointCheck` follows the server posterior (mean and variance; the
   server parameters of a point method) round by round, gives each evaluation record the last
   round's relative change (``posterior_change``), and warns at the end of a run whose last
-  :data:`FIXED_POINT_WINDOW` rounds still moved it by more than :data:`FIXED_POINT_MEAN_TOL`
-  (mean) or :data:`FIXED_POINT_VAR_TOL` (the variances' mean log ratio): the run stopped before
-  its fixed point.
+  :data:`FIXED_POINT_WINDOW` rounds still drift, beyond their round-to-round jitter, by more than
+  :data:`FIXED_POINT_MEAN_TOL` (mean) or :data:`FIXED_POINT_VAR_TOL` (the variances' mean log):
+  the run stopped before its fixed point.
 
 The per-method advice (which knob to turn) is read from the method in :func:`divergence_hint`,
 :func:`calibration_advice` and :func:`calibration_after_round`.
@@ -35,6 +35,7 @@ __all__ = [
     "CALIBRATION_GAP",
     "DIVERGENCE_METRICS",
     "FIXED_POINT_MEAN_TOL",
+    "FIXED_POINT_SIGNIFICANCE",
     "FIXED_POINT_VAR_TOL",
     "FIXED_POINT_WINDOW",
     "CalibrationCheck",
@@ -151,9 +152,10 @@ def make_calibration_check(config: RunConfig) -> CalibrationCheck:
 
 # ----- fixed point -------------------------------------------------------------------------------
 
-FIXED_POINT_WINDOW = 10  # rounds over which the end of a run is judged
-FIXED_POINT_MEAN_TOL = 0.01  # relative L2 change of the mean over the window
-FIXED_POINT_VAR_TOL = 0.05  # |mean change of log variance| over the window
+FIXED_POINT_WINDOW = 10  # rounds over which the end of a run is judged (two halves)
+FIXED_POINT_MEAN_TOL = 0.01  # relative L2 drift of the mean between the window's halves
+FIXED_POINT_VAR_TOL = 0.05  # drift of the variances' mean log between the window's halves
+FIXED_POINT_SIGNIFICANCE = 3.0  # a drift counts only when this many times its noise level
 
 
 def posterior_snapshot(algorithm, server_state, params) -> tuple[np.ndarray, np.ndarray | None]:
@@ -171,68 +173,83 @@ def _flat(tree) -> np.ndarray:
     return np.concatenate(leaves) if leaves else np.zeros(0)
 
 
-def relative_change(new: tuple, old: tuple) -> tuple[float, float | None]:
-    """``(||m - m'|| / ||m||, |mean(log v - log v')|)`` between two snapshots: the mean's relative
-    L2 change and the variances' systematic change (coordinates with both variances positive;
-    ``None`` without variances). The variances' mean log ratio, not its RMS: sampled curvature
-    (a Fisher from sampled labels) makes single variances jitter round to round at the fixed point,
-    while a run on its way moves them together."""
-    (m, v), (m0, v0) = new, old
-    dm = float(np.linalg.norm(m - m0) / max(np.linalg.norm(m), 1e-12))
-    if v is None or v0 is None:
-        return dm, None
-    ok = (v > 0) & (v0 > 0) & np.isfinite(v) & np.isfinite(v0)
-    dv = float(abs(np.mean(np.log(v[ok]) - np.log(v0[ok])))) if ok.any() else 0.0
-    return dm, dv
+def _mean_log(v: np.ndarray | None) -> float | None:
+    if v is None:
+        return None
+    ok = (v > 0) & np.isfinite(v)
+    return float(np.mean(np.log(v[ok]))) if ok.any() else 0.0
 
 
 class FixedPointCheck:
     """Whether a run ended at its fixed point, judged from the server posterior's last rounds.
 
-    Every round :meth:`observe` takes the posterior after it (:func:`posterior_snapshot`), keeps the
-    previous round's (for ``posterior_change``, the relative change of the mean in one round, and
-    ``posterior_var_change``, the mean change of log variance) and the one of round
-    ``rounds - window``. :meth:`finish` compares the final posterior with that one: a mean that
-    still moved by more than :data:`FIXED_POINT_MEAN_TOL` (relative L2), or variances by more than
-    :data:`FIXED_POINT_VAR_TOL` (mean log ratio), over the last ``window`` rounds gives one
-    warning that says how far and what to change. A run shorter than ``2 * window`` rounds, or
-    resumed inside the window, is not judged.
+    Every round :meth:`observe` takes the posterior after it (:func:`posterior_snapshot`) and gives
+    ``change`` for the round's metric record: ``posterior_change``, the relative L2 change of the
+    mean in the round, and ``posterior_var_change``, the change of the variances' mean log.
+
+    :meth:`finish` judges the last ``window`` rounds, split in two halves. A run at its fixed
+    point only jitters there (stochastic local steps, sampled curvature), a run on its way drifts.
+    So the drift is the change between the halves' averages, and it counts only when it is at
+    least :data:`FIXED_POINT_SIGNIFICANCE` times what the round-to-round jitter alone would give
+    (for independent jitter, ``E||avg_2 - avg_1||^2 = E||per-round change||^2 / h``, ``h`` rounds
+    a half; a steady drift gives ``h^1.5`` times that level). A mean drift above
+    :data:`FIXED_POINT_MEAN_TOL` (relative L2) or a drift of the variances' mean log above
+    :data:`FIXED_POINT_VAR_TOL` gives one warning that says how far and what to change. A run
+    shorter than ``2 * window`` rounds, or resumed inside the window, is not judged.
     """
 
     def __init__(self, name: str, rounds: int, window: int = FIXED_POINT_WINDOW):
         self.name, self.rounds, self.window = name, rounds, window
+        self.half = window // 2
         self.previous: tuple | None = None
-        self.anchor: tuple | None = None  # the posterior after round rounds - window
-        self.last: tuple | None = None
         self.change: dict = {}
         self.message: str | None = None
+        self.start = rounds - 2 * self.half  # the window is rounds start + 1 .. rounds
+        self.sums: list = [None, None]  # per half: [sum of means, sum of mean log variances, count]
+        self.jitter: list = []  # per round in the window: (||mean change||^2, mean-log-variance change^2)
 
     def observe(self, round_idx: int, snapshot: tuple) -> None:
         """Takes the posterior after round ``round_idx`` (the resumed state's too, as a start)."""
+        mean, var = snapshot
+        level = _mean_log(var)
         if self.previous is not None:
-            dm, dv = relative_change(snapshot, self.previous)
-            self.change = {"posterior_change": dm} if dv is None else {"posterior_change": dm, "posterior_var_change": dv}
-        if round_idx == self.rounds - self.window:
-            self.anchor = snapshot
-        self.previous = self.last = snapshot
+            m0, level0 = self.previous
+            dm = float(np.linalg.norm(mean - m0) / max(np.linalg.norm(mean), 1e-12))
+            self.change = {"posterior_change": dm} if level is None else {"posterior_change": dm, "posterior_var_change": abs(level - level0)}
+            if round_idx > self.start + 1:
+                self.jitter.append((float(np.sum(np.square(mean - m0))), 0.0 if level is None else (level - level0) ** 2))
+        if self.start < round_idx <= self.rounds and (round_idx == self.start + 1 or self.sums[0] is not None):
+            h = 0 if round_idx <= self.start + self.half else 1
+            if self.sums[h] is None:
+                self.sums[h] = [np.zeros_like(mean), 0.0, 0]
+            self.sums[h][0] = self.sums[h][0] + mean
+            self.sums[h][1] += 0.0 if level is None else level
+            self.sums[h][2] += 1
+        self.previous = (mean, level)
 
     def finish(self) -> str | None:
-        """The warning (also returned) when the last ``window`` rounds moved the posterior too much."""
-        if self.anchor is None or self.last is None or self.rounds < 2 * self.window:
+        """The warning (also returned) when the last ``window`` rounds drift beyond their jitter."""
+        if self.rounds < 2 * self.window or self.half < 1 or any(x is None or x[2] != self.half for x in self.sums) or not self.jitter:
             return None
-        dm, dv = relative_change(self.last, self.anchor)
+        (a, la, _), (b, lb, _) = self.sums
+        a, b, la, lb = a / self.half, b / self.half, la / self.half, lb / self.half
+        jm, jv = (np.mean([j[k] for j in self.jitter]) for k in (0, 1))
+        drift_m = float(np.linalg.norm(b - a))
+        rel_m = drift_m / max(float(np.linalg.norm(b)), 1e-12)
+        has_var = self.previous is not None and self.previous[1] is not None
         moved = []
-        if dm > FIXED_POINT_MEAN_TOL:
-            moved.append(f"mean by {100 * dm:.1f}% (relative L2)")
-        if dv is not None and dv > FIXED_POINT_VAR_TOL:
-            moved.append(f"variances by {100 * dv:.1f}% (mean log ratio)")
+        if rel_m > FIXED_POINT_MEAN_TOL and drift_m > FIXED_POINT_SIGNIFICANCE * np.sqrt(jm / self.half):
+            moved.append(f"mean by {100 * rel_m:.1f}% (relative L2)")
+        drift_v = abs(lb - la)
+        if has_var and drift_v > FIXED_POINT_VAR_TOL and drift_v > FIXED_POINT_SIGNIFICANCE * np.sqrt(jv / self.half):
+            moved.append(f"variances by {100 * drift_v:.1f}% (mean log ratio)")
         if not moved:
             return None
-        what = "posterior" if dv is not None else "model"
+        what = "posterior" if has_var else "model"
         self.message = (
-            f"{self.name}: the run ended before its fixed point: the last {self.window} rounds moved the server {what}'s "
-            f"{' and '.join(moved)} (tolerance {100 * FIXED_POINT_MEAN_TOL:.0f}% and {100 * FIXED_POINT_VAR_TOL:.0f}%); "
-            "its result is not yet the method's answer: run more rounds (rounds), or converge faster "
+            f"{self.name}: the run ended before its fixed point: over the last {self.window} rounds the server {what}'s "
+            f"{' and '.join(moved)} still drifted, beyond its round-to-round jitter (tolerance {100 * FIXED_POINT_MEAN_TOL:.0f}% and "
+            f"{100 * FIXED_POINT_VAR_TOL:.0f}%); its result is not yet the method's answer: run more rounds (rounds), or converge faster "
             "with a larger damping or more local steps (client.epochs, client.lr); metrics.jsonl's posterior_change shows the trend"
         )
         return self.message
