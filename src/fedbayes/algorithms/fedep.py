@@ -386,7 +386,9 @@ class EPConfig(TiltedSettings):
     """Settings shared by FedEP and FedSEP (docs/algorithms.md §7; Guo et al. 2023 (FedEP) Table 7): the client method's
     (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones.
 
-    Two presets fill the fields a config leaves unset. ``"posterior"`` (the default): the laplace
+    Two presets fill the fields a config leaves unset; without a ``preset``, a config that asks for
+    the identity or mcmc method gets ``"paper"`` (their variance is a hyperparameter, not the
+    data's: the paper's heuristics are what they are), any other ``"posterior"``. ``"posterior"`` (the default): the laplace
     method with sites at the likelihood's scale (``scale = 1``, no Fisher clipping, bias-corrected
     NGVI), the prior ``N(0, 1 / prior_precision)`` (``prior_precision = 1``, ``weight_decay = 0``)
     and damping ``0.5``: the laplace and ngvi methods then reach the diagonal Laplace at the MAP
@@ -399,7 +401,8 @@ class EPConfig(TiltedSettings):
     preset: Literal[PRESETS] = Field(  # type: ignore[valid-type]
         "posterior",
         description="defaults of the unset fields: posterior (laplace, scale 1, clip 0, prior N(0, 1/prior_precision), damping 0.5: "
-        "the family's posterior) or paper (Guo et al.'s heuristics: identity, scale 500, clip 2, weight_decay 1e-4, damping 1/M)",
+        "the family's posterior) or paper (Guo et al.'s heuristics: identity, scale 500, clip 2, weight_decay 1e-4, damping 1/M); "
+        "unset, paper for method identity or mcmc (their variance is a hyperparameter), posterior otherwise",
     )
     method: Literal[METHODS] = Field(  # type: ignore[valid-type]
         "laplace",
@@ -424,7 +427,13 @@ class EPConfig(TiltedSettings):
     @model_validator(mode="before")
     @classmethod
     def _fill_preset(cls, data):
-        if isinstance(data, dict) and data.get("preset") == "paper":
+        if not isinstance(data, dict):
+            return data
+        preset = data.get("preset")
+        if preset is None:  # the identity and mcmc methods are the paper's heuristics: their preset by default
+            preset = "paper" if data.get("method") in ("identity", "mcmc") else "posterior"
+            data = {**data, "preset": preset}
+        if preset == "paper":
             data = {**PAPER_SETTINGS, **data}
         return data
 
