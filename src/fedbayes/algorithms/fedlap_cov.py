@@ -270,7 +270,7 @@ class FedLapCovConfig(HParams):
         gt=0,
         le=1,
         description="site damping rho; default 0.5: reaches the diagonal Laplace in ~100-200 rounds where the paper's 1 / num_clients "
-        "takes ~10x longer (docs/results/posterior_defaults.md); use a plain SGD client: Adam's local optimum is biased",
+        "takes ~5x longer (docs/results/posterior_defaults.md); use a plain SGD client: Adam's local optimum is biased",
     )
     init_precision: Literal[INIT_PRECISIONS] = Field(  # type: ignore[valid-type]
         "delta", description="S_g the clients use in round 1: delta (PVI's) or zero (the authors' code)"
