@@ -169,3 +169,19 @@ def test_a_run_stopped_early_warns_in_its_summary(tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("warning: early:")
     records = [json.loads(line) for line in (tmp_path / "early" / "metrics.jsonl").read_text().splitlines()]
     assert "posterior_change" not in records[0] and all(r["posterior_change"] >= 0 and "posterior_var_change" in r for r in records[1:])
+
+
+def test_ngvi_bias_correction_reaches_the_fisher(setup):
+    """One undamped round from the prior: the bias-corrected NGVI precision is the Fisher's size
+    (the laplace method's); the paper's uncorrected average over a client's 7 minibatches keeps
+    ``1 - 0.99^7``, about 7% of it."""
+
+    def site_precisions(extra):
+        _, var, _ = _run(setup, {"name": "fedep", "damping": 1.0, "laplace_epochs": 1, "ngvi_epochs": 1, **extra}, 1)
+        return 1.0 / var - PRIOR  # q_g = p_0 prod_k q_k: the sum of the sites' precisions
+
+    laplace = site_precisions({})
+    corrected = np.median(site_precisions({"method": "ngvi"}) / laplace)
+    uncorrected = np.median(site_precisions({"method": "ngvi", "ngvi_bias_correction": False}) / laplace)
+    assert 0.5 < corrected < 2.0, corrected
+    assert uncorrected < 0.15, uncorrected

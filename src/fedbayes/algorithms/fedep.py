@@ -220,9 +220,12 @@ def _ep_algorithm(
                     # the site's share of q_g / p_0: the prior stays one factor of q_g, not K sites' shares.
                     # exact_late_sites: the share of the EP start's q_g, the factor q_g has held for this
                     # client since then, so q_g = p_0 prod_k q_k stays exact for a client first sampled late.
-                    base = ep_start(message.anchor)[0] if exact_late_sites else q
-                    site = gaussian.power(gaussian.quotient(base, prior), share)
-                    return site, gaussian.quotient(q, site)
+                    if exact_late_sites:
+                        site = gaussian.power(gaussian.quotient(ep_start(message.anchor)[0], prior), share)
+                        return site, gaussian.quotient(q, site)
+                    # p_0 (q_g / p_0)^rest: without a prior, bitwise the power q_g^rest of the paper's code
+                    likelihoods = gaussian.quotient(q, prior)
+                    return gaussian.power(likelihoods, share), gaussian.product(prior, gaussian.power(likelihoods, rest))
 
                 # lax.cond, not a select: a client run on its own (the sequential layout) computes
                 # only the branch it takes; under vmap this is a select again.
