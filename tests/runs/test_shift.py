@@ -28,9 +28,8 @@ name = "logreg"
 clients_per_round = 2
 [variants.fedavg.algorithm]
 name = "fedavg"
-[variants.fedep]
-algorithm = {{ name = "fedep", method = "laplace", burn_in_rounds = 0 }}
-evaluation = {{ marginal_samples = 2 }}
+[variants.fedprox]
+algorithm = {{ name = "fedprox", mu = 0.1 }}
 {shift}
 """
 
@@ -44,17 +43,32 @@ def test_compare_with_shift_writes_the_table_and_the_plot(tmp_path):
     assert "shift table:" in res.output and (out / "shift.png").stat().st_size > 0
     body = json.loads((out / "shift.json").read_text())
     assert list(body["shifts"]) == ["contrast"] and body["shifts"]["contrast"]["intensities"] == [1.0, 0.4, 0.3, 0.2, 0.1, 0.05]
-    for name in ("fedavg", "fedep"):
+    for name in ("fedavg", "fedprox"):
         recs = body["methods"][name]["records"]
         assert [r["level"] for r in recs] == list(range(6))
         # level 0 is the clean test set through the run's own evaluator: its last row of metrics.jsonl
         last = read_metrics(out / name / "metrics.jsonl")[-1]
         assert all(recs[0][k] == pytest.approx(last[k], abs=1e-6) for k in rs.METRICS if k in last)
-    assert "accuracy_marg" in body["methods"]["fedep"]["records"][3] and "accuracy_marg" not in body["methods"]["fedavg"]["records"][3]
     md = (out / "shift.md").read_text()
-    assert "| fedep marg. |" in md and "**contrast** (contrast factor)" in md
+    assert "| fedprox | 0." in md and "**contrast** (contrast factor)" in md
     # comparison.toml keeps the shifts, so `fedbayes resume OUT` evaluates them again
     assert cmp.file_shift([out / "comparison.toml"]) == ("contrast",)
+
+
+def test_a_posterior_gets_its_marginalised_metrics_under_shift(tmp_path):
+    p = tmp_path / "fedep.toml"
+    p.write_text(
+        TINY.format(dataset="digits", shift="").split("[variants")[0].replace("[base.", "[").replace("[base]\n", 'name = "fedep"\n')
+        + '[algorithm]\nname = "fedep"\nmethod = "laplace"\nburn_in_rounds = 0\n[evaluation]\nmarginal_samples = 2\n'
+    )
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["run", str(p), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    (recs,) = rs.evaluate_runs([out], kinds=("noise",), levels=(0, 5))
+    last = read_metrics(out / "metrics.jsonl")[-1]
+    assert [r["level"] for r in recs] == [0, 5] and set(rs.METRICS) <= set(recs[0])
+    assert all(recs[0][k] == pytest.approx(last[k], abs=1e-6) for k in rs.METRICS)  # the run's own evaluator, its key
+    assert recs[1]["nll_marg"] != recs[0]["nll_marg"]
 
 
 def test_shift_on_data_without_images_is_one_line_before_any_run(tmp_path):

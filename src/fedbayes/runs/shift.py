@@ -121,11 +121,12 @@ def evaluate_runs(
     run_dirs: Sequence[Path],
     *,
     kinds: Sequence[str] = shifts.SHIFTS,
+    levels: Sequence[int] | None = None,
     say: Callable[[str], None] = lambda s: None,
 ) -> list[list[dict]]:
     """Each run folder's records under shift, in the order given: one record per (shift, level)
     with ``shift``, ``level``, ``intensity`` and the metrics. Each shifted test set is made once
-    and serves every run on that dataset.
+    and serves every run on that dataset. ``levels``: only these levels of each shift (default all).
 
     Raises:
       ConfigError: a run's dataset holds no images (:func:`check_configs`).
@@ -144,7 +145,7 @@ def evaluate_runs(
             say(
                 f"== shift {kind}: levels {', '.join(_fmt(shifts.intensity(kind, lv)) for lv in shifts.levels(kind))} ({shifts.UNITS[kind]}), {len(runs)} run(s)"
             )
-            for level in shifts.levels(kind):
+            for level in shifts.levels(kind) if levels is None else levels:
                 x = shifts.shift_images(dataset.x_test, kind, level, seed=NOISE_SEED, name=dataset.name)
                 shifted = dataclasses.replace(dataset, x_test=x)
                 for i, run in runs.items():
