@@ -98,7 +98,7 @@ def plot_shift(path: str | Path, body: Mapping, *, title: str = "") -> Path:
     """The shift table as a grid: one column of panels per shift, one row per metric (accuracy,
     NLL, ECE); each method's metric against the shift's intensity, in its own colour and line
     style, and its marginalised predictive (a method with a posterior) in the same colour,
-    thinner, with square markers. ``body`` is ``shift.json``'s content (:func:`fedbayes.runs.shift.shift_body`)."""
+    thinner, with square markers. NLL is drawn on a log scale when it spans more than a factor 10. ``body`` is ``shift.json``'s content (:func:`fedbayes.runs.shift.shift_body`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,7 +126,8 @@ def plot_shift(path: str | Path, body: Mapping, *, title: str = "") -> Path:
                         handles.append(line)
                         labels.append(text)
             ax.set_xticks(range(len(spec["intensities"])), [f"{v:g}" for v in spec["intensities"]], fontsize=7)
-            if metric == "nll":
+            low, high = ax.get_ylim()
+            if metric == "nll" and low > 0 and high / low > 10:  # a broken predictive's NLL would flatten the others
                 ax.set_yscale("log")
             if row == len(_SHIFT_METRICS) - 1:
                 ax.set_xlabel(f"{kind}: {spec['unit']}")
