@@ -126,8 +126,8 @@ def plot_shift(path: str | Path, body: Mapping, *, title: str = "") -> Path:
                         handles.append(line)
                         labels.append(text)
             ax.set_xticks(range(len(spec["intensities"])), [f"{v:g}" for v in spec["intensities"]], fontsize=7)
-            low, high = ax.get_ylim()
-            if metric == "nll" and low > 0 and high / low > 10:  # a broken predictive's NLL would flatten the others
+            values = [y for line in ax.get_lines() for y in line.get_ydata()]
+            if metric == "nll" and values and min(values) > 0 and max(values) / min(values) > 10:  # a broken predictive's NLL would flatten the others
                 ax.set_yscale("log")
             if row == len(_SHIFT_METRICS) - 1:
                 ax.set_xlabel(f"{kind}: {spec['unit']}")
