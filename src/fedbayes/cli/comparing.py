@@ -53,6 +53,13 @@ def compare(
     json_: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object (progress goes to stderr)")] = False,
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help=SEEDS_HELP)] = None,
+    shift: Annotated[
+        bool,
+        typer.Option(
+            "--shift",
+            help="then evaluate every run under dataset shift (rotation, noise, blur, contrast; a \\[shift] table's kinds = [...] picks some): OUT/shift.md, shift.json, shift.png",
+        ),
+    ] = False,
 ):
     """Run several methods or configs and print one table and one overlaid plot.
 
@@ -70,7 +77,14 @@ def compare(
     datasets = sorted({c.data.dataset for c in runs.values()})
     title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
     reference = _or_fail(lambda: cmp.file_reference(configs, list(runs)))
-    _run_comparison(ctx, runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list, reference=reference)
+    kinds = _or_fail(lambda: cmp.file_shift(configs))
+    if shift and kinds is None:
+        from fedbayes.data.shift import SHIFTS
+
+        kinds = SHIFTS
+    _run_comparison(
+        ctx, runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list, reference=reference, shift=kinds
+    )
 
 
 def resume_comparison(ctx: CommandContext, out: Path, logs=None) -> None:
@@ -81,7 +95,8 @@ def resume_comparison(ctx: CommandContext, out: Path, logs=None) -> None:
     runs = _or_fail(lambda: cmp.load_comparison(files, []))
     seeds = _or_fail(lambda: cmp.file_seeds(files))
     reference = _or_fail(lambda: cmp.file_reference(files, list(runs)))
-    _run_comparison(ctx, runs, out, resume=True, logs=logs, seeds=seeds, reference=reference)
+    kinds = _or_fail(lambda: cmp.file_shift(files))
+    _run_comparison(ctx, runs, out, resume=True, logs=logs, seeds=seeds, reference=reference, shift=kinds)
 
 
 def _run_comparison(
@@ -96,6 +111,7 @@ def _run_comparison(
     threshold: float = 0.8,
     seeds: list[int] | None = None,
     reference=None,
+    shift=None,
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import compare as cmp
@@ -114,7 +130,7 @@ def _run_comparison(
         return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True)
 
     try:
-        result = cmp.run_comparison(runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say)
+        result = cmp.run_comparison(runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift)
     except DatasetNotFoundError as exc:
         fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
@@ -125,6 +141,8 @@ def _run_comparison(
         print_table(result.summaries, threshold, result.curves, title=result.title)
         _print_reference(result.summaries, result.curves, reference)
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False)
+    if result.shift is not None:
+        say(f"shift table: {result.shift.markdown}  {result.shift.json}  plot: {result.shift.plot}")
     if result.diverged:
         fail(f"error: diverged: {', '.join(result.diverged)} (see their rows; each kept its last good checkpoint for fedbayes resume DIR --set ...)", code=3)
 

@@ -12,7 +12,9 @@ one run whose summary is the variant's.
 continues interrupted ones from their checkpoints) through a ``run_one`` callable (the CLI passes
 one that reports progress and maps errors to exit codes), writes ``comparison.toml``,
 ``compare.md``, ``compare.json`` and ``compare.png``, and returns a :class:`ComparisonResult` for
-the caller to print. No command line here.
+the caller to print. With ``shift=True`` it then evaluates every finished run under dataset shift
+(:mod:`fedbayes.runs.shift`) and writes ``shift.md``, ``shift.json`` and ``shift.png``. No command
+line here.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "conflicts",
     "file_reference",
     "file_seeds",
+    "file_shift",
     "jobs",
     "load_comparison",
     "reference_markdown",
@@ -45,7 +48,7 @@ __all__ = [
     "without_numbers",
 ]
 
-COMPARISON_KEYS = ("base", "variants", "seeds", "reference")  # the top-level keys of a comparison file
+COMPARISON_KEYS = ("base", "variants", "seeds", "reference", "shift")  # the top-level keys of a comparison file
 DIVERGED_KEYS = ("name", "algorithm", "server_optimizer", "rounds", "seeds", "diverged_seeds", "diverged", "runs")
 
 
@@ -148,6 +151,32 @@ def file_seeds(files: Sequence[Path]) -> list[int] | None:
     return found
 
 
+def file_shift(files: Sequence[Path]) -> tuple[str, ...] | None:
+    """The shifts of the comparison file's ``[shift]`` table (``kinds = [...]``, default all of
+    :data:`fedbayes.data.shift.SHIFTS`): the comparison is then evaluated under them, as with
+    ``--shift``. None without a table.
+
+    Raises:
+      ConfigError: one line naming the key and the allowed values.
+    """
+    from fedbayes.data.shift import SHIFTS
+
+    found = None
+    for path in files:
+        raw = read_toml(path)
+        if "shift" not in raw or not _is_comparison(raw):
+            continue
+        table = raw["shift"]
+        allowed = f"allowed: a non-empty list of distinct shifts from {', '.join(SHIFTS)}"
+        if not isinstance(table, dict) or set(table) - {"kinds"}:
+            raise ConfigError(f"config error: {path}: shift: a table with one optional key, kinds ({allowed}); got {table!r}")
+        kinds = table.get("kinds", list(SHIFTS))
+        if not isinstance(kinds, list) or not kinds or len(set(map(str, kinds))) != len(kinds) or any(k not in SHIFTS for k in kinds):
+            raise ConfigError(f"config error: {path}: shift.kinds: {allowed}; got {kinds!r}")
+        found = tuple(kinds)
+    return found
+
+
 def toml_text(data: dict) -> str:
     """``data`` as TOML (the comparison and sweep files)."""
     import tomli_w
@@ -232,6 +261,7 @@ class ComparisonResult(NamedTuple):
     plot: Path
     markdown: Path
     diverged: list[str]  # the diverged runs: "VARIANT", or "VARIANT (seed S)"
+    shift: Any = None  # fedbayes.runs.shift.ShiftFiles, with shift=True
 
 
 def run_comparison(
@@ -245,16 +275,20 @@ def run_comparison(
     threshold: float = 0.8,
     title: str = "comparison",
     say: Callable[[str], None] = print,
+    shift: Sequence[str] | None = None,
 ) -> ComparisonResult:
     """Runs every (variant, seed) not finished yet and writes the comparison's files.
 
     ``run_one(config, folder, resume)`` runs one config into its folder (``resume`` when the folder
     holds a checkpoint) and returns its summary, also for a run that diverged. ``say`` gets one
     line per run. A resume's conflicting folders are the caller's to refuse first
-    (:func:`conflicts`).
+    (:func:`conflicts`). ``shift``: the shifts (:data:`fedbayes.data.shift.SHIFTS`) under which,
+    after the runs, each run that did not diverge is evaluated (:func:`fedbayes.runs.shift.write_shift`);
+    its datasets are checked first, and comparison.toml keeps them as its ``[shift]`` table.
 
     Raises:
-      ConfigError, DatasetNotFoundError: a run's data check (:func:`check_data`), before any run.
+      ConfigError, DatasetNotFoundError: a run's data check (:func:`check_data`), or with
+        ``shift`` a dataset without images, before any run.
     """
     out = Path(out)
     planned = jobs(runs, out, seeds)
@@ -262,11 +296,17 @@ def run_comparison(
     todo = [j for j in planned if done[j] is None]
     label = (lambda j: f"variant {j.variant!r}") if seeds is None else (lambda j: f"variant {j.variant!r}, seed {j.seed}")
     check_data([(j, j.config) for j in todo], label)
+    if shift:
+        from fedbayes.runs.shift import check_configs
+
+        check_configs(list(runs.values()))
     out.mkdir(parents=True, exist_ok=True)
     comparison: dict[str, Any] = {} if seeds is None else {"seeds": list(seeds)}
     comparison["variants"] = {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}
     if reference is not None:
         comparison["reference"] = reference.model_dump(mode="json")
+    if shift:
+        comparison["shift"] = {"kinds": list(shift)}
     folder.write_atomic(out / folder.COMPARISON, "# written by `fedbayes compare`; `fedbayes resume` continues it\n" + toml_text(comparison))
     results: dict[str, dict[Any, dict]] = {}
     for j in planned:
@@ -302,4 +342,14 @@ def run_comparison(
     folder.write_atomic(out / folder.COMPARE_MD, md)
     body = {n: without_numbers(s) for n, s in summaries.items()}
     folder.write_atomic(out / folder.COMPARE_JSON, dumps_record(body, indent=2) + "\n")
-    return ComparisonResult(summaries, records, body, table_title, plot, out / folder.COMPARE_MD, diverged)
+    shifted = None
+    if shift:
+        from fedbayes.runs.shift import write_shift
+
+        fine = {j: results[j.variant][j.seed] for j in planned}
+        folders = {}
+        for j in planned:
+            if not fine[j].get("diverged"):
+                folders.setdefault(j.variant, {})[j.seed] = j.folder
+        shifted = write_shift(out, folders, seeds=seeds, kinds=shift, title=f"{title} under dataset shift", say=say)
+    return ComparisonResult(summaries, records, body, table_title, plot, out / folder.COMPARE_MD, diverged, shifted)

@@ -89,3 +89,59 @@ def plot_curves(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+_SHIFT_METRICS = (("accuracy", "accuracy", 1.0), ("nll", "NLL", 1.0), ("ece", "ECE (%)", 100.0))
+
+
+def plot_shift(path: str | Path, body: Mapping, *, title: str = "") -> Path:
+    """The shift table as a grid: one column of panels per shift, one row per metric (accuracy,
+    NLL, ECE); each method's metric against the shift's intensity, in its own colour and line
+    style, and its marginalised predictive (a method with a posterior) in the same colour,
+    thinner, with square markers. NLL is drawn on a log scale when it spans more than a factor 10. ``body`` is ``shift.json``'s content (:func:`fedbayes.runs.shift.shift_body`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shifts = body["shifts"]
+    methods = body["methods"]
+    styles = dict(zip(methods, line_styles(len(methods))))
+    fig, axes = plt.subplots(len(_SHIFT_METRICS), len(shifts), figsize=(3.6 * len(shifts), 2.8 * len(_SHIFT_METRICS)), constrained_layout=True, squeeze=False)
+    handles, labels = [], []
+    for col, (kind, spec) in enumerate(shifts.items()):
+        for row, (metric, label, scale) in enumerate(_SHIFT_METRICS):
+            ax = axes[row][col]
+            for name, m in methods.items():
+                colour, style = styles[name]
+                recs = [r for r in m["records"] if r["shift"] == kind]
+                point = f"{name} (marg.)" if m.get("variational") else name
+                for key, text, width, marker in ((metric, point, 1.6, "o"), (metric + "_marg", f"{name} marg.", 1.0, "s")):
+                    pts = [(r["level"], r[key] * scale) for r in recs if key in r]
+                    if not pts:
+                        continue
+                    xs, ys = zip(*pts)
+                    (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker, markersize=3)
+                    if text not in labels:
+                        handles.append(line)
+                        labels.append(text)
+            ax.set_xticks(range(len(spec["intensities"])), [f"{v:g}" for v in spec["intensities"]], fontsize=7)
+            values = [y for line in ax.get_lines() for y in line.get_ydata()]
+            if metric == "nll" and values and min(values) > 0 and max(values) / min(values) > 10:  # a broken predictive's NLL would flatten the others
+                ax.set_yscale("log")
+            if row == len(_SHIFT_METRICS) - 1:
+                ax.set_xlabel(f"{kind}: {spec['unit']}")
+            if col == 0:
+                ax.set_ylabel(label)
+            if row == 0:
+                ax.set_title(kind)
+            ax.grid(alpha=0.3)
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)  # twelve panels: a smaller file at the same legibility
+    plt.close(fig)
+    return path

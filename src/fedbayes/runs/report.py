@@ -350,3 +350,66 @@ def reference_table(summaries: Mapping[str, dict], curves: Mapping[str, Sequence
         diff = f"{100 * m - pm:+.2f}" if (m is not None and pm is not None) else "—"
         rows.append([name, text, "—" if p is None else str(p), diff])
     return cols, rows
+
+
+# ----- the shift table (fedbayes.runs.shift) ------------------------------------------------------
+
+
+def shift_rows(body: Mapping) -> list[tuple[str, str, dict]]:
+    """The rows of the shift tables: ``(label, metric suffix, method)``: each method's point
+    predictions, and beside them its marginalised ones (``*_marg``) when it has a posterior. A
+    variational model's one row is its marginalised predictive (its only metrics)."""
+    rows = []
+    for name, m in body["methods"].items():
+        recs = m["records"]
+        rows.append((f"{name} (marg.)" if m.get("variational") else name, "", m))
+        if any("accuracy_marg" in r for r in recs):
+            rows.append((f"{name} marg.", "_marg", m))
+    return rows
+
+
+def _shift_value(record: Mapping | None, metric: str) -> str:
+    if record is None or metric not in record:
+        return "—"
+    v = record[metric]
+    return f"{100 * v:.1f}" if metric.startswith("ece") else f"{v:.3f}"
+
+
+def shift_markdown(body: Mapping) -> str:
+    """``shift.md``: for each metric, its mean over the shifted levels of each shift (and the clean
+    value), one row per method (and per marginalised predictive); then one table per shift with
+    ``accuracy / NLL / ECE (%)`` at every level."""
+    shifts = body["shifts"]
+    rows = shift_rows(body)
+    seeds = body.get("seeds")
+    out = [
+        f"Dataset shift (Ovadia et al. 2019): {body['dataset']} test set; "
+        + ", ".join(f"{k} at {', '.join(f'{v:g}' for v in s['intensities'])} ({s['unit']})" for k, s in shifts.items())
+        + ". Level 0 is the clean test set. "
+        + (f"Means over seeds {seeds} (their standard deviations are in shift.json). " if seeds else "")
+        + "A row `NAME marg.` is the method's marginalised predictive over its posterior; `(marg.)` marks a variational model, whose metrics are all marginalised.\n"
+    ]
+    for metric, title in (("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE (%)")):
+        cols = ["method", "clean"] + [f"{k} (mean of levels 1-{len(s['intensities']) - 1})" for k, s in shifts.items()]
+        lines = [f"\n**{title}**, clean and averaged over each shift's levels:\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for label, suffix, m in rows:
+            key = metric + suffix
+            clean = next((r for r in m["records"] if r["level"] == 0), None)
+            cells = [label, _shift_value(clean, key)]
+            for kind in shifts:
+                values = [r[key] for r in m["records"] if r["shift"] == kind and r["level"] > 0 and key in r]
+                cells.append(_shift_value({key: float(sum(values) / len(values))}, key) if values else "—")
+            lines.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(lines) + "\n")
+    for kind, s in shifts.items():
+        cols = ["method"] + [f"{v:g}" for v in s["intensities"]]
+        lines = [f"\n**{kind}** ({s['unit']}): accuracy / NLL / ECE (%) at each level:\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for label, suffix, m in rows:
+            by_level = {r["level"]: r for r in m["records"] if r["shift"] == kind}
+            cells = [label] + [
+                " / ".join(_shift_value(by_level.get(level), metric + suffix) for metric in ("accuracy", "nll", "ece"))
+                for level in range(len(s["intensities"]))
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(lines) + "\n")
+    return "".join(out)
