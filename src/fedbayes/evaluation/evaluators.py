@@ -64,6 +64,13 @@ def make_evaluator(
 PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
 
 
+def _safe_sqrt(v: jax.Array) -> jax.Array:
+    """``sqrt(v)`` with a zero (not infinite) derivative where ``v = 0`` (a point coordinate), so
+    that a search over the variance gets finite gradients."""
+    positive = v > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, v, 1.0)), 0.0)
+
+
 def _batches(x: np.ndarray, y: np.ndarray, batch_size: int):
     """The evaluation set on the device as ``[num_batches, batch, ...]`` with a validity mask."""
     n = len(x)
@@ -86,12 +93,35 @@ def make_marginal_evaluator(
     num_bins: int = 15,
     predictive: str = "sample",
 ) -> Callable[..., dict[str, float]]:
-    """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction.
+    """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction
+    (:func:`marginal_metrics`, compiled)."""
+    run = jax.jit(marginal_metrics(apply_fn, x, y, num_samples=num_samples, batch_size=batch_size, num_bins=num_bins, predictive=predictive))
+
+    def evaluate(key, mean, variance) -> dict[str, float]:
+        return {k: float(v) for k, v in run(key, mean, variance).items()}
+
+    return evaluate
+
+
+def marginal_metrics(
+    apply_fn: Callable,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    num_samples: int = 10,
+    batch_size: int = 2000,
+    num_bins: int = 15,
+    predictive: str = "sample",
+) -> Callable[..., dict[str, jax.Array]]:
+    """Returns ``metrics(key, mean, variance) -> {metric: array}`` (traceable): the marginalised
+    prediction's accuracy, NLL and ECE on ``(x, y)``.
 
     Guo et al. 2023 (FedEP) Sec. 3.3 (docs/algorithms.md §13.1): draw ``S = num_samples`` parameter
     vectors ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average
     the softmax probabilities ``p(y | x) = mean_s softmax(f_s(x))``, and compute accuracy, NLL and
-    ECE of the averaged probabilities. The same ``theta_s`` serve every test batch.
+    ECE of the averaged probabilities. The same ``theta_s`` serve every test batch, and the same
+    ``eps_s`` (from ``key``) serve every variance: a search over the variance compares the
+    candidates on common random numbers (:mod:`fedbayes.evaluation.prior_precision`).
 
     ``predictive`` says what ``f_s`` is:
 
@@ -112,10 +142,9 @@ def make_marginal_evaluator(
         raise ValueError(f"predictive must be one of {', '.join(PREDICTIVES)}; got {predictive!r}")
     xb, yb, mb = _batches(x, y, batch_size)
 
-    @jax.jit
     def run(key, mean, variance):
         keys = optax.tree.split_key_like(key, mean)
-        steps = jax.tree.map(lambda k, m, v: jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
+        steps = jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
 
         def logits(step, xs):
             if predictive == "sample":
@@ -133,7 +162,4 @@ def make_marginal_evaluator(
         stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), (xb, yb, mb))
         return metrics.finalize_stats(stats)
 
-    def evaluate(key, mean, variance) -> dict[str, float]:
-        return {k: float(v) for k, v in run(key, mean, variance).items()}
-
-    return evaluate
+    return run
