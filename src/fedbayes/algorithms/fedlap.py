@@ -242,6 +242,5 @@ def build(hp: FedLapConfig, ctx: BuildContext) -> Algorithm:
 SPEC = AlgorithmSpec(
     "fedlap", FedLapConfig, build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites",
     exact_server="multiplies the clients' sites exactly",
-    default_predictive="linearised",  # q_g = N(w_g, I / delta): Laplace-style, about the MAP
 )  # fmt: skip
 SPECS = (SPEC,)

@@ -266,6 +266,5 @@ SPEC = AlgorithmSpec(
     aggregator_policy="refuses",
     aggregator_note="aggregates its sites and stacks the cohort's memory points with its own rule, which its server needs and a robust rule or DP cannot wrap",
     needs_apply_fn=True, needs_feature_spec=True,
-    default_predictive="linearised",  # FedLap's q_g about the MAP
 )  # fmt: skip
 SPECS = (SPEC,)
