@@ -75,7 +75,10 @@ def test_the_evaluation_section():
     for raw, message in (
         ({"evaluation": {"marginal_samples": 0}}, "evaluation.marginal_samples: Input should be greater than or equal to 1"),
         ({"evaluation": {"predictive": "glm"}}, "evaluation.predictive: Input should be 'sample' or 'linearised'; got 'glm'"),
-        ({"evaluation": {"samples": 3}}, "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive, prior_precision"),
+        (
+            {"evaluation": {"samples": 3}},
+            "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive, prior_precision, subset_of_weights",
+        ),
         (
             {"algorithm": {"name": "fedep", "marginal_samples": 5}, "evaluation": {"marginal_samples": 4}},
             "evaluation.marginal_samples: given as 4 and, in the old place algorithm.marginal_samples, as 5; keep the one under [evaluation]",
@@ -137,7 +140,7 @@ def test_the_reference_lists_the_evaluation_section_and_every_registered_method(
     assert "evaluation" in names and all(f"algorithm.{n}" in names for n in registry.names())
     fedep = reference.select("fedep")[0]
     assert not {"marginal_samples", "predictive"} & {k.name for k in fedep.keys}  # (its prior_precision is the prior's own)
-    assert {k.name for k in reference.select("evaluation")[0].keys} == {"marginal_samples", "predictive", "prior_precision"}
+    assert {k.name for k in reference.select("evaluation")[0].keys} == {"marginal_samples", "predictive", "prior_precision", "subset_of_weights"}
 
 
 def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterior():
@@ -145,15 +148,15 @@ def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterio
     traits (Laplace/GGN posteriors: linearised, marglik); a set value wins; the validated config
     (and so the run's config.toml) holds the resolved values."""
     cases = {
-        "fedavg": ("sample", "fixed"),
-        "pvi": ("sample", "fixed"),
-        "fedlap_cov": ("linearised", "marglik"),
-        "fedlap": ("sample", "fixed"),  # no posterior to evaluate (server_posterior is None): the traits' defaults
-        "fedep": ("linearised", "fixed"),  # the identity method's variance is a scaled prior
+        "fedavg": ("sample", "fixed", "all"),
+        "pvi": ("sample", "fixed", "all"),
+        "fedlap_cov": ("linearised", "marglik", "last_layer"),
+        "fedlap": ("sample", "fixed", "all"),  # no posterior to evaluate (server_posterior is None): the traits' defaults
+        "fedep": ("linearised", "fixed", "all"),  # the identity method's variance is a scaled prior
     }
     for name, want in cases.items():
         e = validate({"algorithm": {"name": name}}).evaluation
-        assert (e.predictive, e.prior_precision) == want, name
+        assert (e.predictive, e.prior_precision, e.subset_of_weights) == want, name
     for method, want in (("laplace", ("linearised", "marglik")), ("ngvi", ("linearised", "marglik")), ("mcmc", ("sample", "fixed"))):
         e = validate({"algorithm": {"name": "fedsep", "method": method}, "client": {"epochs": 2}}).evaluation
         assert (e.predictive, e.prior_precision) == want, method
@@ -164,7 +167,8 @@ def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterio
     e = validate({"algorithm": {"name": "fedlap_cov"}, "data": {"validation_fraction": 0.1}, "evaluation": {"prior_precision": "validation"}}).evaluation
     assert e.prior_precision == "validation"
     text = to_toml(validate({"algorithm": {"name": "fedlap_cov"}}))
-    assert 'predictive = "linearised"' in text and 'prior_precision = "marglik"' in text
+    assert 'predictive = "linearised"' in text and 'prior_precision = "marglik"' in text and 'subset_of_weights = "last_layer"' in text
+    assert validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"subset_of_weights": "all"}}).evaluation.subset_of_weights == "all"
     # the old place of predictive still counts as set
     assert validate({"algorithm": {"name": "fedlap_cov", "predictive": "sample"}}).evaluation.predictive == "sample"
 
@@ -190,11 +194,12 @@ def test_a_prior_precision_search_the_posterior_cannot_take_is_one_line():
         assert "\n" not in str(exc.value) and message in str(exc.value), str(exc.value)
 
 
-def test_the_config_and_the_search_agree_on_prior_precisions():
+def test_the_config_and_the_evaluation_agree_on_prior_precisions_and_subsets():
     from fedbayes.config import schema
+    from fedbayes.evaluation.evaluators import SUBSETS
     from fedbayes.evaluation.prior_precision import SEARCHES
 
-    assert schema.PRIOR_PRECISIONS == SEARCHES
+    assert schema.PRIOR_PRECISIONS == SEARCHES and schema.SUBSETS == SUBSETS
 
 
 def test_a_stored_config_without_the_keys_evaluates_as_it_did(tmp_path):
@@ -203,12 +208,12 @@ def test_a_stored_config_without_the_keys_evaluates_as_it_did(tmp_path):
     prior, and reading it as stored keeps that, for resolved(), same_config and a resume."""
     from fedbayes.config.schema import resolved, same_config, stored_meaning
 
-    old = validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed"}})
+    old = validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}})
     raw = old.model_dump(mode="json", exclude_none=True)
-    del raw["evaluation"]["predictive"], raw["evaluation"]["prior_precision"]
+    del raw["evaluation"]["predictive"], raw["evaluation"]["prior_precision"], raw["evaluation"]["subset_of_weights"]
     assert validate(stored_meaning(raw)) == old and resolved(raw) == old.model_dump(mode="json")
     assert validate(raw) != old  # as a new config: this version's defaults
     assert stored_meaning(old.model_dump(mode="json")) == old.model_dump(mode="json")  # a new run records both keys
     path = tmp_path / "config.toml"
-    path.write_text(to_toml(old).replace('predictive = "sample"\n', "").replace('prior_precision = "fixed"\n', ""))
+    path.write_text(to_toml(old).replace('predictive = "sample"\n', "").replace('prior_precision = "fixed"\n', "").replace('subset_of_weights = "all"\n', ""))
     assert same_config(path, old) and not same_config(path, validate({"algorithm": {"name": "fedlap_cov"}}))

@@ -33,10 +33,11 @@ VARIATIONAL_MODELS = ("mlp", "cnn")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 PREDICTIVES = ("sample", "linearised")  # fedbayes.evaluation.evaluators.PREDICTIVES (a test keeps them equal)
 PRIOR_PRECISIONS = ("fixed", "marglik", "validation")  # fedbayes.evaluation.prior_precision.SEARCHES (a test keeps them equal)
+SUBSETS = ("all", "last_layer")  # fedbayes.evaluation.evaluators.SUBSETS (a test keeps them equal)
 EVALUATION_KEYS = ("marginal_samples", "predictive")  # under [algorithm] before the [evaluation] section
 # What a stored config (a run folder's config.toml, a checkpoint) meant when it lacks a key whose
 # default now depends on the method: the behaviour of the versions that wrote it (resolved()).
-STORED_EVALUATION_DEFAULTS = {"predictive": "sample", "prior_precision": "fixed"}
+STORED_EVALUATION_DEFAULTS = {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -172,8 +173,8 @@ class AttackConfig(_Strict):
 class EvaluationConfig(_Strict):
     """How a Bayesian method's posterior is evaluated: the marginalised predictions (the ``*_marg``
     metrics of a method with a posterior ``q_g``; all metrics of a variational model).
-    ``predictive`` and ``prior_precision`` default to what matches the method's posterior; a run's
-    config.toml records the values it used."""
+    ``predictive``, ``prior_precision`` and ``subset_of_weights`` default to what matches the
+    method's posterior; a run's config.toml records the values it used."""
 
     section: ClassVar[str] = "evaluation."
 
@@ -188,6 +189,11 @@ class EvaluationConfig(_Strict):
         description="a Laplace-family posterior's prior precision at evaluation: fixed (the method's), marglik (the Laplace marginal "
         "likelihood) or validation (the validation split's NLL; needs data.validation_fraction > 0), chosen post hoc as Laplace Redux does; "
         "default: marglik where the method's posterior is curvature plus a prior, fixed otherwise",
+    )
+    subset_of_weights: Literal[SUBSETS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="the weights the marginalised prediction draws from q_g: all, or last_layer (the output layer's; the others at q_g's mean), "
+        "as Laplace Redux's default last-layer Laplace; default: last_layer where the method's posterior is curvature plus a prior, all otherwise",
     )
 
 
@@ -235,10 +241,12 @@ def _moved_evaluation_keys(data: Any) -> Any:
 
 
 def _method_evaluation_defaults(data: Any) -> Any:
-    """Fills the unset ``evaluation.predictive`` and ``evaluation.prior_precision`` with what
-    matches the method's posterior: its spec's ``default_predictive``, and ``"marglik"`` where its
-    ``posterior_prior_precision`` says the posterior is curvature plus a known prior (else
-    ``"fixed"``). An invalid ``[algorithm]`` is left to its own validator."""
+    """Fills the unset ``evaluation.predictive``, ``evaluation.prior_precision`` and
+    ``evaluation.subset_of_weights`` with what matches the method's posterior: its spec's
+    ``default_predictive``; where its ``posterior_prior_precision`` says the posterior is curvature
+    plus a known prior, Laplace Redux's recipe, the prior precision by the marginal likelihood over
+    the last layer (``"marglik"``, ``"last_layer"``; else ``"fixed"``, ``"all"``). An invalid
+    ``[algorithm]`` is left to its own validator."""
     if not isinstance(data, dict):
         return data
     evaluation = data.get("evaluation", {})
@@ -254,8 +262,11 @@ def _method_evaluation_defaults(data: Any) -> Any:
     filled = dict(evaluation)
     if filled.get("predictive") is None:
         filled["predictive"] = spec.predictive_for(hparams)
+    laplace = spec.prior_precision_for(hparams) is not None
     if filled.get("prior_precision") is None:
-        filled["prior_precision"] = "marglik" if spec.prior_precision_for(hparams) is not None else "fixed"
+        filled["prior_precision"] = "marglik" if laplace else "fixed"
+    if filled.get("subset_of_weights") is None:
+        filled["subset_of_weights"] = "last_layer" if laplace else "all"
     return {**data, "evaluation": filled}
 
 

@@ -62,6 +62,25 @@ def make_evaluator(
 
 
 PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
+SUBSETS = ("all", "last_layer")  # restrict_to_subset's choices
+
+
+def restrict_to_subset(variance, subset: str):
+    """The posterior's variance over the weights the marginalised prediction draws: ``"all"``, or
+    ``"last_layer"``: the last top-level entry of the parameter tree (the output layer of
+    fedbayes's models, whose parameters are created in call order), the other weights at the mean
+    (variance 0). The last-layer Laplace is Laplace Redux's default (Daxberger et al., "Laplace
+    Redux -- Effortless Bayesian Deep Learning", NeurIPS 2021): a diagonal posterior over every
+    weight of a network ignores the correlations between them, and its predictive is far wider
+    than the network's function-space uncertainty (docs/algorithms.md §13.3)."""
+    if subset not in SUBSETS:
+        raise ValueError(f"subset_of_weights must be one of {', '.join(SUBSETS)}; got {subset!r}")
+    if subset == "all":
+        return variance
+    if not isinstance(variance, dict) or not variance:
+        raise ValueError(f"subset_of_weights 'last_layer' needs parameters as a dict of layers; got {type(variance).__name__}")
+    last = list(variance)[-1]
+    return {k: v if k == last else jax.tree.map(jnp.zeros_like, v) for k, v in variance.items()}
 
 
 def _safe_sqrt(v: jax.Array) -> jax.Array:

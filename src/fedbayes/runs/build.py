@@ -42,7 +42,7 @@ from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.data.holdout import hold_out
 from fedbayes.errors import DataError
-from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics
+from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
 from fedbayes.evaluation.prior_precision import make_prior_precision_search
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
@@ -362,7 +362,7 @@ def _with_marginal(
 ) -> Evaluate:
     """Adds the marginalised prediction over ``S`` samples of ``q_g`` (``accuracy_marg``,
     ``nll_marg``, ``ece_marg``; Guo et al. 2023 (FedEP) Table 5) to the point metrics, with
-    ``evaluation.predictive``. Under ``evaluation.prior_precision = "marglik"`` or ``"validation"``
+    ``evaluation.predictive``, drawing the weights of ``evaluation.subset_of_weights``. Under ``evaluation.prior_precision = "marglik"`` or ``"validation"``
     the posterior's prior precision is first chosen post hoc (:mod:`fedbayes.evaluation.prior_precision`;
     the validation search on ``held_out``) and reported as ``prior_precision_marg``. The samples'
     key depends on the seed and the round only, so a resumed run draws the same ones."""
@@ -374,6 +374,7 @@ def _with_marginal(
     def evaluate(server_state, round_idx: int) -> dict[str, float]:
         out = evaluate_point(algorithm.server_params(server_state))
         mean, variance = algorithm.server_posterior(server_state)
+        variance = restrict_to_subset(variance, e.subset_of_weights)
         key = protocol.evaluation_key(config.seed, round_idx)
         if tune is not None:  # the validation draws: another stream than the test's
             variance, chosen = tune(jax.random.fold_in(key, 1), mean, variance)
