@@ -217,3 +217,21 @@ def test_a_stored_config_without_the_keys_evaluates_as_it_did(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(to_toml(old).replace('predictive = "sample"\n', "").replace('prior_precision = "fixed"\n', "").replace('subset_of_weights = "all"\n', ""))
     assert same_config(path, old) and not same_config(path, validate({"algorithm": {"name": "fedlap_cov"}}))
+
+
+def test_resume_reads_a_run_folders_config_as_it_was_written(tmp_path):
+    """``fedbayes resume`` loads the folder's config.toml with stored=True: an older FedLap-Cov run
+    (no predictive, prior_precision or subset_of_weights) resumes with the sampled predictive at its
+    own prior, as it evaluated, and a new config file gets this version's defaults."""
+    from fedbayes.cli.common import load
+
+    text = to_toml(
+        validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}})
+    )
+    path = tmp_path / "config.toml"
+    path.write_text(text.replace('predictive = "sample"\n', "").replace('prior_precision = "fixed"\n', "").replace('subset_of_weights = "all"\n', ""))
+    e = load(path, [], stored=True).evaluation
+    assert (e.predictive, e.prior_precision, e.subset_of_weights) == ("sample", "fixed", "all")
+    e = load(path, []).evaluation
+    assert (e.predictive, e.prior_precision, e.subset_of_weights) == ("linearised", "marglik", "last_layer")
+    assert load(path, ["evaluation.predictive=linearised"], stored=True).evaluation.predictive == "linearised"  # --set still wins

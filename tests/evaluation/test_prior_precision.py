@@ -138,3 +138,18 @@ def test_fixed_keeps_the_posterior_and_bad_settings_are_one_line():
         with pytest.raises(ValueError) as exc:
             call()
         assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_last_layer_subset_keeps_only_the_output_layers_variance():
+    from fedbayes.evaluation.evaluators import restrict_to_subset
+    from fedbayes.models import init_params, make_model
+
+    params = init_params(make_model("mlp", 3, hidden=(4,)), jax.random.key(0), (5,))
+    var = jax.tree.map(jnp.ones_like, params)
+    assert restrict_to_subset(var, "all") is var
+    last = restrict_to_subset(var, "last_layer")
+    assert list(last) == list(params) and list(params)[-1] == "output"
+    assert all(float(jnp.sum(v)) == 0.0 for k in params if k != "output" for v in jax.tree.leaves(last[k]))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(last["output"]), jax.tree.leaves(var["output"])))
+    with pytest.raises(ValueError, match="subset_of_weights must be one of all, last_layer; got 'first'"):
+        restrict_to_subset(var, "first")
