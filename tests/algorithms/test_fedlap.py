@@ -416,3 +416,9 @@ def test_a_short_cli_run_writes_metrics_and_the_model(tmp_path, name, model):
     var = saved["posterior_variance"][layer]["kernel"]
     assert np.all(var > 0) and np.all(var <= 1.0)  # 1 / S_g with S_g >= delta = 1
     assert np.any(var < 1.0)  # the clients' curvature is in it
+    # by default the prior precision of the marginalised prediction is the Laplace marginal
+    # likelihood's (model.npz keeps q_g as trained, at delta = 1)
+    from fedbayes.evaluation.prior_precision import marglik_prior_precision
+
+    chosen = marglik_prior_precision(saved["posterior_mean"], saved["posterior_variance"], 1.0)
+    np.testing.assert_allclose(records[-1]["prior_precision_marg"], float(chosen), rtol=1e-5)

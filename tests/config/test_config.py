@@ -75,7 +75,10 @@ def test_the_evaluation_section():
     for raw, message in (
         ({"evaluation": {"marginal_samples": 0}}, "evaluation.marginal_samples: Input should be greater than or equal to 1"),
         ({"evaluation": {"predictive": "glm"}}, "evaluation.predictive: Input should be 'sample' or 'linearised'; got 'glm'"),
-        ({"evaluation": {"samples": 3}}, "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive"),
+        (
+            {"evaluation": {"samples": 3}},
+            "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive, prior_precision, subset_of_weights",
+        ),
         (
             {"algorithm": {"name": "fedep", "marginal_samples": 5}, "evaluation": {"marginal_samples": 4}},
             "evaluation.marginal_samples: given as 4 and, in the old place algorithm.marginal_samples, as 5; keep the one under [evaluation]",
@@ -96,7 +99,8 @@ def test_the_config_and_the_evaluators_agree_on_predictives():
 def _old_form(cfg: RunConfig) -> dict:
     """``cfg`` as a run folder or checkpoint stored it before the [evaluation] section existed."""
     raw = cfg.model_dump(mode="json", exclude_none=True)  # as to_toml writes it
-    raw["algorithm"].update(raw.pop("evaluation"))
+    evaluation = raw.pop("evaluation")
+    raw["algorithm"].update({k: evaluation[k] for k in ("marginal_samples", "predictive")})  # prior_precision came later
     return raw
 
 
@@ -114,7 +118,7 @@ def test_configs_written_before_the_evaluation_section_are_the_same_config(tmp_p
     path = tmp_path / "config.toml"
     path.write_text(tomli_w.dumps(old))
     assert same_config(path, cfg)
-    assert not same_config(path, validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 5}}))
+    assert not same_config(path, validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 5, "predictive": "sample"}}))
     # resuming from a checkpoint that recorded the old form: no change to accept
     assert check_resume_config(cfg, {"config": old, "config_hash": "older", "round": 3}, tmp_path) == {}
     other = validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 6, "predictive": "linearised"}})
@@ -135,5 +139,99 @@ def test_the_reference_lists_the_evaluation_section_and_every_registered_method(
     names = reference.section_names()
     assert "evaluation" in names and all(f"algorithm.{n}" in names for n in registry.names())
     fedep = reference.select("fedep")[0]
-    assert not {"marginal_samples", "predictive"} & {k.name for k in fedep.keys}
-    assert {k.name for k in reference.select("evaluation")[0].keys} == {"marginal_samples", "predictive"}
+    assert not {"marginal_samples", "predictive"} & {k.name for k in fedep.keys}  # (its prior_precision is the prior's own)
+    assert {k.name for k in reference.select("evaluation")[0].keys} == {"marginal_samples", "predictive", "prior_precision", "subset_of_weights"}
+
+
+def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterior():
+    """Unset, ``evaluation.predictive`` and ``evaluation.prior_precision`` come from the method's
+    traits (Laplace/GGN posteriors: linearised, marglik); a set value wins; the validated config
+    (and so the run's config.toml) holds the resolved values."""
+    cases = {
+        "fedavg": ("sample", "fixed", "all"),
+        "pvi": ("sample", "fixed", "all"),
+        "fedlap_cov": ("linearised", "marglik", "last_layer"),
+        "fedlap": ("sample", "fixed", "all"),  # no posterior to evaluate (server_posterior is None): the traits' defaults
+        "fedep": ("linearised", "fixed", "all"),  # the identity method's variance is a scaled prior
+    }
+    for name, want in cases.items():
+        e = validate({"algorithm": {"name": name}}).evaluation
+        assert (e.predictive, e.prior_precision, e.subset_of_weights) == want, name
+    for method, want in (("laplace", ("linearised", "marglik")), ("ngvi", ("linearised", "marglik")), ("mcmc", ("sample", "fixed"))):
+        e = validate({"algorithm": {"name": "fedsep", "method": method}, "client": {"epochs": 2}}).evaluation
+        assert (e.predictive, e.prior_precision) == want, method
+    # a flat prior (no prior precision, no weight decay): nothing to re-choose
+    assert validate({"algorithm": {"name": "fedep", "method": "laplace", "weight_decay": 0.0, "init": "uniform"}}).evaluation.prior_precision == "fixed"
+    e = validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed"}}).evaluation
+    assert (e.predictive, e.prior_precision) == ("sample", "fixed")
+    e = validate({"algorithm": {"name": "fedlap_cov"}, "data": {"validation_fraction": 0.1}, "evaluation": {"prior_precision": "validation"}}).evaluation
+    assert e.prior_precision == "validation"
+    text = to_toml(validate({"algorithm": {"name": "fedlap_cov"}}))
+    assert 'predictive = "linearised"' in text and 'prior_precision = "marglik"' in text and 'subset_of_weights = "last_layer"' in text
+    assert validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"subset_of_weights": "all"}}).evaluation.subset_of_weights == "all"
+    # the old place of predictive still counts as set
+    assert validate({"algorithm": {"name": "fedlap_cov", "predictive": "sample"}}).evaluation.predictive == "sample"
+
+
+def test_a_prior_precision_search_the_posterior_cannot_take_is_one_line():
+    for raw, message in (
+        (
+            {"algorithm": {"name": "pvi"}, "evaluation": {"prior_precision": "marglik"}},
+            "evaluation.prior_precision: pvi (as configured) has no Laplace-family posterior",
+        ),
+        ({"algorithm": {"name": "fedavg"}, "evaluation": {"prior_precision": "validation"}}, "allowed: fixed; got 'validation'"),
+        (
+            {"algorithm": {"name": "fedlap_cov"}, "evaluation": {"prior_precision": "validation"}},
+            "evaluation.prior_precision: 'validation' chooses on the validation split; set data.validation_fraction > 0",
+        ),
+        (
+            {"algorithm": {"name": "fedlap_cov"}, "evaluation": {"prior_precision": "grid"}},
+            "evaluation.prior_precision: Input should be 'fixed', 'marglik' or 'validation'",
+        ),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            validate(raw)
+        assert "\n" not in str(exc.value) and message in str(exc.value), str(exc.value)
+
+
+def test_the_config_and_the_evaluation_agree_on_prior_precisions_and_subsets():
+    from fedbayes.config import schema
+    from fedbayes.evaluation.evaluators import SUBSETS
+    from fedbayes.evaluation.prior_precision import SEARCHES
+
+    assert schema.PRIOR_PRECISIONS == SEARCHES and schema.SUBSETS == SUBSETS
+
+
+def test_a_stored_config_without_the_keys_evaluates_as_it_did(tmp_path):
+    """A run folder or checkpoint written before the defaults depended on the method lacks
+    ``predictive`` (or ``prior_precision``): it meant the sampled predictive at the method's own
+    prior, and reading it as stored keeps that, for resolved(), same_config and a resume."""
+    from fedbayes.config.schema import resolved, same_config, stored_meaning
+
+    old = validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}})
+    raw = old.model_dump(mode="json", exclude_none=True)
+    del raw["evaluation"]["predictive"], raw["evaluation"]["prior_precision"], raw["evaluation"]["subset_of_weights"]
+    assert validate(stored_meaning(raw)) == old and resolved(raw) == old.model_dump(mode="json")
+    assert validate(raw) != old  # as a new config: this version's defaults
+    assert stored_meaning(old.model_dump(mode="json")) == old.model_dump(mode="json")  # a new run records both keys
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(old).replace('predictive = "sample"\n', "").replace('prior_precision = "fixed"\n', "").replace('subset_of_weights = "all"\n', ""))
+    assert same_config(path, old) and not same_config(path, validate({"algorithm": {"name": "fedlap_cov"}}))
+
+
+def test_resume_reads_a_run_folders_config_as_it_was_written(tmp_path):
+    """``fedbayes resume`` loads the folder's config.toml with stored=True: an older FedLap-Cov run
+    (no predictive, prior_precision or subset_of_weights) resumes with the sampled predictive at its
+    own prior, as it evaluated, and a new config file gets this version's defaults."""
+    from fedbayes.cli.common import load
+
+    text = to_toml(
+        validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}})
+    )
+    path = tmp_path / "config.toml"
+    path.write_text(text.replace('predictive = "sample"\n', "").replace('prior_precision = "fixed"\n', "").replace('subset_of_weights = "all"\n', ""))
+    e = load(path, [], stored=True).evaluation
+    assert (e.predictive, e.prior_precision, e.subset_of_weights) == ("sample", "fixed", "all")
+    e = load(path, []).evaluation
+    assert (e.predictive, e.prior_precision, e.subset_of_weights) == ("linearised", "marglik", "last_layer")
+    assert load(path, ["evaluation.predictive=linearised"], stored=True).evaluation.predictive == "linearised"  # --set still wins

@@ -383,12 +383,15 @@ def test_compare_over_seeds_reports_mean_and_std_and_resumes(tmp_path):
 
 
 def test_same_config_reads_older_files_by_this_versions_schema(tmp_path):
-    cfg = validate({"algorithm": {"name": "fedlap_cov", "delta": 0.5}})
+    # what an older version's run evaluated: the sampled predictive at the method's own prior
+    cfg = validate({"algorithm": {"name": "fedlap_cov", "delta": 0.5}, "evaluation": {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}})
     path = tmp_path / "config.toml"
     path.write_text(to_toml(cfg))
     assert same_config(path, cfg)
-    path.write_text(to_toml(cfg).replace('predictive = "sample"\n', ""))  # written before the key existed
-    assert "predictive" not in path.read_text() and same_config(path, cfg)
+    path.write_text(to_toml(cfg).replace('predictive = "sample"\n', "").replace('prior_precision = "fixed"\n', "").replace('subset_of_weights = "all"\n', ""))
+    assert "predictive" not in path.read_text() and "prior_precision" not in path.read_text() and same_config(path, cfg)
+    # ... which is not this version's default run of the same method
+    assert not same_config(path, validate({"algorithm": {"name": "fedlap_cov", "delta": 0.5}}))
     assert not same_config(path, validate({"algorithm": {"name": "fedlap_cov", "delta": 0.5, "predictive": "linearised"}}))
     assert not same_config(path, validate({"algorithm": {"name": "fedlap_cov", "delta": 1.0}}))
     path.write_text("rounds = [")  # unreadable
@@ -400,7 +403,7 @@ def test_same_config_reads_older_files_by_this_versions_schema(tmp_path):
     from fedbayes.runs.resume import check_resume_config
 
     old_meta = cfg.model_dump(mode="json")
-    del old_meta["evaluation"]["predictive"]
+    del old_meta["evaluation"]["predictive"], old_meta["evaluation"]["prior_precision"], old_meta["evaluation"]["subset_of_weights"]
     assert check_resume_config(cfg, {"config": old_meta, "config_hash": "older", "round": 3}, tmp_path) == {}
     old_meta["algorithm"]["delta"] = 2.0
     with pytest.raises(ConfigError, match=r"algorithm\.delta \(2\.0 -> 0\.5\)"):

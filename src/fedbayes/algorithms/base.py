@@ -56,9 +56,13 @@ __all__ = [
     "ClientUpdateFn",
     "FederationInfo",
     "Info",
+    "PriorPrecision",
     "ServerUpdateFn",
     "finite_message",
+    "linearised_predictive",
+    "no_laplace_prior",
     "point_estimate_algorithm",
+    "sampled_predictive",
     "stateless_client_init",
 ]
 
@@ -197,6 +201,42 @@ def no_burn_in(hparams: HParams) -> int:
     return 0
 
 
+def sampled_predictive(hparams: HParams) -> str:
+    """The default :attr:`AlgorithmSpec.default_predictive`: the network at weights drawn from
+    ``q_g`` (a variational or sample-based posterior over the weights themselves)."""
+    del hparams
+    return "sample"
+
+
+def linearised_predictive(hparams: HParams) -> str:
+    """:attr:`AlgorithmSpec.default_predictive` of Laplace/GGN posteriors (a Gaussian about a mode
+    whose precision is curvature plus prior): the network linearised at the mean, the GLM
+    predictive that matches them (docs/algorithms.md §13.1)."""
+    del hparams
+    return "linearised"
+
+
+class PriorPrecision(NamedTuple):
+    """The prior part ``delta`` of a Laplace-family posterior's precision ``G + delta`` (sum-loss
+    scale, the same for every weight): ``constant + per_example * N`` with ``N`` the federation's
+    examples (a weight decay ``lambda`` that each client counts as a prior of precision
+    ``lambda n_k`` adds ``lambda`` per example)."""
+
+    constant: float
+    per_example: float = 0.0
+
+    def at(self, total_examples: int) -> float:
+        """``delta`` for a federation of ``total_examples`` examples."""
+        return self.constant + self.per_example * total_examples
+
+
+def no_laplace_prior(hparams: HParams) -> PriorPrecision | None:
+    """The default :attr:`AlgorithmSpec.posterior_prior_precision`: the posterior is not data
+    curvature plus a known prior precision, so its prior precision cannot be re-chosen post hoc."""
+    del hparams
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """One method as the registry, the config and the run read it: its name, settings and builder,
@@ -235,6 +275,19 @@ class AlgorithmSpec:
         and FedEP); the calibration check skips them.
       calibration_advice: what to change when the marginalised accuracy falls below the point
         estimate's (the posterior too wide); empty: the run's default advice.
+      default_predictive: ``"sample"`` or ``"linearised"``, or ``hparams ->`` one of them: the
+        marginalised predictive that matches the method's posterior ``q_g``, used when
+        ``evaluation.predictive`` is not set (read it with :meth:`predictive_for`):
+        ``"linearised"`` (the GLM predictive) for Laplace/GGN posteriors, Gaussians about a mode
+        whose precision is curvature plus prior; ``"sample"`` for posteriors fitted to the weights
+        themselves (variational, sample moments). docs/algorithms.md §13.1.
+      posterior_prior_precision: ``hparams ->`` the prior part ``delta`` of the posterior precision
+        when ``q_g``'s precision is data curvature plus a prior, ``Lambda = G + delta``: a
+        :class:`PriorPrecision`, a ``(constant, per_example)`` pair or a number (the constant), so
+        that the evaluation can swap ``delta`` for another (``evaluation.prior_precision``,
+        :mod:`fedbayes.evaluation.prior_precision`); ``None`` where it is not (variational
+        posteriors, sample moments, a fixed variance), and then ``evaluation.prior_precision``
+        allows only ``"fixed"``. Read it with :meth:`prior_precision_for`.
       divergence_hint: a further likely cause of a non-finite loss, named in the divergence error.
     """
 
@@ -253,6 +306,8 @@ class AlgorithmSpec:
     burn_in_rounds: Callable[[Any], int] = no_burn_in
     calibration_advice: str = ""
     divergence_hint: str = ""
+    default_predictive: str | Callable[[Any], str] = sampled_predictive
+    posterior_prior_precision: Callable[[Any], PriorPrecision | tuple[float, float] | float | None] = no_laplace_prior
 
     def __post_init__(self):
         if not (isinstance(self.hparams, type) and issubclass(self.hparams, HParams)):
@@ -263,6 +318,19 @@ class AlgorithmSpec:
             raise ValueError(f"algorithm {self.name!r}: aggregator_policy must be one of {', '.join(AGGREGATOR_POLICIES)}; got {self.aggregator_policy!r}")
         if self.aggregator_policy != "wrappable" and not self.aggregator_note:
             raise ValueError(f"algorithm {self.name!r}: aggregator_policy {self.aggregator_policy!r} needs an aggregator_note (why; named in config errors)")
+
+    def predictive_for(self, hparams: Any) -> str:
+        """:attr:`default_predictive` for these settings."""
+        return self.default_predictive if isinstance(self.default_predictive, str) else self.default_predictive(hparams)
+
+    def prior_precision_for(self, hparams: Any) -> PriorPrecision | None:
+        """:attr:`posterior_prior_precision` for these settings, as a :class:`PriorPrecision`;
+        ``None`` also for a flat prior (``delta = 0``: no prior precision to re-choose)."""
+        prior = self.posterior_prior_precision(hparams)
+        if prior is None:
+            return None
+        prior = PriorPrecision(*prior) if isinstance(prior, tuple) else PriorPrecision(float(prior))
+        return prior if prior.constant > 0 or prior.per_example > 0 else None  # a flat prior: nothing to re-choose
 
     def check_context(self, ctx: BuildContext) -> None:
         """Raises ``ValueError`` (one line) when ``ctx`` lacks what the traits say the builder needs."""

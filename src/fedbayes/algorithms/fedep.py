@@ -509,6 +509,8 @@ _EP_TRAITS = dict(
     burn_in_rounds=burn_in_setting,
     calibration_advice="raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')",
     divergence_hint="the tilted precisions of FedEP's laplace/ngvi methods",
+    default_predictive=lambda hp: "sample" if hp.method == "mcmc" else "linearised",  # mcmc: moments of samples; else a Gaussian about the mean
+    posterior_prior_precision=lambda hp: (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") else None,  # + sum_k scale F_k
 )
 FEDEP = AlgorithmSpec("fedep", FedEPConfig, build_fedep, "expectation propagation with stateful Gaussian sites", **_EP_TRAITS)
 FEDSEP = AlgorithmSpec("fedsep", FedSEPConfig, build_fedsep, "stochastic EP: one shared site, stateless clients", **_EP_TRAITS)

@@ -290,5 +290,6 @@ SPEC = AlgorithmSpec(
     exact_server="multiplies the clients' sites exactly", needs_apply_fn=True,
     # its posterior's width is set by the prior precision
     calibration_advice="raise algorithm.delta, the prior precision (docs/algorithms.md §10)",
+    default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta,  # S_g = delta + sum_k V_k: diagonal-GGN Laplace
 )  # fmt: skip
 SPECS = (SPEC,)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fedbayes.cli import progress
 from fedbayes.cli.base import CommandContext, fail
-from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, read_toml, validate
+from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, read_toml, stored_meaning, validate
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report
 
@@ -33,10 +33,12 @@ def check_out(out: Path, overwrite: bool, resume: bool = False, what: str = "run
         fail(f"error: {out} is not empty (an earlier {what}?); pass --overwrite to replace it, {hint}, or choose another --out")
 
 
-def load(path: Path, overrides: list[str]) -> RunConfig:
-    """The validated config of a run file with ``--set`` overrides; a bad one exits 2 with one line."""
+def load(path: Path, overrides: list[str], stored: bool = False) -> RunConfig:
+    """The validated config of a run file with ``--set`` overrides; a bad one exits 2 with one line.
+    ``stored``: the file is a run folder's config.toml, read as it meant when written (:func:`stored_meaning`)."""
     try:
-        return validate(apply_overrides(read_toml(path), overrides))
+        raw = read_toml(path)
+        return validate(apply_overrides(stored_meaning(raw) if stored else raw, overrides))
     except ConfigError as exc:
         fail(str(exc))
 

@@ -117,7 +117,7 @@ def resume(
         if out.is_dir() and [p.name for p in out.iterdir()] == [runlock.LOCK_NAME]:  # a run's lock, nothing else
             fail(f"error: {out} holds nothing to resume (the run stopped before it wrote its config); start it again with fedbayes run CONFIG --out {out}")
         fail(f"error: {out} holds no {run_folder.CONFIG} or {run_folder.COMPARISON}; is it a fedbayes run folder?")
-    cfg = load(cfg_path, set_ or [])
+    cfg = load(cfg_path, set_ or [], stored=True)
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = run_one(ctx, cfg, out, resume=True, logs=log, accept_changes=accept)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)})

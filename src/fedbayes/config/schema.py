@@ -32,7 +32,12 @@ MODELS = ("logreg", "mlp", "cnn", "linear")
 VARIATIONAL_MODELS = ("mlp", "cnn")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 PREDICTIVES = ("sample", "linearised")  # fedbayes.evaluation.evaluators.PREDICTIVES (a test keeps them equal)
+PRIOR_PRECISIONS = ("fixed", "marglik", "validation")  # fedbayes.evaluation.prior_precision.SEARCHES (a test keeps them equal)
+SUBSETS = ("all", "last_layer")  # fedbayes.evaluation.evaluators.SUBSETS (a test keeps them equal)
 EVALUATION_KEYS = ("marginal_samples", "predictive")  # under [algorithm] before the [evaluation] section
+# What a stored config (a run folder's config.toml, a checkpoint) meant when it lacks a key whose
+# default now depends on the method: the behaviour of the versions that wrote it (resolved()).
+STORED_EVALUATION_DEFAULTS = {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -167,13 +172,28 @@ class AttackConfig(_Strict):
 
 class EvaluationConfig(_Strict):
     """How a Bayesian method's posterior is evaluated: the marginalised predictions (the ``*_marg``
-    metrics of a method with a posterior ``q_g``; all metrics of a variational model)."""
+    metrics of a method with a posterior ``q_g``; all metrics of a variational model).
+    ``predictive``, ``prior_precision`` and ``subset_of_weights`` default to what matches the
+    method's posterior; a run's config.toml records the values it used."""
 
     section: ClassVar[str] = "evaluation."
 
     marginal_samples: int = Field(10, ge=1, description="S, samples of q_g for the marginalised prediction (a variational model: stochastic forward passes)")
-    predictive: Literal[PREDICTIVES] = Field(  # type: ignore[valid-type]
-        "sample", description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM)"
+    predictive: Literal[PREDICTIVES] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="marginalised prediction: sample (the network at sampled weights) or linearised (at the mean; GLM); "
+        "default: the method's (linearised for Laplace/GGN posteriors, sample otherwise)",
+    )
+    prior_precision: Literal[PRIOR_PRECISIONS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="a Laplace-family posterior's prior precision at evaluation: fixed (the method's), marglik (the Laplace marginal "
+        "likelihood) or validation (the validation split's NLL; needs data.validation_fraction > 0), chosen post hoc as Laplace Redux does; "
+        "default: marglik where the method's posterior is curvature plus a prior, fixed otherwise",
+    )
+    subset_of_weights: Literal[SUBSETS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="the weights the marginalised prediction draws from q_g: all, or last_layer (the output layer's; the others at q_g's mean), "
+        "as Laplace Redux's default last-layer Laplace; default: last_layer where the method's posterior is curvature plus a prior, all otherwise",
     )
 
 
@@ -198,6 +218,71 @@ def validate_algorithm(value: Any) -> HParams:
         return hparams.model_validate(value)
     except ValidationError as exc:
         raise ValueError(format_validation_error(exc, hparams, prefix="algorithm.").removeprefix("config error: ")) from None
+
+
+def _moved_evaluation_keys(data: Any) -> Any:
+    """Configs written before the ``[evaluation]`` section (run folders, checkpoints, old
+    examples) hold ``marginal_samples`` and ``predictive`` under ``[algorithm]``: read them as
+    the ``[evaluation]`` keys they are now, so that such a run resumes as the same config."""
+    if not isinstance(data, dict) or not isinstance(data.get("algorithm"), dict) or not isinstance(data.get("evaluation", {}), dict):
+        return data
+    moved = {k: v for k, v in data["algorithm"].items() if k in EVALUATION_KEYS}
+    if not moved:
+        return data
+    evaluation = dict(data.get("evaluation", {}))
+    for key, value in moved.items():
+        if key in evaluation and evaluation[key] != value:
+            raise ValueError(
+                f"evaluation.{key}: given as {evaluation[key]!r} and, in the old place algorithm.{key}, as {value!r}; keep the one under [evaluation]"
+            )
+        evaluation[key] = value
+    algorithm = {k: v for k, v in data["algorithm"].items() if k not in EVALUATION_KEYS}
+    return {**data, "algorithm": algorithm, "evaluation": evaluation}
+
+
+def _method_evaluation_defaults(data: Any) -> Any:
+    """Fills the unset ``evaluation.predictive``, ``evaluation.prior_precision`` and
+    ``evaluation.subset_of_weights`` with what matches the method's posterior: its spec's
+    ``default_predictive``; where its ``posterior_prior_precision`` says the posterior is curvature
+    plus a known prior, Laplace Redux's recipe, the prior precision by the marginal likelihood over
+    the last layer (``"marglik"``, ``"last_layer"``; else ``"fixed"``, ``"all"``). An invalid
+    ``[algorithm]`` is left to its own validator."""
+    if not isinstance(data, dict):
+        return data
+    evaluation = data.get("evaluation", {})
+    if isinstance(evaluation, EvaluationConfig):
+        evaluation = evaluation.model_dump(exclude_none=True)
+    if not isinstance(evaluation, dict) or all(evaluation.get(k) is not None for k in STORED_EVALUATION_DEFAULTS):
+        return data
+    try:
+        hparams = validate_algorithm(data.get("algorithm", _default_algorithm()))
+    except ValueError:
+        return data
+    spec = registry.get(hparams.name)
+    filled = dict(evaluation)
+    if filled.get("predictive") is None:
+        filled["predictive"] = spec.predictive_for(hparams)
+    laplace = spec.prior_precision_for(hparams) is not None
+    if filled.get("prior_precision") is None:
+        filled["prior_precision"] = "marglik" if laplace else "fixed"
+    if filled.get("subset_of_weights") is None:
+        filled["subset_of_weights"] = "last_layer" if laplace else "all"
+    return {**data, "evaluation": filled}
+
+
+def stored_meaning(raw: Any) -> Any:
+    """``raw``, a config as a run folder or a checkpoint stored it, with each key of
+    :data:`STORED_EVALUATION_DEFAULTS` that it lacks set to what it meant when it was written (the
+    behaviour of the versions before the key's default came to depend on the method), so that a
+    resumed old run evaluates as it did. New runs record every key, and are returned as they are."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("evaluation", {}), dict):
+        return raw
+    algorithm = raw["algorithm"] if isinstance(raw.get("algorithm"), dict) else {}
+    evaluation = dict(raw.get("evaluation", {}))
+    for key, value in STORED_EVALUATION_DEFAULTS.items():
+        if key not in evaluation and key not in algorithm:
+            evaluation[key] = value
+    return {**raw, "evaluation": evaluation}
 
 
 class RunConfig(_Strict):
@@ -229,24 +314,10 @@ class RunConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _evaluation_keys_under_algorithm(cls, data: Any) -> Any:
-        """Configs written before the ``[evaluation]`` section (run folders, checkpoints, old
-        examples) hold ``marginal_samples`` and ``predictive`` under ``[algorithm]``: read them as
-        the ``[evaluation]`` keys they are now, so that such a run resumes as the same config."""
-        if not isinstance(data, dict) or not isinstance(data.get("algorithm"), dict) or not isinstance(data.get("evaluation", {}), dict):
-            return data
-        moved = {k: v for k, v in data["algorithm"].items() if k in EVALUATION_KEYS}
-        if not moved:
-            return data
-        evaluation = dict(data.get("evaluation", {}))
-        for key, value in moved.items():
-            if key in evaluation and evaluation[key] != value:
-                raise ValueError(
-                    f"evaluation.{key}: given as {evaluation[key]!r} and, in the old place algorithm.{key}, as {value!r}; keep the one under [evaluation]"
-                )
-            evaluation[key] = value
-        algorithm = {k: v for k, v in data["algorithm"].items() if k not in EVALUATION_KEYS}
-        return {**data, "algorithm": algorithm, "evaluation": evaluation}
+    def _evaluation_section(cls, data: Any) -> Any:
+        """The ``[evaluation]`` keys moved from their old place (:func:`_moved_evaluation_keys`),
+        then the unset ones that depend on the method resolved (:func:`_method_evaluation_defaults`)."""
+        return _method_evaluation_defaults(_moved_evaluation_keys(data))
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -303,6 +374,20 @@ class RunConfig(_Strict):
                 )
         if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.dataset == "least_squares":
             raise ValueError("attack.kind: label_flip needs a classification dataset; allowed here: scaled, sign_flip, nan")
+        return self
+
+    @model_validator(mode="after")
+    def _prior_precision_search_possible(self) -> RunConfig:
+        search = self.evaluation.prior_precision
+        if search == "fixed":
+            return self
+        if self.spec.prior_precision_for(self.algorithm) is None:
+            raise ValueError(
+                f"evaluation.prior_precision: {self.algorithm.name} (as configured) has no Laplace-family posterior (data curvature plus a known "
+                f"prior precision) whose prior could be re-chosen; allowed: fixed; got {search!r}"
+            )
+        if search == "validation" and self.data.validation_fraction == 0:
+            raise ValueError("evaluation.prior_precision: 'validation' chooses on the validation split; set data.validation_fraction > 0, or use 'marglik'")
         return self
 
     @model_validator(mode="after")
@@ -475,10 +560,11 @@ def to_toml(config: RunConfig) -> str:
 def resolved(raw: dict) -> dict:
     """``raw`` (a config as a run folder or a checkpoint stored it) read by this version's schema:
     keys this version added get their defaults, which by our rule reproduce the behaviour of the
-    versions before them. ``raw`` itself where it no longer validates (then it differs from any
-    valid config)."""
+    versions before them, and keys whose default came to depend on the method get what they meant
+    then (:func:`stored_meaning`). ``raw`` itself where it no longer validates (then it differs
+    from any valid config)."""
     try:
-        return RunConfig.model_validate(raw).model_dump(mode="json")
+        return RunConfig.model_validate(stored_meaning(raw)).model_dump(mode="json")
     except (ValidationError, TypeError, ValueError):
         return raw
 

@@ -62,6 +62,32 @@ def make_evaluator(
 
 
 PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
+SUBSETS = ("all", "last_layer")  # restrict_to_subset's choices
+
+
+def restrict_to_subset(variance, subset: str):
+    """The posterior's variance over the weights the marginalised prediction draws: ``"all"``, or
+    ``"last_layer"``: the last top-level entry of the parameter tree (the output layer of
+    fedbayes's models, whose parameters are created in call order), the other weights at the mean
+    (variance 0). The last-layer Laplace is Laplace Redux's default (Daxberger et al., "Laplace
+    Redux -- Effortless Bayesian Deep Learning", NeurIPS 2021): a diagonal posterior over every
+    weight of a network ignores the correlations between them, and its predictive is far wider
+    than the network's function-space uncertainty (docs/algorithms.md §13.3)."""
+    if subset not in SUBSETS:
+        raise ValueError(f"subset_of_weights must be one of {', '.join(SUBSETS)}; got {subset!r}")
+    if subset == "all":
+        return variance
+    if not isinstance(variance, dict) or not variance:
+        raise ValueError(f"subset_of_weights 'last_layer' needs parameters as a dict of layers; got {type(variance).__name__}")
+    last = list(variance)[-1]
+    return {k: v if k == last else jax.tree.map(jnp.zeros_like, v) for k, v in variance.items()}
+
+
+def _safe_sqrt(v: jax.Array) -> jax.Array:
+    """``sqrt(v)`` with a zero (not infinite) derivative where ``v = 0`` (a point coordinate), so
+    that a search over the variance gets finite gradients."""
+    positive = v > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, v, 1.0)), 0.0)
 
 
 def _batches(x: np.ndarray, y: np.ndarray, batch_size: int):
@@ -86,12 +112,35 @@ def make_marginal_evaluator(
     num_bins: int = 15,
     predictive: str = "sample",
 ) -> Callable[..., dict[str, float]]:
-    """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction.
+    """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction
+    (:func:`marginal_metrics`, compiled)."""
+    run = jax.jit(marginal_metrics(apply_fn, x, y, num_samples=num_samples, batch_size=batch_size, num_bins=num_bins, predictive=predictive))
+
+    def evaluate(key, mean, variance) -> dict[str, float]:
+        return {k: float(v) for k, v in run(key, mean, variance).items()}
+
+    return evaluate
+
+
+def marginal_metrics(
+    apply_fn: Callable,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    num_samples: int = 10,
+    batch_size: int = 2000,
+    num_bins: int = 15,
+    predictive: str = "sample",
+) -> Callable[..., dict[str, jax.Array]]:
+    """Returns ``metrics(key, mean, variance) -> {metric: array}`` (traceable): the marginalised
+    prediction's accuracy, NLL and ECE on ``(x, y)``.
 
     Guo et al. 2023 (FedEP) Sec. 3.3 (docs/algorithms.md §13.1): draw ``S = num_samples`` parameter
     vectors ``theta_s = mean + sqrt(variance) * eps_s`` from the diagonal Gaussian posterior, average
     the softmax probabilities ``p(y | x) = mean_s softmax(f_s(x))``, and compute accuracy, NLL and
-    ECE of the averaged probabilities. The same ``theta_s`` serve every test batch.
+    ECE of the averaged probabilities. The same ``theta_s`` serve every test batch, and the same
+    ``eps_s`` (from ``key``) serve every variance: a search over the variance compares the
+    candidates on common random numbers (:mod:`fedbayes.evaluation.prior_precision`).
 
     ``predictive`` says what ``f_s`` is:
 
@@ -112,10 +161,9 @@ def make_marginal_evaluator(
         raise ValueError(f"predictive must be one of {', '.join(PREDICTIVES)}; got {predictive!r}")
     xb, yb, mb = _batches(x, y, batch_size)
 
-    @jax.jit
     def run(key, mean, variance):
         keys = optax.tree.split_key_like(key, mean)
-        steps = jax.tree.map(lambda k, m, v: jnp.sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
+        steps = jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
 
         def logits(step, xs):
             if predictive == "sample":
@@ -133,7 +181,4 @@ def make_marginal_evaluator(
         stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), (xb, yb, mb))
         return metrics.finalize_stats(stats)
 
-    def evaluate(key, mean, variance) -> dict[str, float]:
-        return {k: float(v) for k, v in run(key, mean, variance).items()}
-
-    return evaluate
+    return run

@@ -42,7 +42,8 @@ from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.data.holdout import hold_out
 from fedbayes.errors import DataError
-from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator
+from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
+from fedbayes.evaluation.prior_precision import make_prior_precision_search
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
@@ -284,23 +285,44 @@ def build_algorithm_and_aggregator(
 VALIDATION_METRICS = ("accuracy", "nll", "ece", "mse", "rmse")  # recorded as val_<metric>
 
 
-def build_evaluator(config: RunConfig, algorithm: algs.Algorithm, dataset: Dataset, model: ModelParts, validation: np.ndarray | None = None) -> Evaluate:
+def build_evaluator(
+    config: RunConfig,
+    algorithm: algs.Algorithm,
+    dataset: Dataset,
+    model: ModelParts,
+    validation: np.ndarray | None = None,
+    federation: registry.FederationInfo | None = None,
+) -> Evaluate:
     """``(server state, round) -> metrics`` on ``dataset``'s test split, plus ``val_*`` on the
-    validation split (training indices ``validation``) when there is one."""
-    evaluate = _evaluation(algorithm, config, dataset, model.apply_fn, model.keyed_apply_fn)
+    validation split (training indices ``validation``) when there is one. ``federation``: the
+    clients' example counts (a prior precision that grows with the data needs their total);
+    default: every training example outside the validation split."""
+    held_out = None
     if validation is not None:
         held_out = dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation], test_client_ids=None)
+    total = federation.total_examples if federation is not None else dataset.num_train - (0 if validation is None else len(validation))
+    evaluate = _evaluation(algorithm, config, dataset, model.apply_fn, model.keyed_apply_fn, held_out=held_out, total_examples=total)
+    if held_out is not None:
         evaluate = _with_validation(evaluate, _evaluation(algorithm, config, held_out, model.apply_fn, model.keyed_apply_fn, marginal=False))
     return evaluate
 
 
-def _evaluation(algorithm: algs.Algorithm, config: RunConfig, dataset: Dataset, apply_fn, keyed_apply_fn, marginal: bool = True) -> Evaluate:
+def _evaluation(
+    algorithm: algs.Algorithm,
+    config: RunConfig,
+    dataset: Dataset,
+    apply_fn,
+    keyed_apply_fn,
+    marginal: bool = True,
+    held_out: Dataset | None = None,
+    total_examples: int = 0,
+) -> Evaluate:
     """``(server state, round) -> metrics`` on ``dataset``'s test split."""
     if config.model.variational:
         return _variational(algorithm, config, keyed_apply_fn, dataset)
     evaluate = make_evaluator(apply_fn, dataset.x_test, dataset.y_test, task=dataset.task, batch_size=config.eval_batch_size, num_bins=config.ece_bins)
     if marginal and algorithm.server_posterior is not None and dataset.task == "classification":
-        return _with_marginal(evaluate, algorithm, config, apply_fn, dataset)
+        return _with_marginal(evaluate, algorithm, config, apply_fn, dataset, held_out, total_examples)
     return _on_state(evaluate, algorithm)
 
 
@@ -335,23 +357,48 @@ def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, d
     return evaluate
 
 
-def _with_marginal(evaluate_point, algorithm: algs.Algorithm, config: RunConfig, apply_fn, dataset: Dataset) -> Evaluate:
+def _with_marginal(
+    evaluate_point, algorithm: algs.Algorithm, config: RunConfig, apply_fn, dataset: Dataset, held_out: Dataset | None, total_examples: int
+) -> Evaluate:
     """Adds the marginalised prediction over ``S`` samples of ``q_g`` (``accuracy_marg``,
-    ``nll_marg``, ``ece_marg``; Guo et al. 2023 (FedEP) Table 5) to the point metrics. The samples' key depends on
-    the seed and the round only, so a resumed run draws the same ones."""
-    marginal = make_marginal_evaluator(
-        apply_fn, dataset.x_test, dataset.y_test, num_samples=config.evaluation.marginal_samples,
-        batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=config.evaluation.predictive,
-    )  # fmt: skip
+    ``nll_marg``, ``ece_marg``; Guo et al. 2023 (FedEP) Table 5) to the point metrics, with
+    ``evaluation.predictive``, drawing the weights of ``evaluation.subset_of_weights``. Under ``evaluation.prior_precision = "marglik"`` or ``"validation"``
+    the posterior's prior precision is first chosen post hoc (:mod:`fedbayes.evaluation.prior_precision`;
+    the validation search on ``held_out``) and reported as ``prior_precision_marg``. The samples'
+    key depends on the seed and the round only, so a resumed run draws the same ones."""
+    e = config.evaluation
+    settings = dict(num_samples=e.marginal_samples, batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=e.predictive)
+    marginal = make_marginal_evaluator(apply_fn, dataset.x_test, dataset.y_test, **settings)
+    tune = _prior_precision_search(config, apply_fn, held_out, total_examples, settings)
 
     def evaluate(server_state, round_idx: int) -> dict[str, float]:
         out = evaluate_point(algorithm.server_params(server_state))
         mean, variance = algorithm.server_posterior(server_state)
+        variance = restrict_to_subset(variance, e.subset_of_weights)
         key = protocol.evaluation_key(config.seed, round_idx)
+        if tune is not None:  # the validation draws: another stream than the test's
+            variance, chosen = tune(jax.random.fold_in(key, 1), mean, variance)
+            out["prior_precision_marg"] = float(chosen)
         out.update({f"{k}_marg": v for k, v in marginal(key, mean, variance).items() if k in ("accuracy", "nll", "ece")})
         return out
 
     return evaluate
+
+
+def _prior_precision_search(config: RunConfig, apply_fn, held_out: Dataset | None, total_examples: int, settings: dict):
+    """``evaluation.prior_precision``'s search (``None`` for ``"fixed"``) around the method's prior
+    precision for a federation of ``total_examples`` examples."""
+    search = config.evaluation.prior_precision
+    prior = config.spec.prior_precision_for(config.algorithm)
+    if search == "fixed" or prior is None:  # the config allows a search only with a prior
+        return None
+    nll = None
+    if search == "validation":
+        if held_out is None:
+            raise ConfigError("config error: evaluation.prior_precision: 'validation' needs a validation split; set data.validation_fraction > 0")
+        metrics_of = marginal_metrics(apply_fn, held_out.x_test, held_out.y_test, **settings)
+        nll = lambda key, mean, variance: metrics_of(key, mean, variance)["nll"]  # noqa: E731
+    return make_prior_precision_search(search, prior.at(total_examples), validation_nll=nll)
 
 
 def _on_state(evaluate_point, algorithm: algs.Algorithm) -> Evaluate:
@@ -410,5 +457,5 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> 
     spec = DataSpec.of(dataset)
     model = build_model(config, spec)
     algorithm, aggregator = build_algorithm_and_aggregator(config, registry.FederationInfo.from_sizes(federation.sizes), spec, model)
-    evaluate = build_evaluator(config, algorithm, dataset, model, validation)
+    evaluate = build_evaluator(config, algorithm, dataset, model, validation, registry.FederationInfo.from_sizes(federation.sizes))
     return Experiment(config, dataset, federation, model.model, model.params, algorithm, aggregator, scenario, evaluate, validation, store_dir)

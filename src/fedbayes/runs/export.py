@@ -76,12 +76,12 @@ def load_run(run_dir: str | Path):
     Raises:
       FileNotFoundError: the folder holds no ``config.toml`` or no ``model.npz`` (an unfinished run).
     """
-    from fedbayes.config.schema import load_config
+    from fedbayes.config.schema import read_toml, stored_meaning, validate
 
     run_dir = Path(run_dir)
     for name in (folder.CONFIG, folder.MODEL):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir} holds no {name}; is it a finished fedbayes run folder?")
-    config = load_config(run_dir / folder.CONFIG)
+    config = validate(stored_meaning(read_toml(run_dir / folder.CONFIG)))  # as the run meant it (an older run's unset keys)
     params = load_model(run_dir / folder.MODEL)["params"]
     return config, params, folder.read_metrics(run_dir / folder.METRICS)

@@ -1,0 +1,197 @@
+"""The prior precision of a Laplace-family posterior, chosen post hoc as Laplace Redux does.
+
+Daxberger, Kristiadi, Immer, Eschenhagen, Bauer and Hennig, "Laplace Redux -- Effortless Bayesian
+Deep Learning" (NeurIPS 2021), tune the prior precision ``delta`` of a Laplace posterior after
+training, by the Laplace approximation of the marginal likelihood or by the NLL on a validation set,
+with the mean kept at the MAP (their "post-hoc" tuning). docs/algorithms.md §13.3.
+
+**The posterior.** A Laplace-family method's ``q_g`` is ``N(theta*, diag(1 / (G + delta)))``: the
+data's curvature ``G`` (a diagonal GGN or Fisher of the sum loss) plus the precision ``delta`` of
+the prior ``N(0, I / delta)``. The method says what its ``delta`` is
+(:attr:`fedbayes.algorithms.base.AlgorithmSpec.posterior_prior_precision`), so the curvature is
+``G = 1 / variance - delta`` (:func:`curvature`), and another prior precision ``delta'`` gives
+``q' = N(theta*, diag(1 / (G + delta')))`` (:func:`with_prior_precision`). A coordinate of
+variance 0 (a point coordinate: FedEP's burn-in, an improper site) has ``G = inf`` and stays a
+point; it takes no part in either objective.
+
+**Marginal likelihood** (:func:`log_marginal_likelihood`). The Laplace approximation of the
+evidence, ``p(D) ~= p(D | theta*) p(theta*) (2 pi)^{P/2} det(Lambda)^{-1/2}`` with ``Lambda =
+G + delta'`` the posterior precision over the ``P`` Gaussian coordinates, is
+
+    log p(D | delta') ~= log p(D | theta*) + log N(theta*; 0, I / delta') - 1/2 sum_i log((G_i + delta') / (2 pi))
+                      = log p(D | theta*) - delta' ||theta*||^2 / 2 + (P / 2) log delta' - 1/2 sum_i log(G_i + delta').
+
+``log p(D | theta*)`` does not depend on ``delta'``: the search needs nothing but ``q_g`` (no data
+at the server). In ``t = log delta'`` the derivative is ``1/2 [sum_i G_i / (G_i + delta') -
+delta' ||theta*||^2]``, strictly decreasing, so the objective is concave in ``t`` with one maximiser,
+where ``delta' = gamma / ||theta*||^2`` and ``gamma = sum_i G_i / (G_i + delta')`` is the effective
+number of parameters (MacKay, "A practical Bayesian framework for backpropagation networks", 1992).
+
+**Validation NLL.** The NLL of the marginalised predictive on the validation split, every
+candidate ``delta'`` with the same draws ``eps`` (``theta_s = theta* + eps_s / sqrt(G + delta')``:
+common random numbers, so the objective is a smooth function of ``delta'`` and the comparison is
+not drowned in Monte Carlo noise).
+
+**The search** (:func:`maximise_log_scale`): a grid of ``GRID_POINTS`` values of ``log delta'``
+spanning ``delta * 10^-GRID_DECADES`` to ``delta * 10^GRID_DECADES`` (Laplace Redux's library
+searches a log-spaced grid too), then optax's L-BFGS from the best grid point, whose result is kept
+only where it lies between the best point's grid neighbours and improves on it. With a unimodal
+objective (the marginal likelihood always) this is the objective's maximiser to L-BFGS's
+tolerance, not just the grid's best.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+PyTree = Any
+
+SEARCHES = ("fixed", "marglik", "validation")  # evaluation.prior_precision
+GRID_DECADES = 6.0  # the grid spans delta * 10^-6 .. delta * 10^6
+GRID_POINTS = 49  # half a decade apart
+LBFGS_STEPS = 30
+
+__all__ = [
+    "GRID_DECADES",
+    "GRID_POINTS",
+    "SEARCHES",
+    "curvature",
+    "log_marginal_likelihood",
+    "make_prior_precision_search",
+    "marglik_prior_precision",
+    "maximise_log_scale",
+    "validation_prior_precision",
+    "with_prior_precision",
+]
+
+
+def curvature(variance: PyTree, prior_precision: float) -> PyTree:
+    """``G = 1 / variance - delta``, floored at 0 (the methods keep their precision at least
+    ``delta``; the floor absorbs round-off); ``inf`` where the variance is 0 (a point coordinate)."""
+    return jax.tree.map(lambda v: jnp.where(v > 0, jnp.maximum(1.0 / jnp.where(v > 0, v, 1.0) - prior_precision, 0.0), jnp.inf), variance)
+
+
+def with_prior_precision(curv: PyTree, prior_precision) -> PyTree:
+    """The variance ``1 / (G + delta')`` of the posterior with prior precision ``delta'`` (0 where
+    ``G`` is infinite)."""
+    return jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), 1.0 / (jnp.where(jnp.isfinite(g), g, 0.0) + prior_precision), 0.0), curv)
+
+
+def log_marginal_likelihood(mean: PyTree, curv: PyTree, prior_precision, log_likelihood=0.0) -> jax.Array:
+    """The Laplace approximation of ``log p(D | delta')`` (module docstring):
+    ``log p(D | theta*) + log N(theta*; 0, I / delta') - 1/2 sum_i log((G_i + delta') / (2 pi))``
+    over the coordinates with finite curvature ``G``.
+
+    Args:
+      mean: ``theta*``, the posterior mean (the MAP).
+      curv: ``G`` (:func:`curvature`), a pytree like ``mean``.
+      prior_precision: ``delta'`` > 0.
+      log_likelihood: ``log p(D | theta*)``; the default 0 leaves it out (it does not depend on
+        ``delta'``).
+    """
+    delta = jnp.asarray(prior_precision, jnp.float32)
+    log_2pi = jnp.log(2.0 * jnp.pi)
+
+    def leaf(m, g):
+        gauss = jnp.isfinite(g)
+        g0 = jnp.where(gauss, g, 0.0)
+        log_prior = -0.5 * delta * jnp.square(m) + 0.5 * (jnp.log(delta) - log_2pi)  # log N(m; 0, 1/delta)
+        log_det = jnp.log(g0 + delta) - log_2pi
+        return jnp.sum(jnp.where(gauss, log_prior - 0.5 * log_det, 0.0))
+
+    return log_likelihood + sum(jax.tree.leaves(jax.tree.map(leaf, mean, curv)))
+
+
+def maximise_log_scale(objective: Callable[[jax.Array], jax.Array], center: float, *, decades: float = GRID_DECADES, points: int = GRID_POINTS) -> jax.Array:
+    """``argmax_t objective(t)`` over ``t = log delta'`` in ``[log center - decades ln 10, log
+    center + decades ln 10]``: the best of a grid of ``points`` values, then optax's L-BFGS from it,
+    kept where it stays between the grid neighbours and does not lower the objective. Traceable
+    (``jit`` it with the objective). Returns ``delta' = exp(t)``."""
+    if points < 3:
+        raise ValueError(f"points must be >= 3; got {points}")
+    half = decades * jnp.log(10.0)
+    grid = jnp.log(jnp.asarray(center, jnp.float32)) + jnp.linspace(-half, half, points)
+    values = jax.lax.map(objective, grid)
+    values = jnp.where(jnp.isnan(values), -jnp.inf, values)
+    best = jnp.argmax(values)
+    lo, hi = grid[jnp.maximum(best - 1, 0)], grid[jnp.minimum(best + 1, points - 1)]
+
+    loss = lambda t: -objective(t)  # noqa: E731  optax minimises
+    opt = optax.lbfgs()
+    value_and_grad = optax.value_and_grad_from_state(loss)
+
+    def step(_, carry):
+        t, state = carry
+        value, grad = value_and_grad(t, state=state)
+        updates, state = opt.update(grad, state, t, value=value, grad=grad, value_fn=loss)
+        return optax.apply_updates(t, updates), state
+
+    t0 = grid[best]
+    t, _ = jax.lax.fori_loop(0, LBFGS_STEPS, step, (t0, opt.init(t0)))
+    polished = jnp.clip(t, lo, hi)
+    better = jnp.logical_and(jnp.isfinite(polished), objective(polished) >= values[best])
+    return jnp.exp(jnp.where(better, polished, t0))
+
+
+def _any_gaussian(curv: PyTree) -> jax.Array:
+    return jnp.any(jnp.stack([jnp.any(jnp.isfinite(g)) for g in jax.tree.leaves(curv)]))
+
+
+@jax.jit
+def marglik_prior_precision(mean: PyTree, variance: PyTree, prior_precision: float) -> jax.Array:
+    """The ``delta'`` that maximises the Laplace marginal likelihood of the posterior
+    ``N(mean, variance)`` whose prior precision is ``prior_precision`` (module docstring);
+    ``prior_precision`` itself when no coordinate is Gaussian."""
+    curv = curvature(variance, prior_precision)
+    found = maximise_log_scale(lambda t: log_marginal_likelihood(mean, curv, jnp.exp(t)), prior_precision)
+    return jnp.where(_any_gaussian(curv), found, prior_precision)
+
+
+def validation_prior_precision(nll: Callable[[PyTree], jax.Array], variance: PyTree, prior_precision: float) -> jax.Array:
+    """The ``delta'`` that minimises ``nll(variance')``, the validation NLL of the posterior with
+    variance ``1 / (G + delta')`` (traceable; ``nll`` holds its own fixed draws and mean).
+    ``prior_precision`` itself when no coordinate is Gaussian."""
+    curv = curvature(variance, prior_precision)
+    found = maximise_log_scale(lambda t: -nll(with_prior_precision(curv, jnp.exp(t))), prior_precision)
+    return jnp.where(_any_gaussian(curv), found, prior_precision)
+
+
+def make_prior_precision_search(
+    search: str, prior_precision: float, *, validation_nll: Callable[..., jax.Array] | None = None
+) -> Callable[[jax.Array, PyTree, PyTree], tuple[PyTree, jax.Array]]:
+    """Returns ``tune(key, mean, variance) -> (variance', delta')`` (compiled): the posterior's
+    variance with the prior precision chosen by ``search``, and that precision.
+
+    Args:
+      search: ``"marglik"`` (the Laplace marginal likelihood) or ``"validation"`` (the validation
+        NLL); ``"fixed"`` returns the variance unchanged and ``delta`` itself.
+      prior_precision: ``delta``, the prior part of the posterior's precision
+        (:attr:`fedbayes.algorithms.base.AlgorithmSpec.posterior_prior_precision`), > 0.
+      validation_nll: ``(key, mean, variance) -> NLL`` on the validation split, traceable (e.g. the
+        ``"nll"`` of :func:`fedbayes.evaluation.evaluators.marginal_metrics`); needed by
+        ``"validation"``. ``key`` fixes its draws for every candidate.
+    """
+    if search not in SEARCHES:
+        raise ValueError(f"prior_precision search must be one of {', '.join(SEARCHES)}; got {search!r}")
+    if not prior_precision > 0:
+        raise ValueError(f"prior_precision (the posterior's prior precision delta) must be > 0; got {prior_precision}")
+    if search == "validation" and validation_nll is None:
+        raise ValueError("the validation search needs validation_nll (a validation split: data.validation_fraction > 0)")
+    delta = float(prior_precision)
+
+    @jax.jit
+    def tune(key, mean, variance):
+        if search == "fixed":
+            return variance, jnp.asarray(delta, jnp.float32)
+        if search == "marglik":
+            chosen = marglik_prior_precision(mean, variance, delta)
+        else:
+            chosen = validation_prior_precision(lambda v: validation_nll(key, mean, v), variance, delta)
+        return with_prior_precision(curvature(variance, delta), chosen), chosen
+
+    return tune
