@@ -110,10 +110,13 @@ def test_configs_written_before_the_evaluation_section_are_the_same_config(tmp_p
     from fedbayes.config.schema import resolved, same_config
     from fedbayes.runs.resume import check_resume_config
 
-    cfg = validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": {"marginal_samples": 5, "predictive": "linearised"}})
+    # the keys added after the section (prior_precision, subset_of_weights) at what they meant then
+    evaluation = {"marginal_samples": 5, "predictive": "linearised", "prior_precision": "fixed", "subset_of_weights": "all"}
+    cfg = validate({"algorithm": {"name": "fedep", "burn_in_rounds": 1}, "evaluation": evaluation})
     old = _old_form(cfg)
     assert old["algorithm"]["marginal_samples"] == 5 and "evaluation" not in old
-    assert load_config_text(tmp_path, tomli_w.dumps(old)) == cfg  # an old example file or run folder still loads
+    loaded = load_config_text(tmp_path, tomli_w.dumps(old))  # an old example file still loads, with this version's new keys
+    assert loaded.algorithm == cfg.algorithm and (loaded.evaluation.marginal_samples, loaded.evaluation.predictive) == (5, "linearised")
     assert resolved(old) == cfg.model_dump(mode="json")
     path = tmp_path / "config.toml"
     path.write_text(tomli_w.dumps(old))
@@ -152,16 +155,18 @@ def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterio
         "pvi": ("sample", "fixed", "all"),
         "fedlap_cov": ("linearised", "marglik", "last_layer"),
         "fedlap": ("sample", "fixed", "all"),  # no posterior to evaluate (server_posterior is None): the traits' defaults
-        "fedep": ("linearised", "fixed", "all"),  # the identity method's variance is a scaled prior
+        "fedep": ("linearised", "marglik", "last_layer"),  # the laplace method: a diagonal Laplace
+        "fedep/identity": ("linearised", "fixed", "all"),  # the identity method's variance is a scaled prior
     }
     for name, want in cases.items():
-        e = validate({"algorithm": {"name": name}}).evaluation
+        name, _, method = name.partition("/")
+        e = validate({"algorithm": {"name": name, **({"method": method} if method else {})}}).evaluation
         assert (e.predictive, e.prior_precision, e.subset_of_weights) == want, name
     for method, want in (("laplace", ("linearised", "marglik")), ("ngvi", ("linearised", "marglik")), ("mcmc", ("sample", "fixed"))):
         e = validate({"algorithm": {"name": "fedsep", "method": method}, "client": {"epochs": 2}}).evaluation
         assert (e.predictive, e.prior_precision) == want, method
     # a flat prior (no prior precision, no weight decay): nothing to re-choose
-    assert validate({"algorithm": {"name": "fedep", "method": "laplace", "weight_decay": 0.0, "init": "uniform"}}).evaluation.prior_precision == "fixed"
+    assert validate({"algorithm": {"name": "fedep", "method": "laplace", "weight_decay": 0.0, "prior_precision": 0.0, "init": "uniform"}}).evaluation.prior_precision == "fixed"
     e = validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed"}}).evaluation
     assert (e.predictive, e.prior_precision) == ("sample", "fixed")
     e = validate({"algorithm": {"name": "fedlap_cov"}, "data": {"validation_fraction": 0.1}, "evaluation": {"prior_precision": "validation"}}).evaluation
@@ -235,3 +240,24 @@ def test_resume_reads_a_run_folders_config_as_it_was_written(tmp_path):
     e = load(path, []).evaluation
     assert (e.predictive, e.prior_precision, e.subset_of_weights) == ("linearised", "marglik", "last_layer")
     assert load(path, ["evaluation.predictive=linearised"], stored=True).evaluation.predictive == "linearised"  # --set still wins
+
+
+def test_a_stored_config_keeps_the_method_defaults_it_was_written_with():
+    """Run folders written before the posterior defaults (FedEP's presets, PVI's and FedLap-Cov's
+    damping 0.5) resume with the settings they ran: each method's ``stored_meaning`` fills the keys
+    such a config lacks; a config written now records them and is kept as it is."""
+    from fedbayes.config.schema import stored_meaning
+
+    # [algorithm] tables as the resolved config.toml of the version before held them (None left out)
+    old_fedep = {"name": "fedep", "method": "laplace", "scale": 500.0, "weight_decay": 1e-4, "clip_ratio": 2.0, "prior_precision": 0.0}
+    old_pvi = {"name": "pvi", "delta": 1.0, "samples": 1}
+    old_cov = {"name": "fedlap_cov", "delta": 1.0}
+    server, data = {"clients_per_round": 4}, {"num_clients": 8, "dataset": "digits"}
+    fedep = validate(stored_meaning({"algorithm": old_fedep, "server": server, "data": data})).algorithm
+    assert fedep.preset == "paper" and fedep.ngvi_bias_correction is False and fedep.default_damping(4) == 0.25 and fedep.scale == 500.0
+    assert validate({"algorithm": old_fedep, "server": server, "data": data}).algorithm.preset == "posterior"  # as a new config
+    assert validate(stored_meaning({"algorithm": old_pvi, "server": server, "data": data})).algorithm.rho == 0.25
+    assert validate(stored_meaning({"algorithm": old_cov, "server": server, "data": data})).algorithm.rho == 0.125
+    for name in ("fedep", "pvi", "fedlap_cov"):
+        new = validate({"algorithm": {"name": name}, "server": server, "data": data}).model_dump(mode="json", exclude_none=True)
+        assert stored_meaning(new) == new

@@ -230,6 +230,12 @@ class PriorPrecision(NamedTuple):
         return self.constant + self.per_example * total_examples
 
 
+def as_stored(table: dict, stored: dict) -> dict:
+    """The default :attr:`AlgorithmSpec.stored_meaning`: no key of the method changed its meaning."""
+    del stored
+    return table
+
+
 def no_laplace_prior(hparams: HParams) -> PriorPrecision | None:
     """The default :attr:`AlgorithmSpec.posterior_prior_precision`: the posterior is not data
     curvature plus a known prior precision, so its prior precision cannot be re-chosen post hoc."""
@@ -289,6 +295,12 @@ class AlgorithmSpec:
         posteriors, sample moments, a fixed variance), and then ``evaluation.prior_precision``
         allows only ``"fixed"``. Read it with :meth:`prior_precision_for`.
       divergence_hint: a further likely cause of a non-finite loss, named in the divergence error.
+      stored_meaning: ``(algorithm_table, stored_config) -> algorithm_table``: a run folder's or a
+        checkpoint's ``[algorithm]`` table with each key it lacks set to what it meant when it was
+        written (a key whose default has changed since, or a key added since), so that an old run
+        resumes and evaluates as it ran. A stored config holds every default that was not ``None``,
+        so a key the method records is absent only in a config written before the key existed.
+        The default keeps the table as it is.
     """
 
     name: str
@@ -308,6 +320,7 @@ class AlgorithmSpec:
     divergence_hint: str = ""
     default_predictive: str | Callable[[Any], str] = sampled_predictive
     posterior_prior_precision: Callable[[Any], PriorPrecision | tuple[float, float] | float | None] = no_laplace_prior
+    stored_meaning: Callable[[dict, dict], dict] = as_stored
 
     def __post_init__(self):
         if not (isinstance(self.hparams, type) and issubclass(self.hparams, HParams)):

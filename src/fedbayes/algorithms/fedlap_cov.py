@@ -265,8 +265,8 @@ class FedLapCovConfig(HParams):
 
     name: Literal["fedlap_cov"]
     delta: float = Field(1.0, gt=0, description="prior precision delta, on the sum-loss scale")
-    rho: float | None = Field(
-        None,
+    rho: float = Field(
+        DEFAULT_RHO,
         gt=0,
         le=1,
         description="site damping rho; default 0.5: reaches the diagonal Laplace in ~100-200 rounds where the paper's 1 / num_clients "
@@ -281,8 +281,15 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
     if ctx.apply_fn is None:
         raise ValueError("fedlap_cov: needs the model's apply_fn for the curvature")
     curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
-    rho = hp.rho if hp.rho is not None else DEFAULT_RHO
-    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=rho, init_precision=hp.init_precision)
+    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=hp.rho, init_precision=hp.init_precision)
+
+
+def _stored_meaning(table: dict, stored: dict) -> dict:
+    """A config written before ``rho`` had a value of its own meant ``1 / num_clients``."""
+    if "rho" not in table:
+        data = stored.get("data") if isinstance(stored.get("data"), dict) else {}
+        table["rho"] = 1.0 / data.get("num_clients", 10)
+    return table
 
 
 SPEC = AlgorithmSpec(
@@ -291,5 +298,6 @@ SPEC = AlgorithmSpec(
     # its posterior's width is set by the prior precision
     calibration_advice="raise algorithm.delta, the prior precision (docs/algorithms.md §10)",
     default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta,  # S_g = delta + sum_k V_k: diagonal-GGN Laplace
+    stored_meaning=_stored_meaning,
 )  # fmt: skip
 SPECS = (SPEC,)

@@ -228,8 +228,8 @@ class PVIConfig(HParams):
 
     name: Literal["pvi"]
     delta: float = Field(1.0, gt=0, description="prior precision: p(theta) = N(0, 1/delta), on the sum-loss scale")
-    rho: float | None = Field(
-        None,
+    rho: float = Field(
+        DEFAULT_RHO,
         gt=0,
         le=1,
         description="damping of the site updates; default 0.5 (each site moves half way; 1 / clients_per_round, Ashman et al.'s, is ~5x slower); "
@@ -247,10 +247,18 @@ class PVIConfig(HParams):
 
 def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
     return pvi(
-        ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=hp.rho or DEFAULT_RHO,
+        ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=hp.rho,
         samples=hp.samples, parameterisation=hp.parameterisation, init_std=hp.init_std, init_mean=hp.init_mean,
         allow_improper_sites=hp.improper_sites == "allow", estimator=hp.estimator,
     )  # fmt: skip
+
+
+def _stored_meaning(table: dict, stored: dict) -> dict:
+    """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``."""
+    if "rho" not in table:
+        server = stored.get("server") if isinstance(stored.get("server"), dict) else {}
+        table["rho"] = 1.0 / server.get("clients_per_round", 10)
+    return table
 
 
 SPEC = AlgorithmSpec(
@@ -258,5 +266,6 @@ SPEC = AlgorithmSpec(
     # its posterior's width comes from the prior and the local steps, not a scale
     calibration_advice="set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2",
     default_predictive="sample",  # a variational posterior over the weights themselves
+    stored_meaning=_stored_meaning,
 )  # fmt: skip
 SPECS = (SPEC,)

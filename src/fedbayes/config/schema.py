@@ -280,9 +280,12 @@ def stored_meaning(raw: Any) -> Any:
     algorithm = raw["algorithm"] if isinstance(raw.get("algorithm"), dict) else {}
     evaluation = dict(raw.get("evaluation", {}))
     for key, value in STORED_EVALUATION_DEFAULTS.items():
-        if key not in evaluation and key not in algorithm:
+        if key not in evaluation and not (key in EVALUATION_KEYS and key in algorithm):  # FedEP's own prior_precision is another key
             evaluation[key] = value
-    return {**raw, "evaluation": evaluation}
+    out = {**raw, "evaluation": evaluation}
+    if algorithm.get("name") in registry.names():  # the method's own keys (AlgorithmSpec.stored_meaning)
+        out["algorithm"] = registry.get(algorithm["name"]).stored_meaning(dict(algorithm), raw)
+    return out
 
 
 class RunConfig(_Strict):
