@@ -29,34 +29,35 @@ def make_evaluator(
       num_bins: ECE bins.
     """
     n = len(x)
-    xb, yb, mb = _batches(x, y, batch_size)
+    data = _batches(x, y, batch_size)  # an argument of the compiled function, not a constant of it:
+    # the same model evaluated on another set of this shape (fedbayes compare --shift) reuses its compilation
 
     if task == "classification":
 
         @jax.jit
-        def run(params):
+        def run(params, data):
             def body(acc, batch):
                 xs, ys, ms = batch
                 return metrics.merge_stats(acc, metrics.classification_stats(apply_fn(params, xs), ys, ms, num_bins)), None
 
-            stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), (xb, yb, mb))
+            stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), data)
             return metrics.finalize_stats(stats)
 
     else:
 
         @jax.jit
-        def run(params):
+        def run(params, data):
             def body(acc, batch):
                 xs, ys, ms = batch
                 err = jnp.square(apply_fn(params, xs) - ys) * ms
                 return acc + jnp.sum(err), None
 
-            sse, _ = jax.lax.scan(body, jnp.zeros(()), (xb, yb, mb))
+            sse, _ = jax.lax.scan(body, jnp.zeros(()), data)
             mse = sse / n
             return {"mse": mse, "rmse": jnp.sqrt(mse)}
 
     def evaluate(params) -> dict[str, float]:
-        return {k: float(v) for k, v in run(params).items()}
+        return {k: float(v) for k, v in run(params, data).items()}
 
     return evaluate
 
@@ -114,10 +115,12 @@ def make_marginal_evaluator(
 ) -> Callable[..., dict[str, float]]:
     """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction
     (:func:`marginal_metrics`, compiled)."""
-    run = jax.jit(marginal_metrics(apply_fn, x, y, num_samples=num_samples, batch_size=batch_size, num_bins=num_bins, predictive=predictive))
+    _check_marginal(num_samples, predictive)
+    data = _batches(x, y, batch_size)  # an argument, not a constant (as make_evaluator's)
+    run = jax.jit(lambda key, mean, variance, data: _marginal_stats(apply_fn, key, mean, variance, data, num_samples, num_bins, predictive))
 
     def evaluate(key, mean, variance) -> dict[str, float]:
-        return {k: float(v) for k, v in run(key, mean, variance).items()}
+        return {k: float(v) for k, v in run(key, mean, variance, data).items()}
 
     return evaluate
 
@@ -155,30 +158,39 @@ def marginal_metrics(
 
     With ``variance = 0`` every sample is the mean and both equal the point prediction.
     """
+    _check_marginal(num_samples, predictive)
+    data = _batches(x, y, batch_size)
+
+    def run(key, mean, variance):
+        return _marginal_stats(apply_fn, key, mean, variance, data, num_samples, num_bins, predictive)
+
+    return run
+
+
+def _check_marginal(num_samples: int, predictive: str) -> None:
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1; got {num_samples}")
     if predictive not in PREDICTIVES:
         raise ValueError(f"predictive must be one of {', '.join(PREDICTIVES)}; got {predictive!r}")
-    xb, yb, mb = _batches(x, y, batch_size)
 
-    def run(key, mean, variance):
-        keys = optax.tree.split_key_like(key, mean)
-        steps = jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
 
-        def logits(step, xs):
-            if predictive == "sample":
-                return apply_fn(optax.tree.add(mean, step), xs)
-            f, jd = jax.jvp(lambda p: apply_fn(p, xs), (mean,), (step,))
-            return f + jd
+def _marginal_stats(apply_fn, key, mean, variance, data, num_samples: int, num_bins: int, predictive: str) -> dict[str, jax.Array]:
+    """:func:`marginal_metrics` on the batched set ``data = (xb, yb, mb)``."""
+    keys = optax.tree.split_key_like(key, mean)
+    steps = jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
 
-        def body(acc, batch):
-            xs, ys, ms = batch
-            log_probs = jax.vmap(lambda s: jax.nn.log_softmax(logits(s, xs), axis=-1))(steps)
-            # log of the mean probability, stably: logsumexp over samples minus log S.
-            log_mean = jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(num_samples))
-            return metrics.merge_stats(acc, metrics.classification_stats(log_mean, ys, ms, num_bins)), None
+    def logits(step, xs):
+        if predictive == "sample":
+            return apply_fn(optax.tree.add(mean, step), xs)
+        f, jd = jax.jvp(lambda p: apply_fn(p, xs), (mean,), (step,))
+        return f + jd
 
-        stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), (xb, yb, mb))
-        return metrics.finalize_stats(stats)
+    def body(acc, batch):
+        xs, ys, ms = batch
+        log_probs = jax.vmap(lambda s: jax.nn.log_softmax(logits(s, xs), axis=-1))(steps)
+        # log of the mean probability, stably: logsumexp over samples minus log S.
+        log_mean = jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(num_samples))
+        return metrics.merge_stats(acc, metrics.classification_stats(log_mean, ys, ms, num_bins)), None
 
-    return run
+    stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), data)
+    return metrics.finalize_stats(stats)
