@@ -208,6 +208,8 @@ def load_leaf(folder: str | os.PathLike, name: str = "leaf", num_classes: int | 
         raise DataError(f"{folder}: the train split holds no examples")
     if x_test.shape[0] == 0:
         raise DataError(f"{folder}: the test split holds no examples")
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise DataError(f"{folder}: train examples have {x_train.shape[1:]} features but test examples {x_test.shape[1:]}")
     if text:
         if num_classes not in (None, NUM_LETTERS):
             raise ValueError(f"num_classes for LEAF text must be {NUM_LETTERS}, got {num_classes}")
