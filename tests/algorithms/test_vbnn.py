@@ -352,6 +352,33 @@ def test_std_norm_and_kl():
     assert logvar_quantiles(params, (0.0, 1.0)) == (-20.0, pytest.approx(math.log(0.25)))
 
 
+def test_fan_in_prior():
+    params = {"l": {"kernel_mean": jnp.full((4, 2), 0.5), "kernel_logvar": jnp.full((4, 2), math.log(0.1)), "bias": jnp.ones(2)}}
+    s2, var = 0.25, 0.1  # fan_in 4
+    want = 8 * 0.5 * (var / s2 + 0.25 / s2 - 1.0 - math.log(var / s2))
+    np.testing.assert_allclose(kl_to_prior(params, "fan_in"), want, rtol=1e-5)
+    np.testing.assert_allclose(kl_to_prior(params, 0.25), want, rtol=1e-5)
+    with pytest.raises(ValueError, match="prior_variance"):
+        kl_to_prior(params, "unit")
+    with pytest.raises(ValueError, match="prior_variance"):
+        vbnn(LocalTrainer(None, optax.sgd(0.1), 1, 4), lambda p, k, x: x, prior_variance=-1.0, total_examples=10)
+
+
+def test_paper_variant_initialises_and_predicts_as_the_published_code():
+    model = make_model("mlp", 3, variational=True, hidden=(50,))
+    params = init_params(model, jax.random.key(0), (40,))
+    algo = vbnn(LocalTrainer(None, optax.sgd(0.1), 1, 4), apply_with_key(model), variant="paper")
+    state = algo.server_init(jax.random.key(1), params)
+    stored = split_variational(state.params)[1]
+    flat = jnp.concatenate([v.ravel() for v in stored.values()])
+    np.testing.assert_allclose(float(jnp.mean(flat)), -9.0, atol=1e-3)
+    np.testing.assert_allclose(float(jnp.std(flat)), 1e-3, rtol=0.1)
+    for v in split_variational(algo.server_params(state))[1].values():
+        np.testing.assert_array_equal(v, -8.0)  # evaluated as the forward pass sees them
+    bayes = vbnn(LocalTrainer(None, optax.sgd(0.1), 1, 4), apply_with_key(model), total_examples=100)
+    jax.tree.map(np.testing.assert_array_equal, bayes.server_params(bayes.server_init(jax.random.key(1), params)), params)
+
+
 # ----- the layer -----------------------------------------------------------------------------------
 
 

@@ -88,13 +88,14 @@ def variational_data_loss(apply_fn: Callable) -> Callable:
     return loss
 
 
-def variational_objective(apply_fn: Callable, prior_variance: float = 1.0, variant: str = "bayes", total_examples: int | None = None) -> Callable:
+def variational_objective(apply_fn: Callable, prior_variance: float | str = 1.0, variant: str = "bayes", total_examples: int | None = None) -> Callable:
     """The client objective for one minibatch (module docstring).
 
     Args:
         apply_fn: ``(params, key, x) -> logits``, one stochastic forward pass
             (:func:`fedbayes.models.variational.apply_with_key`).
-        prior_variance: the prior ``N(0, prior_variance)`` per variational weight.
+        prior_variance: the prior ``N(0, prior_variance)`` per variational weight, or
+            ``"fan_in"``: ``N(0, 1 / fan_in)`` (:func:`fedbayes.models.variational.prior_variances`).
         variant: ``"bayes"``: ``mean CE + KL(q || prior) / N`` (the client's share ``n_k / N`` of
             the KL, per example); ``"paper"``: ``mean CE + KL(q || prior) / n_k`` with the
             log-variances clamped to [-8, 8] in both terms (Eq. 3 and the published code).
@@ -150,7 +151,7 @@ def vbnn(
     *,
     aggregation: str = "cf",
     population: int = 1000,
-    prior_variance: float = 1.0,
+    prior_variance: float | str = 1.0,
     accumulation: str = "exact",
     variant: str = "bayes",
     total_examples: int | None = None,
@@ -182,7 +183,8 @@ def vbnn(
         apply_fn: ``(params, key, x) -> logits`` of a variational model.
         aggregation: the server's rule.
         population: PPA's ``N``.
-        prior_variance: the prior's variance per weight (Ozer et al. 2022: 1).
+        prior_variance: the prior's variance per weight (Ozer et al. 2022: 1), or ``"fan_in"``
+            for ``1 / fan_in`` (:func:`fedbayes.models.variational.prior_variances`).
         accumulation: ``"exact"`` or ``"reference_code"`` (``paper`` only; module docstring).
         variant: ``"bayes"`` (default) or ``"paper"`` (the published code; module docstring).
         total_examples: ``N = sum_k n_k`` of the federation (``bayes``: the clients' KL share).
@@ -194,8 +196,8 @@ def vbnn(
             <= 0, ``bayes`` without ``total_examples``, ``logvar_lr <= 0`` or ``reference_code``
             outside ``paper``.
     """
-    if prior_variance <= 0:
-        raise ValueError(f"prior_variance must be > 0, got {prior_variance}")
+    if prior_variance != "fan_in" and (isinstance(prior_variance, str) or not prior_variance > 0):
+        raise ValueError(f"prior_variance must be > 0 or 'fan_in', got {prior_variance!r}")
     _check_variant(variant, total_examples)
     if logvar_lr is not None and logvar_lr <= 0:
         raise ValueError(f"logvar_lr must be > 0, got {logvar_lr}")
@@ -261,13 +263,17 @@ class VBNNConfig(HParams):
         "exact", description="exact (the paper's equations) or reference_code (the published code's running clamp in eaa, gaa, merging; variant paper only)"
     )
     population: int = Field(1000, ge=1, description="PPA: samples drawn from the clients' posteriors")
-    prior_variance: float = Field(1.0, gt=0, description="the prior N(0, prior_variance) per variational weight")
+    prior_variance: float | Literal["fan_in"] = Field(
+        1.0, description="the prior N(0, prior_variance) per variational weight (> 0), or fan_in: N(0, 1 / fan_in)"
+    )
     logvar_lr: float | None = Field(
         None, gt=0, description="Adam's rate for the log-variances; unset: 0.01 in variant bayes, the client's optimizer in variant paper"
     )
 
     @model_validator(mode="after")
     def _reference_code_is_paper(self) -> VBNNConfig:
+        if self.prior_variance != "fan_in" and not self.prior_variance > 0:
+            raise ValueError(f"algorithm.prior_variance must be > 0 or 'fan_in', got {self.prior_variance!r}")
         if self.accumulation != "exact" and self.variant != "paper":
             raise ValueError(
                 f"algorithm.accumulation: {self.accumulation!r} is the published code's sum; set algorithm.variant = 'paper' (got {self.variant!r})"

@@ -69,6 +69,7 @@ __all__ = [
     "merge_variational",
     "paper_clamp",
     "paper_init",
+    "prior_variances",
     "split_variational",
     "std_norm",
     "variance",
@@ -249,16 +250,28 @@ def is_variational(params: Any) -> bool:
     return bool(split_variational(params)[0])
 
 
-def kl_to_prior(params: Any, prior_variance: float = 1.0) -> jax.Array:
-    """``sum KL(N(mu, sigma^2) || N(0, prior_variance))`` over the variational weights, in closed
-    form (:func:`fedbayes.gaussian.kl`), with ``sigma^2 = exp(logvar)`` behind the guard
-    (:func:`variance`), as in the forward pass. Its derivative in a log-variance is
-    ``(sigma^2 / prior_variance - 1) / 2``, non-zero wherever ``sigma^2 != prior_variance``."""
+def prior_variances(means: dict, prior_variance: float | str = 1.0) -> dict:
+    """The prior's variance per variational weight: ``prior_variance`` everywhere (a number), or
+    ``"fan_in"``: ``1 / fan_in`` for a kernel ``[..., fan_in, out]``, the variance of the means'
+    initialisation (the function-space scale of a standard-initialised network)."""
+    if prior_variance == "fan_in":
+        return {k: jnp.full_like(v, 1.0 / v.shape[-2]) for k, v in means.items()}
+    if isinstance(prior_variance, str) or not prior_variance > 0:
+        raise ValueError(f"prior_variance must be > 0 or 'fan_in', got {prior_variance!r}")
+    return {k: jnp.full_like(v, prior_variance) for k, v in means.items()}
+
+
+def kl_to_prior(params: Any, prior_variance: float | str = 1.0) -> jax.Array:
+    """``sum KL(N(mu, sigma^2) || N(0, s^2))`` over the variational weights, in closed form
+    (:func:`fedbayes.gaussian.kl`), with ``sigma^2 = exp(logvar)`` behind the guard
+    (:func:`variance`), as in the forward pass, and ``s^2`` from :func:`prior_variances`. Its
+    derivative in a log-variance is ``(sigma^2 / s^2 - 1) / 2``, non-zero wherever
+    ``sigma^2 != s^2``."""
     means, log_vars, _ = split_variational(params)
     if not means:
         return jnp.zeros((), jnp.float32)
     q = gaussian.from_moments(means, {k: variance(v) for k, v in log_vars.items()})
-    prior = gaussian.from_moments(jax.tree.map(jnp.zeros_like, means), prior_variance)
+    prior = gaussian.from_moments(jax.tree.map(jnp.zeros_like, means), prior_variances(means, prior_variance))
     return gaussian.kl(q, prior)
 
 
