@@ -459,6 +459,8 @@ def test_objective_is_cross_entropy_plus_kl_share():
     np.testing.assert_allclose(paper(params, key, x, y, mask, 50), ce(clamped) + kl_to_prior(clamped) / 50, rtol=1e-6)
     with pytest.raises(ValueError, match="total_examples"):
         variational_objective(apply)
+    cold = variational_objective(apply, total_examples=400, kl_weight=0.1)
+    np.testing.assert_allclose(cold(params, key, x, y, mask, 50), ce(params) + 0.1 * kl_to_prior(params) / 400, rtol=1e-6)
 
 
 def test_log_variance_gradient_is_nonzero_at_initialisation():
@@ -556,6 +558,8 @@ def test_vbnn_rejects_a_deterministic_model_and_keeps_params_when_all_rejected()
         vbnn(trainer, apply_with_key(vmodel))
     with pytest.raises(ValueError, match="logvar_lr"):
         vbnn(trainer, apply_with_key(vmodel), total_examples=10, logvar_lr=0.0)
+    with pytest.raises(ValueError, match="kl_weight"):
+        vbnn(trainer, apply_with_key(vmodel), variant="paper", kl_weight=0.5)
 
 
 def test_aalv_averages_stored_log_variances():

@@ -36,7 +36,7 @@ variance round after round.
 per weight and example (``8e-5`` for 6,000 examples), and the data term's scales with
 ``sigma^2``, so a client's SGD at the means' rate moves ``log sigma^2`` by ``1e-6`` per step. The
 ``bayes`` variant therefore trains the log-variance leaves with their own Adam at ``logvar_lr``
-(default 1e-2; :func:`optax.multi_transform`), and the means and deterministic leaves with the
+(default 3e-3; :func:`optax.multi_transform`), and the means and deterministic leaves with the
 client's optimizer; Adam's steps are of size ``logvar_lr`` whatever the gradient's scale, so
 ``log sigma^2`` can move by O(1) within a few rounds, and its state starts afresh every round like
 the client optimizer's.
@@ -68,7 +68,7 @@ from fedbayes.models.variational import kl_to_prior, merge_variational, paper_cl
 
 __all__ = ["DEFAULT_LOGVAR_LR", "VBNNState", "logvar_labels", "variational_data_loss", "variational_objective", "vbnn"]
 
-DEFAULT_LOGVAR_LR = 1e-2
+DEFAULT_LOGVAR_LR = 3e-3
 
 # ----- the client -------------------------------------------------------------------------------
 
@@ -88,7 +88,9 @@ def variational_data_loss(apply_fn: Callable) -> Callable:
     return loss
 
 
-def variational_objective(apply_fn: Callable, prior_variance: float | str = 1.0, variant: str = "bayes", total_examples: int | None = None) -> Callable:
+def variational_objective(
+    apply_fn: Callable, prior_variance: float | str = 1.0, variant: str = "bayes", total_examples: int | None = None, kl_weight: float = 1.0
+) -> Callable:
     """The client objective for one minibatch (module docstring).
 
     Args:
@@ -100,6 +102,7 @@ def variational_objective(apply_fn: Callable, prior_variance: float | str = 1.0,
             the KL, per example); ``"paper"``: ``mean CE + KL(q || prior) / n_k`` with the
             log-variances clamped to [-8, 8] in both terms (Eq. 3 and the published code).
         total_examples: ``N``, the federation's example count (``bayes`` only).
+        kl_weight: the KL's weight ``lambda`` (``bayes`` only; :func:`vbnn`).
 
     Returns:
         ``f(params, key, x, y, mask, num_examples)`` with ``num_examples`` the client's ``n_k``
@@ -116,7 +119,7 @@ def variational_objective(apply_fn: Callable, prior_variance: float | str = 1.0,
         if variant == "paper":
             clamped = paper_clamp(params)
             return data_loss(clamped, key, x, y, mask) + kl_to_prior(clamped, prior_variance) / n
-        return data_loss(params, key, x, y, mask) + kl_to_prior(params, prior_variance) / float(total_examples)
+        return data_loss(params, key, x, y, mask) + kl_weight * kl_to_prior(params, prior_variance) / float(total_examples)
 
     return objective
 
@@ -156,6 +159,7 @@ def vbnn(
     variant: str = "bayes",
     total_examples: int | None = None,
     logvar_lr: float | None = None,
+    kl_weight: float = 1.0,
 ) -> Algorithm:
     """Federated VBNN with one of the rules of :data:`RULES` (FVBA / FVBWA by the round's weights).
 
@@ -190,6 +194,11 @@ def vbnn(
         total_examples: ``N = sum_k n_k`` of the federation (``bayes``: the clients' KL share).
         logvar_lr: Adam's rate for the log-variance leaves; ``None``: :data:`DEFAULT_LOGVAR_LR`
             in the ``bayes`` variant, the client's optimizer in the ``paper`` variant.
+        kl_weight: ``lambda``, the KL term's weight (``bayes`` only): the client minimises
+            ``-E_q log p(D_k | theta) + lambda (n_k / N) KL(q || p)``. 1 (default) is the
+            variational posterior; below 1 a tempered ("cold") one, Wenzel et al. 2020, "How Good is
+            the Bayes Posterior in Deep Neural Networks Really?", equivalently the likelihood
+            counted ``1 / lambda`` times.
 
     Raises:
         ValueError: for an unknown aggregation or variant, a population below 1, a prior variance
@@ -201,6 +210,8 @@ def vbnn(
     _check_variant(variant, total_examples)
     if logvar_lr is not None and logvar_lr <= 0:
         raise ValueError(f"logvar_lr must be > 0, got {logvar_lr}")
+    if not kl_weight > 0 or (variant == "paper" and kl_weight != 1.0):
+        raise ValueError(f"kl_weight must be > 0 (and 1 in the paper variant), got {kl_weight}")
     aggregator = variational_rule(aggregation, population, accumulation, variant)
     paper = variant == "paper"
     if logvar_lr is None and not paper:
@@ -214,7 +225,7 @@ def vbnn(
     def penalty_fn(n_k):
         if paper:
             return lambda p: kl_to_prior(paper_clamp(p), prior_variance) / n_k
-        return lambda p: kl_to_prior(p, prior_variance) / float(total_examples)
+        return lambda p: kl_weight * kl_to_prior(p, prior_variance) / float(total_examples)
 
     def server_init(key, params):
         if not split_variational(params)[0]:
@@ -267,11 +278,14 @@ class VBNNConfig(HParams):
         1.0, description="the prior N(0, prior_variance) per variational weight (> 0), or fan_in: N(0, 1 / fan_in)"
     )
     logvar_lr: float | None = Field(
-        None, gt=0, description="Adam's rate for the log-variances; unset: 0.01 in variant bayes, the client's optimizer in variant paper"
+        None, gt=0, description="Adam's rate for the log-variances; unset: 0.003 in variant bayes, the client's optimizer in variant paper"
     )
+    kl_weight: float = Field(1.0, gt=0, description="the KL's weight lambda (variant bayes): 1 the variational posterior, < 1 a tempered one")
 
     @model_validator(mode="after")
     def _reference_code_is_paper(self) -> VBNNConfig:
+        if self.kl_weight != 1.0 and self.variant == "paper":
+            raise ValueError(f"algorithm.kl_weight: the paper variant weighs the KL 1, got {self.kl_weight}")
         if self.prior_variance != "fan_in" and not self.prior_variance > 0:
             raise ValueError(f"algorithm.prior_variance must be > 0 or 'fan_in', got {self.prior_variance!r}")
         if self.accumulation != "exact" and self.variant != "paper":
@@ -287,6 +301,7 @@ def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     return vbnn(
         ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance,
         accumulation=hp.accumulation, variant=hp.variant, total_examples=ctx.federation.total_examples, logvar_lr=hp.logvar_lr,
+        kl_weight=hp.kl_weight,
     )  # fmt: skip
 
 
