@@ -98,8 +98,8 @@ def test_identical_clients_fvba_gaa_and_cf_shrink_by_k_paper():
         np.testing.assert_allclose(a, log_var[0] - math.log(k), atol=2e-5, err_msg=rule)
 
 
-@settings(max_examples=20, deadline=None)
-@given(weights_strategy, st.lists(st.floats(-25.0, 5.0), min_size=1, max_size=4), st.floats(-3.0, 3.0), st.integers(1, 20))
+@settings(max_examples=10, deadline=None)
+@given(weights_strategy, st.lists(st.floats(-25.0, 5.0), min_size=1, max_size=4), st.floats(-3.0, 3.0), st.integers(1, 12))
 def test_identical_clients_are_a_fixed_point_round_after_round(weights, alphas, mu, rounds):
     """``bayes``: K clients that agree give back their posterior, and feeding the result back as
     every client's, round after round, stays there (docs/algorithms.md §12.3, the fixed point)."""
@@ -112,7 +112,7 @@ def test_identical_clients_are_a_fixed_point_round_after_round(weights, alphas, 
         for _ in range(rounds):
             m, a = aggregate(rule, jnp.broadcast_to(m, (k, *m.shape)), jnp.broadcast_to(a, (k, *a.shape)), w)
         np.testing.assert_allclose(m, start_m, rtol=1e-5, atol=1e-5, err_msg=rule)
-        np.testing.assert_allclose(a, start_a, rtol=0, atol=1e-5 * rounds + 1e-5, err_msg=rule)
+        np.testing.assert_allclose(a, start_a, rtol=3e-6 * rounds, atol=1e-5 * rounds, err_msg=rule)  # float32 rounding only
 
 
 def test_identical_clients_ppa_stays_within_monte_carlo_error():
