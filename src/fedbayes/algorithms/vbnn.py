@@ -36,7 +36,7 @@ variance round after round.
 per weight and example (``8e-5`` for 6,000 examples), and the data term's scales with
 ``sigma^2``, so a client's SGD at the means' rate moves ``log sigma^2`` by ``1e-6`` per step. The
 ``bayes`` variant therefore trains the log-variance leaves with their own Adam at ``logvar_lr``
-(default 3e-3; :func:`optax.multi_transform`), and the means and deterministic leaves with the
+(default 1e-3; :func:`optax.multi_transform`), and the means and deterministic leaves with the
 client's optimizer; Adam's steps are of size ``logvar_lr`` whatever the gradient's scale, so
 ``log sigma^2`` can move by O(1) within a few rounds, and its state starts afresh every round like
 the client optimizer's.
@@ -68,7 +68,7 @@ from fedbayes.models.variational import kl_to_prior, merge_variational, paper_cl
 
 __all__ = ["DEFAULT_LOGVAR_LR", "VBNNState", "logvar_labels", "variational_data_loss", "variational_objective", "vbnn"]
 
-DEFAULT_LOGVAR_LR = 3e-3
+DEFAULT_LOGVAR_LR = 1e-3
 
 # ----- the client -------------------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ class VBNNConfig(HParams):
         1.0, description="the prior N(0, prior_variance) per variational weight (> 0), or fan_in: N(0, 1 / fan_in)"
     )
     logvar_lr: float | None = Field(
-        None, gt=0, description="Adam's rate for the log-variances; unset: 0.003 in variant bayes, the client's optimizer in variant paper"
+        None, gt=0, description="Adam's rate for the log-variances; unset: 0.001 in variant bayes, the client's optimizer in variant paper"
     )
     kl_weight: float = Field(1.0, gt=0, description="the KL's weight lambda (variant bayes): 1 the variational posterior, < 1 a tempered one")
 
