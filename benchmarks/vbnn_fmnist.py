@@ -284,6 +284,9 @@ def analyse(compare_dir: str, plot: str | None, data_out: str | None) -> str:
             start = _initial_params(config)
             row["logvar_start"] = logvar_quantiles(start, QUANTILES)
             row["logvar_end"] = logvar_quantiles(params, QUANTILES)
+            row["logvar_end_per_layer"] = {
+                "/".join(k): [float(x) for x in np.quantile(np.asarray(v), QUANTILES)] for k, v in split_variational(params)[1].items()
+            }
             flat = lambda p: np.concatenate([np.ravel(np.asarray(v)) for v in split_variational(p)[1].values()])  # noqa: E731
             hists[run.name] = (flat(start), flat(params))
         rows.append(row)
@@ -305,17 +308,22 @@ def analyse(compare_dir: str, plot: str | None, data_out: str | None) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(hists), figsize=(3.2 * len(hists), 2.8), sharey=True, squeeze=False)
+        ncols = min(4, len(hists))
+        nrows = -(-len(hists) // ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows), sharey=True, squeeze=False)
+        for ax in axes.ravel()[len(hists) :]:
+            ax.axis("off")
         lo = min(min(a.min(), b.min()) for a, b in hists.values())
         hi = max(max(a.max(), b.max()) for a, b in hists.values())
         bins = np.linspace(np.floor(lo), np.ceil(hi), 80)
-        for ax, (name, (a, b)) in zip(axes[0], hists.items()):
+        for ax, (name, (a, b)) in zip(axes.ravel(), hists.items()):
             ax.hist(a, bins=bins, alpha=0.6, label="start")
             ax.hist(b, bins=bins, alpha=0.6, label="end")
             ax.set_yscale("log")
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("log sigma^2")
-        axes[0][0].set_ylabel("weights")
+        for row in axes:
+            row[0].set_ylabel("weights")
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(plot, dpi=110)
