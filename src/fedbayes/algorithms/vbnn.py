@@ -174,12 +174,11 @@ def vbnn(
     (:func:`fedbayes.models.variational.kl_to_prior`), not to ``q_g / t_k``, so it is not a
     :class:`~fedbayes.inference.base.CavityInference`. Its variational parameters are the
     model's own ``*_mean``/``*_logvar`` leaves (the server's rules combine them as such), where
-    PVI's are ``(mean, raw_std)`` beside a
-    deterministic model. And the model draws its own noise inside the forward pass from the
-    step's key (``apply_fn(params, key, x)``), where PVI draws weights outside it
-    (:func:`fedbayes.inference.vi.draw_weights`). The ``bayes`` variant shares PVI's point, the prior
-    once in the federation, through the clients' shares of the KL instead of cavities, so its
-    clients stay stateless.
+    PVI's are ``(mean, raw_std)`` beside a deterministic model. And the model draws its own noise
+    inside the forward pass from the step's key (``apply_fn(params, key, x)``), where PVI draws
+    weights outside it (:func:`fedbayes.inference.vi.draw_weights`). The ``bayes`` variant shares
+    PVI's point, the prior once in the federation, through the clients' shares of the KL instead
+    of cavities, so its clients stay stateless.
 
     Args:
         trainer: the client optimizer, epochs and batch size (``trainer.loss_fn`` is replaced by
@@ -202,8 +201,8 @@ def vbnn(
 
     Raises:
         ValueError: for an unknown aggregation or variant, a population below 1, a prior variance
-            <= 0, ``bayes`` without ``total_examples``, ``logvar_lr <= 0`` or ``reference_code``
-            outside ``paper``.
+            <= 0, ``bayes`` without ``total_examples``, ``logvar_lr <= 0``, ``kl_weight <= 0`` (or
+            not 1 in ``paper``) or ``reference_code`` outside ``paper``.
     """
     if prior_variance != "fan_in" and (isinstance(prior_variance, str) or not prior_variance > 0):
         raise ValueError(f"prior_variance must be > 0 or 'fan_in', got {prior_variance!r}")
