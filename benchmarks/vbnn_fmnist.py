@@ -15,7 +15,15 @@ the 10,000 test images (accuracy, ECE-15, NLL), and the variational ones report 
 stored standard deviations (Table 4) and of the clamped ones. One JSON line per finished run is
 appended to ``--out``; a run already there (same settings) is skipped, so the script resumes.
 ``--accumulation reference_code`` sums EAA's and GAA's variances as the paper's published code
-does (``fedbayes.algorithms.vbnn``'s module docstring); its rows carry ``"accumulation"``.
+does (``fedbayes.algorithms.vbnn``'s module docstring); its rows carry ``"accumulation"``. Every
+variational run here is the published code (``vbnn(..., variant="paper")``), whose tables these
+reproduce.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/vbnn_fmnist.py --analyse COMPARE_DIR [--plot PNG] [--data JSON]
+
+reads a ``fedbayes compare`` folder instead (e.g. of ``examples/fmnist_vbnn_bayes.toml``) and prints
+each run's final accuracy, NLL and ECE with its log-variances' quantiles at the start and the end;
+``--plot`` draws their histograms.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from fedbayes.evaluation.metrics import classification_metrics  # noqa: E402
 from fedbayes.evaluation.variational import predictive_metrics  # noqa: E402
 from fedbayes.inference import LocalTrainer  # noqa: E402
 from fedbayes.models import init_params, loss_fn, make_model  # noqa: E402
-from fedbayes.models.variational import apply_with_key  # noqa: E402
+from fedbayes.models.variational import apply_with_key, std_norm  # noqa: E402
 from fedbayes.sim.simulator import Simulator  # noqa: E402
 
 
@@ -75,6 +83,12 @@ def _settings_of(row: dict) -> dict:
     return {k: row[k] for k in SETTING_KEYS if k in row}
 
 
+def _stored_params(sim, state):
+    """The server's stored variational parameters (``VBNNState.params``, before the paper
+    variant's clamp that ``server_params`` applies)."""
+    return state.server_state.params
+
+
 def run_one(args, data, part: str, weighting: str, rule: str) -> dict:
     rng = np.random.default_rng([args.seed, 2])
     params_kw = {"alpha": 0.5} if part == "dirichlet" else {}
@@ -86,7 +100,8 @@ def run_one(args, data, part: str, weighting: str, rule: str) -> dict:
     params = init_params(model, jax.random.fold_in(jax.random.key(args.seed), 3), data.feature_shape)
     if variational:
         apply = apply_with_key(model)
-        algo = vbnn(LocalTrainer(None, optimizer, args.epochs, 64), apply, aggregation=rule, accumulation=args.accumulation)
+        # the published code (variant "paper"): the paper's tables are of it
+        algo = vbnn(LocalTrainer(None, optimizer, args.epochs, 64), apply, aggregation=rule, accumulation=args.accumulation, variant="paper")
     else:
         algo = fedavg(LocalTrainer(loss_fn(model, "classification"), optimizer, args.epochs, 64), make_server_optimizer("sgd", 1.0))
     sim = Simulator(algo, federation, clients_per_round=args.per_round or args.clients, seed=args.seed, weighting=weighting)
@@ -95,9 +110,10 @@ def run_one(args, data, part: str, weighting: str, rule: str) -> dict:
     for _ in range(args.rounds):
         state, info = sim.run_round(state)
     train_s = time.perf_counter() - t0
-    final = sim.server_params(state)
+    final = sim.server_params(state)  # the paper variant's: clamped to [-8, 8], as its forward pass
     if variational:
         metrics = predictive_metrics(apply, final, jax.random.key(1000 + args.seed), data.x_test, data.y_test, num_samples=10)
+        metrics["std_norm"] = float(std_norm(_stored_params(sim, state)))  # Table 4: the stored log-variances
     else:
         logits = jnp.concatenate([model.apply({"params": final}, jnp.asarray(data.x_test[i : i + 2000])) for i in range(0, len(data.x_test), 2000)])
         metrics = {k: float(v) for k, v in classification_metrics(logits, jnp.asarray(data.y_test)).items()}
@@ -229,6 +245,91 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
+
+
+def _initial_params(config):
+    """The run's initial variational parameters as its server holds them after ``server_init``
+    (``fedbayes.runs.build``'s model and key; the paper variant redraws its log-variances)."""
+    from fedbayes import protocol
+    from fedbayes.models.variational import paper_init
+
+    data = load_dataset(config.data.dataset)
+    model = make_model(config.model.name, data.num_classes, variational=True, hidden=tuple(config.model.hidden), activation=config.model.activation)
+    params = init_params(model, protocol.params_key(config.seed), data.feature_shape)
+    if getattr(config.algorithm, "variant", "bayes") == "paper":
+        params = paper_init(protocol.server_init_key(config.seed), params)
+    return params
+
+
+def analyse(compare_dir: str, plot: str | None, data_out: str | None) -> str:
+    """The log-variances at the start and the end of every finished run under ``compare_dir`` (a
+    ``fedbayes compare --out`` folder): min / 5% / median / 95% / max over all variational weights,
+    the final round's accuracy, NLL and ECE (the marginalised predictive for variational runs),
+    and a histogram per run (``plot``). The end is ``model.npz``: the parameters the model predicts
+    with (for the paper variant clamped to [-8, 8], where the forward pass sees them)."""
+    from pathlib import Path
+
+    from fedbayes.models.variational import logvar_quantiles, split_variational
+    from fedbayes.runs.export import load_run
+
+    rows, hists = [], {}
+    for run in sorted(p for p in Path(compare_dir).iterdir() if (p / "model.npz").is_file()):
+        config, params, metrics = load_run(run)
+        last = [m for m in metrics if "accuracy" in m][-1]
+        row = {"run": run.name, "algorithm": config.algorithm.name, "round": last.get("round"), **{k: last[k] for k in ("accuracy", "nll", "ece")}}
+        if config.model.variational:
+            row["variant"] = config.algorithm.variant
+            row["aggregation"] = config.algorithm.aggregation
+            start = _initial_params(config)
+            row["logvar_start"] = logvar_quantiles(start, QUANTILES)
+            row["logvar_end"] = logvar_quantiles(params, QUANTILES)
+            row["logvar_end_per_layer"] = {
+                "/".join(k): [float(x) for x in np.quantile(np.asarray(v), QUANTILES)] for k, v in split_variational(params)[1].items()
+            }
+            flat = lambda p: np.concatenate([np.ravel(np.asarray(v)) for v in split_variational(p)[1].values()])  # noqa: E731
+            hists[run.name] = (flat(start), flat(params))
+        rows.append(row)
+    lines = [
+        "| run | rule (variant) | accuracy | NLL | ECE (%) | log-variance at the start: min / 5% / median / 95% / max | at the end |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        fmt = lambda q: " / ".join(f"{x:.2f}" for x in q)  # noqa: E731
+        rule = f"{r['aggregation'].upper()} ({r['variant']})" if "variant" in r else r["algorithm"]
+        lv = (fmt(r["logvar_start"]), fmt(r["logvar_end"])) if "variant" in r else ("-", "-")
+        lines.append(f"| {r['run']} | {rule} | {r['accuracy']:.4f} | {r['nll']:.4f} | {100 * r['ece']:.2f} | {lv[0]} | {lv[1]} |")
+    if data_out:
+        with open(data_out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if plot and hists:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ncols = min(4, len(hists))
+        nrows = -(-len(hists) // ncols)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows), sharey=True, squeeze=False)
+        for ax in axes.ravel()[len(hists) :]:
+            ax.axis("off")
+        lo = min(min(a.min(), b.min()) for a, b in hists.values())
+        hi = max(max(a.max(), b.max()) for a, b in hists.values())
+        bins = np.linspace(np.floor(lo), np.ceil(hi), 80)
+        for ax, (name, (a, b)) in zip(axes.ravel(), hists.items()):
+            ax.hist(a, bins=bins, alpha=0.6, label="start")
+            ax.hist(b, bins=bins, alpha=0.6, label="end")
+            ax.set_yscale("log")
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("log sigma^2")
+        for row in axes:
+            row[0].set_ylabel("weights")
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
@@ -243,7 +344,13 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/vbnn_runs.jsonl")
     ap.add_argument("--table", action="store_true", help="print the tables of the finished runs in --out beside the paper's, and stop")
+    ap.add_argument("--analyse", metavar="COMPARE_DIR", help="print the log-variance table of a fedbayes compare folder, and stop")
+    ap.add_argument("--plot", help="with --analyse: the histograms' PNG")
+    ap.add_argument("--data", help="with --analyse: the rows as JSON")
     args = ap.parse_args(argv)
+    if args.analyse:
+        print(analyse(args.analyse, args.plot, args.data))
+        return
 
     done = []
     if os.path.exists(args.out):

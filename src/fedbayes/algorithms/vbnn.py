@@ -1,16 +1,53 @@
-"""Federated variational Bayesian neural networks (Ozer et al. 2022 (VBNN aggregation); docs/algorithms.md §12): Bayes-by-backprop clients
-and the server's aggregation rules for variational weights.
+"""Federated variational Bayesian neural networks (Ozer et al. 2022, "How to Combine Variational
+Bayesian Networks in Federated Learning"; docs/algorithms.md §12): Bayes-by-backprop clients and
+the server's aggregation rules for variational weights.
 
 Clients start from the broadcast variational parameters (means, log-variances and deterministic
-weights, :mod:`fedbayes.models.variational`), minimise the mean cross-entropy of one stochastic
-forward pass per minibatch plus ``KL(q || N(0, 1)) / n_k`` (docs/algorithms.md §12.1), and send their
-parameters. The server combines them with one rule of docs/algorithms.md §12.3 applied elementwise to every
-variational weight; deterministic leaves (biases, convolutions) always by the weighted mean,
-exactly as FedAvg's :func:`fedbayes.tree.weighted_mean`. The weights ``beta_k`` are the round's
-client weights normalised to sum 1: uniform gives Ozer et al. 2022 (VBNN aggregation)'s FVBA, ``n_k``-proportional its FVBWA
-(the simulator's ``weighting``).
+weights, :mod:`fedbayes.models.variational`), minimise their objective over minibatches with one
+stochastic forward pass each, and send their parameters. The server combines them with one rule
+(:mod:`fedbayes.aggregators.variational`) applied elementwise to every variational weight;
+deterministic leaves (biases, convolutions) always by the weighted mean, exactly as FedAvg's
+:func:`fedbayes.tree.weighted_mean`. The weights ``beta_k`` are the round's client weights
+normalised to sum 1: uniform gives Ozer et al. 2022's FVBA, ``n_k``-proportional its FVBWA (the
+simulator's ``weighting``; FVBWA is the one under which the ``bayes`` rules are exact).
 
-The rules, ``aggregation`` and ``accumulation``, are :mod:`fedbayes.aggregators.variational`'s.
+**The prior once (``variant = "bayes"``, the default).** The federation's negative ELBO over all
+``N = sum_k n_k`` examples (Ozer et al. 2022, Eq. 2) splits into the clients' shares,
+
+    F(q) = KL(q || p) - sum_k E_q log p(D_k | theta) = sum_k F_k(q),
+    F_k(q) = -E_q log p(D_k | theta) + (n_k / N) KL(q || p),
+
+so each client carries the fraction ``n_k / N`` of the prior's KL and the prior enters ``F`` once.
+Per example (the client's mean cross-entropy), client ``k`` minimises
+``F_k / n_k = mean CE + KL(q || p) / N``. The paper's Eq. 3 gives every client the whole prior,
+``mean CE + KL / n_k``: summed over clients the prior is counted ``K`` times, and a rule that
+multiplies the clients' posteriors (CF, GAA) multiplies ``K`` priors. Why a share of the KL and not
+the prior to the power ``n_k / N`` (a share of ``E_q log p`` only): with the KL share each client's
+optimum is the posterior of its data replicated ``N / n_k`` times under the whole prior, a
+posterior of the whole federation's size, so the clients start every round near their own optimum
+(the broadcast posterior) and the ``beta``-weighted geometric mean of their posteriors is the
+posterior of the union (:mod:`fedbayes.aggregators.variational`); with the tempered prior each
+client's optimum is about ``K`` times wider than the broadcast one, its variances would have to
+grow by ``log K`` every round, and a product of clients that have not got there shrinks the
+variance round after round.
+
+**Variances that learn.** The log-variances get their gradient everywhere (the models' guard
+[-30, 20] is never reached). Their gradient is small: the KL's is ``(sigma^2 / s^2 - 1) / (2N)``
+per weight and example (``8e-5`` for 6,000 examples), and the data term's scales with
+``sigma^2``, so a client's SGD at the means' rate moves ``log sigma^2`` by ``1e-6`` per step. The
+``bayes`` variant therefore trains the log-variance leaves with their own Adam at ``logvar_lr``
+(default 1e-3; :func:`optax.multi_transform`), and the means and deterministic leaves with the
+client's optimizer; Adam's steps are of size ``logvar_lr`` whatever the gradient's scale, so
+``log sigma^2`` can move by O(1) within a few rounds, and its state starts afresh every round like
+the client optimizer's.
+
+**The published code (``variant = "paper"``)**, for reproducing the paper's tables: log-variances
+drawn from ``N(-9, 0.001^2)`` at :meth:`server_init`, clamped to [-8, 8] in the forward pass and
+the KL (:func:`fedbayes.models.variational.paper_clamp`; the gradient of every log-variance is then
+exactly 0), the whole prior at every client (``KL / n_k``), the client's optimizer for every leaf,
+and the rules of Eqs. 4-8 with the clamp (``accumulation`` as the code's sum). The parameters it
+evaluates (``server_params``) are the clamped ones, so the test metrics are those of the code's
+forward pass; the state keeps the stored values, which AALV averages and Table 4's norms are of.
 """
 
 from __future__ import annotations
@@ -21,15 +58,17 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from fedbayes.aggregators.variational import ACCUMULATIONS, RULES, variational_rule
+from fedbayes.aggregators.variational import ACCUMULATIONS, RULES, VARIANTS, variational_rule
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message, stateless_client_init
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
-from fedbayes.models.variational import kl_to_prior, split_variational
+from fedbayes.models.variational import kl_to_prior, merge_variational, paper_clamp, paper_init, split_variational
 
-__all__ = ["VBNNState", "variational_data_loss", "variational_objective", "vbnn"]
+__all__ = ["DEFAULT_LOGVAR_LR", "VBNNState", "logvar_labels", "variational_data_loss", "variational_objective", "vbnn"]
+
+DEFAULT_LOGVAR_LR = 1e-3
 
 # ----- the client -------------------------------------------------------------------------------
 
@@ -49,25 +88,54 @@ def variational_data_loss(apply_fn: Callable) -> Callable:
     return loss
 
 
-def variational_objective(apply_fn: Callable, prior_variance: float = 1.0) -> Callable:
-    """The client objective of docs/algorithms.md §12.1 for one minibatch.
+def variational_objective(
+    apply_fn: Callable, prior_variance: float | str = 1.0, variant: str = "bayes", total_examples: int | None = None, kl_weight: float = 1.0
+) -> Callable:
+    """The client objective for one minibatch (module docstring).
 
     Args:
         apply_fn: ``(params, key, x) -> logits``, one stochastic forward pass
             (:func:`fedbayes.models.variational.apply_with_key`).
-        prior_variance: the prior ``N(0, prior_variance)`` per variational weight.
+        prior_variance: the prior ``N(0, prior_variance)`` per variational weight, or
+            ``"fan_in"``: ``N(0, 1 / fan_in)`` (:func:`fedbayes.models.variational.prior_variances`).
+        variant: ``"bayes"``: ``mean CE + KL(q || prior) / N`` (the client's share ``n_k / N`` of
+            the KL, per example); ``"paper"``: ``mean CE + KL(q || prior) / n_k`` with the
+            log-variances clamped to [-8, 8] in both terms (Eq. 3 and the published code).
+        total_examples: ``N``, the federation's example count (``bayes`` only).
+        kl_weight: the KL's weight ``lambda`` (``bayes`` only; :func:`vbnn`).
 
     Returns:
-        ``f(params, key, x, y, mask, num_examples)`` = masked mean cross-entropy of the batch +
-        ``KL(q || prior) / num_examples`` (the client's ``n_k``; at least 1).
+        ``f(params, key, x, y, mask, num_examples)`` with ``num_examples`` the client's ``n_k``
+        (at least 1).
+
+    Raises:
+        ValueError: for an unknown variant or ``bayes`` without ``total_examples >= 1``.
     """
+    _check_variant(variant, total_examples)
     data_loss = variational_data_loss(apply_fn)
 
     def objective(params, key, x, y, mask, num_examples):
         n = jnp.maximum(jnp.asarray(num_examples, jnp.float32), 1.0)
-        return data_loss(params, key, x, y, mask) + kl_to_prior(params, prior_variance) / n
+        if variant == "paper":
+            clamped = paper_clamp(params)
+            return data_loss(clamped, key, x, y, mask) + kl_to_prior(clamped, prior_variance) / n
+        return data_loss(params, key, x, y, mask) + kl_weight * kl_to_prior(params, prior_variance) / float(total_examples)
 
     return objective
+
+
+def _check_variant(variant: str, total_examples: int | None) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant == "bayes" and (total_examples is None or int(total_examples) < 1):
+        raise ValueError(f"total_examples: the bayes variant needs the federation's example count N >= 1, got {total_examples}")
+
+
+def logvar_labels(params: Any) -> Any:
+    """``"logvar"`` at every log-variance leaf, ``"rest"`` elsewhere: the labels of
+    :func:`optax.multi_transform`."""
+    means, log_vars, det = split_variational(params)
+    return merge_variational({k: "rest" for k in means}, {k: "logvar" for k in log_vars}, jax.tree.map(lambda _: "rest", det))
 
 
 # ----- the algorithm ----------------------------------------------------------------------------
@@ -84,28 +152,33 @@ def vbnn(
     trainer: LocalTrainer,
     apply_fn: Callable,
     *,
-    aggregation: str = "gaa",
+    aggregation: str = "cf",
     population: int = 1000,
-    prior_variance: float = 1.0,
+    prior_variance: float | str = 1.0,
     accumulation: str = "exact",
+    variant: str = "bayes",
+    total_examples: int | None = None,
+    logvar_lr: float | None = None,
+    kl_weight: float = 1.0,
 ) -> Algorithm:
     """Federated VBNN with one of the rules of :data:`RULES` (FVBA / FVBWA by the round's weights).
 
     Clients train their variational parameters by Bayes-by-backprop from the broadcast ones
     (:func:`fedbayes.inference.sgd.run_sgd` with the keyed loss of :func:`variational_data_loss`,
-    fresh noise at every step, and ``KL / n_k`` as the penalty) and send them; the server combines
-    them with the rule (the algorithm's aggregator, :mod:`fedbayes.aggregators.variational`).
+    fresh noise at every step, and the KL term of :func:`variational_objective` as the penalty)
+    and send them; the server combines them with the rule (the algorithm's aggregator,
+    :mod:`fedbayes.aggregators.variational`, in the same variant).
 
     The client is not :func:`fedbayes.inference.vi.reparameterised_vi` (PVI's local VI), for three
     reasons. It has no cavity: its KL is to a fixed prior ``N(0, prior_variance)``
     (:func:`fedbayes.models.variational.kl_to_prior`), not to ``q_g / t_k``, so it is not a
     :class:`~fedbayes.inference.base.CavityInference`. Its variational parameters are the
-    model's own ``*_mean``/``*_logvar`` leaves (log-variances clamped in the forward pass, the
-    server's rules combine them as such), where PVI's are ``(mean, raw_std)`` beside a
-    deterministic model. And the model draws its own noise inside the forward pass from the
-    step's key (``apply_fn(params, key, x)``), where PVI draws weights outside it
-    (:func:`fedbayes.inference.vi.draw_weights`). Sharing ``vi.py`` would change all three, and
-    with them every VBNN result.
+    model's own ``*_mean``/``*_logvar`` leaves (the server's rules combine them as such), where
+    PVI's are ``(mean, raw_std)`` beside a deterministic model. And the model draws its own noise
+    inside the forward pass from the step's key (``apply_fn(params, key, x)``), where PVI draws
+    weights outside it (:func:`fedbayes.inference.vi.draw_weights`). The ``bayes`` variant shares
+    PVI's point, the prior once in the federation, through the clients' shares of the KL instead
+    of cavities, so its clients stay stateless.
 
     Args:
         trainer: the client optimizer, epochs and batch size (``trainer.loss_fn`` is replaced by
@@ -113,25 +186,56 @@ def vbnn(
         apply_fn: ``(params, key, x) -> logits`` of a variational model.
         aggregation: the server's rule.
         population: PPA's ``N``.
-        prior_variance: the prior's variance per weight (Ozer et al. 2022: 1).
-        accumulation: ``"exact"`` or ``"reference_code"`` (module docstring).
+        prior_variance: the prior's variance per weight (Ozer et al. 2022: 1), or ``"fan_in"``
+            for ``1 / fan_in`` (:func:`fedbayes.models.variational.prior_variances`).
+        accumulation: ``"exact"`` or ``"reference_code"`` (``paper`` only; module docstring).
+        variant: ``"bayes"`` (default) or ``"paper"`` (the published code; module docstring).
+        total_examples: ``N = sum_k n_k`` of the federation (``bayes``: the clients' KL share).
+        logvar_lr: Adam's rate for the log-variance leaves; ``None``: :data:`DEFAULT_LOGVAR_LR`
+            in the ``bayes`` variant, the client's optimizer in the ``paper`` variant.
+        kl_weight: ``lambda``, the KL term's weight (``bayes`` only): the client minimises
+            ``-E_q log p(D_k | theta) + lambda (n_k / N) KL(q || p)``. 1 (default) is the
+            variational posterior; below 1 a tempered ("cold") one, Wenzel et al. 2020, "How Good is
+            the Bayes Posterior in Deep Neural Networks Really?", equivalently the likelihood
+            counted ``1 / lambda`` times.
 
     Raises:
-        ValueError: for an unknown aggregation, a population below 1 or a prior variance <= 0.
+        ValueError: for an unknown aggregation or variant, a population below 1, a prior variance
+            <= 0, ``bayes`` without ``total_examples``, ``logvar_lr <= 0``, ``kl_weight <= 0`` (or
+            not 1 in ``paper``) or ``reference_code`` outside ``paper``.
     """
-    if prior_variance <= 0:
-        raise ValueError(f"prior_variance must be > 0, got {prior_variance}")
-    local = trainer._replace(loss_fn=variational_data_loss(apply_fn))
+    if prior_variance != "fan_in" and (isinstance(prior_variance, str) or not prior_variance > 0):
+        raise ValueError(f"prior_variance must be > 0 or 'fan_in', got {prior_variance!r}")
+    _check_variant(variant, total_examples)
+    if logvar_lr is not None and logvar_lr <= 0:
+        raise ValueError(f"logvar_lr must be > 0, got {logvar_lr}")
+    if not kl_weight > 0 or (variant == "paper" and kl_weight != 1.0):
+        raise ValueError(f"kl_weight must be > 0 (and 1 in the paper variant), got {kl_weight}")
+    aggregator = variational_rule(aggregation, population, accumulation, variant)
+    paper = variant == "paper"
+    if logvar_lr is None and not paper:
+        logvar_lr = DEFAULT_LOGVAR_LR
+    model_fn = (lambda p, k, x: apply_fn(paper_clamp(p), k, x)) if paper else apply_fn
+    optimizer = trainer.optimizer
+    if logvar_lr is not None:
+        optimizer = optax.multi_transform({"rest": trainer.optimizer, "logvar": optax.adam(logvar_lr)}, logvar_labels)
+    local = trainer._replace(loss_fn=variational_data_loss(model_fn), optimizer=optimizer)
+
+    def penalty_fn(n_k):
+        if paper:
+            return lambda p: kl_to_prior(paper_clamp(p), prior_variance) / n_k
+        return lambda p: kl_weight * kl_to_prior(p, prior_variance) / float(total_examples)
 
     def server_init(key, params):
-        del key
         if not split_variational(params)[0]:
             raise ValueError("vbnn needs a variational model (leaves <name>_mean and <name>_logvar); got none")
+        if paper:
+            params = paper_init(key, params)
         return VBNNState(params=params, round=jnp.zeros((), jnp.int32))
 
     def client_update(key, params, client_state, data):
         n = jnp.maximum(data.num_examples.astype(jnp.float32), 1.0)
-        new, info = run_sgd(key, params, data, local, lambda p: kl_to_prior(p, prior_variance) / n)
+        new, info = run_sgd(key, params, data, local, penalty_fn(n))
         return new, client_state, info
 
     def server_update(key, state, aggregate):
@@ -147,37 +251,61 @@ def vbnn(
         client_init=stateless_client_init,
         client_update=client_update,
         server_update=server_update,
-        server_params=lambda state: state.params,
+        server_params=(lambda state: paper_clamp(state.params)) if paper else (lambda state: state.params),
         message_ok=finite_message,
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
-        aggregator=variational_rule(aggregation, population, accumulation),
+        aggregator=aggregator,
     )
 
 
 class VBNNConfig(HParams):
-    """Federated variational BNNs (docs/algorithms.md §12): the server's aggregation rule; the
-    model must be variational (``model.variational = true``)."""
+    """Federated variational BNNs (docs/algorithms.md §12): the server's aggregation rule and the
+    variant; the model must be variational (``model.variational = true``)."""
 
     name: Literal["vbnn"]
-    aggregation: Literal[RULES] = Field("gaa", description="eaa, gaa, aalv, ppa, cf or merging")  # type: ignore[valid-type]
+    variant: Literal[VARIANTS] = Field(  # type: ignore[valid-type]
+        "bayes",
+        description="bayes (the prior once, variances that learn, rules with agreement as their fixed point) or paper (Ozer et al. 2022's published code)",
+    )
+    aggregation: Literal[RULES] = Field("cf", description="eaa, gaa, aalv, ppa, cf or merging")  # type: ignore[valid-type]
     accumulation: Literal[ACCUMULATIONS] = Field(  # type: ignore[valid-type]
-        "exact", description="exact (the paper's equations) or reference_code (the published code's running clamp in eaa, gaa, merging)"
+        "exact", description="exact (the paper's equations) or reference_code (the published code's running clamp in eaa, gaa, merging; variant paper only)"
     )
     population: int = Field(1000, ge=1, description="PPA: samples drawn from the clients' posteriors")
-    prior_variance: float = Field(1.0, gt=0, description="the prior N(0, prior_variance) per variational weight")
+    prior_variance: float | Literal["fan_in"] = Field(
+        1.0, description="the prior N(0, prior_variance) per variational weight (> 0), or fan_in: N(0, 1 / fan_in)"
+    )
+    logvar_lr: float | None = Field(
+        None, gt=0, description="Adam's rate for the log-variances; unset: 0.001 in variant bayes, the client's optimizer in variant paper"
+    )
+    kl_weight: float = Field(1.0, gt=0, description="the KL's weight lambda (variant bayes): 1 the variational posterior, < 1 a tempered one")
+
+    @model_validator(mode="after")
+    def _reference_code_is_paper(self) -> VBNNConfig:
+        if self.kl_weight != 1.0 and self.variant == "paper":
+            raise ValueError(f"algorithm.kl_weight: the paper variant weighs the KL 1, got {self.kl_weight}")
+        if self.prior_variance != "fan_in" and not self.prior_variance > 0:
+            raise ValueError(f"algorithm.prior_variance must be > 0 or 'fan_in', got {self.prior_variance!r}")
+        if self.accumulation != "exact" and self.variant != "paper":
+            raise ValueError(
+                f"algorithm.accumulation: {self.accumulation!r} is the published code's sum; set algorithm.variant = 'paper' (got {self.variant!r})"
+            )
+        return self
 
 
 def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     if ctx.keyed_apply_fn is None:
         raise ValueError("vbnn needs a variational model's keyed apply function (model.variational = true)")
     return vbnn(
-        ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance, accumulation=hp.accumulation
-    )
+        ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance,
+        accumulation=hp.accumulation, variant=hp.variant, total_examples=ctx.federation.total_examples, logvar_lr=hp.logvar_lr,
+        kl_weight=hp.kl_weight,
+    )  # fmt: skip
 
 
 SPEC = AlgorithmSpec(
-    "vbnn", VBNNConfig, build, "variational BNN clients (Bayes-by-backprop); six rules to combine their posteriors",
+    "vbnn", VBNNConfig, build, "variational BNN clients (Bayes-by-backprop, the prior once); six rules to combine their posteriors",
     aggregator_policy="own",
     aggregator_note="combines variational parameters with its own rule (algorithm.aggregation), not natural-parameter deltas that a robust rule, a precision cap or DP noise could act on",
     needs_variational_model=True,

@@ -258,7 +258,8 @@ def measure_vbnn(settings) -> dict[str, Any]:
     vmodel = make_model("cnn", NUM_CLASSES, variational=True)
     vparams = init_params(vmodel, jax.random.key(settings.seed), tuple(settings.image_shape))
     trainer = LocalTrainer(None, optimizer=_optimizer(), num_epochs=1, batch_size=settings.cnn_batch)
-    vsim = Simulator(vbnn(trainer, apply_with_key(vmodel), aggregation="gaa"), Federation(x, y, parts), clients_per_round=len(parts), seed=settings.seed)
+    algo = vbnn(trainer, apply_with_key(vmodel), aggregation="gaa", total_examples=sum(len(p) for p in parts))
+    vsim = Simulator(algo, Federation(x, y, parts), clients_per_round=len(parts), seed=settings.seed)
     times = interleaved_times({"cnn_round": cnn_call, "vbnn_round": _round_call(vsim, vparams)}, settings.relative_reps)
     examples = sum(len(p) for p in parts)
     return _throughput_result(
