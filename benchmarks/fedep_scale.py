@@ -61,7 +61,10 @@ def run_mode(mode: str, args: argparse.Namespace, folder: str) -> dict:
     parts = partition("iid", dataset.y_train, args.clients, np.random.default_rng([settings.seed, 2]))
     params, trainer, apply_fn = fb.model_and_trainer(settings, dataset, settings.batch_size, args.epochs)
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
-    algorithm = fb.build_algorithm("fedsep" if mode == "fedsep" else "fedep", trainer, federation.sizes, args.cohort, apply_fn, dataset.task)
+    # preset "paper": the scaled-identity method these measurements were taken with (docs/results/fedep_scale.md)
+    algorithm = fb.build_algorithm(
+        "fedsep" if mode == "fedsep" else "fedep", trainer, federation.sizes, args.cohort, apply_fn, dataset.task, hparams=(("preset", "paper"),)
+    )
     store = "disk" if mode == "fedep-disk" else "memory"
     sim = Simulator(algorithm, federation, clients_per_round=args.cohort, seed=settings.seed, store=store, store_dir=folder if store == "disk" else None)
     built_s = time.perf_counter() - t0

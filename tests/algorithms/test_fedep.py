@@ -384,7 +384,11 @@ def test_config_fedep_and_fedsep():
     with pytest.raises(ConfigError, match=r"algorithm.method.*identity.*mcmc.*laplace.*ngvi"):
         validate({"algorithm": {"name": "fedep", "method": "exact"}})
     with pytest.raises(ConfigError, match=r"client.epochs: the mcmc method"):
-        validate({"algorithm": {"name": "fedep", "method": "mcmc"}, "client": {"epochs": 1}})
+        validate({"algorithm": {"name": "fedep", "method": "mcmc", "preset": "paper"}, "client": {"epochs": 1}})
+    with pytest.raises(ConfigError, match=r"algorithm.initial_precision: the identity method's precision is alpha_cov"):
+        validate({"algorithm": {"name": "fedep", "method": "identity", "preset": "posterior"}})
+    identity = validate({"algorithm": {"name": "fedep", "method": "identity"}}).algorithm  # the paper's heuristics by default
+    assert (identity.preset, identity.scale, identity.weight_decay, identity.clip_ratio) == ("paper", 500.0, 1e-4, 2.0)
     with pytest.raises(ConfigError, match=r"algorithm.sep_power: unknown key"):
         validate({"algorithm": {"name": "fedep", "sep_power": "one_over_k"}})
     with pytest.raises(ConfigError, match=r"algorithm.damping"):

@@ -263,7 +263,7 @@ def test_config_reference_lists_every_key():
     for algorithm in ("fedavg", "fedprox", "feddyn", "admm", "fedpa", "fedep", "fedsep"):
         assert f"[algorithm] name = '{algorithm}'" in text
     fedep = runner.invoke(app, ["config", "fedep"]).output
-    assert "scale = 500.0" in fedep and "(float, > 0)" in fedep and "fedsep" not in fedep
+    assert "scale = 1.0" in fedep and "(float, > 0)" in fedep and "fedsep" not in fedep and "preset = 'posterior'" in fedep
     bad = runner.invoke(app, ["config", "nope"])
     assert bad.exit_code == 2 and "unknown section 'nope'" in bad.output
 

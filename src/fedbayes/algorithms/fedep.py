@@ -23,8 +23,12 @@ Then ``q_g`` becomes ``N(theta_burn, 1 / (alpha_cov N))`` (times the prior) and 
 natural-parameter optimizer starts fresh. A client's site starts as ``q_g^{n_k / N}`` when the client
 is first sampled after burn-in (``Lambda_k = alpha_cov n_k``, ``mu_k = mu_g``): for every client
 sampled in the first EP round this is exactly the benchmark initialisation; for a client first
-sampled later it is FedSEP's estimate of its share of that round's ``q_g``, which needs no
-``K x d`` initial write. ``init="uniform"`` is the paper's initialisation instead: uniform global
+sampled later it is (``exact_late_sites``, the posterior preset) its share of the EP start's
+``q_g / p_0``, computed from the EP start's model that the broadcast carries, so that ``q_g = p_0
+prod_k q_k`` holds exactly under partial participation, or (the paper preset) FedSEP's estimate of
+its share of that round's ``q_g``; neither needs a ``K x d`` initial write. The prior ``p_0`` stays
+one factor of ``q_g``: the sites share ``q_g / p_0``, and FedSEP's cavity is
+``p_0 (q_g / p_0)^(1 - n_k/N)``. ``init="uniform"`` is the paper's initialisation instead: uniform global
 and sites (times the prior), with the sampler starting from the burn-in model where ``Lambda_g = 0``.
 
 **Robustness** (docs/algorithms.md §7.10): a client whose cavity is improper (a negative precision) or whose new
@@ -52,7 +56,7 @@ from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, bur
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.algorithms.sites import (
     GaussianMessage,
-    all_positive,
+    all_non_negative,
     burn_in_switch,
     checked_cavity,
     damped_difference,
@@ -70,7 +74,21 @@ PyTree = Any
 INITS = ("benchmark", "uniform")
 SEP_POWERS = ("data_fraction", "one_over_k")
 
-__all__ = ["ClientState", "EPConfig", "FedEPConfig", "FedSEPConfig", "INITS", "SEP_POWERS", "ServerState", "fedep", "fedsep", "posterior_moments"]
+__all__ = [
+    "DEFAULT_DAMPING",
+    "INITS",
+    "PAPER_SETTINGS",
+    "PRESETS",
+    "SEP_POWERS",
+    "ClientState",
+    "EPConfig",
+    "FedEPConfig",
+    "FedSEPConfig",
+    "ServerState",
+    "fedep",
+    "fedsep",
+    "posterior_moments",
+]
 
 
 class ServerState(NamedTuple):
@@ -81,7 +99,8 @@ class ServerState(NamedTuple):
       fedavg_opt_state: the server optimizer's state over ``theta`` during burn-in.
       opt_state: the natural-parameter optimizer's state (fresh at the end of burn-in).
       round: rounds done.
-      anchor: ``init="uniform"`` only: the sampler's start where ``Lambda_g = 0`` (else ``None``).
+      anchor: ``init="uniform"``: the sampler's start where ``Lambda_g = 0``; FedEP with
+        ``exact_late_sites``: the EP start's model; else ``None``.
     """
 
     q: DiagGaussian
@@ -125,6 +144,7 @@ def _ep_algorithm(
     delta_clip: float | None,
     sep_power: str,
     allow_improper_sites: bool = False,
+    exact_late_sites: bool = False,
 ) -> Algorithm:
     if init not in INITS:
         raise ValueError(f"{name}: init must be one of {', '.join(INITS)}; got {init!r}")
@@ -132,8 +152,10 @@ def _ep_algorithm(
         raise ValueError(f"{name}: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
     if not damping > 0:
         raise ValueError(f"{name}: damping must be > 0; got {damping}")
-    if init == "benchmark" and not alpha_cov > 0:
-        raise ValueError(f"{name}: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; got {alpha_cov}")
+    if init == "benchmark" and not (alpha_cov > 0 or prior_precision > 0):
+        raise ValueError(
+            f"{name}: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 or prior_precision > 0; got {alpha_cov}"
+        )
     if prior_precision < 0:
         raise ValueError(f"{name}: prior_precision must be >= 0; got {prior_precision}")
     if burn_in_rounds < 0:
@@ -143,6 +165,10 @@ def _ep_algorithm(
     site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
     total = float(total_examples)
     uniform = init == "uniform"
+    keeps_anchor = uniform or (exact_late_sites and stateful)  # the broadcast carries the EP start's model
+
+    def prior_like(theta) -> DiagGaussian:
+        return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=optax.tree.full_like(theta, prior_precision))
 
     def ep_start(theta) -> tuple[DiagGaussian, PyTree]:
         """``q_g`` at the start of EP from the model ``theta`` (docs/algorithms.md §7.3), and the anchor."""
@@ -150,7 +176,7 @@ def _ep_algorithm(
             lam = optax.tree.full_like(theta, prior_precision)
             return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=lam), theta
         lam = optax.tree.full_like(theta, alpha_cov * total + prior_precision)
-        return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, theta), precision=lam), None
+        return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, theta), precision=lam), (theta if keeps_anchor else None)
 
     def model_q(theta) -> DiagGaussian:
         return DiagGaussian(precision_mean=theta, precision=optax.tree.ones_like(theta))
@@ -158,7 +184,7 @@ def _ep_algorithm(
     def server_init(key, params):
         del key
         if burn_in_rounds > 0:
-            q, anchor = model_q(params), (params if uniform else None)
+            q, anchor = model_q(params), (params if keeps_anchor else None)
         else:
             q, anchor = ep_start(params)
         return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor)
@@ -175,6 +201,7 @@ def _ep_algorithm(
     def client_update(key, message: Broadcast, cstate, data):
         q = message.q
         n = data.num_examples.astype(jnp.float32)
+        prior = prior_like(q.precision_mean)
 
         def burn_in():
             theta = q.precision_mean  # Lambda = 1 during burn-in
@@ -190,14 +217,23 @@ def _ep_algorithm(
                 def fresh():
                     if uniform:
                         return gaussian.uniform_like(q.precision), q
-                    return gaussian.power(q, share), gaussian.power(q, rest)
+                    # the site's share of q_g / p_0: the prior stays one factor of q_g, not K sites' shares.
+                    # exact_late_sites: the share of the EP start's q_g, the factor q_g has held for this
+                    # client since then, so q_g = p_0 prod_k q_k stays exact for a client first sampled late.
+                    if exact_late_sites:
+                        site = gaussian.power(gaussian.quotient(ep_start(message.anchor)[0], prior), share)
+                        return site, gaussian.quotient(q, site)
+                    # p_0 (q_g / p_0)^rest: without a prior, bitwise the power q_g^rest of the paper's code
+                    likelihoods = gaussian.quotient(q, prior)
+                    return gaussian.power(likelihoods, share), gaussian.product(prior, gaussian.power(likelihoods, rest))
 
                 # lax.cond, not a select: a client run on its own (the sequential layout) computes
                 # only the branch it takes; under vmap this is a select again.
                 site, cavity = jax.lax.cond(cstate.initialized, lambda: (cstate.site, gaussian.quotient(q, cstate.site)), fresh)
             else:
                 frac = rest if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
-                cavity = gaussian.power(q, frac)
+                # p_0 (q_g / p_0)^frac: the power acts on the shared site f^K, not on the prior
+                cavity = gaussian.product(prior, gaussian.power(gaussian.quotient(q, prior), frac))
             cavity, cavity_ok = checked_cavity(cavity, q)
             start = safe_mean(q, message.anchor if uniform else q.precision_mean)
             tilted, info = inference(key, start, cavity, data)
@@ -205,7 +241,8 @@ def _ep_algorithm(
             if not stateful:
                 return GaussianMessage(step, cavity_ok), cstate, info
             new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
-            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, all_positive(new_site.precision))
+            # a zero site precision is a flat factor (no information there), not an improper one
+            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, all_non_negative(new_site.precision))
             return GaussianMessage(step, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
 
         return burn_in_switch(burn_in_rounds, message.ep, ep_round, burn_in)
@@ -216,7 +253,7 @@ def _ep_algorithm(
         done = state.round + 1 >= burn_in_rounds
         q_ep, _ = ep_start(theta)
         q = jax.tree.map(lambda a, b: jnp.where(done, a, b), q_ep, model_q(theta))
-        anchor = None if not uniform else theta
+        anchor = theta if keeps_anchor else None
         return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor), {"precision_guarded": jnp.zeros((), jnp.int32)}
 
     def ep_server(state, aggregate):
@@ -276,6 +313,7 @@ def fedep(
     prior_precision: float = 0.0,
     delta_clip: float | None = None,
     allow_improper_sites: bool = False,
+    exact_late_sites: bool = False,
 ) -> Algorithm:
     """Stateful FedEP (Guo et al. 2023 (FedEP) Alg. 1; docs/algorithms.md §7.1-7.7).
 
@@ -300,11 +338,18 @@ def fedep(
         robust server). The mcmc method's rescaling (docs/algorithms.md §7.6 M.3) redistributes the
         cavity's precision and routinely gives such sites, so it needs ``True`` to follow the
         paper, whose code has no guard (docs/algorithms.md §7.10).
+      exact_late_sites: ``init="benchmark"``: a client first sampled after the first EP round starts
+        its site at its share of the EP start's ``q_g / p_0`` (the broadcast then carries the EP
+        start's model, ``d`` more floats), so ``q_g = p_0 prod_k q_k`` holds exactly under partial
+        participation; ``False`` (the paper preset) takes the share of the current ``q_g``, which
+        leaves ``q_g`` short of that share's precision (variances 3-4x too wide at 3 of 10 clients
+        on breast cancer, docs/results/posterior_defaults.md).
     """
     return _ep_algorithm(
         "fedep", trainer, server_optimizer, inference, stateful=True, total_examples=total_examples, num_clients=num_clients,
         damping=damping, alpha_cov=alpha_cov, site_optimizer=site_optimizer, burn_in_rounds=burn_in_rounds, init=init,
         prior_precision=prior_precision, delta_clip=delta_clip, sep_power="data_fraction", allow_improper_sites=allow_improper_sites,
+        exact_late_sites=exact_late_sites,
     )  # fmt: skip
 
 
@@ -333,27 +378,87 @@ def fedsep(
     )  # fmt: skip
 
 
+PRESETS = ("posterior", "paper")
+# The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
+# fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
+PAPER_SETTINGS = {"method": "identity", "scale": 500.0, "clip_ratio": 2.0, "weight_decay": 1e-4, "prior_precision": 0.0, "ngvi_bias_correction": False}
+DEFAULT_DAMPING = 0.5  # the posterior preset's delta (docs/results/posterior_defaults.md)
+
+
 class EPConfig(TiltedSettings):
     """Settings shared by FedEP and FedSEP (docs/algorithms.md §7; Guo et al. 2023 (FedEP) Table 7): the client method's
-    (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones."""
+    (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones.
 
-    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
-        "identity", description="client tilted inference: identity (I), mcmc (M), laplace (L) or ngvi (V)"
+    Two presets fill the fields a config leaves unset; without a ``preset``, a config that asks for
+    the identity or mcmc method gets ``"paper"`` (their variance is a hyperparameter, not the
+    data's: the paper's heuristics are what they are), any other ``"posterior"``. ``"posterior"`` (the default): the laplace
+    method with sites at the likelihood's scale (``scale = 1``, no Fisher clipping, bias-corrected
+    NGVI), the prior ``N(0, 1 / prior_precision)`` (``prior_precision = 1``, ``weight_decay = 0``)
+    and damping ``0.5``: the laplace and ngvi methods then reach the diagonal Laplace at the MAP
+    (docs/results/posterior_defaults.md). ``"paper"``: Guo et al. 2023 (FedEP)'s heuristics
+    (:data:`PAPER_SETTINGS`: identity method, ``scale = 500``, ``clip_ratio = 2``,
+    ``weight_decay = 1e-4``, no separate prior, uncorrected NGVI, damping ``1 / clients_per_round``)
+    for reproducing its tables; its variances are set by ``scale``, not by the data.
+    """
+
+    preset: Literal[PRESETS] = Field(  # type: ignore[valid-type]
+        "posterior",
+        description="defaults of the unset fields: posterior (laplace, scale 1, clip 0, prior N(0, 1/prior_precision), damping 0.5: "
+        "the family's posterior) or paper (Guo et al.'s heuristics: identity, scale 500, clip 2, weight_decay 1e-4, damping 1/M); "
+        "unset, paper for method identity or mcmc (their variance is a hyperparameter), posterior otherwise",
     )
-    damping: float | None = Field(None, gt=0, le=1, description="delta; default 1 / clients_per_round")
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "laplace",
+        description="client tilted inference: laplace (L, default) or ngvi (V) give a posterior; identity (I) and mcmc (M) "
+        "give a variance set by alpha_cov = scale * (initial_precision + weight_decay), a hyperparameter, not the data",
+    )
+    damping: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="delta; default 0.5 (preset posterior: ~200 rounds to the diagonal Laplace on breast cancer, 5x faster than 1/M) or 1 / clients_per_round (preset paper)",
+    )
     delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
     init: Literal[INITS] = Field("benchmark", description="benchmark (docs/algorithms.md §7.3) or uniform (the paper's)")  # type: ignore[valid-type]
-    prior_precision: float = Field(0.0, ge=0, description="precision of a zero-mean Gaussian prior p0 (0: none)")
+    prior_precision: float = Field(
+        1.0,
+        ge=0,
+        description="delta of the prior p0 = N(0, 1/delta), one factor of q_g (default 1: N(0, 1)); weight_decay adds lambda_wd n_k per client on top",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_preset(cls, data):
+        if not isinstance(data, dict):
+            return data
+        preset = data.get("preset")
+        if preset is None:  # the identity and mcmc methods are the paper's heuristics: their preset by default
+            preset = "paper" if data.get("method") in ("identity", "mcmc") else "posterior"
+            data = {**data, "preset": preset}
+        if preset == "paper":
+            data = {**PAPER_SETTINGS, **data}
+        return data
 
     @model_validator(mode="after")
     def _benchmark_needs_alpha_cov(self):
-        if self.init == "benchmark" and not self.alpha_cov > 0:
+        if self.init == "benchmark" and not (self.alpha_cov > 0 or self.prior_precision > 0):
             raise ValueError(
-                "algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0; "
-                "set weight_decay or initial_precision > 0, or init = 'uniform'"
+                "algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 "
+                "or prior_precision > 0; set one of them, or init = 'uniform'"
+            )
+        if self.method in ("identity", "mcmc") and not self.alpha_cov > 0:
+            raise ValueError(
+                f"algorithm.initial_precision: the {self.method} method's precision is alpha_cov = scale * (initial_precision + weight_decay) "
+                "per example and needs it > 0; set initial_precision (or weight_decay), or preset = 'paper'"
             )
         return self
+
+    def default_damping(self, clients_per_round: int) -> float:
+        """``damping`` if set, else the preset's: :data:`DEFAULT_DAMPING` or ``1 / clients_per_round``."""
+        if self.damping is not None:
+            return self.damping
+        return 1.0 / clients_per_round if self.preset == "paper" else DEFAULT_DAMPING
 
 
 class FedEPConfig(EPConfig):
@@ -376,13 +481,15 @@ def _common(hp: EPConfig, ctx: BuildContext) -> dict:
     inference = make_tilted_inference(hp.method, ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     return dict(
         inference=inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
-        damping=hp.damping or 1.0 / ctx.clients_per_round, alpha_cov=hp.alpha_cov, burn_in_rounds=hp.burn_in_rounds,
+        damping=hp.default_damping(ctx.clients_per_round), alpha_cov=hp.alpha_cov, burn_in_rounds=hp.burn_in_rounds,
         init=hp.init, prior_precision=hp.prior_precision, delta_clip=hp.delta_clip,
     )  # fmt: skip
 
 
 def build_fedep(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
-    return fedep(ctx.trainer, ctx.server_optimizer, allow_improper_sites=hp.improper_sites == "allow", **_common(hp, ctx))
+    return fedep(
+        ctx.trainer, ctx.server_optimizer, allow_improper_sites=hp.improper_sites == "allow", exact_late_sites=hp.preset == "posterior", **_common(hp, ctx)
+    )
 
 
 def build_fedsep(hp: FedSEPConfig, ctx: BuildContext) -> Algorithm:

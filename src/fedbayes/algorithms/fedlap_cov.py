@@ -21,7 +21,15 @@ preconditions the way there.
 Choices (those shared with FedLap, :mod:`fedbayes.algorithms.fedlap`, are stated there: the
 mean-loss trainer minimising the objective divided by ``n_k``, the start of local training at the
 initial parameters in round 1 and at ``w_g`` afterwards, partial participation by summed site
-changes, ``rho = 1 / K`` by default, no server optimizer):
+changes, no server optimizer):
+
+* **Defaults that reach the fixed point.** The config's ``rho`` defaults to :data:`DEFAULT_RHO`
+  ``= 0.5``, not the paper's ``1 / K``: each client's site moves half way to its target, whatever
+  the cohort, so partial participation stays convergent; on breast cancer (10 Dirichlet(0.5)
+  clients, SGD clients) the mean is 0.034 from the MAP after 180 rounds at 0.5 and 0.27 at
+  ``1 / K`` (docs/results/posterior_defaults.md). The local solver must be unbiased: plain SGD
+  reaches the fixed point, while Adam (restarted every round, sign-like steps) settles where the
+  median of the minibatch gradients vanishes, 1.0 from the MAP at ``rho = 0.5``.
 
 * **Positivity.** ``V_k`` is a convex combination of ``V_k >= 0`` and the GGN ``H_k >= 0``, so it
   stays non-negative exactly, and ``S_g >= delta``. The server keeps ``S_g`` at least ``delta``
@@ -60,6 +68,7 @@ from fedbayes.inference.curvature import data_curvature
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 PyTree = Any
+DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_defaults.md)
 Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
 INIT_PRECISIONS = ("delta", "zero")
 
@@ -256,7 +265,13 @@ class FedLapCovConfig(HParams):
 
     name: Literal["fedlap_cov"]
     delta: float = Field(1.0, gt=0, description="prior precision delta, on the sum-loss scale")
-    rho: float | None = Field(None, gt=0, le=1, description="site damping rho; default 1 / num_clients")
+    rho: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="site damping rho; default 0.5: reaches the diagonal Laplace in ~100-200 rounds where the paper's 1 / num_clients "
+        "takes ~5x longer (docs/results/posterior_defaults.md); use a plain SGD client: Adam's local optimum is biased",
+    )
     init_precision: Literal[INIT_PRECISIONS] = Field(  # type: ignore[valid-type]
         "delta", description="S_g the clients use in round 1: delta (PVI's) or zero (the authors' code)"
     )
@@ -266,7 +281,7 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
     if ctx.apply_fn is None:
         raise ValueError("fedlap_cov: needs the model's apply_fn for the curvature")
     curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
-    rho = hp.rho if hp.rho is not None else 1.0 / ctx.federation.num_clients
+    rho = hp.rho if hp.rho is not None else DEFAULT_RHO
     return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=rho, init_precision=hp.init_precision)
 
 

@@ -37,6 +37,7 @@ PyTree = Any
 __all__ = [
     "GaussianMessage",
     "all_positive",
+    "all_non_negative",
     "burn_in_switch",
     "checked_cavity",
     "clip_joint_norm",
@@ -70,6 +71,11 @@ def checked_cavity(cavity: DiagGaussian, q: DiagGaussian, rtol: float = 1e-5) ->
 def all_positive(precision: PyTree) -> jax.Array:
     """Whether every precision is strictly positive."""
     return jnp.all(jnp.stack([jnp.all(lam > 0) for lam in jax.tree.leaves(precision)]))
+
+
+def all_non_negative(precision: PyTree) -> jax.Array:
+    """Whether every precision is >= 0 (a zero is a flat factor: no information in that coordinate)."""
+    return jnp.all(jnp.stack([jnp.all(lam >= 0) for lam in jax.tree.leaves(precision)]))
 
 
 def safe_mean(q: DiagGaussian, fallback: PyTree) -> PyTree:

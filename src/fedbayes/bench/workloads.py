@@ -188,12 +188,13 @@ WORKLOADS: dict[str, Workload] = {
             rounds_scale=0.5,
             baseline="fedavg_e3",
             store="device",
+            hparams=(("preset", "paper"),),
             description="FedEP (identity, sites in device memory), 10 of 10 IID clients, 3 epochs",
         ),
         FederatedWorkload("fedavg_e3_100", "fedavg", 100, 10, epochs=3, rounds_scale=2.0, description="FedAvg, 10 of 100 IID clients, 3 epochs"),
         _against_fedavg_e3_100("fedpa_100", "fedpa", "FedPA"),
-        _against_fedavg_e3_100("fedep_100", "fedep", "FedEP (identity, sites in device memory)", store="device"),
-        _against_fedavg_e3_100("fedep_100_host", "fedep", "FedEP (identity, sites in the host memory store)"),
+        _against_fedavg_e3_100("fedep_100", "fedep", "FedEP (identity, sites in device memory)", store="device", hparams=(("preset", "paper"),)),
+        _against_fedavg_e3_100("fedep_100_host", "fedep", "FedEP (identity, sites in the host memory store)", hparams=(("preset", "paper"),)),
         # The methods of the PVI / FedLap family (FedLap-Cov counts its curvature pass; the stateful
         # ones keep their sites in device memory). PVI starts as examples/digits_pvi.toml does
         # (local std 0.1, mean at the model's init): from the prior's std 1 its weight noise makes
@@ -271,7 +272,7 @@ def algorithm_names() -> tuple[str, ...]:
 def build_algorithm(name: str, trainer, federation, clients_per_round: int, apply_fn, task: str, feature_spec=None, hparams=()):
     """The :class:`~fedbayes.algorithms.Algorithm` called ``name``, as the bench runs it: built by
     :mod:`fedbayes.algorithms.registry` from its default settings (FedPA ``rho = 0.01``, one
-    mixing epoch; FedEP/FedSEP the scaled-identity method, damping ``1/M``), with the server
+    mixing epoch; the FedEP workloads ask for ``preset = "paper"``: the scaled-identity method, damping ``1/M``), with the server
     optimizer ``optax.sgd(1.0)`` (the plain sum of the clients' deltas).
 
     Args:

@@ -8,6 +8,12 @@ too wide for the data).
   :func:`divergence_message` says what to change and how to continue.
 * **Calibration**: :class:`CalibrationCheck` warns once when the marginalised accuracy falls more
   than :data:`CALIBRATION_GAP` below the point estimate's.
+* **Fixed point**: :class:`FixedPointCheck` follows the server posterior (mean and variance; the
+  server parameters of a point method) round by round, gives each evaluation record the last
+  round's relative change (``posterior_change``), and warns at the end of a run whose last
+  :data:`FIXED_POINT_WINDOW` rounds still drift, beyond their round-to-round jitter, by more than
+  :data:`FIXED_POINT_MEAN_TOL` (mean) or :data:`FIXED_POINT_VAR_TOL` (the variances' mean log):
+  the run stopped before its fixed point.
 
 The per-method advice (which knob to turn) is read from the method in :func:`divergence_hint`,
 :func:`calibration_advice` and :func:`calibration_after_round`.
@@ -28,13 +34,19 @@ from fedbayes.errors import DivergedError
 __all__ = [
     "CALIBRATION_GAP",
     "DIVERGENCE_METRICS",
+    "FIXED_POINT_MEAN_TOL",
+    "FIXED_POINT_SIGNIFICANCE",
+    "FIXED_POINT_VAR_TOL",
+    "FIXED_POINT_WINDOW",
     "CalibrationCheck",
     "Diverged",
+    "FixedPointCheck",
     "calibration_advice",
     "calibration_after_round",
     "divergence_hint",
     "divergence_message",
     "make_calibration_check",
+    "posterior_snapshot",
     "non_finite",
 ]
 
@@ -136,3 +148,108 @@ class CalibrationCheck:
 def make_calibration_check(config: RunConfig) -> CalibrationCheck:
     """The run's calibration check with the method's burn-in and advice."""
     return CalibrationCheck(config.name, after_round=calibration_after_round(config), **calibration_advice(config))
+
+
+# ----- fixed point -------------------------------------------------------------------------------
+
+FIXED_POINT_WINDOW = 10  # rounds over which the end of a run is judged (two halves)
+FIXED_POINT_MEAN_TOL = 0.01  # relative L2 drift of the mean between the window's halves
+FIXED_POINT_VAR_TOL = 0.05  # drift of the variances' mean log between the window's halves
+FIXED_POINT_SIGNIFICANCE = 3.0  # a drift counts only when this many times its noise level
+
+
+def posterior_snapshot(algorithm, server_state, params) -> tuple[np.ndarray, np.ndarray | None]:
+    """The server posterior on the host, flattened: ``(mean, variance)`` from the method's
+    ``server_posterior``, or ``(params, None)`` for a point method (``params``: the server model)."""
+    posterior = getattr(algorithm, "server_posterior", None)
+    if posterior is not None:
+        mean, var = jax.device_get(posterior(server_state))
+        return _flat(mean), _flat(var)
+    return _flat(jax.device_get(params)), None
+
+
+def _flat(tree) -> np.ndarray:
+    leaves = [np.asarray(v, np.float64).ravel() for v in jax.tree.leaves(tree)]
+    return np.concatenate(leaves) if leaves else np.zeros(0)
+
+
+def _mean_log(v: np.ndarray | None) -> float | None:
+    if v is None:
+        return None
+    ok = (v > 0) & np.isfinite(v)
+    return float(np.mean(np.log(v[ok]))) if ok.any() else 0.0
+
+
+class FixedPointCheck:
+    """Whether a run ended at its fixed point, judged from the server posterior's last rounds.
+
+    Every round :meth:`observe` takes the posterior after it (:func:`posterior_snapshot`) and gives
+    ``change`` for the round's metric record: ``posterior_change``, the relative L2 change of the
+    mean in the round, and ``posterior_var_change``, the change of the variances' mean log.
+
+    :meth:`finish` judges the last ``window`` rounds, split in two halves. A run at its fixed
+    point only jitters there (stochastic local steps, sampled curvature), a run on its way drifts.
+    So the drift is the change between the halves' averages, and it counts only when it is at
+    least :data:`FIXED_POINT_SIGNIFICANCE` times what the round-to-round jitter alone would give
+    (for independent jitter, ``E||avg_2 - avg_1||^2 = E||per-round change||^2 / h``, ``h`` rounds
+    a half; a steady drift gives ``h^1.5`` times that level). A mean drift above
+    :data:`FIXED_POINT_MEAN_TOL` (relative L2) or a drift of the variances' mean log above
+    :data:`FIXED_POINT_VAR_TOL` gives one warning that says how far and what to change. A run
+    shorter than ``2 * window`` rounds, or resumed inside the window, is not judged.
+    """
+
+    def __init__(self, name: str, rounds: int, window: int = FIXED_POINT_WINDOW):
+        self.name, self.rounds, self.window = name, rounds, window
+        self.half = window // 2
+        self.previous: tuple | None = None
+        self.change: dict = {}
+        self.message: str | None = None
+        self.start = rounds - 2 * self.half  # the window is rounds start + 1 .. rounds
+        self.sums: list = [None, None]  # per half: [sum of means, sum of mean log variances, count]
+        self.jitter: list = []  # per round in the window: (||mean change||^2, mean-log-variance change^2)
+
+    def observe(self, round_idx: int, snapshot: tuple) -> None:
+        """Takes the posterior after round ``round_idx`` (the resumed state's too, as a start)."""
+        mean, var = snapshot
+        level = _mean_log(var)
+        if self.previous is not None:
+            m0, level0 = self.previous
+            dm = float(np.linalg.norm(mean - m0) / max(np.linalg.norm(mean), 1e-12))
+            self.change = {"posterior_change": dm} if level is None else {"posterior_change": dm, "posterior_var_change": abs(level - level0)}
+            if round_idx > self.start + 1:
+                self.jitter.append((float(np.sum(np.square(mean - m0))), 0.0 if level is None else (level - level0) ** 2))
+        if self.start < round_idx <= self.rounds and (round_idx == self.start + 1 or self.sums[0] is not None):
+            h = 0 if round_idx <= self.start + self.half else 1
+            if self.sums[h] is None:
+                self.sums[h] = [np.zeros_like(mean), 0.0, 0]
+            self.sums[h][0] = self.sums[h][0] + mean
+            self.sums[h][1] += 0.0 if level is None else level
+            self.sums[h][2] += 1
+        self.previous = (mean, level)
+
+    def finish(self) -> str | None:
+        """The warning (also returned) when the last ``window`` rounds drift beyond their jitter."""
+        if self.rounds < 2 * self.window or self.half < 1 or any(x is None or x[2] != self.half for x in self.sums) or not self.jitter:
+            return None
+        (a, la, _), (b, lb, _) = self.sums
+        a, b, la, lb = a / self.half, b / self.half, la / self.half, lb / self.half
+        jm, jv = (np.mean([j[k] for j in self.jitter]) for k in (0, 1))
+        drift_m = float(np.linalg.norm(b - a))
+        rel_m = drift_m / max(float(np.linalg.norm(b)), 1e-12)
+        has_var = self.previous is not None and self.previous[1] is not None
+        moved = []
+        if rel_m > FIXED_POINT_MEAN_TOL and drift_m > FIXED_POINT_SIGNIFICANCE * np.sqrt(jm / self.half):
+            moved.append(f"mean by {100 * rel_m:.1f}% (relative L2)")
+        drift_v = abs(lb - la)
+        if has_var and drift_v > FIXED_POINT_VAR_TOL and drift_v > FIXED_POINT_SIGNIFICANCE * np.sqrt(jv / self.half):
+            moved.append(f"variances by {100 * drift_v:.1f}% (mean log ratio)")
+        if not moved:
+            return None
+        what = "posterior" if has_var else "model"
+        self.message = (
+            f"{self.name}: the run ended before its fixed point: over the last {self.window} rounds the server {what}'s "
+            f"{' and '.join(moved)} still drifted, beyond its round-to-round jitter (tolerance {100 * FIXED_POINT_MEAN_TOL:.0f}% and "
+            f"{100 * FIXED_POINT_VAR_TOL:.0f}%); its result is not yet the method's answer: run more rounds (rounds), or converge faster "
+            "with a larger damping or more local steps (client.epochs, client.lr); metrics.jsonl's posterior_change shows the trend"
+        )
+        return self.message

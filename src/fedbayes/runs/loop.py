@@ -8,7 +8,10 @@
   for Bayesian methods; ``mse``, ``rmse`` for regression; with ``data.validation_fraction > 0``
   also ``val_accuracy``, ``val_nll``, ``val_ece`` (or ``val_mse``, ``val_rmse``) on the held-out
   split, :mod:`fedbayes.data.holdout`), ``train_loss`` (after round 0: the
-  round's accepted clients' mean training loss, weighted by their example counts) and four
+  round's accepted clients' mean training loss, weighted by their example counts), after round 1
+  ``posterior_change`` (the relative L2 change of the server posterior's mean, or of a point
+  method's model, in the round) and for Bayesian methods ``posterior_var_change`` (the mean change
+  of its log variances; :class:`fedbayes.runs.health.FixedPointCheck`), and four
   counters that are cumulative since round 0: ``seconds`` (training time: the wall time of the
   rounds, evaluation excluded),
   ``bytes_up``, ``bytes_down`` and ``rejected`` (messages refused);
@@ -16,7 +19,8 @@
 * ``model.npz``: the final server parameters (and posterior) by tree path (:mod:`fedbayes.runs.export`);
 * ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
   the end;
-* ``summary.json`` and ``curves.png`` at the end.
+* ``summary.json`` and ``curves.png`` at the end; ``summary.json``'s ``warnings`` lists the run's
+  warnings (a posterior too wide for the data; a run that ended before its fixed point).
 
 Rounds run pipelined (the runner's ``rounds``: round ``r + 1``'s host work and launch overlap
 round ``r``; round ``r``'s evaluation queues behind round ``r + 1``); a :class:`RunRecorder`
@@ -89,9 +93,19 @@ class RunRecorder:
     """
 
     def __init__(
-        self, config: RunConfig, out: Path, exp: Experiment, reporter: Reporter, warn: Callable[[str], None], records: list[dict], last_checkpoint: int | None
+        self,
+        config: RunConfig,
+        out: Path,
+        exp: Experiment,
+        reporter: Reporter,
+        warn: Callable[[str], None],
+        records: list[dict],
+        last_checkpoint: int | None,
+        runner=None,
     ):
         self.config, self.out, self.reporter, self.warn = config, out, reporter, warn
+        runner = runner if runner is not None else exp.simulator
+        self.algorithm, self.server_params = runner.algorithm, runner.server_params  # what the fixed-point check reads
         self.num_clients = len(exp.federation.sizes)
         self.task = exp.dataset.task
         self.records = records
@@ -99,6 +113,7 @@ class RunRecorder:
         self.warned = False  # a divergence was reported (on_divergence = "warn"): no more checkpoints
         self.metrics = folder.MetricsWriter(out / folder.METRICS)
         self.calibration = health.make_calibration_check(config)
+        self.fixed_point = health.FixedPointCheck(config.name, config.rounds)
         self.meta = {"name": config.name, "config": config.model_dump(mode="json"), "config_hash": config_hash(config)}
 
     def is_checkpoint_round(self, r: int) -> bool:
@@ -114,6 +129,7 @@ class RunRecorder:
             r["epsilon"] = privacy_epsilon(p.noise_multiplier, self.num_clients, self.config.server.clients_per_round, round_idx, p.delta)
         if info is not None:
             r["train_loss"] = train_loss(info)
+            r.update(self.fixed_point.change)
         r["seconds"] = round(r["seconds"], 3)
         self.calibration.check(r)
         self.records.append(r)
@@ -135,6 +151,7 @@ class RunRecorder:
             ``summary.json`` then records ``diverged`` (round, metric, last good checkpoint).
         """
         config = self.config
+        self.observe(e.round, state)
         rec = self.record(e.round, e.evaluation, e.counters, e.info) if e.evaluation is not None else None
         bad = e.bad or health.non_finite(rec, None)
         if bad is not None and not self.warned:
@@ -150,6 +167,11 @@ class RunRecorder:
             self.checkpoint(state, e.counters)
         self.reporter.update(e.round, config.rounds, rec)
 
+    def observe(self, round_idx: int, state) -> None:
+        """Hands the server posterior after round ``round_idx`` to the fixed-point check (``state``: a
+        simulator or runner state, whose ``server_state`` is read)."""
+        self.fixed_point.observe(round_idx, health.posterior_snapshot(self.algorithm, state.server_state, self.server_params(state)))
+
     def checkpoint(self, state, counters: dict) -> None:
         """Saves ``state`` with the run's metadata, counters and every record so far (strict JSON)."""
         strict = [json.loads(dumps_record(x)) for x in self.records]
@@ -161,8 +183,11 @@ class RunRecorder:
         config, out = self.config, self.out
         summary = summarize(config, self.records, self.task)
         save_model(out / folder.MODEL, algorithm, server_state)
-        if self.calibration.message:
-            summary["warnings"] = [self.calibration.message]
+        warnings = [m for m in (self.calibration.message, self.fixed_point.finish()) if m]
+        if self.fixed_point.message:
+            self.warn(f"warning: {self.fixed_point.message}")
+        if warnings:
+            summary["warnings"] = warnings
         folder.write_json(out / folder.SUMMARY, summary)
         plot_curves(out / folder.CURVES, {config.name: self.records}, title=config.name, task=self.task)
         return summary
@@ -212,7 +237,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
         for stale in (folder.SUMMARY, folder.CURVES):  # a killed fresh run must not look finished
             (out / stale).unlink(missing_ok=True)
     folder.write_atomic(out / folder.CONFIG, to_toml(config))
-    recorder = RunRecorder(config, out, exp, reporter, warn, records, int(state.round) if ckpt is not None else None)
+    recorder = RunRecorder(config, out, exp, reporter, warn, records, int(state.round) if ckpt is not None else None, runner)
+    recorder.observe(int(state.round), state)
     recorder.metrics.rewrite(records)
     client_log = ClientLog(out / folder.CLIENTS, exp.federation.sizes)
     client_log.restart(state.round)
