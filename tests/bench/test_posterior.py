@@ -89,3 +89,15 @@ def test_every_method_has_a_prior_match_and_a_family():
     for method in posterior.METHODS:
         assert method.family in posterior.FAMILIES
         assert method.algorithm["name"] in posterior.PRIOR_MATCH
+
+
+def test_the_command_line_names_what_it_accepts(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedbayes.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "nope"])
+    assert res.exit_code == 2 and "unknown suite 'nope'; allowed: posterior" in res.output
+    res = runner.invoke(app, ["bench", "posterior", "--out", str(tmp_path), "--dataset", "nope"])
+    assert res.exit_code == 2 and "allowed: breast_cancer, digits_3v8" in res.output

@@ -84,21 +84,24 @@ LINEAR_VARIATIONAL = {"name": "mlp", "hidden": [], "variational": True}
 # ----- the prior, matched per method --------------------------------------------------------------
 
 
-def _ep_prior(lam: float, n: int) -> dict:
-    # FedEP/FedSEP: weight decay acts as a prior of precision weight_decay * n_k in client k's
-    # tilted distribution, weight_decay * N in all; no separate p0.
-    return {"algorithm": {"weight_decay": lam / n, "prior_precision": 0.0}}
+def _ep_prior(lam: float, n: int, algorithm: dict) -> dict:
+    if algorithm.get("preset") == "paper":
+        # the paper preset has no separate p0: weight decay is a prior of precision
+        # weight_decay * n_k in client k's tilted distribution, weight_decay * N in all
+        return {"algorithm": {"weight_decay": lam / n, "prior_precision": 0.0}}
+    # the posterior preset: p0 = N(0, 1 / prior_precision), one factor of q_g; no weight decay on top
+    return {"algorithm": {"prior_precision": lam, "weight_decay": 0.0}}
 
 
-PRIOR_MATCH: dict[str, Callable[[float, int], dict]] = {
-    # method name -> (lambda, N) -> config sections that make its prior N(0, I / lambda) over N examples
+PRIOR_MATCH: dict[str, Callable[[float, int, dict], dict]] = {
+    # method name -> (lambda, N, its [algorithm] section) -> the config sections that make its prior N(0, I / lambda) over N examples
     "fedep": _ep_prior,
     "fedsep": _ep_prior,
-    "pvi": lambda lam, n: {"algorithm": {"delta": lam}},  # p(theta) = N(0, 1/delta) on the sum-loss scale
-    "fedlap_cov": lambda lam, n: {"algorithm": {"delta": lam}},  # the same
-    "vbnn": lambda lam, n: {"algorithm": {"prior_variance": 1.0 / lam}},  # KL to N(0, prior_variance) per variational weight
+    "pvi": lambda lam, n, alg: {"algorithm": {"delta": lam}},  # p(theta) = N(0, 1/delta) on the sum-loss scale
+    "fedlap_cov": lambda lam, n, alg: {"algorithm": {"delta": lam}},  # the same
+    "vbnn": lambda lam, n, alg: {"algorithm": {"prior_variance": 1.0 / lam}},  # KL to N(0, prior_variance) per variational weight
     # FedAvg minimises the mean loss: decay lambda / N is the prior's share of it
-    "fedavg": lambda lam, n: {"client": {"weight_decay": lam / n}},
+    "fedavg": lambda lam, n, alg: {"client": {"weight_decay": lam / n}},
 }
 """The config settings that give each method the prior ``N(0, I / lambda)`` on ``N`` examples."""
 
@@ -114,6 +117,7 @@ class Method:
         family: whose optimum it targets: one of :data:`FAMILIES`.
         model: the ``[model]`` section (logistic regression unless the method needs a variational model).
         kernel_only: compare only the kernel (a variational layer's bias is deterministic).
+        client: ``[client]`` settings a method needs to build at all (else the defaults).
     """
 
     key: str
@@ -122,11 +126,26 @@ class Method:
     family: str
     model: dict = dataclasses.field(default_factory=lambda: dict(LOGREG))
     kernel_only: bool = False
+    client: dict = dataclasses.field(default_factory=dict)
 
 
 def _ep_methods(name: str, label: str) -> list[Method]:
-    family = {"laplace": "diag_laplace", "ngvi": "diag_laplace", "identity": "map", "mcmc": "map"}
-    return [Method(f"{name}_{m}", f"{label} ({m})", {"name": name, "method": m}, family[m]) for m in ("laplace", "ngvi", "identity", "mcmc")]
+    # laplace and ngvi at the defaults (the posterior preset); identity and mcmc have no
+    # data-driven variance (it is 1 / (scale * (initial_precision + weight_decay) * N), a
+    # hyperparameter) and build only with the paper preset's settings, so they run with it
+    rows = [Method(f"{name}_{m}", f"{label} ({m})", {"name": name, "method": m}, "diag_laplace") for m in ("laplace", "ngvi")]
+    # (mcmc estimates its variance from one iterate per epoch: it needs 2 epochs)
+    rows += [
+        Method(
+            f"{name}_{m}",
+            f"{label} ({m}, preset paper{', 2 epochs' if m == 'mcmc' else ''})",
+            {"name": name, "method": m, "preset": "paper"},
+            "map",
+            client={"epochs": 2} if m == "mcmc" else {},
+        )
+        for m in ("identity", "mcmc")
+    ]
+    return rows
 
 
 METHODS: tuple[Method, ...] = (
@@ -207,11 +226,14 @@ class PosteriorBenchSettings:
         max_rounds: the most rounds a method runs before its row is reported as not reaching the bar.
         check_every: rounds between comparisons with the family optimum.
         nuts: the NUTS settings.
+        client: ``[client]`` settings for every method (default: none, the methods' defaults),
+            e.g. a larger local budget to separate a method's fixed point from its local solver.
     """
 
     max_rounds: int = 1000
     check_every: int = 10
     nuts: NUTSSettings = NUTSSettings()
+    client: dict = dataclasses.field(default_factory=dict)
 
 
 FULL = PosteriorBenchSettings()
@@ -221,7 +243,7 @@ QUICK = PosteriorBenchSettings(max_rounds=60, check_every=5, nuts=NUTSSettings(c
 # ----- one problem --------------------------------------------------------------------------------
 
 
-def _config(problem: Problem, folder: Path, method: Method, num_train: int, rounds: int) -> dict:
+def _config(problem: Problem, folder: Path, method: Method, num_train: int, rounds: int, client: dict | None = None) -> dict:
     raw: dict[str, Any] = {
         "name": method.key,
         "seed": 0,
@@ -230,8 +252,9 @@ def _config(problem: Problem, folder: Path, method: Method, num_train: int, roun
         "data": {**problem.data(folder), **problem.split},
         "model": dict(method.model),
         "algorithm": dict(method.algorithm),
+        "client": {**method.client, **(client or {})},  # settings for every method win over a method's own
     }
-    for section, values in PRIOR_MATCH[method.algorithm["name"]](PRIOR_PRECISION, num_train).items():
+    for section, values in PRIOR_MATCH[method.algorithm["name"]](PRIOR_PRECISION, num_train, method.algorithm).items():
         raw.setdefault(section, {}).update(values)
     raw["server"] = {"clients_per_round": problem.split["num_clients"]}
     return raw
@@ -288,17 +311,18 @@ def _row_stats(label, mean, var, nuts, apply_fn, x_test, y_test, kernel_only=Fal
 
 
 def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log) -> dict:
-    raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds)
+    raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
     exp = build_experiment(validate(raw))
     family_mean, family_var = {"diag_laplace": refs.diag_laplace, "mfvi": refs.mfvi, "map": (refs.map, None)}[method.family]
     sim = exp.simulator
     state = sim.init(exp.params)
-    seconds, first_round_s, trajectory, reached_at, comparison = 0.0, None, [], None, None
+    seconds, first_round_s, trajectory, reached_at, comparison, rejected = 0.0, None, [], None, None, 0
     mean = var = None
     for r in range(1, settings.max_rounds + 1):
         start = time.perf_counter()
-        state, _ = sim.run_round(state, donate=True)
+        state, info = sim.run_round(state, donate=True)
         jax.block_until_ready(state.server_state)
+        rejected += len(info.rejected)
         spent = time.perf_counter() - start
         seconds += spent
         first_round_s = spent if first_round_s is None else first_round_s
@@ -306,10 +330,9 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
             continue
         mean, var = _posterior(exp, state.server_state)
         comparison = _compare(mean, var, family_mean, family_var, method.kernel_only)
-        finite = all(bool(np.all(np.isfinite(np.asarray(leaf)))) for leaf in jax.tree.leaves((mean, var)))
+        if not all(bool(np.all(np.isfinite(np.asarray(leaf)))) for leaf in jax.tree.leaves((mean, var))):
+            raise FloatingPointError(f"the server posterior is not finite at round {r}")
         trajectory.append({"round": r, **comparison})
-        if not finite:
-            break
         if _reached(method.family, comparison):
             reached_at = r
             break
@@ -322,6 +345,7 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         reached_round=reached_at,
         seconds=round(seconds, 2),
         first_round_s=round(first_round_s, 2),
+        rejected_messages=rejected,
         trajectory=trajectory,
         config=raw,
     )
@@ -375,7 +399,7 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
     rule = _stopping_rule(settings)
     for method in methods:
         cache = folder / "rows" / f"{method.key}.json"
-        raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds)
+        raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
         try:
             full = validate(raw).model_dump(mode="json")  # every default written out: a changed default reruns the row
         except Exception:  # noqa: BLE001  (the row's own run reports why it does not build)
@@ -441,6 +465,7 @@ def run_posterior_bench(
             "seed": 0,
             "rule": _stopping_rule(settings),
             "nuts": dataclasses.asdict(settings.nuts),
+            "client": settings.client or "the defaults",
         },
         "problems": [run_problem(known[n], out, settings, [by_key[m] for m in chosen], log) for n in names],
     }
@@ -523,5 +548,8 @@ def markdown(result: dict) -> str:
             "|" + "---|" * (header.count("|") - 1),
         ]
         lines += [_row_md(row) for row in problem["rows"]]
+        rejected = [f"{row['label']} {row['rejected_messages']}" for row in problem["rows"] if row.get("rejected_messages")]
+        if rejected:
+            lines += ["", "Client messages rejected by the server's checks (over all rounds run): " + "; ".join(rejected) + "."]
         lines.append("")
     return "\n".join(lines)

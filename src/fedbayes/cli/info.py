@@ -54,13 +54,17 @@ def bench(
     dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="posterior: only this data set (repeatable): breast_cancer, digits_3v8")] = None,
     method: Annotated[Optional[list[str]], typer.Option("--method", help="posterior: only this method (repeatable), e.g. fedep_laplace, pvi")] = None,
     max_rounds: Annotated[Optional[int], typer.Option(min=1, help="posterior: rounds before a method counts as not reaching its family optimum")] = None,
+    client: Annotated[
+        Optional[str],
+        typer.Option(help='posterior: [client] settings for every method as JSON, e.g. \'{"epochs": 3, "batch_size": 8}\' (default: the defaults)'),
+    ] = None,
 ):
     """Round throughput, compile time and peak memory against this machine's compute limit; with
     ``posterior``, each Bayesian method's posterior against NUTS and its family's central optimum."""
     import dataclasses
 
     if suite == "posterior":
-        _bench_posterior(out, quick, dataset, method, max_rounds, json_)
+        _bench_posterior(out, quick, dataset, method, max_rounds, client, json_)
         return
     if suite is not None:
         fail(f"error: bench: unknown suite {suite!r}; allowed: posterior (or none for the throughput bench)")
@@ -83,7 +87,9 @@ def bench(
         console.print(fb.rich_table(results, title=title))
 
 
-def _bench_posterior(out: Path, quick: bool, datasets: list[str] | None, methods: list[str] | None, max_rounds: int | None, json_: bool) -> None:
+def _bench_posterior(
+    out: Path, quick: bool, datasets: list[str] | None, methods: list[str] | None, max_rounds: int | None, client: str | None, json_: bool
+) -> None:
     """``fedbayes bench posterior``: :func:`fedbayes.bench.posterior.run_posterior_bench`."""
     import dataclasses
 
@@ -92,6 +98,11 @@ def _bench_posterior(out: Path, quick: bool, datasets: list[str] | None, methods
     settings = posterior.QUICK if quick else posterior.FULL
     if max_rounds is not None:
         settings = dataclasses.replace(settings, max_rounds=max_rounds)
+    if client is not None:
+        try:
+            settings = dataclasses.replace(settings, client=dict(json.loads(client)))
+        except (ValueError, TypeError):
+            fail(f"error: bench posterior: --client must be a JSON object of [client] settings, got {client!r}")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
     try:
         result = posterior.run_posterior_bench(out, settings, datasets, methods, log=log)
