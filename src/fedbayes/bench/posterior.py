@@ -501,7 +501,10 @@ def _row_md(row: dict) -> str:
     else:
         meets = "-"
     rounds = str(row.get("reached_round") or (f"> {row['rounds']}" if "rounds" in row else "-"))
-    seconds = "-" if "seconds" not in row else (f"{row['seconds']:.1f}" if row.get("reached_round") else f"({row['seconds']:.1f})")
+    seconds = "-"
+    if "seconds" in row:
+        seconds = f"{row['seconds']:.1f} ({row['first_round_s']:.1f})"
+        seconds = seconds if row.get("reached_round") else f"[{seconds}]"
     pred = row.get("predictive", {})
     cells = [
         row["label"],
@@ -527,7 +530,8 @@ def markdown(result: dict) -> str:
         "Bar (issue 27): mean within "
         f"{MEAN_TOLERANCE} relative L2 of the family optimum and median variance ratio in [{VARIANCE_BAND[0]}, {VARIANCE_BAND[1]}] "
         "(MAP family: the mean only). Rounds: the first checked round that meets it (`> R`: not met in R rounds; the row then "
-        "shows round R). Seconds: compute time to that round, the first round's compile included (in brackets when not met).",
+        "shows round R). Seconds: compute time to that round, each round blocked on its results, with the first round's (its compile, "
+        "unless XLA's persistent cache held it) in brackets; in square brackets when the bar was not met.",
         "",
     ]
     header = (
