@@ -11,7 +11,7 @@ own family's centralised optimum, and the run stops once
 
     ||m_q - m_ref|| / ||m_ref|| <= 0.05   and   median_j v_q,j / v_ref,j in [0.8, 1.25]
 
-(the bar of issue 27), or after ``max_rounds``. The family optima
+(the bar this benchmark checks), or after ``max_rounds``. The family optima
 (:mod:`fedbayes.evaluation.reference`, float64 on the pooled training data):
 
 * ``diag_laplace``, ``N(theta*, 1 / diag H)``: FedEP/FedSEP with Laplace or NGVI clients and
@@ -527,7 +527,7 @@ def _row_md(row: dict) -> str:
 def markdown(result: dict) -> str:
     """The benchmark's tables, one per problem, in markdown."""
     lines = [
-        "Bar (issue 27): mean within "
+        "Bar: mean within "
         f"{MEAN_TOLERANCE} relative L2 of the family optimum and median variance ratio in [{VARIANCE_BAND[0]}, {VARIANCE_BAND[1]}] "
         "(MAP family: the mean only). Rounds: the first checked round that meets it (`> R`: not met in R rounds; the row then "
         "shows round R). Seconds: compute time to that round, each round blocked on its results, with the first round's (its compile, "
