@@ -5,7 +5,10 @@ parameter) on data split over clients by the library's Dirichlet(0.5) partition 
 0, all clients in every round). Each Bayesian method is built from a config through
 :func:`fedbayes.runs.build.build_experiment`, as ``fedbayes run`` builds it, **at its defaults**:
 only the data, the model, the prior (:data:`PRIOR_MATCH`), the number of rounds and the cohort
-are set. It runs round by round (:meth:`~fedbayes.sim.simulator.Simulator.run_round`); every
+are set (and, where a method does not build at its defaults, the least that makes it build: the
+identity and mcmc clients of FedEP/FedSEP run with ``preset = "paper"``, mcmc with 2 local
+epochs; :data:`METHODS` says so per row). ``--client`` sets a common ``[client]`` section for
+every method instead of the defaults. It runs round by round (:meth:`~fedbayes.sim.simulator.Simulator.run_round`); every
 ``check_every`` rounds its posterior ``q`` (``algorithm.server_posterior``) is compared with its
 own family's centralised optimum, and the run stops once
 
