@@ -15,6 +15,7 @@ from fedbayes.evaluation.reference import (
     affine_logit_difference,
     affine_predictive_metrics,
     diagonal_laplace,
+    laplace_covariance,
     laplace_marginals,
     map_estimate,
     mean_field_elbo,
@@ -105,6 +106,7 @@ def test_laplace_variances_match_the_closed_form_hessian(classes):
     np.testing.assert_allclose(flat64(var), 1.0 / np.diag(h), rtol=1e-5)
     _, marginal = laplace_marginals(loss, theta)
     np.testing.assert_allclose(flat64(marginal), np.diag(np.linalg.inv(h)), rtol=1e-5)
+    np.testing.assert_allclose(laplace_covariance(loss, theta), np.linalg.inv(h), rtol=1e-5, atol=1e-9)
     # the diagonal-precision approximation is never wider than the true marginal
     assert np.all(flat64(var) <= flat64(marginal) * (1 + 1e-6))
 
@@ -186,6 +188,9 @@ def test_affine_predictive_metrics():
     mc_nll = float(-jnp.mean(jnp.log(probs[jnp.arange(len(y)), y])))
     assert exact["nll"] == pytest.approx(mc_nll, rel=5e-3)
     assert exact["nll"] > point["nll"] - 1.0  # finite and of the same order
+    # a diagonal covariance given in full is the same predictive
+    full = affine_predictive_metrics(apply_fn, theta, None, x, y, covariance=0.3 * np.eye(m.shape[0]))
+    assert full == pytest.approx(exact, rel=1e-6)  # the variance leaves hold float32(0.3)
 
 
 def test_distances():

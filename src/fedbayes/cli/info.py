@@ -43,15 +43,31 @@ def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to lo
 
 
 def bench(
+    suite: Annotated[Optional[str], typer.Argument(help="what to measure: nothing (round throughput) or 'posterior' (posterior quality against NUTS)")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print one JSON object keyed by workload instead of the table")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (about 7 minutes on 2 cores)")] = False,
     workload: Annotated[Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable); limit_b32 always runs")] = None,
     repeats: Annotated[Optional[int], typer.Option(min=1, help="repeat every workload this many times and report medians")] = None,
     rounds: Annotated[Optional[int], typer.Option(min=1, help="steady-state rounds per federated workload")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="folder holding the dataset")] = None,
+    out: Annotated[Path, typer.Option(help="posterior: the folder for the results and the caches (NUTS, finished rows)")] = Path("runs/posterior"),
+    dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="posterior: only this data set (repeatable): breast_cancer, digits_3v8")] = None,
+    method: Annotated[Optional[list[str]], typer.Option("--method", help="posterior: only this method (repeatable), e.g. fedep_laplace, pvi")] = None,
+    max_rounds: Annotated[Optional[int], typer.Option(min=1, help="posterior: rounds before a method counts as not reaching its family optimum")] = None,
+    client: Annotated[
+        Optional[str],
+        typer.Option(help='posterior: [client] settings for every method as JSON, e.g. \'{"epochs": 3, "batch_size": 8}\' (default: the defaults)'),
+    ] = None,
 ):
-    """Round throughput, compile time and peak memory against this machine's compute limit."""
+    """Round throughput, compile time and peak memory against this machine's compute limit; with
+    ``posterior``, each Bayesian method's posterior against NUTS and its family's central optimum."""
     import dataclasses
+
+    if suite == "posterior":
+        _bench_posterior(out, quick, dataset, method, max_rounds, client, json_)
+        return
+    if suite is not None:
+        fail(f"error: bench: unknown suite {suite!r}; allowed: posterior (or none for the throughput bench)")
 
     from fedbayes import bench as fb
 
@@ -69,3 +85,33 @@ def bench(
         print(json.dumps(results))
     else:
         console.print(fb.rich_table(results, title=title))
+
+
+def _bench_posterior(
+    out: Path, quick: bool, datasets: list[str] | None, methods: list[str] | None, max_rounds: int | None, client: str | None, json_: bool
+) -> None:
+    """``fedbayes bench posterior``: :func:`fedbayes.bench.posterior.run_posterior_bench`."""
+    import dataclasses
+
+    from fedbayes.bench import posterior
+
+    settings = posterior.QUICK if quick else posterior.FULL
+    if max_rounds is not None:
+        settings = dataclasses.replace(settings, max_rounds=max_rounds)
+    if client is not None:
+        try:
+            settings = dataclasses.replace(settings, client=dict(json.loads(client)))
+        except (ValueError, TypeError):
+            fail(f"error: bench posterior: --client must be a JSON object of [client] settings, got {client!r}")
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
+    try:
+        result = posterior.run_posterior_bench(out, settings, datasets, methods, log=log)
+    except ValueError as exc:
+        fail(f"error: bench posterior: {exc}")
+    except ImportError as exc:
+        fail(f"error: {exc}")
+    if json_:
+        print(json.dumps(result, default=float))
+    else:
+        print(posterior.markdown(result))
+        log(f"written: {out / 'posterior_quality.md'} and {out / 'posterior_quality.json'}")

@@ -49,6 +49,7 @@ __all__ = [
     "affine_logit_difference",
     "affine_predictive_metrics",
     "diagonal_laplace",
+    "laplace_covariance",
     "laplace_marginals",
     "map_estimate",
     "mean_field_elbo",
@@ -214,6 +215,22 @@ def laplace_marginals(loss: Loss, map_params: PyTree) -> tuple[PyTree, PyTree]:
         return _to32(map_params), _to32(unravel(jnp.asarray(marginal)))
 
 
+def laplace_covariance(loss: Loss, map_params: PyTree) -> np.ndarray:
+    """The full Laplace covariance ``H^{-1}`` at ``map_params``, float64 ``[P, P]`` in the flat
+    order of ``ravel_pytree`` (for a predictive that keeps the correlations).
+
+    Raises:
+        ValueError: if the Hessian is not positive definite.
+    """
+    with jax.enable_x64(True):
+        h, _ = _hessian64(loss, map_params)
+        try:
+            inv_chol = np.linalg.solve(np.linalg.cholesky(h), np.eye(h.shape[0]))
+        except np.linalg.LinAlgError as err:
+            raise ValueError("laplace_covariance: the Hessian is not positive definite at map_params") from err
+        return inv_chol.T @ inv_chol
+
+
 class AffineLogits(NamedTuple):
     """The logit difference of an affine two-class model: ``g = a @ theta_flat + c``.
 
@@ -360,6 +377,7 @@ def affine_predictive_metrics(
     x: Any,
     y: Any,
     *,
+    covariance: np.ndarray | None = None,
     num_bins: int = 15,
     nodes: int = GAUSS_HERMITE_NODES,
 ) -> dict[str, float]:
@@ -367,7 +385,8 @@ def affine_predictive_metrics(
 
     ``p(y = 1 | x_i) = E_q[sigmoid(g_i)]`` with ``g_i ~ N(a_i^T m + c_i, sum_j a_ij^2 v_j)``, by
     Gauss-Hermite quadrature in float64 (no Monte Carlo error); ``variance = None`` gives the point
-    predictive at ``mean``. The metrics are :func:`~fedbayes.evaluation.metrics.classification_metrics`'s
+    predictive at ``mean``. ``covariance``: a full ``[P, P]`` covariance in the flat order of
+    ``ravel_pytree`` instead of ``variance`` (``g_i``'s variance is then ``a_i^T Sigma a_i``). The metrics are :func:`~fedbayes.evaluation.metrics.classification_metrics`'s
     (ECE a fraction, ``num_bins`` equal-width bins).
 
     Raises:
@@ -376,10 +395,13 @@ def affine_predictive_metrics(
     affine = affine_logit_difference(apply_fn, mean, x)
     with jax.enable_x64(True):
         m, _ = ravel_pytree(_to64(mean))
-        v = jnp.zeros_like(m) if variance is None else ravel_pytree(_to64(variance))[0]
         a, c = jnp.asarray(affine.a), jnp.asarray(affine.c)
         mu = a @ m + c
-        sd = jnp.sqrt(jnp.square(a) @ v)
+        if covariance is not None:
+            sd = jnp.sqrt(jnp.maximum(jnp.sum((a @ jnp.asarray(np.asarray(covariance, np.float64))) * a, axis=1), 0.0))
+        else:
+            v = jnp.zeros_like(m) if variance is None else ravel_pytree(_to64(variance))[0]
+            sd = jnp.sqrt(jnp.square(a) @ v)
         t, w = _hermite(nodes)
         g = mu[:, None] + sd[:, None] * t
         log_w = jnp.log(w)

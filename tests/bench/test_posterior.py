@@ -1,0 +1,103 @@
+"""``fedbayes bench posterior`` in small: a tiny logistic regression over 3 clients, a few rounds, a
+short NUTS run; the table's structure, the references' rows and the per-row cache."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fedbayes.bench import posterior
+from fedbayes.bench.truth import NUTSSettings
+
+SETTINGS = posterior.PosteriorBenchSettings(max_rounds=3, check_every=1, nuts=NUTSSettings(chains=2, warmup=150, draws=200))
+
+
+def _write_tiny(folder):
+    rng = np.random.default_rng(0)
+    w = np.array([1.5, -1.0, 0.5])
+    x = rng.normal(size=(90, 3))
+    y = (x @ w + rng.logistic(size=90) > 0).astype(int)
+    posterior.write_leaf(folder / "data", x[:60], y[:60], x[60:], y[60:])
+
+
+TINY = posterior.Problem(
+    "tiny",
+    lambda folder: {"dataset": "leaf", "data_dir": str(folder / "data"), "num_classes": 2},
+    split={"num_clients": 3, "partition": "dirichlet", "alpha": 5.0},
+    write=_write_tiny,
+)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("posterior")
+    log = []
+    result = posterior.run_posterior_bench(out, SETTINGS, ["tiny"], ["fedep_laplace"], extra_problems={"tiny": TINY}, log=log.append)
+    return out, result, log
+
+
+def test_the_table_has_the_reference_and_method_rows(bench):
+    out, result, _ = bench
+    (problem,) = result["problems"]
+    assert problem["num_train"] == 60 and problem["num_features"] == 3 and problem["num_params"] == 8
+    assert len(problem["client_sizes"]) == 3 and sum(problem["client_sizes"]) == 60
+    keys = [row["key"] for row in problem["rows"]]
+    assert keys == ["nuts", "central_map", "central_laplace_marginals", "central_diag_laplace", "central_mfvi", "fedep_laplace"]
+    method = problem["rows"][-1]
+    assert method["family"] == "diag_laplace" and 1 <= method["rounds"] <= 3
+    assert [t["round"] for t in method["trajectory"]] == list(range(1, method["rounds"] + 1))
+    assert set(method["predictive"]) == {"accuracy", "nll", "ece"} and method["seconds"] > 0
+    table = (out / "posterior_quality.md").read_text()
+    assert table.count("| FedEP (laplace) |") == 1 and "### tiny" in table
+    header = next(line for line in table.splitlines() if line.startswith("| method"))
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert len(rows) == 6 and all(row.count("|") == header.count("|") for row in rows)
+    assert json.loads((out / "posterior_quality.json").read_text()) == json.loads(json.dumps(result, default=float))
+
+
+def test_the_references_rows_are_right(bench):
+    _, result, _ = bench
+    rows = {row["key"]: row for row in result["problems"][0]["rows"]}
+    nuts = result["problems"][0]["nuts"]
+    assert nuts["max_split_rhat"] < 1.05 and nuts["divergences"] == 0 and nuts["min_ess"] > 100
+    assert rows["central_map"]["vs_family"] == {"mean_rel_l2": 0.0}
+    # 60 examples, 8 parameters: the posterior is close to Gaussian, so NUTS agrees with the Laplace marginals
+    assert rows["central_map"]["vs_nuts"]["mean_rel_l2"] < 0.1
+    median, low, high = rows["central_laplace_marginals"]["vs_nuts"]["var_ratio"]
+    assert 0.8 < median < 1.25 and 0.6 < low and high < 1.5
+    # the diagonal approximations are narrower than the true marginals (correlated softmax weights)
+    assert rows["central_diag_laplace"]["vs_nuts"]["var_ratio"][0] < median
+    assert rows["central_diag_laplace"]["kl_nuts_q"] > rows["central_laplace_marginals"]["kl_nuts_q"] > 0
+
+
+def test_a_rerun_reuses_nuts_and_finished_rows(bench):
+    out, result, _ = bench
+    log = []
+    again = posterior.run_posterior_bench(out, SETTINGS, ["tiny"], ["fedep_laplace"], extra_problems={"tiny": TINY}, log=log.append)
+    assert any("NUTS: cached" in line for line in log) and any("FedEP (laplace): cached" in line for line in log)
+    assert again["problems"][0]["rows"][-1]["seconds"] == result["problems"][0]["rows"][-1]["seconds"]
+
+
+def test_unknown_names_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="allowed: breast_cancer"):
+        posterior.run_posterior_bench(tmp_path, SETTINGS, ["nope"])
+    with pytest.raises(ValueError, match="unknown method"):
+        posterior.run_posterior_bench(tmp_path, SETTINGS, ["breast_cancer"], ["nope"])
+
+
+def test_every_method_has_a_prior_match_and_a_family():
+    for method in posterior.METHODS:
+        assert method.family in posterior.FAMILIES
+        assert method.algorithm["name"] in posterior.PRIOR_MATCH
+
+
+def test_the_command_line_names_what_it_accepts(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedbayes.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "nope"])
+    assert res.exit_code == 2 and "unknown suite 'nope'; allowed: posterior" in res.output
+    res = runner.invoke(app, ["bench", "posterior", "--out", str(tmp_path), "--dataset", "nope"])
+    assert res.exit_code == 2 and "allowed: breast_cancer, digits_3v8" in res.output
