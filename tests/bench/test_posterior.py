@@ -42,7 +42,7 @@ def test_the_table_has_the_reference_and_method_rows(bench):
     assert problem["num_train"] == 60 and problem["num_features"] == 3 and problem["num_params"] == 8
     assert len(problem["client_sizes"]) == 3 and sum(problem["client_sizes"]) == 60
     keys = [row["key"] for row in problem["rows"]]
-    assert keys == ["nuts", "central_map", "central_laplace_marginals", "central_diag_laplace", "central_mfvi", "fedep_laplace"]
+    assert keys == ["nuts", "central_map", "central_laplace_marginals", "central_diag_laplace", "central_mfvi", "central_ngvi", "fedep_laplace"]
     method = problem["rows"][-1]
     assert method["family"] == "diag_laplace" and 1 <= method["rounds"] <= 3
     assert [t["round"] for t in method["trajectory"]] == list(range(1, method["rounds"] + 1))
@@ -51,7 +51,7 @@ def test_the_table_has_the_reference_and_method_rows(bench):
     assert table.count("| FedEP (laplace) |") == 1 and "### tiny" in table
     header = next(line for line in table.splitlines() if line.startswith("| method"))
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
-    assert len(rows) == 6 and all(row.count("|") == header.count("|") for row in rows)
+    assert len(rows) == 7 and all(row.count("|") == header.count("|") for row in rows)
     assert json.loads((out / "posterior_quality.json").read_text()) == json.loads(json.dumps(result, default=float))
 
 

@@ -166,7 +166,12 @@ def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterio
         e = validate({"algorithm": {"name": "fedsep", "method": method}, "client": {"epochs": 2}}).evaluation
         assert (e.predictive, e.prior_precision) == want, method
     # a flat prior (no prior precision, no weight decay): nothing to re-choose
-    assert validate({"algorithm": {"name": "fedep", "method": "laplace", "weight_decay": 0.0, "prior_precision": 0.0, "init": "uniform"}}).evaluation.prior_precision == "fixed"
+    assert (
+        validate(
+            {"algorithm": {"name": "fedep", "method": "laplace", "weight_decay": 0.0, "prior_precision": 0.0, "init": "uniform"}}
+        ).evaluation.prior_precision
+        == "fixed"
+    )
     e = validate({"algorithm": {"name": "fedlap_cov"}, "evaluation": {"predictive": "sample", "prior_precision": "fixed"}}).evaluation
     assert (e.predictive, e.prior_precision) == ("sample", "fixed")
     e = validate({"algorithm": {"name": "fedlap_cov"}, "data": {"validation_fraction": 0.1}, "evaluation": {"prior_precision": "validation"}}).evaluation
@@ -244,7 +249,7 @@ def test_resume_reads_a_run_folders_config_as_it_was_written(tmp_path):
 
 def test_a_stored_config_keeps_the_method_defaults_it_was_written_with():
     """Run folders written before the posterior defaults (FedEP's presets, PVI's and FedLap-Cov's
-    damping 0.5) resume with the settings they ran: each method's ``stored_meaning`` fills the keys
+    damping 0.5, the VBNN's bayes variant) resume with the settings they ran: each method's ``stored_meaning`` fills the keys
     such a config lacks; a config written now records them and is kept as it is."""
     from fedbayes.config.schema import stored_meaning
 
@@ -258,6 +263,9 @@ def test_a_stored_config_keeps_the_method_defaults_it_was_written_with():
     assert validate({"algorithm": old_fedep, "server": server, "data": data}).algorithm.preset == "posterior"  # as a new config
     assert validate(stored_meaning({"algorithm": old_pvi, "server": server, "data": data})).algorithm.rho == 0.25
     assert validate(stored_meaning({"algorithm": old_cov, "server": server, "data": data})).algorithm.rho == 0.125
-    for name in ("fedep", "pvi", "fedlap_cov"):
-        new = validate({"algorithm": {"name": name}, "server": server, "data": data}).model_dump(mode="json", exclude_none=True)
+    old_vbnn = {"algorithm": {"name": "vbnn", "aggregation": "gaa"}, "model": {"name": "mlp", "variational": True}, "server": server, "data": data}
+    assert validate(stored_meaning(old_vbnn)).algorithm.variant == "paper" and validate(old_vbnn).algorithm.variant == "bayes"
+    for name in ("fedep", "pvi", "fedlap_cov", "vbnn"):
+        model = {"name": "mlp", "variational": name == "vbnn"}
+        new = validate({"algorithm": {"name": name}, "model": model, "server": server, "data": data}).model_dump(mode="json", exclude_none=True)
         assert stored_meaning(new) == new

@@ -304,10 +304,17 @@ def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     )  # fmt: skip
 
 
+def _stored_meaning(table: dict, stored: dict) -> dict:
+    """A config written before the variants ran the published code's (``variant = "paper"``)."""
+    del stored
+    table.setdefault("variant", "paper")
+    return table
+
+
 SPEC = AlgorithmSpec(
     "vbnn", VBNNConfig, build, "variational BNN clients (Bayes-by-backprop, the prior once); six rules to combine their posteriors",
     aggregator_policy="own",
     aggregator_note="combines variational parameters with its own rule (algorithm.aggregation), not natural-parameter deltas that a robust rule, a precision cap or DP noise could act on",
-    needs_variational_model=True,
+    needs_variational_model=True, stored_meaning=_stored_meaning,
 )  # fmt: skip
 SPECS = (SPEC,)
