@@ -416,7 +416,8 @@ class EPConfig(TiltedSettings):
         None,
         gt=0,
         le=1,
-        description="delta; default 0.5 (preset posterior: ~200 rounds to the diagonal Laplace on breast cancer, 5x faster than 1/M) or 1 / clients_per_round (preset paper)",
+        description="delta; default 0.5 (preset posterior: ~200 rounds to the diagonal Laplace on breast cancer, 5x faster than 1/M) or 1 / clients_per_round "
+        "(preset paper); on a network use 1 / clients_per_round: at 0.5 the sites of the clients' differing local modes oscillate",
     )
     delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
