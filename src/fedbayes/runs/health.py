@@ -214,7 +214,8 @@ class FixedPointCheck:
         level = _mean_log(var)
         if self.previous is not None:
             m0, level0 = self.previous
-            dm = float(np.linalg.norm(mean - m0) / max(np.linalg.norm(mean), 1e-12))
+            with np.errstate(invalid="ignore", over="ignore"):  # a diverged run's NaN: its own check reports it
+                dm = float(np.linalg.norm(mean - m0) / max(np.linalg.norm(mean), 1e-12))
             self.change = {"posterior_change": dm} if level is None else {"posterior_change": dm, "posterior_var_change": abs(level - level0)}
             if round_idx > self.start + 1:
                 self.jitter.append((float(np.sum(np.square(mean - m0))), 0.0 if level is None else (level - level0) ** 2))
