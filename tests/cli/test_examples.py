@@ -35,7 +35,9 @@ def test_demo_is_the_fedlap_papers_setting_with_every_family():
     path = Path(EXAMPLES[0]).parent / "fmnist_compare.toml"
     cfgs = {c.name: c for c in _configs(path)}
     assert set(cfgs) == {"fedavg", "fedprox", "feddyn", "fedpa", "fedep", "fedsep", "fedlap", "fedlap_cov", "fedlap_func", "vbnn_cf"}
-    assert all(cfgs[m].algorithm.method == "laplace" and cfgs[m].algorithm.preset == "posterior" and cfgs[m].algorithm.damping == 0.1 for m in ("fedep", "fedsep"))
+    assert all(
+        cfgs[m].algorithm.method == "laplace" and cfgs[m].algorithm.preset == "posterior" and cfgs[m].algorithm.damping == 0.1 for m in ("fedep", "fedsep")
+    )
     assert cfgs["vbnn_cf"].algorithm.aggregation == "cf" and cfgs["vbnn_cf"].model.variational
     assert not any(c.model.variational for n, c in cfgs.items() if n != "vbnn_cf")
     for c in cfgs.values():  # Swaroop et al. 2025 (ADMM and Bayes), Table 1's heterogeneous Fashion-MNIST
