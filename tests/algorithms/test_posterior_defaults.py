@@ -141,11 +141,15 @@ def test_fixed_point_check_judges_only_long_enough_runs():
     for r in range(16):
         check.observe(r, (np.full(3, float(r + 1)), np.ones(3)))
     assert check.finish() is None
-    point = health.FixedPointCheck("m", rounds=20)  # a point method: the model only
+    point = health.FixedPointCheck("m", rounds=20)  # a point method: its change is recorded, not judged
     for r in range(21):
         point.observe(r, (np.array([1.0, 2.0]) * (1 + 0.01 * r), None))
-    assert "server model's mean by" in point.finish() and "variances" not in point.message
+    assert point.finish() is None and point.message is None
     assert set(point.change) == {"posterior_change"}
+    drifting = health.FixedPointCheck("m", rounds=20)  # the same drift in a posterior's mean warns
+    for r in range(21):
+        drifting.observe(r, (np.array([1.0, 2.0]) * (1 + 0.01 * r), np.ones(2)))
+    assert "server posterior's mean by" in drifting.finish() and "variances" not in drifting.message
 
 
 def test_a_run_stopped_early_warns_in_its_summary(tmp_path, capsys):

@@ -195,7 +195,9 @@ class FixedPointCheck:
     a half; a steady drift gives ``h^1.5`` times that level). A mean drift above
     :data:`FIXED_POINT_MEAN_TOL` (relative L2) or a drift of the variances' mean log above
     :data:`FIXED_POINT_VAR_TOL` gives one warning that says how far and what to change. A run
-    shorter than ``2 * window`` rounds, or resumed inside the window, is not judged.
+    shorter than ``2 * window`` rounds, or resumed inside the window, is not judged, nor is a point
+    method (its ``posterior_change`` is recorded all the same): a network trained for a fixed
+    budget is rarely at a fixed point, and only a posterior is read as the method's answer.
     """
 
     def __init__(self, name: str, rounds: int, window: int = FIXED_POINT_WINDOW):
@@ -232,23 +234,24 @@ class FixedPointCheck:
         """The warning (also returned) when the last ``window`` rounds drift beyond their jitter."""
         if self.rounds < 2 * self.window or self.half < 1 or any(x is None or x[2] != self.half for x in self.sums) or not self.jitter:
             return None
+        has_var = self.previous is not None and self.previous[1] is not None
+        if not has_var:  # a point method's model: no posterior to read as the method's answer (the metric is kept)
+            return None
         (a, la, _), (b, lb, _) = self.sums
         a, b, la, lb = a / self.half, b / self.half, la / self.half, lb / self.half
         jm, jv = (np.mean([j[k] for j in self.jitter]) for k in (0, 1))
         drift_m = float(np.linalg.norm(b - a))
         rel_m = drift_m / max(float(np.linalg.norm(b)), 1e-12)
-        has_var = self.previous is not None and self.previous[1] is not None
         moved = []
         if rel_m > FIXED_POINT_MEAN_TOL and drift_m > FIXED_POINT_SIGNIFICANCE * np.sqrt(jm / self.half):
             moved.append(f"mean by {100 * rel_m:.1f}% (relative L2)")
         drift_v = abs(lb - la)
-        if has_var and drift_v > FIXED_POINT_VAR_TOL and drift_v > FIXED_POINT_SIGNIFICANCE * np.sqrt(jv / self.half):
+        if drift_v > FIXED_POINT_VAR_TOL and drift_v > FIXED_POINT_SIGNIFICANCE * np.sqrt(jv / self.half):
             moved.append(f"variances by {100 * drift_v:.1f}% (mean log ratio)")
         if not moved:
             return None
-        what = "posterior" if has_var else "model"
         self.message = (
-            f"{self.name}: the run ended before its fixed point: over the last {self.window} rounds the server {what}'s "
+            f"{self.name}: the run ended before its fixed point: over the last {self.window} rounds the server posterior's "
             f"{' and '.join(moved)} still drifted, beyond its round-to-round jitter (tolerance {100 * FIXED_POINT_MEAN_TOL:.0f}% and "
             f"{100 * FIXED_POINT_VAR_TOL:.0f}%); its result is not yet the method's answer: run more rounds (rounds), or converge faster "
             "with a larger damping or more local steps (client.epochs, client.lr); metrics.jsonl's posterior_change shows the trend"
