@@ -58,12 +58,14 @@ __all__ = [
     "Info",
     "PriorPrecision",
     "ServerUpdateFn",
+    "as_stored",
     "finite_message",
     "linearised_predictive",
     "no_laplace_prior",
     "point_estimate_algorithm",
     "sampled_predictive",
     "stateless_client_init",
+    "stored_setting",
 ]
 
 
@@ -228,6 +230,14 @@ class PriorPrecision(NamedTuple):
     def at(self, total_examples: int) -> float:
         """``delta`` for a federation of ``total_examples`` examples."""
         return self.constant + self.per_example * total_examples
+
+
+def stored_setting(stored: dict, section: str, key: str, default: Any) -> Any:
+    """``stored[section][key]`` of a stored config (for a method's :attr:`AlgorithmSpec.stored_meaning`),
+    ``default`` where the config lacks it (a stored config holds every default, so only a config
+    written by hand does)."""
+    table = stored.get(section)
+    return table.get(key, default) if isinstance(table, dict) else default
 
 
 def as_stored(table: dict, stored: dict) -> dict:

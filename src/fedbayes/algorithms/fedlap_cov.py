@@ -58,7 +58,7 @@ import optax
 from pydantic import Field
 
 from fedbayes import gaussian, tree
-from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
 from fedbayes.algorithms.sites import GaussianMessage, gaussian_message_ok
 from fedbayes.data.batches import ClientData
@@ -287,8 +287,7 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
 def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before ``rho`` had a value of its own meant ``1 / num_clients``."""
     if "rho" not in table:
-        data = stored.get("data") if isinstance(stored.get("data"), dict) else {}
-        table["rho"] = 1.0 / data.get("num_clients", 10)
+        table["rho"] = 1.0 / stored_setting(stored, "data", "num_clients", 10)
     return table
 
 

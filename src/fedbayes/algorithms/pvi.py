@@ -71,7 +71,7 @@ import optax
 from pydantic import Field
 
 from fedbayes import gaussian
-from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.sites import GaussianMessage, all_positive, checked_cavity, damped_difference, gaussian_message_ok, safe_mean, site_server_step
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
@@ -256,8 +256,7 @@ def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
 def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``."""
     if "rho" not in table:
-        server = stored.get("server") if isinstance(stored.get("server"), dict) else {}
-        table["rho"] = 1.0 / server.get("clients_per_round", 10)
+        table["rho"] = 1.0 / stored_setting(stored, "server", "clients_per_round", 10)
     return table
 
 

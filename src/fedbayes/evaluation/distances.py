@@ -14,7 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from fedbayes import gaussian
 
 __all__ = ["flat64", "kl_diag", "relative_l2", "variance_ratio"]
 
@@ -72,4 +75,5 @@ def kl_diag(p_mean: Any, p_var: Any, q_mean: Any, q_var: Any) -> float:
     vp, vq = _pair(p_var, q_var, "kl_diag")
     if not (np.all(vp > 0) and np.all(vq > 0)):
         raise ValueError("kl_diag: variances must be > 0")
-    return float(0.5 * np.sum(np.log(vq / vp) + (vp + np.square(mp - mq)) / vq - 1.0))
+    with jax.enable_x64(True):  # fedbayes.gaussian.kl, on the float64 vectors
+        return float(gaussian.kl(gaussian.from_moments(jnp.asarray(mp), jnp.asarray(vp)), gaussian.from_moments(jnp.asarray(mq), jnp.asarray(vq))))

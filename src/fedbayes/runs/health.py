@@ -30,6 +30,7 @@ import numpy as np
 
 from fedbayes.config.schema import RunConfig
 from fedbayes.errors import DivergedError
+from fedbayes.evaluation.distances import flat64
 
 __all__ = [
     "CALIBRATION_GAP",
@@ -164,13 +165,10 @@ def posterior_snapshot(algorithm, server_state, params) -> tuple[np.ndarray, np.
     posterior = getattr(algorithm, "server_posterior", None)
     if posterior is not None:
         mean, var = jax.device_get(posterior(server_state))
-        return _flat(mean), _flat(var)
-    return _flat(jax.device_get(params)), None
+        return flat64(mean), flat64(var)
+    return flat64(jax.device_get(params)), None
 
 
-def _flat(tree) -> np.ndarray:
-    leaves = [np.asarray(v, np.float64).ravel() for v in jax.tree.leaves(tree)]
-    return np.concatenate(leaves) if leaves else np.zeros(0)
 
 
 def _mean_log(v: np.ndarray | None) -> float | None:

@@ -80,13 +80,20 @@ def plot_curves(
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    return _save(fig, path, handles, labels, title, ncols=5, dpi=120)
+
+
+def _save(fig, path: str | Path, handles: list, labels: list, title: str, *, ncols: int, dpi: int) -> Path:
+    """The figure's shared legend below the panels, its title, written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 5), fontsize=8, frameon=False)
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), ncols), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -136,12 +143,4 @@ def plot_shift(path: str | Path, body: Mapping, *, title: str = "") -> Path:
             if row == 0:
                 ax.set_title(kind)
             ax.grid(alpha=0.3)
-    if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6), fontsize=8, frameon=False)
-    if title:
-        fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)  # twelve panels: a smaller file at the same legibility
-    plt.close(fig)
-    return path
+    return _save(fig, path, handles, labels, title, ncols=6, dpi=90)  # twelve panels: a smaller file at the same legibility
