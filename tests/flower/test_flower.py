@@ -23,7 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
 
 from fedbayes.config.schema import validate  # noqa: E402
 from fedbayes.flower.apps import train_reply  # noqa: E402
-from fedbayes.flower.codec import MalformedMessage, decode, encode, leaf_names  # noqa: E402
+from fedbayes.flower.codec import PACKED, MalformedMessage, decode, encode, leaf_names, pack, unpack  # noqa: E402
 from fedbayes.flower.rounds import FlowerRounds, Reply, Settings  # noqa: E402
 from fedbayes.runs.build import build_experiment  # noqa: E402
 from fedbayes.runs.checkpoint import latest_checkpoint, read_checkpoint  # noqa: E402
@@ -70,7 +70,8 @@ def test_codec_round_trip_keeps_names_shapes_dtypes_and_keys():
         "flags": np.array([True, False]),
     }
     record = encode(tree)
-    assert set(record.keys()) == set(leaf_names(tree)) == {"mean/Dense_0/kernel", "mean/Dense_0/bias", "count", "key#key", "flags"}
+    assert list(record.keys()) == [PACKED]  # one Array for the whole tree: few objects in transit
+    assert set(unpack(record)) == set(leaf_names(tree)) == {"mean/Dense_0/kernel", "mean/Dense_0/bias", "count", "key#key", "flags"}
     back = decode(record, tree)
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
@@ -84,17 +85,24 @@ def test_codec_round_trip_keeps_names_shapes_dtypes_and_keys():
     "corrupt, words",
     [
         (lambda r: r.pop("b"), "missing array 'b'"),
-        (lambda r: r.__setitem__("c", Array(np.zeros(1, np.float32))), "unexpected array 'c'"),
-        (lambda r: r.__setitem__("a", Array(np.zeros((2, 3), np.float32))), "array 'a' has shape (2, 3), expected (3, 2)"),
-        (lambda r: r.__setitem__("a", Array(np.zeros((3, 2), np.float64))), "array 'a' has dtype float64, expected float32"),
+        (lambda r: r.__setitem__("c", np.zeros(1, np.float32)), "unexpected array 'c'"),
+        (lambda r: r.__setitem__("a", np.zeros((2, 3), np.float32)), "array 'a' has shape (2, 3), expected (3, 2)"),
+        (lambda r: r.__setitem__("a", np.zeros((3, 2), np.float64)), "array 'a' has dtype float64, expected float32"),
     ],
 )
 def test_codec_rejects_a_record_that_does_not_match(corrupt, words):
     template = {"a": np.zeros((3, 2), np.float32), "b": np.zeros((), np.int32)}
-    record = encode(template)
-    corrupt(record)
+    arrays = unpack(encode(template))
+    corrupt(arrays)
     with pytest.raises(MalformedMessage, match=words.replace("(", r"\(").replace(")", r"\)")):
-        decode(record, template)
+        decode(pack(arrays), template)
+
+
+def test_codec_rejects_a_damaged_packed_buffer_in_one_line():
+    record = encode({"a": np.ones(3, np.float32)})
+    record[PACKED] = Array(record[PACKED].numpy()[:-7])
+    with pytest.raises(MalformedMessage, match="the packed arrays cannot be read"):
+        decode(record, {"a": np.zeros(3, np.float32)})
 
 
 # ----- rounds in one process (the node's handler called directly) ------------------------------------
@@ -149,28 +157,36 @@ def honest(fedep_experiment, tmp_path_factory):
     return {"cache": {}, "root": root}
 
 
-def _message(content: RecordDict) -> ArrayRecord:
-    return content.array_records["message"]
+def _message(content: RecordDict) -> dict[str, np.ndarray]:
+    return unpack(content.array_records["message"])
 
 
 def _set(content, name, fn):
-    record = _message(content)
-    record[name] = Array(fn(record[name].numpy()))
+    arrays = _message(content)
+    arrays[name] = fn(arrays[name])
+    content.array_records["message"] = pack(arrays)
+    return content
+
+
+def _drop(content, name):
+    arrays = _message(content)
+    del arrays[name]
+    content.array_records["message"] = pack(arrays)
     return content
 
 
 def _precision_leaf(content) -> str:
-    return next(n for n in _message(content).keys() if "/precision/" in n)
+    return next(n for n in _message(content) if "/precision/" in n)
 
 
 def _mean_leaf(content) -> str:
-    return next(n for n in _message(content).keys() if "/precision_mean/" in n)
+    return next(n for n in _message(content) if "/precision_mean/" in n)
 
 
 MALFORMED = {
     "wrong shape": (lambda c: _set(c, _mean_leaf(c), lambda a: np.zeros((*a.shape, 2), a.dtype)), "has shape"),
     "NaN": (lambda c: _set(c, _mean_leaf(c), lambda a: np.full_like(a, np.nan)), "message_ok failed"),
-    "missing key": (lambda c: (_message(c).pop(_mean_leaf(c)), c)[1], "missing array"),
+    "missing key": (lambda c: _drop(c, _mean_leaf(c)), "missing array"),
     "non-positive precision": (lambda c: _set(c, _precision_leaf(c), lambda a: np.full_like(a, -1e9)), "message_ok failed"),
     "ClientApp exception": (lambda c: Reply(0, None, "<class 'RuntimeError'>:<'boom'>"), "the node reported an error: <class 'RuntimeError'>"),
 }

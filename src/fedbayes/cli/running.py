@@ -58,6 +58,9 @@ def deploy(
     node_timeout: Annotated[float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join")] = 120.0,
     min_nodes: Annotated[int, typer.Option("--min-nodes", help="nodes to wait for before the first round (0: one per client)")] = 0,
     on_missing: Annotated[str, typer.Option("--on-missing", help="a missing reply: skip (aggregate the others) or fail")] = "skip",
+    executor: Annotated[
+        str, typer.Option("--executor", help="warm: one long-lived fedbayes executor per node; stock: Flower's fresh ClientApp process per message")
+    ] = "warm",
 ):
     """Run an experiment on Flower: a SuperLink and one SuperNode per client on this machine (real
     processes on loopback), the same run folder as `fedbayes run`, every process ended at the end.
@@ -83,7 +86,7 @@ def deploy(
 
     run_config = {"reply-timeout": reply_timeout, "node-timeout": node_timeout, "min-nodes": min_nodes, "on-missing": on_missing}
     echo = lambda r: console.print(format_record(r, cfg.rounds), highlight=False)  # noqa: E731
-    summary = flower_deploy.deploy_local(cfg, out, resume=resume_, tls=tls, run_config=run_config, progress=echo)
+    summary = flower_deploy.deploy_local(cfg, out, resume=resume_, tls=tls, run_config=run_config, progress=echo, executor=executor)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)})
     console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False)
 

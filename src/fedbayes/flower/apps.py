@@ -15,8 +15,10 @@ with :class:`~fedbayes.flower.rounds.FlowerRounds` in place of the simulator, an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import time
 import tomllib
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 STATUS_FILE = "flower_status.json"
 SERVER_LOG = "flower_server.log"
+TIMES_FILE = "flower_times.jsonl"  # per round: where its time went (fedbayes.flower.rounds.round_times)
 
 # The ServerApp's run config: key -> default (the app's pyproject.toml [tool.flwr.app.config]).
 RUN_CONFIG = {
@@ -36,7 +39,7 @@ RUN_CONFIG = {
     "node-timeout": 120.0,
     "reply-timeout": 120.0,
     "on-missing": "skip",
-    "poll-interval": 0.2,
+    "poll-interval": 0.05,
 }
 
 clientapp = ClientApp()
@@ -57,21 +60,32 @@ def query(msg: Message, context: Context) -> Message:
 
 
 def _compilation_cache(state_dir: Path) -> None:
+    """The node's XLA cache when its environment does not set one (``fedbayes deploy`` and the
+    warm executor set ``JAX_COMPILATION_CACHE_DIR`` before any import: JAX takes the setting at
+    a process's first compile, so one set here only works if nothing compiled before)."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(state_dir / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDict:
-    """The reply content to a train message (no Flower process needed: tests call it)."""
+@functools.lru_cache(maxsize=8)
+def _config(text: str):
+    """The validated run config of a message's TOML (parsed once per text in a warm process)."""
+    from fedbayes.config.schema import validate
+
+    return validate(tomllib.loads(text))
+
+
+def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: float | None = None) -> RecordDict:
+    """The reply content to a train message (no Flower process needed: tests call it).
+    ``sent_at``: the message's creation time (Unix seconds), for the times in the reply's meta."""
+    start, wall = time.perf_counter(), time.time()
     import jax
 
-    from fedbayes import protocol
-    from fedbayes.config.schema import validate
-    from fedbayes.flower.codec import decode, encode
+    from fedbayes.flower.codec import decode, encode, to_arrays
     from fedbayes.flower.node import StateFolder, client_update, node_setup
+    from fedbayes.flower.nodedata import node_source
 
     part, _ = _node_partition(node_config)
     meta = content.config_records["fedbayes"]
@@ -79,11 +93,13 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
     if client != part:
         raise ValueError(f"this node holds partition {part}; the message is for client {client}")
     state_dir = Path(str(node_config.get("state-dir") or Path.home() / ".fedbayes" / "flower"))
-    _compilation_cache(state_dir)
-    config = validate(tomllib.loads(str(meta["config"])))
-    algorithm, params, x, y = node_setup(config, client, state_dir)
-    broadcast = decode(content.array_records["broadcast"], protocol.message_templates(algorithm, params).broadcast)
-    template = algorithm.client_init(params)
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _compilation_cache(state_dir)
+    config = _config(str(meta["config"]))
+    spec = {k: (list(v) if isinstance(v, list) else v) for k, v in content.config_records["spec"].items()}
+    setup = node_setup(config, client, state_dir, spec, node_source(node_config))
+    broadcast = decode(content.array_records["broadcast"], setup.broadcast)
+    template = setup.algorithm.client_init(setup.params)
     stateful = bool(jax.tree.leaves(template))
     folder = StateFolder(state_dir, run_key, client)
     record_key = lambda rnd: f"fedbayes:{run_key}:{client}:{rnd}"  # noqa: E731
@@ -94,19 +110,24 @@ def train_reply(content: RecordDict, node_config, state: RecordDict) -> RecordDi
         if arrays is None:
             raise RuntimeError(f"client {client}: no state of round {base} in the node's memory or in {folder.dir}; the node lost its state")
         cstate = decode(arrays, template)
-    message, new_state, info = client_update(algorithm, config.seed, r, client, broadcast, cstate, x, y)
+    update_start = time.perf_counter()
+    message, new_state, info = jax.block_until_ready(client_update(setup, config.seed, r, client, broadcast, cstate))
+    update = time.perf_counter() - update_start
     if stateful:
-        record = encode(new_state)
-        folder.save(r, {k: v.numpy() for k, v in record.items()}, base)
+        folder.save(r, to_arrays(new_state), base)
         for k in [k for k in state if k.startswith(f"fedbayes:{run_key}:{client}:") and k not in (record_key(base), record_key(r))]:
             del state[k]
-        state[record_key(r)] = record
-    return RecordDict({"message": encode(message), "info": encode(info), "meta": ConfigRecord({"num_examples": int(len(y)), "pid": os.getpid()})})
+        state[record_key(r)] = encode(new_state)
+    times = {"update": update, "handler": time.perf_counter() - start, "handler-end": time.time()}
+    if sent_at is not None:
+        times["to-node"] = wall - sent_at
+    reply_meta = {"num_examples": int(len(setup.y)), "pid": os.getpid(), **{f"seconds-{k}": float(v) for k, v in times.items()}}
+    return RecordDict({"message": encode(message), "info": encode(info), "meta": ConfigRecord(reply_meta)})
 
 
 @clientapp.train()
 def train(msg: Message, context: Context) -> Message:
-    return Message(train_reply(msg.content, context.node_config, context.state), reply_to=msg)
+    return Message(train_reply(msg.content, context.node_config, context.state, msg.metadata.created_at), reply_to=msg)
 
 
 def _settings(rc):
@@ -117,7 +138,7 @@ def _settings(rc):
         node_timeout=float(rc.get("node-timeout", 120.0)),
         reply_timeout=float(rc.get("reply-timeout", 120.0)),
         on_missing=str(rc.get("on-missing", "skip")),
-        poll_interval=float(rc.get("poll-interval", 0.2)),
+        poll_interval=float(rc.get("poll-interval", 0.05)),
     )
 
 
@@ -130,8 +151,12 @@ def run_server(grid, run_config) -> dict:
     settings = _settings(run_config)
     config = load_config(str(run_config["config"]))
     transport = GridTransport(grid, settings.poll_interval)
+    times = Path(str(run_config["out"])) / TIMES_FILE
     return run_experiment(
-        config, str(run_config["out"]), resume=bool(run_config.get("resume", False)), rounds=lambda exp: FlowerRounds(exp, transport, settings)
+        config,
+        str(run_config["out"]),
+        resume=bool(run_config.get("resume", False)),
+        rounds=lambda exp: FlowerRounds(exp, transport, settings, times_file=times),
     )
 
 

@@ -38,6 +38,8 @@ APP_MODULE = "fedbayes.flower.apps"
 CONNECTION = "local"
 # Environment of every Flower process: the SuperExecs poll for tasks every 50 ms instead of 1 s.
 FAST_POLL = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.05"}
+QUIET = {"FLWR_TELEMETRY_ENABLED": "0"}  # no telemetry requests from a deployment's processes
+EXECUTORS = ("warm", "stock")  # a warm fedbayes executor per node, or Flower's process per message
 
 
 class DeployError(FedbayesError):
@@ -184,12 +186,34 @@ def superlink_command(port: int, certs: dict | None, auth: bool = False) -> list
 
 
 def supernode_command(
-    superlink: str, port: int, partition: int, num_partitions: int, state_dir: Path, certs: dict | None, key: Path | None = None
+    superlink: str,
+    port: int,
+    partition: int,
+    num_partitions: int,
+    state_dir: Path,
+    certs: dict | None,
+    key: Path | None = None,
+    *,
+    warm: bool = False,
+    fast: bool = False,
+    data: dict | None = None,
 ) -> list[str]:
+    """A SuperNode's command. ``warm``: ``--isolation process`` (its tasks go to the executor of
+    :func:`executor_command`); ``fast``: Flower's SuperNode with its idle sleeps capped
+    (:mod:`fedbayes.flower.fastnode`, loopback only); ``data``: the node's data keys
+    (:mod:`fedbayes.flower.nodedata`) added to its node config."""
     tls = ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
     node_config = f"partition-id={partition} num-partitions={num_partitions} state-dir='{state_dir}'"
-    cmd = [_bin("flower-supernode"), *tls, "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port), "--node-config", node_config]
+    node_config += "".join(f" {k}='{v}'" for k, v in (data or {}).items())
+    start = [sys.executable, "-m", "fedbayes.flower.fastnode"] if fast else [_bin("flower-supernode")]
+    cmd = [*start, *tls, "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port), "--node-config", node_config]
+    cmd += ["--isolation", "process"] if warm else []
     return cmd + (["--auth-supernode-private-key", str(key)] if key is not None else [])
+
+
+def executor_command(port: int, state_dir: Path) -> list[str]:
+    """The warm executor of the SuperNode whose Runtime API is on ``port`` (:mod:`fedbayes.flower.executor`)."""
+    return [sys.executable, "-m", "fedbayes.flower.executor", "--runtime-api-address", f"127.0.0.1:{port}", "--insecure", "--state-dir", str(state_dir)]
 
 
 def print_commands(config_path: Path, config, out: Path, superlink_host: str = "SUPERLINK_HOST", port: int = 9093) -> str:
@@ -232,6 +256,8 @@ class Node:
     state_dir: Path
     process: subprocess.Popen | None = None
     key: Path | None = None  # its private key (SuperNode authentication)
+    executor: subprocess.Popen | None = None  # its warm executor (executor = "warm")
+    data: dict | None = None  # its data keys in its node config (fedbayes.flower.nodedata)
 
 
 @dataclass
@@ -242,6 +268,7 @@ class LocalFederation:
     num_nodes: int
     tls: bool = False
     auth: bool = False  # SuperNode authentication: each node gets a key, registered with the SuperLink
+    executor: str = "warm"  # EXECUTORS: a warm fedbayes executor per node, or Flower's process per message
     env: dict = field(default_factory=dict)
     superlink_port: int = 0
     certs: dict | None = None
@@ -250,6 +277,8 @@ class LocalFederation:
     _seen: dict = field(default_factory=dict)  # pid -> psutil.Process of every process seen in the tree
 
     def __post_init__(self):
+        if self.executor not in EXECUTORS:
+            raise BadInputError(f"flower: executor must be one of {', '.join(EXECUTORS)}; got {self.executor!r}")
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.superlink_port = self.superlink_port or free_port()
@@ -268,20 +297,24 @@ class LocalFederation:
     def address(self) -> str:
         return f"127.0.0.1:{self.superlink_port}"
 
-    def _env(self, home: Path) -> dict:
+    def _env(self, home: Path, state_dir: Path | None = None) -> dict:
+        from fedbayes.flower.executor import node_environment
+
         home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **FAST_POLL, **self.env, "FLWR_HOME": str(home)}
+        env = node_environment(state_dir, {**os.environ, **FAST_POLL, **QUIET, **self.env, "FLWR_HOME": str(home)})
         env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
         src = str(Path(__file__).resolve().parents[2])  # the fedbayes source tree first, as in this process
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
-    def spawn(self, cmd: list[str], home: Path, log: Path) -> subprocess.Popen:
+    def spawn(self, cmd: list[str], home: Path, log: Path, state_dir: Path | None = None) -> subprocess.Popen:
         """Starts one Flower process of this federation (``cmd``, e.g. a SuperNode's command) with
-        the federation's environment and ``home``, its output appended to ``log``; the process is
-        tracked, so :meth:`stop` ends it and its children with the rest."""
+        the federation's environment and ``home`` (and a node's ``state_dir``: its XLA cache), its
+        output appended to ``log``; the process is tracked, so :meth:`stop` ends it and its
+        children with the rest."""
+        env = self._env(home, state_dir)
         with open(log, "ab") as f:
-            p = subprocess.Popen(cmd, env=self._env(home), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self._seen[p.pid] = psutil.Process(p.pid)
         return p
 
@@ -306,11 +339,32 @@ class LocalFederation:
             time.sleep(0.1)
         raise DeployError(f"the {name} did not open port {port} within {timeout:g} s; its log: {self.workdir / (name + '.log')}")
 
+    @property
+    def warm(self) -> bool:
+        return self.executor == "warm"
+
     def start_node(self, partition: int) -> None:
         node = self.nodes[partition]
         node.state_dir.mkdir(parents=True, exist_ok=True)
-        cmd = supernode_command(self.address, node.port, partition, self.num_nodes, node.state_dir, self.certs, node.key)
-        node.process = self.spawn(cmd, node.home, self.workdir / f"node{partition}.log")
+        cmd = supernode_command(
+            self.address, node.port, partition, self.num_nodes, node.state_dir, self.certs, node.key, warm=self.warm, fast=self.warm, data=node.data
+        )
+        node.process = self.spawn(cmd, node.home, self.workdir / f"node{partition}.log", node.state_dir)
+        if self.warm:
+            self.start_executor(partition)
+
+    def start_executor(self, partition: int) -> None:
+        """Starts node ``partition``'s warm executor (:mod:`fedbayes.flower.executor`)."""
+        node = self.nodes[partition]
+        node.executor = self.spawn(executor_command(node.port, node.state_dir), node.home, self.workdir / f"executor{partition}.log", node.state_dir)
+
+    def kill_executor(self, partition: int) -> None:
+        """SIGKILLs node ``partition``'s warm executor (as a crash would)."""
+        node = self.nodes[partition]
+        if node.executor is not None:
+            _kill_tree([psutil.Process(node.executor.pid)], signal.SIGKILL)
+            node.executor.wait(timeout=10)
+            node.executor = None
 
     def register(self, public_key: Path) -> None:
         """Registers a SuperNode's public key with the SuperLink (``flwr supernode register``)."""
@@ -319,8 +373,9 @@ class LocalFederation:
             raise DeployError(f"flwr supernode register {public_key} failed: {' '.join((res.stdout + res.stderr).split())[-300:]}")
 
     def kill_node(self, partition: int) -> None:
-        """SIGKILLs a SuperNode and everything under it (as a crash would)."""
+        """SIGKILLs a SuperNode, its warm executor and everything under them (as a crash would)."""
         node = self.nodes[partition]
+        self.kill_executor(partition)
         if node.process is not None:
             _kill_tree([psutil.Process(node.process.pid)], signal.SIGKILL)
             node.process.wait(timeout=10)
@@ -362,9 +417,11 @@ class LocalFederation:
             return json.loads(res.stdout[res.stdout.index("{") :])["runs"][0]["status"]
         return "unknown"
 
-    def wait(self, run_id: str, out: Path, timeout: float, check_every: float = 5.0, on_poll=None) -> dict:
+    def wait(self, run_id: str, out: Path, timeout: float, check_every: float = 30.0, on_poll=None) -> dict:
         """Waits for the run's ``flower_status.json`` (written by the ServerApp) or for Flower to
-        report the run finished; returns the status (``{"ok": ..., "error": ..., "exit_code": ...}``)."""
+        report the run finished; returns the status (``{"ok": ..., "error": ..., "exit_code": ...}``).
+        The status file is checked every 0.2 s; ``flwr ls`` (a fresh Python with flwr, about a
+        CPU-second) only every ``check_every`` seconds, to notice a ServerApp that died without one."""
         from fedbayes.flower.apps import STATUS_FILE
 
         status_file = Path(out) / STATUS_FILE
@@ -392,7 +449,7 @@ class LocalFederation:
     def _wait_finished(self, run_id: str, timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end and not self.run_status(run_id).startswith("finished"):
-            time.sleep(0.5)
+            time.sleep(1.0)
 
     def run(self, run_config: dict, timeout: float = 3600.0) -> dict:
         run_id = self.submit(run_config)
@@ -406,7 +463,7 @@ class LocalFederation:
         if alive:
             _kill_tree(alive, signal.SIGKILL)
             psutil.wait_procs(alive, timeout=5)
-        for p in [self.superlink, *(n.process for n in self.nodes)]:
+        for p in [self.superlink, *(n.process for n in self.nodes), *(n.executor for n in self.nodes)]:
             if p is not None:
                 with contextlib.suppress(Exception):
                     p.wait(timeout=5)
@@ -467,6 +524,7 @@ def deploy_local(
     timeout: float = 24 * 3600.0,
     progress=None,
     prepare: bool = True,
+    executor: str = "warm",
 ) -> dict:
     """Runs ``config`` on a local federation of real Flower processes (a SuperLink, one SuperNode
     per client) and returns the run's summary; the run folder is the one ``fedbayes run`` writes,
@@ -475,8 +533,10 @@ def deploy_local(
 
     ``run_config``: the ServerApp's failure settings (``min-nodes``, ``node-timeout``,
     ``reply-timeout``, ``on-missing``, ``poll-interval``); ``progress``: called with each new
-    metrics.jsonl record; ``prepare``: write each node's partition into its state folder first
-    (one load of the dataset instead of one per node).
+    metrics.jsonl record; ``prepare``: write each node's examples into a file of its own first and
+    name it in the node's config (``data-file``: one load of the dataset instead of one per node); ``executor``: ``"warm"`` (a long-lived
+    fedbayes executor per node, :mod:`fedbayes.flower.executor`) or ``"stock"`` (Flower's fresh
+    ClientApp process per message).
     """
     from fedbayes.config.schema import to_toml
     from fedbayes.flower.apps import _settings
@@ -491,12 +551,14 @@ def deploy_local(
     work.mkdir(parents=True, exist_ok=True)
     config_file = work / run_folder.CONFIG
     config_file.write_text(to_toml(config))
-    federation = LocalFederation(work, config.data.num_clients, tls=tls)
-    if prepare:  # each node's partition into its state folder (else every node loads the dataset itself)
-        from fedbayes.flower.node import prepare_data
+    federation = LocalFederation(work, config.data.num_clients, tls=tls, executor=executor)
+    if prepare:  # each node's own data file, named in its node config (else every node loads the dataset itself)
+        from fedbayes.flower.node import write_client_file
         from fedbayes.runs.build import build_experiment
 
-        prepare_data(build_experiment(config, store_dir=work / "unused_store"), {n.partition: n.state_dir for n in federation.nodes})
+        exp = build_experiment(config, store_dir=work / "unused_store")
+        for node in federation.nodes:
+            node.data = {"data-file": str(write_client_file(exp, node.partition, node.state_dir.parent / "data.npz"))}
     seen = 0
     metrics = out / run_folder.METRICS
 

@@ -1,9 +1,10 @@
 """The client side of a deployment: one client's round on its node, and its state on disk.
 
-A SuperNode holds one client (its ``partition-id``). For a train message the node rebuilds the
-run's algorithm from the config it carries (:func:`fedbayes.runs.build.build_experiment`, so
-the method, its hyperparameters and the data partition are the simulator's), takes its own
-partition, and calls ``algorithm.client_update`` with the simulator's key and shuffles for
+A SuperNode holds one client (its ``partition-id``) and its own examples
+(:mod:`fedbayes.flower.nodedata`). For a train message the node builds the run's algorithm from
+the config and data spec it carries (so the method and its hyperparameters are the
+simulator's), checks its examples against that spec, and calls ``algorithm.client_update``
+with the simulator's key and shuffles for
 (seed, round, client) (:mod:`fedbayes.protocol`, :func:`fedbayes.data.batches.layout_orders`):
 the same update the simulator computes for that client.
 
@@ -23,7 +24,9 @@ import json
 import os
 import re
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ import numpy as np
 
 from fedbayes import protocol
 from fedbayes.data.batches import ClientData, layout_orders
+from fedbayes.flower.nodedata import check_examples, read_file, refuse_server_path
 
 KEEP_ROUNDS = 4  # state files kept per client besides the base (a resumed server may go back this far)
 
@@ -87,62 +91,104 @@ def data_path(config, client: int, state_dir: str | Path) -> Path:
     return Path(state_dir) / "data" / data_key(config) / f"client_{client}.npz"
 
 
+def _save_npz(path: Path, **arrays) -> Path:
+    """Writes ``arrays`` to ``path`` atomically (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, path)
+    return path
+
+
 def prepare_data(exp, state_dirs: dict[int, str | Path]) -> None:
-    """Writes each client's examples (``{client: its node's state folder}``) from a built
-    experiment: what a node does on its first message, done once by a launcher that already has
-    the data (``fedbayes deploy``)."""
-    d, fed = exp.dataset, exp.federation
-    meta = json.dumps({"num_classes": d.num_classes, "feature_shape": list(d.feature_shape), "task": d.task})
+    """Writes each client's examples (``{client: its node's state folder}``) into the node's
+    cache from a built experiment: what a node without a ``data-file`` does on its first
+    message, done once by a launcher that already has the data."""
+    fed = exp.federation
     for client, state_dir in state_dirs.items():
         idx = fed.client_indices[client]
-        path = data_path(exp.config, client, state_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, x=np.asarray(fed.x[idx]), y=np.asarray(fed.y[idx]), sizes=np.asarray(fed.sizes), meta=np.array(meta))
-        os.replace(tmp, path)
+        _save_npz(data_path(exp.config, client, state_dir), x=np.asarray(fed.x[idx]), y=np.asarray(fed.y[idx]))
 
 
-def node_setup(config, client: int, state_dir: str | Path, store_dir: str | Path | None = None):
-    """``(algorithm, params, x, y)`` of client ``client`` on its node.
+def write_client_file(exp, client: int, path: str | Path) -> Path:
+    """Client ``client``'s examples of a built experiment as a node's own ``data-file`` (``x``, ``y``)."""
+    idx = exp.federation.client_indices[client]
+    return _save_npz(Path(path), x=np.asarray(exp.federation.x[idx]), y=np.asarray(exp.federation.y[idx]))
 
-    The client's examples (its partition, as the simulator draws it) and the data's shape are
-    cached in ``state_dir/data/<key>/client_<id>.npz`` the first time (loading and partitioning
-    the dataset); later messages build the algorithm from the cache alone
-    (:func:`fedbayes.runs.build.build_algorithm_and_aggregator`), which spares each message's fresh
-    ClientApp process the dataset's loaders.
-    """
-    from fedbayes.algorithms.base import FederationInfo
-    from fedbayes.runs.build import DataSpec, build_algorithm_and_aggregator, build_experiment, build_model
-    from fedbayes.runs.resume import config_hash
 
-    memo = (config_hash(config), client, str(state_dir))
-    if memo in _SETUPS:  # a process that handles several messages (tests) builds once
-        return _SETUPS[memo]
+class Setup(NamedTuple):
+    """One run's client on its node, built once per process (see :func:`node_setup`)."""
+
+    algorithm: Any
+    params: Any
+    x: np.ndarray
+    y: np.ndarray
+    update: Any  # jax.jit(algorithm.client_update)
+    broadcast: Any  # the broadcast's template (what the server's message is decoded against)
+
+
+MAX_SETUPS = 8  # runs (config, client, data) a long-lived process keeps built, least recently used dropped
+
+
+def node_examples(config, client: int, state_dir: str | Path, source: dict[str, str]) -> tuple[np.ndarray, np.ndarray]:
+    """Client ``client``'s examples from the node's own source (:mod:`fedbayes.flower.nodedata`).
+
+    A dataset (the node's ``dataset`` and ``data-dir``, or the run's dataset from fedbayes's
+    default location) is loaded and partitioned once, as the simulator does, and the client's
+    examples cached in ``state_dir/data/<key>/client_<id>.npz``: later messages and processes
+    read the cache alone, which spares them the dataset's loaders."""
+    from fedbayes.runs.build import build_experiment
+
+    if "data-file" in source:
+        return read_file(source["data-file"], source.get("label-column", "label"))
+    if "data-dir" in source:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": source["data-dir"]})})
     path = data_path(config, client, state_dir)
     if not path.is_file():
         prepare_data(build_experiment(config, store_dir=Path(state_dir) / "unused_store"), {client: state_dir})
     with np.load(path) as z:
-        x, y, sizes = z["x"], z["y"], z["sizes"]
-        meta = json.loads(str(z["meta"]))
-    spec = DataSpec(meta["num_classes"], tuple(meta["feature_shape"]), x.dtype, meta["task"])
-    model = build_model(config, spec)
-    algorithm, _ = build_algorithm_and_aggregator(config, FederationInfo.from_sizes(sizes), spec, model)
-    _SETUPS[memo] = (algorithm, model.params, x, y)
+        return z["x"], z["y"]
+
+
+def node_setup(config, client: int, state_dir: str | Path, spec: dict, source: dict[str, str] | None = None) -> Setup:
+    """Client ``client``'s :class:`Setup` on its node: its examples from the node's own
+    ``source`` (:func:`node_examples`), checked against the run's data ``spec`` (the server's:
+    feature shape, classes, task, dtypes, every client's size), and the run's algorithm built
+    from ``config`` and ``spec`` (:func:`fedbayes.runs.build.build_algorithm_and_aggregator`), its
+    client update jitted. A long-lived process (:mod:`fedbayes.flower.executor`) keeps the last
+    :data:`MAX_SETUPS` built, keyed by the config's hash, the client and the data source.
+    """
+    from fedbayes.algorithms.base import FederationInfo
+    from fedbayes.runs.build import DataSpec, build_algorithm_and_aggregator, build_model
+    from fedbayes.runs.resume import config_hash
+
+    source = source or {}
+    refuse_server_path(config, source)
+    memo = (config_hash(config), client, str(state_dir), json.dumps(source, sort_keys=True), json.dumps(spec, sort_keys=True))
+    if memo in _SETUPS:
+        _SETUPS.move_to_end(memo)
+        return _SETUPS[memo]
+    x, y = node_examples(config, client, state_dir, source)
+    x, y = check_examples(x, y, spec, source.get("data-file", f"client {client}'s examples"))
+    dspec = DataSpec(int(spec["num_classes"]), tuple(spec["feature_shape"]), np.dtype(spec["x_dtype"]), str(spec["task"]))
+    model = build_model(config, dspec)
+    algorithm, _ = build_algorithm_and_aggregator(config, FederationInfo.from_sizes(spec["sizes"]), dspec, model)
+    broadcast = protocol.message_templates(algorithm, model.params).broadcast
+    _SETUPS[memo] = Setup(algorithm, model.params, x, y, jax.jit(algorithm.client_update), broadcast)
+    while len(_SETUPS) > MAX_SETUPS:
+        _SETUPS.popitem(last=False)
     return _SETUPS[memo]
 
 
-_SETUPS: dict = {}
-_UPDATES: dict = {}
+_SETUPS: OrderedDict = OrderedDict()
 
 
-def client_update(algorithm, seed: int, round_idx: int, client: int, message, client_state, x, y):
-    """Client ``client``'s update in round ``round_idx`` on its own examples ``x, y`` (in the
-    order of its partition), with the simulator's key and epoch shuffles."""
-    n = len(y)
-    order, offsets, _ = layout_orders(seed, round_idx, [client], [np.arange(n)], algorithm.local_epochs, algorithm.local_batch_size)
-    data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(order), jnp.int32(offsets[0]), jnp.int32(n))
-    key = protocol.client_key(seed, round_idx, client)
-    if id(algorithm) not in _UPDATES:  # algorithms are kept alive by _SETUPS, so ids are not reused
-        _UPDATES[id(algorithm)] = jax.jit(algorithm.client_update)
-    return _UPDATES[id(algorithm)](key, message, client_state, data)
+def client_update(setup: Setup, seed: int, round_idx: int, client: int, message, client_state):
+    """Client ``client``'s update in round ``round_idx`` on its own examples (in the order of its
+    partition), with the simulator's key and epoch shuffles."""
+    n = len(setup.y)
+    alg = setup.algorithm
+    order, offsets, _ = layout_orders(seed, round_idx, [client], [np.arange(n)], alg.local_epochs, alg.local_batch_size)
+    data = ClientData(jnp.asarray(setup.x), jnp.asarray(setup.y), jnp.asarray(order), jnp.int32(offsets[0]), jnp.int32(n))
+    return setup.update(protocol.client_key(seed, round_idx, client), message, client_state, data)

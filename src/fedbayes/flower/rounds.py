@@ -31,8 +31,10 @@ The per-client bookkeeping the server needs to resume (each client's ``base``) i
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -69,7 +71,7 @@ class Settings:
     node_timeout: float = 120.0  # seconds to wait for them, then fail
     reply_timeout: float = 120.0  # seconds a round waits for its replies
     on_missing: str = "skip"  # skip: aggregate the replies that came; fail: stop the run
-    poll_interval: float = 0.2  # seconds between pulls
+    poll_interval: float = 0.05  # seconds between pulls
 
     def __post_init__(self):
         if self.on_missing not in ON_MISSING:
@@ -82,11 +84,13 @@ class Settings:
 
 
 class Reply(NamedTuple):
-    """What came back for one client: the node's id and its content, or the node's error."""
+    """What came back for one client: the node's id and its content, or the node's error, and
+    when the server had it (Unix seconds)."""
 
     node_id: int
     content: RecordDict | None
     error: str | None = None
+    received_at: float | None = None
 
 
 # A transport: (round, {client: content factory}, timeout) -> {client: Reply}; plus wait_for_nodes.
@@ -101,6 +105,53 @@ def run_key(config) -> str:
 
     raw = {k: v for k, v in config.model_dump(mode="json").items() if k not in ("rounds", "eval_every", "checkpoint_every")}
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_spec(exp) -> dict:
+    """What a node's examples must fit (:func:`fedbayes.flower.nodedata.check_examples`) and what
+    it builds the run's algorithm from: the data's shapes, classes, task and dtypes, and every
+    client's example count (the algorithm's ``FederationInfo``)."""
+    d, fed = exp.dataset, exp.federation
+    return {
+        "num_classes": int(d.num_classes),
+        "feature_shape": [int(n) for n in d.feature_shape],
+        "task": str(d.task),
+        "x_dtype": np.dtype(fed.x.dtype).name,
+        "y_dtype": np.dtype(fed.y.dtype).name,
+        "sizes": [int(n) for n in fed.sizes],
+    }
+
+
+def sent_config(config) -> str:
+    """The config text a train message carries: the run's, without ``data.data_dir`` (where the
+    server's own copy of the data is: a node's data is the node's business, and a node refuses
+    a message that names a path, :func:`fedbayes.flower.nodedata.refuse_server_path`)."""
+    return to_toml(config.model_copy(update={"data": config.data.model_copy(update={"data_dir": None})}))
+
+
+def round_times(round_idx: int, seconds: float, replies: dict[int, Reply]) -> dict:
+    """Where a deployed round's time went, from the nodes' reports: per reply, the node's update
+    (``update``), its whole handler (``handler``: decode, state, update, encode), the message's
+    way to the node's handler (``to_node``: the server's push, the SuperLink, the SuperNode's
+    polls, the executor's poll and pull) and the reply's way back (``from_node``); medians and
+    maxima over the round's replies. ``to_node`` and ``from_node`` compare the server's clock with
+    the node's: across machines they include the clocks' offset."""
+    cols: dict[str, list[float]] = {"update": [], "handler": [], "to_node": [], "from_node": []}
+    for reply in replies.values():
+        meta = reply.content.config_records.get("meta") if reply.content is not None else None
+        if meta is None or "seconds-update" not in meta:
+            continue
+        cols["update"].append(float(meta["seconds-update"]))
+        cols["handler"].append(float(meta["seconds-handler"]))
+        if "seconds-to-node" in meta:
+            cols["to_node"].append(float(meta["seconds-to-node"]))
+        if reply.received_at is not None:
+            cols["from_node"].append(reply.received_at - float(meta["seconds-handler-end"]))
+    out: dict[str, Any] = {"round": round_idx, "seconds": seconds, "replies": len(cols["update"])}
+    for k, v in cols.items():
+        if v:
+            out[f"{k}_median"], out[f"{k}_max"] = float(np.median(v)), float(np.max(v))
+    return out
 
 
 def check_deployable(config) -> None:
@@ -121,7 +172,7 @@ class FlowerRounds:
 
     counts_dropped = True  # missing replies are counted as `dropped`
 
-    def __init__(self, exp, transport: Transport, settings: Settings = Settings()):
+    def __init__(self, exp, transport: Transport, settings: Settings = Settings(), times_file: str | Path | None = None):
         check_deployable(exp.config)
         self.exp = exp
         self.config = exp.config
@@ -130,7 +181,9 @@ class FlowerRounds:
         self.settings = settings
         self.seed = exp.config.seed
         self.num_clients = exp.federation.num_clients
-        self.config_text = to_toml(exp.config)
+        self.config_text = sent_config(exp.config)
+        self.spec = ConfigRecord(data_spec(exp))
+        self.times_file = None if times_file is None else Path(times_file)  # one line per round: round_times
         self.run_key = run_key(exp.config)
         fed = exp.federation
         alg = self.algorithm
@@ -154,7 +207,7 @@ class FlowerRounds:
     # ----- one round --------------------------------------------------------------------------
     def _request(self, round_idx: int, client: int, base: int, broadcast: ArrayRecord) -> Callable[[], RecordDict]:
         meta = {"round": round_idx, "client": client, "base": base, "run": self.run_key, "config": self.config_text, "seed": self.seed}
-        return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta))})
+        return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta)), "spec": self.spec})
 
     def _decode(self, reply: Reply):
         """``(message, info, num_examples)`` of a reply, or raises MalformedMessage."""
@@ -183,7 +236,11 @@ class FlowerRounds:
         broadcast = encode(broadcast_tree)
         base = np.asarray(state.client_states["base"])
         requests = {int(c): self._request(r, int(c), int(base[c]), broadcast) for c in cohort}
+        started = time.monotonic()
         replies = self.transport.exchange(r, requests, s.reply_timeout)
+        if self.times_file is not None:
+            with open(self.times_file, "a") as f:
+                f.write(json.dumps(round_times(r, time.monotonic() - started, replies)) + "\n")
 
         m = len(cohort)
         zero_message = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), self.message_spec)
@@ -385,9 +442,9 @@ class GridTransport:
                     if self.node_of.get(c) not in (None, node):
                         continue  # a replaced node's late answer: the replacement's counts
                     if reply.has_error():
-                        replies[c] = Reply(node, None, " ".join(str(reply.error.reason).split()))
+                        replies[c] = Reply(node, None, " ".join(str(reply.error.reason).split()), time.time())
                     else:
-                        replies[c] = Reply(node, reply.content)
+                        replies[c] = Reply(node, reply.content, None, time.time())
             if len(replies) == len(requests) or self.clock() > end:
                 return replies
             self.sleep(self.poll)

@@ -1,0 +1,286 @@
+"""A warm executor for one SuperNode: fedbayes's ClientApp served by one long-lived process.
+
+Flower runs every ClientApp message as a task: its SuperExec polls the SuperNode's Runtime API
+(``AcquireTask``) and starts a fresh ``flwr-clientapp`` process per task, which imports Python,
+flwr, JAX and fedbayes, rebuilds the method and compiles its update before it computes a few
+milliseconds (``flwr.supercore.superexec.run_superexec``; ``flwr.supernode.runtime.run_clientapp``).
+A SuperNode started with ``--isolation process`` leaves the polling to whoever its operator
+starts next to it. This module is that process: ``fedbayes node`` (or ``python -m
+fedbayes.flower.executor``) polls the node as Flower's SuperExec does and runs each task of
+fedbayes's app *in this process*, with the same Runtime API calls as ``run_clientapp`` (Flower's
+own client code: ``RuntimeHttpClient``, ``push_message``, ``push_task_output``, the object
+pull), so the imports, each run's built client (:func:`fedbayes.flower.node.node_setup`) and its
+compiled update stay warm across rounds and runs. A task of any other app goes to a fresh
+``flwr-clientapp`` process, as Flower's own executor does (the first task of an app is pulled
+to learn whose it is: that one runs here, loaded by Flower's loader).
+
+What differs from ``run_clientapp`` and why:
+
+* the message's objects are pulled with a short backoff (5 ms, capped at 50 ms) instead of
+  Flower's 1 s doubling to 10 s: the SuperNode creates the task before it has pulled the
+  message's objects from the SuperLink, so a fast executor asks for them early;
+* the task heartbeat is stopped before the task output is pushed (a heartbeat for a finished
+  task is refused), and a refused heartbeat is logged instead of raising SIGINT in a process
+  that outlives the task;
+* polling adapts: every ``poll`` seconds while tasks come, ``idle_poll`` after ``ACTIVE``
+  seconds without one.
+
+State across rounds is Flower's ``Context.state`` (pulled with every task, pushed back after
+it) and the node's state folder, as on the stock path, so a restarted executor or SuperNode
+continues where it was. Tested with flwr 1.41 and 1.42 (the Runtime API and the client code it
+calls are unchanged between them); :data:`FLWR_VERSIONS` is checked at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+FLWR_VERSIONS = ("1.41.", "1.42.")  # the flwr releases this executor is tested with
+APP_REF = "fedbayes.flower.apps:clientapp"
+ACTIVE = 10.0  # seconds after a task during which the executor polls at its fast rate
+PULL_BACKOFF = (0.005, 0.05)  # initial, cap (seconds) for pulling a message's objects
+
+log = logging.getLogger("fedbayes.flower.executor")
+
+
+def node_environment(state_dir: str | Path | None = None, env: dict | None = None) -> dict:
+    """The environment a node's Flower processes need, set before any of them imports JAX: the
+    persistent compilation cache in ``state_dir/jax_cache`` (every compile kept: fedbayes's
+    updates compile in well under JAX's default 1 s minimum) and Flower's telemetry off."""
+    out = dict(os.environ if env is None else env)
+    if state_dir is not None:
+        out.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(state_dir) / "jax_cache"))
+    out.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    out.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    return out
+
+
+def check_flwr_version() -> str:
+    import flwr
+
+    version = flwr.__version__
+    if not version.startswith(FLWR_VERSIONS):
+        raise RuntimeError(f"fedbayes's warm executor is tested with flwr {' and '.join(v + 'x' for v in FLWR_VERSIONS)}; this is flwr {version}")
+    return version
+
+
+class _Stop:
+    def __init__(self):
+        self.event = threading.Event()
+
+    def __call__(self, *_):
+        self.event.set()
+
+
+class Executor:
+    """Polls one SuperNode's Runtime API for ClientApp tasks and runs them (module docstring)."""
+
+    def __init__(self, address: str, *, insecure: bool = True, root_certificates: str | None = None, auth_secret: bytes | None = None):
+        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
+        from flwr.supercore.retry import make_simple_http_retry_invoker
+        from flwr.supercore.runtime import RuntimeHttpClient
+
+        self.address, self.insecure, self.root_certificates = address, insecure, root_certificates
+        interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
+        if auth_secret:
+            interceptors.append(SuperExecAuthHttpInterceptor(master_secret=auth_secret, protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"})))
+        self.client = RuntimeHttpClient.from_server_address(
+            server_address=address, insecure=insecure, root_certificates=root_certificates, interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker()
+        )
+        self.apps: dict[str, bool] = {}  # FAB hash -> is fedbayes's app
+        self.children: list[subprocess.Popen] = []
+
+    def acquire(self):
+        """``(token, task)`` of the next ClientApp task, or None."""
+        from flwr.proto.runtime_pb2 import AcquireTaskRequest
+        from flwr.supercore.constant import TaskType
+
+        res = self.client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+        return (res.token, res.task) if res.HasField("task") and res.token else None
+
+    def serve(self, poll: float = 0.02, idle_poll: float = 0.5, stop: threading.Event | None = None, max_tasks: int | None = None) -> int:
+        """Runs tasks until ``stop`` is set (or ``max_tasks`` ran); returns the number run."""
+        stop = stop or threading.Event()
+        done, last = 0, time.monotonic()
+        while not stop.is_set() and (max_tasks is None or done < max_tasks):
+            self.children = [p for p in self.children if p.poll() is None]
+            got = self.acquire()
+            if got is not None:
+                token, task = got
+                if self.apps.get(task.fab_hash) is False:
+                    self.children.append(self.spawn(token))
+                else:
+                    self.run_task(token, task)
+                done, last = done + 1, time.monotonic()
+                continue
+            stop.wait(poll if time.monotonic() - last < ACTIVE else idle_poll)
+        return done
+
+    def spawn(self, token: str) -> subprocess.Popen:
+        """Another app's task in a fresh ``flwr-clientapp`` (what Flower's subprocess executor runs)."""
+        cmd = [str(Path(sys.executable).parent / "flwr-clientapp"), "--runtime-api-address", self.address, "--token", token, "--parent-pid", str(os.getpid())]
+        cmd += ["--insecure"] if self.insecure else (["--root-certificates", self.root_certificates] if self.root_certificates else [])
+        return subprocess.Popen(cmd)
+
+    def _task_client(self, token: str):
+        from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+        from flwr.supercore.retry import make_simple_http_retry_invoker
+        from flwr.supercore.runtime import RuntimeHttpClient
+
+        interceptors = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"), RuntimeTokenHttpInterceptor(token)]
+        return RuntimeHttpClient.from_server_address(
+            server_address=self.address,
+            insecure=self.insecure,
+            root_certificates=self.root_certificates,
+            interceptors=interceptors,
+            retry_invoker=make_simple_http_retry_invoker(),
+        )
+
+    def run_task(self, token: str, task) -> None:
+        """One task, as ``run_clientapp`` runs it, in this process."""
+        from flwr.app import Message
+        from flwr.app.error import Error
+        from flwr.common.constant import ErrorCode, SubStatus
+        from flwr.supercore.heartbeat import HeartbeatSender
+        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+
+        client = self._task_client(token)
+        heartbeat = HeartbeatSender(_heartbeat_fn(client))
+        heartbeat.start()
+        message = reply = context = None
+        status, details = SubStatus.FAILED, "ClientApp task failed"
+        try:
+            message, context, run, fab = pull_task_input(client)
+            reply = self.handle(message, context, run, fab)
+            status, details = SubStatus.COMPLETED, ""
+        except Exception as exc:  # the node answers with an Error, as run_clientapp does
+            log.exception("ClientApp raised an exception")
+            details = f"{type(exc)}:<'{exc}'>"
+            if message is not None:
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
+        finally:
+            try:
+                if reply is not None and context is not None:
+                    push_message(client, reply, context)
+            except Exception:
+                log.exception("failed to push the reply")
+            heartbeat.stop()  # before the output: a heartbeat for a finished task is refused
+            push_task_output(client=client, context=context, sub_status=status, details=details)
+            client.close()
+
+    def handle(self, message, context, run, fab):
+        """The reply to ``message``: fedbayes's ClientApp here; another app's through Flower's loader."""
+        if fab.hash_str not in self.apps:
+            from flwr.common.config import get_fab_config
+
+            components = get_fab_config(fab.content).get("tool", {}).get("flwr", {}).get("app", {}).get("components", {})
+            self.apps[fab.hash_str] = components.get("clientapp") == APP_REF
+        if self.apps[fab.hash_str]:
+            from fedbayes.flower.apps import clientapp
+
+            return clientapp(message=message, context=context)
+        from flwr.cli.install import install_from_fab
+        from flwr.clientapp.utils import get_load_client_app_fn
+
+        install_from_fab(fab.content, skip_prompt=True)
+        load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+        return load(run.fab_id, run.fab_version, fab.hash_str)(message=message, context=context)
+
+    def close(self) -> None:
+        for p in self.children:
+            p.wait()
+        self.client.close()
+
+
+def pull_task_input(client):
+    """``(message, context, run, fab)`` of the client's task: ``run_clientapp.pull_task_input``
+    of flwr (Apache-2.0, Flower Labs), with the short object-pull backoff (module docstring)."""
+    from flwr.app import Message
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("no message for this task from the Runtime API")
+    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree,
+        make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message,
+        initial_backoff=PULL_BACKOFF[0],
+        backoff_cap=PULL_BACKOFF[1],
+    )
+    message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks its own id
+    return message, context, run, fab
+
+
+def _heartbeat_fn(client):
+    """Flower's task heartbeat, without its SIGINT on a refused heartbeat (the task is over)."""
+    import httpx
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
+
+    def beat() -> bool:
+        try:
+            if not client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success:
+                log.warning("the node refused the task heartbeat (the task expired)")
+        except httpx.TransportError:
+            return False
+        return True
+
+    return beat
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fedbayes node", description="A warm executor for one SuperNode started with --isolation process.")
+    parser.add_argument("--runtime-api-address", default="127.0.0.1:9094", help="the SuperNode's Runtime API (its --host:--port)")
+    tls = parser.add_mutually_exclusive_group()
+    tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (the SuperNode's default on loopback)")
+    tls.add_argument("--root-certificates", help="CA of the Runtime API's certificate (the SuperNode's --appio-ssl-* options)")
+    parser.add_argument("--superexec-auth-secret-file", help="the secret the SuperNode was given with the same option")
+    parser.add_argument("--state-dir", help="the node's state folder (its XLA cache goes in state-dir/jax_cache)")
+    parser.add_argument("--poll", type=float, default=0.02, help="seconds between polls while tasks come")
+    parser.add_argument("--idle-poll", type=float, default=0.5, help="seconds between polls when idle")
+    args = parser.parse_args(argv)
+    os.environ.update(node_environment(args.state_dir))  # before JAX is imported
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        version = check_flwr_version()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    secret = None
+    if args.superexec_auth_secret_file:
+        from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
+
+        secret = load_superexec_auth_secret(args.superexec_auth_secret_file)
+    import fedbayes.flower.apps  # noqa: F401  (the imports once, before the first task)
+    import fedbayes.flower.node  # noqa: F401
+
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    executor = Executor(args.runtime_api_address, insecure=args.root_certificates is None, root_certificates=args.root_certificates, auth_secret=secret)
+    log.info("fedbayes warm executor (flwr %s) serving %s", version, args.runtime_api_address)
+    try:
+        executor.serve(args.poll, args.idle_poll, stop.event)
+    finally:
+        executor.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
