@@ -93,7 +93,11 @@ class Executor:
         if auth_secret:
             interceptors.append(SuperExecAuthHttpInterceptor(master_secret=auth_secret, protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"})))
         self.client = RuntimeHttpClient.from_server_address(
-            server_address=address, insecure=insecure, root_certificates=root_certificates, interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker()
+            server_address=address,
+            insecure=insecure,
+            root_certificates=root_certificates,
+            interceptors=interceptors,
+            retry_invoker=make_simple_http_retry_invoker(),
         )
         self.apps: dict[str, bool] = {}  # FAB hash -> is fedbayes's app
         self.children: list[subprocess.Popen] = []

@@ -34,8 +34,8 @@ import dataclasses
 import json
 import logging
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
