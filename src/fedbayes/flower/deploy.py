@@ -328,6 +328,8 @@ class LocalFederation:
                 self.register(public)
         for node in self.nodes:
             self.start_node(node.partition)
+        for node in self.nodes:  # a node that dies at start fails here, not at the ServerApp's node-timeout
+            self._wait_port(node.port, node.process, f"node{node.partition}", timeout)
 
     def _wait_port(self, port: int, process: subprocess.Popen, name: str, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -572,6 +574,9 @@ def deploy_local(
                 progress(json.loads(line))
         seen = len(lines)
 
+    from fedbayes.flower.apps import STATUS_FILE
+
+    (out / STATUS_FILE).unlink(missing_ok=True)  # an earlier run's status is not this run's
     try:
         federation.start()
         rc = {**(run_config or {}), "config": str(config_file), "out": str(out), "resume": bool(resume)}

@@ -110,7 +110,7 @@ class Executor:
         res = self.client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
         return (res.token, res.task) if res.HasField("task") and res.token else None
 
-    def serve(self, poll: float = 0.02, idle_poll: float = 0.5, stop: threading.Event | None = None, max_tasks: int | None = None) -> int:
+    def serve(self, poll: float = 0.05, idle_poll: float = 0.5, stop: threading.Event | None = None, max_tasks: int | None = None) -> int:
         """Runs tasks until ``stop`` is set (or ``max_tasks`` ran); returns the number run."""
         stop = stop or threading.Event()
         done, last = 0, time.monotonic()
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     tls.add_argument("--root-certificates", help="CA of the Runtime API's certificate (the SuperNode's --appio-ssl-* options)")
     parser.add_argument("--superexec-auth-secret-file", help="the secret the SuperNode was given with the same option")
     parser.add_argument("--state-dir", help="the node's state folder (its XLA cache goes in state-dir/jax_cache)")
-    parser.add_argument("--poll", type=float, default=0.02, help="seconds between polls while tasks come")
+    parser.add_argument("--poll", type=float, default=0.05, help="seconds between polls while tasks come")
     parser.add_argument("--idle-poll", type=float, default=0.5, help="seconds between polls when idle")
     args = parser.parse_args(argv)
     os.environ.update(node_environment(args.state_dir))  # before JAX is imported

@@ -25,7 +25,8 @@ TESTED = ("1.41.", "1.42.")
 
 def capped_time(cap: float) -> types.SimpleNamespace:
     """A stand-in for the ``time`` module whose ``sleep`` sleeps at most ``cap`` seconds."""
-    return types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("__")}, sleep=lambda s: time.sleep(min(s, cap)))
+    names = {k: getattr(time, k) for k in dir(time) if not k.startswith("__")}
+    return types.SimpleNamespace(**{**names, "sleep": lambda s: time.sleep(min(s, cap))})
 
 
 def main() -> None:
