@@ -361,11 +361,12 @@ def test_real_federation_runs_equal_the_simulator_and_survive_a_restart(tmp_path
 
 @pytest.mark.slow
 def test_a_node_that_never_returns_is_counted_missing_after_the_reply_timeout(tmp_path):
+    """On Flower's stock path (a fresh ClientApp process per message, executor = "stock")."""
     from fedbayes.flower.deploy import LocalFederation
     from fedbayes.flower.node import prepare_data
 
     raw = raw_config("fedavg", rounds=1, num_clients=2)
-    fed = LocalFederation(tmp_path / "federation", 2)
+    fed = LocalFederation(tmp_path / "federation", 2, executor="stock")
     try:
         prepare_data(build_experiment(validate(raw)), {n.partition: n.state_dir for n in fed.nodes})
         fed.start()

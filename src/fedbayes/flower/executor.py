@@ -5,8 +5,8 @@ Flower runs every ClientApp message as a task: its SuperExec polls the SuperNode
 flwr, JAX and fedbayes, rebuilds the method and compiles its update before it computes a few
 milliseconds (``flwr.supercore.superexec.run_superexec``; ``flwr.supernode.runtime.run_clientapp``).
 A SuperNode started with ``--isolation process`` leaves the polling to whoever its operator
-starts next to it. This module is that process: ``fedbayes node`` (or ``python -m
-fedbayes.flower.executor``) polls the node as Flower's SuperExec does and runs each task of
+starts next to it. This module is that process: ``python -m fedbayes.flower.executor`` (``fedbayes deploy``
+starts one per node) polls the node as Flower's SuperExec does and runs each task of
 fedbayes's app *in this process*, with the same Runtime API calls as ``run_clientapp`` (Flower's
 own client code: ``RuntimeHttpClient``, ``push_message``, ``push_task_output``, the object
 pull), so the imports, each run's built client (:func:`fedbayes.flower.node.node_setup`) and its
@@ -249,7 +249,9 @@ def _heartbeat_fn(client):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedbayes node", description="A warm executor for one SuperNode started with --isolation process.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fedbayes.flower.executor", description="A warm executor for one SuperNode started with --isolation process."
+    )
     parser.add_argument("--runtime-api-address", default="127.0.0.1:9094", help="the SuperNode's Runtime API (its --host:--port)")
     tls = parser.add_mutually_exclusive_group()
     tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API (the SuperNode's default on loopback)")

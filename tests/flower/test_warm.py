@@ -1,0 +1,203 @@
+"""The warm executor (fedbayes.flower.executor), nodes that own their data
+(fedbayes.flower.nodedata), the per-round times, and the loopback federation that uses them.
+
+Needs the flower extra (``pip install -e ".[flower]"``); without it the module is skipped.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomli_w
+
+pytest.importorskip("flwr", reason="the flower extra is not installed (pip install -e '.[flower]')")
+
+from flwr.app import ConfigRecord, RecordDict  # noqa: E402
+
+from fedbayes.config.schema import validate  # noqa: E402
+from fedbayes.flower import executor, fastnode, node  # noqa: E402
+from fedbayes.flower.apps import train_reply  # noqa: E402
+from fedbayes.flower.codec import encode  # noqa: E402
+from fedbayes.flower.nodedata import NodeDataError, node_source, read_file  # noqa: E402
+from fedbayes.flower.rounds import FlowerRounds, Reply, data_spec, round_times, sent_config  # noqa: E402
+from fedbayes.runs.build import build_experiment  # noqa: E402
+from fedbayes.runs.loop import run_experiment  # noqa: E402
+
+pytestmark = pytest.mark.flower
+
+from test_flower import _no_process_left, assert_same_server_state, raw_config, records  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def exp():
+    return build_experiment(validate(raw_config("fedavg", rounds=1)))
+
+
+def _message(exp, client: int, config_text: str | None = None) -> RecordDict:
+    rounds = FlowerRounds(exp, None)
+    state = rounds.init(exp.params)
+    make = rounds._request(0, client, -1, encode(exp.algorithm.broadcast(state.server_state)))
+    content = make()
+    if config_text is not None:
+        content.config_records["fedbayes"]["config"] = config_text
+    return content
+
+
+def _node_config(tmp_path: Path, client: int = 0, **data) -> dict:
+    return {"partition-id": client, "num-partitions": 3, "state-dir": str(tmp_path / "state"), **data}
+
+
+# ----- nodes own their data ----------------------------------------------------------------------
+def test_the_server_never_sends_a_data_path_and_a_node_refuses_one_in_one_line(exp, tmp_path):
+    with_path = exp.config.model_copy(update={"data": exp.config.data.model_copy(update={"data_dir": "/srv/other/data"})})
+    assert "data_dir" not in sent_config(with_path) and "/srv/other" not in sent_config(with_path)
+    text = sent_config(exp.config).replace("[data]\n", "[data]\ndata_dir = '/srv/other/data'\n")
+    with pytest.raises(
+        NodeDataError, match=r"^this node refuses the run's data.data_dir = '/srv/other/data': a node's data comes from its own configuration"
+    ) as err:
+        train_reply(_message(exp, 0, text), _node_config(tmp_path), RecordDict())
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "state" / "data").exists()  # refused before anything was read
+
+
+def test_a_node_holding_another_dataset_refuses_the_run(exp, tmp_path):
+    with pytest.raises(NodeDataError, match="this node holds dataset 'wine'; the run is configured for 'breast_cancer'"):
+        train_reply(_message(exp, 0), _node_config(tmp_path, dataset="wine"), RecordDict())
+
+
+def _write_csv(path: Path, x: np.ndarray, y: np.ndarray) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*(f"f{j}" for j in range(x.shape[1])), "label"])
+        for row, label in zip(x, y):
+            w.writerow([*(repr(float(v)) for v in row), int(label)])
+    return path
+
+
+def test_a_node_with_its_own_npz_or_csv_file_replies_as_the_simulators_client(exp, tmp_path):
+    """The same client's examples from the node's own .npz, its own .csv (through a node TOML),
+    and the cache of the run's dataset give the same reply, bit for bit."""
+    idx = exp.federation.client_indices[1]
+    x, y = np.asarray(exp.federation.x[idx]), np.asarray(exp.federation.y[idx])
+    npz = node.write_client_file(exp, 1, tmp_path / "mine.npz")
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'data-file = "{_write_csv(tmp_path / "mine.csv", x, y)}"\n')
+    node.prepare_data(exp, {1: tmp_path / "cache"})
+    np.testing.assert_array_equal(read_file(tmp_path / "mine.csv")[0].astype(np.float32), x)
+    replies = [
+        train_reply(_message(exp, 1), {**_node_config(tmp_path / name, 1), **data}, RecordDict())
+        for name, data in (("npz", {"data-file": str(npz)}), ("csv", {"node-toml": str(toml)}), ("cache", {"state-dir": str(tmp_path / "cache")}))
+    ]
+    for reply in replies:
+        assert reply.config_records["meta"]["num_examples"] == len(y)
+        for name in ("message", "info"):
+            assert bytes(reply.array_records[name]["packed.npz"].data) == bytes(replies[0].array_records[name]["packed.npz"].data)
+
+
+def test_a_node_whose_examples_do_not_fit_the_model_refuses_in_one_line(exp, tmp_path):
+    np.savez(tmp_path / "wide.npz", x=np.zeros((5, 31), np.float32), y=np.zeros(5, np.int64))
+    with pytest.raises(NodeDataError, match=r"wide.npz: 5 examples of features \[31\] and 5 labels; the run's model takes features \[30\]"):
+        train_reply(_message(exp, 0), _node_config(tmp_path, **{"data-file": str(tmp_path / "wide.npz")}), RecordDict())
+    np.savez(tmp_path / "labels.npz", x=np.zeros((5, 30), np.float32), y=np.array([0, 1, 2, 0, 1]))
+    with pytest.raises(NodeDataError, match=r"labels must be integers in \[0, 2\)"):
+        train_reply(_message(exp, 0), _node_config(tmp_path, **{"data-file": str(tmp_path / "labels.npz")}), RecordDict())
+    with pytest.raises(NodeDataError, match="give data-file or dataset, not both"):
+        node_source({"data-file": "a.npz", "dataset": "wine"})
+
+
+# ----- the warm process: bounded caches, times, environment ----------------------------------------------
+def test_setups_are_kept_per_run_and_bounded(exp, tmp_path, monkeypatch):
+    monkeypatch.setattr(node, "_SETUPS", type(node._SETUPS)())
+    monkeypatch.setattr(node, "MAX_SETUPS", 2)
+    node.prepare_data(exp, {0: tmp_path})
+    spec = data_spec(exp)
+    first = node.node_setup(exp.config, 0, tmp_path, spec)
+    assert node.node_setup(exp.config, 0, tmp_path, spec) is first  # the second message of a run builds nothing
+    for lr in (0.01, 0.02):
+        cfg = exp.config.model_copy(update={"client": exp.config.client.model_copy(update={"lr": lr})})
+        node.prepare_data(build_experiment(cfg), {0: tmp_path})
+        node.node_setup(cfg, 0, tmp_path, spec)
+    assert len(node._SETUPS) == 2 and first not in node._SETUPS.values()
+
+
+def test_round_times_split_a_round_into_update_handler_and_the_ways_there_and_back():
+    meta = {"seconds-update": 0.01, "seconds-handler": 0.02, "seconds-handler-end": 100.0, "seconds-to-node": 0.5}
+    replies = {c: Reply(c, RecordDict({"meta": ConfigRecord({**meta, "seconds-update": 0.01 * (c + 1)})}), None, 100.25 + c) for c in range(3)}
+    replies[3] = Reply(3, None, "boom", 101.0)
+    t = round_times(4, 2.0, replies)
+    assert t["round"] == 4 and t["seconds"] == 2.0 and t["replies"] == 3
+    assert t["update_median"] == pytest.approx(0.02) and t["update_max"] == pytest.approx(0.03)
+    assert t["to_node_median"] == 0.5 and t["from_node_median"] == pytest.approx(1.25) and t["from_node_max"] == pytest.approx(2.25)
+
+
+def test_the_node_environment_sets_the_cache_and_telemetry_before_any_import(tmp_path):
+    env = executor.node_environment(tmp_path, {})
+    assert env == {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "FLWR_TELEMETRY_ENABLED": "0"}
+    assert executor.node_environment(tmp_path, {"JAX_COMPILATION_CACHE_DIR": "/x"})["JAX_COMPILATION_CACHE_DIR"] == "/x"  # the operator's wins
+    assert executor.check_flwr_version().startswith(executor.FLWR_VERSIONS)
+
+
+def test_the_fast_node_caps_only_sleep():
+    t = fastnode.capped_time(0.01)
+    start = time.monotonic()
+    t.sleep(3)
+    assert time.monotonic() - start < 1.0 and t.monotonic is time.monotonic and t.time is time.time
+
+
+# ----- real processes ------------------------------------------------------------------------------
+def _submit(fed, tmp: Path, raw: dict, name: str) -> tuple[str, Path]:
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(tomli_w.dumps(raw))
+    out = tmp / name
+    return fed.submit({"config": str(cfg), "out": str(out), "reply-timeout": 120.0}), out
+
+
+@pytest.mark.slow
+def test_warm_executors_with_their_own_data_equal_the_simulator_and_survive_a_killed_executor(tmp_path):
+    """3 SuperNodes with warm executors, each node's examples in a file of its own (node 2's a
+    CSV named by a node TOML): ADMM (stateful) over 4 rounds. After round 1 node 1's executor is
+    SIGKILLed and a new one started: the node's state comes from Context.state and its state
+    folder, and the final server state equals the simulator's; every round's times are in
+    flower_times.jsonl, the warm handlers take well under a second; no process is left."""
+    from fedbayes.flower.deploy import LocalFederation
+
+    raw = raw_config("admm", rounds=4)
+    exp = build_experiment(validate(raw))
+    fed = LocalFederation(tmp_path / "federation", 3)
+    for n in fed.nodes[:2]:
+        n.data = {"data-file": str(node.write_client_file(exp, n.partition, tmp_path / f"node{n.partition}.npz"))}
+    idx = exp.federation.client_indices[2]
+    csv_file = _write_csv(tmp_path / "node2.csv", np.asarray(exp.federation.x[idx]), np.asarray(exp.federation.y[idx]))
+    (tmp_path / "node2.toml").write_text(f'data-file = "{csv_file}"\n')
+    fed.nodes[2].data = {"node-toml": str(tmp_path / "node2.toml")}
+    try:
+        fed.start()
+        run_id, out = _submit(fed, tmp_path, raw, "admm")
+        end = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file() or len(records(out / "metrics.jsonl")) < 2:
+            assert time.monotonic() < end, "round 1 did not finish"
+            time.sleep(0.2)
+        old = fed.nodes[1].executor.pid
+        fed.kill_executor(1)
+        fed.start_executor(1)
+        status = fed.wait(run_id, out, 600)
+        assert status == {"ok": True}, status
+        last = records(out / "metrics.jsonl")[-1]
+        assert last["round"] == 4 and last["rejected"] == 0 and last["dropped"] == 0
+        assert len(records(out / "clients.jsonl")) == 12
+        log1 = (fed.workdir / "executor1.log").read_text()
+        assert log1.count("fedbayes warm executor") == 2 and fed.nodes[1].executor.pid != old
+        times = records(out / "flower_times.jsonl")
+        assert [t["round"] for t in times] == [0, 1, 2, 3] and all(t["replies"] == 3 for t in times)
+        cold = [t["round"] for t in times if t["handler_max"] >= 1.0]  # a handler that imported, built or compiled
+        assert cold[0] == 0 and len(cold) <= 2, times  # round 0, and the new executor's first task
+        run_experiment(validate(raw), tmp_path / "sim")
+        assert_same_server_state(tmp_path / "sim", out)
+    finally:
+        _no_process_left(fed)
+    assert json.loads((out / "flower_status.json").read_text()) == {"ok": True}
