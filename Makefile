@@ -26,8 +26,10 @@ test: env
 	$(BIN)/python -m pytest -q -n 2
 
 # The Flower adapter's tests, real SuperLink/SuperNode processes included, in a venv of their own:
-# flwr 1.41 pins older typer, rich and protobuf than the main environment's (.ci/run runs this too).
+# flwr pins older typer, rich and protobuf than the main environment's (.ci/run runs this too).
+# FLWR: the flwr release tested (the warm executor is tested with 1.41.0 and 1.42.0).
 FLOWER_VENV ?= .venv-flower
+FLWR ?= 1.42.0
 $(FLOWER_VENV)/bin/flwr: pyproject.toml
 	$(PY) -m venv $(FLOWER_VENV)
 	$(FLOWER_VENV)/bin/pip install -q --upgrade pip
@@ -35,7 +37,8 @@ $(FLOWER_VENV)/bin/flwr: pyproject.toml
 	@touch $@
 
 test-flower: $(FLOWER_VENV)/bin/flwr
-	$(FLOWER_VENV)/bin/python -m pytest -q tests/flower/test_flower.py
+	$(FLOWER_VENV)/bin/pip install -q "flwr==$(FLWR)"
+	$(FLOWER_VENV)/bin/python -m pytest -q tests/flower
 
 # What .ci/run checks besides the tests (ruff settings in pyproject.toml).
 lint: env

@@ -1,26 +1,40 @@
-"""The adapter's overhead: fedbayes-on-Flower's FedAvg against Flower's own FedAvg
-(benchmarks/flower_fedavg_baseline.py) on the same model, data and processes (one federation: a
-SuperLink and K SuperNodes on loopback), runs interleaved (fedbayes, Flower, fedbayes, ...).
+"""What a deployed round costs, in one run on this machine: fedbayes's warm executors, Flower's
+stock per-message path (fedbayes's app, and Flower's own FedAvg on the same processes), and the
+simulator's round of the same config, blocked until its result is ready.
 
-    PYTHONPATH=src python benchmarks/flower_overhead.py --config examples/flower/breast_cancer_fedavg.toml --reps 3 --out runs/flower_overhead
+    PYTHONPATH=src:benchmarks python benchmarks/flower_overhead.py --config examples/flower/breast_cancer_fedavg.toml --out runs/flower_overhead
 
-Per run: seconds per round (fedbayes: metrics.jsonl's training seconds, evaluation excluded;
-Flower: around ``strategy.start``, which does no evaluation here) and the whole run's wall time
-(``flwr run`` to the end, the ServerApp's start included). Prints one JSON line per run, then the
-medians and ranges and the paired ratio fedbayes / Flower.
+Steps (in this order, one federation of a SuperLink and K SuperNodes on loopback at a time):
+
+1. the simulator: ``exp.simulator.run_round`` plus ``jax.block_until_ready``, ``--sim-rounds``
+   rounds, for the config and for the heavy MLP (``--heavy``: the config on scikit-learn's
+   digits with an MLP of 2 hidden layers of 512, 10 local epochs);
+2. warm federation (``executor = "warm"``): fedbayes's run of the config and of the heavy MLP,
+   ``--rounds`` rounds each;
+3. stock federation (``executor = "stock"``: a fresh ClientApp process per message): fedbayes's
+   run of the config, then Flower's FedAvg (benchmarks/flower_fedavg_baseline.py), ``--stock-rounds``
+   rounds each, on the same processes.
+
+A fedbayes round's time is its exchange (``flower_times.jsonl``'s ``seconds``: from the
+server's first push to its last reply); Flower's FedAvg round is ``strategy.start``'s time over
+the rounds. Steady: rounds after the first (which builds and compiles). Prints one JSON line per
+measurement and the load average around each, and writes ``summary.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
+import jax
+
 from fedbayes.config.schema import load_config, to_toml
 from fedbayes.flower.deploy import LocalFederation
-from fedbayes.flower.node import prepare_data
+from fedbayes.flower.node import write_client_file
 from fedbayes.runs.build import build_experiment
 
 HERE = Path(__file__).resolve().parent
@@ -28,88 +42,153 @@ HERE = Path(__file__).resolve().parent
 
 def baseline_app(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "pyproject.toml").write_text(
-        "\n".join(
-            [
-                "[build-system]",
-                'requires = ["hatchling"]',
-                'build-backend = "hatchling.build"',
-                "[project]",
-                'name = "flower-fedavg-baseline"',
-                'version = "1.0.0"',
-                'description = "Flower FedAvg on a fedbayes config"',
-                'license = "Apache-2.0"',
-                "dependencies = []",
-                "[tool.hatch.build.targets.wheel]",
-                'packages = ["."]',
-                "[tool.flwr.app]",
-                'publisher = "fedbayes"',
-                "[tool.flwr.app.components]",
-                'serverapp = "flower_fedavg_baseline:serverapp"',
-                'clientapp = "flower_fedavg_baseline:clientapp"',
-                "[tool.flwr.app.config]",
-                'config = ""',
-                'out = ""',
-            ]
-        )
-        + "\n"
-    )
+    lines = [
+        "[build-system]",
+        'requires = ["hatchling"]',
+        'build-backend = "hatchling.build"',
+        "[project]",
+        'name = "flower-fedavg-baseline"',
+        'version = "1.0.0"',
+        'description = "Flower FedAvg on a fedbayes config"',
+        'license = "Apache-2.0"',
+        "dependencies = []",
+        "[tool.hatch.build.targets.wheel]",
+        'packages = ["."]',
+        "[tool.flwr.app]",
+        'publisher = "fedbayes"',
+        "[tool.flwr.app.components]",
+        'serverapp = "flower_fedavg_baseline:serverapp"',
+        'clientapp = "flower_fedavg_baseline:clientapp"',
+        "[tool.flwr.app.config]",
+        'config = ""',
+        'out = ""',
+    ]
+    (folder / "pyproject.toml").write_text("\n".join(lines) + "\n")
     return folder
+
+
+def heavy(config):
+    """The config on digits with an MLP [512, 512] and 10 local epochs."""
+    return config.model_copy(
+        update={
+            "name": config.name + "_heavy_mlp",
+            "data": config.data.model_copy(update={"dataset": "digits"}),
+            "model": config.model.model_copy(update={"name": "mlp", "hidden": (512, 512)}),
+            "client": config.client.model_copy(update={"epochs": 10}),
+        }
+    )
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+def steady(values: list[float]) -> dict:
+    v = values[1:]
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "first": values[0], "n": len(v)}
+
+
+def simulator_rounds(config, rounds: int) -> list[float]:
+    exp = build_experiment(config)
+    sim = exp.simulator
+    state = sim.init(exp.params)
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        state, _ = sim.run_round(state)
+        jax.block_until_ready(state.server_state)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def federation(work: Path, exp, executor: str) -> LocalFederation:
+    fed = LocalFederation(work, exp.config.data.num_clients, executor=executor, env={"PYTHONPATH": str(HERE)})
+    for n in fed.nodes:
+        n.data = {"data-file": str(write_client_file(exp, n.partition, n.state_dir.parent / "data.npz"))}
+    return fed
+
+
+def fedbayes_rounds(fed: LocalFederation, config, out: Path) -> list[float]:
+    cfg_file = out.with_suffix(".toml")
+    cfg_file.write_text(to_toml(config))
+    status = fed.run({"config": str(cfg_file), "out": str(out)}, timeout=3600)
+    assert status.get("ok"), status
+    return [json.loads(line)["seconds"] for line in (out / "flower_times.jsonl").read_text().splitlines()]
+
+
+def flower_fedavg_round(fed: LocalFederation, config, out: Path) -> float:
+    cfg_file = out.with_suffix(".toml")
+    cfg_file.write_text(to_toml(config))
+    own = fed.app_dir
+    fed.app_dir = baseline_app(out.parent / "baseline_app")
+    try:
+        result = out.with_suffix(".json")
+        run_id = fed.submit({"config": str(cfg_file), "out": str(result)})
+        end = time.monotonic() + 3600
+        while not result.is_file():
+            assert time.monotonic() < end, "the baseline did not finish"
+            time.sleep(0.2)
+        fed._wait_finished(run_id)
+    finally:
+        fed.app_dir = own
+    return json.loads(result.read_text())["seconds"] / config.rounds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=10, help="warm rounds per config")
+    parser.add_argument("--stock-rounds", type=int, default=3, help="stock rounds (fedbayes's app and Flower's FedAvg)")
+    parser.add_argument("--sim-rounds", type=int, default=12)
     parser.add_argument("--out", type=Path, default=Path("runs/flower_overhead"))
     args = parser.parse_args()
     config = load_config(args.config)
     if config.algorithm.name != "fedavg":
         raise SystemExit("the baseline is Flower's FedAvg: give a fedavg config")
     args.out.mkdir(parents=True, exist_ok=True)
-    cfg_file = args.out / "config.toml"
-    cfg_file.write_text(to_toml(config))
-    fed = LocalFederation(args.out / "federation", config.data.num_clients, env={"PYTHONPATH": str(HERE)})
-    prepare_data(build_experiment(config), {n.partition: n.state_dir for n in fed.nodes})
-    ours_app, theirs_app = fed.app_dir, baseline_app(args.out / "baseline_app")
-    rows = []
+    configs = {"logreg": config, "heavy_mlp": heavy(config)}
+    results: dict = {}
+
+    def record(name: str, value, before: float) -> None:
+        results[name] = {"value": value, "load": [before, load()]}
+        print(json.dumps({name: results[name]}), flush=True)
+
+    for name, cfg in configs.items():
+        before = load()
+        record(f"simulator_{name}", steady(simulator_rounds(cfg.model_copy(update={"rounds": args.sim_rounds}), args.sim_rounds)), before)
+
+    fed = federation(args.out / "warm", build_experiment(config), "warm")
+    heavy_files = build_experiment(configs["heavy_mlp"])
     try:
         fed.start()
-        for rep in range(args.reps):
-            for kind in ("fedbayes", "flower"):
-                out = args.out / f"{kind}_{rep}"
-                t0 = time.perf_counter()
-                if kind == "fedbayes":
-                    fed.app_dir = ours_app
-                    status = fed.run({"config": str(cfg_file), "out": str(out)}, timeout=1800)
-                    assert status.get("ok"), status
-                    last = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
-                    per_round = last["seconds"] / config.rounds
-                else:
-                    fed.app_dir = theirs_app
-                    result = out.with_suffix(".json")
-                    run_id = fed.submit({"config": str(cfg_file), "out": str(result)})
-                    end = time.monotonic() + 1800
-                    while not result.is_file():
-                        assert time.monotonic() < end, "the baseline did not finish"
-                        time.sleep(0.2)
-                    fed._wait_finished(run_id)
-                    per_round = json.loads(result.read_text())["seconds"] / config.rounds
-                row = {"rep": rep, "kind": kind, "seconds_per_round": round(per_round, 3), "run_wall_s": round(time.perf_counter() - t0, 2)}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        before = load()
+        record("warm_logreg", steady(fedbayes_rounds(fed, config.model_copy(update={"rounds": args.rounds}), args.out / "warm_logreg")), before)
+        for n in fed.nodes:  # the heavy config's examples (digits) in the same files: the nodes read them per run
+            write_client_file(heavy_files, n.partition, Path(n.data["data-file"]))
+        before = load()
+        record("warm_heavy_mlp", steady(fedbayes_rounds(fed, configs["heavy_mlp"].model_copy(update={"rounds": args.rounds}), args.out / "warm_heavy")), before)
     finally:
-        fed.app_dir = ours_app
         fed.stop()
-    summary = {}
-    for kind in ("fedbayes", "flower"):
-        v = [r["seconds_per_round"] for r in rows if r["kind"] == kind]
-        w = [r["run_wall_s"] for r in rows if r["kind"] == kind]
-        summary[kind] = {"per_round_median": statistics.median(v), "per_round_range": [min(v), max(v)], "run_wall_median": statistics.median(w)}
-    ratios = [a["seconds_per_round"] / b["seconds_per_round"] for a, b in zip(rows[0::2], rows[1::2])]
-    summary["ratio_per_round_fedbayes_over_flower"] = {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
-    print(json.dumps(summary), flush=True)
-    (args.out / "summary.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2) + "\n")
+
+    fed = federation(args.out / "stock", build_experiment(config), "stock")
+    try:
+        fed.start()
+        stock = config.model_copy(update={"rounds": args.stock_rounds})
+        before = load()
+        record("stock_logreg", steady(fedbayes_rounds(fed, stock, args.out / "stock_logreg")), before)
+        before = load()
+        record("flower_fedavg_logreg", flower_fedavg_round(fed, stock, args.out / "flower_fedavg"), before)
+    finally:
+        fed.stop()
+
+    sim, warm = results["simulator_heavy_mlp"]["value"]["median"], results["warm_heavy_mlp"]["value"]["median"]
+    results["ratio_warm_heavy_over_simulator"] = warm / sim
+    results["ratio_warm_logreg_over_flower_fedavg"] = results["warm_logreg"]["value"]["median"] / results["flower_fedavg_logreg"]["value"]
+    import flwr
+
+    results["flwr"] = flwr.__version__
+    print(json.dumps({k: results[k] for k in ("ratio_warm_heavy_over_simulator", "ratio_warm_logreg_over_flower_fedavg", "flwr")}), flush=True)
+    (args.out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,10 @@ def test_print_commands_uses_tls_not_insecure():
     res = _python("import sys\n" + code, str(CONFIG))
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
-    assert "--insecure" not in out
-    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--root-certificates"):
+    flower = [line for line in out.splitlines() if not line.startswith("#") and "fedbayes.flower.executor" not in line]
+    assert not any("--insecure" in line for line in flower)  # only the executor's loopback Runtime API is plain HTTP
+    for flag in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile", "--root-certificates", "--enable-supernode-auth", "--auth-supernode-private-key"):
         assert flag in out
-    assert out.count("flower-supernode") == 3 and "partition-id=2 num-partitions=3" in out
-    assert "flwr run fedbayes-app" in out
+    assert out.count("flower-supernode --") == 3 and "partition-id=2 num-partitions=3" in out and "data-file=" in out
+    assert out.count("python -m fedbayes.flower.executor") == 3 and out.count("--isolation process") == 3
+    assert out.count("flwr supernode register") == 3 and "flwr run fedbayes-app" in out

@@ -6,8 +6,14 @@ Needs the flower extra (``pip install -e ".[flower]"``); without it the module i
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -201,3 +207,92 @@ def test_warm_executors_with_their_own_data_equal_the_simulator_and_survive_a_ki
     finally:
         _no_process_left(fed)
     assert json.loads((out / "flower_status.json").read_text()) == {"ok": True}
+
+
+@pytest.mark.slow
+def test_the_printed_commands_run_a_federation_on_loopback(tmp_path):
+    """`fedbayes deploy --print-commands` for 2 nodes, with loopback addresses, free ports and
+    this test's folders: every printed command run as written, each long-running one as its own
+    process (a SuperLink with TLS and SuperNode authentication, two SuperNodes with
+    --isolation process and their warm executors, each node's data in its own file); `flwr run
+    --stream` ends with the run, which equals the simulator; no process is left."""
+    import psutil
+
+    from fedbayes.flower.deploy import _kill_tree, free_port, make_certificates, make_node_key, print_commands
+
+    raw = raw_config("fedavg", rounds=2, num_clients=2)
+    cfg = validate(raw)
+    cfg_file, out, files, nodes = tmp_path / "run.toml", tmp_path / "out", tmp_path / "files", tmp_path / "nodes"
+    cfg_file.write_text(tomli_w.dumps(raw))
+    make_certificates(files)
+    exp = build_experiment(cfg)
+    for i in range(2):
+        make_node_key(files, f"node{i}")
+        node.write_client_file(exp, i, nodes / f"node{i}" / "data.npz")
+    port, node_ports = free_port(), [free_port(), free_port()]
+    text = print_commands(cfg_file, cfg, out, "127.0.0.1", port, node_ports=node_ports, files=str(files), state_root=str(nodes))
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+    env.update(HOME=str(tmp_path / "home"), PATH=str(Path(sys.executable).parent) + os.pathsep + env["PATH"])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    (tmp_path / "home").mkdir()
+    started: list[psutil.Process] = []
+
+    def background(line: str, name: str) -> None:
+        with open(tmp_path / f"{name}.log", "ab") as log:
+            p = subprocess.Popen(["bash", "-c", line], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(psutil.Process(p.pid))
+
+    def run(line: str) -> str:
+        res = subprocess.run(["bash", "-c", line], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, (line, res.stdout[-2000:], res.stderr[-2000:])
+        return res.stdout
+
+    def tree() -> list[psutil.Process]:
+        found = {}
+        for p in started:
+            with contextlib.suppress(psutil.Error):
+                found[p.pid] = p
+                found.update({c.pid: c for c in p.children(recursive=True)})
+        return list(found.values())
+
+    seen: dict[int, psutil.Process] = {}
+    try:
+        superlink = [line for line in lines if "flower-superlink" in line]
+        assert len(superlink) == 1
+        background(superlink[0], "superlink")
+        end = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+            assert time.monotonic() < end, (tmp_path / "superlink.log").read_text()[-2000:]
+            time.sleep(0.2)
+        for line in lines:
+            if line.startswith(("mkdir -p ~/.flwr", "flwr supernode register")):
+                run(line)
+        for i, line in enumerate(line for line in lines if "flower-supernode" in line or "fedbayes.flower.executor" in line):
+            background(line, f"node{i}")
+        for line in lines:
+            if line.startswith("mkdir -p fedbayes-app"):
+                run(line)
+        submit = [line for line in lines if line.startswith("flwr run")]
+        assert len(submit) == 1
+        seen.update({p.pid: p for p in tree()})
+        run(submit[0])
+        seen.update({p.pid: p for p in tree()})
+        assert json.loads((out / "flower_status.json").read_text()) == {"ok": True}
+        assert records(out / "metrics.jsonl")[-1]["round"] == 2 and records(out / "metrics.jsonl")[-1]["dropped"] == 0
+        run_experiment(cfg, tmp_path / "sim")
+        assert_same_server_state(tmp_path / "sim", out)
+    finally:
+        procs = list({**seen, **{p.pid: p for p in tree()}}.values())
+        _kill_tree(procs, signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        _kill_tree(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+    left = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline", "status"])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert left == []

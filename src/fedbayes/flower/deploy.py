@@ -216,33 +216,64 @@ def executor_command(port: int, state_dir: Path) -> list[str]:
     return [sys.executable, "-m", "fedbayes.flower.executor", "--runtime-api-address", f"127.0.0.1:{port}", "--insecure", "--state-dir", str(state_dir)]
 
 
-def print_commands(config_path: Path, config, out: Path, superlink_host: str = "SUPERLINK_HOST", port: int = 9093) -> str:
-    """The commands that start the same federation on real machines, with TLS."""
+def print_commands(
+    config_path: Path,
+    config,
+    out: Path,
+    superlink_host: str = "SUPERLINK_HOST",
+    port: int = 9093,
+    *,
+    node_host: str = "127.0.0.1",
+    node_ports: list[int] | None = None,
+    files: str = ".",
+    state_root: str = "/var/lib/fedbayes",
+) -> str:
+    """The commands that start the same federation on real machines: TLS, SuperNode
+    authentication, a warm executor next to each SuperNode, each node's data from its own
+    configuration. ``node_ports`` (default 9094 on every machine), ``files`` (the folder of the
+    certificates and keys on each machine) and ``state_root`` are there so that a test can run the
+    printed commands on one machine."""
     k = config.data.num_clients
     q = shlex.quote
+    node_ports = node_ports or [9094] * k
+    f = lambda name: f"{files}/{name}"  # noqa: E731
+    env = "FLWR_TELEMETRY_ENABLED=0 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0"
     lines = [
-        f"# fedbayes on Flower: {config.name} ({config.algorithm.name}, {k} clients, {config.rounds} rounds), over TLS.",
-        "# Install on every machine: pip install 'fedbayes[flower]'. Certificates: a CA (ca.crt) and a server",
-        f"# certificate for {superlink_host} (server.pem, server.key) signed by it, e.g. with openssl.",
+        f"# fedbayes on Flower: {config.name} ({config.algorithm.name}, {k} clients, {config.rounds} rounds), over TLS, SuperNodes authenticated.",
+        "# Install on every machine: pip install -e '.[flower]' from a clone of fedbayes (flwr 1.41 or 1.42).",
+        f"# Certificates: a CA (ca.crt) and a certificate for {superlink_host} (server.pem, server.key) signed by it, e.g. with openssl;",
+        "# ca.crt goes to every machine. Node keys: ssh-keygen -t ecdsa -b 384 -N '' -f nodeI on node I; nodeI.pub to where you submit.",
         "",
         "# 1. On the SuperLink machine (it also runs the ServerApp: the config and the run folder live there):",
-        f"flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key --host 0.0.0.0 --port {port} --disable-runtime-dependency-installation",
+        f"{env} flower-superlink --ssl-ca-certfile {f('ca.crt')} --ssl-certfile {f('server.pem')} --ssl-keyfile {f('server.key')} "
+        f"--host {'0.0.0.0' if superlink_host == 'SUPERLINK_HOST' else superlink_host} --port {port} --disable-runtime-dependency-installation --enable-supernode-auth",
         "",
-        f"# 2. On each client machine i = 0..{k - 1} (its own data partition, its state folder survives restarts):",
+        "# 2. Where you submit the run: a connection to the SuperLink, and the nodes' public keys registered (before they start).",
+        f'mkdir -p ~/.flwr && printf \'[superlink]\\ndefault = "{CONNECTION}"\\n[superlink.{CONNECTION}]\\naddress = "{superlink_host}:{port}"\\nroot-certificates = "{f("ca.crt")}"\\n\' >> ~/.flwr/config.toml',
+        *(f"flwr supernode register {f(f'node{i}.pub')} {CONNECTION}" for i in range(k)),
+        "",
+        f"# 3. On each client machine i = 0..{k - 1}: a SuperNode and its warm fedbayes executor. The node's data is its own:",
+        "#    data-file = its examples (.npz with arrays x and y, or .csv with a header and a 'label' column), or",
+        "#    dataset = NAME and data-dir = FOLDER (partition-id of the dataset, split as the run's config says).",
+        "#    The server's config never names a node's data (a node refuses one that does); its shapes and classes are checked.",
     ]
     for i in range(k):
-        lines.append(
-            f"flower-supernode --root-certificates ca.crt --superlink {superlink_host}:{port} --host 127.0.0.1 --port 9094 "
-            f"--node-config \"partition-id={i} num-partitions={k} state-dir='/var/lib/fedbayes/node{i}'\""
-        )
+        state = f"{state_root}/node{i}"
+        node_config = f"partition-id={i} num-partitions={k} state-dir='{state}' data-file='{state}/data.npz'"
+        lines += [
+            f"JAX_COMPILATION_CACHE_DIR={state}/jax_cache {env} flower-supernode --root-certificates {f('ca.crt')} --superlink {superlink_host}:{port} "
+            f'--auth-supernode-private-key {f(f"node{i}")} --isolation process --host {node_host} --port {node_ports[i]} --node-config "{node_config}"',
+            f"JAX_COMPILATION_CACHE_DIR={state}/jax_cache {env} python -m fedbayes.flower.executor --runtime-api-address {node_host}:{node_ports[i]} --insecure --state-dir {state}",
+        ]
     lines += [
         "",
-        "# 3. Where you submit the run: a Flower app folder and a connection to the SuperLink.",
+        "# 4. Where you submit the run: a Flower app folder, and the run (config and run folder on the SuperLink's machine).",
         "mkdir -p fedbayes-app && python -c 'from fedbayes.flower.deploy import app_pyproject; print(app_pyproject(), end=\"\")' > fedbayes-app/pyproject.toml",
-        f'mkdir -p ~/.flwr && printf \'[superlink]\\ndefault = "{CONNECTION}"\\n[superlink.{CONNECTION}]\\naddress = "{superlink_host}:{port}"\\nroot-certificates = "ca.crt"\\n\' >> ~/.flwr/config.toml',
         f"flwr run fedbayes-app {CONNECTION} --stream --run-config {q(f'config={json.dumps(str(config_path))} out={json.dumps(str(out))}')}",
         "",
-        f"# The run folder ({out}) holds metrics.jsonl, checkpoints and flower_status.json; to resume, add resume=true to --run-config.",
+        f"# The run folder ({out}) holds metrics.jsonl, flower_times.jsonl (where each round's time went), checkpoints and",
+        "# flower_status.json; to resume, add resume=true to --run-config. Flower's SuperNode waits 3 s after each empty pull:",
+        "# a round takes at least about 3 s on real machines (fedbayes deploy on one machine caps that wait).",
     ]
     return "\n".join(lines) + "\n"
 

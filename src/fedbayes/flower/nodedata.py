@@ -44,7 +44,7 @@ def node_source(node_config) -> dict[str, str]:
             raw = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise NodeDataError(f"node-toml {path}: {exc}") from None
-        unknown = sorted(set(raw) - set(KEYS) - {"partition-id", "num-partitions", "state-dir"})
+        unknown = sorted(set(raw) - set(KEYS))
         if unknown:
             raise NodeDataError(f"node-toml {path}: unknown key {unknown[0]!r}; allowed: {', '.join(KEYS)}")
         source.update({k: str(raw[k]) for k in KEYS if k in raw})
