@@ -3,6 +3,9 @@ Flower processes, equal to the simulator.
 
 * :mod:`fedbayes.flower.codec`: pytrees <-> ``ArrayRecord`` by tree path, checked on decode;
 * :mod:`fedbayes.flower.node`: one client's round on its node, its state on disk;
+* :mod:`fedbayes.flower.nodedata`: where a node's examples come from (the node's setting, never the server's);
+* :mod:`fedbayes.flower.executor`: the warm executor, one long-lived process per SuperNode;
+* :mod:`fedbayes.flower.fastnode`: Flower's SuperNode with its idle sleeps capped (one machine only);
 * :mod:`fedbayes.flower.rounds`: the server's rounds over Flower nodes (the simulator's interface);
 * :mod:`fedbayes.flower.apps`: the ``ClientApp`` and ``ServerApp``;
 * :mod:`fedbayes.flower.deploy`: ``fedbayes deploy``: a local federation of real processes, or
