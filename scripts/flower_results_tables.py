@@ -1,13 +1,12 @@
-"""Markdown tables of docs/results/flower.md from runs/flower_all/results.jsonl and
-runs/flower_overhead/summary.json (or the rows printed so far in runs/flower_overhead.log).
+"""Markdown tables of docs/results/flower.md from runs/flower_overhead/summary.json
+(benchmarks/flower_overhead.py) and runs/flower_all/results.jsonl (scripts/flower_all_algorithms.py).
 
-    python scripts/flower_results_tables.py
+    python scripts/flower_results_tables.py [SUMMARY_JSON [RESULTS_JSONL]]
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 
@@ -28,34 +27,41 @@ def algorithms(path: Path = Path("runs/flower_all/results.jsonl")) -> str:
     return "\n".join(lines)
 
 
-def overhead(folder: Path = Path("runs/flower_overhead"), log: Path = Path("runs/flower_overhead.log")) -> str:
-    rows = [json.loads(x) for x in log.read_text().splitlines() if x.startswith('{"rep"')] if log.is_file() else []
-    lines = [
-        "| pair | fedbayes s / round | fedbayes s / round, rounds 2+ | Flower FedAvg s / round | ratio | fedbayes run wall s | Flower run wall s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    ratios = []
-    for rep in sorted({r["rep"] for r in rows}):
-        pair = {r["kind"]: r for r in rows if r["rep"] == rep}
-        if len(pair) < 2:
-            continue
-        a, b = pair["fedbayes"], pair["flower"]
-        ratios.append(a["seconds_per_round"] / b["seconds_per_round"])
-        recs = [json.loads(x) for x in (folder / f"fedbayes_{rep}" / "metrics.jsonl").read_text().splitlines()]
-        later = (recs[-1]["seconds"] - recs[1]["seconds"]) / (len(recs) - 2) if len(recs) > 2 else float("nan")
-        lines.append(
-            f"| {folder.name} {rep} | {a['seconds_per_round']:.1f} | {later:.1f} | {b['seconds_per_round']:.1f} | {ratios[-1]:.2f} | {a['run_wall_s']:.0f} | {b['run_wall_s']:.0f} |"
-        )
-    if ratios:
-        lines.append(
-            f"\nRatio fedbayes / Flower per round: median {statistics.median(ratios):.2f}, range {min(ratios):.2f} to {max(ratios):.2f} ({len(ratios)} pairs)."
-        )
+NAMES = {
+    "simulator_logreg": "simulator, logreg (blocked round)",
+    "simulator_heavy_mlp": "simulator, heavy MLP (blocked round)",
+    "warm_logreg": "fedbayes deploy, warm executors, logreg",
+    "warm_heavy_mlp": "fedbayes deploy, warm executors, heavy MLP",
+    "stock_logreg": "fedbayes deploy, Flower's stock path, logreg",
+    "flower_fedavg_logreg": "Flower's own FedAvg, stock path, logreg (same processes)",
+}
+
+
+def overhead(summary: Path = Path("runs/flower_overhead/summary.json")) -> str:
+    """The table of benchmarks/flower_overhead.py's summary.json."""
+    data = json.loads(summary.read_text())
+    lines = ["| measurement | steady round, median (min to max) | first round | rounds | load average before / after |", "|---|---|---|---|---|"]
+    for key, name in NAMES.items():
+        r = data[key]
+        v, (a, b) = r["value"], r["load"]
+        if isinstance(v, dict):
+            lines.append(f"| {name} | {_s(v['median'])} ({_s(v['min'])} to {_s(v['max'])}) | {_s(v['first'])} | {v['n']} + 1 | {a} / {b} |")
+        else:
+            lines.append(f"| {name} | {_s(v)} (all rounds' mean) | | | {a} / {b} |")
+    lines.append(
+        f"\nWarm heavy MLP / simulator's blocked round: {data['ratio_warm_heavy_over_simulator']:.2f}; warm logreg / Flower's FedAvg: "
+        f"{data['ratio_warm_logreg_over_flower_fedavg']:.3f} (flwr {data['flwr']})."
+    )
     return "\n".join(lines)
 
 
+def _s(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 if __name__ == "__main__":
-    for name in ("flower_overhead", "flower_overhead2"):
-        print(overhead(Path("runs") / name, Path("runs") / f"{name}.log"))
-        print()
+    import sys
+
+    print(overhead(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/flower_overhead/summary.json")))
     print()
-    print(algorithms())
+    print(algorithms(Path(sys.argv[2]) if len(sys.argv) > 2 else Path("runs/flower_all/results.jsonl")))
