@@ -296,3 +296,40 @@ def test_the_printed_commands_run_a_federation_on_loopback(tmp_path):
         if p.info["status"] != psutil.STATUS_ZOMBIE and str(tmp_path) in " ".join(p.info["cmdline"] or [])
     ]
     assert left == []
+
+
+@pytest.mark.slow
+def test_another_apps_tasks_on_a_warm_node_run_through_flowers_loader_and_then_a_fresh_clientapp(tmp_path):
+    """Flower's own FedAvg (benchmarks/flower_fedavg_baseline.py, not fedbayes's app) on 2 warm
+    nodes, 2 rounds: each executor runs the app's first task in its process (Flower's loader,
+    to learn whose app it is) and the next in a fresh flwr-clientapp; the run completes."""
+    from fedbayes.flower.deploy import LocalFederation
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(benchmarks))
+    try:
+        from flower_overhead import baseline_app
+    finally:
+        sys.path.remove(str(benchmarks))
+    raw = raw_config("fedavg", rounds=2, num_clients=2)
+    exp = build_experiment(validate(raw))
+    fed = LocalFederation(tmp_path / "federation", 2, env={"PYTHONPATH": str(benchmarks)})
+    for n in fed.nodes:
+        n.data = {"data-file": str(node.write_client_file(exp, n.partition, tmp_path / f"node{n.partition}.npz"))}
+    fed.app_dir = baseline_app(tmp_path / "baseline_app")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(tomli_w.dumps(raw))
+    result = tmp_path / "flower_fedavg.json"
+    try:
+        fed.start()
+        fed.submit({"config": str(cfg), "out": str(result)})
+        end = time.monotonic() + 600
+        while not result.is_file():
+            assert time.monotonic() < end, (fed.workdir / "executor0.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert json.loads(result.read_text())["rounds"] == 2
+        for i in range(2):
+            log = (fed.workdir / f"executor{i}.log").read_text()
+            assert log.count("its first task here, by Flower's loader") == 1 and log.count("started a fresh flwr-clientapp") >= 1, log[-3000:]
+    finally:
+        _no_process_left(fed)

@@ -120,6 +120,7 @@ class Executor:
             if got is not None:
                 token, task = got
                 if self.apps.get(task.fab_hash) is False:
+                    log.info("task %d: another app (FAB %s): started a fresh flwr-clientapp", task.task_id, task.fab_hash[:12])
                     self.children.append(self.spawn(token))
                 else:
                     self.run_task(token, task)
@@ -194,6 +195,7 @@ class Executor:
         from flwr.cli.install import install_from_fab
         from flwr.clientapp.utils import get_load_client_app_fn
 
+        log.info("another app (FAB %s): its first task here, by Flower's loader; its next ones in a fresh flwr-clientapp", fab.hash_str[:12])
         install_from_fab(fab.content, skip_prompt=True)
         load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
         return load(run.fab_id, run.fab_version, fab.hash_str)(message=message, context=context)
