@@ -2,7 +2,9 @@
 start one on real machines.
 
 :class:`LocalFederation` starts a SuperLink and one SuperNode per client on free loopback ports,
-each with its own ``FLWR_HOME`` and state folder, writes the Flower app (a ``pyproject.toml`` that
+each with its own ``FLWR_HOME`` and state folder (and, with ``executor = "warm"``, the default,
+``--isolation process`` and a warm fedbayes executor beside it: :mod:`fedbayes.flower.executor`;
+the node's XLA cache and Flower's telemetry set in its environment), writes the Flower app (a ``pyproject.toml`` that
 names :mod:`fedbayes.flower.apps`), submits runs with ``flwr run`` and waits for them, and tears
 everything down: every process it started and all their descendants (the SuperLink starts its
 SuperExec and the ServerApp in sessions of their own, so teardown walks the process tree, kills
