@@ -32,31 +32,11 @@ from fedbayes.runs.checkpoint import CheckpointError, find_resume_checkpoint, li
 from fedbayes.runs.folder import read_metrics
 from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
 from fedbayes.protocol import SimState
+from helpers import DIGITS_RUN as CFG
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
-CFG = """
-name = "rel"
-rounds = {rounds}
-checkpoint_every = 2
-{top}
-[data]
-dataset = "digits"
-num_clients = 6
-partition = "dirichlet"
-alpha = 0.5
-[model]
-name = "logreg"
-[client]
-lr = 0.1
-batch_size = 16
-[server]
-clients_per_round = 3
-[algorithm]
-name = "{algorithm}"
-{extra}
-"""
 FEDEP_DISK = dict(algorithm="fedep", extra="burn_in_rounds = 1\nscale = 50.0\nweight_decay = 1e-3", top='store = "disk"')
 
 

@@ -118,6 +118,10 @@ def resume(
             fail(f"error: {out} holds nothing to resume (the run stopped before it wrote its config); start it again with fedbayes run CONFIG --out {out}")
         fail(f"error: {out} holds no {run_folder.CONFIG} or {run_folder.COMPARISON}; is it a fedbayes run folder?")
     cfg = load(cfg_path, set_ or [], stored=True)
+    done = run_folder.finished(cfg, out)
+    if done is not None and not done.get("diverged"):
+        console.print(f"{out}: finished earlier ({cfg.rounds} rounds, every file intact); nothing to resume", highlight=False)
+        return
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = run_one(ctx, cfg, out, resume=True, logs=log, accept_changes=accept)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)})

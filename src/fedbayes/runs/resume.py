@@ -6,6 +6,10 @@ config that differs is refused, naming every changed key with both values, unles
 accepted on purpose (``accept_changes``, the CLI's ``resume DIR --set key=value``); accepted
 changes are recorded in ``resume_changes.jsonl`` (:data:`fedbayes.runs.folder.RESUME_CHANGES`) and
 stay accepted for later resumes from the same checkpoint.
+
+A run that finished is resumed only where one of its files is damaged (:func:`finished_intact`):
+every file is checked against the final checkpoint, which carries what they hold, and a damaged one
+is named in one line and rebuilt by resuming from that checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from fedbayes.config.schema import ConfigError, RunConfig, resolved
 from fedbayes.errors import BadInputError
 from fedbayes.runs import folder
 
-__all__ = ["check_resume_config", "check_store_dir", "config_hash", "record_changes"]
+__all__ = ["check_resume_config", "check_store_dir", "config_hash", "finished_intact", "record_changes"]
+
+PNG_HEAD, PNG_TAIL = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"  # a PNG file's signature and its last chunk
 
 
 def config_hash(config: RunConfig) -> str:
@@ -78,3 +84,70 @@ def check_store_dir(config: RunConfig, out: Path) -> None:
     store = Path(config.store_dir) if config.store_dir else out / folder.CLIENT_STORE
     if store.exists() and not store.is_dir():
         raise BadInputError(f"config error: store_dir: {store} is a file, not a folder")
+
+
+def finished_intact(config: RunConfig, out: str | Path, warn=None) -> dict | None:
+    """The summary of a run finished in ``out`` with this very config, all of whose files are intact
+    (a run that diverged: its summary as it stands); None when the run did not finish, or when a file
+    is damaged, missing or does not match the final checkpoint (``warn`` then gets one line naming
+    it, except the two logs, which the resume names as it rewrites them: resuming the run from its
+    final checkpoint rebuilds every file exactly).
+
+    Checked: ``summary.json`` (strict JSON, this run's), ``metrics.jsonl`` and ``clients.jsonl`` (the
+    text the final checkpoint carries), ``model.npz`` (every array readable) and ``curves.png`` (whole).
+    """
+    import numpy as np
+
+    from fedbayes.config.schema import same_config
+    from fedbayes.runs.checkpoint import CheckpointError, extra_arrays, latest_checkpoint, read_checkpoint
+    from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
+
+    out = Path(out)
+
+    def damaged(name: str, what: str) -> None:
+        if warn is not None:
+            warn(f"warning: {out / name}: {what}; resuming the run from its checkpoints rebuilds it")
+
+    if not same_config(out / folder.CONFIG, config):
+        return None
+    if not (out / folder.SUMMARY).exists():
+        final = (out / folder.CHECKPOINTS / folder.checkpoint_name(config.rounds)).is_file()
+        return damaged(folder.SUMMARY, "missing") if final else None  # a run killed before it finished: nothing to name
+
+    try:
+        summary = loads_strict((out / folder.SUMMARY).read_text())
+    except (OSError, ValueError) as exc:
+        return damaged(folder.SUMMARY, f"damaged ({type(exc).__name__})")
+    if not isinstance(summary, dict) or summary.get("name") != config.name:
+        return damaged(folder.SUMMARY, "not this run's summary")
+    if summary.get("diverged"):
+        return summary
+    ckpt = latest_checkpoint(out / folder.CHECKPOINTS)
+    try:
+        arrays, meta = read_checkpoint(ckpt) if ckpt is not None else (None, None)
+    except CheckpointError as exc:
+        return damaged(folder.CHECKPOINTS, str(exc).removeprefix(str(out / folder.CHECKPOINTS) + "/"))
+    if meta is None or int(meta["round"]) != config.rounds:
+        return damaged(folder.CHECKPOINTS, f"the final checkpoint (round {config.rounds}) is missing")
+    metrics = "".join(dumps_record(restore_record(dict(r))) + "\n" for r in meta["metrics"])
+    if folder.damage(out / folder.METRICS, metrics) is not None:
+        return None  # the resume names the damage as it rewrites the file
+    saved = extra_arrays(arrays).get("clients")
+    if saved is not None:
+        import zlib
+
+        if folder.damage(out / folder.CLIENTS, zlib.decompress(saved.tobytes()).decode()) is not None:
+            return None  # the resume names it too
+    try:
+        with np.load(out / folder.MODEL, allow_pickle=False) as z:
+            for k in z.files:
+                z[k]  # reading checks each member's CRC
+    except Exception as exc:  # BadZipFile, EOFError, OSError, ValueError: all mean damaged
+        return damaged(folder.MODEL, f"damaged or missing ({type(exc).__name__})")
+    try:
+        png = (out / folder.CURVES).read_bytes()
+    except OSError:
+        png = b""
+    if not (png.startswith(PNG_HEAD) and png.endswith(PNG_TAIL)):
+        return damaged(folder.CURVES, "damaged or missing")
+    return summary

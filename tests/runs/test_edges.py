@@ -1,0 +1,212 @@
+"""Reliability at the edges: every file of a run folder checked or rebuilt on resume, health checks
+that continue across a resume, divergence by rejection, and the comparison resume that checks each
+variant's files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fedbayes.cli import app
+from fedbayes.runs import folder, health
+from helpers import DIGITS_RUN
+
+runner = CliRunner()
+
+CFG = DIGITS_RUN.format(rounds=6, top="", algorithm="fedavg", extra="")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run (FedAvg on digits, 6 rounds, checkpoints every 2)."""
+    tmp = tmp_path_factory.mktemp("edge")
+    cfg = tmp / "c.toml"
+    cfg.write_text(CFG)
+    res = runner.invoke(app, ["run", str(cfg), "--out", str(tmp / "ref")])
+    assert res.exit_code == 0, res.output
+    return cfg, tmp / "ref"
+
+
+def model_arrays(path: Path) -> dict:
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def assert_same_run(out: Path, ref: Path, *, exact_seconds: bool = True) -> None:
+    """Every file of ``out`` holds what the uninterrupted ``ref`` holds (wall-clock seconds aside
+    when the resume retrained rounds)."""
+    strip = (lambda t: t) if exact_seconds else (lambda t: "".join(_no_seconds(line) for line in t.splitlines(keepends=True)))
+    assert strip((out / folder.METRICS).read_text()) == strip((ref / folder.METRICS).read_text())
+    assert (out / folder.CLIENTS).read_bytes() == (ref / folder.CLIENTS).read_bytes()
+    a, b = json.loads((out / folder.SUMMARY).read_text()), json.loads((ref / folder.SUMMARY).read_text())
+    if not exact_seconds:
+        a["final"].pop("seconds"), b["final"].pop("seconds")
+    assert a == b
+    ma, mb = model_arrays(out / folder.MODEL), model_arrays(ref / folder.MODEL)
+    assert ma.keys() == mb.keys() and all(np.array_equal(ma[k], mb[k]) for k in ma)
+    assert (out / folder.CURVES).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _no_seconds(line: str) -> str:
+    r = json.loads(line)
+    r.pop("seconds", None)
+    return json.dumps(r)
+
+
+def _garble_line(path: Path, i: int, text: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    lines[i] = text + "\n"
+    path.write_text("".join(lines))
+
+
+DAMAGE = {
+    "summary.json deleted": lambda o: (o / folder.SUMMARY).unlink(),
+    "summary.json cut": lambda o: (o / folder.SUMMARY).write_text((o / folder.SUMMARY).read_text()[:50]),
+    "model.npz deleted": lambda o: (o / folder.MODEL).unlink(),
+    "model.npz cut": lambda o: (o / folder.MODEL).write_bytes((o / folder.MODEL).read_bytes()[:-100]),
+    "curves.png deleted": lambda o: (o / folder.CURVES).unlink(),
+    "metrics.jsonl line garbled": lambda o: _garble_line(o / folder.METRICS, 2, '{"round": 2, "accuracy": 0.99}'),
+    "clients.jsonl deleted": lambda o: (o / folder.CLIENTS).unlink(),
+    "clients.jsonl cut": lambda o: (o / folder.CLIENTS).write_text((o / folder.CLIENTS).read_text()[:300]),
+    "clients.jsonl line garbled": lambda o: _garble_line(o / folder.CLIENTS, 4, '{"round": 2, "client": 9'),
+    "clients.jsonl line 17": lambda o: _garble_line(o / folder.CLIENTS, 4, "17"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_file_of_a_finished_run_is_named_and_rebuilt_exactly(tmp_path, reference, damage):
+    """Resume rebuilds the file from the final checkpoint, bit for bit, and names it in one line;
+    a second resume finds every file intact and says so."""
+    _, ref = reference
+    out = tmp_path / "o"
+    shutil.copytree(ref, out)
+    DAMAGE[damage](out)
+    res = runner.invoke(app, ["resume", str(out)])
+    assert res.exit_code == 0, res.output
+    warnings = [x for x in res.stderr.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1, res.stderr
+    assert damage.split()[0] in warnings[0]
+    assert_same_run(out, ref)
+    again = runner.invoke(app, ["resume", str(out)])
+    assert again.exit_code == 0 and "finished earlier" in again.output and not again.stderr.strip(), again.output
+
+
+def test_resuming_a_finished_run_says_so_in_one_line(tmp_path, reference):
+    _, ref = reference
+    out = tmp_path / "o"
+    shutil.copytree(ref, out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
+    res = runner.invoke(app, ["resume", str(out)])
+    assert res.exit_code == 0 and res.stdout.strip().count("\n") == 0 and "finished earlier" in res.stdout, res.output
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file() and p.name in before} == before
+
+
+@pytest.mark.parametrize("damage", ["clients.jsonl deleted", "clients.jsonl cut", "clients.jsonl line 17", "metrics.jsonl line garbled"])
+def test_an_interrupted_run_rebuilds_its_logs_from_the_checkpoint(tmp_path, reference, damage):
+    """Killed after round 4's checkpoint (the final one gone): the logs are rebuilt from round 4's
+    checkpoint, the rounds after it retrained, and the run ends as the uninterrupted one."""
+    _, ref = reference
+    out = tmp_path / "o"
+    shutil.copytree(ref, out)
+    for name in (folder.SUMMARY, folder.CURVES, folder.MODEL):
+        (out / name).unlink()
+    (out / folder.CHECKPOINTS / folder.checkpoint_name(6)).unlink()
+    DAMAGE[damage](out)
+    res = runner.invoke(app, ["resume", str(out)])
+    assert res.exit_code == 0, res.output
+    warnings = [x for x in res.stderr.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1 and "round 4" in warnings[0], res.stderr
+    assert_same_run(out, ref, exact_seconds=False)
+
+
+def test_a_comparison_resume_checks_each_variant_s_files(tmp_path):
+    """A variant with a summary but without its metrics.jsonl or model.npz is not counted as
+    finished: the resume rebuilds them (one line each) and writes the comparison's files."""
+    comp = tmp_path / "comp.toml"
+    base = CFG.split("[algorithm]")[0].replace('name = "edge"\n', "").replace("rounds = 6", "rounds = 3")
+    comp.write_text("[base]\n" + base.replace("[data]", "[base.data]").replace("[model]", "[base.model]").replace("[client]", "[base.client]").replace("[server]", "[base.server]")
+                    + '\n[variants.a.algorithm]\nname = "fedavg"\n[variants.b.algorithm]\nname = "fedprox"\n')
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["compare", str(comp), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    metrics_a, model_b = (out / "a" / folder.METRICS).read_bytes(), model_arrays(out / "b" / folder.MODEL)
+    (out / "a" / folder.METRICS).unlink()
+    (out / "b" / folder.MODEL).unlink()
+    (out / folder.COMPARE_JSON).unlink()
+    res = runner.invoke(app, ["resume", str(out)])
+    assert res.exit_code == 0, res.output
+    warnings = [x for x in res.stderr.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 2 and any("a/metrics.jsonl: missing" in w for w in warnings) and any("b/model.npz" in w for w in warnings), res.stderr
+    assert (out / "a" / folder.METRICS).read_bytes() == metrics_a
+    assert all(np.array_equal(model_arrays(out / "b" / folder.MODEL)[k], v) for k, v in model_b.items())
+    assert (out / folder.COMPARE_JSON).is_file()
+
+
+def test_the_calibration_and_fixed_point_checks_continue_across_a_resume():
+    """The checks' state after round k, saved and restored, gives the same warnings as one pass."""
+    rng = np.random.default_rng(0)
+    snaps = [(1.0 + 0.1 * r + 0.001 * rng.normal(size=5), np.exp(0.01 * rng.normal(size=5) + 0.02 * r)) for r in range(31)]
+    records = [{"round": r, "accuracy": 0.8, "accuracy_marg": 0.8 - (0.1 if r == 7 else 0.0)} for r in range(31)]
+
+    def one_pass(split=None):
+        check, cal = health.FixedPointCheck("x", 30), health.CalibrationCheck("x")
+        done = []
+        for r in range(31):
+            if split is not None and r == split:
+                saved = check.saved()
+                check, cal = health.FixedPointCheck("x", 30), health.CalibrationCheck("x")
+                cal.replay(done)
+                check.restore(saved, r - 1, snaps[r - 1])
+            check.observe(r, snaps[r])
+            cal.check(records[r])
+            done.append(records[r])
+        return check.finish(), cal.message, check.change
+
+    whole = one_pass()
+    assert whole[0] is not None and whole[1] is not None  # both checks warn in this sequence
+    for split in (5, 21, 25, 30):
+        assert one_pass(split) == whole
+
+
+def test_a_run_whose_every_message_is_rejected_stops_as_diverged(tmp_path):
+    """PVI with a huge step: every message refused for server.max_rejected_rounds rounds in a row
+    is exit 3 with one line whose advice names settings the method has."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CFG.replace('name = "fedavg"', 'name = "pvi"').replace("lr = 0.1", "lr = 1e6"))
+    res = runner.invoke(app, ["run", str(cfg), "--out", str(tmp_path / "o"), "--set", "server.max_rejected_rounds=2"])
+    assert res.exit_code == 3, res.output
+    line = [x for x in res.stderr.splitlines() if x.startswith("diverged")]
+    assert len(line) == 1 and "diverged at round 2: every client's message was rejected for 2 rounds in a row" in line[0], res.stderr
+    assert "--set client.lr=..." in line[0]
+    assert json.loads((tmp_path / "o" / folder.SUMMARY).read_text())["diverged"]["round"] == 2
+
+
+def test_the_divergence_advice_names_only_settings_the_method_has():
+    from fedbayes.config.schema import validate
+
+    base = {"data": {"dataset": "digits", "num_clients": 3}, "server": {"clients_per_round": 3}}
+    func = validate({**base, "algorithm": {"name": "fedlap_func"}})
+    assert health.step_settings(func) == ["client.lr", "algorithm.server_lr"]  # server.lr is fixed at 1 for it
+    assert health.step_settings(validate({**base, "algorithm": {"name": "fedavg"}})) == ["client.lr", "server.lr"]
+    line = health.divergence_message(func, 3, "training loss", Path("o"), 2)
+    assert "server.lr" not in line.replace("algorithm.server_lr", "") and "algorithm.server_lr=..." in line
+
+
+def test_the_rejection_streak_counts_rounds_in_which_every_sent_message_was_refused():
+    streak = health.RejectionStreak(3)
+
+    class Info:
+        def __init__(self, accepted, dropped=None):
+            self.clients = {"client": np.arange(len(accepted)), "accepted": np.array(accepted)}
+            if dropped is not None:
+                self.clients.update(dropped=np.array(dropped), late=np.zeros(len(accepted), bool))
+
+    assert streak.update(Info([False, False])) is None and streak.update(Info([False, False], [True, True])) is None  # nothing sent: no change
+    assert streak.update(Info([False, False])) is None and streak.count == 2
+    assert "every client's message was rejected for 3 rounds" in streak.update(Info([False, False]))
+    assert health.RejectionStreak(3, 2).update(Info([True, False])) is None
