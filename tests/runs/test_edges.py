@@ -210,3 +210,43 @@ def test_the_rejection_streak_counts_rounds_in_which_every_sent_message_was_refu
     assert streak.update(Info([False, False])) is None and streak.count == 2
     assert "every client's message was rejected for 3 rounds" in streak.update(Info([False, False]))
     assert health.RejectionStreak(3, 2).update(Info([True, False])) is None
+
+
+# ----- resource limits and bounds as bad input ---------------------------------------------------
+
+
+def one_line(res, code: int = 2) -> str:
+    assert res.exit_code == code, res.output
+    assert "Traceback" not in res.output and "please report" not in res.output
+    lines = [x for x in res.stderr.splitlines() if x.strip() and not x.startswith(("warning:", "round ", "["))]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["seed=9223372036854775808"], "seed: must be at most 2**63 - 1"),
+        (['model.name="mlp"', "model.hidden=[1000000000]"], "model.hidden: the model has 75,000,000,010 parameters"),
+        (['algorithm.name="fedlap_func"', "algorithm.memory_per_class=99999999999999999999"], "algorithm.memory_per_class: must be at most 2**63 - 1"),
+        (['algorithm.name="pvi"', "algorithm.samples=1000000000"], "lower its sizes: algorithm.samples = 1000000000"),
+    ],
+    ids=["seed 2**63", "hidden 1e9", "memory_per_class 1e20", "pvi samples 1e9"],
+)
+def test_sizes_and_integers_beyond_the_machine_are_one_line_exit_2(tmp_path, sets, needle):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CFG)
+    args = ["run", str(cfg), "--out", str(tmp_path / "o"), "--set", "rounds=1"]
+    for s in sets:
+        args += ["--set", s]
+    assert needle in one_line(runner.invoke(app, args))
+
+
+def test_bad_paths_thresholds_and_seed_lists_are_one_line_exit_2(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CFG)
+    assert "is a folder, not a config file" in one_line(runner.invoke(app, ["run", str(tmp_path)]))
+    assert "--threshold: must be a number >= 0 and <= 1; got nan" in one_line(runner.invoke(app, ["compare", str(cfg), "--threshold", "nan", "--out", str(tmp_path / "c")]))
+    line = one_line(runner.invoke(app, ["compare", str(cfg), "--seeds", "9223372036854775808,1", "--out", str(tmp_path / "s")]))
+    assert "2**63 - 1" in line and not (tmp_path / "s").exists()  # refused before any folder is made
+    assert "at most 10000 seeds" in one_line(runner.invoke(app, ["sweep", str(cfg), "--grid", "client.lr=0.1", "--seeds", "99999999999999", "--out", str(tmp_path / "w")]))

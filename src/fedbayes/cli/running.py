@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from fedbayes.cli.base import CommandContext, console, fail, handled
-from fedbayes.cli.common import LOG_HELP, check_out, load, print_table, records, run_one
+from fedbayes.cli.common import LOG_HELP, check_out, load, number_in, print_table, records, run_one
 from fedbayes.config.schema import parse_override
 from fedbayes.runs import folder as run_folder
 
@@ -54,8 +54,12 @@ def deploy(
         bool, typer.Option("--print-commands", help="print the commands that start this federation on real machines (TLS) instead")
     ] = False,
     tls: Annotated[bool, typer.Option("--tls", help="run the local federation over TLS with certificates made for it")] = False,
-    reply_timeout: Annotated[float, typer.Option("--reply-timeout", help="seconds a round waits for its replies")] = 120.0,
-    node_timeout: Annotated[float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join")] = 120.0,
+    reply_timeout: Annotated[
+        float, typer.Option("--reply-timeout", help="seconds a round waits for its replies", callback=number_in("--reply-timeout", 0))
+    ] = 120.0,
+    node_timeout: Annotated[
+        float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join", callback=number_in("--node-timeout", 0))
+    ] = 120.0,
     min_nodes: Annotated[int, typer.Option("--min-nodes", help="nodes to wait for before the first round (0: one per client)")] = 0,
     on_missing: Annotated[str, typer.Option("--on-missing", help="a missing reply: skip (aggregate the others) or fail")] = "skip",
 ):

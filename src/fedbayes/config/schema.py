@@ -537,6 +537,8 @@ def validate(raw: dict) -> RunConfig:
 def read_toml(path: str | Path) -> dict:
     """Reads a TOML file; a missing file or a syntax error raises :class:`ConfigError`."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config error: {path}: is a folder, not a config file (a TOML file; `fedbayes resume {path}` continues a run folder)")
     if not path.is_file():
         raise ConfigError(f"config error: {path}: no such file")
     try:
