@@ -123,8 +123,7 @@ def _run_comparison(
         if bad:
             fail(f"error: {bad[0]} holds a run of a different config; pass --overwrite to replace it, or another --out")
     ctx.hold(out, "compare")
-    if seeds is not None:
-        ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
+    ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
 
     def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
         return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True)

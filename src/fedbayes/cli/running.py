@@ -13,6 +13,8 @@ from fedbayes.cli.common import LOG_HELP, check_out, load, number_in, print_tabl
 from fedbayes.config.schema import parse_override
 from fedbayes.runs import folder as run_folder
 
+DEPLOYED = "flower"  # the folder `fedbayes deploy` adds to a run folder (fedbayes.flower.deploy.deploy_local)
+
 
 @handled
 def run(
@@ -78,16 +80,24 @@ def deploy(
     if print_commands:  # needs no Flower here: the commands run on the federation's machines
         print(flower_deploy.print_commands(config.resolve(), cfg, out.resolve()), end="")
         return
+    check_out(out, overwrite, resume_)
+    run_config = {"reply-timeout": reply_timeout, "node-timeout": node_timeout, "min-nodes": min_nodes, "on-missing": on_missing}
+    _deploy(ctx, cfg, out, resume=resume_, tls=tls, run_config=run_config)
+
+
+def _deploy(ctx: CommandContext, cfg, out: Path, *, resume: bool, tls: bool, run_config: dict | None = None) -> None:
+    """Runs (or resumes) ``cfg`` on a local Flower federation into ``out`` and prints its table."""
     try:
         import flwr  # noqa: F401
-    except ImportError:
-        fail("error: fedbayes deploy needs Flower (flwr is missing): pip install -e '.[flower]'")
-    check_out(out, overwrite, resume_)
+
+        from fedbayes.flower import deploy as flower_deploy
+    except ImportError as exc:
+        fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
     from fedbayes.runs.loggers import format_record
 
-    run_config = {"reply-timeout": reply_timeout, "node-timeout": node_timeout, "min-nodes": min_nodes, "on-missing": on_missing}
+    ctx.folder = out  # an interrupt names `fedbayes resume OUT`, which resumes a deployed run on Flower
     echo = lambda r: console.print(format_record(r, cfg.rounds), highlight=False)  # noqa: E731
-    summary = flower_deploy.deploy_local(cfg, out, resume=resume_, tls=tls, run_config=run_config, progress=echo)
+    summary = flower_deploy.deploy_local(cfg, out, resume=resume, tls=tls, run_config=run_config, progress=echo)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)})
     console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False)
 
@@ -125,6 +135,11 @@ def resume(
     done = run_folder.finished(cfg, out)
     if done is not None and not done.get("diverged"):
         console.print(f"{out}: finished earlier ({cfg.rounds} rounds, every file intact); nothing to resume", highlight=False)
+        return
+    if (out / DEPLOYED).is_dir():  # a run deployed on Flower continues there (its nodes hold the client states)
+        if set_:
+            fail(f"error: {out} is a run deployed on Flower; resume it as it was (fedbayes deploy CONFIG --out {out} --resume takes --set)")
+        _deploy(ctx, cfg, out, resume=True, tls=(out / DEPLOYED / "certs").is_dir())
         return
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = run_one(ctx, cfg, out, resume=True, logs=log, accept_changes=accept)
