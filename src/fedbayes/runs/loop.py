@@ -55,7 +55,7 @@ from fedbayes.runs.checkpoint import find_resume_checkpoint, load_checkpoint, sa
 from fedbayes.runs.export import save_model
 from fedbayes.runs.loggers import ClientLog, PlainReporter, Reporter
 from fedbayes.runs.plotting import plot_curves
-from fedbayes.runs.resume import check_resume_config, check_store_dir, config_hash, record_changes
+from fedbayes.runs.resume import check_resume_config, check_store_dir, claim_store, config_hash, record_changes
 from fedbayes.runs.strictjson import dumps_record, restore_record
 from fedbayes.runs.summaries import summarize
 
@@ -219,7 +219,7 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
     ``exp.simulator`` (the Flower deployment, :class:`fedbayes.flower.rounds.FlowerRounds`);
     ``None``: the simulator.
     """
-    with runlock.hold(out_dir):
+    with runlock.hold(out_dir), claim_store(config, Path(out_dir), resume):
         return _run_experiment(config, Path(out_dir), resume, reporter or PlainReporter(), tuple(accept_changes), warn or _stderr, rounds)
 
 

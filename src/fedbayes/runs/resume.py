@@ -14,8 +14,10 @@ is named in one line and rebuilt by resuming from that checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,9 @@ from fedbayes.config.schema import ConfigError, RunConfig, resolved
 from fedbayes.errors import BadInputError
 from fedbayes.runs import folder
 
-__all__ = ["check_resume_config", "check_store_dir", "config_hash", "finished_intact", "record_changes"]
+__all__ = ["OWNER", "check_resume_config", "check_store_dir", "claim_store", "config_hash", "finished_intact", "record_changes"]
+
+OWNER = ".fedbayes_owner"  # in a store_dir of a disk client store: the run folder it belongs to
 
 PNG_HEAD, PNG_TAIL = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"  # a PNG file's signature and its last chunk
 
@@ -78,12 +82,51 @@ def record_changes(out: Path, round_idx: int, changes: dict[str, list]) -> None:
 
 
 def check_store_dir(config: RunConfig, out: Path) -> None:
-    """Refuses a disk client store folder that is a file (before anything is built)."""
+    """Refuses a disk client store folder that is a file (before anything is built); see also
+    :func:`claim_store`."""
     if config.store != "disk":
         return
     store = Path(config.store_dir) if config.store_dir else out / folder.CLIENT_STORE
     if store.exists() and not store.is_dir():
         raise BadInputError(f"config error: store_dir: {store} is a file, not a folder")
+
+
+@contextlib.contextmanager
+def claim_store(config: RunConfig, out: Path, resume: bool) -> Iterator[None]:
+    """Holds a disk client store outside the run folder (``store_dir``) for the run's life: its
+    lock (a second run on the same store fails at once, naming the holder's pid) and its owner
+    (the run folder, recorded in :data:`OWNER`). A store inside the run folder needs neither: the
+    folder's own lock covers it, and a copy of the folder carries its own copy of it.
+
+    Raises:
+      RunFolderBusyError: another process holds the store (exit 5).
+      BadInputError: a fresh run asks for the store of another run that still has checkpoints (exit 2).
+      RunFolderError: a resume from a folder whose store belongs to another run folder (a copy of
+        it: resuming would move the other run's store forward; exit 4).
+    """
+    from fedbayes.errors import RunFolderError
+    from fedbayes.runs import runlock
+
+    if config.store != "disk" or not config.store_dir:
+        yield
+        return
+    store, me = Path(config.store_dir), str(out.resolve())
+    check_store_dir(config, out)
+    with runlock.hold(store, "store"):
+        try:
+            owner = (store / OWNER).read_text().strip()
+        except OSError:
+            owner = None
+        if owner is not None and owner != me:
+            if resume:
+                raise RunFolderError(
+                    f"{out}: its client store {store} belongs to the run in {owner} (is this folder a copy of it?); resume that run, "
+                    f"or start this one afresh with a store of its own: fedbayes run {out / folder.CONFIG} --out {out} --overwrite --set store_dir=..."
+                )
+            if folder.has_checkpoint(owner):
+                raise BadInputError(f"config error: store_dir: {store} holds the client store of the run in {owner}; give this run a store_dir of its own")
+        folder.write_atomic(store / OWNER, me + "\n")
+        yield
 
 
 def finished_intact(config: RunConfig, out: str | Path, warn=None) -> dict | None:
@@ -111,8 +154,7 @@ def finished_intact(config: RunConfig, out: str | Path, warn=None) -> dict | Non
     if not same_config(out / folder.CONFIG, config):
         return None
     if not (out / folder.SUMMARY).exists():
-        final = (out / folder.CHECKPOINTS / folder.checkpoint_name(config.rounds)).is_file()
-        return damaged(folder.SUMMARY, "missing") if final else None  # a run killed before it finished: nothing to name
+        return None  # not finished (or killed as it finished): the resume writes it, nothing to name
 
     try:
         summary = loads_strict((out / folder.SUMMARY).read_text())
