@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from fedbayes.cli import app
@@ -127,17 +129,11 @@ def test_an_interrupted_run_rebuilds_its_logs_from_the_checkpoint(tmp_path, refe
     assert_same_run(out, ref, exact_seconds=False)
 
 
-@pytest.mark.slow
-def test_a_comparison_resume_checks_each_variant_s_files(tmp_path):
+def test_a_comparison_resume_checks_each_variant_s_files(tmp_path, comparison):
     """A variant with a summary but without its metrics.jsonl or model.npz is not counted as
     finished: the resume rebuilds them (one line each) and writes the comparison's files."""
-    comp = tmp_path / "comp.toml"
-    base = CFG.split("[algorithm]")[0].replace('name = "edge"\n', "").replace("rounds = 6", "rounds = 3")
-    comp.write_text("[base]\n" + base.replace("[data]", "[base.data]").replace("[model]", "[base.model]").replace("[client]", "[base.client]").replace("[server]", "[base.server]")
-                    + '\n[variants.a.algorithm]\nname = "fedavg"\n[variants.b.algorithm]\nname = "fedprox"\n')
     out = tmp_path / "out"
-    res = runner.invoke(app, ["compare", str(comp), "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    shutil.copytree(comparison, out)
     metrics_a, model_b = (out / "a" / folder.METRICS).read_bytes(), model_arrays(out / "b" / folder.MODEL)
     (out / "a" / folder.METRICS).unlink()
     (out / "b" / folder.MODEL).unlink()
@@ -325,3 +321,92 @@ def test_a_store_that_could_not_be_created_leaves_nothing_behind(tmp_path, monke
     with pytest.raises(OSError, match="No space left"):  # not hidden by the sparse-file fallback
         store_module.DiskStore.create(tmp_path / "sparse", template, 5)
     assert not (tmp_path / "sparse").exists()
+
+
+# ----- the property: any damage to any file is recovered exactly, or one line and exit 4 ---------
+
+FILE_KINDS = [folder.METRICS, folder.CLIENTS, folder.SUMMARY, folder.MODEL, folder.CURVES, folder.CONFIG, "newest checkpoint", "older checkpoint"]
+
+
+def _target(run: Path, kind: str) -> Path:
+    if kind.endswith("checkpoint"):
+        ckpts = sorted((run / folder.CHECKPOINTS).glob(folder.CHECKPOINT_GLOB))
+        return ckpts[-1] if kind.startswith("newest") else ckpts[0]
+    return run / kind
+
+
+def _damage(path: Path, how: str, where: float, junk: bytes) -> None:
+    data = path.read_bytes()
+    at = int(where * len(data))
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(data[:at])
+    elif how == "flip":
+        b = bytearray(data)
+        for i in range(at, min(len(b), at + max(1, len(junk)))):
+            b[i] ^= 0xA5
+        path.write_bytes(bytes(b))
+    elif how == "replace line":
+        lines = data.splitlines(keepends=True) or [b""]
+        lines[min(int(where * len(lines)), len(lines) - 1)] = junk + b"\n"
+        path.write_bytes(b"".join(lines))
+    else:  # append
+        path.write_bytes(data + junk)
+
+
+def _same_but_seconds(a: Path, b: Path) -> bool:
+    if a.name == folder.METRICS:
+        return [_no_seconds(x) for x in a.read_text().splitlines()] == [_no_seconds(x) for x in b.read_text().splitlines()]
+    ja, jb = json.loads(a.read_text()), json.loads(b.read_text())
+    for j in (ja, jb):
+        j.get("final", {}).pop("seconds", None)
+    return ja == jb
+
+
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get('FEDBAYES_PROPERTY_EXAMPLES', 14)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    in_comparison=st.booleans(),
+    kind=st.sampled_from(FILE_KINDS),
+    how=st.sampled_from(["delete", "truncate", "flip", "replace line", "append"]),
+    where=st.floats(0, 1),
+    junk=st.binary(min_size=1, max_size=40),
+)
+def test_any_damage_to_any_file_is_recovered_exactly_or_one_line_exit_4(tmp_path_factory, reference, comparison, in_comparison, kind, how, where, junk):
+    tmp = tmp_path_factory.mktemp("prop")
+    src, variant = (comparison, "a") if in_comparison else (reference[1], None)
+    top = tmp / "o"
+    shutil.copytree(src, top)
+    run = top / variant if variant else top
+    ref = src / variant if variant else src
+    _damage(_target(run, kind), how, where, junk)
+    res = runner.invoke(app, ["resume", str(top)])
+    assert "Traceback" not in res.output and "please report" not in res.output, res.output
+    if res.exit_code != 0:  # refused: one line, a damaged folder (4) or a config that no longer reads (2)
+        assert res.exit_code in (2, 4) and (kind == folder.CONFIG or res.exit_code == 4), res.output
+        assert len([x for x in res.stderr.splitlines() if x.strip() and not x.startswith("warning:")]) == 1, res.stderr
+        return
+    # recovered: every file as the uninterrupted run's (wall-clock seconds aside where rounds were retrained)
+    assert (run / folder.CLIENTS).read_bytes() == (ref / folder.CLIENTS).read_bytes()
+    assert _same_but_seconds(run / folder.METRICS, ref / folder.METRICS)
+    assert _same_but_seconds(run / folder.SUMMARY, ref / folder.SUMMARY)
+    ma, mb = model_arrays(run / folder.MODEL), model_arrays(ref / folder.MODEL)
+    assert ma.keys() == mb.keys() and all(np.array_equal(ma[k], mb[k]) for k in ma)
+    assert (run / folder.CURVES).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if in_comparison:
+        assert (top / folder.COMPARE_JSON).is_file()
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    """A finished comparison of two variants (FedAvg, FedProx), 3 rounds each."""
+    tmp = tmp_path_factory.mktemp("comparison")
+    comp = tmp / "comp.toml"
+    base = CFG.split("[algorithm]")[0].replace('name = "rel"\n', "").replace("rounds = 6", "rounds = 3")
+    for section in ("data", "model", "client", "server"):
+        base = base.replace(f"[{section}]", f"[base.{section}]")
+    comp.write_text("[base]\n" + base + '\n[variants.a.algorithm]\nname = "fedavg"\n[variants.b.algorithm]\nname = "fedprox"\n')
+    res = runner.invoke(app, ["compare", str(comp), "--out", str(tmp / "out")])
+    assert res.exit_code == 0, res.output
+    return tmp / "out"
