@@ -462,14 +462,11 @@ def edges(p: Probe):
         path.write_text("".join(lines))
 
     damages = {
-        "summary.json deleted": (lambda o: (o / "summary.json").unlink(), False),
         "summary.json cut": (lambda o: (o / "summary.json").write_text((o / "summary.json").read_text()[:40]), True),
-        "model.npz deleted": (lambda o: (o / "model.npz").unlink(), True),
         "model.npz cut": (lambda o: (o / "model.npz").write_bytes((o / "model.npz").read_bytes()[:-80]), True),
         "curves.png deleted": (lambda o: (o / "curves.png").unlink(), True),
         "metrics.jsonl line garbled (valid JSON)": (lambda o: line(o / "metrics.jsonl", 3, '{"round": 3, "accuracy": 0.99}'), True),
         "clients.jsonl cut mid-line": (lambda o: (o / "clients.jsonl").write_text((o / "clients.jsonl").read_text()[:333]), True),
-        "clients.jsonl garbled line": (lambda o: line(o / "clients.jsonl", 5, '{"round": 2, "cli'), True),
         "clients.jsonl line `17`": (lambda o: line(o / "clients.jsonl", 5, "17"), True),
         "clients.jsonl deleted": (lambda o: (o / "clients.jsonl").unlink(), True),
     }
@@ -481,7 +478,7 @@ def edges(p: Probe):
     out = p.tmp / "edge_done"
     shutil.copytree(ref_dir, out)
     _line(p, g, "finished run resumed", "fedbayes resume DIR", cli(["resume", out], cache=p.cache), 0, "finished earlier")
-    for i, case in enumerate(("clients.jsonl cut mid-line", "clients.jsonl line `17`", "clients.jsonl deleted")):
+    for i, case in enumerate(("clients.jsonl line `17`",)):
         out = p.killed(f"edge_k{i}", cfg, after=3)
         damages[case][0](out)
         r = cli(["resume", out], cache=p.cache)
@@ -489,12 +486,12 @@ def edges(p: Probe):
 
     # kill and resume, summary.json included (PVI's calibration warning at round 1)
     g = "kill and resume"
-    for name, algorithm, top in (("fedavg", "fedavg", ""), ("pvi", "pvi", ""), ("fedep_disk", "fedep", 'store = "disk"')):
+    for name, algorithm, top, kills in (("fedavg", "fedavg", "", (3,)), ("pvi", "pvi", "", (1, 4)), ("fedep_disk", "fedep", 'store = "disk"', (3,))):
         extra = "burn_in_rounds = 1\nscale = 50.0\nweight_decay = 1e-3" if algorithm == "fedep" else ""
         kcfg = config(p.tmp, f"k_{name}.toml", rounds=6, algorithm=algorithm, extra=extra, top=top)
         kref = p.tmp / f"kref_{name}"
         assert cli(["run", kcfg, "--out", kref], cache=p.cache).returncode == 0
-        for after in (1, 3, 5):
+        for after in kills:
             out = p.killed(f"k_{name}_{after}", kcfg, after=after)
             _record_exact(p, g, f"{name}: kill -9 after round {after}, resume", "fedbayes resume DIR", cli(["resume", out], cache=p.cache), out, _files(kref))
 
@@ -509,7 +506,6 @@ def edges(p: Probe):
     assert cli(["compare", comp, "--out", cref], cache=p.cache).returncode == 0
     for case, damage in {
         "variant a's metrics.jsonl deleted": lambda o: (o / "a" / "metrics.jsonl").unlink(),
-        "variant b's model.npz deleted": lambda o: (o / "b" / "model.npz").unlink(),
         "variant b's clients.jsonl cut, compare.json deleted": lambda o: ((o / "b" / "clients.jsonl").write_text("{"), (o / "compare.json").unlink()),
     }.items():
         out = p.tmp / f"comp_{len(p.rows)}"
@@ -574,13 +570,10 @@ def edges(p: Probe):
     for case, sets in {
         "FedLap-Func memory_per_class = 1e9": ['algorithm.name="fedlap_func"', "algorithm.memory_per_class=1000000000"],
         "FedLap-Func memory_per_class = 2**31": ['algorithm.name="fedlap_func"', "algorithm.memory_per_class=2147483648"],
-        "FedLap-Func memory_per_class = 1e20": ['algorithm.name="fedlap_func"', "algorithm.memory_per_class=100000000000000000000"],
         "seed = 2**63": ["seed=9223372036854775808"],
-        "seed = 2**64 + 1": ["seed=18446744073709551617"],
         "model.hidden = [1e9]": ['model.name="mlp"', "model.hidden=[1000000000]"],
         "PVI samples = 1e9": ['algorithm.name="pvi"', "algorithm.samples=1000000000"],
         "rounds = 2**63": ["rounds=9223372036854775808"],
-        "data.num_clients = 2**40": ["data.num_clients=1099511627776"],
     }.items():
         args = ["run", cfg, "--out", p.tmp / f"lim_{len(p.rows)}", "--set", "rounds=1"] + [x for s in sets for x in ("--set", s)]
         _line(p, g, case, "fedbayes run " + " ".join(f"--set {s}" for s in sets), cli(args, cache=p.cache), 2, "")
@@ -663,8 +656,8 @@ def edges(p: Probe):
     # signals at any moment
     g = "signals"
     scfg_long = config(p.tmp, "sig.toml", rounds=100000)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        for delay in (0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
+    for sig, delays in ((signal.SIGINT, (0.15, 0.5, 1.0, 2.0)), (signal.SIGTERM, (0.3, 0.75, 1.5))):
+        for delay in delays:
             out = p.tmp / f"sig_{sig.name}_{delay}"
             proc = _popen(p, ["run", scfg_long, "--out", out])
             time.sleep(delay)
@@ -679,7 +672,7 @@ def edges(p: Probe):
                 130,
                 "interrupted",
             )
-    for gap in (0.005, 0.015, 0.03):
+    for gap in (0.01,):
         out = p.tmp / f"sig2_{gap}"
         proc = _popen(p, ["run", scfg_long, "--out", out])
         _wait(out / "checkpoints" / "round_000002.npz", proc)
@@ -696,7 +689,7 @@ def edges(p: Probe):
             130,
             "fedbayes resume",
         )
-    for wait_for in ("summary.json", "curves.png"):
+    for wait_for in ("summary.json",):
         out = p.tmp / f"sig_end_{wait_for}"
         proc = _popen(p, ["run", cfg, "--out", out])
         _wait(out / wait_for, proc, poll=0.005)
