@@ -596,7 +596,7 @@ def edges(p: Probe):
         p,
         g,
         "sweep --seeds 1e14",
-        "fedbayes sweep --seeds 99999999999999",
+        "fedbayes sweep --grid client.lr=0.1 with a count of 10**14 seeds",
         cli(["sweep", cfg, "--grid", "client.lr=0.1", "--seeds", "99999999999999", "--out", p.tmp / "sw"], cache=p.cache),
         2,
         "at most",
