@@ -400,16 +400,338 @@ def other(p: Probe):
     p.record("other", "server.fail_fast with rejected messages", "fedbayes run c.toml --set server.fail_fast=true --set client.lr=3e38", r, 3)
 
 
+# ----- the edges (issue "Reliability at the edges"): files outside the checkpoint, signals, divergence,
+# resource limits, stores ------------------------------------------------------------------------
+
+
+def _files(folder: Path) -> dict:
+    """What a run folder holds, for an exact comparison: the logs' text (wall-clock seconds aside),
+    summary.json (its seconds aside), the model's arrays."""
+    import numpy as np
+
+    out = {"metrics": metrics(folder), "clients": (folder / "clients.jsonl").read_bytes()}
+    summary = json.loads((folder / "summary.json").read_text())
+    summary.get("final", {}).pop("seconds", None)
+    out["summary"] = summary
+    with np.load(folder / "model.npz") as z:
+        out["model"] = {k: z[k].tobytes() for k in z.files}
+    out["curves"] = (folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return out
+
+
+def _record_exact(p: Probe, group: str, case: str, command: str, r, folder: Path, reference: dict, expect_warning: bool | None = None):
+    """A resume that must end with every file as the reference run's (one warning line at most)."""
+    warnings = [x for x in r.stderr.splitlines() if x.startswith("warning:")]
+    tb = "Traceback" in r.stderr
+    same = r.returncode == 0 and _files(folder) == reference if (folder / "summary.json").is_file() else False
+    named = expect_warning is None or (len(warnings) == 1) == expect_warning
+    outcome = "TRACEBACK" if tb else ("recovered" if same and named else ("SILENT WRONG" if r.returncode == 0 else f"exit {r.returncode}"))
+    last = (r.stderr.strip().splitlines() or [""])[-1][:220]
+    p.rows.append({"group": group, "case": case, "command": command, "exit": r.returncode, "outcome": outcome, "message": last})
+    print(f"[{outcome:>12}] {group} / {case}: exit {r.returncode}: {last}", flush=True)
+
+
+def _line(p: Probe, group: str, case: str, command: str, r, expect: int, needle: str = "", absent: str = ""):
+    """A command that must give one line with exit ``expect`` (0 included), holding ``needle``."""
+    tb = "Traceback" in r.stderr or "please report" in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip() and not x.startswith(("warning:", "round ", "["))]
+    if expect == 0:
+        lines = [x for x in (r.stdout + r.stderr).splitlines() if x.strip() and not x.startswith("WARNING:")]
+    ok = r.returncode == expect and len(lines) == 1 and needle in lines[0] and not (absent and absent in lines[0])
+    outcome = (
+        "TRACEBACK"
+        if tb
+        else ("clean error" if ok and expect else "one line" if ok else ("SILENT WRONG" if r.returncode == 0 else f"exit {r.returncode} (expected {expect})"))
+    )
+    last = (lines or [""])[-1][:220]
+    p.rows.append({"group": group, "case": case, "command": command, "exit": r.returncode, "outcome": outcome, "message": last})
+    print(f"[{outcome:>12}] {group} / {case}: exit {r.returncode}: {last}", flush=True)
+
+
+def edges(p: Probe):
+    # 1. files outside the checkpoint: a finished run's files damaged, then resumed
+    g = "run folder files"
+    cfg = config(p.tmp, "edge.toml")
+    ref_dir = p.tmp / "edge_ref"
+    assert cli(["run", cfg, "--out", ref_dir], cache=p.cache).returncode == 0
+    reference = _files(ref_dir)
+
+    def line(path: Path, i: int, text: str):
+        lines = path.read_text().splitlines(keepends=True)
+        lines[i] = text + "\n"
+        path.write_text("".join(lines))
+
+    damages = {
+        "summary.json cut": (lambda o: (o / "summary.json").write_text((o / "summary.json").read_text()[:40]), True),
+        "model.npz cut": (lambda o: (o / "model.npz").write_bytes((o / "model.npz").read_bytes()[:-80]), True),
+        "curves.png deleted": (lambda o: (o / "curves.png").unlink(), True),
+        "metrics.jsonl line garbled (valid JSON)": (lambda o: line(o / "metrics.jsonl", 3, '{"round": 3, "accuracy": 0.99}'), True),
+        "clients.jsonl cut mid-line": (lambda o: (o / "clients.jsonl").write_text((o / "clients.jsonl").read_text()[:333]), True),
+        "clients.jsonl line `17`": (lambda o: line(o / "clients.jsonl", 5, "17"), True),
+        "clients.jsonl deleted": (lambda o: (o / "clients.jsonl").unlink(), True),
+    }
+    for i, (case, (damage, warned)) in enumerate(damages.items()):
+        out = p.tmp / f"edge_f{i}"
+        shutil.copytree(ref_dir, out)
+        damage(out)
+        _record_exact(p, g, f"finished run: {case}", "damage; fedbayes resume DIR", cli(["resume", out], cache=p.cache), out, reference, warned)
+    out = p.tmp / "edge_done"
+    shutil.copytree(ref_dir, out)
+    _line(p, g, "finished run resumed", "fedbayes resume DIR", cli(["resume", out], cache=p.cache), 0, "finished earlier")
+    for i, case in enumerate(("clients.jsonl line `17`",)):
+        out = p.killed(f"edge_k{i}", cfg, after=3)
+        damages[case][0](out)
+        r = cli(["resume", out], cache=p.cache)
+        _record_exact(p, g, f"killed after round 3: {case}", "kill; damage; fedbayes resume DIR", r, out, reference, True)
+
+    # kill and resume, summary.json included (PVI's calibration warning at round 1)
+    g = "kill and resume"
+    for name, algorithm, top, kills in (("fedavg", "fedavg", "", (3,)), ("pvi", "pvi", "", (1, 4)), ("fedep_disk", "fedep", 'store = "disk"', (3,))):
+        extra = "burn_in_rounds = 1\nscale = 50.0\nweight_decay = 1e-3" if algorithm == "fedep" else ""
+        kcfg = config(p.tmp, f"k_{name}.toml", rounds=6, algorithm=algorithm, extra=extra, top=top)
+        kref = p.tmp / f"kref_{name}"
+        assert cli(["run", kcfg, "--out", kref], cache=p.cache).returncode == 0
+        for after in kills:
+            out = p.killed(f"k_{name}_{after}", kcfg, after=after)
+            _record_exact(p, g, f"{name}: kill -9 after round {after}, resume", "fedbayes resume DIR", cli(["resume", out], cache=p.cache), out, _files(kref))
+
+    # comparisons
+    g = "comparison"
+    comp = p.tmp / "comp.toml"
+    base = BASE.format(rounds=3, algorithm="fedavg", extra="", top="").split("[algorithm]")[0].replace('name = "probe"\n', "")
+    for section in ("data", "model", "client", "server"):
+        base = base.replace(f"[{section}]", f"[base.{section}]")
+    comp.write_text("[base]\n" + base + '\n[variants.a.algorithm]\nname = "fedavg"\n[variants.b.algorithm]\nname = "fedprox"\n')
+    cref = p.tmp / "comp_ref"
+    assert cli(["compare", comp, "--out", cref], cache=p.cache).returncode == 0
+    for case, damage in {
+        "variant a's metrics.jsonl deleted": lambda o: (o / "a" / "metrics.jsonl").unlink(),
+        "variant b's clients.jsonl cut, compare.json deleted": lambda o: ((o / "b" / "clients.jsonl").write_text("{"), (o / "compare.json").unlink()),
+    }.items():
+        out = p.tmp / f"comp_{len(p.rows)}"
+        shutil.copytree(cref, out)
+        damage(out)
+        r = cli(["resume", out], cache=p.cache)
+        ok = r.returncode == 0 and all(_files(out / v) == _files(cref / v) for v in "ab") and (out / "compare.json").is_file()
+        p.rows.append(
+            {
+                "group": g,
+                "case": case,
+                "command": "fedbayes resume OUT",
+                "exit": r.returncode,
+                "outcome": "TRACEBACK" if "Traceback" in r.stderr else ("recovered" if ok else "SILENT WRONG" if r.returncode == 0 else f"exit {r.returncode}"),
+                "message": (r.stderr.strip().splitlines() or [""])[-1][:220],
+            }
+        )
+        print(f"[{p.rows[-1]['outcome']:>12}] {g} / {case}", flush=True)
+    long_comp = p.tmp / "comp_long.toml"
+    long_comp.write_text(comp.read_text().replace("rounds = 3", "rounds = 100000"))
+    out = p.tmp / "comp_sig"
+    proc = _popen(p, ["compare", long_comp, "--out", out])
+    _wait(out / "a" / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    _line(
+        p,
+        g,
+        "plain comparison interrupted",
+        "fedbayes compare ...; kill -INT",
+        subprocess.CompletedProcess([], proc.returncode, "", err),
+        130,
+        f"`fedbayes resume {out}` continues it",
+    )
+
+    # divergence
+    g = "divergence"
+    r = cli(["run", cfg, "--out", p.tmp / "pvi_lr", "--set", 'algorithm.name="pvi"', "--set", "client.lr=1e6"], cache=p.cache)
+    _line(
+        p,
+        g,
+        "PVI with client.lr 1e6: every message rejected",
+        "fedbayes run --set client.lr=1e6 (PVI)",
+        r,
+        3,
+        "every client's message was rejected for 5 rounds",
+    )
+    r = cli(["run", cfg, "--out", p.tmp / "func_lr", "--set", 'algorithm.name="fedlap_func"', "--set", "client.lr=3e38"], cache=p.cache)
+    _line(
+        p,
+        g,
+        "FedLap-Func diverging: advice names its own settings",
+        "fedbayes run --set client.lr=3e38 (FedLap-Func)",
+        r,
+        3,
+        "algorithm.server_lr",
+        absent=" server.lr",
+    )
+
+    # resource limits and bounds
+    g = "bad input at the edges"
+    for case, sets in {
+        "FedLap-Func memory_per_class = 1e9": ['algorithm.name="fedlap_func"', "algorithm.memory_per_class=1000000000"],
+        "FedLap-Func memory_per_class = 2**31": ['algorithm.name="fedlap_func"', "algorithm.memory_per_class=2147483648"],
+        "seed = 2**63": ["seed=9223372036854775808"],
+        "model.hidden = [1e9]": ['model.name="mlp"', "model.hidden=[1000000000]"],
+        "PVI samples = 1e9": ['algorithm.name="pvi"', "algorithm.samples=1000000000"],
+        "rounds = 2**63": ["rounds=9223372036854775808"],
+    }.items():
+        args = ["run", cfg, "--out", p.tmp / f"lim_{len(p.rows)}", "--set", "rounds=1"] + [x for s in sets for x in ("--set", s)]
+        _line(p, g, case, "fedbayes run " + " ".join(f"--set {s}" for s in sets), cli(args, cache=p.cache), 2, "")
+    _line(p, g, "config path is a folder", "fedbayes run DIR", cli(["run", p.tmp], cache=p.cache), 2, "is a folder")
+    _line(
+        p,
+        g,
+        "--threshold nan",
+        "fedbayes compare c.toml --threshold nan",
+        cli(["compare", cfg, "--threshold", "nan", "--out", p.tmp / "thr"], cache=p.cache),
+        2,
+        "--threshold",
+    )
+    out = p.tmp / "seedcmp"
+    r = cli(["compare", cfg, "--seeds", "0,9223372036854775808", "--out", out], cache=p.cache)
+    _line(p, g, "compare --seeds with 2**63 (no folder made)", "fedbayes compare --seeds 0,2**63", r, 2, "2**63 - 1")
+    if out.exists():
+        p.rows[-1]["outcome"] = "SILENT WRONG"
+    _line(
+        p,
+        g,
+        "sweep --seeds 1e14",
+        "fedbayes sweep --grid client.lr=0.1 with a count of 10**14 seeds",
+        cli(["sweep", cfg, "--grid", "client.lr=0.1", "--seeds", "99999999999999", "--out", p.tmp / "sw"], cache=p.cache),
+        2,
+        "at most",
+    )
+
+    # stores
+    g = "disk stores"
+    store = p.tmp / "shared_store"
+    scfg = config(
+        p.tmp,
+        "store.toml",
+        rounds=4,
+        algorithm="fedep",
+        extra="burn_in_rounds = 1\nscale = 50.0\nweight_decay = 1e-3",
+        top=f'store = "disk"\nstore_dir = "{store}"',
+    )
+    assert cli(["run", scfg, "--out", p.tmp / "st_a"], cache=p.cache).returncode == 0
+    meta = (store / "store.json").read_bytes()
+    _line(
+        p,
+        g,
+        "second run on the same absolute store_dir",
+        "fedbayes run (same store_dir)",
+        cli(["run", scfg, "--out", p.tmp / "st_b"], cache=p.cache),
+        2,
+        "holds the client store of the run in",
+    )
+    shutil.copytree(p.tmp / "st_a", p.tmp / "st_c")
+    for name in ("summary.json", "model.npz", "curves.png", "checkpoints/round_000004.npz"):
+        (p.tmp / "st_c" / name).unlink()
+    _line(
+        p,
+        g,
+        "resume of a copied folder sharing the store",
+        "cp -r A C; fedbayes resume C",
+        cli(["resume", p.tmp / "st_c"], cache=p.cache),
+        4,
+        "belongs to the run in",
+    )
+    if (store / "store.json").read_bytes() != meta:
+        p.rows[-1]["outcome"] = "SILENT WRONG"
+    long_store = config(
+        p.tmp,
+        "store_long.toml",
+        rounds=100000,
+        algorithm="fedep",
+        extra="burn_in_rounds = 1\nscale = 50.0\nweight_decay = 1e-3",
+        top=f'store = "disk"\nstore_dir = "{p.tmp / "store2"}"',
+    )
+    proc = _popen(p, ["run", long_store, "--out", p.tmp / "st_d"])
+    _wait(p.tmp / "st_d" / "metrics.jsonl", proc)
+    r = cli(["run", long_store, "--out", p.tmp / "st_e"], cache=p.cache)
+    _line(p, g, "two runs at once on one store_dir", "fedbayes run A & fedbayes run B (same store_dir)", r, 5, f"pid {proc.pid}")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+
+    # signals at any moment
+    g = "signals"
+    scfg_long = config(p.tmp, "sig.toml", rounds=100000)
+    for sig, delays in ((signal.SIGINT, (0.15, 0.5, 1.0, 2.0)), (signal.SIGTERM, (0.3, 0.75, 1.5))):
+        for delay in delays:
+            out = p.tmp / f"sig_{sig.name}_{delay}"
+            proc = _popen(p, ["run", scfg_long, "--out", out])
+            time.sleep(delay)
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=120)
+            _line(
+                p,
+                g,
+                f"{sig.name} at {delay} s (start-up)",
+                f"fedbayes run ...; kill -{sig.name[3:]} after {delay} s",
+                subprocess.CompletedProcess([], proc.returncode, "", err),
+                130,
+                "interrupted",
+            )
+    for gap in (0.01,):
+        out = p.tmp / f"sig2_{gap}"
+        proc = _popen(p, ["run", scfg_long, "--out", out])
+        _wait(out / "checkpoints" / "round_000002.npz", proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(gap)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        _line(
+            p,
+            g,
+            f"second Ctrl-C {gap * 1000:.0f} ms after the first (mid-run)",
+            "kill -INT twice",
+            subprocess.CompletedProcess([], proc.returncode, "", err),
+            130,
+            "fedbayes resume",
+        )
+    for wait_for in ("summary.json",):
+        out = p.tmp / f"sig_end_{wait_for}"
+        proc = _popen(p, ["run", cfg, "--out", out])
+        _wait(out / wait_for, proc, poll=0.005)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        fine = proc.returncode == 0 or (proc.returncode == 130 and len([x for x in err.splitlines() if x.startswith("interrupted")]) == 1)
+        p.rows.append(
+            {
+                "group": g,
+                "case": f"Ctrl-C as the run ends ({wait_for} written)",
+                "command": "kill -INT",
+                "exit": proc.returncode,
+                "outcome": "TRACEBACK" if "Traceback" in err else ("exit 0 or one line" if fine else f"exit {proc.returncode}"),
+                "message": (err.strip().splitlines() or [""])[-1][:200],
+            }
+        )
+        print(f"[{p.rows[-1]['outcome']:>12}] {g} / {p.rows[-1]['case']}", flush=True)
+
+
+def _popen(p: Probe, args) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(p.cache), PYTHONPATH=str(ROOT / "src"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedbayes.cli", *map(str, args)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _wait(path: Path, proc: subprocess.Popen, timeout: float = 120, poll: float = 0.05) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not path.exists() and proc.poll() is None:
+        time.sleep(poll)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated parts to run (damaged_folders, two_runs, bad_configs, bad_data, other)")
+    ap.add_argument("--only", default="", help="comma-separated parts to run (damaged_folders, two_runs, bad_configs, bad_data, other, edges)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fb_probe_"))
     cache = tmp / "xla"
     p = Probe(tmp, cache)
     t0 = time.time()
-    for part in (damaged_folders, two_runs, bad_configs, bad_data, other):
+    for part in (damaged_folders, two_runs, bad_configs, bad_data, other, edges):
         if any(word in part.__name__ for word in args.only.split(",")):
             part(p)
     counts = {}

@@ -15,6 +15,30 @@ from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.sim.simulator import Simulator
 
+# A small run on digits (a few seconds), for the CLI tests: format with rounds, top (top-level keys),
+# algorithm and extra (more [algorithm] keys).
+DIGITS_RUN = """
+name = "rel"
+rounds = {rounds}
+checkpoint_every = 2
+{top}
+[data]
+dataset = "digits"
+num_clients = 6
+partition = "dirichlet"
+alpha = 0.5
+[model]
+name = "logreg"
+[client]
+lr = 0.1
+batch_size = 16
+[server]
+clients_per_round = 3
+[algorithm]
+name = "{algorithm}"
+{extra}
+"""
+
 
 def digits_federation(sizes=(37, 90, 213, 11, 150), seed=0) -> Federation:
     """Digits split into clients of the given (unequal) sizes."""

@@ -11,7 +11,8 @@ code   meaning
 =====  ====================================================================================
 0      success
 1      an unanticipated error (a bug): one line and the log file with the traceback
-2      bad input: config, command line, an output path that cannot be used
+2      bad input: config, command line, an output path that cannot be used, a run larger than
+       the machine's memory
 3      missing or damaged data, or a run that diverged (non-finite metrics, ``fail_fast``)
 4      a damaged run folder that cannot be recovered (no intact checkpoint, a damaged store)
 5      the run folder is in use by another fedbayes process (its process id is named)
@@ -95,7 +96,15 @@ def exit_code_for(exc: BaseException) -> int:
         return EXIT_BAD_INPUT
     if isinstance(exc, OSError) and exc.errno in (28, 30, 122):  # ENOSPC, EROFS, EDQUOT
         return EXIT_BAD_INPUT
+    if is_out_of_memory(exc):  # a config asking for more than the machine holds
+        return EXIT_BAD_INPUT
     return EXIT_UNEXPECTED
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is running out of memory: Python's ``MemoryError``, or XLA's
+    ``RESOURCE_EXHAUSTED`` (read from the message: this module imports no JAX)."""
+    return isinstance(exc, MemoryError) or (type(exc).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and "RESOURCE_EXHAUSTED" in str(exc))
 
 
 def one_line(exc: BaseException) -> str:

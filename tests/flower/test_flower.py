@@ -426,3 +426,33 @@ def test_resumed_run_and_nodes_without_memory_continue_from_the_state_folders(tm
     run_experiment(cfg3, tmp_path / "sim")
     assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-6)
     assert [r["round"] for r in records(tmp_path / "flower" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_an_interrupted_deploy_names_its_resume_and_fedbayes_resume_finishes_it_on_flower(tmp_path):
+    """Ctrl-C during `fedbayes deploy` (after round 2's checkpoint): exit 130 and the resume line;
+    `fedbayes resume OUT` continues the run on Flower (its checkpoint holds no client arrays, which
+    the simulator would have expected) to the end; a second resume says it is finished."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps({**raw_config("fedavg", rounds=4), "checkpoint_every": 2}))
+    out = tmp_path / "out"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", FEDBAYES_CACHE="off")
+    cli = [sys.executable, "-m", "fedbayes.cli"]
+    proc = subprocess.Popen([*cli, "deploy", str(cfg), "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 300
+    while not (out / "checkpoints" / "round_000002.npz").exists() and proc.poll() is None:
+        assert time.monotonic() < end, "round 2 did not finish"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and f"`fedbayes resume {out}` continues from its checkpoint" in err.strip().splitlines()[-1], err
+    res = subprocess.run([*cli, "resume", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    _check_complete(out, 3, 4)
+    res = subprocess.run([*cli, "resume", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "finished earlier" in res.stdout, res.stdout + res.stderr

@@ -83,6 +83,8 @@ def to_first_format(path, template):
         arrays = {k: z[k] for k in z.files}
     old = {"meta": arrays.pop("meta")}
     arrays.pop("checksum")
+    for k in [k for k in arrays if k.startswith("extra/")]:  # the first format carried no copies of the other files
+        arrays.pop(k)
     for prefix, tree in (("server", template.server_state), ("client", template.client_states)):
         for i, (p, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
             old[f"{prefix}_{i:05d}"] = arrays.pop(f"{prefix}/{leaf_name(p, leaf)}")

@@ -32,31 +32,11 @@ from fedbayes.runs.checkpoint import CheckpointError, find_resume_checkpoint, li
 from fedbayes.runs.folder import read_metrics
 from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
 from fedbayes.protocol import SimState
+from helpers import DIGITS_RUN as CFG
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
-CFG = """
-name = "rel"
-rounds = {rounds}
-checkpoint_every = 2
-{top}
-[data]
-dataset = "digits"
-num_clients = 6
-partition = "dirichlet"
-alpha = 0.5
-[model]
-name = "logreg"
-[client]
-lr = 0.1
-batch_size = 16
-[server]
-clients_per_round = 3
-[algorithm]
-name = "{algorithm}"
-{extra}
-"""
 FEDEP_DISK = dict(algorithm="fedep", extra="burn_in_rounds = 1\nscale = 50.0\nweight_decay = 1e-3", top='store = "disk"')
 
 
@@ -596,11 +576,12 @@ def _final_arrays(out: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,kw",
-    [("stateless", dict(algorithm="fedavg")), ("dual", dict(algorithm="admm")), ("site, disk store", FEDEP_DISK)],
+    [("stateless", dict(algorithm="fedavg")), ("dual", dict(algorithm="admm")), ("site, disk store", FEDEP_DISK), ("PVI", dict(algorithm="pvi"))],
 )
 def test_kill_at_random_moments_and_resume_bitwise(tmp_path, kind, kw):
     """Two kill -9s at random moments (seeded), each followed by a resume (which may itself be
-    killed once): the final metrics and checkpoint arrays equal an uninterrupted run's."""
+    killed once): the final metrics, clients.jsonl, summary.json (warnings included) and checkpoint
+    arrays equal an uninterrupted run's."""
     cache = tmp_path / "xla"
     cfg = write_cfg(tmp_path, rounds=8, **kw)
     ref = tmp_path / "ref"
@@ -629,6 +610,11 @@ def test_kill_at_random_moments_and_resume_bitwise(tmp_path, kind, kw):
         args = ["resume", out] if (out / "config.toml").is_file() else ["run", cfg, "--out", out]
     assert code == 0, err
     assert strip(read_metrics(out / "metrics.jsonl")) == strip(read_metrics(ref / "metrics.jsonl"))
+    assert (out / "clients.jsonl").read_bytes() == (ref / "clients.jsonl").read_bytes()
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (out, ref)]
+    for s in summaries:
+        s["final"].pop("seconds")  # wall-clock
+    assert summaries[0] == summaries[1]  # its warnings included
     a, b = _final_arrays(ref), _final_arrays(out)
     assert a.keys() == b.keys()
     for k in a:

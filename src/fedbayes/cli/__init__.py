@@ -15,7 +15,14 @@ commands share), :mod:`~fedbayes.cli.running` (run, deploy, resume), :mod:`~fedb
 
 from __future__ import annotations
 
-from fedbayes.sim import hostdevices
+from fedbayes.cli import interrupts
+
+# Ctrl-C and SIGTERM at any moment of start-up are one line and exit 130 (fedbayes.cli.interrupts):
+# the handlers go in before the heavy imports below.
+if interrupts.started_as_the_command():
+    interrupts.install()
+
+from fedbayes.sim import hostdevices  # noqa: E402
 
 # One XLA host device per core, set before JAX starts (docs/design.md, "Using every core"). A device
 # count already in XLA_FLAGS is kept.

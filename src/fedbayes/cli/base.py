@@ -134,7 +134,8 @@ def describe_failure(exc: BaseException, ctx: CommandContext | None = None) -> t
     if code == EXIT_INTERRUPTED:
         folder = ctx.folder if ctx is not None else None
         if folder is None:
-            return code, "interrupted"
+            target = ctx.resume_target if ctx is not None else None
+            return code, f"interrupted; `fedbayes resume {target}` continues it" if target is not None else "interrupted"
         from fedbayes.runs.checkpoint import latest_checkpoint
 
         ckpt = latest_checkpoint(Path(folder) / run_folder.CHECKPOINTS)
@@ -181,37 +182,27 @@ def handled(command):
 # ----- the entry point ---------------------------------------------------------------------------
 
 
-def _in_gc_callback(frame) -> bool:
-    for _ in range(32):
-        if frame is None:
-            return False
-        if "gc_callback" in frame.f_code.co_name:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _interrupt(signum, frame):
-    """SIGINT and SIGTERM end a run with one line saying how to resume (exit 130).
-
-    An exception raised while the garbage collector runs a callback (JAX registers one) is
-    printed as "Exception ignored" with a traceback and then dropped; such a signal is re-raised
-    50 ms later instead."""
-    import signal
-
-    if _in_gc_callback(frame):
-        signal.signal(signal.SIGALRM, _interrupt)
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        return
-    raise KeyboardInterrupt
-
-
 def main() -> int:
-    """The ``fedbayes`` entry point: a failure outside the run commands is one line too."""
-    import signal
+    """The ``fedbayes`` entry point: a failure outside the run commands is one line too.
 
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    It is the process's entry point: once the command has ended, signals are ignored while the
+    interpreter shuts down (:func:`fedbayes.cli.interrupts.ignore_from_now`)."""
+    from fedbayes.cli import interrupts
+
+    code = EXIT_INTERRUPTED
+    try:
+        interrupts.install()  # again: a program that imported fedbayes.cli and then calls main()
+        code = _main()
+    except KeyboardInterrupt:  # a signal in the few instructions around the command's own handler
+        print("interrupted", file=sys.stderr, flush=True)
+    finally:
+        interrupts.ignore_from_now()
+        if code == EXIT_INTERRUPTED:
+            interrupts.exit_interrupted(code)
+    return code
+
+
+def _main() -> int:
     app.pretty_exceptions_enable = False
     try:
         enable_compilation_cache()

@@ -16,6 +16,19 @@ LOG_HELP = "also log to csv (metrics.csv), tensorboard or wandb (repeatable; the
 SEEDS_HELP = "run every variant with these seeds and report mean and std: a count N (seeds 0..N-1) or a list such as 0,3,7; default: the comparison file's `seeds`, else each config's own seed"
 
 
+def number_in(option: str, low: float, high: float = float("inf")):
+    """A typer callback that refuses a value of ``option`` outside ``[low, high]`` or NaN (one line, exit 2)."""
+    import math
+
+    def check(value):
+        if value is not None and (math.isnan(value) or not low <= value <= high):
+            upper = "" if math.isinf(high) else f" and <= {high:g}"
+            fail(f"error: {option}: must be a number >= {low:g}{upper}; got {value}")
+        return value
+
+    return check
+
+
 def check_out(out: Path, overwrite: bool, resume: bool = False, what: str = "run") -> None:
     """Refuses an output folder that another process is writing (exit 5, naming it), and an
     existing non-empty one unless told to overwrite or resume it (its lock file does not count)."""
@@ -75,6 +88,11 @@ def run_one(
         fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
         fail(str(exc))
+    except Exception as exc:
+        from fedbayes.runs.limits import raise_if_too_large
+
+        raise_if_too_large(config, exc)  # one line naming the config's sizes (exit 2)
+        raise
 
 
 def records(out: Path) -> list[dict]:

@@ -12,7 +12,7 @@ import typer
 
 from fedbayes.cli import progress
 from fedbayes.cli.base import CommandContext, console, fail, handled
-from fedbayes.cli.common import LOG_HELP, SEEDS_HELP, check_out, print_table, run_one
+from fedbayes.cli.common import LOG_HELP, SEEDS_HELP, check_out, number_in, print_table, run_one
 from fedbayes.config.schema import ConfigError, RunConfig
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report
@@ -47,7 +47,7 @@ def compare(
     configs: Annotated[list[Path], typer.Argument(help="a comparison TOML (\\[base] + \\[variants.NAME]) or several run TOMLs")],
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
-    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
+    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column", callback=number_in("--threshold", 0, 1))] = 0.8,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the comparison already in --out")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue the comparison in --out: finished variants are not rerun")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object (progress goes to stderr)")] = False,
@@ -123,8 +123,7 @@ def _run_comparison(
         if bad:
             fail(f"error: {bad[0]} holds a run of a different config; pass --overwrite to replace it, or another --out")
     ctx.hold(out, "compare")
-    if seeds is not None:
-        ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
+    ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
 
     def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
         return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True)
@@ -195,7 +194,7 @@ def sweep(
         Optional[float],
         typer.Option("--validation-fraction", help="data.validation_fraction for every variant (default: the config's, else 0.1 when selecting on validation)"),
     ] = None,
-    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
+    threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column", callback=number_in("--threshold", 0, 1))] = 0.8,
     out: Annotated[Optional[Path], typer.Option("--out", help="output folder (default runs/sweep_<config name>)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the sweep already in --out")] = False,

@@ -9,9 +9,11 @@ from typing import Annotated, Optional
 import typer
 
 from fedbayes.cli.base import CommandContext, console, fail, handled
-from fedbayes.cli.common import LOG_HELP, check_out, load, print_table, records, run_one
+from fedbayes.cli.common import LOG_HELP, check_out, load, number_in, print_table, records, run_one
 from fedbayes.config.schema import parse_override
 from fedbayes.runs import folder as run_folder
+
+DEPLOYED = "flower"  # the folder `fedbayes deploy` adds to a run folder (fedbayes.flower.deploy.deploy_local)
 
 
 @handled
@@ -54,8 +56,12 @@ def deploy(
         bool, typer.Option("--print-commands", help="print the commands that start this federation on real machines (TLS) instead")
     ] = False,
     tls: Annotated[bool, typer.Option("--tls", help="run the local federation over TLS with certificates made for it")] = False,
-    reply_timeout: Annotated[float, typer.Option("--reply-timeout", help="seconds a round waits for its replies")] = 120.0,
-    node_timeout: Annotated[float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join")] = 120.0,
+    reply_timeout: Annotated[
+        float, typer.Option("--reply-timeout", help="seconds a round waits for its replies", callback=number_in("--reply-timeout", 0))
+    ] = 120.0,
+    node_timeout: Annotated[
+        float, typer.Option("--node-timeout", help="seconds to wait for the nodes to join", callback=number_in("--node-timeout", 0))
+    ] = 120.0,
     min_nodes: Annotated[int, typer.Option("--min-nodes", help="nodes to wait for before the first round (0: one per client)")] = 0,
     on_missing: Annotated[str, typer.Option("--on-missing", help="a missing reply: skip (aggregate the others) or fail")] = "skip",
     executor: Annotated[
@@ -77,16 +83,24 @@ def deploy(
     if print_commands:  # needs no Flower here: the commands run on the federation's machines
         print(flower_deploy.print_commands(config.resolve(), cfg, out.resolve()), end="")
         return
+    check_out(out, overwrite, resume_)
+    run_config = {"reply-timeout": reply_timeout, "node-timeout": node_timeout, "min-nodes": min_nodes, "on-missing": on_missing}
+    _deploy(ctx, cfg, out, resume=resume_, tls=tls, run_config=run_config, executor=executor)
+
+
+def _deploy(ctx: CommandContext, cfg, out: Path, *, resume: bool, tls: bool, run_config: dict | None = None, executor: str = "warm") -> None:
+    """Runs (or resumes) ``cfg`` on a local Flower federation into ``out`` and prints its table."""
     try:
         import flwr  # noqa: F401
-    except ImportError:
-        fail("error: fedbayes deploy needs Flower (flwr is missing): pip install -e '.[flower]'")
-    check_out(out, overwrite, resume_)
+
+        from fedbayes.flower import deploy as flower_deploy
+    except ImportError as exc:
+        fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
     from fedbayes.runs.loggers import format_record
 
-    run_config = {"reply-timeout": reply_timeout, "node-timeout": node_timeout, "min-nodes": min_nodes, "on-missing": on_missing}
+    ctx.folder = out  # an interrupt names `fedbayes resume OUT`, which resumes a deployed run on Flower
     echo = lambda r: console.print(format_record(r, cfg.rounds), highlight=False)  # noqa: E731
-    summary = flower_deploy.deploy_local(cfg, out, resume=resume_, tls=tls, run_config=run_config, progress=echo, executor=executor)
+    summary = flower_deploy.deploy_local(cfg, out, resume=resume, tls=tls, run_config=run_config, progress=echo, executor=executor)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)})
     console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False)
 
@@ -121,6 +135,15 @@ def resume(
             fail(f"error: {out} holds nothing to resume (the run stopped before it wrote its config); start it again with fedbayes run CONFIG --out {out}")
         fail(f"error: {out} holds no {run_folder.CONFIG} or {run_folder.COMPARISON}; is it a fedbayes run folder?")
     cfg = load(cfg_path, set_ or [], stored=True)
+    done = run_folder.finished(cfg, out)
+    if done is not None and not done.get("diverged"):
+        console.print(f"{out}: finished earlier ({cfg.rounds} rounds, every file intact); nothing to resume", highlight=False)
+        return
+    if (out / DEPLOYED).is_dir():  # a run deployed on Flower continues there (its nodes hold the client states)
+        if set_:
+            fail(f"error: {out} is a run deployed on Flower; resume it as it was (fedbayes deploy CONFIG --out {out} --resume takes --set)")
+        _deploy(ctx, cfg, out, resume=True, tls=(out / DEPLOYED / "certs").is_dir())
+        return
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = run_one(ctx, cfg, out, resume=True, logs=log, accept_changes=accept)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)})

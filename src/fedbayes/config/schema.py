@@ -120,6 +120,9 @@ class ServerConfig(_Strict):
     on_divergence: Literal["stop", "warn"] = Field(
         "stop", description="a non-finite loss or server model: stop the run (exit 3, last good checkpoint kept) or warn and go on"
     )
+    max_rejected_rounds: int = Field(
+        5, ge=0, description="rounds in a row in which every client's message is rejected before the run counts as diverged (as on_divergence says); 0 = never"
+    )
     # Robust aggregation, dropouts and stragglers (fedbayes.aggregators.robust, fedbayes.sim.simulator; docs/results/privacy_robust.md).
     aggregator: Literal["mean", "median", "trimmed_mean", "norm_bound"] = Field(
         "mean",
@@ -534,6 +537,8 @@ def validate(raw: dict) -> RunConfig:
 def read_toml(path: str | Path) -> dict:
     """Reads a TOML file; a missing file or a syntax error raises :class:`ConfigError`."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config error: {path}: is a folder, not a config file (a TOML file; `fedbayes resume {path}` continues a run folder)")
     if not path.is_file():
         raise ConfigError(f"config error: {path}: no such file")
     try:

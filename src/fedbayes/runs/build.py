@@ -36,6 +36,7 @@ import optax
 
 from fedbayes import algorithms as algs
 from fedbayes import protocol
+from fedbayes import tree as tree_lib
 from fedbayes.algorithms import registry
 from fedbayes.config.schema import ConfigError, RunConfig
 from fedbayes.data import load_dataset, natural, partition
@@ -51,6 +52,7 @@ from fedbayes.data.federation import Federation
 from fedbayes.sim import scenario as attacks
 from fedbayes.sim.scenario import Scenario
 from fedbayes.sim.simulator import Simulator
+from fedbayes.runs import limits
 
 __all__ = [
     "VALIDATION_METRICS",
@@ -223,6 +225,7 @@ def build_model(config: RunConfig, spec: DataSpec) -> ModelParts:
     kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
     variational = config.model.variational
     model = make_model(config.model.name, spec.num_classes, variational=variational, **kwargs)
+    limits.check_model(config, lambda: tree_lib.num_params(jax.eval_shape(lambda: init_params(model, protocol.params_key(config.seed), spec.feature_shape))))
     params = init_params(model, protocol.params_key(config.seed), spec.feature_shape)
     trainer = LocalTrainer(loss_fn(model, spec.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731

@@ -17,6 +17,10 @@ its metadata holds the run's resolved config and its hash and every metric recor
 :func:`find_resume_checkpoint` verifies the newest and falls back to the newest intact one (a
 damaged file is renamed ``*.damaged`` and named in one line); the disk store keeps the undo logs
 every kept checkpoint needs, so the older one is usable too.
+
+Beside the state, a checkpoint carries what the run's other files need to be rebuilt exactly on
+resume (``extra``: arrays stored as ``extra/<name>``): the bytes of ``clients.jsonl`` so far and the
+health checks' running state (:mod:`fedbayes.runs.health`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from fedbayes.runs.strictjson import loads_strict, sanitize
 from fedbayes.sim.store import DiskStore
 
 CHECKSUM = "checksum"
+EXTRA = "extra/"  # the prefix of the arrays a run keeps beside its state (load_checkpoint's meta["extra"])
 
 
 class CheckpointError(RunFolderError, ValueError):
@@ -66,8 +71,9 @@ def checkpoint_path(directory: str | Path, round_idx: int) -> Path:
     return Path(directory) / folder.checkpoint_name(round_idx)
 
 
-def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any], keep: int = 2) -> Path:
-    """Atomically writes ``state`` (after ``state.round`` rounds) and ``meta``; keeps the newest ``keep``."""
+def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any], keep: int = 2, extra: dict[str, np.ndarray] | None = None) -> Path:
+    """Atomically writes ``state`` (after ``state.round`` rounds), ``meta`` and the ``extra`` arrays
+    (what the run's other files are rebuilt from); keeps the newest ``keep``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, np.ndarray] = {}
@@ -78,6 +84,7 @@ def save_checkpoint(directory: str | Path, state: SimState, meta: dict[str, Any]
         meta = {**meta, "client_store": store.describe()}
     for prefix, t in (("server", state.server_state), ("client", () if store is not None else state.client_states)):
         arrays.update(tree_lib.to_named_arrays(t, prefix))  # typed PRNG keys as their raw key data
+    arrays.update({EXTRA + k: np.asarray(v) for k, v in (extra or {}).items()})
     meta, _ = sanitize({**meta, "round": state.round})  # strict JSON; records carry their own flags
     arrays["meta"] = np.frombuffer(json.dumps(meta, allow_nan=False).encode(), dtype=np.uint8)
     arrays[CHECKSUM] = np.frombuffer(_digest(arrays).encode(), dtype=np.uint8)
@@ -200,7 +207,8 @@ def _restore_by_index(template, arrays, prefix: str, path: Path):
 
 
 def load_checkpoint(path: str | Path, template: SimState) -> tuple[SimState, dict[str, Any]]:
-    """Restores a :class:`SimState` shaped like ``template``; returns it and the stored metadata.
+    """Restores a :class:`SimState` shaped like ``template``; returns it and the stored metadata,
+    with the checkpoint's extra arrays by name under ``meta["extra"]``.
 
     When ``template`` holds a :class:`~fedbayes.sim.store.DiskStore`, it must be the store the
     checkpoint recorded (same id); it is rolled back to the checkpoint's round and returned.
@@ -221,4 +229,10 @@ def load_checkpoint(path: str | Path, template: SimState) -> tuple[SimState, dic
             raise CheckpointError(f"{path}: checkpoint refers to a disk client store at {recorded['path']}, the run keeps client states in memory")
         clients = _restore(template.client_states, arrays, "client", path)
         clients = jax.tree.map(np.array, clients)  # host copies
+    meta["extra"] = extra_arrays(arrays)
     return SimState(round=int(meta["round"]), server_state=server, client_states=clients), meta
+
+
+def extra_arrays(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The extra arrays of a checkpoint's entries (:func:`read_checkpoint`), by name."""
+    return {k[len(EXTRA) :]: v for k, v in arrays.items() if k.startswith(EXTRA)}

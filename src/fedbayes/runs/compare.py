@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fedbayes.hparams import INT_MAX
 from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, deep_merge, read_reference, read_toml, same_config, validate
 from fedbayes.runs import folder, report
 from fedbayes.runs import summaries as sm
@@ -124,9 +125,9 @@ def file_reference(files: Sequence[Path], variants: Sequence[str]):
 
 
 def check_seeds(seeds, where: str) -> list[int]:
-    """Seeds must be a non-empty list of distinct integers >= 0; else a one-line error naming ``where``."""
-    allowed = "allowed: a non-empty list of distinct integers >= 0, e.g. seeds = [0, 1, 2]"
-    if not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+    """Seeds must be a non-empty list of distinct integers in 0..2**63-1; else a one-line error naming ``where``."""
+    allowed = "allowed: a non-empty list of distinct integers from 0 to 2**63 - 1, e.g. seeds = [0, 1, 2]"
+    if not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= INT_MAX for s in seeds):
         raise ConfigError(f"config error: {where}: {allowed}; got {seeds!r}")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"config error: {where}: a seed is repeated ({allowed}); got {seeds!r}")

@@ -62,6 +62,7 @@ __all__ = [
     "MetricsWriter",
     "append_jsonl",
     "checkpoint_name",
+    "damage",
     "finished",
     "has_checkpoint",
     "read_metrics",
@@ -181,6 +182,28 @@ class MetricsWriter:
             f.write(dumps_record(record) + "\n")
 
 
+def damage(path: str | Path, expected: str, *, more: bool = False) -> str | None:
+    """How the file at ``path`` departs from ``expected`` (the text a checkpoint says it holds), in a
+    few words naming the first differing line; None when it holds exactly ``expected`` (``more``:
+    followed by anything, the lines of rounds after the checkpoint)."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return "missing" if expected else None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if text == expected or (more and text.startswith(expected)):
+        return None
+    want, have = expected.splitlines(keepends=True), text.splitlines(keepends=True)
+    for i, line in enumerate(want):
+        if i >= len(have):
+            return f"cut short after line {i} of {len(want)}" if i else "empty"
+        if have[i] != line:
+            return f"line {i + 1} differs from the run's record"
+    return f"{len(have) - len(want)} line(s) more than the run wrote"
+
+
 def read_summary(folder: str | Path) -> dict:
     """A run folder's ``summary.json``.
 
@@ -190,15 +213,17 @@ def read_summary(folder: str | Path) -> dict:
     return json.loads((Path(folder) / SUMMARY).read_text())
 
 
-def finished(config: Any, folder: str | Path) -> dict | None:
+def finished(config: Any, folder: str | Path, warn: Callable[[str], None] | None = None) -> dict | None:
     """The summary of a run already finished in ``folder`` with this very config (a
-    :class:`~fedbayes.config.schema.RunConfig`), else None."""
-    from fedbayes.config.schema import same_config
+    :class:`~fedbayes.config.schema.RunConfig`) whose files are all intact, else None (a damaged file
+    is named through ``warn``, default stderr: resuming the run rebuilds it);
+    :func:`fedbayes.runs.resume.finished_intact`."""
+    from fedbayes.runs.resume import finished_intact
 
-    folder = Path(folder)
-    try:
-        if same_config(folder / CONFIG, config):
-            return read_summary(folder)
-    except (OSError, ValueError):
-        pass
-    return None
+    return finished_intact(config, folder, warn if warn is not None else _stderr)
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)

@@ -3,9 +3,11 @@ too wide for the data).
 
 * **Divergence** (``server.on_divergence``): :func:`non_finite` names the first non-finite
   quantity of a round (the server model's parameters, the round's training loss, then the
-  evaluated losses :data:`DIVERGENCE_METRICS`); the run loop then stops with :class:`Diverged`
-  (exit code 3; ``summary.json`` records ``diverged``) or warns once and goes on.
-  :func:`divergence_message` says what to change and how to continue.
+  evaluated losses :data:`DIVERGENCE_METRICS`), and :class:`RejectionStreak` a run whose every
+  message was refused for ``server.max_rejected_rounds`` rounds in a row (it would end untrained);
+  the run loop then stops with :class:`Diverged` (exit code 3; ``summary.json`` records
+  ``diverged``) or warns once and goes on. :func:`divergence_message` says what to change (the
+  step-size settings the method has, read from its spec and settings) and how to continue.
 * **Calibration**: :class:`CalibrationCheck` warns once when the marginalised accuracy falls more
   than :data:`CALIBRATION_GAP` below the point estimate's.
 * **Fixed point**: :class:`FixedPointCheck` follows the server posterior (mean and variance; the
@@ -42,6 +44,7 @@ __all__ = [
     "CalibrationCheck",
     "Diverged",
     "FixedPointCheck",
+    "RejectionStreak",
     "calibration_advice",
     "calibration_after_round",
     "divergence_hint",
@@ -49,6 +52,7 @@ __all__ = [
     "make_calibration_check",
     "posterior_snapshot",
     "non_finite",
+    "step_settings",
 ]
 
 
@@ -109,11 +113,45 @@ def calibration_after_round(config: RunConfig) -> int:
 # ----- divergence --------------------------------------------------------------------------------
 
 
+def step_settings(config: RunConfig) -> list[str]:
+    """The step-size settings this run's method has: ``client.lr``, ``server.lr`` unless the
+    method's server is exact (its spec's ``exact_server``: server.lr is then fixed at 1), and the
+    method's own rates (its settings named ``*lr``, e.g. FedLap-Func's ``algorithm.server_lr``)."""
+    out = ["client.lr"] + ([] if config.spec.exact_server else ["server.lr"])
+    return out + [f"algorithm.{k}" for k in type(config.algorithm).model_fields if k.endswith("lr") and k != "name"]
+
+
 def divergence_message(config: RunConfig, round_idx: int, metric: str, out: Path, checkpoint: int | None) -> str:
-    """The one line of a diverged run: where, the likely cause, the last good checkpoint, how to go on."""
-    cause = "likely cause: a step too large for the loss's curvature (client.lr, server.lr" + divergence_hint(config) + ")"
+    """The one line of a diverged run: where, the likely cause, the last good checkpoint, how to go on.
+
+    ``metric``: what went wrong (a non-finite quantity, or a :class:`RejectionStreak`'s reason)."""
+    knobs = step_settings(config)
+    what = metric if metric.startswith("every ") else f"{metric} non-finite"
+    cause = f"likely cause: a step too large for the loss's curvature ({', '.join(knobs)}" + divergence_hint(config) + ")"
     ckpt = f"last good checkpoint: round {checkpoint}" if checkpoint is not None else "no checkpoint was saved yet (checkpoint_every)"
-    return f"diverged at round {round_idx}: {metric} non-finite; {cause}; {ckpt}; continue with: fedbayes resume {out} --set client.lr=... (or server.lr=...)"
+    alt = f" (or {', '.join(k + '=...' for k in knobs[1:])})" if len(knobs) > 1 else ""
+    return f"diverged at round {round_idx}: {what}; {cause}; {ckpt}; continue with: fedbayes resume {out} --set {knobs[0]}=...{alt}"
+
+
+class RejectionStreak:
+    """Rounds in a row in which the server refused every message it got (``server.max_rejected_rounds``
+    of them end the run as diverged; 0: never). A round in which no client sent anything (all
+    dropped or late) neither extends nor ends a streak. ``count`` is kept in checkpoints."""
+
+    def __init__(self, limit: int, count: int = 0):
+        self.limit, self.count = limit, count
+
+    def update(self, info) -> str | None:
+        """Takes a round's ``RoundInfo``; returns the reason to stop, or None."""
+        c = info.clients
+        failed = np.zeros(len(c["client"]), bool) if "dropped" not in c else np.asarray(c["dropped"], bool) | np.asarray(c["late"], bool)
+        sent = ~failed
+        if not sent.any():
+            return None
+        self.count = 0 if np.asarray(c["accepted"], bool)[sent].any() else self.count + 1
+        if self.limit and self.count >= self.limit:
+            return f"every client's message was rejected for {self.count} rounds in a row (server.max_rejected_rounds = {self.limit}; 0 never stops)"
+        return None
 
 
 # ----- calibration -------------------------------------------------------------------------------
@@ -133,7 +171,12 @@ class CalibrationCheck:
         self.advice = advice  # what to change (the default is FedEP's and FedSEP's knob)
         self.message: str | None = None
 
-    def check(self, record: dict) -> None:
+    def replay(self, records) -> None:
+        """Takes a resumed run's records as if they had just been checked (no log line)."""
+        for r in records:
+            self.check(r, log=False)
+
+    def check(self, record: dict, log: bool = True) -> None:
         if self.message is not None or "accuracy_marg" not in record or record["round"] <= self.after_round:
             return
         gap = record["accuracy"] - record["accuracy_marg"]
@@ -143,7 +186,8 @@ class CalibrationCheck:
                 f"{100 * gap:.1f} points below the point estimate's {record['accuracy']:.4f}; the posterior is too wide "
                 f"for this data: {self.advice}"
             )
-            logging.getLogger("fedbayes").warning("warning: %s", self.message)
+            if log:
+                logging.getLogger("fedbayes").warning("warning: %s", self.message)
 
 
 def make_calibration_check(config: RunConfig) -> CalibrationCheck:
@@ -227,6 +271,29 @@ class FixedPointCheck:
             self.sums[h][1] += 0.0 if level is None else level
             self.sums[h][2] += 1
         self.previous = (mean, level)
+
+    def saved(self) -> dict[str, np.ndarray]:
+        """The running sums and jitters, as checkpoint arrays (float64: restored bit for bit)."""
+        out = {"fixed_point/jitter": np.asarray(self.jitter, np.float64).reshape(-1, 2)}
+        for h, x in enumerate(self.sums):
+            if x is not None:
+                out[f"fixed_point/sum{h}"] = np.asarray(x[0], np.float64)
+                out[f"fixed_point/level{h}"] = np.asarray([x[1], x[2]], np.float64)
+        return out
+
+    def restore(self, saved: dict[str, np.ndarray], round_idx: int, snapshot: tuple) -> None:
+        """Continues from a checkpoint after round ``round_idx``: its :meth:`saved` arrays and the
+        posterior then (``snapshot``, already counted in the sums). Without the arrays (a
+        checkpoint of an older version) the run is observed afresh from ``round_idx``."""
+        if "fixed_point/jitter" not in saved:
+            self.observe(round_idx, snapshot)
+            return
+        self.jitter = [tuple(map(float, j)) for j in np.asarray(saved["fixed_point/jitter"], np.float64)]
+        for h in (0, 1):
+            if f"fixed_point/sum{h}" in saved:
+                level, count = np.asarray(saved[f"fixed_point/level{h}"], np.float64)
+                self.sums[h] = [np.asarray(saved[f"fixed_point/sum{h}"], np.float64), float(level), int(count)]
+        self.previous = (snapshot[0], _mean_log(snapshot[1]))
 
     def finish(self) -> str | None:
         """The warning (also returned) when the last ``window`` rounds drift beyond their jitter."""

@@ -26,9 +26,12 @@ import io
 import json
 import math
 import os
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from fedbayes.runs import folder
 
@@ -215,25 +218,69 @@ class ClientLog:
     Each line holds ``round``, ``client``, ``examples`` (the client's training examples),
     ``rejected`` (whether the server refused its message), ``loss`` (its mean minibatch training
     loss this round) and ``steps`` (its local steps), from the round's
-    :attr:`fedbayes.sim.simulator.RoundInfo.clients`. A resumed run first drops lines after its
-    checkpoint.
+    :attr:`fedbayes.sim.simulator.RoundInfo.clients`.
+
+    The log also keeps the text written so far (:meth:`saved`, zlib-compressed), which each
+    checkpoint carries: a resumed run rewrites the file from it (:meth:`restart`), so lines lost,
+    cut or garbled since are rebuilt exactly, and the damage is named in one line.
     """
 
     def __init__(self, path: str | Path, sizes: Sequence[int]):
         self.path = Path(path)
         self.sizes = sizes
+        self.text = io.StringIO()
 
-    def restart(self, done: int) -> None:
-        """Keeps the lines of rounds ``<= done`` (0: a fresh run starts an empty file)."""
-        kept: list[str] = []
-        if done > 0 and self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["round"] <= done:
-                        kept.append(line + "\n")
-                except (json.JSONDecodeError, KeyError):
-                    break  # a line torn by a kill
-        folder.write_atomic(self.path, "".join(kept))
+    def saved(self) -> np.ndarray:
+        """The text written so far, compressed, as a checkpoint array (uint8)."""
+        return np.frombuffer(zlib.compress(self.text.getvalue().encode(), 1), dtype=np.uint8)
+
+    def restart(self, done: int, saved: np.ndarray | None = None, warn: Callable[[str], None] | None = None) -> None:
+        """Rewrites the file with the lines of rounds ``<= done`` (0: a fresh run starts an empty file).
+
+        ``saved``: the checkpoint's copy (:meth:`saved`); ``warn`` then gets one line when the file
+        did not hold it. A checkpoint without a copy (written by an older version) keeps the file's
+        lines of rounds ``<= done``, which must be ``done * per_round`` whole lines.
+
+        Raises:
+          RunFolderError: (no ``saved``) the file lacks lines of rounds ``<= done`` or holds a
+            damaged one.
+        """
+        if done == 0:
+            kept = ""
+        elif saved is not None:
+            kept = zlib.decompress(np.asarray(saved, dtype=np.uint8).tobytes()).decode()
+            what = folder.damage(self.path, kept, more=True)
+            if what is not None and warn is not None:
+                warn(f"warning: {self.path}: {what}; rebuilt from the run's checkpoint (round {done})")
+        else:
+            kept = self._kept_lines(done)
+        folder.write_atomic(self.path, kept)
+        self.text = io.StringIO()
+        self.text.write(kept)
+
+    def _kept_lines(self, done: int) -> str:
+        """The file's lines of rounds ``<= done`` (a checkpoint of an older version holds no copy)."""
+        from fedbayes.errors import RunFolderError
+
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.is_file() else []
+        kept, last = [], 0
+        for i, line in enumerate(lines):
+            try:
+                rec = json.loads(line)
+                r = rec["round"] if isinstance(rec, dict) else None
+            except (ValueError, KeyError):
+                r = None
+            if not isinstance(r, int) or isinstance(r, bool) or r < last:
+                if last < done:
+                    raise RunFolderError(f"{self.path}: line {i + 1} is damaged and the checkpoint (round {done}) holds no copy of it; start the run again with --overwrite")
+                break
+            if r > done:
+                break
+            kept.append(line + "\n")
+            last = r
+        if last < done:
+            raise RunFolderError(f"{self.path}: holds rounds up to {last}, the checkpoint is at round {done} and holds no copy; start the run again with --overwrite")
+        return "".join(kept)
 
     def write(self, info: Any, round_idx: int) -> None:
         """Appends the lines of round ``round_idx`` (1 for the first round trained, as in
@@ -250,3 +297,4 @@ class ClientLog:
             lines.append(json.dumps(line) + "\n")
         with open(self.path, "a") as f:
             f.writelines(lines)
+        self.text.writelines(lines)

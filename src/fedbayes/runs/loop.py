@@ -55,7 +55,7 @@ from fedbayes.runs.checkpoint import find_resume_checkpoint, load_checkpoint, sa
 from fedbayes.runs.export import save_model
 from fedbayes.runs.loggers import ClientLog, PlainReporter, Reporter
 from fedbayes.runs.plotting import plot_curves
-from fedbayes.runs.resume import check_resume_config, check_store_dir, config_hash, record_changes
+from fedbayes.runs.resume import check_resume_config, check_store_dir, claim_store, config_hash, record_changes
 from fedbayes.runs.strictjson import dumps_record, restore_record
 from fedbayes.runs.summaries import summarize
 
@@ -102,6 +102,7 @@ class RunRecorder:
         records: list[dict],
         last_checkpoint: int | None,
         runner=None,
+        client_log: ClientLog | None = None,
     ):
         self.config, self.out, self.reporter, self.warn = config, out, reporter, warn
         runner = runner if runner is not None else exp.simulator
@@ -114,6 +115,8 @@ class RunRecorder:
         self.metrics = folder.MetricsWriter(out / folder.METRICS)
         self.calibration = health.make_calibration_check(config)
         self.fixed_point = health.FixedPointCheck(config.name, config.rounds)
+        self.rejections = health.RejectionStreak(config.server.max_rejected_rounds)
+        self.client_log = client_log  # its text so far goes into each checkpoint
         self.meta = {"name": config.name, "config": config.model_dump(mode="json"), "config_hash": config_hash(config)}
 
     def is_checkpoint_round(self, r: int) -> bool:
@@ -153,7 +156,8 @@ class RunRecorder:
         config = self.config
         self.observe(e.round, state)
         rec = self.record(e.round, e.evaluation, e.counters, e.info) if e.evaluation is not None else None
-        bad = e.bad or health.non_finite(rec, None)
+        streak = self.rejections.update(e.info) if e.info is not None else None
+        bad = e.bad or health.non_finite(rec, None) or streak
         if bad is not None and not self.warned:
             message = health.divergence_message(config, e.round, bad, self.out, self.last_checkpoint)
             if config.server.on_divergence == "stop":
@@ -167,6 +171,14 @@ class RunRecorder:
             self.checkpoint(state, e.counters)
         self.reporter.update(e.round, config.rounds, rec)
 
+    def resume(self, state, meta: dict) -> None:
+        """Continues the health checks from a checkpoint (``meta``: its metadata with its extra
+        arrays), so a resumed run warns and stops exactly where an uninterrupted one would."""
+        self.calibration.replay(self.records)
+        self.rejections.count = int(meta.get("health", {}).get("rejected_streak", 0))
+        snapshot = health.posterior_snapshot(self.algorithm, state.server_state, self.server_params(state))
+        self.fixed_point.restore(meta.get("extra", {}), int(state.round), snapshot)
+
     def observe(self, round_idx: int, state) -> None:
         """Hands the server posterior after round ``round_idx`` to the fixed-point check (``state``: a
         simulator or runner state, whose ``server_state`` is read)."""
@@ -175,7 +187,11 @@ class RunRecorder:
     def checkpoint(self, state, counters: dict) -> None:
         """Saves ``state`` with the run's metadata, counters and every record so far (strict JSON)."""
         strict = [json.loads(dumps_record(x)) for x in self.records]
-        save_checkpoint(self.out / folder.CHECKPOINTS, state, {**self.meta, "counters": counters, "metrics": strict})
+        extra = self.fixed_point.saved()
+        if self.client_log is not None:
+            extra["clients"] = self.client_log.saved()
+        meta = {**self.meta, "counters": counters, "metrics": strict, "health": {"rejected_streak": self.rejections.count}}
+        save_checkpoint(self.out / folder.CHECKPOINTS, state, meta, extra=extra)
         self.last_checkpoint = int(state.round)
 
     def finish(self, algorithm, server_state) -> dict:
@@ -203,7 +219,7 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
     ``exp.simulator`` (the Flower deployment, :class:`fedbayes.flower.rounds.FlowerRounds`);
     ``None``: the simulator.
     """
-    with runlock.hold(out_dir):
+    with runlock.hold(out_dir), claim_store(config, Path(out_dir), resume):
         return _run_experiment(config, Path(out_dir), resume, reporter or PlainReporter(), tuple(accept_changes), warn or _stderr, rounds)
 
 
@@ -237,11 +253,18 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
         for stale in (folder.SUMMARY, folder.CURVES):  # a killed fresh run must not look finished
             (out / stale).unlink(missing_ok=True)
     folder.write_atomic(out / folder.CONFIG, to_toml(config))
-    recorder = RunRecorder(config, out, exp, reporter, warn, records, int(state.round) if ckpt is not None else None, runner)
-    recorder.observe(int(state.round), state)
-    recorder.metrics.rewrite(records)
     client_log = ClientLog(out / folder.CLIENTS, exp.federation.sizes)
-    client_log.restart(state.round)
+    recorder = RunRecorder(config, out, exp, reporter, warn, records, int(state.round) if ckpt is not None else None, runner, client_log)
+    if ckpt is not None:
+        recorder.resume(state, meta)
+        kept = "".join(dumps_record(r) + "\n" for r in records)
+        damage = folder.damage(out / folder.METRICS, kept, more=True)
+        if damage is not None:
+            warn(f"warning: {out / folder.METRICS}: {damage}; rebuilt from the run's checkpoint (round {state.round})")
+    else:
+        recorder.observe(int(state.round), state)
+    recorder.metrics.rewrite(records)
+    client_log.restart(state.round, meta.get("extra", {}).get("clients") if ckpt is not None else None, warn)
     recorder.start(lambda: exp.evaluate(state.server_state, 0), counters, state.round)
     try:
         t0 = time.perf_counter()

@@ -110,14 +110,21 @@ def _value(raw: str):
 GRID_EXAMPLE = "e.g. --grid algorithm.delta=0.1,1,10"
 
 
+MAX_SEED_COUNT = 10_000  # --seeds N: more runs than any sweep means (and a list that would not fit in memory)
+
+
 def parse_seeds(text: str) -> list[int]:
     """``"3"`` -> ``[0, 1, 2]`` (that many seeds from 0); ``"0,4,7"`` -> those seeds."""
     text = text.strip()
     items = [t.strip() for t in text.split(",")] if "," in text else None
     try:
-        seeds = [int(t) for t in items] if items is not None else list(range(int(text)))
+        count = int(text) if items is None else None
+        seeds = [int(t) for t in items] if items is not None else None
     except ValueError:
         raise SweepError(f"error: --seeds {text!r}: expected a count N (seeds 0..N-1) or a list of seeds, e.g. --seeds 3 or --seeds 0,1,2") from None
+    if count is not None and count > MAX_SEED_COUNT:
+        raise SweepError(f"error: --seeds {text}: at most {MAX_SEED_COUNT} seeds (a count N runs N runs per cell)")
+    seeds = seeds if seeds is not None else list(range(count))
     try:
         return check_seeds(seeds, "--seeds")
     except ConfigError as exc:
@@ -498,6 +505,9 @@ def prepare(runs: dict[str, RunConfig], spec: dict) -> SweepPlan:
     axes = parse_grid(spec.get("grid") or [], list(runs))
     cells = plan(runs, axes)
     select_key(spec.get("select_on", "validation"))
+    threshold = spec.get("threshold", 0.8)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:  # NaN fails too
+        raise ConfigError(f"config error: threshold: must be a number from 0 to 1; got {threshold!r}")
     return SweepPlan(runs, spec, axes, cells)
 
 

@@ -45,6 +45,7 @@ with one line naming it (exit code 4 in the CLI).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -337,11 +338,31 @@ class DiskStore:
             raise ValueError("DiskStore: the client state has no arrays; stateless algorithms need no store")
         if num_clients < 1:
             raise ValueError(f"DiskStore: num_clients must be >= 1; got {num_clients}")
+        made = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
         (path / _META).unlink(missing_ok=True)  # first: an interrupted create leaves no valid store
+        cls._remove_files(path)
+        try:
+            meta = cls._write_new(path, leaves, num_clients, durable)
+        except BaseException:  # a full disk, an interrupt: nothing half-made stays behind
+            cls._remove_files(path)
+            if made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()  # empty unless someone else put something there
+            raise
+        specs = [_row_spec(np.shape(a), np.asarray(a).dtype) for a in leaves]
+        return cls(path, treedef, specs, meta, durable)
+
+    @staticmethod
+    def _remove_files(path: Path) -> None:
+        """Removes a store's data files from ``path`` (leaves, checksums, undo logs, temporaries)."""
         for p in path.iterdir():
             if p.name.endswith(".tmp") or _UNDO.match(p.name) or _LEAF.match(p.name) or p.name == _SUMS:
-                p.unlink()
+                p.unlink(missing_ok=True)
+
+    @staticmethod
+    def _write_new(path: Path, leaves: list, num_clients: int, durable: bool) -> dict:
+        """Writes a new store's files (every client at the template ``leaves``); returns its metadata."""
         rows = [np.asarray(leaf) for leaf in leaves]
         specs = [_row_spec(r.shape, r.dtype) for r in rows]
         sums = _row_sums([r[None] for r in rows], 1)
@@ -355,8 +376,10 @@ class DiskStore:
                 if size:
                     try:
                         os.posix_fallocate(fd, 0, size)  # reserves the space now: no ENOSPC mid-run
-                    except OSError:
-                        os.ftruncate(fd, size)
+                    except OSError as exc:
+                        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise  # the disk cannot hold the store: say so now, not mid-run
+                        os.ftruncate(fd, size)  # a file system without fallocate
                 if row_bytes and np.any(np.ascontiguousarray(row).reshape(-1).view(np.uint8)):
                     per = max(1, _INIT_CHUNK_BYTES // row_bytes)
                     chunk = np.ascontiguousarray(np.broadcast_to(row, (min(per, num_clients), *row.shape)))
@@ -377,7 +400,7 @@ class DiskStore:
             "rollback_to": None,
         }
         _write_atomic(path / _META, json.dumps(meta).encode(), durable)
-        return cls(path, treedef, specs, meta, durable)
+        return meta
 
     @classmethod
     def open(cls, path: str | Path, template: Any, num_clients: int | None = None, *, durable: bool = True) -> DiskStore:
