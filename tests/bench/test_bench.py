@@ -31,6 +31,8 @@ TINY = fb.BenchSettings(
     cnn_per_client=16,
     cnn_batch=8,
     idle_probes=2,
+    own_limit_blocks=1,
+    own_limit_rounds=2,
 )
 THROUGHPUT = [n for n in fb.WORKLOADS if not fb.is_relative(n)]
 REQUIRED = ("examples_per_s", "ratio_to_limit", "compile_s", "peak_rss_mb", "round_s")

@@ -23,6 +23,13 @@ workload sets ``epochs``):
     round: interpreter, imports, data, partition, model, first compile and round (target for
     ``fedavg``: under 5 s), broken down in ``startup_parts``;
   - ``rejected``: client messages rejected in the timed rounds (0 for a healthy workload);
+  - ``ratio_to_own_limit``: the workload's round against its own limit, the same rounds' client
+    updates and server step as a plain jitted loop without the simulator
+    (:mod:`fedbayes.bench.own_limit`), in ``settings.own_limit_blocks`` pairs of interleaved
+    blocks of rounds after the timed ones: the plain loop's round time over the simulator's,
+    median over the pairs (of every repeat), ``_range`` their min and max; above 1 the simulator
+    is faster than its plain loop (it spreads the cohort over the devices and pipelines rounds);
+    ``own_limit_round_s`` the plain loop's median round time;
   - ``device_busy_s`` (per device, median over ``settings.idle_probes`` probe rounds after the
     timed ones) and ``device_idle`` (median; ``device_idle_max`` the largest): each device's time
     on its share of the client phase alone, and the share of the devices' time spent waiting for
@@ -79,7 +86,8 @@ No module imports JAX at top level: the parent process only starts workers and f
 results. Workers are ``python -m fedbayes.bench <spec-json>`` (:mod:`fedbayes.bench.__main__`).
 """
 
-from fedbayes.bench.measure import measure_federated, measure_limit, measure_paired, peak_rss_mb
+from fedbayes.bench.measure import measure_federated, measure_limit, measure_own_limit, measure_paired, peak_rss_mb
+from fedbayes.bench.own_limit import plain_round, prepare_plain_round
 from fedbayes.bench.protocol import (
     GO,
     READY,
@@ -95,6 +103,7 @@ from fedbayes.bench.relative import MEASURES as RELATIVE_MEASURES
 from fedbayes.bench.report import (
     BASELINE_RATIO,
     COLUMNS,
+    OWN_LIMIT_RATIO,
     PAIRED_RATIO,
     RELATIVE_COLUMNS,
     add_paired,
@@ -141,6 +150,7 @@ __all__ = [
     "COLUMNS",
     "FULL",
     "GO",
+    "OWN_LIMIT_RATIO",
     "PAIRED_RATIO",
     "QUICK",
     "READY",
@@ -168,11 +178,14 @@ __all__ = [
     "markdown",
     "measure_federated",
     "measure_limit",
+    "measure_own_limit",
     "measure_paired",
     "model_and_trainer",
     "paired_groups",
     "paired_ratios",
     "peak_rss_mb",
+    "plain_round",
+    "prepare_plain_round",
     "relative_entry",
     "relative_rows",
     "resolve_names",

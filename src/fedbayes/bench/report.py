@@ -21,6 +21,7 @@ from fedbayes.sim.hostdevices import num_cores
 
 BASELINE_RATIO = "ratio_to_fedavg"  # a workload's examples_per_s over its baseline's, same repeat
 PAIRED_RATIO = "paired_ratio_to_fedavg"  # the same, from rounds interleaved in one process
+OWN_LIMIT_RATIO = "ratio_to_own_limit"  # the plain loop's round time over the simulator's, paired blocks
 
 
 def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +48,10 @@ def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
         entry["device_idle"] = statistics.median(idle)
         entry["device_idle_max"] = max(idle)
         entry["device_busy_s"] = [statistics.median(col) for col in zip(*raw["device_busy_s"])]
+    if raw.get("own_limit_sim_s"):
+        entry[OWN_LIMIT_RATIO + "s"] = [p / t for t, p in zip(raw["own_limit_sim_s"], raw["own_limit_plain_s"])]
+        entry[OWN_LIMIT_RATIO] = statistics.median(entry[OWN_LIMIT_RATIO + "s"])
+        entry["own_limit_round_s"] = statistics.median(raw["own_limit_plain_s"])
     for k in ("num_clients", "clients_per_round", "epochs", "algorithm", "partition", "layout", "store", "devices", "client_sizes", "rejected", "profile"):
         if k in raw:
             entry[k] = raw[k]
@@ -114,6 +119,11 @@ def summarize(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
             if BASELINE_RATIO in merged:
                 got = [e[BASELINE_RATIO] for e in entries if BASELINE_RATIO in e]
                 merged[BASELINE_RATIO + "_range"] = [min(got), max(got)]
+        pairs = [r for e in entries for r in e.get(OWN_LIMIT_RATIO + "s", [])]
+        if pairs:  # every pair of blocks of every repeat
+            merged[OWN_LIMIT_RATIO + "s"] = pairs
+            merged[OWN_LIMIT_RATIO] = statistics.median(pairs)
+            merged[OWN_LIMIT_RATIO + "_range"] = [min(pairs), max(pairs)]
         w = WORKLOADS.get(name)
         if w is not None:
             merged["description"] = w.description
@@ -158,6 +168,7 @@ COLUMNS = (
     "workload",
     "examples/s",
     "ratio to limit",
+    "vs own limit",
     "vs FedAvg",
     "vs FedAvg, paired",
     "round (s)",
@@ -169,6 +180,17 @@ COLUMNS = (
 )
 
 
+def _ratio_cell(e: dict[str, Any], key: str) -> str:
+    """``median (min-max)`` of ratio ``key`` (the median alone without a range; empty when absent)."""
+    if key not in e:
+        return ""
+    cell = f"{e[key]:.2f}"
+    if key + "_range" in e:
+        lo, hi = e[key + "_range"]
+        cell += f" ({lo:.2f}-{hi:.2f})"
+    return cell
+
+
 def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
     """Table rows (strings) in :data:`COLUMNS` order."""
     out = []
@@ -178,16 +200,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
         ratio = f"{e['ratio_to_limit']:.2f}"
         if "ratio_range" in e and name != REFERENCE:
             ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"  # the worst repeat first
-        vs = ""
-        if BASELINE_RATIO in e:
-            vs = f"{e[BASELINE_RATIO]:.2f}"
-            if BASELINE_RATIO + "_range" in e:
-                lo, hi = e[BASELINE_RATIO + "_range"]
-                vs += f" ({lo:.2f}-{hi:.2f})"
-        paired = ""
-        if PAIRED_RATIO in e:
-            lo, hi = e[PAIRED_RATIO + "_range"]
-            paired = f"{e[PAIRED_RATIO]:.2f} ({lo:.2f}-{hi:.2f})"
+        vs, own, paired = (_ratio_cell(e, key) for key in (BASELINE_RATIO, OWN_LIMIT_RATIO, PAIRED_RATIO))
         if "clients_per_round" in e:
             clients = f"{e['clients_per_round']} of {e['num_clients']}, {e['partition']}"
             if e.get("epochs", 1) != 1:
@@ -200,6 +213,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                 name,
                 f"{e['examples_per_s']:,.0f}",
                 ratio,
+                own,
                 vs,
                 paired,
                 f"{e['round_s']:.3f}",

@@ -43,6 +43,9 @@ class BenchSettings:
       relative_reps: paired repetitions of each relative workload (:mod:`fedbayes.bench.relative`).
       cnn_clients, cnn_per_client, cnn_batch: the ``cnn`` and ``vbnn`` workloads' federation
         (all clients in every round, one local epoch) and client batch size.
+      own_limit_blocks, own_limit_rounds: pairs of blocks, and rounds per block (at most the
+        workload's steady rounds), in which a federated workload's rounds are timed against the
+        same rounds as a plain jitted loop (:mod:`fedbayes.bench.own_limit`).
       idle_probes: rounds whose client phase is probed for each device's busy time
         (:func:`fedbayes.bench.measure.device_busy_times`) after a federated workload's
         timed rounds.
@@ -66,13 +69,15 @@ class BenchSettings:
     cnn_per_client: int = 640
     cnn_batch: int = 64
     idle_probes: int = 5
+    own_limit_blocks: int = 3
+    own_limit_rounds: int = 5
 
 
 FULL = BenchSettings()
 # A smoke check: every workload compiles and runs a few rounds, one repeat (7 min 10 s on the
 # 2 cores on 2026-11-24, a machine 2.2x slower than the one that took 94 s on 2026-11-22 with 7
 # fewer workloads; compiles are most of it).
-QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128, idle_probes=2)
+QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128, idle_probes=2, own_limit_blocks=1)
 
 
 @dataclasses.dataclass(frozen=True)
