@@ -66,6 +66,16 @@ the median over repeats (``*_range`` gives min and max of the throughput and the
 ``ratio_worst`` is the slowest repeat's ratio to the limit). ``peak_rss_mb`` is the peak resident set of the
 process that ran the workload (``ru_maxrss``), for ``limit_b32`` the largest of its processes.
 
+**The GPU record** (``fedbayes bench gpu``, settings :data:`GPU`, workloads :data:`GPU_WORKLOADS`):
+FedAvg, FedEP, PVI and FedLap-Cov with 10 and 100 of 100 clients a round in the vmap layout with
+the client states in device memory, each with ``ratio_to_own_limit`` (the same cohort as a plain
+jitted loop on the device) and ``ratio_to_fedavg``; the CNN FedAvg round against a plain jitted
+step loop and the VBNN round against it, at 10 and 100 clients. It needs no XLA host-device flags
+(on a GPU backend they only shape the unused CPU platform) and no ``limit_b32``.
+
+``fedavg_100_fused`` is ``fedavg_100`` with 10 rounds a compiled program (the simulator's
+``fuse``); its round time is the mean over each block of 10 rounds.
+
 The workloads are a registry keyed by name (:data:`WORKLOADS`); the algorithms that federated
 workloads run are built by :func:`build_algorithm` through :mod:`fedbayes.algorithms.registry`
 (every registered method, with its default settings). A new method adds its workloads to
@@ -121,6 +131,8 @@ from fedbayes.bench.report import (
 from fedbayes.bench.run import paired_groups, run_bench
 from fedbayes.bench.workloads import (
     FULL,
+    GPU,
+    GPU_WORKLOADS,
     QUICK,
     REFERENCE,
     WORKLOADS,
@@ -149,6 +161,8 @@ __all__ = [
     "BASELINE_RATIO",
     "COLUMNS",
     "FULL",
+    "GPU",
+    "GPU_WORKLOADS",
     "GO",
     "OWN_LIMIT_RATIO",
     "PAIRED_RATIO",

@@ -125,6 +125,10 @@ def measure_federated(
     state, _ = sim.run_round(state, donate=True)
     jax.block_until_ready(state.server_state)
     t_first = time.time()
+    if sim.fuse > 1:  # compile the fused program before the clock starts
+        for state, _ in sim.rounds(state, state.round + sim.fuse, donate=True):
+            pass
+        jax.block_until_ready(state.server_state)
 
     sizes = federation.sizes
     times, examples, padding, step_waste = [], [], [], []
@@ -149,6 +153,8 @@ def measure_federated(
     jax.block_until_ready(state.server_state)
     if profiler is not None:
         profiler.disable()
+    if sim.fuse > 1:  # a block's rounds arrive together: each gets the block's mean
+        times = _block_means(times, sim.fuse)
     own = measure_own_limit(sim, state, settings.own_limit_blocks, min(settings.own_limit_rounds, steady_rounds(workload, settings)))
     state = own.pop("state")
     # Each device's busy time in the client phase of a few more rounds (probes, not timed above).
@@ -175,6 +181,7 @@ def measure_federated(
         "store": sim.store,
         "layout": sim.layout,
         "devices": len(jax.local_devices()),
+        "device_kind": jax.local_devices()[0].device_kind,
         "num_clients": workload.num_clients,
         "clients_per_round": workload.clients_per_round,
         "epochs": epochs,
@@ -184,6 +191,15 @@ def measure_federated(
     }
     if profiler is not None:
         out["profile"] = _profile_rows(profiler, profile_top, sum(times))
+    return out
+
+
+def _block_means(times: list[float], size: int) -> list[float]:
+    """``times`` with each consecutive block of ``size`` replaced by its mean."""
+    out = []
+    for i in range(0, len(times), size):
+        block = times[i : i + size]
+        out += [sum(block) / len(block)] * len(block)
     return out
 
 
@@ -202,6 +218,8 @@ def measure_own_limit(sim, state, blocks: int, rounds: int) -> dict[str, Any]:
     from fedbayes.bench.own_limit import first_device_state, plain_round, prepare_plain_round
 
     sim_s, plain_s = [], []
+    for state, _ in sim.rounds(state, state.round + rounds, donate=True):  # a block of this length compiled
+        pass
     server = first_device_state(sim, state.server_state)
     server = plain_round(sim, server, prepare_plain_round(sim, state, state.round))  # compiles
     for _ in range(blocks):
