@@ -146,6 +146,7 @@ class LimitWorkload:
     large_batch: bool
     per_core: bool
     description: str = ""
+    gpu: bool = False  # never: a limit is a CPU reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +281,7 @@ WORKLOADS: dict[str, Workload] = {
 # The GPU record: the vmap layout with the device-resident store, 10 and 100 clients a round of
 # 100, each against its own plain jitted loop on the device and against FedAvg at the same cohort;
 # the CNN and VBNN rounds of 10 and 100 clients. No limit_b32 (a per-core CPU reference).
-GPU_WORKLOADS = tuple(n for n, w in WORKLOADS.items() if getattr(w, "gpu", False)) + ("cnn", "vbnn")
+GPU_WORKLOADS = tuple(n for n, w in WORKLOADS.items() if w.gpu) + ("cnn", "vbnn")
 
 
 def baseline_of(name: str) -> str | None:
@@ -305,12 +306,12 @@ def resolve_names(names: Sequence[str] | None) -> list[str]:
         a wrong name is reported as such on a machine without the dataset too.
     """
     if not names:
-        return [n for n, w in WORKLOADS.items() if not getattr(w, "gpu", False)]
+        return [n for n, w in WORKLOADS.items() if not w.gpu]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise BenchError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     wanted = set(names) | {b for b in map(baseline_of, names) if b is not None}
-    if not all(is_relative(n) or getattr(WORKLOADS[n], "gpu", False) for n in names):
+    if not all(is_relative(n) or WORKLOADS[n].gpu for n in names):
         wanted.add(REFERENCE)
     return [n for n in WORKLOADS if n in wanted]
 
