@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedbayes import gaussian
 from fedbayes.data.batches import ClientData
