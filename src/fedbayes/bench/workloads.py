@@ -83,7 +83,7 @@ FULL = BenchSettings()
 QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128, idle_probes=2, own_limit_blocks=1)
 # The GPU record (``fedbayes bench gpu``, :data:`GPU_WORKLOADS`): one repeat, no paired processes
 # (each workload's own limit and its ratio to FedAvg come from its own process), kept short.
-GPU = BenchSettings(rounds=6, repeats=1, relative_reps=5, idle_probes=0, own_limit_blocks=2, own_limit_rounds=3, paired=False)
+GPU = BenchSettings(rounds=4, repeats=1, relative_reps=5, idle_probes=0, own_limit_blocks=2, own_limit_rounds=2, paired=False)
 
 
 @dataclasses.dataclass(frozen=True)
