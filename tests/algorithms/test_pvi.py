@@ -190,8 +190,12 @@ def test_one_client_with_damping_one_is_global_vi():
         total = 0.0
         for s in range(samples):
             ks = jax.random.fold_in(k, s)
-            keys = optax.tree.split_key_like(ks, mean)
-            theta = jax.tree.map(lambda kk, mu, ls: mu + jnp.exp(ls) * jax.random.normal(kk, mu.shape), keys, mean, log_std)
+            # One normal draw for every coordinate, sliced into the leaves in flatten order.
+            leaves, treedef = jax.tree.flatten(mean)
+            flat = jax.random.normal(ks, (sum(m.size for m in leaves),))
+            cuts = np.cumsum([m.size for m in leaves])[:-1]
+            eps = treedef.unflatten([e.reshape(m.shape) for e, m in zip(jnp.split(flat, cuts), leaves)])
+            theta = jax.tree.map(lambda mu, ls, e: mu + jnp.exp(ls) * e, mean, log_std, eps)
             total = total + trainer.loss_fn(theta, ks, x, y, m)
         kl = sum(_kl_by_hand(mu, jnp.exp(ls), delta) for mu, ls in zip(jax.tree.leaves(mean), jax.tree.leaves(log_std)))
         return total / samples + kl / n

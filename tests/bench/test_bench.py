@@ -31,8 +31,11 @@ TINY = fb.BenchSettings(
     cnn_per_client=16,
     cnn_batch=8,
     idle_probes=2,
+    own_limit_blocks=1,
+    own_limit_rounds=2,
 )
-THROUGHPUT = [n for n in fb.WORKLOADS if not fb.is_relative(n)]
+# Every throughput workload but the GPU record's, of which one runs here (its layout on the CPU).
+THROUGHPUT = [n for n, w in fb.WORKLOADS.items() if not fb.is_relative(n) and (not w.gpu or n == "gpu_fedavg_10")]
 REQUIRED = ("examples_per_s", "ratio_to_limit", "compile_s", "peak_rss_mb", "round_s")
 
 
@@ -45,8 +48,8 @@ def repeat():
     """One repeat of every registered throughput workload, measured in this process."""
     rep = {}
     for name, w in fb.WORKLOADS.items():
-        if isinstance(w, fb.RelativeWorkload):
-            continue  # measured once per bench, tested below
+        if name not in THROUGHPUT:
+            continue  # relative workloads are measured once per bench, tested below
         if isinstance(w, fb.LimitWorkload):
             rep[name] = fb.limit_entry([fb.measure_limit(w, TINY)])  # one share: processes are tested below
         else:
@@ -242,3 +245,24 @@ def test_ratio_summary_pairs_repetitions():
     assert (r["median"], r["min"], r["max"], r["meets"]) == (0.5, 0.5, 2.0, False)
     assert fb.relative.ratio_summary([3.0], [1.0], 2.0, "<=")["meets"] is False
     assert fb.relative.ratio_summary([3.0], [1.0], None, "<=")["meets"] is None
+
+
+def test_the_gpu_record_is_its_own_set_without_the_cpu_reference(repeat, monkeypatch):
+    gpu_only = {n for n in fb.GPU_WORKLOADS if fb.WORKLOADS[n].gpu}
+    assert gpu_only and not gpu_only & set(fb.resolve_names(None))  # the default set shares only cnn and vbnn
+    assert fb.REFERENCE not in fb.resolve_names(list(fb.GPU_WORKLOADS))
+    assert {"gpu_fedavg_100", "gpu_fedep_10", "gpu_pvi_100", "gpu_fedlap_cov_10", "cnn_100", "vbnn_100"} <= set(fb.GPU_WORKLOADS)
+    results = fb.summarize([{"gpu_fedavg_10": repeat["gpu_fedavg_10"]}])
+    entry = results["gpu_fedavg_10"]
+    assert "ratio_to_limit" not in entry and entry["layout"] == "vmap" and entry["store"] == "device" and entry["device_kind"]
+    assert fb.OWN_LIMIT_RATIO in entry and "gpu_fedavg_10" in fb.markdown(results)
+    seen = {}
+    monkeypatch.setattr(fb, "run_bench", lambda settings, names, log: seen.update(names=names, settings=settings) or results)
+    res = CliRunner().invoke(app, ["bench", "gpu", "--json"])
+    assert res.exit_code == 0, res.output
+    assert seen["names"] == list(fb.GPU_WORKLOADS) and seen["settings"] == fb.GPU and not seen["settings"].paired
+
+
+def test_fused_rounds_are_timed_per_block(repeat):
+    e = repeat["fedavg_100_fused"]
+    assert e["rounds"] == fb.steady_rounds(fb.WORKLOADS["fedavg_100_fused"], TINY) and e["round_s"] > 0

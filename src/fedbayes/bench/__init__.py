@@ -23,6 +23,13 @@ workload sets ``epochs``):
     round: interpreter, imports, data, partition, model, first compile and round (target for
     ``fedavg``: under 5 s), broken down in ``startup_parts``;
   - ``rejected``: client messages rejected in the timed rounds (0 for a healthy workload);
+  - ``ratio_to_own_limit``: the workload's round against its own limit, the same rounds' client
+    updates and server step as a plain jitted loop without the simulator
+    (:mod:`fedbayes.bench.own_limit`), in ``settings.own_limit_blocks`` pairs of interleaved
+    blocks of rounds after the timed ones: the plain loop's round time over the simulator's,
+    median over the pairs (of every repeat), ``_range`` their min and max; above 1 the simulator
+    is faster than its plain loop (it spreads the cohort over the devices and pipelines rounds);
+    ``own_limit_round_s`` the plain loop's median round time;
   - ``device_busy_s`` (per device, median over ``settings.idle_probes`` probe rounds after the
     timed ones) and ``device_idle`` (median; ``device_idle_max`` the largest): each device's time
     on its share of the client phase alone, and the share of the devices' time spent waiting for
@@ -59,6 +66,16 @@ the median over repeats (``*_range`` gives min and max of the throughput and the
 ``ratio_worst`` is the slowest repeat's ratio to the limit). ``peak_rss_mb`` is the peak resident set of the
 process that ran the workload (``ru_maxrss``), for ``limit_b32`` the largest of its processes.
 
+**The GPU record** (``fedbayes bench gpu``, settings :data:`GPU`, workloads :data:`GPU_WORKLOADS`):
+FedAvg, FedEP, PVI and FedLap-Cov with 10 and 100 of 100 clients a round in the vmap layout with
+the client states in device memory, each with ``ratio_to_own_limit`` (the same cohort as a plain
+jitted loop on the device) and ``ratio_to_fedavg``; the CNN FedAvg round against a plain jitted
+step loop and the VBNN round against it, at 10 and 100 clients. It needs no XLA host-device flags
+(on a GPU backend they only shape the unused CPU platform) and no ``limit_b32``.
+
+``fedavg_100_fused`` is ``fedavg_100`` with 10 rounds a compiled program (the simulator's
+``fuse``); its round time is the mean over each block of 10 rounds.
+
 The workloads are a registry keyed by name (:data:`WORKLOADS`); the algorithms that federated
 workloads run are built by :func:`build_algorithm` through :mod:`fedbayes.algorithms.registry`
 (every registered method, with its default settings). A new method adds its workloads to
@@ -79,7 +96,8 @@ No module imports JAX at top level: the parent process only starts workers and f
 results. Workers are ``python -m fedbayes.bench <spec-json>`` (:mod:`fedbayes.bench.__main__`).
 """
 
-from fedbayes.bench.measure import measure_federated, measure_limit, measure_paired, peak_rss_mb
+from fedbayes.bench.measure import measure_federated, measure_limit, measure_own_limit, measure_paired, peak_rss_mb
+from fedbayes.bench.own_limit import plain_round, prepare_plain_round
 from fedbayes.bench.protocol import (
     GO,
     READY,
@@ -95,6 +113,7 @@ from fedbayes.bench.relative import MEASURES as RELATIVE_MEASURES
 from fedbayes.bench.report import (
     BASELINE_RATIO,
     COLUMNS,
+    OWN_LIMIT_RATIO,
     PAIRED_RATIO,
     RELATIVE_COLUMNS,
     add_paired,
@@ -112,6 +131,8 @@ from fedbayes.bench.report import (
 from fedbayes.bench.run import paired_groups, run_bench
 from fedbayes.bench.workloads import (
     FULL,
+    GPU,
+    GPU_WORKLOADS,
     QUICK,
     REFERENCE,
     WORKLOADS,
@@ -140,7 +161,10 @@ __all__ = [
     "BASELINE_RATIO",
     "COLUMNS",
     "FULL",
+    "GPU",
+    "GPU_WORKLOADS",
     "GO",
+    "OWN_LIMIT_RATIO",
     "PAIRED_RATIO",
     "QUICK",
     "READY",
@@ -168,11 +192,14 @@ __all__ = [
     "markdown",
     "measure_federated",
     "measure_limit",
+    "measure_own_limit",
     "measure_paired",
     "model_and_trainer",
     "paired_groups",
     "paired_ratios",
     "peak_rss_mb",
+    "plain_round",
+    "prepare_plain_round",
     "relative_entry",
     "relative_rows",
     "resolve_names",

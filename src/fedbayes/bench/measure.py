@@ -125,6 +125,10 @@ def measure_federated(
     state, _ = sim.run_round(state, donate=True)
     jax.block_until_ready(state.server_state)
     t_first = time.time()
+    if sim.fuse > 1:  # compile the fused program before the clock starts
+        for state, _ in sim.rounds(state, state.round + sim.fuse, donate=True):
+            pass
+        jax.block_until_ready(state.server_state)
 
     sizes = federation.sizes
     times, examples, padding, step_waste = [], [], [], []
@@ -149,6 +153,10 @@ def measure_federated(
     jax.block_until_ready(state.server_state)
     if profiler is not None:
         profiler.disable()
+    if sim.fuse > 1:  # a block's rounds arrive together: each gets the block's mean
+        times = _block_means(times, sim.fuse)
+    own = measure_own_limit(sim, state, settings.own_limit_blocks, min(settings.own_limit_rounds, steady_rounds(workload, settings)))
+    state = own.pop("state")
     # Each device's busy time in the client phase of a few more rounds (probes, not timed above).
     busy = [device_busy_times(sim, state._replace(round=state.round + i)).tolist() for i in range(settings.idle_probes)]
     start = spawn_time if spawn_time is not None else t_enter
@@ -168,10 +176,12 @@ def measure_federated(
         },
         "peak_rss_mb": peak_rss_mb(),
         "device_busy_s": busy,
+        **own,
         "rejected": rejected,
         "store": sim.store,
         "layout": sim.layout,
         "devices": len(jax.local_devices()),
+        "device_kind": jax.local_devices()[0].device_kind,
         "num_clients": workload.num_clients,
         "clients_per_round": workload.clients_per_round,
         "epochs": epochs,
@@ -182,6 +192,51 @@ def measure_federated(
     if profiler is not None:
         out["profile"] = _profile_rows(profiler, profile_top, sum(times))
     return out
+
+
+def _block_means(times: list[float], size: int) -> list[float]:
+    """``times`` with each consecutive block of ``size`` replaced by its mean."""
+    out = []
+    for i in range(0, len(times), size):
+        block = times[i : i + size]
+        out += [sum(block) / len(block)] * len(block)
+    return out
+
+
+def measure_own_limit(sim, state, blocks: int, rounds: int) -> dict[str, Any]:
+    """The simulator's rounds against their own limit (:mod:`fedbayes.bench.own_limit`), interleaved
+    in ``blocks`` pairs of blocks of ``rounds`` rounds each: the simulator's rounds pipelined (as
+    run_experiment runs them), then the same round indices as plain rounds (each prepared on the
+    host before its clock starts), so that each pair saw the same machine state.
+
+    Returns:
+      ``own_limit_sim_s`` and ``own_limit_plain_s`` (seconds per round of each block, in pairs)
+      and ``state`` (the simulator's state after its rounds).
+    """
+    import jax
+
+    from fedbayes.bench.own_limit import first_device_state, plain_round, prepare_plain_round
+
+    sim_s, plain_s = [], []
+    for state, _ in sim.rounds(state, state.round + rounds, donate=True):  # a block of this length compiled
+        pass
+    server = first_device_state(sim, state.server_state)
+    server = plain_round(sim, server, prepare_plain_round(sim, state, state.round))  # compiles
+    for _ in range(blocks):
+        start = state.round
+        t0 = time.perf_counter()
+        for state, _ in sim.rounds(state, start + rounds, donate=True):
+            pass
+        jax.block_until_ready(state.server_state)
+        sim_s.append((time.perf_counter() - t0) / rounds)
+        spent = 0.0
+        for r in range(start, start + rounds):
+            inputs = prepare_plain_round(sim, state, r)
+            t0 = time.perf_counter()
+            server = plain_round(sim, server, inputs)
+            spent += time.perf_counter() - t0
+        plain_s.append(spent / rounds)
+    return {"own_limit_sim_s": sim_s, "own_limit_plain_s": plain_s, "state": state}
 
 
 @functools.lru_cache(maxsize=4)

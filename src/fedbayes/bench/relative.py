@@ -28,11 +28,14 @@ The images are random normal values of ``settings.image_shape`` (the cost does n
 values, and the workload then runs without any dataset): ``settings.cnn_clients`` clients of
 ``settings.cnn_per_client`` images, batch ``settings.cnn_batch``, one local epoch.
 
+``cnn_100`` and ``vbnn_100`` are ``cnn`` and ``vbnn`` with 100 clients a round (the GPU record).
+
 No JAX at top level (the parent process of ``fedbayes bench`` imports this module too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -267,4 +270,15 @@ def measure_vbnn(settings) -> dict[str, Any]:
     )
 
 
-MEASURES: dict[str, Callable[[Any], dict[str, Any]]] = {"curvature": measure_curvature, "cnn": measure_cnn, "vbnn": measure_vbnn}
+def _with_clients(measure: Callable[[Any], dict[str, Any]], clients: int) -> Callable[[Any], dict[str, Any]]:
+    """``measure`` with ``settings.cnn_clients = clients`` (the GPU record's 100-client rounds)."""
+    return lambda settings: measure(dataclasses.replace(settings, cnn_clients=clients))
+
+
+MEASURES: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "curvature": measure_curvature,
+    "cnn": measure_cnn,
+    "vbnn": measure_vbnn,
+    "cnn_100": _with_clients(measure_cnn, 100),
+    "vbnn_100": _with_clients(measure_vbnn, 100),
+}

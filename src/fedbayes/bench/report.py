@@ -21,6 +21,7 @@ from fedbayes.sim.hostdevices import num_cores
 
 BASELINE_RATIO = "ratio_to_fedavg"  # a workload's examples_per_s over its baseline's, same repeat
 PAIRED_RATIO = "paired_ratio_to_fedavg"  # the same, from rounds interleaved in one process
+OWN_LIMIT_RATIO = "ratio_to_own_limit"  # the plain loop's round time over the simulator's, paired blocks
 
 
 def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +48,24 @@ def federated_entry(raw: dict[str, Any]) -> dict[str, Any]:
         entry["device_idle"] = statistics.median(idle)
         entry["device_idle_max"] = max(idle)
         entry["device_busy_s"] = [statistics.median(col) for col in zip(*raw["device_busy_s"])]
-    for k in ("num_clients", "clients_per_round", "epochs", "algorithm", "partition", "layout", "store", "devices", "client_sizes", "rejected", "profile"):
+    if raw.get("own_limit_sim_s"):
+        entry[OWN_LIMIT_RATIO + "s"] = [p / t for t, p in zip(raw["own_limit_sim_s"], raw["own_limit_plain_s"])]
+        entry[OWN_LIMIT_RATIO] = statistics.median(entry[OWN_LIMIT_RATIO + "s"])
+        entry["own_limit_round_s"] = statistics.median(raw["own_limit_plain_s"])
+    for k in (
+        "num_clients",
+        "clients_per_round",
+        "epochs",
+        "algorithm",
+        "partition",
+        "layout",
+        "store",
+        "devices",
+        "device_kind",
+        "client_sizes",
+        "rejected",
+        "profile",
+    ):
         if k in raw:
             entry[k] = raw[k]
     return entry
@@ -85,22 +103,25 @@ def summarize(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
     """Combines per-repeat entries into one JSON-ready object keyed by workload.
 
     Each repeat maps workload name -> entry (from :func:`federated_entry` / :func:`limit_entry`)
-    and must hold :data:`REFERENCE`. ``ratio_to_limit`` is computed within each repeat, and so is
+    and must hold :data:`REFERENCE` if any does (the GPU record runs without it, and has no
+    ``ratio_to_limit``). ``ratio_to_limit`` is computed within each repeat, and so is
     ``ratio_to_fedavg`` (a workload's throughput over its ``baseline``'s, when both ran); then
     every numeric field is the median over repeats; with several repeats
     ``examples_per_s_range``, ``ratio_range`` and ``ratio_to_fedavg_range`` give [min, max].
     """
     if not repeats:
         raise BenchError("no measurements to summarize")
+    with_reference = any(REFERENCE in rep for rep in repeats)  # the GPU record has none
     for i, rep in enumerate(repeats):
-        if REFERENCE not in rep:
+        if with_reference and REFERENCE not in rep:
             raise BenchError(f"repeat {i} lacks {REFERENCE!r}, the denominator of ratio_to_limit")
     out: dict[str, dict[str, Any]] = {}
     for name in repeats[0]:
         entries = []
         for rep in repeats:
             e = dict(rep[name])
-            e["ratio_to_limit"] = e["examples_per_s"] / rep[REFERENCE]["examples_per_s"]
+            if with_reference:
+                e["ratio_to_limit"] = e["examples_per_s"] / rep[REFERENCE]["examples_per_s"]
             base = baseline_of(name)
             if base is not None and base in rep:
                 e[BASELINE_RATIO] = e["examples_per_s"] / rep[base]["examples_per_s"]
@@ -109,11 +130,17 @@ def summarize(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
         merged["repeats"] = len(entries)
         if len(entries) > 1:
             merged["examples_per_s_range"] = [min(e["examples_per_s"] for e in entries), max(e["examples_per_s"] for e in entries)]
-            merged["ratio_range"] = [min(e["ratio_to_limit"] for e in entries), max(e["ratio_to_limit"] for e in entries)]
-            merged["ratio_worst"] = merged["ratio_range"][0]  # the slowest repeat's
+            if with_reference:
+                merged["ratio_range"] = [min(e["ratio_to_limit"] for e in entries), max(e["ratio_to_limit"] for e in entries)]
+                merged["ratio_worst"] = merged["ratio_range"][0]  # the slowest repeat's
             if BASELINE_RATIO in merged:
                 got = [e[BASELINE_RATIO] for e in entries if BASELINE_RATIO in e]
                 merged[BASELINE_RATIO + "_range"] = [min(got), max(got)]
+        pairs = [r for e in entries for r in e.get(OWN_LIMIT_RATIO + "s", [])]
+        if pairs:  # every pair of blocks of every repeat
+            merged[OWN_LIMIT_RATIO + "s"] = pairs
+            merged[OWN_LIMIT_RATIO] = statistics.median(pairs)
+            merged[OWN_LIMIT_RATIO + "_range"] = [min(pairs), max(pairs)]
         w = WORKLOADS.get(name)
         if w is not None:
             merged["description"] = w.description
@@ -158,6 +185,7 @@ COLUMNS = (
     "workload",
     "examples/s",
     "ratio to limit",
+    "vs own limit",
     "vs FedAvg",
     "vs FedAvg, paired",
     "round (s)",
@@ -169,25 +197,27 @@ COLUMNS = (
 )
 
 
+def _ratio_cell(e: dict[str, Any], key: str) -> str:
+    """``median (min-max)`` of ratio ``key`` (the median alone without a range; empty when absent)."""
+    if key not in e:
+        return ""
+    cell = f"{e[key]:.2f}"
+    if key + "_range" in e:
+        lo, hi = e[key + "_range"]
+        cell += f" ({lo:.2f}-{hi:.2f})"
+    return cell
+
+
 def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
     """Table rows (strings) in :data:`COLUMNS` order."""
     out = []
     for name, e in results.items():
         if _is_relative_entry(e):
             continue
-        ratio = f"{e['ratio_to_limit']:.2f}"
+        ratio = f"{e['ratio_to_limit']:.2f}" if "ratio_to_limit" in e else ""
         if "ratio_range" in e and name != REFERENCE:
             ratio += f" ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})"  # the worst repeat first
-        vs = ""
-        if BASELINE_RATIO in e:
-            vs = f"{e[BASELINE_RATIO]:.2f}"
-            if BASELINE_RATIO + "_range" in e:
-                lo, hi = e[BASELINE_RATIO + "_range"]
-                vs += f" ({lo:.2f}-{hi:.2f})"
-        paired = ""
-        if PAIRED_RATIO in e:
-            lo, hi = e[PAIRED_RATIO + "_range"]
-            paired = f"{e[PAIRED_RATIO]:.2f} ({lo:.2f}-{hi:.2f})"
+        vs, own, paired = (_ratio_cell(e, key) for key in (BASELINE_RATIO, OWN_LIMIT_RATIO, PAIRED_RATIO))
         if "clients_per_round" in e:
             clients = f"{e['clients_per_round']} of {e['num_clients']}, {e['partition']}"
             if e.get("epochs", 1) != 1:
@@ -200,6 +230,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                 name,
                 f"{e['examples_per_s']:,.0f}",
                 ratio,
+                own,
                 vs,
                 paired,
                 f"{e['round_s']:.3f}",
@@ -267,12 +298,12 @@ def rich_table(results: dict[str, dict[str, Any]], title: str | None = None):
     return tables[0] if len(tables) == 1 else Group(*tables)
 
 
-def describe_run(settings: BenchSettings, quick: bool) -> str:
+def describe_run(settings: BenchSettings, quick: bool, suite: str | None = None) -> str:
     """One line: mode, cores, versions, date (jax's version read without importing it)."""
     from importlib.metadata import version
 
     return (
-        f"fedbayes bench{' --quick' if quick else ''}: {settings.dataset}, MLP {settings.hidden}, batch {settings.batch_size}, "
+        f"fedbayes bench{' ' + suite if suite else ''}{' --quick' if quick else ''}: {settings.dataset}, MLP {settings.hidden}, batch {settings.batch_size}, "
         f"{settings.epochs} local epoch unless a workload says otherwise; {num_cores()} cores; jax {version('jax')}; {time.strftime('%Y-%m-%d %H:%M')}; "
         f"{settings.repeats} repeat{'s' if settings.repeats > 1 else ''}"
     )

@@ -59,7 +59,7 @@ def run_bench(
     results = summarize(repeats) if repeats else {}
     # The posterior methods against FedAvg once more, rounds interleaved in one process: the same
     # ratio as ratio_to_fedavg without the process-to-process noise.
-    for base, group in paired_groups(names).items():
+    for base, group in paired_groups(names).items() if settings.paired else ():
         rounds = steady_rounds(WORKLOADS[base], settings) * settings.repeats
         t0 = time.perf_counter()
         add_paired(results, run_paired_process(group, settings, rounds), base)

@@ -43,6 +43,11 @@ class BenchSettings:
       relative_reps: paired repetitions of each relative workload (:mod:`fedbayes.bench.relative`).
       cnn_clients, cnn_per_client, cnn_batch: the ``cnn`` and ``vbnn`` workloads' federation
         (all clients in every round, one local epoch) and client batch size.
+      own_limit_blocks, own_limit_rounds: pairs of blocks, and rounds per block (at most the
+        workload's steady rounds), in which a federated workload's rounds are timed against the
+        same rounds as a plain jitted loop (:mod:`fedbayes.bench.own_limit`).
+      paired: run the paired process of each group of workloads that share a baseline
+        (``paired_ratio_to_fedavg``).
       idle_probes: rounds whose client phase is probed for each device's busy time
         (:func:`fedbayes.bench.measure.device_busy_times`) after a federated workload's
         timed rounds.
@@ -66,13 +71,19 @@ class BenchSettings:
     cnn_per_client: int = 640
     cnn_batch: int = 64
     idle_probes: int = 5
+    own_limit_blocks: int = 3
+    own_limit_rounds: int = 5
+    paired: bool = True
 
 
 FULL = BenchSettings()
 # A smoke check: every workload compiles and runs a few rounds, one repeat (7 min 10 s on the
 # 2 cores on 2026-11-24, a machine 2.2x slower than the one that took 94 s on 2026-11-22 with 7
 # fewer workloads; compiles are most of it).
-QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128, idle_probes=2)
+QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128, idle_probes=2, own_limit_blocks=1)
+# The GPU record (``fedbayes bench gpu``, :data:`GPU_WORKLOADS`): one repeat, no paired processes
+# (each workload's own limit and its ratio to FedAvg come from its own process), kept short.
+GPU = BenchSettings(rounds=4, repeats=1, relative_reps=5, idle_probes=0, own_limit_blocks=2, own_limit_rounds=2, paired=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +109,9 @@ class FederatedWorkload:
       store: where a stateful method's client states live (the simulator's ``store``:
         ``"memory"`` on the host, ``"device"`` in device memory).
       hparams: ``(name, value)`` pairs that override the method's registered defaults.
+      fuse: rounds per compiled program (the simulator's ``fuse``; 1: one program per round).
+      layout: the simulator's layout (``"auto"``: sequential on CPU, vmap elsewhere).
+      gpu: part of the GPU record (:data:`GPU_WORKLOADS`), not of the default set.
     """
 
     name: str
@@ -112,6 +126,9 @@ class FederatedWorkload:
     baseline: str | None = None
     store: str = "memory"
     hparams: tuple[tuple[str, Any], ...] = ()
+    fuse: int = 1
+    layout: str = "auto"
+    gpu: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +146,7 @@ class LimitWorkload:
     large_batch: bool
     per_core: bool
     description: str = ""
+    gpu: bool = False  # never: a limit is a CPU reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +159,12 @@ class RelativeWorkload:
       name: registry key, JSON key and the key of its measure in
         :data:`fedbayes.bench.relative.MEASURES`.
       description: one line, reported as the entry's ``description``.
+      gpu: part of the GPU record (:data:`GPU_WORKLOADS`), not of the default set.
     """
 
     name: str
     description: str = ""
+    gpu: bool = False
 
 
 Workload = FederatedWorkload | LimitWorkload | RelativeWorkload
@@ -156,6 +176,37 @@ def _against_fedavg_e3_100(name: str, algorithm: str, label: str, **fields) -> F
     return FederatedWorkload(
         name, algorithm, 100, 10, epochs=3, rounds_scale=2.0, baseline="fedavg_e3_100", description=f"{label}, 10 of 100 IID clients, 3 epochs", **fields
     )
+
+
+def _gpu_record() -> list[FederatedWorkload]:
+    """The GPU record's federated workloads: FedAvg, FedEP, PVI and FedLap-Cov with M of 100 IID
+    clients (M = 10, 100), 3 local epochs, vmap layout, states in device memory."""
+    methods = (
+        ("fedavg", "FedAvg", ()),
+        ("fedep", "FedEP (identity)", (("preset", "paper"),)),
+        ("pvi", "PVI (1 weight sample per step)", (("init_std", 0.1), ("init_mean", "model"))),
+        ("fedlap_cov", "FedLap-Cov (GGN pass included)", ()),
+    )
+    out = []
+    for m in (10, 100):
+        for algorithm, label, hparams in methods:
+            base = None if algorithm == "fedavg" else f"gpu_fedavg_{m}"
+            out.append(
+                FederatedWorkload(
+                    f"gpu_{algorithm}_{m}",
+                    algorithm,
+                    100,
+                    m,
+                    epochs=3,
+                    baseline=base,
+                    store="device",
+                    layout="vmap",
+                    hparams=hparams,
+                    gpu=True,
+                    description=f"{label}, {m} of 100 IID clients, 3 epochs, vmap layout, states in device memory",
+                )
+            )
+    return out
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -210,11 +261,27 @@ WORKLOADS: dict[str, Workload] = {
         _against_fedavg_e3_100("fedlap_100", "fedlap", "FedLap", store="device"),
         _against_fedavg_e3_100("fedlap_cov_100", "fedlap_cov", "FedLap-Cov (GGN pass included)", store="device"),
         _against_fedavg_e3_100("fedlap_func_100", "fedlap_func", "FedLap-Func (500 server steps)", store="device"),
+        FederatedWorkload(
+            "fedavg_100_fused",
+            "fedavg",
+            100,
+            10,
+            rounds_scale=5.0,
+            fuse=10,
+            description="FedAvg, 10 of 100 IID clients, 10 rounds a compiled program",
+        ),
+        *_gpu_record(),
         RelativeWorkload("curvature", description="diagonal Fisher, empirical Fisher and GGN against a training step (MLP, CNN)"),
         RelativeWorkload("cnn", description="CNN FedAvg round against a plain jitted step loop over the same examples"),
         RelativeWorkload("vbnn", description="VBNN (GAA) round against the CNN FedAvg round"),
+        RelativeWorkload("cnn_100", description="CNN FedAvg round of 100 clients against a plain jitted step loop over the same examples", gpu=True),
+        RelativeWorkload("vbnn_100", description="VBNN (GAA) round of 100 clients against the CNN FedAvg round", gpu=True),
     )
 }
+# The GPU record: the vmap layout with the device-resident store, 10 and 100 clients a round of
+# 100, each against its own plain jitted loop on the device and against FedAvg at the same cohort;
+# the CNN and VBNN rounds of 10 and 100 clients. No limit_b32 (a per-core CPU reference).
+GPU_WORKLOADS = tuple(n for n, w in WORKLOADS.items() if w.gpu) + ("cnn", "vbnn")
 
 
 def baseline_of(name: str) -> str | None:
@@ -230,20 +297,21 @@ def is_relative(name: str) -> bool:
 
 def resolve_names(names: Sequence[str] | None) -> list[str]:
     """The workloads to run, in registry order, with each named workload's ``baseline`` and,
-    unless only relative workloads are named (they carry their own reference), with
-    :data:`REFERENCE` (the denominator of ``ratio_to_limit``).
+    unless only relative or GPU workloads are named (they carry their own references), with
+    :data:`REFERENCE` (the denominator of ``ratio_to_limit``). No names: every workload but the
+    GPU record's.
 
     Raises:
       BenchError: a name is not in :data:`WORKLOADS`. Checks names only: no data is touched, so
         a wrong name is reported as such on a machine without the dataset too.
     """
     if not names:
-        return list(WORKLOADS)
+        return [n for n, w in WORKLOADS.items() if not w.gpu]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise BenchError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     wanted = set(names) | {b for b in map(baseline_of, names) if b is not None}
-    if not all(map(is_relative, names)):
+    if not all(is_relative(n) or WORKLOADS[n].gpu for n in names):
         wanted.add(REFERENCE)
     return [n for n in WORKLOADS if n in wanted]
 
@@ -368,5 +436,7 @@ def build_simulator(workload: FederatedWorkload, settings: BenchSettings, datase
         workload.algorithm, trainer, federation.sizes, workload.clients_per_round, apply_fn, dataset.task, feature_spec, workload.hparams
     )
     simulator_kwargs.setdefault("store", workload.store)
+    simulator_kwargs.setdefault("fuse", workload.fuse)
+    simulator_kwargs.setdefault("layout", workload.layout)
     sim = Simulator(algorithm, federation, clients_per_round=workload.clients_per_round, seed=settings.seed, **simulator_kwargs)
     return sim, sim.init(params)

@@ -43,7 +43,12 @@ def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to lo
 
 
 def bench(
-    suite: Annotated[Optional[str], typer.Argument(help="what to measure: nothing (round throughput) or 'posterior' (posterior quality against NUTS)")] = None,
+    suite: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="what to measure: nothing (round throughput), 'gpu' (the GPU record: vmap layout, device store, own limits) or 'posterior' (posterior quality against NUTS)"
+        ),
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="print one JSON object keyed by workload instead of the table")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (about 7 minutes on 2 cores)")] = False,
     workload: Annotated[Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable); limit_b32 always runs")] = None,
@@ -66,15 +71,19 @@ def bench(
     if suite == "posterior":
         _bench_posterior(out, quick, dataset, method, max_rounds, client, json_)
         return
-    if suite is not None:
-        fail(f"error: bench: unknown suite {suite!r}; allowed: posterior (or none for the throughput bench)")
+    if suite not in (None, "gpu"):
+        fail(f"error: bench: unknown suite {suite!r}; allowed: posterior, gpu (or none for the throughput bench)")
 
     from fedbayes import bench as fb
 
-    settings = fb.QUICK if quick else fb.FULL
+    settings = fb.QUICK if quick else fb.GPU if suite == "gpu" else fb.FULL
+    if suite == "gpu":
+        workload = workload or list(fb.GPU_WORKLOADS)
+        if quick:
+            settings = dataclasses.replace(settings, own_limit_blocks=1, paired=False)
     changes = {k: v for k, v in (("repeats", repeats), ("rounds", rounds), ("data_dir", data_dir and str(data_dir))) if v is not None}
     settings = dataclasses.replace(settings, **changes)
-    title = fb.describe_run(settings, quick)
+    title = fb.describe_run(settings, quick, suite)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
     log(title)
     try:

@@ -307,6 +307,11 @@ class RunConfig(_Strict):
         description="where client states live between rounds: memory (host), disk (large federations) or device (in device memory, no per-round transfers)",
     )
     store_dir: str | None = Field(None, description="folder of the disk client store; default <out>/client_store")
+    fuse_rounds: int = Field(
+        1,
+        ge=1,
+        description="at most this many rounds between evaluations and checkpoints run as one compiled program (stateless methods or store = device; bitwise the same results); 1 = one program per round",
+    )
     eval_batch_size: int = Field(2000, ge=1)
     ece_bins: int = Field(15, ge=1)
     data: DataConfig = DataConfig()

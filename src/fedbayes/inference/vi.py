@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedbayes import gaussian
 from fedbayes.data.batches import ClientData
@@ -42,6 +41,7 @@ __all__ = [
     "expected_loss",
     "local_reparameterisation",
     "reparameterised_vi",
+    "standard_normal_like",
     "std_of",
     "to_gaussian",
 ]
@@ -75,15 +75,26 @@ def to_gaussian(vp: VariationalParams, parameterisation: str) -> DiagGaussian:
     return gaussian.from_moments(vp.mean, jax.tree.map(jnp.square, std_of(vp, parameterisation)))
 
 
+def standard_normal_like(key: jax.Array, tree: PyTree) -> PyTree:
+    """``eps ~ N(0, I)`` with ``tree``'s structure, shapes and dtypes, materialised in one pass: one
+    ``normal(key, (total size,))`` in the leaves' widest dtype, sliced into the leaves in flatten
+    order. One generator call instead of one per leaf: XLA's CPU runtime runs each threefry call
+    as several dispatched loops, which made them most of PVI's step (docs/results/bench.md)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sizes = [math.prod(jnp.shape(x)) for x in leaves]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.result_type(*leaves))
+    out, start = [], 0
+    for x, size in zip(leaves, sizes):
+        out.append(flat[start : start + size].reshape(jnp.shape(x)).astype(jnp.result_type(x)))
+        start += size
+    return treedef.unflatten(out)
+
+
 def draw_weights(key: jax.Array, vp: VariationalParams, parameterisation: str) -> PyTree:
-    """One reparameterised draw ``theta = mean + std * eps``, ``eps ~ N(0, I)``; leaf ``i`` draws
-    from the ``i``-th key of ``optax.tree.split_key_like(key, mean)``."""
-    keys = optax.tree.split_key_like(key, vp.mean)
-
-    def leaf(k, m, r):
-        return m + _std(r, parameterisation) * jax.random.normal(k, jnp.shape(m), jnp.result_type(m))
-
-    return jax.tree.map(leaf, keys, vp.mean, vp.raw_std)
+    """One reparameterised draw ``theta = mean + std * eps``, ``eps ~ N(0, I)``, with ``eps`` from
+    :func:`standard_normal_like` ``(key, mean)``."""
+    eps = standard_normal_like(key, vp.mean)
+    return jax.tree.map(lambda m, r, e: m + _std(r, parameterisation) * e, vp.mean, vp.raw_std, eps)
 
 
 def expected_loss(loss_fn: Callable, *, samples: int, parameterisation: str, estimator: str = "weights") -> Callable:

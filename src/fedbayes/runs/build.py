@@ -449,6 +449,7 @@ def build_simulator(exp: Experiment) -> Simulator:
         store_dir=config.store_dir or exp.store_dir,
         aggregator=exp.aggregator,
         scenario=exp.scenario,
+        fuse=config.fuse_rounds,
     )
 
 

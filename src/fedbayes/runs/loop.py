@@ -13,7 +13,9 @@
   method's model, in the round) and for Bayesian methods ``posterior_var_change`` (the mean change
   of its log variances; :class:`fedbayes.runs.health.FixedPointCheck`), and four
   counters that are cumulative since round 0: ``seconds`` (training time: the wall time of the
-  rounds, evaluation excluded),
+  rounds up to the moment each round's outputs are ready, evaluation and checkpoints excluded;
+  no round is in flight while a round is evaluated or checkpointed, so none of its compute hides
+  in the excluded time),
   ``bytes_up``, ``bytes_down`` and ``rejected`` (messages refused);
 * ``clients.jsonl``: one line per sampled client and round (:class:`fedbayes.runs.loggers.ClientLog`);
 * ``model.npz``: the final server parameters (and posterior) by tree path (:mod:`fedbayes.runs.export`);
@@ -22,8 +24,9 @@
 * ``summary.json`` and ``curves.png`` at the end; ``summary.json``'s ``warnings`` lists the run's
   warnings (a posterior too wide for the data; a run that ended before its fixed point).
 
-Rounds run pipelined (the runner's ``rounds``: round ``r + 1``'s host work and launch overlap
-round ``r``; round ``r``'s evaluation queues behind round ``r + 1``); a :class:`RunRecorder`
+Rounds run pipelined (the runner's ``rounds``: round ``r + 1``'s host work overlaps round ``r``,
+and so does its launch unless round ``r`` is evaluated or checkpointed: then round ``r + 1`` is
+launched after the evaluation, so that the evaluation's time is its own); a :class:`RunRecorder`
 records, checks for divergence (:mod:`fedbayes.runs.health`), checkpoints and reports them
 strictly in round order. Results are bitwise those of one round at a time.
 
@@ -86,8 +89,8 @@ class RunRecorder:
     """Records one run's rounds strictly in order: metric records (``metrics.jsonl``), the
     divergence guard, checkpoints and progress.
 
-    Round ``r``'s evaluation is dispatched after round ``r + 1`` was launched, so it queues
-    behind it on the devices. It runs on the loop's thread: two threads dispatching multi-device
+    Round ``r``'s evaluation runs before round ``r + 1`` is launched (round ``r + 1``'s host work
+    is already done). It runs on the loop's thread: two threads dispatching multi-device
     programs can queue them in different orders on different devices, and their all-reduces then
     deadlock (seen: XLA:CPU aborted in a rendezvous).
     """
@@ -266,10 +269,23 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
     recorder.metrics.rewrite(records)
     client_log.restart(state.round, meta.get("extra", {}).get("clients") if ckpt is not None else None, warn)
     recorder.start(lambda: exp.evaluate(state.server_state, 0), counters, state.round)
+    def evaluates(r: int) -> bool:
+        return r % config.eval_every == 0 or r == config.rounds
+
+    def quiet(r: int) -> bool:
+        """Whether the state after round ``r`` is evaluated or checkpointed: the next round is then
+        launched only after that (``keep``), so nothing computes while it is done."""
+        return evaluates(r) or recorder.is_checkpoint_round(r)
+
     try:
-        t0 = time.perf_counter()
-        for state, info in runner.rounds(state, config.rounds, donate=True, keep=lambda r: recorder.is_checkpoint_round(r + 1)):
-            counters["seconds"] += time.perf_counter() - t0
+        # ``seconds`` counts wall time from each round's start to its outputs being ready; the time
+        # after a quiet round's results (evaluation, checkpoint, records) is excluded, and nothing
+        # runs on the devices then. After any other round the next one is already running, so the
+        # host's bookkeeping there overlaps training and counts.
+        clock = time.perf_counter()
+        for state, info in runner.rounds(state, config.rounds, donate=True, keep=lambda r: quiet(r + 1)):
+            ready = time.perf_counter()
+            counters["seconds"] += ready - clock
             counters["bytes_up"] += info.bytes_up
             counters["bytes_down"] += info.bytes_down
             counters["rejected"] += len(info.rejected)
@@ -278,9 +294,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
                 counters["late"] += len(info.late)
             client_log.write(info, state.round)
             r = state.round
-            evaluation = exp.evaluate(state.server_state, r) if (r % config.eval_every == 0 or r == config.rounds) else None
+            evaluation = exp.evaluate(state.server_state, r) if evaluates(r) else None
             recorder.settle(Pending(r, info, evaluation, dict(counters), health.non_finite(None, runner.server_params(state), train_loss(info))), state)
-            t0 = time.perf_counter()
+            clock = time.perf_counter() if quiet(r) else ready
     finally:
         reporter.stop()
     return recorder.finish(runner.algorithm, state.server_state)

@@ -152,6 +152,10 @@ class Simulator:
         (:class:`~fedbayes.sim.scenario.Scenario`); a failed or late client sends nothing and
         keeps its state, as a padding slot does; an attacker's message is replaced before the
         server step. Default: none of them.
+      fuse: at most this many rounds run in one compiled program in :meth:`rounds`
+        (:meth:`fused_program`) where nothing on the host depends on a round's result: a
+        stateless method or a device store, a pooled federation, between the rounds the caller
+        ``keep``s. Bitwise the same results; 1 (default): one program per round.
 
     Attributes:
       replicated, sharded: the shardings of the round's inputs over the devices, whole on every
@@ -175,8 +179,11 @@ class Simulator:
         store_dir: str | None = None,
         aggregator=None,
         scenario: Scenario = Scenario(),
+        fuse: int = 1,
     ):
         k = federation.num_clients
+        if not (isinstance(fuse, int) and fuse >= 1):
+            raise ValueError(f"fuse must be an integer >= 1 (rounds per compiled program); got {fuse!r}")
         if store not in STORES:
             raise ValueError(f"store must be one of {', '.join(STORES)}; got {store!r}")
         if store == "disk" and store_dir is None:
@@ -202,6 +209,7 @@ class Simulator:
         self.aggregator = aggregator
         scenario.check()
         self.scenario = scenario
+        self.fuse = fuse
         self.is_attacker = scenario.attacker_mask(k)
         devices = list(devices) if devices is not None else jax.local_devices()
         if layout == "auto":
@@ -223,6 +231,8 @@ class Simulator:
         self._device_round_fns = {
             donate: jax.jit(self.device_store_program, compiler_options=options, donate_argnums=(1,) if donate else ()) for donate in (False, True)
         }
+        # Several rounds in one program (:meth:`fused_program`), with and without the store donated.
+        self._fused_fns = {donate: jax.jit(self.fused_program, compiler_options=options, donate_argnums=(1,) if donate else ()) for donate in (False, True)}
         self._message_bytes: tuple[int, int] | None = None
 
     # ----- state -----------------------------------------------------------------------------
@@ -593,6 +603,9 @@ class Simulator:
         if state.round >= stop:
             return
         stateful = bool(jax.tree.leaves(state.client_states))
+        if self.fuse > 1 and not self.generated and (not stateful or self.store == "device"):
+            yield from self._fused_rounds(state, stop, donate, keep)
+            return
         launched = self.launch(state, self.prepare_round(state.round), donate=donate)
         while True:
             r = state.round
@@ -616,6 +629,103 @@ class Simulator:
         written = current.slots[current.slots >= 0]
         read = np.where(upcoming.slots >= 0, upcoming.slots, 0)  # a padding slot reads row 0
         return not np.intersect1d(written, read).size
+
+    # ----- rounds fused into one program --------------------------------------------------------
+    def _blocks(self, start: int, stop: int, keep: Callable[[int], bool]) -> Iterator[list[PreparedRound]]:
+        """Rounds ``start .. stop - 1`` prepared on the host and cut into blocks: at most
+        :attr:`fuse` rounds, one order-buffer shape (one compiled program per block length), a
+        block ending at every round the caller ``keep``s."""
+        block: list[PreparedRound] = []
+        for r in range(start, stop):
+            p = self.prepare_round(r)
+            if block and p.args.order.shape != block[0].args.order.shape:
+                yield block
+                block = []
+            block.append(p)
+            if len(block) == self.fuse or keep(r):
+                yield block
+                block = []
+        if block:
+            yield block
+
+    def _launch_block(self, state: SimState, block: list[PreparedRound], donate: bool):
+        """Starts ``block`` on ``state``: one round as :meth:`launch` does, several as one
+        :meth:`fused_program`; returns ``(final server state, final client states, a function
+        that waits for the block and returns its rounds as launched rounds)`` without waiting."""
+        if len(block) == 1:
+            launched = self.launch(state, block[0], donate=donate)
+            stateful_device = self.store == "device" and bool(jax.tree.leaves(state.client_states))
+            new_states = launched.outputs[1] if stateful_device else state.client_states
+            return launched.outputs[0], new_states, lambda: [launched]
+        if block[0].round != state.round:
+            raise ValueError(f"the prepared round is {block[0].round} but the state is at round {state.round}")
+        device_store = self.store == "device" and bool(jax.tree.leaves(state.client_states))
+
+        def stacked(field):
+            values = [getattr(p.args, field) for p in block]
+            return None if values[0] is None else jnp.stack(values)
+
+        fields = ("client_ids", "offsets", "num_examples", "weights")
+        per_slot = [stacked(f) for f in fields]
+        real = jnp.stack([p.real for p in block]) if device_store else None
+        rounds = jax.device_put(np.array([p.round for p in block], np.int32), self.replicated)
+        a = block[0].args
+        store = DeviceStore.place(state.client_states, self.replicated).held if device_store else ()
+        fn = self._fused_fns[bool(donate) and device_store]
+        servers, final, new_store, ok, infos, server_info = fn(
+            state.server_state, store, real, *per_slot, rounds, a.x, a.y, stacked("order"), stacked("attackers")
+        )
+        new_states = new_store if device_store else state.client_states
+
+        def rounds_of_block() -> list[LaunchedRound]:
+            host = jax.device_get((ok, infos, server_info))  # waits for the block
+            launched = []
+            for i, p in enumerate(block):
+                ok_i, infos_i, server_i = jax.tree.map(lambda v, i=i: v[i], host)
+                launched.append(LaunchedRound(p, (jax.tree.map(lambda v, i=i: v[i], servers), new_states, ok_i, infos_i, server_i)))
+            return launched
+
+        return final, new_states, rounds_of_block
+
+    def _fused_rounds(self, state: SimState, stop: int, donate: bool, keep: Callable[[int], bool]) -> Iterator[tuple[SimState, RoundInfo]]:
+        """:meth:`rounds` with :attr:`fuse` > 1: blocks of rounds (:meth:`_blocks`) each in one
+        program, the next block launched before the current one's rounds are yielded unless the
+        caller keeps its last round."""
+        blocks = self._blocks(state.round, stop, keep)
+        block = next(blocks)
+        final, new_states, launched = self._launch_block(state, block, donate)
+        while True:
+            upcoming = next(blocks, None)
+            early = None
+            if upcoming is not None and not keep(block[-1].round):
+                early = self._launch_block(SimState(block[-1].round + 1, final, new_states), upcoming, donate)
+            for one in launched():
+                state, info = self.complete(state, one, donate=donate)
+                yield state, info
+            if upcoming is None:
+                return
+            block = upcoming
+            final, new_states, launched = early if early is not None else self._launch_block(state, block, donate)
+
+    def fused_program(self, server_state, store, real, client_ids, offsets, num_examples, weights, rounds, x, y, order, attackers=None):
+        """Several rounds in one program: :meth:`round_program` (or, with a device store,
+        :meth:`device_store_program`) under ``lax.scan`` over the rounds' stacked inputs (a
+        leading axis of rounds on every per-round input; ``x`` and ``y`` shared). Returns every
+        round's server state (stacked), the last one, the store after the last round, and every
+        round's acceptance flags, clients' info and server's info (stacked)."""
+
+        def one_round(carry, inputs):
+            server, st = carry
+            real_r, cids, offs, n, w, r, o, att = inputs
+            if jax.tree.leaves(st):
+                server, st, ok, infos, server_info = self.device_store_program(server, st, real_r, cids, offs, n, w, r, x, y, o, att)
+            else:
+                server, _, ok, infos, server_info = self.round_program(server, st, cids, offs, n, w, r, x, y, o, att)
+            return (server, st), (server, ok, infos, server_info)
+
+        xs = (real, client_ids, offsets, num_examples, weights, rounds, order, attackers)
+        (final, store), (servers, ok, infos, server_info) = jax.lax.scan(one_round, (server_state, store), xs)
+        return servers, final, store, ok, infos, server_info
 
     # ----- the device-resident store -----------------------------------------------------------
     def device_store_program(self, server_state, store, real, client_ids, *rest):

@@ -1,0 +1,90 @@
+"""A method's client step against FedAvg's, paired in one process: the cost of its arithmetic.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/step_cost.py [WORKLOAD ...] [--reps N] [--json]
+
+Each workload (default ``fedavg_e3_100 pvi_100 pvi_local_100``; any federated key of
+``fedbayes.bench.WORKLOADS``; the first is the reference) is built as ``fedbayes bench`` builds it,
+in this one process with one XLA host device per core, and its round's own limit is timed
+(:mod:`fedbayes.bench.own_limit`: the cohort's ``client_update`` calls as a plain jitted loop, and
+its server step): round indices 1, 2, ... in turn for every workload, ``--reps`` passes
+interleaved. The workloads share the cohort and the number of local steps, so the ratio of round
+times is the ratio of step times (the server steps of these methods are a few element-wise
+operations). ``--per-leaf`` adds ``pvi_100`` with its weight noise drawn one generator call per
+leaf, as before 2026-11-27, as the row ``pvi_100_per_leaf``.
+
+Prints, per workload, the median round time and the median and range over the passes of its
+ratio to the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from fedbayes.sim import hostdevices
+
+hostdevices.configure(os.environ)
+
+
+def _per_leaf_draw(key, vp, parameterisation):
+    """The weight draw as it was before 2026-11-27: one generator call per leaf."""
+    import jax
+    import optax
+
+    from fedbayes.inference import vi
+
+    keys = optax.tree.split_key_like(key, vp.mean)
+    return jax.tree.map(lambda k, m, r: m + vi._std(r, parameterisation) * jax.random.normal(k, m.shape, m.dtype), keys, vp.mean, vp.raw_std)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", nargs="*", default=["fedavg_e3_100", "pvi_100", "pvi_local_100"])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--per-leaf", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from fedbayes import bench as fb
+    from fedbayes.bench.own_limit import first_device_state
+    from fedbayes.inference import vi
+
+    settings = fb.FULL
+    data = fb.load_data(settings)
+    original = vi.draw_weights
+    runs = {}
+    for name in args.workloads + (["pvi_100_per_leaf"] if args.per_leaf else []):
+        workload = fb.WORKLOADS[name.removesuffix("_per_leaf")]
+        if name.endswith("_per_leaf"):
+            vi.draw_weights = _per_leaf_draw  # read when the loss is traced, below
+        sim, state = fb.build_simulator(workload, settings, data)
+        server = fb.plain_round(sim, first_device_state(sim, state.server_state), fb.prepare_plain_round(sim, state, 0))  # compiles
+        vi.draw_weights = original
+        runs[name] = (sim, state, server)
+    times = {n: [] for n in runs}
+    for rep in range(args.reps):
+        for name, (sim, state, server) in runs.items():
+            inputs = fb.prepare_plain_round(sim, state, rep + 1)
+            t0 = time.perf_counter()
+            fb.plain_round(sim, server, inputs)
+            times[name].append(time.perf_counter() - t0)
+    ref = args.workloads[0]
+    out = {}
+    for name, ts in times.items():
+        ratios = [t / r for t, r in zip(ts, times[ref])]
+        out[name] = {"round_s": statistics.median(ts), "ratio": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{'workload':<20} {'round (s)':>10} {'vs ' + ref:>22}")
+    for name, e in out.items():
+        print(f"{name:<20} {e['round_s']:>10.3f} {e['ratio']:>8.2f} ({e['range'][0]:.2f}-{e['range'][1]:.2f})")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
