@@ -171,18 +171,21 @@ def _output_vectors(flavour, task, out, y, mask, key, num_samples):
             u = jnp.sqrt(p).T[:, :, None] * (eye[:, None, :] - p[None])
         return u * sqrt_m[None, :, None]
     if task == "multilabel":
-        # l = mean_c of the sigmoid cross-entropies over the C labels: gradient (p - y) / C,
-        # Hessian diag(p (1 - p)) / C; the model's labels are independent Bernoulli(p).
+        # l = mean_c of the C labels' sigmoid cross-entropies, a Bernoulli likelihood tempered by
+        # 1/C: Hessian in the logits diag(p (1 - p)) / C. Both Fishers take the output vectors
+        # (p - y) / sqrt(C) (y true or drawn from Bernoulli(p)), whose outer product has that
+        # Hessian as its mean, so all three flavours agree in expectation as for the untempered
+        # likelihoods.
         p = jax.nn.sigmoid(out)
-        num_labels = out.shape[-1]
+        root_c = jnp.sqrt(float(out.shape[-1]))
         if flavour == "empirical":
-            u = ((p - y.astype(out.dtype)) / num_labels)[None]
+            u = ((p - y.astype(out.dtype)) / root_c)[None]
         elif flavour == "fisher":
             draws = jax.random.bernoulli(key, p[None], (num_samples,) + out.shape).astype(out.dtype)
-            u = (p[None] - draws) / (num_labels * jnp.sqrt(float(num_samples)))
+            u = (p[None] - draws) / (root_c * jnp.sqrt(float(num_samples)))
         else:
-            eye = jnp.eye(num_labels, dtype=out.dtype)
-            u = jnp.sqrt(p * (1.0 - p) / num_labels).T[:, :, None] * eye[:, None, :]
+            eye = jnp.eye(out.shape[-1], dtype=out.dtype)
+            u = (jnp.sqrt(p * (1.0 - p)) / root_c).T[:, :, None] * eye[:, None, :]
         return u * sqrt_m[None, :, None]
     # squared error 0.5 (f - y)^2: gradient f - y, Hessian 1, model y~ = f + N(0, 1)
     if flavour == "empirical":

@@ -309,7 +309,10 @@ def build_algorithm_and_aggregator(
     gives the clients' example counts and ``spec`` the data's shape. ``model``: the parts already
     built by :func:`build_model` (built here when None)."""
     model = build_model(config, spec) if model is None else model
-    algorithm = registry.build(config.algorithm, build_context(config, spec, federation, model))
+    try:
+        algorithm = registry.build(config.algorithm, build_context(config, spec, federation, model))
+    except ValueError as exc:  # what the method cannot do with this model or task (a curvature the task lacks, ...)
+        raise ConfigError(f"config error: algorithm ({config.algorithm.name}, {spec.task} data, model {config.model.name}): {exc}") from None
     return algorithm, make_server_aggregator(config, algorithm)
 
 
