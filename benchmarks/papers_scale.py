@@ -9,7 +9,8 @@ are built from a config through the registry, as ``fedbayes run`` builds them: F
 (identity; stateless, the paper's choice for 342k clients) and stateful FedEP (identity) with its
 sites in the disk client store (``store = "disk"``). Per federation size: ``Simulator.init``
 (for FedEP: creating the store of every client's site), then the median of ``--rounds`` steady
-rounds (after the first, compiling, round; a round that compiles a new size class is left out).
+rounds (after the first, compiling, round; a round that compiles a new size class is left out) and
+the median time per example of the cohort (cohorts differ in size: the number to compare).
 
     .venv/bin/python benchmarks/papers_scale.py --rounds 20 [--json]
 """
@@ -64,16 +65,17 @@ def measure(method: str, num_clients: int, rounds: int, folder: Path) -> dict:
     sim = Simulator(algorithm, fed, clients_per_round=10, seed=0, store=store, store_dir=str(folder / f"{method}_{num_clients}") if store == "disk" else None)
     state = sim.init(model.params)
     init_s = time.perf_counter() - t0
-    times, compiles = [], 0
+    times, per_example, compiles = [], [], 0
     for _ in range(rounds + 1):
         cached = sim.num_compiled_rounds()
         t1 = time.perf_counter()
-        state, _ = sim.run_round(state, donate=True)
+        state, info = sim.run_round(state, donate=True)
         jax.block_until_ready(sim.server_params(state))
         if sim.num_compiled_rounds() > cached:
             compiles += 1
             continue
         times.append(time.perf_counter() - t1)
+        per_example.append(times[-1] / int(fed.sizes[info.cohort].sum()) * 1e6)
     disk = sum(p.stat().st_blocks * 512 for p in (folder / f"{method}_{num_clients}").rglob("*") if p.is_file()) if store == "disk" else 0
     return {
         "method": method,
@@ -82,6 +84,7 @@ def measure(method: str, num_clients: int, rounds: int, folder: Path) -> dict:
         "round_s": statistics.median(times),
         "round_s_min": min(times),
         "round_s_max": max(times),
+        "us_per_example": statistics.median(per_example),
         "steady_rounds": len(times),
         "disk_mb": disk / 2**20,
     }
@@ -107,7 +110,7 @@ def main(argv=None) -> None:
 def _line(res: dict) -> str:
     return (
         f"{res['method']:>13} K={res['num_clients']:>7}  init {res['init_s']:6.2f} s  round {1e3 * res['round_s']:7.1f} ms "
-        f"({1e3 * res['round_s_min']:.1f}-{1e3 * res['round_s_max']:.1f}, {res['steady_rounds']} rounds)  store on disk {res['disk_mb']:,.0f} MB"
+        f"({1e3 * res['round_s_min']:.1f}-{1e3 * res['round_s_max']:.1f}, {res['steady_rounds']} rounds)  {res['us_per_example']:.1f} us/example  store on disk {res['disk_mb']:,.0f} MB"
     )
 
 
