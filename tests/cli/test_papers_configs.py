@@ -123,3 +123,17 @@ def test_datasets_command_lists_the_benchmarks(tmp_path):
     assert res.exit_code == 0, res.output
     for name in ("emnist", "fed_cifar100", "cifar100", "cifar10", "stackoverflow_nwp", "stackoverflow_lr"):
         assert name in res.output
+
+
+@pytest.mark.slow
+def test_gpu_cost_script_writes_its_table(tmp_path):
+    """scripts/papers_gpu.py --tiny: every run's settings valid, one run timed, its row written."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.md"
+    script = PAPERS.parents[1] / "scripts" / "papers_gpu.py"
+    res = subprocess.run([sys.executable, str(script), "--tiny", "--only", "fedpa_stackoverflow_lr.fedavg_me", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| fedpa_stackoverflow_lr")]
+    assert len(rows) == 1 and "failed" not in rows[0] and "CPU" in rows[0]
