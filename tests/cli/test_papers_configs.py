@@ -133,7 +133,9 @@ def test_gpu_cost_script_writes_its_table(tmp_path):
 
     out = tmp_path / "gpu.md"
     script = PAPERS.parents[1] / "scripts" / "papers_gpu.py"
-    res = subprocess.run([sys.executable, str(script), "--tiny", "--only", "fedpa_stackoverflow_lr.fedavg_me", str(out)], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--only", "fedpa_stackoverflow_lr.fedavg_me", str(out)], capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("| fedpa_stackoverflow_lr")]
     assert len(rows) == 1 and "failed" not in rows[0] and "CPU" in rows[0]
