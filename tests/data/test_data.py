@@ -479,9 +479,15 @@ def test_registry_names_and_errors():
         "leaf",
         "synthetic_leaf",
         "least_squares",
+        "emnist",
+        "fed_cifar100",
+        "cifar100",
+        "cifar10",
+        "stackoverflow_nwp",
+        "stackoverflow_lr",
     }
     with pytest.raises(ValueError, match="must be one of.*breast_cancer"):
-        load_dataset("cifar10")
+        load_dataset("imagenet")
     with pytest.raises(ValueError, match="unknown parameter.*'alhpa'.*allowed"):
         load_dataset("synthetic_leaf", alhpa=1.0)
 

@@ -64,6 +64,7 @@ from fedbayes.algorithms.sites import GaussianMessage, gaussian_message_ok
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
+from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import data_curvature
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
@@ -280,6 +281,10 @@ class FedLapCovConfig(HParams):
 def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
     if ctx.apply_fn is None:
         raise ValueError("fedlap_cov: needs the model's apply_fn for the curvature")
+    if ctx.task not in CURVATURE_TASKS:
+        raise ValueError(
+            f"fedlap_cov: needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {ctx.task!r}"
+        )
     curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
     return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=hp.rho, init_precision=hp.init_precision)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fedbayes.cli.base import console, fail
 from fedbayes.config.schema import RunConfig
-from fedbayes.runs.loggers import PlainReporter, format_record
+from fedbayes.runs.loggers import PlainReporter, format_record, status_text
 
 __all__ = ["RichReporter", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
 
@@ -36,7 +36,7 @@ class RichReporter:
     def update(self, round_idx, total, record):
         status = None
         if record is not None:
-            status = f"acc {record['accuracy']:.4f}" if "accuracy" in record else f"mse {record['mse']:.5f}"
+            status = status_text(record)
         self.progress.update(self.task, completed=round_idx, **({"status": status} if status else {}))
 
     def stop(self):
@@ -109,7 +109,7 @@ class SweepRunReporter:
         if record is not None:
             self.last = record
         if self.task is not None:
-            status = "" if record is None else (f"acc {record['accuracy']:.4f}" if "accuracy" in record else f"mse {record.get('mse', float('nan')):.5f}")
+            status = "" if record is None else status_text(record)
             self.parent.progress.update(self.task, completed=round_idx, **({"status": status} if status else {}))
 
     def stop(self):

@@ -26,9 +26,13 @@ from fedbayes.algorithms import registry
 from fedbayes.errors import BadInputError
 from fedbayes.hparams import HParams
 
-DATASETS = ("fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares")
+DATASETS = (
+    "fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares",
+    "emnist", "fed_cifar100", "cifar100", "cifar10", "stackoverflow_nwp", "stackoverflow_lr",
+)  # fmt: skip
+NATURAL_DATASETS = ("leaf", "synthetic_leaf", "least_squares", "emnist", "fed_cifar100", "cifar100", "stackoverflow_nwp", "stackoverflow_lr")
 PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
-MODELS = ("logreg", "mlp", "cnn", "linear")
+MODELS = ("logreg", "mlp", "cnn", "linear", "emnist_cnn", "resnet18_gn", "lstm_nwp")
 VARIATIONAL_MODELS = ("mlp", "cnn")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 PREDICTIVES = ("sample", "linearised")  # fedbayes.evaluation.evaluators.PREDICTIVES (a test keeps them equal)
@@ -61,6 +65,15 @@ class DataConfig(_Strict):
     synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
     dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
     num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels): the declared number of classes; default from the labels")
+    # The federated benchmarks' datasets (fedbayes.data.tff, .stackoverflow, .cifar).
+    only_digits: bool = Field(False, description="emnist: TFF's digits-only files (10 classes) instead of the 62 classes")
+    vocab_size: int = Field(10_000, ge=1, description="stackoverflow_*: the most frequent words kept")
+    num_tags: int = Field(500, ge=1, description="stackoverflow_lr: the most frequent tags kept")
+    max_len: int = Field(20, ge=1, description="stackoverflow_nwp: words per sequence")
+    max_clients: int | None = Field(None, ge=1, description="stackoverflow_*: read only the first train users (all when unset)")
+    max_posts: int | None = Field(None, ge=1, description="stackoverflow_*: the first posts of each user (Al-Shedivat et al. 2021, NWP: 128); all when unset")
+    test_examples: int | None = Field(None, ge=1, description="stackoverflow_*: a random subsample of the test posts (Guo et al. 2023: 10000)")
+    test_clients: int = Field(100, ge=1, description="cifar100 (Python batches): test clients of the Pachinko split")
     validation_fraction: float = Field(
         0.0,
         ge=0,
@@ -77,6 +90,8 @@ class ModelConfig(_Strict):
     name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
     activation: Literal[ACTIVATIONS] = Field("relu", description="mlp hidden-layer nonlinearity (the FedLap authors' code uses sigmoid)")  # type: ignore[valid-type]
+    width: int | None = Field(None, ge=1, description="resnet18_gn: first-stage channels (64); lstm_nwp: LSTM units (670)")
+    embed_dim: int | None = Field(None, ge=1, description="lstm_nwp: embedding size (96)")
     # Ozer et al. 2022 (VBNN aggregation)'s VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
     variational: bool = False
 
@@ -361,8 +376,8 @@ class RunConfig(_Strict):
                 f"server.optimizer: {spec.name}'s server {spec.exact_server} and uses no server optimizer; "
                 f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
             )
-        if self.data.partition == "natural" and self.data.dataset not in ("leaf", "synthetic_leaf", "least_squares"):
-            raise ValueError(f"data.partition: 'natural' needs a dataset with client ids (leaf, synthetic_leaf, least_squares); got {self.data.dataset!r}")
+        if self.data.partition == "natural" and self.data.dataset not in NATURAL_DATASETS:
+            raise ValueError(f"data.partition: 'natural' needs a dataset with client ids ({', '.join(NATURAL_DATASETS)}); got {self.data.dataset!r}")
         return self
 
     @model_validator(mode="after")

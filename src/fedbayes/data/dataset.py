@@ -13,7 +13,9 @@ import numpy as np
 
 from fedbayes.errors import DataError
 
-TASKS = ("classification", "regression")
+TASKS = ("classification", "regression", "multilabel", "next_word")
+# Tasks whose targets are one row per example: multilabel 0/1 [N, L]; next_word token ids [N, T].
+ROW_TARGETS = ("multilabel", "next_word")
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -42,11 +44,15 @@ def check_dataset(ds: Dataset, source: str) -> None:
             bad = ~np.isfinite(y)
             if bad.any():
                 raise DataError(f"{where(int(np.argmax(bad)))}: non-finite target; {int(bad.sum())} such example(s)")
-        if ds.task == "classification":
-            bad = (y < 0) | (y >= ds.num_classes)
+        if ds.task in ("classification", "next_word"):
+            bad = ((y < 0) | (y >= ds.num_classes)).reshape(len(y), -1).any(axis=1)
             if bad.any():
                 i = int(np.argmax(bad))
-                raise DataError(f"{where(i)}: label {y[i]} is outside the {ds.num_classes} classes 0..{ds.num_classes - 1}")
+                raise DataError(f"{where(i)}: label {y[i].max() if y.ndim > 1 else y[i]} is outside the {ds.num_classes} classes 0..{ds.num_classes - 1}")
+        if ds.task == "multilabel":
+            bad = ~((y == 0) | (y == 1)).all(axis=1)
+            if bad.any():
+                raise DataError(f"{where(int(np.argmax(bad)))}: multi-label targets must be 0 or 1")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,11 +64,13 @@ class Dataset:
     Attributes:
       name: short name, e.g. ``"fashion_mnist"``.
       x_train: ``[N, *feature_shape]`` float32 features (int32 token ids for text).
-      y_train: ``[N]`` int32 labels (classification) or float32 targets (regression).
+      y_train: ``[N]`` int32 labels (classification) or float32 targets (regression);
+        ``[N, L]`` float32 0/1 (multilabel) or ``[N, T]`` int32 next tokens (next_word).
       x_test: ``[N_test, *feature_shape]``, same dtype as ``x_train``.
       y_test: ``[N_test]``, same dtype as ``y_train``.
-      num_classes: number of classes; 0 for regression.
-      task: ``"classification"`` or ``"regression"``.
+      num_classes: number of classes (labels L for multilabel; the extended vocabulary for
+        next_word); 0 for regression.
+      task: one of :data:`TASKS`.
       client_ids: optional ``[N]`` int64 natural partition of the train set.
       test_client_ids: optional ``[N_test]`` int64 natural partition of the test set.
     """
@@ -82,15 +90,15 @@ class Dataset:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.task == "regression" and self.num_classes != 0:
             raise ValueError(f"num_classes must be 0 for regression, got {self.num_classes}")
-        if self.task == "classification" and self.num_classes < 1:
+        if self.task != "regression" and self.num_classes < 1:
             raise ValueError(f"num_classes must be >= 1 for classification, got {self.num_classes}")
         for split, x, y, ids in (
             ("train", self.x_train, self.y_train, self.client_ids),
             ("test", self.x_test, self.y_test, self.test_client_ids),
         ):
-            if x.shape[0] != y.shape[0] or y.ndim != 1:
+            if x.shape[0] != y.shape[0] or y.ndim != (2 if self.task in ROW_TARGETS else 1):
                 raise ValueError(f"{self.name}: {split} features {x.shape} and targets {y.shape} do not align")
-            if ids is not None and ids.shape != y.shape:
+            if ids is not None and ids.shape != y.shape[:1]:
                 raise ValueError(f"{self.name}: {split} client ids {ids.shape} do not align with targets {y.shape}")
         if self.x_train.shape[1:] != self.x_test.shape[1:]:
             raise ValueError(f"{self.name}: train feature shape {self.x_train.shape[1:]} differs from test {self.x_test.shape[1:]}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedbayes.data import idx, leaf, sklearn_data, synthetic
+from fedbayes.data import cifar, idx, leaf, sklearn_data, stackoverflow, synthetic, tff
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
 from fedbayes.protocol import subsample_rng
 
@@ -81,6 +81,47 @@ def _load_least_squares(data_dir, seed, num_clients=10, dim=10, **kwargs):
     return synthetic.federated_least_squares(num_clients, dim, rng, **kwargs)
 
 
+def _files_folder(sub: str, files: tuple[str, ...], instructions: str):
+    """``(folder_of, locate)`` of a dataset kept as files in ``data_dir``, or by default in
+    ``$FEDBAYES_DATA/<sub>``."""
+
+    def folder_of(data_dir) -> Path:
+        if data_dir is not None:
+            return Path(data_dir)
+        env = os.environ.get(idx.ENV_VAR)
+        if not env:
+            raise DatasetNotFoundError(f"pass data_dir or set {idx.ENV_VAR} (its '{sub}' subfolder is used). {instructions}")
+        return Path(env) / sub
+
+    def locate(data_dir):
+        try:
+            folder = folder_of(data_dir)
+        except DatasetNotFoundError as err:
+            return False, str(err)
+        missing = [f for f in files if not (folder / f).exists()]
+        return (True, str(folder)) if not missing else (False, f"looked in {folder}: {', '.join(missing)} missing. {instructions}")
+
+    return folder_of, locate
+
+
+_TFF = "tff"
+_emnist_folder, _locate_emnist = _files_folder(_TFF, ("fed_emnist_train.h5", "fed_emnist_test.h5"), tff.TFF_INSTRUCTIONS)
+_fed_cifar_folder, _locate_fed_cifar = _files_folder(_TFF, ("fed_cifar100_train.h5", "fed_cifar100_test.h5"), tff.TFF_INSTRUCTIONS)
+_SO_FILES = ("stackoverflow_train.h5", "stackoverflow_test.h5", "stackoverflow.word_count")
+_so_folder, _locate_so_nwp = _files_folder(_TFF, _SO_FILES, tff.TFF_INSTRUCTIONS)
+_, _locate_so_lr = _files_folder(_TFF, (*_SO_FILES, "stackoverflow.tag_count"), tff.TFF_INSTRUCTIONS)
+_cifar10_folder, _locate_cifar10 = _files_folder("cifar", ("cifar-10-batches-py",), cifar.CIFAR_INSTRUCTIONS)
+_cifar100_folder, _locate_cifar100 = _files_folder("cifar", ("cifar-100-python",), cifar.CIFAR_INSTRUCTIONS)
+_SO_PARAMS = ("vocab_size", "max_clients", "max_posts", "test_examples")
+
+
+def _load_stackoverflow(task):
+    def load(data_dir, seed, **params):
+        return stackoverflow.load_stackoverflow(_so_folder(data_dir), task, seed=seed, **params)
+
+    return load
+
+
 DATASETS: dict[str, DatasetInfo] = {
     "fashion_mnist": DatasetInfo(
         name="fashion_mnist",
@@ -142,7 +183,57 @@ DATASETS: dict[str, DatasetInfo] = {
             "test_fraction",
         ),
     ),
+    "emnist": DatasetInfo(
+        name="emnist",
+        description="TFF's federated EMNIST: 28x28 characters by 3,400 writers, 62 classes (only_digits: 10); natural partition",
+        how_to_get=tff.TFF_INSTRUCTIONS,
+        loader=lambda data_dir, seed, only_digits=False: tff.load_fed_emnist(_emnist_folder(data_dir), only_digits),
+        locate=_locate_emnist,
+        params=("only_digits",),
+    ),
+    "fed_cifar100": DatasetInfo(
+        name="fed_cifar100",
+        description="TFF's federated CIFAR-100: 500 train / 100 test clients of 100 images by the Pachinko split; natural partition",
+        how_to_get=tff.TFF_INSTRUCTIONS,
+        loader=lambda data_dir, seed: tff.load_fed_cifar100(_fed_cifar_folder(data_dir)),
+        locate=_locate_fed_cifar,
+    ),
+    "cifar100": DatasetInfo(
+        name="cifar100",
+        description="CIFAR-100 Python batches, split over clients by the two-level Pachinko partition (500 / 100 clients); natural partition",
+        how_to_get=cifar.CIFAR_INSTRUCTIONS,
+        loader=lambda data_dir, seed, **params: cifar.load_cifar100(_cifar100_folder(data_dir), seed, **params),
+        locate=_locate_cifar100,
+        params=("num_clients", "test_clients"),
+    ),
+    "cifar10": DatasetInfo(
+        name="cifar10",
+        description="CIFAR-10 Python batches: 32x32 colour images, 10 classes, 50k/10k",
+        how_to_get=cifar.CIFAR_INSTRUCTIONS,
+        loader=lambda data_dir, seed: cifar.load_cifar10(_cifar10_folder(data_dir)),
+        locate=_locate_cifar10,
+    ),
+    "stackoverflow_nwp": DatasetInfo(
+        name="stackoverflow_nwp",
+        description="TFF's StackOverflow, next-word prediction: 10k words + 4 special tokens, sequences of 20; one client per user",
+        how_to_get=tff.TFF_INSTRUCTIONS,
+        loader=_load_stackoverflow("next_word"),
+        locate=_locate_so_nwp,
+        params=(*_SO_PARAMS, "max_len"),
+    ),
+    "stackoverflow_lr": DatasetInfo(
+        name="stackoverflow_lr",
+        description="TFF's StackOverflow, tag prediction: bag of 10k words -> 500 tags, multi-label; one client per user",
+        how_to_get=tff.TFF_INSTRUCTIONS,
+        loader=_load_stackoverflow("multilabel"),
+        locate=_locate_so_lr,
+        params=(*_SO_PARAMS, "num_tags"),
+    ),
 }
+# Datasets whose clients come with the data (data.partition = "natural").
+NATURAL = ("leaf", "synthetic_leaf", "least_squares", "emnist", "fed_cifar100", "cifar100", "stackoverflow_nwp", "stackoverflow_lr")
+# Datasets read from files in data_dir: a data error names the folder.
+FILE_BASED = ("leaf", "mnist", "fashion_mnist", "emnist", "fed_cifar100", "cifar100", "cifar10", "stackoverflow_nwp", "stackoverflow_lr")
 
 
 # FEDBAYES_NO_SYSTEM_DATA=1 hides the system-wide dataset folders (Debian's /usr/share/datasets),
@@ -180,7 +271,7 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int
     if unknown:
         raise ValueError(f"dataset {name!r} got unknown parameter(s) {unknown}; allowed: {sorted(info.params + ('fraction',))}")
     dataset = info.loader(data_dir, seed, **params)
-    check_dataset(dataset, str(data_dir) if data_dir is not None and name in ("leaf", "mnist", "fashion_mnist") else name)
+    check_dataset(dataset, str(data_dir) if data_dir is not None and name in FILE_BASED else name)
     if fraction is not None:
         dataset = dataset.subsample(fraction, subsample_rng(seed))
     return dataset

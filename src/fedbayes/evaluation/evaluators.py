@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedbayes.evaluation import metrics
+from fedbayes.evaluation import metrics, multilabel, next_word
 
 
 def make_evaluator(
@@ -24,7 +24,9 @@ def make_evaluator(
     Args:
       apply_fn: ``(params, x) -> logits`` (or predictions for regression).
       x, y: host arrays of the evaluation set.
-      task: ``"classification"`` (accuracy, nll, ece) or ``"regression"`` (mse, rmse).
+      task: ``"classification"`` (accuracy, nll, ece), ``"regression"`` (mse, rmse),
+        ``"multilabel"`` (:mod:`fedbayes.evaluation.multilabel`) or ``"next_word"``
+        (:mod:`fedbayes.evaluation.next_word`).
       batch_size: evaluation batch size.
       num_bins: ECE bins.
     """
@@ -42,6 +44,18 @@ def make_evaluator(
 
             stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), data)
             return metrics.finalize_stats(stats)
+
+    elif task in _SUMMED:
+        init, stats_of, finalize = _SUMMED[task]
+
+        @jax.jit
+        def run(params, data):
+            def body(acc, batch):
+                xs, ys, ms = batch
+                return jax.tree.map(jnp.add, acc, stats_of(apply_fn(params, xs), ys, ms)), None
+
+            stats, _ = jax.lax.scan(body, init(y), data)
+            return finalize(stats)
 
     else:
 
@@ -61,6 +75,13 @@ def make_evaluator(
 
     return evaluate
 
+
+# task -> (initial statistics from the labels, one batch's statistics, the metrics): summable
+# statistics accumulated over the padded batches as classification's.
+_SUMMED = {
+    "multilabel": (lambda y: multilabel.init_multilabel(y.shape[1]), multilabel.multilabel_stats, multilabel.finalize_multilabel),
+    "next_word": (lambda y: next_word.init_next_word(), next_word.next_word_stats, next_word.finalize_next_word),
+}
 
 PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
 SUBSETS = ("all", "last_layer")  # restrict_to_subset's choices
@@ -98,7 +119,7 @@ def _batches(x: np.ndarray, y: np.ndarray, batch_size: int):
     num_batches = -(-n // batch_size)
     pad = num_batches * batch_size - n
     xb = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]).reshape(num_batches, batch_size, *x.shape[1:])
-    yb = np.concatenate([y, np.zeros((pad,), y.dtype)]).reshape(num_batches, batch_size)
+    yb = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)]).reshape(num_batches, batch_size, *y.shape[1:])
     mb = (np.arange(num_batches * batch_size) < n).astype(np.float32).reshape(num_batches, batch_size)
     return jax.device_put((xb, yb, mb))
 

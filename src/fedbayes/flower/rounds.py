@@ -187,7 +187,9 @@ class FlowerRounds:
         self.run_key = run_key(exp.config)
         fed = exp.federation
         alg = self.algorithm
-        data = client_data_template(fed.x.shape[1:], fed.x.dtype, fed.y.dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size)
+        data = client_data_template(
+            fed.x.shape[1:], fed.x.dtype, fed.y.dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size, y_shape=fed.y.shape[1:]
+        )
         templates = protocol.message_templates(alg, exp.params, data)  # what the replies are decoded against
         self.message_spec, self.info_spec = templates.message, templates.info
         self._step = jax.jit(lambda s, m, w, k: protocol.server_step(k, self.algorithm, s, m, w, self.aggregator))

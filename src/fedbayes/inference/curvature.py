@@ -78,7 +78,7 @@ from fedbayes.models.layers import find_layers, layer_of
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, x [B, ...]) -> outputs [B, C] or [B]
-TASKS = ("classification", "regression")
+TASKS = ("classification", "regression", "multilabel")
 FLAVOURS = ("ggn", "fisher", "empirical")
 
 __all__ = [
@@ -170,6 +170,23 @@ def _output_vectors(flavour, task, out, y, mask, key, num_samples):
             # column c of A = diag(sqrt p) - p sqrt(p)^T: sqrt(p_c) (e_c - p)
             u = jnp.sqrt(p).T[:, :, None] * (eye[:, None, :] - p[None])
         return u * sqrt_m[None, :, None]
+    if task == "multilabel":
+        # l = mean_c of the C labels' sigmoid cross-entropies, a Bernoulli likelihood tempered by
+        # 1/C: Hessian in the logits diag(p (1 - p)) / C. Both Fishers take the output vectors
+        # (p - y) / sqrt(C) (y true or drawn from Bernoulli(p)), whose outer product has that
+        # Hessian as its mean, so all three flavours agree in expectation as for the untempered
+        # likelihoods.
+        p = jax.nn.sigmoid(out)
+        root_c = jnp.sqrt(float(out.shape[-1]))
+        if flavour == "empirical":
+            u = ((p - y.astype(out.dtype)) / root_c)[None]
+        elif flavour == "fisher":
+            draws = jax.random.bernoulli(key, p[None], (num_samples,) + out.shape).astype(out.dtype)
+            u = (p[None] - draws) / (root_c * jnp.sqrt(float(num_samples)))
+        else:
+            eye = jnp.eye(out.shape[-1], dtype=out.dtype)
+            u = (jnp.sqrt(p * (1.0 - p)) / root_c).T[:, :, None] * eye[:, None, :]
+        return u * sqrt_m[None, :, None]
     # squared error 0.5 (f - y)^2: gradient f - y, Hessian 1, model y~ = f + N(0, 1)
     if flavour == "empirical":
         u = (out - y.astype(out.dtype).reshape(out.shape))[None]
@@ -209,7 +226,7 @@ def batch_curvature(
     if flavour not in FLAVOURS:
         raise ValueError(f"curvature flavour must be one of {', '.join(FLAVOURS)}; got {flavour!r}")
     if task not in TASKS:
-        raise ValueError(f"task must be classification or regression; got {task!r}")
+        raise ValueError(f"curvature: task {task!r} has no curvature here (a likelihood over sequences); allowed: {', '.join(TASKS)}")
     if flavour == "fisher":
         if key is None:
             raise ValueError("diag_fisher needs a key for the sampled labels")

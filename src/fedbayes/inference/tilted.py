@@ -68,6 +68,7 @@ from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_norm
+from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import batch_diag_fisher, over_client_data
 from fedbayes.inference.iasg import epoch_samples
 from fedbayes.inference.sgd import LocalTrainer
@@ -198,7 +199,8 @@ def make_tilted_inference(
       trainer: the SG-MCMC step's loss, optimizer, epochs (= samples) and batch size.
       settings: :class:`TiltedSettings`.
       apply_fn: ``(params, x) -> logits``; needed by ``laplace`` and ``ngvi``.
-      task: ``"classification"`` or ``"regression"`` (how labels are sampled for the Fisher).
+      task: how labels are sampled for the Fisher (``laplace`` and ``ngvi`` need one of
+        :data:`fedbayes.inference.curvature.TASKS`; ``identity`` and ``mcmc`` take any task).
     """
     if method not in METHODS:
         raise ValueError(f"tilted inference method must be one of {', '.join(METHODS)}; got {method!r}")
@@ -207,8 +209,10 @@ def make_tilted_inference(
     if method == "mcmc" and trainer.num_epochs < 2:
         raise ValueError(f"the mcmc method estimates a variance from one sample per epoch: it needs >= 2 local epochs; got {trainer.num_epochs}")
     s = settings
-    if task not in ("classification", "regression"):
-        raise ValueError(f"task must be classification or regression; got {task!r}")
+    if method in ("laplace", "ngvi") and task not in CURVATURE_TASKS:
+        raise ValueError(
+            f"the {method} method needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {task!r}"
+        )
 
     def laplace_fisher(key, mu, data):
         # Sum over the T_L passes of the sampled-label Fisher (fedbayes.inference.curvature, one

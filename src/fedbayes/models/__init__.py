@@ -19,12 +19,16 @@ import optax
 from fedbayes.models.cnn import CNN
 from fedbayes.models.logreg import LinearRegression, LogisticRegression
 from fedbayes.models.mlp import ACTIVATIONS, MLP, activation_fn
+from fedbayes.models.papers import EmnistCNN, NextWordLSTM, ResNet18GN
 from fedbayes.models.variational import VariationalCNN, VariationalMLP
 
 __all__ = [
     "ACTIVATIONS",
     "CNN",
+    "EmnistCNN",
     "MLP",
+    "NextWordLSTM",
+    "ResNet18GN",
     "MODELS",
     "TASKS",
     "VARIATIONAL_MODELS",
@@ -37,8 +41,10 @@ __all__ = [
     "make_model",
 ]
 
-MODELS: tuple[str, ...] = ("logreg", "mlp", "cnn", "linear")
-TASKS: tuple[str, ...] = ("classification", "regression")
+MODELS: tuple[str, ...] = ("logreg", "mlp", "cnn", "linear", "emnist_cnn", "resnet18_gn", "lstm_nwp")
+TASKS: tuple[str, ...] = ("classification", "regression", "multilabel", "next_word")
+# The benchmarks' models (fedbayes.models.papers); make_model passes their keyword attributes on.
+_PAPER_MODELS = {"emnist_cnn": EmnistCNN, "resnet18_gn": ResNet18GN, "lstm_nwp": NextWordLSTM}
 VARIATIONAL_MODELS: tuple[str, ...] = ("mlp", "cnn")
 
 
@@ -48,7 +54,9 @@ def make_model(name: str, num_classes: int, *, variational: bool = False, **kwar
     Args:
         name: one of :data:`MODELS`: ``"logreg"`` (:class:`LogisticRegression`), ``"mlp"``
             (:class:`MLP`, accepts ``hidden=(200, 100)`` and ``activation="relu"``), ``"cnn"`` (:class:`CNN`, accepts
-            ``padding="SAME"``) or ``"linear"`` (:class:`LinearRegression`).
+            ``padding="SAME"``), ``"linear"`` (:class:`LinearRegression`), or the federated
+            benchmarks' ``"emnist_cnn"``, ``"resnet18_gn"`` (accepts ``width``) and
+            ``"lstm_nwp"`` (accepts ``embed_dim``, ``hidden``) of :mod:`fedbayes.models.papers`.
         num_classes: number of classes, at least 2. Ignored by ``"linear"``, whose output is one
             scalar per example.
         variational: the model of Ozer et al. 2022 (VBNN aggregation)'s VBNN, with every dense layer variational
@@ -72,6 +80,8 @@ def make_model(name: str, num_classes: int, *, variational: bool = False, **kwar
         raise ValueError(f"model {name!r} needs num_classes >= 2, got {num_classes}")
     if name == "logreg":
         return LogisticRegression(num_classes=num_classes, **kwargs)
+    if name in _PAPER_MODELS:
+        return _PAPER_MODELS[name](num_classes=num_classes, **kwargs)
     if name == "mlp":
         if "hidden" in kwargs:
             # Module attributes must be hashable; accept any sequence of widths.
@@ -130,7 +140,13 @@ def loss_fn(model: nn.Module, task: str) -> LossFn:
 
     where ``l_i = -log softmax(model(x_i))[y_i]`` for ``task="classification"`` (``y`` int
     labels ``[batch]``) and ``l_i = 0.5 (model(x_i) - y_i)^2`` for ``task="regression"`` (``y``
-    float32 ``[batch]``). Padded examples contribute exactly zero to the loss and its gradient
+    float32 ``[batch]``). For ``task="multilabel"`` (``y`` 0/1 ``[batch, L]``) ``l_i`` is the
+    sigmoid cross-entropy averaged over the ``L`` labels (Keras' ``BinaryCrossentropy``, as in
+    Reddi et al. 2021's tag prediction). For ``task="next_word"`` (``y`` int token ids
+    ``[batch, T]``, 0 = padding) the loss is the softmax cross-entropy averaged over the
+    batch's non-padding tokens (Keras' masked loss), ``sum_{i,t} mask_i v_it l_it / sum mask_i v_it``.
+    A model with a ``training_apply(params, key, x)`` method (dropout, random crops:
+    :mod:`fedbayes.models.papers`) trains through it with the step's key. Padded examples contribute exactly zero to the loss and its gradient
     (their labels may be anything, even out of range; their features must be finite). A batch
     that is all padding has loss 0.
 
@@ -147,9 +163,30 @@ def loss_fn(model: nn.Module, task: str) -> LossFn:
             return optax.softmax_cross_entropy_with_integer_labels(out, labels)
         return 0.5 * jnp.square(out - y)
 
+    training_apply = getattr(model, "training_apply", None)
+
+    def forward(params: Any, key: jax.Array, x: jax.Array) -> jax.Array:
+        return model.apply({"params": params}, x) if training_apply is None else training_apply(params, key, x)
+
+    if task == "multilabel":
+
+        def multilabel(params: Any, key: jax.Array, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+            per = jnp.mean(optax.sigmoid_binary_cross_entropy(forward(params, key, x), y), axis=-1)
+            return jnp.sum(jnp.where(mask > 0, per, 0.0) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+        return multilabel
+
+    if task == "next_word":
+
+        def next_word(params: Any, key: jax.Array, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+            weight = mask[:, None] * (y != 0).astype(mask.dtype)  # padding targets (id 0) carry no loss
+            per = optax.softmax_cross_entropy_with_integer_labels(forward(params, key, x), jnp.where(weight > 0, y, 0))
+            return jnp.sum(jnp.where(weight > 0, per, 0.0) * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+        return next_word
+
     def loss(params: Any, key: jax.Array, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
-        del key
-        out = model.apply({"params": params}, x)
+        out = forward(params, key, x)
         valid = mask > 0
         per = jnp.where(valid, per_example(out, y, valid), jnp.zeros((), out.dtype))
         return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -94,12 +94,29 @@ def load_data(config: RunConfig) -> Dataset:
         params["fraction"] = d.fraction
     if d.dataset == "leaf" and d.num_classes is not None:
         params["num_classes"] = d.num_classes
+    params.update(_benchmark_params(d))
     try:
         return load_dataset(d.dataset, data_dir=d.data_dir, seed=config.seed, **params)
     except (DatasetNotFoundError, DataError):
         raise
     except ValueError as exc:
         raise ConfigError(f"config error: data: {exc}") from None
+
+
+def _benchmark_params(d) -> dict[str, Any]:
+    """The federated benchmarks' own loader parameters (fedbayes.data.tff, .stackoverflow, .cifar)."""
+    if d.dataset == "emnist":
+        return {"only_digits": d.only_digits}
+    if d.dataset == "cifar100":
+        return {"num_clients": d.num_clients, "test_clients": d.test_clients}
+    if d.dataset.startswith("stackoverflow_"):
+        own = {"max_len": d.max_len} if d.dataset == "stackoverflow_nwp" else {"num_tags": d.num_tags}
+        return {"vocab_size": d.vocab_size, "max_clients": d.max_clients, "max_posts": d.max_posts, "test_examples": d.test_examples, **own}
+    return {}
+
+
+# A benchmark model and the task it is built for (fedbayes.models.papers).
+_MODEL_TASKS = {"emnist_cnn": "classification", "resnet18_gn": "classification", "lstm_nwp": "next_word"}
 
 
 def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
@@ -126,6 +143,17 @@ def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
 
 def check_model(config: RunConfig, dataset: Dataset) -> None:
     """Rejects model/data pairs that cannot work, naming the field (before any training)."""
+    name = config.model.name
+    if dataset.task == "next_word" and name != "lstm_nwp":
+        raise ConfigError(f"config error: model.name: {dataset.name!r} is next-word prediction (token sequences); allowed: lstm_nwp; got {name!r}")
+    if dataset.task == "multilabel" and name not in ("logreg", "mlp"):
+        raise ConfigError(f"config error: model.name: {dataset.name!r} is multi-label tag prediction on bag-of-words features; allowed: logreg, mlp; got {name!r}")
+    if name in _MODEL_TASKS and dataset.task != _MODEL_TASKS[name]:
+        raise ConfigError(f"config error: model.name: {name!r} is built for {_MODEL_TASKS[name]} data; {dataset.name!r} is a {dataset.task} task")
+    if name in ("emnist_cnn", "resnet18_gn") and len(dataset.feature_shape) not in (2, 3):
+        raise ConfigError(f"config error: model.name: {name!r} needs image data [H, W] or [H, W, C]; {dataset.name!r} has features of shape {dataset.feature_shape}")
+    if name == "lstm_nwp":
+        return
     if not np.issubdtype(dataset.x_train.dtype, np.floating):
         raise ConfigError(
             f"config error: data.dataset: {dataset.name!r} holds token ids (text, shape {dataset.feature_shape}); "
@@ -170,7 +198,7 @@ class DataSpec(NamedTuple):
     num_classes: int
     feature_shape: tuple[int, ...]  # one example's features, no batch axis
     x_dtype: Any
-    task: str  # "classification" or "regression"
+    task: str  # one of fedbayes.data.dataset.TASKS
 
     @classmethod
     def of(cls, dataset: Dataset) -> DataSpec:
@@ -222,7 +250,12 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
 
 def build_model(config: RunConfig, spec: DataSpec) -> ModelParts:
     """The model, its initial parameters and the local trainer from the config and the data's shape."""
-    kwargs = {"hidden": tuple(config.model.hidden), "activation": config.model.activation} if config.model.name == "mlp" else {}
+    m = config.model
+    kwargs = {"hidden": tuple(m.hidden), "activation": m.activation} if m.name == "mlp" else {}
+    if m.name == "resnet18_gn" and m.width is not None:
+        kwargs["width"] = m.width
+    if m.name == "lstm_nwp":
+        kwargs.update({k: v for k, v in (("hidden", m.width), ("embed_dim", m.embed_dim)) if v is not None})
     variational = config.model.variational
     model = make_model(config.model.name, spec.num_classes, variational=variational, **kwargs)
     limits.check_model(config, lambda: tree_lib.num_params(jax.eval_shape(lambda: init_params(model, protocol.params_key(config.seed), spec.feature_shape))))
@@ -279,7 +312,10 @@ def build_algorithm_and_aggregator(
     gives the clients' example counts and ``spec`` the data's shape. ``model``: the parts already
     built by :func:`build_model` (built here when None)."""
     model = build_model(config, spec) if model is None else model
-    algorithm = registry.build(config.algorithm, build_context(config, spec, federation, model))
+    try:
+        algorithm = registry.build(config.algorithm, build_context(config, spec, federation, model))
+    except ValueError as exc:  # what the method cannot do with this model or task (a curvature the task lacks, ...)
+        raise ConfigError(f"config error: algorithm ({config.algorithm.name}, {spec.task} data, model {config.model.name}): {exc}") from None
     return algorithm, make_server_aggregator(config, algorithm)
 
 

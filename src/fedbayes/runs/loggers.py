@@ -50,12 +50,25 @@ class Reporter(Protocol):
 
 def format_record(r: dict, total: int) -> str:
     """One evaluation as a progress line: ``round R/T  acc ... nll ... ece ...%  S s``."""
-    if "accuracy" in r:
+    if "nll" in r:
         body = f"acc {r['accuracy']:.4f}  nll {r['nll']:.4f}  ece {100 * r['ece']:.2f}%"
+    elif "micro_f1" in r:  # multi-label tag prediction
+        body = f"precision {r['precision']:.4f}  recall@5 {r['recall_at_5']:.4f}  micro-F1 {r['micro_f1']:.4f}  macro-F1 {r['macro_f1']:.4f}"
+    elif "accuracy" in r:  # next-word prediction
+        body = f"acc {r['accuracy']:.4f}  loss {r['loss']:.4f}"
     else:
         body = f"mse {r['mse']:.5f}"
     rej = f"  rejected {r['rejected']}" if r.get("rejected") else ""
     return f"round {r['round']:>4}/{total}  {body}  {r['seconds']:.1f}s{rej}"
+
+
+def status_text(record: dict) -> str:
+    """The short status of a progress bar: accuracy, micro-F1 (multi-label) or MSE."""
+    if "accuracy" in record:
+        return f"acc {record['accuracy']:.4f}"
+    if "micro_f1" in record:
+        return f"micro-F1 {record['micro_f1']:.4f}"
+    return f"mse {record.get('mse', float('nan')):.5f}"
 
 
 class PlainReporter:

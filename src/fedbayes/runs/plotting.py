@@ -13,6 +13,8 @@ _PANELS = {
         ("ece", "test ECE (%)", 100.0, "ece_marg"),
     ),
     "regression": (("mse", "test MSE", 1.0, None), ("rmse", "test RMSE", 1.0, None)),
+    "multilabel": (("micro_f1", "test micro-F1", 1.0, None), ("recall_at_5", "test recall@5", 1.0, None), ("loss", "test loss", 1.0, None)),
+    "next_word": (("accuracy", "test accuracy (no pad/oov/bos/eos)", 1.0, None), ("loss", "test loss", 1.0, None)),
 }
 _STYLES = ("-", "--", "-.", ":")
 

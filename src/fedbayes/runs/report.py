@@ -141,6 +141,10 @@ def _epsilon(name, s, recs):
     return "inf" if v is None or v == float("inf") else f"{v:.2f}"
 
 
+# (header, metric, keep) of a multi-label run (fedbayes.evaluation.multilabel)
+_MULTILABEL_COLUMNS = (("precision", "precision", 0), ("recall", "recall", 2), ("recall@5", "recall_at_5", 0), ("micro-F1", "micro_f1", 0), ("macro-F1", "macro_f1", 0), ("loss", "loss", 3))
+
+
 def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
     """The columns for these summaries: classification or regression; "marg." only when present."""
     cols = [
@@ -153,7 +157,9 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
         cols.append(Column("seeds", seeds_value, keep=8))
     # Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (mean and max over rounds R-2..R), when some summary has a curve
     curves_known = any("curve" in s or "final_mean_3" in s for s in summaries.values())
-    if summaries and all(is_regression(s) for s in summaries.values()):
+    if summaries and all("micro_f1" in s.get("final", {}) for s in summaries.values()):  # multi-label tag prediction
+        cols += [Column(label, _final(key), keep=k) for label, key, k in _MULTILABEL_COLUMNS]
+    elif summaries and all(is_regression(s) for s in summaries.values()):
         cols += [
             Column("MSE", _final("mse", digits=5)),
             Column("RMSE", _final("rmse", digits=5), keep=3),

@@ -109,19 +109,20 @@ def lpt_assign(costs: np.ndarray, num_devices: int) -> list[list[int]]:
     return groups
 
 
-def client_data_template(feature_shape, x_dtype, y_dtype, *, epochs: int, batch_size: int):
+def client_data_template(feature_shape, x_dtype, y_dtype, *, epochs: int, batch_size: int, y_shape: tuple[int, ...] = ()):
     """Shapes of the :class:`~fedbayes.data.batches.ClientData` of a client holding one batch of
     examples, laid out alone (:func:`~fedbayes.data.batches.layout_orders`: ``epochs`` shuffles
     of its examples, then one batch of slack, in a buffer of the next size class).
 
     A client's message and info have the model's shapes, not the data's, so any client's data
-    gives the same templates; this is the smallest that takes full steps.
+    gives the same templates; this is the smallest that takes full steps. ``y_shape``: one
+    example's target shape (``()`` for labels; a row for multi-label and next-word targets).
     """
     n = batch_size
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return ClientData(
         x=jax.ShapeDtypeStruct((n, *feature_shape), x_dtype),
-        y=jax.ShapeDtypeStruct((n,), y_dtype),
+        y=jax.ShapeDtypeStruct((n, *y_shape), y_dtype),
         order=jax.ShapeDtypeStruct((size_class(epochs * n + batch_size),), jnp.int32),
         offset=scalar,
         num_examples=scalar,
@@ -398,7 +399,8 @@ class Simulator:
             else:
                 feature_shape, x_dtype, y_dtype = self.x.shape[1:], self.x.dtype, self.y.dtype
             alg = self.algorithm
-            data = client_data_template(feature_shape, x_dtype, y_dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size)
+            y_shape = () if self.generated else self.y.shape[1:]
+            data = client_data_template(feature_shape, x_dtype, y_dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size, y_shape=y_shape)
             t = protocol.message_templates(alg, None, data, server_state=state.server_state, client_state=as_store(state.client_states).row_spec())
             self._message_bytes = (tree.tree_bytes(t.broadcast), tree.tree_bytes(t.message))
         return self._message_bytes
