@@ -479,6 +479,7 @@ def test_registry_names_and_errors():
         "leaf",
         "synthetic_leaf",
         "least_squares",
+        "files",
     }
     with pytest.raises(ValueError, match="must be one of.*breast_cancer"):
         load_dataset("cifar10")

@@ -65,7 +65,10 @@ def run_one(
 
     ctx.folder = out
     try:
-        return loop.run_experiment(config, out, resume=resume, reporter=reporter or progress.reporter(out, logs, config, stderr), accept_changes=accept_changes)
+        # overwrite: the command has checked the folder already (check_out, or a comparison's own rule)
+        return loop.run_experiment(
+            config, out, resume=resume, overwrite=True, reporter=reporter or progress.reporter(out, logs, config, stderr), accept_changes=accept_changes
+        )
     except Diverged as exc:
         if not diverged_ok:
             raise  # one line and exit 3 (the top-level handler)

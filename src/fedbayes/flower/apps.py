@@ -131,7 +131,7 @@ def run_server(grid, run_config) -> dict:
     config = load_config(str(run_config["config"]))
     transport = GridTransport(grid, settings.poll_interval)
     return run_experiment(
-        config, str(run_config["out"]), resume=bool(run_config.get("resume", False)), rounds=lambda exp: FlowerRounds(exp, transport, settings)
+        config, str(run_config["out"]), resume=bool(run_config.get("resume", False)), overwrite=True, rounds=lambda exp: FlowerRounds(exp, transport, settings)
     )
 
 
