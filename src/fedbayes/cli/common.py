@@ -85,11 +85,13 @@ def records(out: Path) -> list[dict]:
     return run_folder.read_metrics(out / run_folder.METRICS)
 
 
-def print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dict[str, list[dict]] | None = None, title: str | None = None) -> None:
+def print_table(
+    summaries: dict[str, dict], threshold: float = 0.8, curves: dict[str, list[dict]] | None = None, title: str | None = None, full: str = "--json"
+) -> None:
     """Prints the table to fit the terminal (:mod:`fedbayes.runs.report`).
 
     "rounds to" is the first evaluated round whose accuracy reaches ``threshold`` (as in
     "Federated Learning via Posterior Averaging", Al-Shedivat et al. 2021, Table 3). The "marg."
     columns are the marginalised predictions of the Bayesian methods, shown only when one has them.
     """
-    print(report.render(summaries, threshold=threshold, curves=curves, title=title), end="", flush=True)
+    print(report.render(summaries, threshold=threshold, curves=curves, title=title, full=full), end="", flush=True)

@@ -34,17 +34,17 @@ def _seeds_option(text: str) -> list[int]:
     return _or_fail(lambda: parse_seeds(text))
 
 
-def _print_reference(summaries, curves, reference) -> None:
+def _print_reference(summaries, curves, reference, full: str) -> None:
     if reference is None:
         return
     cols, rows = report.reference_table(summaries, curves, reference)
-    print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}"), end="", flush=True)
+    print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}", full=full), end="", flush=True)
 
 
 @handled
 def compare(
     ctx: CommandContext,
-    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML (\\[base] + \\[variants.NAME]) or several run TOMLs")],
+    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML ([base] + [variants.NAME]) or several run TOMLs")],
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
     threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
@@ -57,7 +57,7 @@ def compare(
         bool,
         typer.Option(
             "--shift",
-            help="then evaluate every run under dataset shift (rotation, noise, blur, contrast; a \\[shift] table's kinds = [...] picks some): OUT/shift.md, shift.json, shift.png",
+            help="then evaluate every run under dataset shift (rotation, noise, blur, contrast; a [shift] table's kinds = [...] picks some): OUT/shift.md, shift.json, shift.png",
         ),
     ] = False,
 ):
@@ -138,8 +138,8 @@ def _run_comparison(
     if json_out:
         print(dumps_record(result.body), flush=True)
     else:
-        print_table(result.summaries, threshold, result.curves, title=result.title)
-        _print_reference(result.summaries, result.curves, reference)
+        print_table(result.summaries, threshold, result.curves, title=result.title, full=f"{result.markdown} and --json")
+        _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False)
     if result.shift is not None:
         say(f"shift table: {result.shift.markdown}  {result.shift.json}  plot: {result.shift.plot}")
@@ -151,24 +151,24 @@ def _run_comparison(
 
 SWEEP_HELP = r"""Run a grid of settings, several seeds each; tables of every cell and of the best cell per method.
 
-CONFIG is a run TOML or a comparison TOML (\[base] + \[variants.NAME]); the grid applies to every
+CONFIG is a run TOML or a comparison TOML ([base] + [variants.NAME]); the grid applies to every
 variant. Every combination of --grid values is a cell; every (variant, cell, seed) is its own run
-folder OUT/VARIANT/CELL/seed_S/.
+folder OUT/VARIANT/CELL/seed_S/. For example: `fedbayes sweep CONFIG --grid algorithm.delta=0.1,1,10
+--grid client.epochs=1,2,5 --seeds 3`.
 
-  fedbayes sweep CONFIG --grid algorithm.delta=0.1,1,10 --grid client.epochs=1,2,5 --seeds 3
+--grid KEY=V1,V2,...: any config key (`fedbayes config` lists them); values read as TOML (strings
+may be bare; brackets keep commas: model.hidden=[100],[200,100]); VARIANT.KEY=... sweeps a key in
+one variant only (e.g. feddyn.algorithm.alpha=...). A key that is not a setting of some variant it
+applies to is an error.
 
---grid KEY=V1,V2,...   any config key (`fedbayes config` lists them); values read as TOML
-                       (strings may be bare; brackets keep commas: model.hidden=[100],[200,100]);
-                       VARIANT.KEY=... sweeps a key in one variant only (e.g. feddyn.algorithm.alpha=...).
-                       A key that is not a setting of some variant it applies to is an error.
---seeds N | S1,S2,...  N seeds (0..N-1) or these seeds; default the comparison file's `seeds`,
-                       else each config's own seed. Cells are compared on their mean over seeds.
---select-on validation (default) chooses each method's best cell on a validation split held out
-                       from every client's training data (data.validation_fraction; when the
-                       config holds out nothing, --validation-fraction, default 0.1); the test
-                       metrics are reported beside it. The split is taken per client after
-                       partitioning, seeded, so the federation is the one a run without it gets.
---select-on test       chooses on the test set, as the papers do; the output says so.
+--seeds N | S1,S2,...: N seeds (0..N-1) or these seeds; default the comparison file's `seeds`,
+else each config's own seed. Cells are compared on their mean over seeds.
+
+--select-on validation (the default) chooses each method's best cell on a validation split held
+out from every client's training data (data.validation_fraction; when the config holds out
+nothing, --validation-fraction, default 0.1); the test metrics are reported beside it. The split
+is taken per client after partitioning, seeded, so the federation is the one a run without it
+gets. --select-on test chooses on the test set, as the papers do; the output says so.
 
 A cell's score: its mean accuracy over rounds R-2..R (Swaroop et al. 2025, Table 1), averaged
 over seeds (regression: the lowest MSE); a cell with a diverged seed is never chosen. The tables
@@ -185,7 +185,7 @@ value the key does not allow, an empty grid) is one line naming it, exit code 2,
 @handled
 def sweep(
     ctx: CommandContext,
-    config: Annotated[Path, typer.Argument(help="a run TOML or a comparison TOML (\\[base] + \\[variants.NAME])")],
+    config: Annotated[Path, typer.Argument(help="a run TOML or a comparison TOML ([base] + [variants.NAME])")],
     grid: Annotated[Optional[list[str]], typer.Option("--grid", help="KEY=V1,V2,... (repeatable; VARIANT.KEY=... for one variant)")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="N (seeds 0..N-1) or S1,S2,...; default the file's `seeds`, else the config's seed")] = None,
     select_on: Annotated[
@@ -265,5 +265,5 @@ def _sweep(ctx: CommandContext, runs: dict[str, RunConfig], spec: dict, out: Pat
         for display in shown:
             display.close()
     ctx.resume_target = None
-    print(result.tables.render(), end="", flush=True)
+    print(result.tables.render(full=str(result.markdown)), end="", flush=True)
     console.print(f"tables: {result.markdown}  {result.json}", highlight=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +13,7 @@ import typer
 from rich.table import Table
 
 from fedbayes.cli.base import console, fail
+from fedbayes.runs.report import terminal_width
 
 __all__ = ["bench", "config_reference", "datasets"]
 
@@ -76,7 +78,7 @@ def bench(
     settings = dataclasses.replace(settings, **changes)
     title = fb.describe_run(settings, quick)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
-    log(title)
+    log(textwrap.fill(title, terminal_width(), break_long_words=False, break_on_hyphens=False))
     try:
         results = fb.run_bench(settings, workload, log=log)
     except fb.BenchError as exc:
@@ -84,7 +86,7 @@ def bench(
     if json_:
         print(json.dumps(results))
     else:
-        console.print(fb.rich_table(results, title=title))
+        print(fb.text_tables(results, title=title), end="", flush=True)
 
 
 def _bench_posterior(

@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from fedbayes.errors import BadInputError, FedbayesError
+from fedbayes.flower import INSTALL
 from fedbayes.runs import folder as run_folder
 
 APP_NAME = "fedbayes-app"
@@ -172,7 +173,7 @@ def _bin(name: str) -> str:
         return str(here)
     found = shutil.which(name)
     if found is None:
-        raise BadInputError(f"{name} not found next to {sys.executable} or on PATH; install the extra: pip install -e '.[flower]'")
+        raise BadInputError(f"{name} not found next to {sys.executable} or on PATH; install the flower extra {INSTALL}")
     return found
 
 
@@ -198,7 +199,8 @@ def print_commands(config_path: Path, config, out: Path, superlink_host: str = "
     q = shlex.quote
     lines = [
         f"# fedbayes on Flower: {config.name} ({config.algorithm.name}, {k} clients, {config.rounds} rounds), over TLS.",
-        "# Install on every machine: pip install 'fedbayes[flower]'. Certificates: a CA (ca.crt) and a server",
+        f"# Install on every machine, {INSTALL}.",
+        "# Certificates: a CA (ca.crt) and a server",
         f"# certificate for {superlink_host} (server.pem, server.key) signed by it, e.g. with openssl.",
         "",
         "# 1. On the SuperLink machine (it also runs the ServerApp: the config and the run folder live there):",

@@ -1,0 +1,57 @@
+"""The CLI keeps its promises: help keeps bracketed words, notes name options and files that
+exist, progress bars fit the terminal with the count and the times, install hints work from a clone."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from fedbayes.cli import app
+from fedbayes.cli.progress import progress_bar
+from fedbayes.runs import report
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "command, words",
+    [
+        (["deploy", "--help"], ["pip install -e '.[flower]'", ".venv-flower"]),
+        (["run", "--help"], ["[privacy]", "[attack]"]),
+        (["sweep", "--help"], ["([base] + [variants.NAME])", "model.hidden=[100],[200,100]"]),
+        (["compare", "--help"], ["[base] + [variants.NAME]"]),
+    ],
+)
+def test_help_keeps_bracketed_words_at_80_columns(command, words):
+    res = runner.invoke(app, command, env={"COLUMNS": "80"})
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    assert all(w in text for w in words), text
+    assert max(map(len, res.output.splitlines())) <= 80
+
+
+def test_every_cli_option_a_table_note_names_exists():
+    cols = [report.Column("method", lambda *a: "", left=True), *(report.Column(f"column {i}", lambda *a: "", keep=1) for i in range(12))]
+    rows = [["fedavg", *["0.1234"] * 12]]
+    assert "all in runs/x/summary.json)" in " ".join(report.render_rows(cols, rows, width=60, full="runs/x/summary.json").split())
+    for command in ("run", "sweep", "deploy", "resume"):  # their notes name files, not --json; compare's names --json, which it has
+        assert "--json" not in runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+    assert "--json" in runner.invoke(app, ["compare", "--help"], env={"COLUMNS": "200"}).output
+
+
+@pytest.mark.parametrize("width, dropped", [(120, None), (80, None), (60, "the bar"), (40, "the bar and the status")])
+def test_progress_bar_fits_the_terminal_with_count_and_times(width, dropped):
+    console = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=True)
+    bar = progress_bar(console)
+    bar.add_task("fedprox client.lr=0.02 client.epochs=3 fedprox.algorithm.mu=0.1 seed 2", total=100, completed=37, status="acc 0.8123")
+    shown = Console(width=width, file=io.StringIO(), color_system=None)
+    shown.print(bar.make_tasks_table(bar.tasks))
+    lines = shown.file.getvalue().splitlines()
+    assert len(lines) == 1 and len(lines[0]) <= width
+    assert " 37/100 " in lines[0] and len(re.findall(r"\d:\d\d:\d\d|-:--:--", lines[0])) == 2  # elapsed and left
+    note = " ".join(console.file.getvalue().split())
+    assert (f"left out to fit {width} columns" in note and dropped in note) if dropped else note == ""
