@@ -55,3 +55,34 @@ def test_progress_bar_fits_the_terminal_with_count_and_times(width, dropped):
     assert " 37/100 " in lines[0] and len(re.findall(r"\d:\d\d:\d\d|-:--:--", lines[0])) == 2  # elapsed and left
     note = " ".join(console.file.getvalue().split())
     assert (f"left out to fit {width} columns" in note and dropped in note) if dropped else note == ""
+
+
+COMPARISON = """
+[base]
+rounds = 1
+[base.data]
+dataset = "digits"
+num_clients = 4
+[base.model]
+name = "logreg"
+[base.server]
+clients_per_round = 2
+[variants.fedavg]
+algorithm = { name = "fedavg" }
+[variants.fedprox]
+algorithm = { name = "fedprox", mu = 0.01 }
+"""
+
+
+def test_a_resumed_comparison_reruns_the_changed_variant_named_by_rerun_and_keeps_the_others(tmp_path):
+    cfg, out = tmp_path / "c.toml", tmp_path / "cmp"
+    cfg.write_text(COMPARISON)
+    assert runner.invoke(app, ["compare", str(cfg), "--out", str(out)]).exit_code == 0
+    kept = (out / "fedavg" / "metrics.jsonl").read_text()
+    res = runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--resume", "--set", "fedprox.algorithm.mu=0.1"])
+    assert res.exit_code == 2 and "pass --rerun fedprox to run that variant again" in " ".join(res.output.split())
+    res = runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--resume", "--set", "fedprox.algorithm.mu=0.1", "--rerun", "fedprox"])
+    assert res.exit_code == 0, res.output
+    assert "mu = 0.1\n" in (out / "fedprox" / "config.toml").read_text() and (out / "fedavg" / "metrics.jsonl").read_text() == kept
+    res = runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--rerun", "fedprox"])
+    assert res.exit_code == 2 and "pass --resume with it" in res.output

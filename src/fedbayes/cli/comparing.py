@@ -3,6 +3,7 @@ The orchestration is :mod:`fedbayes.runs.compare` and :mod:`fedbayes.runs.sweep`
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,13 @@ def compare(
     threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column")] = 0.8,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the comparison already in --out")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue the comparison in --out: finished variants are not rerun")] = False,
+    rerun: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--rerun",
+            help="with --resume: run this variant again from its start, its runs replaced, the others kept (after --set VARIANT.key=value); repeatable",
+        ),
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object (progress goes to stderr)")] = False,
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help=SEEDS_HELP)] = None,
@@ -72,6 +80,11 @@ def compare(
     if overwrite and resume:
         fail("error: --overwrite and --resume exclude each other")
     runs = _or_fail(lambda: cmp.load_comparison(configs, set_ or []))
+    unknown = [v for v in rerun or [] if v not in runs]
+    if unknown:
+        fail(f"error: --rerun {unknown[0]}: not a variant of this comparison; allowed: {', '.join(runs)}")
+    if rerun and not resume:
+        fail("error: --rerun replaces variants of the comparison in --out: pass --resume with it")
     seed_list = _seeds_option(seeds) if seeds is not None else _or_fail(lambda: cmp.file_seeds(configs))
     check_out(out, overwrite, resume, what="comparison")
     datasets = sorted({c.data.dataset for c in runs.values()})
@@ -83,7 +96,18 @@ def compare(
 
         kinds = SHIFTS
     _run_comparison(
-        ctx, runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list, reference=reference, shift=kinds
+        ctx,
+        runs,
+        out,
+        resume=resume,
+        logs=log,
+        json_out=json_,
+        title=title,
+        threshold=threshold,
+        seeds=seed_list,
+        reference=reference,
+        shift=kinds,
+        rerun=tuple(rerun or ()),
     )
 
 
@@ -112,16 +136,25 @@ def _run_comparison(
     seeds: list[int] | None = None,
     reference=None,
     shift=None,
+    rerun: tuple[str, ...] = (),
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import compare as cmp
     from fedbayes.runs.strictjson import dumps_record
 
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
-    if resume:  # a run folder holding another config is never overwritten (nor mixed in silently)
-        bad = cmp.conflicts(cmp.jobs(runs, out, seeds))
+    if resume:  # a run folder holding another config is never overwritten (nor mixed in silently), unless named by --rerun
+        planned = cmp.jobs(runs, out, seeds)
+        for job in planned:
+            if job.variant in rerun and job.folder.exists():
+                shutil.rmtree(job.folder)
+        bad = cmp.conflicts(planned)
         if bad:
-            fail(f"error: {bad[0]} holds a run of a different config; pass --overwrite to replace it, or another --out")
+            variant = next(j.variant for j in planned if j.folder == bad[0])
+            fail(
+                f"error: {bad[0]} holds a run of a different config; pass --rerun {variant} to run that variant again "
+                "(the other variants are kept), or choose another --out"
+            )
     ctx.hold(out, "compare")
     if seeds is not None:
         ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
