@@ -86,3 +86,21 @@ def test_a_resumed_comparison_reruns_the_changed_variant_named_by_rerun_and_keep
     assert "mu = 0.1\n" in (out / "fedprox" / "config.toml").read_text() and (out / "fedavg" / "metrics.jsonl").read_text() == kept
     res = runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--rerun", "fedprox"])
     assert res.exit_code == 2 and "pass --resume with it" in res.output
+
+
+def test_no_paper_table_beside_data_the_paper_did_not_use(tmp_path):
+    reference = '[reference]\nsource = "a paper, Table 1"\ndataset = "{ds}"\nvalues = {{ fedavg = 76.0 }}\n'
+    for ds, shown in (("fashion_mnist", False), ("digits", True)):
+        cfg, out = tmp_path / f"{ds}.toml", tmp_path / ds
+        cfg.write_text(COMPARISON + reference.format(ds=ds))
+        res = runner.invoke(app, ["compare", str(cfg), "--out", str(out)], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        assert ("beside the paper" in res.output) == shown and ("Beside the paper" in (out / "compare.md").read_text()) == shown
+        assert ("no paper table: the [reference] numbers (a paper, Table 1) are for fashion_mnist; this comparison runs on digits" in res.output) != shown
+
+
+def test_long_titles_wrap_at_spaces():
+    cols = [report.Column("method", lambda *a: "", left=True), report.Column("accuracy", lambda *a: "")]
+    title = "beside the paper: Swaroop et al. 2025 (ADMM and Bayes), Table 1: Fashion-MNIST, heterogeneous, 10 clients, R = 50"
+    text = report.render_rows(cols, [["fedlap_cov", "0.8406"]], width=40, title=title)
+    assert max(map(len, text.splitlines())) <= 40 and " ".join(text.split()).startswith(title)

@@ -143,6 +143,9 @@ def _run_comparison(
     from fedbayes.runs.strictjson import dumps_record
 
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
+    reference, note = cmp.applicable_reference(reference, runs)
+    if note:
+        say(note)
     if resume:  # a run folder holding another config is never overwritten (nor mixed in silently), unless named by --rerun
         planned = cmp.jobs(runs, out, seeds)
         for job in planned:

@@ -20,7 +20,7 @@ line here.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,6 +41,7 @@ __all__ = [
     "file_shift",
     "jobs",
     "load_comparison",
+    "applicable_reference",
     "reference_markdown",
     "run_comparison",
     "split_overrides",
@@ -241,6 +242,18 @@ def without_numbers(summary: dict) -> dict:
     if not summary.get("diverged"):
         return summary
     return {k: summary[k] for k in DIVERGED_KEYS if k in summary}
+
+
+def applicable_reference(reference, runs: Mapping[str, RunConfig]):
+    """``(reference, note)``: the ``[reference]`` table when every run uses the data set its numbers
+    are for (``reference.dataset``; unset: any), else ``None`` and a one-line note saying why no
+    paper table is printed (a paper's numbers beside other data would read as differences)."""
+    if reference is None or reference.dataset is None:
+        return reference, None
+    other = sorted({c.data.dataset for c in runs.values()} - {reference.dataset})
+    if not other:
+        return reference, None
+    return None, f"no paper table: the [reference] numbers ({reference.source}) are for {reference.dataset}; this comparison runs on {', '.join(other)}"
 
 
 def reference_markdown(summaries: dict, curves: dict, reference) -> str:
