@@ -330,12 +330,13 @@ def finish_round(
 ) -> tuple[PyTree, RoundInfo]:
     """The end of a round on the host, the same for every runner.
 
+    ``round_idx``, ``cohort``, ``bytes_up``, ``bytes_down``, ``padding_waste``, ``step_waste``,
+    ``clients``, ``server``, ``dropped`` and ``late`` are the :class:`RoundInfo` fields.
+
     Args:
       server_state: the server state the round started from.
       new_server_state: the server step's result (:func:`server_step`).
       accepted: ``[M]`` booleans, the messages the server step accepted.
-      round_idx, cohort, bytes_up, bytes_down, padding_waste, step_waste, clients, server,
-        dropped, late: the :class:`RoundInfo` fields.
       rejected: the client ids whose messages were rejected.
       fail_fast: raise on a rejected message (``server.fail_fast``).
 

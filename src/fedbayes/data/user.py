@@ -164,8 +164,9 @@ def from_arrays(
     Args:
       x: ``[N, ...]`` features (cast to float32).
       y: ``[N]`` integer labels ``0..C-1``.
-      x_test, y_test: the test split; without them, ``test_fraction`` of each client's examples
-        (of all of them without client ids) is held out, drawn by ``rng``.
+      x_test: ``[N_test, ...]`` the test split's features; without them, ``test_fraction`` of each
+        client's examples (of all of them without client ids) is held out, drawn by ``rng``.
+      y_test: ``[N_test]`` the test split's labels (with ``x_test``).
       client_ids: ``[N]`` the natural partition (any sortable ids; mapped in sorted order to
         ``0..K-1``, the test split's ids by the same map).
       test_client_ids: ``[N_test]`` the test split's client ids (optional).
