@@ -39,6 +39,11 @@ $(FLOWER_VENV)/bin/flwr: pyproject.toml
 test-flower: $(FLOWER_VENV)/bin/flwr
 	$(FLOWER_VENV)/bin/python -m pytest -q tests/flower/test_flower.py
 
+# The main job's committed results regenerated at this commit: docs/results/fmnist_compare.md's table
+# and plot, and fmnist_compare_check.md (the short version that tests/runs/test_main_job_table.py reruns).
+results: env
+	$(BIN)/python scripts/fmnist_results.py
+
 # The documentation site (mkdocs-material + mkdocstrings, the docs extra) into site/, in strict mode:
 # a broken link or a missing reference fails. Nothing is fetched while it builds.
 $(BIN)/mkdocs: pyproject.toml | $(BIN)/fedbayes

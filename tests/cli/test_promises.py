@@ -104,3 +104,14 @@ def test_long_titles_wrap_at_spaces():
     title = "beside the paper: Swaroop et al. 2025 (ADMM and Bayes), Table 1: Fashion-MNIST, heterogeneous, 10 clients, R = 50"
     text = report.render_rows(cols, [["fedlap_cov", "0.8406"]], width=40, title=title)
     assert max(map(len, text.splitlines())) <= 40 and " ".join(text.split()).startswith(title)
+
+
+def test_a_comparison_names_the_runs_that_ended_before_their_fixed_point_in_one_note():
+    from fedbayes.cli.comparing import _say_warnings
+    from fedbayes.runs.health import UNSETTLED
+
+    said: list[str] = []
+    lines = [f"warning: fedep: {UNSETTLED}: over the last 10 rounds ...", "warning: checkpoint round 5 is damaged", f"warning: fedsep: {UNSETTLED}: ..."]
+    _say_warnings(lines, said.append)
+    assert said[0] == "warning: checkpoint round 5 is damaged"
+    assert said[1].startswith(f"note: fedep, fedsep: {UNSETTLED.replace('the run', 'the runs')} (") and len(said) == 2

@@ -54,11 +54,12 @@ def run_one(
     *,
     diverged_ok: bool = False,
     reporter=None,
+    warn=None,
 ) -> dict:
     """Runs (or resumes) one experiment into ``out`` and returns its summary; a diverged run is
     exit 3 (or, with ``diverged_ok``, a ``diverged:`` line and its summary); a missing dataset
     exit 3; a config error exit 2. ``reporter``: the progress display (default: bar or lines,
-    with the loggers of ``logs``)."""
+    with the loggers of ``logs``); ``warn``: where the run's warning lines go (default stderr)."""
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import loop
     from fedbayes.runs.health import Diverged
@@ -67,7 +68,13 @@ def run_one(
     try:
         # overwrite: the command has checked the folder already (check_out, or a comparison's own rule)
         return loop.run_experiment(
-            config, out, resume=resume, overwrite=True, reporter=reporter or progress.reporter(out, logs, config, stderr), accept_changes=accept_changes
+            config,
+            out,
+            resume=resume,
+            overwrite=True,
+            reporter=reporter or progress.reporter(out, logs, config, stderr),
+            accept_changes=accept_changes,
+            warn=warn,
         )
     except Diverged as exc:
         if not diverged_ok:

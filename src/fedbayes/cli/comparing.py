@@ -35,6 +35,23 @@ def _seeds_option(text: str) -> list[int]:
     return _or_fail(lambda: parse_seeds(text))
 
 
+def _say_warnings(lines: list[str], say) -> None:
+    """The runs' warnings after the table: each as it came, except that the runs that ended before
+    their fixed point (:class:`fedbayes.runs.health.FixedPointCheck`, a matter of the round budget
+    the comparison chose) are named in one note."""
+    from fedbayes.runs.health import UNSETTLED
+
+    unsettled = [line.removeprefix("warning: ").split(":")[0] for line in lines if f": {UNSETTLED}:" in line]
+    for line in lines:
+        if f": {UNSETTLED}:" not in line:
+            say(line)
+    if unsettled:
+        say(
+            f"note: {', '.join(unsettled)}: {UNSETTLED if len(unsettled) == 1 else UNSETTLED.replace('the run', 'the runs')} "
+            "(the posterior still moved over the last rounds; each run's summary.json says by how much; more rounds settle it)"
+        )
+
+
 def _print_reference(summaries, curves, reference, full: str) -> None:
     if reference is None:
         return
@@ -162,8 +179,10 @@ def _run_comparison(
     if seeds is not None:
         ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
 
+    warned: list[str] = []  # the runs' warning lines, said after the table (a run that ended before its fixed point: one note)
+
     def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
-        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True)
+        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append)
 
     try:
         result = cmp.run_comparison(runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift)
@@ -177,6 +196,7 @@ def _run_comparison(
         print_table(result.summaries, threshold, result.curves, title=result.title, full=f"{result.markdown} and --json")
         _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False)
+    _say_warnings(warned, say)
     if result.shift is not None:
         say(f"shift table: {result.shift.markdown}  {result.shift.json}  plot: {result.shift.plot}")
     if result.diverged:
