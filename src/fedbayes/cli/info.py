@@ -47,8 +47,12 @@ def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to lo
 def bench(
     suite: Annotated[Optional[str], typer.Argument(help="what to measure: nothing (round throughput) or 'posterior' (posterior quality against NUTS)")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print one JSON object keyed by workload instead of the table")] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (about 7 minutes on 2 cores)")] = False,
-    workload: Annotated[Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable); limit_b32 always runs")] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (docs/results/bench.md has its times)")
+    ] = False,
+    workload: Annotated[
+        Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable; an unknown name lists them); limit_b32 always runs")
+    ] = None,
     repeats: Annotated[Optional[int], typer.Option(min=1, help="repeat every workload this many times and report medians")] = None,
     rounds: Annotated[Optional[int], typer.Option(min=1, help="steady-state rounds per federated workload")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="folder holding the dataset")] = None,
