@@ -317,7 +317,7 @@ def run_comparison(
     comparison: dict[str, Any] = {} if seeds is None else {"seeds": list(seeds)}
     comparison["variants"] = {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}
     if reference is not None:
-        comparison["reference"] = reference.model_dump(mode="json")
+        comparison["reference"] = reference.model_dump(mode="json", exclude_none=True)
     if shift:
         comparison["shift"] = {"kinds": list(shift)}
     folder.write_atomic(out / folder.COMPARISON, "# written by `fedbayes compare`; `fedbayes resume` continues it\n" + toml_text(comparison))
