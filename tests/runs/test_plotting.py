@@ -34,3 +34,10 @@ def test_plot_names_the_clipped_curve(tmp_path):
         plt.Axes.text = original
     assert (tmp_path / "c.png").stat().st_size > 0
     assert texts == ["clipped below: fedlap_cov (marg.)", "clipped above: fedlap_cov (marg.)", "clipped above: fedlap_cov (marg.)"]
+
+
+def test_a_marginalised_curve_near_the_point_curves_stretches_the_axes_instead_of_being_clipped():
+    rounds = list(range(5))
+    series = [("fedep", True, rounds, [3.0, 3.5, 4.0, 4.5, 5.0]), ("fedep (marg.)", False, rounds, [1.5] * 5)]  # ECE: better calibrated
+    (lo, hi), clipped = panel_limits(series, start=0)
+    assert lo < 1.5 and hi > 5.0 and clipped == []

@@ -42,14 +42,18 @@ def panel_limits(series: Sequence[tuple[str, bool, Sequence[float], Sequence[flo
       start: the first round that sets the limits.
 
     Returns:
-      ``(lo, hi)``: the range of the point curves' values from round ``start`` on, widened by 5% on
-      each side (``None``: no point curve there); and ``"label above"`` / ``"label below"`` for every
-      curve with a value outside ``(lo, hi)`` from round ``start`` on (a point curve never is).
+      ``(lo, hi)``: the range of the point curves' values from round ``start`` on, stretched to the
+      other curves' values (the marginalised predictions) that lie within one such range of it, then
+      widened by 5% on each side (``None``: no point curve there); and ``"label above"`` /
+      ``"label below"`` for every curve with a value outside ``(lo, hi)`` from round ``start`` on (a
+      point curve never is; a curve far off, such as a broken predictive, is).
     """
     settled = [y for _, point, xs, ys in series if point for x, y in zip(xs, ys) if x >= start and math.isfinite(y)]
     if not settled:
         return None, []
     lo, hi = min(settled), max(settled)
+    near = [y for _, point, xs, ys in series if not point for x, y in zip(xs, ys) if x >= start and lo - (hi - lo) <= y <= hi + (hi - lo)]
+    lo, hi = min([lo, *near]), max([hi, *near])
     pad = _MARGIN * (hi - lo) or _MARGIN * max(abs(hi), 1e-3)
     lo, hi = lo - pad, hi + pad
     clipped = []
