@@ -115,3 +115,11 @@ def test_a_comparison_names_the_runs_that_ended_before_their_fixed_point_in_one_
     _say_warnings(lines, said.append)
     assert said[0] == "warning: checkpoint round 5 is damaged"
     assert said[1].startswith(f"note: fedep, fedsep: {UNSETTLED.replace('the run', 'the runs')} (") and len(said) == 2
+
+
+def test_no_paper_table_beside_another_number_of_rounds(tmp_path):
+    cfg, out = tmp_path / "c.toml", tmp_path / "out"
+    cfg.write_text(COMPARISON + '[reference]\nsource = "a paper, Table 1"\nrounds = 50\nvalues = { fedavg = 76.0 }\n')
+    res = runner.invoke(app, ["compare", str(cfg), "--out", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "beside the paper" not in res.output
+    assert "no paper table: the [reference] numbers (a paper, Table 1) are after 50 rounds; this comparison runs 1" in res.output

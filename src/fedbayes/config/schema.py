@@ -467,6 +467,7 @@ class ReferenceTable(_Strict):
 
     source: str = Field(min_length=1, description="where the numbers come from (paper, table, setting)")
     dataset: str | None = Field(None, description="the data set the paper's numbers are for: a comparison on other data prints no paper table")
+    rounds: int | None = Field(None, ge=1, description="the rounds R the paper's numbers are after: a comparison of other length prints no paper table")
     summary: Literal["mean_last", "max_last"] = Field("mean_last", description="the curve summary the numbers are set beside")
     values: dict[str, Union[float, str]] = Field(min_length=1, description="variant -> the paper's number (percent) or its printed text")
 

@@ -245,15 +245,19 @@ def without_numbers(summary: dict) -> dict:
 
 
 def applicable_reference(reference, runs: Mapping[str, RunConfig]):
-    """``(reference, note)``: the ``[reference]`` table when every run uses the data set its numbers
-    are for (``reference.dataset``; unset: any), else ``None`` and a one-line note saying why no
-    paper table is printed (a paper's numbers beside other data would read as differences)."""
-    if reference is None or reference.dataset is None:
+    """``(reference, note)``: the ``[reference]`` table when every run uses the data set and the
+    number of rounds its numbers are for (``reference.dataset``, ``reference.rounds``; unset: any),
+    else ``None`` and a one-line note saying why no paper table is printed (a paper's numbers beside
+    another setting would read as differences)."""
+    if reference is None:
         return reference, None
-    other = sorted({c.data.dataset for c in runs.values()} - {reference.dataset})
-    if not other:
-        return reference, None
-    return None, f"no paper table: the [reference] numbers ({reference.source}) are for {reference.dataset}; this comparison runs on {', '.join(other)}"
+    other = sorted({c.data.dataset for c in runs.values()} - {reference.dataset}) if reference.dataset is not None else []
+    if other:
+        return None, f"no paper table: the [reference] numbers ({reference.source}) are for {reference.dataset}; this comparison runs on {', '.join(other)}"
+    lengths = sorted({c.rounds for c in runs.values()} - {reference.rounds}) if reference.rounds is not None else []
+    if lengths:
+        return None, f"no paper table: the [reference] numbers ({reference.source}) are after {reference.rounds} rounds; this comparison runs {', '.join(map(str, lengths))}"
+    return reference, None
 
 
 def reference_markdown(summaries: dict, curves: dict, reference) -> str:
