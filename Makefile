@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-flower env lint
+.PHONY: demo test test-flower env lint docs results
 
 $(BIN)/fedbayes: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,8 +19,10 @@ env: $(BIN)/fedbayes
 # writes runs/demo/compare.png.
 # scripts/demo installs the dataset where it can (root + apt), else runs the same comparison on
 # scikit-learn's digits (runs/demo_digits/); a repeated `make demo` resumes.
+# DEMO_ARGS: more options for the comparison, e.g. make demo DEMO_ARGS="--seeds 3" (every number as mean±std over three seeds).
+DEMO_ARGS ?=
 demo: env
-	BIN=$(BIN) scripts/demo
+	BIN=$(BIN) scripts/demo $(DEMO_ARGS)
 
 test: env
 	$(BIN)/python -m pytest -q -n 2
@@ -39,6 +41,20 @@ $(FLOWER_VENV)/bin/flwr: pyproject.toml
 test-flower: $(FLOWER_VENV)/bin/flwr
 	$(FLOWER_VENV)/bin/pip install -q "flwr==$(FLWR)"
 	$(FLOWER_VENV)/bin/python -m pytest -q tests/flower
+
+# The main job's committed results regenerated at this commit: docs/results/fmnist_compare.md's table
+# and plot, and fmnist_compare_check.md (the short version that tests/runs/test_main_job_table.py reruns).
+results: env
+	$(BIN)/python scripts/fmnist_results.py
+
+# The documentation site (mkdocs-material + mkdocstrings, the docs extra) into site/, in strict mode:
+# a broken link or a missing reference fails. Nothing is fetched while it builds.
+$(BIN)/mkdocs: pyproject.toml | $(BIN)/fedbayes
+	$(BIN)/pip install -q -e ".[test,docs]"
+	@touch $@
+
+docs: $(BIN)/mkdocs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # What .ci/run checks besides the tests (ruff settings in pyproject.toml).
 lint: env

@@ -49,3 +49,55 @@ def test_no_file_points_outside_the_project():
         if path.is_file() and path.suffix in (".py", ".md", ".toml") and not {".git", ".venv", "runs"} & set(path.parts):
             cited |= set(re.findall(r"docs/algorithms\.md §(\d+(?:\.\d+)?)", path.read_text(errors="ignore")))
     assert cited and cited <= headings, sorted(cited - headings)
+
+
+def _cli_lines():
+    """The README's `fedbayes` commands, in order, as argument lists (continuation lines joined)."""
+    import shlex
+
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    lines = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith(".venv/bin/fedbayes "):
+                lines.append(shlex.split(line.split(">")[0])[1:])
+    return lines
+
+
+def test_readme_commands_parse_and_run_in_the_state_earlier_ones_leave():
+    """Every option exists; a file named exists or an earlier command writes it; `resume DIR` and
+    `--resume` follow a command that wrote DIR; a resumed comparison that changes a variant names it
+    with --rerun (else it refuses the finished run of the old config)."""
+    import click
+    import typer
+
+    from fedbayes.cli import app
+    from fedbayes.config.schema import read_toml
+
+    group = typer.main.get_command(app)
+    written: set[str] = set()
+    lines = _cli_lines()
+    assert len(lines) >= 15
+    for args in lines:
+        name, rest = args[0], args[1:]
+        command = group.get_command(click.Context(group), name)
+        assert command is not None, args
+        if isinstance(command, click.Group):
+            command = command.get_command(click.Context(command), rest[0])
+            rest = rest[1:]
+        ctx = command.make_context(name, list(rest))  # unknown options or bad values raise here
+        params = ctx.params
+        out = params.get("out")
+        if name == "resume":
+            assert str(params["out"]) in written, f"{args}: nothing earlier writes {params['out']}"
+            continue
+        for path in [p for p in (params.get("config"), *(params.get("configs") or ())) if p is not None]:
+            assert (ROOT / path).is_file(), args
+        if params.get("resume"):
+            assert str(out) in written, f"{args}: nothing earlier writes {out}"
+            changed = {s.split(".")[0] for s in params.get("set_") or () if s.count(".") >= 2}
+            assert changed <= set(params.get("rerun") or ()), f"{args}: a changed variant needs --rerun"
+        if name in ("run", "compare", "sweep"):
+            default = f"runs/{read_toml(ROOT / params['config'])['name']}" if name == "run" and out is None else None
+            written.add(str(out) if out is not None else default)

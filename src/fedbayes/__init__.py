@@ -5,7 +5,8 @@ functions, described to the registry by an :class:`AlgorithmSpec` and built from
 (:class:`HParams`) and a :class:`BuildContext`; :func:`register` adds one, so that a config names
 it. A run is a :class:`RunConfig` (:func:`load_config` reads a TOML file) that
 :func:`run_experiment` runs on the :class:`Simulator`; :func:`load_run` reads a finished run
-folder. :mod:`fedbayes.gaussian` is the diagonal-Gaussian algebra, :mod:`fedbayes.protocol` the
+folder; your own data is a :class:`Dataset` (:func:`from_arrays`, :func:`load_files`).
+:mod:`fedbayes.gaussian` is the diagonal-Gaussian algebra, :mod:`fedbayes.protocol` the
 round. Everything else lives in its subpackage (``fedbayes.algorithms``, ``fedbayes.models``, ...).
 
 Names are imported when first used: ``import fedbayes`` imports neither JAX nor any method.
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
     from fedbayes.algorithms.registry import register
     from fedbayes.config.schema import RunConfig, load_config
+    from fedbayes.data.dataset import Dataset
+    from fedbayes.data.user import from_arrays, load_files
     from fedbayes.hparams import HParams
     from fedbayes.runs.export import load_run
     from fedbayes.runs.loop import run_experiment
@@ -39,6 +42,9 @@ _API: dict[str, str | None] = {
     "load_config": "fedbayes.config.schema",
     "Simulator": "fedbayes.sim.simulator",
     "run_experiment": "fedbayes.runs.loop",
+    "Dataset": "fedbayes.data.dataset",
+    "from_arrays": "fedbayes.data.user",
+    "load_files": "fedbayes.data.user",
     "load_run": "fedbayes.runs.export",
     "gaussian": None,
     "protocol": None,
@@ -48,12 +54,15 @@ __all__ = [
     "Algorithm",
     "AlgorithmSpec",
     "BuildContext",
+    "Dataset",
     "HParams",
     "RunConfig",
     "Simulator",
     "__version__",
+    "from_arrays",
     "gaussian",
     "load_config",
+    "load_files",
     "load_run",
     "protocol",
     "register",

@@ -73,6 +73,7 @@ __all__ = [
     "shuffle_rng",
     "sizes_rng",
     "subsample_rng",
+    "test_split_rng",
     "validation_rng",
 ]
 
@@ -82,7 +83,7 @@ WEIGHTINGS = ("examples", "uniform")
 _CLIENT, _SERVER_INIT, _PARAMS, _EVALUATION, _SERVER_ROUND = 0, 2, 3, 5, 6
 # Tags of NumPy streams default_rng([seed, tag, ...]).
 _SUBSAMPLE, _PARTITION, _SIZES, _COHORT, _SHUFFLE = 1, 2, 7, 11, 12
-_VALIDATION, _DROPOUT, _ATTACKERS = 13, 14, 15
+_VALIDATION, _DROPOUT, _ATTACKERS, _TEST_SPLIT = 13, 14, 15, 16
 
 
 def _root(seed) -> jax.Array:
@@ -122,6 +123,11 @@ def evaluation_key(seed, round_idx) -> jax.Array:
 def subsample_rng(seed: int) -> np.random.Generator:
     """The generator that draws a dataset's random ``fraction``."""
     return np.random.default_rng([seed, _SUBSAMPLE])
+
+
+def test_split_rng(seed: int) -> np.random.Generator:
+    """The generator that holds out the test split of your own data without a test file (``data.test_fraction``)."""
+    return np.random.default_rng([seed, _TEST_SPLIT])
 
 
 def partition_rng(seed: int) -> np.random.Generator:
@@ -324,12 +330,13 @@ def finish_round(
 ) -> tuple[PyTree, RoundInfo]:
     """The end of a round on the host, the same for every runner.
 
+    ``round_idx``, ``cohort``, ``bytes_up``, ``bytes_down``, ``padding_waste``, ``step_waste``,
+    ``clients``, ``server``, ``dropped`` and ``late`` are the :class:`RoundInfo` fields.
+
     Args:
       server_state: the server state the round started from.
       new_server_state: the server step's result (:func:`server_step`).
       accepted: ``[M]`` booleans, the messages the server step accepted.
-      round_idx, cohort, bytes_up, bytes_down, padding_waste, step_waste, clients, server,
-        dropped, late: the :class:`RoundInfo` fields.
       rejected: the client ids whose messages were rejected.
       fail_fast: raise on a rejected message (``server.fail_fast``).
 

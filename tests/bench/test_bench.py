@@ -4,6 +4,7 @@ measured on demand with ``fedbayes bench``, never in the test suite."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from fedbayes.cli import app
 from fedbayes.data import idx
 from fedbayes.sim.hostdevices import num_cores
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY = fb.BenchSettings(
     dataset="digits",
     hidden=(16,),
@@ -233,10 +235,21 @@ def test_relative_workloads_report_paired_ratios_against_their_reference(capsys,
     monkeypatch.setattr(fb.run, "check_dataset", lambda settings: pytest.fail("relative workloads read no data"))
     assert fb.run_bench(TINY, ["vbnn", "cnn"]) == {n: results[n] for n in ("cnn", "vbnn")}
     monkeypatch.setattr(fb, "run_bench", lambda settings, names, log: results)
-    res = CliRunner().invoke(app, ["bench", "--workload", "cnn"])
-    # one table (the terminal's width may wrap its cells): the relative one, no throughput columns
+    res = CliRunner().invoke(app, ["bench", "--workload", "cnn"], env={"COLUMNS": "80"})
+    # one table, the relative one (no throughput columns), no line wider than the terminal, names and numbers whole
     assert res.exit_code == 0, res.output
-    assert res.output.count("\u250f") == 1 and "cnn" in res.output and "examples/s" not in res.output
+    assert len(re.findall(r"\nworkload +measure", res.output)) == 1 and "examples/s" not in res.output and "cnn round / plain loop" in res.output
+    assert max(map(len, res.output.splitlines())) <= 80
+
+
+def test_the_throughput_table_fits_80_columns_leaving_out_columns_with_a_note():
+    results = json.loads((ROOT / "docs" / "results" / "bench_2026-11-24.json").read_text())
+    text = fb.text_tables(results, title="fedbayes bench", width=80)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert all(f"\n{name} " in text for name in results)  # every workload's name whole
+    assert "left out to fit 80 columns" in text and "all in --json" in " ".join(text.split())
+    assert "examples/s" in lines[1] and "ratio to limit" in lines[1]  # the columns that matter stay
 
 
 def test_ratio_summary_pairs_repetitions():

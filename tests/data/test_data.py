@@ -485,6 +485,7 @@ def test_registry_names_and_errors():
         "cifar10",
         "stackoverflow_nwp",
         "stackoverflow_lr",
+        "files",
     }
     with pytest.raises(ValueError, match="must be one of.*breast_cancer"):
         load_dataset("imagenet")

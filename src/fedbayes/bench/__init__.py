@@ -124,9 +124,9 @@ from fedbayes.bench.report import (
     paired_ratios,
     relative_entry,
     relative_rows,
-    rich_table,
     rows,
     summarize,
+    text_tables,
 )
 from fedbayes.bench.run import paired_groups, run_bench
 from fedbayes.bench.workloads import (
@@ -203,7 +203,7 @@ __all__ = [
     "relative_entry",
     "relative_rows",
     "resolve_names",
-    "rich_table",
+    "text_tables",
     "rows",
     "run_bench",
     "run_federated_process",

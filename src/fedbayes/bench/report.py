@@ -4,7 +4,7 @@
 :mod:`fedbayes.bench.measure`) into its entry; :func:`summarize` combines repeats into the JSON
 object keyed by workload (the keys are described in :mod:`fedbayes.bench`);
 :func:`add_paired` adds the interleaved runs' ratios; :func:`relative_entry` makes a relative
-workload's entry; :func:`markdown` and :func:`rich_table` present the object as a table of
+workload's entry; :func:`markdown` and :func:`text_tables` present the object as a table of
 :data:`COLUMNS` (throughput) and, when relative workloads ran, a table of
 :data:`RELATIVE_COLUMNS`.
 """
@@ -273,29 +273,27 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rich_table(results: dict[str, dict[str, Any]], title: str | None = None):
-    """The tables for a terminal (``rich``): one table, or a group of the throughput table and
-    the relative workloads' table."""
-    from rich.console import Group
-    from rich.table import Table
+# Which columns go first when a table must fit the terminal (higher first; 0: never): fedbayes.runs.report's rule.
+_KEEP = {"vs FedAvg, paired": 2, "round (s)": 3, "device idle": 4, "compile (s)": 5, "start-up (s)": 5, "peak RSS (MB)": 6, "clients / processes": 1}
+_RELATIVE_KEEP = {"range": 2, "target": 1, "against": 3}
 
-    tables = []
+
+def text_tables(results: dict[str, dict[str, Any]], title: str | None = None, width: int | None = None) -> str:
+    """The tables as plain text no wider than ``width`` (default: the terminal's): the throughput
+    table and the relative workloads' table, columns left out with a note rather than a name or a
+    number cut (:func:`fedbayes.runs.report.render_rows`)."""
+    from fedbayes.runs.report import Column, render_rows
+
+    def columns(names, keep):
+        return [Column(c, lambda *a: "", left=c in ("workload", "measure", "against", "clients / processes"), keep=keep.get(c, 0)) for c in names]
+
+    parts = []
     if any(not _is_relative_entry(e) for e in results.values()):
-        table = Table(title=title)
-        for c in COLUMNS:
-            table.add_column(c, justify="left" if c in ("workload", COLUMNS[-1]) else "right")
-        for r in rows(results):
-            table.add_row(*r)
-        tables.append(table)
+        parts.append(render_rows(columns(COLUMNS, _KEEP), rows(results), width=width, title=title))
     relative = relative_rows(results)
     if relative:
-        table = Table(title="paired ratios in one process" if tables else title)
-        for c in RELATIVE_COLUMNS:
-            table.add_column(c, justify="right" if c in ("median", "range", "target") else "left")
-        for r in relative:
-            table.add_row(*r)
-        tables.append(table)
-    return tables[0] if len(tables) == 1 else Group(*tables)
+        parts.append(render_rows(columns(RELATIVE_COLUMNS, _RELATIVE_KEEP), relative, width=width, title="paired ratios in one process" if parts else title))
+    return "\n".join(parts)
 
 
 def describe_run(settings: BenchSettings, quick: bool, suite: str | None = None) -> str:

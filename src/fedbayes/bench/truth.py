@@ -17,7 +17,7 @@ R-hat and the smallest effective sample size over the coordinates (``numpyro.dia
 number of divergent transitions, and the exact predictive of the draws on a test set (the mean
 of the predictive probabilities over every draw).
 
-NumPyro is an optional dependency (``pip install 'fedbayes[truth]'``); it is imported only here.
+NumPyro is an optional dependency (``pip install -e '.[truth]' (from the fedbayes clone)``); it is imported only here.
 The result is cached as ``nuts.npz`` (moments) and ``nuts.json`` (diagnostics, settings and a
 fingerprint of the data and settings) in a folder; a call with the same fingerprint reads it back.
 """
@@ -128,7 +128,7 @@ def nuts_reference(
         from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
         from numpyro.infer import MCMC, NUTS
     except ImportError as err:
-        raise ImportError("fedbayes bench posterior needs NumPyro for its NUTS ground truth: pip install 'fedbayes[truth]'") from err
+        raise ImportError("fedbayes bench posterior needs NumPyro for its NUTS ground truth: pip install -e '.[truth]' (from the fedbayes clone)") from err
 
     loss = negative_log_joint(apply_fn, x, y, prior_precision)
     theta = map_estimate(loss, params0)

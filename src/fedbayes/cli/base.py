@@ -56,7 +56,8 @@ def enable_compilation_cache() -> str | None:
     return cache
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated learning as Bayesian inference, in JAX.")
+# rich_markup_mode=None: help text is plain text, so "[flower]" and "[privacy]" stay as written (rich markup would eat them)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Federated learning as Bayesian inference, in JAX.")
 console = Console()
 if not console.is_terminal:
     console = Console(width=report.terminal_width())  # logs and CI: $COLUMNS, else 160

@@ -67,18 +67,28 @@ def run_one(
     *,
     diverged_ok: bool = False,
     reporter=None,
+    warn=None,
 ) -> dict:
     """Runs (or resumes) one experiment into ``out`` and returns its summary; a diverged run is
     exit 3 (or, with ``diverged_ok``, a ``diverged:`` line and its summary); a missing dataset
     exit 3; a config error exit 2. ``reporter``: the progress display (default: bar or lines,
-    with the loggers of ``logs``)."""
+    with the loggers of ``logs``); ``warn``: where the run's warning lines go (default stderr)."""
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import loop
     from fedbayes.runs.health import Diverged
 
     ctx.folder = out
     try:
-        return loop.run_experiment(config, out, resume=resume, reporter=reporter or progress.reporter(out, logs, config, stderr), accept_changes=accept_changes)
+        # overwrite: the command has checked the folder already (check_out, or a comparison's own rule)
+        return loop.run_experiment(
+            config,
+            out,
+            resume=resume,
+            overwrite=True,
+            reporter=reporter or progress.reporter(out, logs, config, stderr),
+            accept_changes=accept_changes,
+            warn=warn,
+        )
     except Diverged as exc:
         if not diverged_ok:
             raise  # one line and exit 3 (the top-level handler)
@@ -100,11 +110,13 @@ def records(out: Path) -> list[dict]:
     return run_folder.read_metrics(out / run_folder.METRICS)
 
 
-def print_table(summaries: dict[str, dict], threshold: float = 0.8, curves: dict[str, list[dict]] | None = None, title: str | None = None) -> None:
+def print_table(
+    summaries: dict[str, dict], threshold: float = 0.8, curves: dict[str, list[dict]] | None = None, title: str | None = None, full: str = "--json"
+) -> None:
     """Prints the table to fit the terminal (:mod:`fedbayes.runs.report`).
 
     "rounds to" is the first evaluated round whose accuracy reaches ``threshold`` (as in
     "Federated Learning via Posterior Averaging", Al-Shedivat et al. 2021, Table 3). The "marg."
     columns are the marginalised predictions of the Bayesian methods, shown only when one has them.
     """
-    print(report.render(summaries, threshold=threshold, curves=curves, title=title), end="", flush=True)
+    print(report.render(summaries, threshold=threshold, curves=curves, title=title, full=full), end="", flush=True)

@@ -3,6 +3,7 @@ The orchestration is :mod:`fedbayes.runs.compare` and :mod:`fedbayes.runs.sweep`
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,22 +35,46 @@ def _seeds_option(text: str) -> list[int]:
     return _or_fail(lambda: parse_seeds(text))
 
 
-def _print_reference(summaries, curves, reference) -> None:
+def _say_warnings(lines: list[str], say) -> None:
+    """The runs' warnings after the table: each as it came, except that the runs that ended before
+    their fixed point (:class:`fedbayes.runs.health.FixedPointCheck`, a matter of the round budget
+    the comparison chose) are named in one note."""
+    from fedbayes.runs.health import UNSETTLED
+
+    unsettled = [line.removeprefix("warning: ").split(":")[0] for line in lines if f": {UNSETTLED}:" in line]
+    for line in lines:
+        if f": {UNSETTLED}:" not in line:
+            say(line)
+    if unsettled:
+        say(
+            f"note: {', '.join(unsettled)}: {UNSETTLED if len(unsettled) == 1 else UNSETTLED.replace('the run', 'the runs')} "
+            "(the posterior still moved over the last rounds; each run's summary.json says by how much; more rounds settle it)"
+        )
+
+
+def _print_reference(summaries, curves, reference, full: str) -> None:
     if reference is None:
         return
     cols, rows = report.reference_table(summaries, curves, reference)
-    print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}"), end="", flush=True)
+    print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}", full=full), end="", flush=True)
 
 
 @handled
 def compare(
     ctx: CommandContext,
-    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML (\\[base] + \\[variants.NAME]) or several run TOMLs")],
+    configs: Annotated[list[Path], typer.Argument(help="a comparison TOML ([base] + [variants.NAME]) or several run TOMLs")],
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("runs/compare"),
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key in every variant (key=value) or in one (VARIANT.key=value)")] = None,
     threshold: Annotated[float, typer.Option(help="accuracy threshold for the rounds-to column", callback=number_in("--threshold", 0, 1))] = 0.8,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace the comparison already in --out")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="continue the comparison in --out: finished variants are not rerun")] = False,
+    rerun: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--rerun",
+            help="with --resume: run this variant again from its start, its runs replaced, the others kept (after --set VARIANT.key=value); repeatable",
+        ),
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="print the summaries as one JSON object (progress goes to stderr)")] = False,
     log: Annotated[Optional[list[str]], typer.Option("--log", help=LOG_HELP)] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help=SEEDS_HELP)] = None,
@@ -57,7 +82,7 @@ def compare(
         bool,
         typer.Option(
             "--shift",
-            help="then evaluate every run under dataset shift (rotation, noise, blur, contrast; a \\[shift] table's kinds = [...] picks some): OUT/shift.md, shift.json, shift.png",
+            help="then evaluate every run under dataset shift (rotation, noise, blur, contrast; a [shift] table's kinds = [...] picks some): OUT/shift.md, shift.json, shift.png",
         ),
     ] = False,
 ):
@@ -72,6 +97,11 @@ def compare(
     if overwrite and resume:
         fail("error: --overwrite and --resume exclude each other")
     runs = _or_fail(lambda: cmp.load_comparison(configs, set_ or []))
+    unknown = [v for v in rerun or [] if v not in runs]
+    if unknown:
+        fail(f"error: --rerun {unknown[0]}: not a variant of this comparison; allowed: {', '.join(runs)}")
+    if rerun and not resume:
+        fail("error: --rerun replaces variants of the comparison in --out: pass --resume with it")
     seed_list = _seeds_option(seeds) if seeds is not None else _or_fail(lambda: cmp.file_seeds(configs))
     check_out(out, overwrite, resume, what="comparison")
     datasets = sorted({c.data.dataset for c in runs.values()})
@@ -83,7 +113,18 @@ def compare(
 
         kinds = SHIFTS
     _run_comparison(
-        ctx, runs, out, resume=resume, logs=log, json_out=json_, title=title, threshold=threshold, seeds=seed_list, reference=reference, shift=kinds
+        ctx,
+        runs,
+        out,
+        resume=resume,
+        logs=log,
+        json_out=json_,
+        title=title,
+        threshold=threshold,
+        seeds=seed_list,
+        reference=reference,
+        shift=kinds,
+        rerun=tuple(rerun or ()),
     )
 
 
@@ -112,21 +153,35 @@ def _run_comparison(
     seeds: list[int] | None = None,
     reference=None,
     shift=None,
+    rerun: tuple[str, ...] = (),
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import compare as cmp
     from fedbayes.runs.strictjson import dumps_record
 
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
-    if resume:  # a run folder holding another config is never overwritten (nor mixed in silently)
-        bad = cmp.conflicts(cmp.jobs(runs, out, seeds))
+    reference, note = cmp.applicable_reference(reference, runs)
+    if note:
+        say(note)
+    if resume:  # a run folder holding another config is never overwritten (nor mixed in silently), unless named by --rerun
+        planned = cmp.jobs(runs, out, seeds)
+        for job in planned:
+            if job.variant in rerun and job.folder.exists():
+                shutil.rmtree(job.folder)
+        bad = cmp.conflicts(planned)
         if bad:
-            fail(f"error: {bad[0]} holds a run of a different config; pass --overwrite to replace it, or another --out")
+            variant = next(j.variant for j in planned if j.folder == bad[0])
+            fail(
+                f"error: {bad[0]} holds a run of a different config; pass --rerun {variant} to run that variant again "
+                "(the other variants are kept), or choose another --out"
+            )
     ctx.hold(out, "compare")
     ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
 
+    warned: list[str] = []  # the runs' warning lines, said after the table (a run that ended before its fixed point: one note)
+
     def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
-        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True)
+        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append)
 
     try:
         result = cmp.run_comparison(runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift)
@@ -137,9 +192,10 @@ def _run_comparison(
     if json_out:
         print(dumps_record(result.body), flush=True)
     else:
-        print_table(result.summaries, threshold, result.curves, title=result.title)
-        _print_reference(result.summaries, result.curves, reference)
+        print_table(result.summaries, threshold, result.curves, title=result.title, full=f"{result.markdown} and --json")
+        _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False)
+    _say_warnings(warned, say)
     if result.shift is not None:
         say(f"shift table: {result.shift.markdown}  {result.shift.json}  plot: {result.shift.plot}")
     if result.diverged:
@@ -150,24 +206,24 @@ def _run_comparison(
 
 SWEEP_HELP = r"""Run a grid of settings, several seeds each; tables of every cell and of the best cell per method.
 
-CONFIG is a run TOML or a comparison TOML (\[base] + \[variants.NAME]); the grid applies to every
+CONFIG is a run TOML or a comparison TOML ([base] + [variants.NAME]); the grid applies to every
 variant. Every combination of --grid values is a cell; every (variant, cell, seed) is its own run
-folder OUT/VARIANT/CELL/seed_S/.
+folder OUT/VARIANT/CELL/seed_S/. For example: `fedbayes sweep CONFIG --grid algorithm.delta=0.1,1,10
+--grid client.epochs=1,2,5 --seeds 3`.
 
-  fedbayes sweep CONFIG --grid algorithm.delta=0.1,1,10 --grid client.epochs=1,2,5 --seeds 3
+--grid KEY=V1,V2,...: any config key (`fedbayes config` lists them); values read as TOML (strings
+may be bare; brackets keep commas: model.hidden=[100],[200,100]); VARIANT.KEY=... sweeps a key in
+one variant only (e.g. feddyn.algorithm.alpha=...). A key that is not a setting of some variant it
+applies to is an error.
 
---grid KEY=V1,V2,...   any config key (`fedbayes config` lists them); values read as TOML
-                       (strings may be bare; brackets keep commas: model.hidden=[100],[200,100]);
-                       VARIANT.KEY=... sweeps a key in one variant only (e.g. feddyn.algorithm.alpha=...).
-                       A key that is not a setting of some variant it applies to is an error.
---seeds N | S1,S2,...  N seeds (0..N-1) or these seeds; default the comparison file's `seeds`,
-                       else each config's own seed. Cells are compared on their mean over seeds.
---select-on validation (default) chooses each method's best cell on a validation split held out
-                       from every client's training data (data.validation_fraction; when the
-                       config holds out nothing, --validation-fraction, default 0.1); the test
-                       metrics are reported beside it. The split is taken per client after
-                       partitioning, seeded, so the federation is the one a run without it gets.
---select-on test       chooses on the test set, as the papers do; the output says so.
+--seeds N | S1,S2,...: N seeds (0..N-1) or these seeds; default the comparison file's `seeds`,
+else each config's own seed. Cells are compared on their mean over seeds.
+
+--select-on validation (the default) chooses each method's best cell on a validation split held
+out from every client's training data (data.validation_fraction; when the config holds out
+nothing, --validation-fraction, default 0.1); the test metrics are reported beside it. The split
+is taken per client after partitioning, seeded, so the federation is the one a run without it
+gets. --select-on test chooses on the test set, as the papers do; the output says so.
 
 A cell's score: its mean accuracy over rounds R-2..R (Swaroop et al. 2025, Table 1), averaged
 over seeds (regression: the lowest MSE); a cell with a diverged seed is never chosen. The tables
@@ -184,7 +240,7 @@ value the key does not allow, an empty grid) is one line naming it, exit code 2,
 @handled
 def sweep(
     ctx: CommandContext,
-    config: Annotated[Path, typer.Argument(help="a run TOML or a comparison TOML (\\[base] + \\[variants.NAME])")],
+    config: Annotated[Path, typer.Argument(help="a run TOML or a comparison TOML ([base] + [variants.NAME])")],
     grid: Annotated[Optional[list[str]], typer.Option("--grid", help="KEY=V1,V2,... (repeatable; VARIANT.KEY=... for one variant)")] = None,
     seeds: Annotated[Optional[str], typer.Option("--seeds", help="N (seeds 0..N-1) or S1,S2,...; default the file's `seeds`, else the config's seed")] = None,
     select_on: Annotated[
@@ -264,5 +320,5 @@ def _sweep(ctx: CommandContext, runs: dict[str, RunConfig], spec: dict, out: Pat
         for display in shown:
             display.close()
     ctx.resume_target = None
-    print(result.tables.render(), end="", flush=True)
+    print(result.tables.render(full=str(result.markdown)), end="", flush=True)
     console.print(f"tables: {result.markdown}  {result.json}", highlight=False)

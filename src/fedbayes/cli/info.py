@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +13,7 @@ import typer
 from rich.table import Table
 
 from fedbayes.cli.base import console, fail
+from fedbayes.runs.report import terminal_width
 
 __all__ = ["bench", "config_reference", "datasets"]
 
@@ -50,8 +52,12 @@ def bench(
         ),
     ] = None,
     json_: Annotated[bool, typer.Option("--json", help="print one JSON object keyed by workload instead of the table")] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (about 7 minutes on 2 cores)")] = False,
-    workload: Annotated[Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable); limit_b32 always runs")] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="fewer rounds, one repeat: a smoke check of every workload (docs/results/bench.md has its times)")
+    ] = False,
+    workload: Annotated[
+        Optional[list[str]], typer.Option("--workload", help="run only this workload (repeatable; an unknown name lists them); limit_b32 always runs")
+    ] = None,
     repeats: Annotated[Optional[int], typer.Option(min=1, help="repeat every workload this many times and report medians")] = None,
     rounds: Annotated[Optional[int], typer.Option(min=1, help="steady-state rounds per federated workload")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="folder holding the dataset")] = None,
@@ -85,7 +91,7 @@ def bench(
     settings = dataclasses.replace(settings, **changes)
     title = fb.describe_run(settings, quick, suite)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
-    log(title)
+    log(textwrap.fill(title, terminal_width(), break_long_words=False, break_on_hyphens=False))
     try:
         results = fb.run_bench(settings, workload, log=log)
     except fb.BenchError as exc:
@@ -93,7 +99,7 @@ def bench(
     if json_:
         print(json.dumps(results))
     else:
-        console.print(fb.rich_table(results, title=title))
+        print(fb.text_tables(results, title=title), end="", flush=True)
 
 
 def _bench_posterior(

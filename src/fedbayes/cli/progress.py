@@ -13,13 +13,43 @@ from fedbayes.runs.loggers import PlainReporter, format_record, status_text
 __all__ = ["RichReporter", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
 
 
-def progress_bar():
-    """The rich progress bar of runs and sweeps: description, bar, done/total, status, time left."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+# Widths of the progress bar's fixed columns: the count ("100/100"), the status ("acc 0.9123"),
+# the time elapsed and the time left ("0:01:23" each); columns are one space apart.
+_COUNT, _STATUS, _TIME, _MIN_BAR, _MIN_DESCRIPTION = 7, 10, 7, 10, 12
 
-    return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console
-    )
+
+def progress_bar(on=None):
+    """The rich progress bar of runs and sweeps: description, bar, done/total, status, time
+    elapsed, time left. It fits the console's width (``on``, default the CLI's console): the bar
+    takes what is left beside the description; where too little is left, the bar and then the
+    status are left out, with a one-line note, and a long description ends in an ellipsis; the
+    count and both times always show."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.table import Column
+
+    on = on or console
+    width = on.width
+    fixed = _COUNT + 1 + 2 * (_TIME + 1)  # count and times, with the spaces before them
+    status = _STATUS + 1
+    bar = min(40, width - fixed - status - 24 - 1)  # a description of 24 characters beside it
+    dropped = []
+    if bar < _MIN_BAR:
+        bar = 0
+        dropped.append("bar")
+        if width - fixed - status < _MIN_DESCRIPTION:
+            status = 0
+            dropped.append("status")
+    description = max(_MIN_DESCRIPTION, width - fixed - status - (bar + 1 if bar else 0) - 1)
+    cols = [TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", max_width=description))]
+    if bar:
+        cols.append(BarColumn(bar_width=bar))
+    cols.append(MofNCompleteColumn())
+    if status:
+        cols.append(TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True, min_width=_STATUS)))
+    cols += [TimeElapsedColumn(), TimeRemainingColumn(elapsed_when_finished=False)]
+    if dropped:
+        on.print(f"(progress: the {' and the '.join(dropped)} left out to fit {width} columns)", highlight=False, markup=False)
+    return Progress(*cols, console=on)
 
 
 class RichReporter:

@@ -11,6 +11,7 @@ import typer
 from fedbayes.cli.base import CommandContext, console, fail, handled
 from fedbayes.cli.common import LOG_HELP, check_out, load, number_in, print_table, records, run_one
 from fedbayes.config.schema import parse_override
+from fedbayes.flower import INSTALL as _FLOWER_INSTALL  # the package's __init__ imports no flwr
 from fedbayes.runs import folder as run_folder
 
 DEPLOYED = "flower"  # the folder `fedbayes deploy` adds to a run folder (fedbayes.flower.deploy.deploy_local)
@@ -40,7 +41,7 @@ def run(
     out = out or Path("runs") / cfg.name
     check_out(out, overwrite)
     summary = run_one(ctx, cfg, out, logs=log)
-    print_table({cfg.name: summary}, curves={cfg.name: records(out)})
+    print_table({cfg.name: summary}, curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
     console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False)
 
 
@@ -71,13 +72,15 @@ def deploy(
     """Run an experiment on Flower: a SuperLink and one SuperNode per client on this machine (real
     processes on loopback), the same run folder as `fedbayes run`, every process ended at the end.
 
-    Needs the flower extra (pip install -e '.[flower]'); examples/flower/README.md walks through it."""
+    Needs the flower extra in an environment of its own (flwr pins older typer, rich and protobuf):
+    python -m venv .venv-flower && .venv-flower/bin/pip install -e '.[flower]', then
+    .venv-flower/bin/fedbayes deploy ...; examples/flower/README.md walks through it."""
     cfg = load(config, set_ or [])
     out = out or Path("runs") / cfg.name
     try:
         from fedbayes.flower import deploy as flower_deploy
     except ImportError as exc:
-        fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
+        fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing); install it {_FLOWER_INSTALL}")
     if print_commands and set_:
         fail("error: --print-commands names CONFIG as written (the SuperLink reads it there); put the --set changes in the file")
     if print_commands:  # needs no Flower here: the commands run on the federation's machines
@@ -94,14 +97,14 @@ def _deploy(ctx: CommandContext, cfg, out: Path, *, resume: bool, tls: bool, run
         import flwr  # noqa: F401
 
         from fedbayes.flower import deploy as flower_deploy
-    except ImportError as exc:
-        fail(f"error: fedbayes deploy needs Flower ({exc.name or exc} is missing): pip install -e '.[flower]'")
+    except ImportError:
+        fail(f"error: fedbayes deploy needs Flower (flwr is missing); install it {_FLOWER_INSTALL}")
     from fedbayes.runs.loggers import format_record
 
     ctx.folder = out  # an interrupt names `fedbayes resume OUT`, which resumes a deployed run on Flower
     echo = lambda r: console.print(format_record(r, cfg.rounds), highlight=False)  # noqa: E731
     summary = flower_deploy.deploy_local(cfg, out, resume=resume, tls=tls, run_config=run_config, progress=echo, executor=executor)
-    print_table({cfg.name: summary}, curves={cfg.name: records(out)})
+    print_table({cfg.name: summary}, curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
     console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False)
 
 
@@ -146,4 +149,4 @@ def resume(
         return
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = run_one(ctx, cfg, out, resume=True, logs=log, accept_changes=accept)
-    print_table({cfg.name: summary}, curves={cfg.name: records(out)})
+    print_table({cfg.name: summary}, curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")

@@ -73,6 +73,8 @@ def type_name(annotation) -> str:
 
 def _default(field) -> str:
     value = field.default
+    if value is PydanticUndefined and field.default_factory is not None:
+        value = field.default_factory()
     if value is PydanticUndefined:
         return "(required)"
     if value is None:
@@ -81,6 +83,8 @@ def _default(field) -> str:
         return "(section)"
     if isinstance(value, tuple):
         value = list(value)
+    if isinstance(value, dict) and not value:
+        return "{}"
     return repr(value) if isinstance(value, str) else str(value).replace("True", "true").replace("False", "false")
 
 

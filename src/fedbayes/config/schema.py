@@ -28,11 +28,14 @@ from fedbayes.hparams import HParams
 
 DATASETS = (
     "fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares",
-    "emnist", "fed_cifar100", "cifar100", "cifar10", "stackoverflow_nwp", "stackoverflow_lr",
+    "emnist", "fed_cifar100", "cifar100", "cifar10", "stackoverflow_nwp", "stackoverflow_lr", "files", "arrays",
 )  # fmt: skip
-NATURAL_DATASETS = ("leaf", "synthetic_leaf", "least_squares", "emnist", "fed_cifar100", "cifar100", "stackoverflow_nwp", "stackoverflow_lr")
+NATURAL_DATASETS = (
+    "leaf", "synthetic_leaf", "least_squares", "emnist", "fed_cifar100", "cifar100", "stackoverflow_nwp", "stackoverflow_lr", "files", "arrays",
+)  # fmt: skip
+USER_DATA_KEYS = ("path", "test_path", "label", "client_column")  # data.dataset = "files" only (fedbayes.data.user)
 PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
-MODELS = ("logreg", "mlp", "cnn", "linear", "emnist_cnn", "resnet18_gn", "lstm_nwp")
+MODELS = ("logreg", "mlp", "cnn", "linear", "emnist_cnn", "resnet18_gn", "lstm_nwp", "module")
 VARIATIONAL_MODELS = ("mlp", "cnn")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 PREDICTIVES = ("sample", "linearised")  # fedbayes.evaluation.evaluators.PREDICTIVES (a test keeps them equal)
@@ -64,7 +67,7 @@ class DataConfig(_Strict):
     synthetic_alpha: float = Field(1.0, ge=0, description="synthetic_leaf: model heterogeneity")
     synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
     dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
-    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels): the declared number of classes; default from the labels")
+    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels), files, arrays: the declared number of classes; default from the labels")
     # The federated benchmarks' datasets (fedbayes.data.tff, .stackoverflow, .cifar).
     only_digits: bool = Field(False, description="emnist: TFF's digits-only files (10 classes) instead of the 62 classes")
     vocab_size: int = Field(10_000, ge=1, description="stackoverflow_*: the most frequent words kept")
@@ -74,6 +77,25 @@ class DataConfig(_Strict):
     max_posts: int | None = Field(None, ge=1, description="stackoverflow_*: the first posts of each user (Al-Shedivat et al. 2021, NWP: 128); all when unset")
     test_examples: int | None = Field(None, ge=1, description="stackoverflow_*: a random subsample of the test posts (Guo et al. 2023: 10000)")
     test_clients: int = Field(100, ge=1, description="cifar100 (Python batches): test clients of the Pachinko split")
+    # Your own data (dataset = "files"; fedbayes.data.user): .npz, .npy, .csv or .parquet.
+    path: str | None = Field(None, description="files: the data file (.npz, .npy, .csv, .parquet); relative paths from the current folder")
+    test_path: str | None = Field(None, description="files: the test file, same layout; unset: test_fraction of each client's rows is held out")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="files, arrays: the share held out for testing when there is no test file")
+    label: str | None = Field(None, description="files: the label column (a .npz: the label array); default 'label' (a .npz: 'y')")
+    client_column: str | None = Field(None, description="files: the column (a .npz: the array) of client ids, the natural partition (partition = natural)")
+
+    @model_validator(mode="after")
+    def _user_data(self) -> DataConfig:
+        if self.dataset == "files" and self.path is None:
+            raise ValueError("data.path: dataset 'files' reads your own file; set data.path (.npz, .npy, .csv or .parquet)")
+        if self.dataset != "files":
+            given = [k for k in USER_DATA_KEYS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"data.{given[0]}: only dataset 'files' reads it; got dataset {self.dataset!r}")
+        if self.partition == "natural" and self.dataset == "files" and self.client_column is None:
+            raise ValueError("data.partition: 'natural' needs the client column of your data; set data.client_column")
+        return self
+
     validation_fraction: float = Field(
         0.0,
         ge=0,
@@ -94,6 +116,31 @@ class ModelConfig(_Strict):
     embed_dim: int | None = Field(None, ge=1, description="lstm_nwp: embedding size (96)")
     # Ozer et al. 2022 (VBNN aggregation)'s VBNN: the dense layers variational (fedbayes.models.variational); mlp and cnn.
     variational: bool = False
+    # Your own flax module (fedbayes.models.imported); name = "module".
+    module: str | None = Field(None, description="your own flax module: 'package.module:Class' or 'path/to/file.py:Class' (sets name = 'module')")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="module: its keyword arguments (num_classes is set from the data unless given)")
+
+    def __hash__(self) -> int:  # kwargs is a dict: hash the record by its JSON (equal records, equal JSON)
+        return hash(self.model_dump_json())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _module_names_itself(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("module") is not None and "name" not in data:
+            return {**data, "name": "module"}
+        return data
+
+    @model_validator(mode="after")
+    def _own_module(self) -> ModelConfig:
+        if self.module is not None and self.name != "module":
+            raise ValueError(f"model.name: model.module gives your own model; leave name unset or set it to 'module'; got {self.name!r}")
+        if self.kwargs and self.name != "module":
+            raise ValueError(f"model.kwargs: only your own model (model.module) takes keyword arguments; got model {self.name!r}")
+        if self.module is not None:
+            from fedbayes.models.imported import make_module
+
+            make_module(self.module, self.kwargs, num_classes=2)  # imports it and checks the keywords (2: a stand-in; the data sets it)
+        return self
 
     @model_validator(mode="after")
     def _variational_models(self) -> ModelConfig:
@@ -442,6 +489,8 @@ class ReferenceTable(_Strict):
     section: ClassVar[str] = "reference"
 
     source: str = Field(min_length=1, description="where the numbers come from (paper, table, setting)")
+    dataset: str | None = Field(None, description="the data set the paper's numbers are for: a comparison on other data prints no paper table")
+    rounds: int | None = Field(None, ge=1, description="the rounds R the paper's numbers are after: a comparison of other length prints no paper table")
     summary: Literal["mean_last", "max_last"] = Field("mean_last", description="the curve summary the numbers are set beside")
     values: dict[str, Union[float, str]] = Field(min_length=1, description="variant -> the paper's number (percent) or its printed text")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedbayes.data import cifar, idx, leaf, sklearn_data, stackoverflow, synthetic, tff
+from fedbayes import protocol
+from fedbayes.data import cifar, idx, leaf, sklearn_data, stackoverflow, synthetic, tff, user
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
-from fedbayes.protocol import subsample_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +120,13 @@ def _load_stackoverflow(task):
         return stackoverflow.load_stackoverflow(_so_folder(data_dir), task, seed=seed, **params)
 
     return load
+def _load_files(data_dir, seed, path=None, test_path=None, label=None, client_column=None, test_fraction=0.2, num_classes=None):
+    if path is None:
+        raise ValueError("dataset 'files' needs data.path (.npz, .npy, .csv or .parquet)")
+    return user.load_files(
+        path, test_path=test_path, label=label, client_column=client_column, test_fraction=test_fraction, num_classes=num_classes,
+        rng=protocol.test_split_rng(seed),
+    )  # fmt: skip
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -229,9 +236,15 @@ DATASETS: dict[str, DatasetInfo] = {
         locate=_locate_so_lr,
         params=(*_SO_PARAMS, "num_tags"),
     ),
+    "files": DatasetInfo(
+        name="files",
+        description="your own data: features, labels and optionally client ids in .npz, .npy, CSV or Parquet files",
+        how_to_get="your files: data.path (and data.test_path); docs: bring your own data and model",
+        loader=_load_files,
+        locate=_always("your files (data.path)"),
+        params=("path", "test_path", "label", "client_column", "test_fraction", "num_classes"),
+    ),
 }
-# Datasets whose clients come with the data (data.partition = "natural").
-NATURAL = ("leaf", "synthetic_leaf", "least_squares", "emnist", "fed_cifar100", "cifar100", "stackoverflow_nwp", "stackoverflow_lr")
 # Datasets read from files in data_dir: a data error names the folder.
 FILE_BASED = ("leaf", "mnist", "fashion_mnist", "emnist", "fed_cifar100", "cifar100", "cifar10", "stackoverflow_nwp", "stackoverflow_lr")
 
@@ -271,9 +284,10 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int
     if unknown:
         raise ValueError(f"dataset {name!r} got unknown parameter(s) {unknown}; allowed: {sorted(info.params + ('fraction',))}")
     dataset = info.loader(data_dir, seed, **params)
-    check_dataset(dataset, str(data_dir) if data_dir is not None and name in FILE_BASED else name)
+    source = dataset.name if name == "files" else name  # the file's path
+    check_dataset(dataset, str(data_dir) if data_dir is not None and name in FILE_BASED else source)
     if fraction is not None:
-        dataset = dataset.subsample(fraction, subsample_rng(seed))
+        dataset = dataset.subsample(fraction, protocol.subsample_rng(seed))
     return dataset
 
 

@@ -1,5 +1,5 @@
-"""Deployment on Flower (``pip install -e ".[flower]"``): every fedbayes algorithm across real
-Flower processes, equal to the simulator.
+"""Deployment on Flower (the ``flower`` extra, in an environment of its own: :data:`INSTALL`):
+every fedbayes algorithm across real Flower processes, equal to the simulator.
 
 * :mod:`fedbayes.flower.codec`: pytrees <-> ``ArrayRecord`` by tree path, checked on decode;
 * :mod:`fedbayes.flower.node`: one client's round on its node, its state on disk;
@@ -13,3 +13,7 @@ Flower processes, equal to the simulator.
 
 The core package never imports this one; it needs ``flwr``.
 """
+
+# The one install instruction (README, examples/flower/README.md and every error say the same):
+# flwr pins older typer, rich and protobuf than the rest of fedbayes, hence an environment of its own.
+INSTALL = "from the fedbayes clone: python -m venv .venv-flower && .venv-flower/bin/pip install -e '.[flower]' (then run .venv-flower/bin/fedbayes deploy)"

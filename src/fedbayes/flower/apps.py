@@ -156,6 +156,7 @@ def run_server(grid, run_config) -> dict:
         config,
         str(run_config["out"]),
         resume=bool(run_config.get("resume", False)),
+        overwrite=True,
         rounds=lambda exp: FlowerRounds(exp, transport, settings, times_file=times),
     )
 

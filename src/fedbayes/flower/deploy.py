@@ -33,6 +33,7 @@ from pathlib import Path
 import psutil
 
 from fedbayes.errors import BadInputError, FedbayesError
+from fedbayes.flower import INSTALL
 from fedbayes.runs import folder as run_folder
 
 APP_NAME = "fedbayes-app"
@@ -176,7 +177,7 @@ def _bin(name: str) -> str:
         return str(here)
     found = shutil.which(name)
     if found is None:
-        raise BadInputError(f"{name} not found next to {sys.executable} or on PATH; install the extra: pip install -e '.[flower]'")
+        raise BadInputError(f"{name} not found next to {sys.executable} or on PATH; install the flower extra {INSTALL}")
     return found
 
 
@@ -242,7 +243,7 @@ def print_commands(
     env = "FLWR_TELEMETRY_ENABLED=0 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0"
     lines = [
         f"# fedbayes on Flower: {config.name} ({config.algorithm.name}, {k} clients, {config.rounds} rounds), over TLS, SuperNodes authenticated.",
-        "# Install on every machine: pip install -e '.[flower]' from a clone of fedbayes (flwr 1.41 or 1.42).",
+        f"# Install on every machine, {INSTALL} (flwr 1.41 or 1.42).",
         f"# Certificates: a CA (ca.crt) and a certificate for {superlink_host} (server.pem, server.key) signed by it, e.g. with openssl;",
         "# ca.crt goes to every machine. Node keys: ssh-keygen -t ecdsa -b 384 -N '' -f nodeI on node I; nodeI.pub to where you submit.",
         "",

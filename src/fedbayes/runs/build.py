@@ -40,7 +40,8 @@ from fedbayes import tree as tree_lib
 from fedbayes.algorithms import registry
 from fedbayes.config.schema import ConfigError, RunConfig
 from fedbayes.data import load_dataset, natural, partition
-from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
+from fedbayes.data.federation import Federation
 from fedbayes.data.holdout import hold_out
 from fedbayes.errors import DataError
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
@@ -48,11 +49,10 @@ from fedbayes.evaluation.prior_precision import make_prior_precision_search
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
-from fedbayes.data.federation import Federation
+from fedbayes.runs import limits
 from fedbayes.sim import scenario as attacks
 from fedbayes.sim.scenario import Scenario
 from fedbayes.sim.simulator import Simulator
-from fedbayes.runs import limits
 
 __all__ = [
     "VALIDATION_METRICS",
@@ -82,11 +82,23 @@ Evaluate = Callable[[Any, int], dict[str, float]]  # (server state, round) -> me
 # ----- 1. data -----------------------------------------------------------------------------------
 
 
-def load_data(config: RunConfig) -> Dataset:
-    """Loads the configured dataset (generated ones get their own parameters)."""
+def load_data(config: RunConfig, given: Dataset | None = None) -> Dataset:
+    """Loads the configured dataset (generated ones get their own parameters); ``given``: the
+    dataset of ``data.dataset = "arrays"``, passed from Python (:func:`fedbayes.run_experiment`)."""
     d = config.data
+    if (d.dataset == "arrays") != (given is not None):
+        if given is None:
+            raise ConfigError("config error: data.dataset: 'arrays' are given from Python: run_experiment(config, out, data=...)")
+        raise ConfigError(f"config error: data.dataset: data passed to run_experiment needs data.dataset = 'arrays'; got {d.dataset!r}")
+    if given is not None:
+        check_dataset(given, given.name)
+        return given.subsample(d.fraction, protocol.subsample_rng(config.seed)) if d.fraction < 1.0 else given
     params: dict[str, Any] = {}
-    if d.dataset == "synthetic_leaf":
+    if d.dataset == "files":
+        params = dict(path=d.path, test_path=d.test_path, label=d.label, client_column=d.client_column, test_fraction=d.test_fraction)
+        if d.num_classes is not None:
+            params["num_classes"] = d.num_classes
+    elif d.dataset == "synthetic_leaf":
         params = dict(num_clients=d.num_clients, alpha=d.synthetic_alpha, beta=d.synthetic_beta, dim=d.dim)
     elif d.dataset == "least_squares":
         params = dict(num_clients=d.num_clients, dim=d.dim)
@@ -131,6 +143,8 @@ def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
     elif d.partition == "shards":
         params = {"classes_per_client": d.classes_per_client}
     elif d.partition == "natural":
+        if dataset.client_ids is None:
+            raise ConfigError(f"config error: data.partition: 'natural' needs client ids; {dataset.name} has none (pass client_ids, or choose iid or dirichlet)")
         parts = natural(dataset.client_ids)
         if len(parts) != d.num_clients:
             raise ConfigError(f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients}")
@@ -141,8 +155,10 @@ def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
         raise ConfigError(f"config error: data.partition ({d.partition}, data.num_clients = {d.num_clients}, {dataset.num_train} examples): {exc}") from None
 
 
-def check_model(config: RunConfig, dataset: Dataset) -> None:
-    """Rejects model/data pairs that cannot work, naming the field (before any training)."""
+def check_model(config: RunConfig, dataset: Dataset, module=None) -> None:
+    """Rejects model/data pairs that cannot work, naming the field (before any training); your own
+    model (``model.module``, or ``module`` passed from Python) must have only parameters and give
+    one logit per class (:func:`fedbayes.models.imported.check_module`)."""
     name = config.model.name
     if dataset.task == "next_word" and name != "lstm_nwp":
         raise ConfigError(f"config error: model.name: {dataset.name!r} is next-word prediction (token sequences); allowed: lstm_nwp; got {name!r}")
@@ -159,6 +175,17 @@ def check_model(config: RunConfig, dataset: Dataset) -> None:
             f"config error: data.dataset: {dataset.name!r} holds token ids (text, shape {dataset.feature_shape}); "
             "no fedbayes model takes text yet; allowed here: image or tabular data"
         )
+    if config.model.name == "module" and module is None and config.model.module is None:
+        raise ConfigError("config error: model.name: 'module' is your own flax module: set model.module, or pass it from Python: run_experiment(config, out, model=...)")
+    if config.model.name != "module" and module is not None:
+        raise ConfigError(f"config error: model.name: a model passed to run_experiment needs model.name = 'module'; got {config.model.name!r}")
+    if config.model.name == "module":
+        from fedbayes.models.imported import check_module
+
+        try:
+            check_module(_module(config, dataset.num_classes, module), dataset.feature_shape, dataset.num_classes)
+        except ValueError as exc:
+            raise ConfigError(f"config error: {exc}") from None
     if config.model.name == "cnn" and len(dataset.feature_shape) not in (2, 3):
         raise ConfigError(
             f"config error: model.name: 'cnn' needs image data [H, W] or [H, W, C]; {dataset.name!r} has features of shape "
@@ -166,19 +193,20 @@ def check_model(config: RunConfig, dataset: Dataset) -> None:
         )
 
 
-def prepare_data(config: RunConfig) -> tuple[Dataset, list[np.ndarray]]:
+def prepare_data(config: RunConfig, given: Dataset | None = None, module=None) -> tuple[Dataset, list[np.ndarray]]:
     """Loads and partitions the data and checks the model against it: every check that needs
     the data, cheap enough to run for all variants of a comparison before any of them trains.
-    The parts are the clients' training examples (without a validation split)."""
-    dataset, parts, _ = prepare_split(config)
+    The parts are the clients' training examples (without a validation split). ``given`` and
+    ``module``: data and model passed from Python (:func:`load_data`, :func:`build_model`)."""
+    dataset, parts, _ = prepare_split(config, given, module)
     return dataset, parts
 
 
-def prepare_split(config: RunConfig) -> tuple[Dataset, list[np.ndarray], np.ndarray | None]:
+def prepare_split(config: RunConfig, given: Dataset | None = None, module=None) -> tuple[Dataset, list[np.ndarray], np.ndarray | None]:
     """:func:`prepare_data` plus the validation split held out from each client's training
     examples (``data.validation_fraction``, :mod:`fedbayes.data.holdout`); None when it is 0."""
-    dataset = load_data(config)
-    check_model(config, dataset)
+    dataset = load_data(config, given)
+    check_model(config, dataset, module)
     parts = split_clients(config, dataset)
     fraction = config.data.validation_fraction
     if fraction == 0:
@@ -248,16 +276,28 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return opt
 
 
-def build_model(config: RunConfig, spec: DataSpec) -> ModelParts:
-    """The model, its initial parameters and the local trainer from the config and the data's shape."""
+def _module(config: RunConfig, num_classes: int, module=None):
+    """The flax module: ``module`` (passed from Python), your own from ``model.module``, or a built-in one by name."""
+    if module is not None:
+        return module
     m = config.model
+    if m.name == "module":
+        from fedbayes.models.imported import make_module
+
+        return make_module(m.module, m.kwargs, num_classes)
     kwargs = {"hidden": tuple(m.hidden), "activation": m.activation} if m.name == "mlp" else {}
     if m.name == "resnet18_gn" and m.width is not None:
         kwargs["width"] = m.width
     if m.name == "lstm_nwp":
         kwargs.update({k: v for k, v in (("hidden", m.width), ("embed_dim", m.embed_dim)) if v is not None})
+    return make_model(m.name, num_classes, variational=m.variational, **kwargs)
+
+
+def build_model(config: RunConfig, spec: DataSpec, module=None) -> ModelParts:
+    """The model, its initial parameters and the local trainer from the config and the data's
+    shape; ``module``: a flax module passed from Python (``model.name = "module"``)."""
     variational = config.model.variational
-    model = make_model(config.model.name, spec.num_classes, variational=variational, **kwargs)
+    model = _module(config, spec.num_classes, module)
     limits.check_model(config, lambda: tree_lib.num_params(jax.eval_shape(lambda: init_params(model, protocol.params_key(config.seed), spec.feature_shape))))
     params = init_params(model, protocol.params_key(config.seed), spec.feature_shape)
     trainer = LocalTrainer(loss_fn(model, spec.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
@@ -489,13 +529,15 @@ def build_simulator(exp: Experiment) -> Simulator:
     )
 
 
-def build_experiment(config: RunConfig, store_dir: str | Path | None = None) -> Experiment:
-    """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset."""
-    dataset, parts, validation = prepare_split(config)
+def build_experiment(config: RunConfig, store_dir: str | Path | None = None, data: Dataset | None = None, module=None) -> Experiment:
+    """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset;
+    ``data`` and ``module``: your dataset (``data.dataset = "arrays"``) and flax module
+    (``model.name = "module"``) passed from Python."""
+    dataset, parts, validation = prepare_split(config, data, module)
     scenario, y_train = build_scenario(config, dataset, parts)
     federation = Federation(dataset.x_train, y_train, tuple(parts))
     spec = DataSpec.of(dataset)
-    model = build_model(config, spec)
+    model = build_model(config, spec, module)
     algorithm, aggregator = build_algorithm_and_aggregator(config, registry.FederationInfo.from_sizes(federation.sizes), spec, model)
     evaluate = build_evaluator(config, algorithm, dataset, model, validation, registry.FederationInfo.from_sizes(federation.sizes))
     return Experiment(config, dataset, federation, model.model, model.params, algorithm, aggregator, scenario, evaluate, validation, store_dir)

@@ -20,7 +20,7 @@ line here.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -42,6 +42,7 @@ __all__ = [
     "file_shift",
     "jobs",
     "load_comparison",
+    "applicable_reference",
     "reference_markdown",
     "run_comparison",
     "split_overrides",
@@ -244,6 +245,22 @@ def without_numbers(summary: dict) -> dict:
     return {k: summary[k] for k in DIVERGED_KEYS if k in summary}
 
 
+def applicable_reference(reference, runs: Mapping[str, RunConfig]):
+    """``(reference, note)``: the ``[reference]`` table when every run uses the data set and the
+    number of rounds its numbers are for (``reference.dataset``, ``reference.rounds``; unset: any),
+    else ``None`` and a one-line note saying why no paper table is printed (a paper's numbers beside
+    another setting would read as differences)."""
+    if reference is None:
+        return reference, None
+    other = sorted({c.data.dataset for c in runs.values()} - {reference.dataset}) if reference.dataset is not None else []
+    if other:
+        return None, f"no paper table: the [reference] numbers ({reference.source}) are for {reference.dataset}; this comparison runs on {', '.join(other)}"
+    lengths = sorted({c.rounds for c in runs.values()} - {reference.rounds}) if reference.rounds is not None else []
+    if lengths:
+        return None, f"no paper table: the [reference] numbers ({reference.source}) are after {reference.rounds} rounds; this comparison runs {', '.join(map(str, lengths))}"
+    return reference, None
+
+
 def reference_markdown(summaries: dict, curves: dict, reference) -> str:
     """The "beside the paper" table in Markdown ("" without a reference)."""
     if reference is None:
@@ -305,7 +322,7 @@ def run_comparison(
     comparison: dict[str, Any] = {} if seeds is None else {"seeds": list(seeds)}
     comparison["variants"] = {name: cfg.model_dump(mode="json", exclude_none=True) for name, cfg in runs.items()}
     if reference is not None:
-        comparison["reference"] = reference.model_dump(mode="json")
+        comparison["reference"] = reference.model_dump(mode="json", exclude_none=True)
     if shift:
         comparison["shift"] = {"kinds": list(shift)}
     folder.write_atomic(out / folder.COMPARISON, "# written by `fedbayes compare`; `fedbayes resume` continues it\n" + toml_text(comparison))

@@ -197,6 +197,8 @@ def make_calibration_check(config: RunConfig) -> CalibrationCheck:
 
 # ----- fixed point -------------------------------------------------------------------------------
 
+UNSETTLED = "the run ended before its fixed point"  # the start of FixedPointCheck's message (a comparison sums these up)
+
 FIXED_POINT_WINDOW = 10  # rounds over which the end of a run is judged (two halves)
 FIXED_POINT_MEAN_TOL = 0.01  # relative L2 drift of the mean between the window's halves
 FIXED_POINT_VAR_TOL = 0.05  # drift of the variances' mean log between the window's halves
@@ -316,7 +318,7 @@ class FixedPointCheck:
         if not moved:
             return None
         self.message = (
-            f"{self.name}: the run ended before its fixed point: over the last {self.window} rounds the server posterior's "
+            f"{self.name}: {UNSETTLED}: over the last {self.window} rounds the server posterior's "
             f"{' and '.join(moved)} still drifted, beyond its round-to-round jitter (tolerance {100 * FIXED_POINT_MEAN_TOL:.0f}% and "
             f"{100 * FIXED_POINT_VAR_TOL:.0f}%); its result is not yet the method's answer: run more rounds (rounds), or converge faster "
             "with a larger damping or more local steps (client.epochs, client.lr); metrics.jsonl's posterior_change shows the trend"

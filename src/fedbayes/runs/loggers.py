@@ -10,8 +10,8 @@ of loggers run side by side. ``fedbayes run --log csv --log tensorboard`` builds
 * ``csv``: ``metrics.csv`` in the run folder, one row per evaluation (the same records as
   ``metrics.jsonl``). Always available.
 * ``tensorboard``: event files in ``<run>/tensorboard`` through ``tensorboardX``
-  (``pip install 'fedbayes[tensorboard]'``); view with ``tensorboard --logdir runs``.
-* ``wandb``: a Weights & Biases run through the ``wandb`` client (``pip install 'fedbayes[wandb]'``),
+  (``pip install -e '.[tensorboard]' (from the fedbayes clone)``); view with ``tensorboard --logdir runs``.
+* ``wandb``: a Weights & Biases run through the ``wandb`` client (``pip install -e '.[wandb]' (from the fedbayes clone)``),
   written under ``<run>/wandb``. It runs offline unless ``WANDB_MODE`` says otherwise; upload later
   with ``wandb sync``.
 
@@ -153,7 +153,7 @@ class TensorBoardLogger:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise LoggerUnavailable("--log tensorboard needs tensorboardX: pip install 'fedbayes[tensorboard]'") from None
+            raise LoggerUnavailable("--log tensorboard needs tensorboardX: pip install -e '.[tensorboard]' (from the fedbayes clone)") from None
         self.writer = SummaryWriter(logdir=str(Path(out) / "tensorboard"))
 
     def start(self, name: str, total: int, done: int) -> None:
@@ -178,7 +178,7 @@ class WandbLogger:
         try:
             import wandb
         except ImportError:
-            raise LoggerUnavailable("--log wandb needs the wandb client: pip install 'fedbayes[wandb]'") from None
+            raise LoggerUnavailable("--log wandb needs the wandb client: pip install -e '.[wandb]' (from the fedbayes clone)") from None
         self.wandb = wandb
         self.out = Path(out)
         self.config = config or {}

@@ -52,6 +52,7 @@ import numpy as np
 
 from fedbayes.aggregators.dp import epsilon as privacy_epsilon
 from fedbayes.config.schema import RunConfig, to_toml
+from fedbayes.errors import BadInputError
 from fedbayes.runs import folder, health, runlock
 from fedbayes.runs.build import Experiment, build_experiment
 from fedbayes.runs.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
@@ -212,9 +213,31 @@ class RunRecorder:
         return summary
 
 
-def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = False, reporter=None, accept_changes=(), warn=None, rounds=None) -> dict:
+def run_experiment(
+    config: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    data=None,
+    model=None,
+    reporter=None,
+    accept_changes=(),
+    warn=None,
+    rounds=None,
+) -> dict:
     """Runs (or resumes) one experiment and returns its summary (see the module docstring).
 
+    As ``fedbayes run`` does, it refuses a folder that is not empty unless told to ``resume`` the
+    run there (from its newest checkpoint) or to ``overwrite`` it.
+
+    ``data``: your own data, with ``data.dataset = "arrays"``: a
+    :class:`~fedbayes.data.dataset.Dataset`, a pair ``(x, y)``, or a mapping with ``x``, ``y`` and
+    optionally ``x_test``, ``y_test``, ``client_ids``, ``test_client_ids``
+    (:func:`fedbayes.data.user.from_arrays`; without a test split, ``data.test_fraction`` of each
+    client's examples is held out, seeded by ``config.seed``). ``model``: your own
+    ``flax.linen.Module``, with ``model.name = "module"`` (parameters only: see
+    :mod:`fedbayes.models.imported`). To resume such a run, pass the same data and model again.
     ``accept_changes``: dotted config keys that may differ from the checkpoint's on resume.
     ``warn``: where one-line warnings go (a damaged checkpoint skipped); default stderr.
     ``rounds``: ``Experiment -> runner`` (a :class:`fedbayes.protocol.Runner`: ``init``, ``place``,
@@ -222,20 +245,37 @@ def run_experiment(config: RunConfig, out_dir: str | Path, *, resume: bool = Fal
     ``exp.simulator`` (the Flower deployment, :class:`fedbayes.flower.rounds.FlowerRounds`);
     ``None``: the simulator.
     """
-    with runlock.hold(out_dir), claim_store(config, Path(out_dir), resume):
-        return _run_experiment(config, Path(out_dir), resume, reporter or PlainReporter(), tuple(accept_changes), warn or _stderr, rounds)
+    out = Path(out_dir)
+    if not (resume or overwrite) and out.is_dir() and any(p.name != runlock.LOCK_NAME for p in out.iterdir()):
+        raise BadInputError(f"error: {out} is not empty (an earlier run?); pass overwrite=True to replace it, resume=True to continue it, or choose another folder")
+    given = _given_dataset(config, data)
+    with runlock.hold(out_dir), claim_store(config, out, resume):
+        return _run_experiment(config, out, resume, reporter or PlainReporter(), tuple(accept_changes), warn or _stderr, rounds, given, model)
+
+
+def _given_dataset(config: RunConfig, data):
+    """``data`` (a Dataset, ``(x, y)`` or a mapping of arrays) as a Dataset; ``None`` stays ``None``."""
+    from fedbayes import protocol
+    from fedbayes.data.dataset import Dataset
+    from fedbayes.data.user import from_arrays
+
+    if data is None or isinstance(data, Dataset):
+        return data
+    arrays = dict(zip(("x", "y"), data, strict=True)) if isinstance(data, tuple | list) else dict(data)
+    d = config.data
+    return from_arrays(**arrays, test_fraction=d.test_fraction, num_classes=d.num_classes, rng=protocol.test_split_rng(config.seed))
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Reporter, accept_changes: tuple, warn, rounds=None) -> dict:
+def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Reporter, accept_changes: tuple, warn, rounds=None, data=None, module=None) -> dict:
     ckpt_dir = out / folder.CHECKPOINTS
     found = find_resume_checkpoint(ckpt_dir, warn) if resume else None
     changes = check_resume_config(config, found[1], out, accept_changes) if found is not None else {}
     check_store_dir(config, out)
-    exp = build_experiment(config, store_dir=out / folder.CLIENT_STORE)
+    exp = build_experiment(config, store_dir=out / folder.CLIENT_STORE, data=data, module=module)
     runner = exp.simulator if rounds is None else rounds(exp)
     ckpt = found[0] if found is not None else None
     if ckpt is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -28,6 +29,45 @@ def line_styles(n: int) -> list[tuple[str, str]]:
     return [(colours[i % 10], _STYLES[(i + i // 10) % len(_STYLES)]) for i in range(n)]
 
 
+# The y-axes are set by the point curves over the rounds after this share of the run: early rounds
+# (every method near chance) and curves far outside (a broken marginalised predictive) would
+# otherwise squash the differences between methods into one bundle.
+SETTLED_SHARE = 0.2
+_MARGIN = 0.05
+
+
+def panel_limits(series: Sequence[tuple[str, bool, Sequence[float], Sequence[float]]], start: float) -> tuple[tuple[float, float] | None, list[str]]:
+    """A panel's y-limits and the curves drawn clipped.
+
+    Args:
+      series: ``(label, is_point_curve, rounds, values)`` per curve.
+      start: the first round that sets the limits.
+
+    Returns:
+      ``(lo, hi)``: the range of the point curves' values from round ``start`` on, stretched to the
+      other curves' values (the marginalised predictions) that lie within one such range of it, then
+      widened by 5% on each side (``None``: no point curve there); and ``"label above"`` /
+      ``"label below"`` for every curve with a value outside ``(lo, hi)`` from round ``start`` on (a
+      point curve never is; a curve far off, such as a broken predictive, is).
+    """
+    settled = [y for _, point, xs, ys in series if point for x, y in zip(xs, ys) if x >= start and math.isfinite(y)]
+    if not settled:
+        return None, []
+    lo, hi = min(settled), max(settled)
+    near = [y for _, point, xs, ys in series if not point for x, y in zip(xs, ys) if x >= start and lo - (hi - lo) <= y <= hi + (hi - lo)]
+    lo, hi = min([lo, *near]), max([hi, *near])
+    pad = _MARGIN * (hi - lo) or _MARGIN * max(abs(hi), 1e-3)
+    lo, hi = lo - pad, hi + pad
+    clipped = []
+    for label, _, xs, ys in series:
+        late = [y for x, y in zip(xs, ys) if x >= start]
+        if any(not math.isfinite(y) or y > hi for y in late):
+            clipped.append(f"{label} above")
+        elif any(y < lo for y in late):
+            clipped.append(f"{label} below")
+    return (lo, hi), clipped
+
+
 def plot_curves(
     path: str | Path,
     runs: Mapping[str, Sequence[dict]],
@@ -40,7 +80,10 @@ def plot_curves(
 
     Each run has its own colour and line style; a run with marginalised predictions (Bayesian
     methods) also gets its "marg." curve in the same colour, thinner and with square markers.
-    The legend sits below the panels, off the data.
+    The legend sits below the panels, off the data. Each panel's y-axis spans the point curves
+    after the first :data:`SETTLED_SHARE` of the rounds (:func:`panel_limits`), so that the methods
+    stand apart; a curve outside that range there is drawn clipped at the panel's edge and named
+    in the panel ("clipped: ... above/below"); the early rounds leave the panel as they fall.
 
     Args:
       path: output file.
@@ -58,27 +101,37 @@ def plot_curves(
 
     panels = _PANELS[task]
     styles = dict(zip(runs, line_styles(len(runs))))
+    rounds = [r["round"] for records in runs.values() for r in records]
+    start = min(rounds, default=0) + SETTLED_SHARE * (max(rounds, default=0) - min(rounds, default=0))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
     handles, labels = [], []
     for ax, (key, label, scale, marg_key) in zip(axes, panels):
+        curves = []  # (run, suffix, width, marker, xs, ys)
         for name, records in runs.items():
-            colour, style = styles[name]
             for k, suffix, width, marker in ((key, "", 1.6, "o"), (marg_key, " (marg.)", 1.0, "s")):
-                if k is None:
-                    continue
-                pts = [(r["round"], r[k] * scale) for r in records if k in r]
-                if not pts:
-                    continue
-                xs, ys = zip(*pts)
-                spread = {r["round"]: r[k] * scale for r in (bands or {}).get(name, ()) if k in r}
-                if spread and all(x in spread for x in xs):
-                    lo = [y - spread[x] for x, y in zip(xs, ys)]
-                    hi = [y + spread[x] for x, y in zip(xs, ys)]
-                    ax.fill_between(xs, lo, hi, color=colour, alpha=0.15 if not suffix else 0.08, linewidth=0)
-                (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
-                if ax is axes[0] and name + suffix not in labels:
-                    handles.append(line)
-                    labels.append(name + suffix)
+                pts = [(r["round"], r[k] * scale) for r in records if k is not None and k in r and r[k] is not None]
+                if pts:
+                    curves.append((name, suffix, width, marker, *zip(*pts)))
+        limits, clipped = panel_limits([(name + suffix, not suffix, xs, ys) for name, suffix, _, _, xs, ys in curves], start)
+        for name, suffix, width, marker, xs, ys in curves:
+            colour, style = styles[name]
+            spread = {r["round"]: r[k] * scale for k in ((marg_key if suffix else key),) for r in (bands or {}).get(name, ()) if k in r}
+            if spread and all(x in spread for x in xs):
+                lo = [y - spread[x] for x, y in zip(xs, ys)]
+                hi = [y + spread[x] for x, y in zip(xs, ys)]
+                ax.fill_between(xs, lo, hi, color=colour, alpha=0.15 if not suffix else 0.08, linewidth=0)
+            if any(c.startswith(name + suffix + " ") for c in clipped):  # drawn along the edge it leaves by, not lost
+                ys = [min(max(y, limits[0]), limits[1]) if x >= start else y for x, y in zip(xs, ys)]
+            (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
+            if ax is axes[0] and name + suffix not in labels:
+                handles.append(line)
+                labels.append(name + suffix)
+        if limits is not None:
+            ax.set_ylim(*limits)
+        for side, y, va in (("below", 0.04, "bottom"), ("above", 0.96, "top")):  # beside the edge the curves run along
+            names = [c.removesuffix(" " + side) for c in clipped if c.endswith(" " + side)]
+            if names:
+                ax.text(0.98, y, f"clipped {side}: " + ", ".join(names), transform=ax.transAxes, fontsize=6, ha="right", va=va, wrap=True)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

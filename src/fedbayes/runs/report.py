@@ -258,15 +258,20 @@ def render(
     threshold: float = 0.8,
     curves: Mapping[str, Sequence[dict]] | None = None,
     title: str | None = None,
+    full: str = "--json",
 ) -> str:
-    """The table as plain text no wider than ``width`` (default :func:`terminal_width`)."""
+    """The table as plain text no wider than ``width`` (default :func:`terminal_width`); ``full``:
+    where every column is (named in the note on the columns left out)."""
     cols = columns(summaries, threshold)
-    return render_rows(cols, cells(summaries, cols, curves), width=width, title=title)
+    return render_rows(cols, cells(summaries, cols, curves), width=width, title=title, full=full)
 
 
-def render_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]], *, width: int | None = None, title: str | None = None) -> str:
+def render_rows(
+    cols: Sequence[Column], rows: Sequence[Sequence[str]], *, width: int | None = None, title: str | None = None, full: str = "--json"
+) -> str:
     """Any table of cells as plain text no wider than ``width``, by the rules of :func:`render`
-    (optional columns left out by rank, else one block per row); the first column names the row."""
+    (optional columns left out by rank, else one block per row); the first column names the row.
+    ``full`` says where the columns left out can be read (an option or a file that exists)."""
     width = width or terminal_width()
     keep = list(range(len(cols)))
     dropped: list[str] = []
@@ -283,13 +288,13 @@ def render_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]], *, width:
                 break
             keep.remove(i)
             dropped.append(cols[i].header)
-    lines = [title] if title else []
+    lines = textwrap.wrap(title, width, break_long_words=False, break_on_hyphens=False) if title else []
     if total(keep) <= width:
         sub_cols = [cols[i] for i in keep]
         sub_rows = [[r[i] for i in keep] for r in rows]
         lines += _grid(sub_cols, sub_rows, _widths(sub_cols, sub_rows))
         if dropped:
-            note = f"({len(dropped)} column(s) left out to fit {width} columns: {', '.join(dropped)}; all in --json)"
+            note = f"({len(dropped)} column(s) left out to fit {width} columns: {', '.join(dropped)}; all in {full})"
             lines += textwrap.wrap(note, width, break_long_words=False, break_on_hyphens=False)
     else:  # too narrow for a grid: one block per method, every value whole
         for r in rows:

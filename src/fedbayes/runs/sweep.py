@@ -422,9 +422,10 @@ class Tables:
         parts.append(report.markdown_rows(self.all_cols, self.all_rows))
         return "\n".join(parts)
 
-    def render(self, width: int | None = None) -> str:
-        text = report.render_rows(self.all_cols, self.all_rows, width=width, title="every cell (* = best of its method; mean±std over seeds)")
-        text += "\n" + report.render_rows(self.best_cols, self.best_rows, width=width, title=f"best cell per method, {self.label}")
+    def render(self, width: int | None = None, full: str = "sweep.md") -> str:
+        """Both tables to fit ``width``; ``full``: the file that has every column."""
+        text = report.render_rows(self.all_cols, self.all_rows, width=width, title="every cell (* = best of its method; mean±std over seeds)", full=full)
+        text += "\n" + report.render_rows(self.best_cols, self.best_rows, width=width, title=f"best cell per method, {self.label}", full=full)
         if self.missing:
             text += f"no cell could be chosen for: {', '.join(self.missing)} (every cell has a diverged seed)\n"
         return text

@@ -18,6 +18,7 @@ from rich.table import Table
 
 toy_app = typer.Typer(
     no_args_is_help=True,
+    rich_markup_mode=None,  # plain help text: brackets stay (fedbayes.cli.base)
     help="Reproducible toy problems of the seed papers (docs/algorithms.md §15): quadratic, least-squares, niw.",
 )
 _console = Console()

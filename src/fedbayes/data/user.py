@@ -1,0 +1,269 @@
+"""Your own data: a :class:`~fedbayes.data.dataset.Dataset` from your files or your arrays.
+
+A config reads it with ``data.dataset = "files"`` (``data.path``, ``data.test_path``, ...); Python
+passes arrays to :func:`fedbayes.run_experiment` (``data=``), which :func:`from_arrays` turns into
+the same :class:`Dataset`. Formats, told apart by the file's suffix:
+
+* ``.npz``: an array of features ``x`` (``[N, ...]``, any example shape: a table, images), an
+  array of labels (``y``, or the name ``data.label`` gives) and, optionally, an array of client ids
+  (the name ``data.client_column`` gives).
+* ``.npy``, ``.csv``, ``.parquet``: a table, one row per example. The label column is
+  ``data.label`` (default ``"label"``), the client column ``data.client_column`` (optional) and
+  every other column a feature. A CSV file has a header row; a plain two-dimensional ``.npy``
+  array names its columns by index (``"0"``, ``"1"``, ...), a structured one by its fields.
+  Parquet needs pyarrow (``pip install -e '.[parquet]'``).
+
+Features become float32; labels are integer classes ``0..C-1`` (``C``: ``data.num_classes``, else
+one more than the largest label). A client column is the data's natural partition
+(``data.partition = "natural"``): its values are mapped, in sorted order, to clients
+``0..K-1``. The test split is ``data.test_path`` (the same format, with or without a client
+column) or, without one, ``data.test_fraction`` of each client's rows held out by a generator
+seeded by the run's seed (:func:`fedbayes.protocol.test_split_rng`).
+Every failure is one line naming the file and what is wrong (:class:`~fedbayes.errors.DataError`,
+exit code 3).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from fedbayes.data.dataset import Dataset, DatasetNotFoundError
+from fedbayes.errors import DataError
+
+__all__ = ["FORMATS", "from_arrays", "load_files", "read_table"]
+
+FORMATS = (".npz", ".npy", ".csv", ".parquet")
+NPZ_FEATURES, NPZ_LABEL, TABLE_LABEL = "x", "y", "label"
+
+
+def _columns_npy(path: Path) -> dict[str, np.ndarray]:
+    a = np.load(path, allow_pickle=False)
+    if a.dtype.names:
+        return {name: np.asarray(a[name]) for name in a.dtype.names}
+    if a.ndim != 2:
+        raise DataError(f"{path}: a .npy table must be two-dimensional (rows x columns) or a structured array; got shape {a.shape}")
+    return {str(j): a[:, j] for j in range(a.shape[1])}
+
+
+def _columns_csv(path: Path) -> dict[str, np.ndarray]:
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        raise DataError(f"{path}: the CSV file is empty; it needs a header row and one row per example")
+    header, body = [h.strip() for h in rows[0]], rows[1:]
+    out: dict[str, np.ndarray] = {}
+    for j, name in enumerate(header):
+        try:
+            out[name] = np.array([float(r[j]) for r in body], np.float64)
+        except (ValueError, IndexError):
+            bad = next(i for i, r in enumerate(body) if j >= len(r) or not _is_number(r[j]))
+            value = body[bad][j] if j < len(body[bad]) else "(missing)"
+            raise DataError(f"{path}: row {bad + 2}, column {name!r}: {value!r} is not a number; every column must be numeric") from None
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _columns_parquet(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install -e '.[parquet]'") from None
+    table = pq.read_table(path)
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
+def read_table(path: str | Path) -> dict[str, np.ndarray]:
+    """The columns of a ``.npy``, ``.csv`` or ``.parquet`` table (or the arrays of a ``.npz``), by name."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetNotFoundError(f"{path}: no such file (data.path and data.test_path name your own data files)")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        if suffix == ".npy":
+            return _columns_npy(path)
+        if suffix == ".csv":
+            return _columns_csv(path)
+        if suffix == ".parquet":
+            return _columns_parquet(path)
+    except DataError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot be read as {suffix[1:]} ({' '.join(str(exc).split())})") from None
+    raise DataError(f"{path}: unknown format {suffix or '(no suffix)'!r}; allowed: {', '.join(FORMATS)}")
+
+
+def _split_columns(path: Path, columns: dict[str, np.ndarray], label: str | None, client: str | None):
+    """``(x, y, client ids or None)`` from a file's columns."""
+    npz = path.suffix.lower() == ".npz"
+    label = label or (NPZ_LABEL if npz else TABLE_LABEL)
+    for what, name in (("data.label", label), ("data.client_column", client)):
+        if name is not None and name not in columns:
+            raise DataError(f"{path}: {what} {name!r} is not {'an array' if npz else 'a column'} of it; it has {', '.join(columns)}")
+    ids = None if client is None else columns[client]
+    if npz:
+        if NPZ_FEATURES not in columns:
+            raise DataError(f"{path}: a .npz file holds its features as the array 'x'; it has {', '.join(columns)}")
+        x = columns[NPZ_FEATURES]
+    else:
+        names = [n for n in columns if n not in (label, client)]
+        if not names:
+            raise DataError(f"{path}: no feature columns besides the label {label!r}" + (f" and the client column {client!r}" if client else ""))
+        x = np.stack([np.asarray(columns[n], np.float64) for n in names], axis=1)
+    return x, columns[label], ids
+
+
+def _labels(y: np.ndarray, where: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise DataError(f"{where}: labels must be one per example (shape [N]); got shape {y.shape}")
+    if not np.issubdtype(y.dtype, np.number) or (np.issubdtype(y.dtype, np.floating) and not np.all(np.isfinite(y))):
+        raise DataError(f"{where}: labels must be integer classes 0..C-1; got {y.dtype} values")
+    if np.any(y != np.round(y)) or np.any(y < 0):
+        bad = int(np.argmax((y != np.round(y)) | (y < 0)))
+        raise DataError(f"{where}: example {bad}: label {y[bad]} is not a class 0..C-1 (labels must be non-negative integers)")
+    return y.astype(np.int32)
+
+
+def _client_ids(ids: np.ndarray | None, n: int, where: str) -> np.ndarray | None:
+    if ids is None:
+        return None
+    ids = np.asarray(ids)
+    if ids.shape != (n,):
+        raise DataError(f"{where}: the client column must hold one id per example ({n}); got shape {ids.shape}")
+    return ids
+
+
+def from_arrays(
+    x,
+    y,
+    *,
+    x_test=None,
+    y_test=None,
+    client_ids=None,
+    test_client_ids=None,
+    test_fraction: float = 0.2,
+    num_classes: int | None = None,
+    rng: np.random.Generator | None = None,
+    name: str = "arrays",
+) -> Dataset:
+    """A classification :class:`Dataset` from arrays.
+
+    Args:
+      x: ``[N, ...]`` features (cast to float32).
+      y: ``[N]`` integer labels ``0..C-1``.
+      x_test: ``[N_test, ...]`` the test split's features; without them, ``test_fraction`` of each
+        client's examples (of all of them without client ids) is held out, drawn by ``rng``.
+      y_test: ``[N_test]`` the test split's labels (with ``x_test``).
+      client_ids: ``[N]`` the natural partition (any sortable ids; mapped in sorted order to
+        ``0..K-1``, the test split's ids by the same map).
+      test_client_ids: ``[N_test]`` the test split's client ids (optional).
+      num_classes: ``C``; default one more than the largest label of either split.
+      rng: the generator of the held-out test split (needed only without ``x_test``).
+      name: the dataset's name in messages.
+
+    Raises:
+      DataError: arrays that do not align, labels that are not classes, a split left empty.
+    """
+    x = np.asarray(x)
+    y = _labels(y, name)
+    if x.ndim < 2 or x.shape[0] != y.shape[0]:
+        raise DataError(f"{name}: features must be [N, ...] with one row per label ({y.shape[0]}); got shape {x.shape}")
+    ids = _client_ids(client_ids, len(y), name)
+    if (x_test is None) != (y_test is None):
+        raise DataError(f"{name}: give both x_test and y_test, or neither (then test_fraction of the examples is held out)")
+    if ids is not None:
+        keys, ids = np.unique(ids, return_inverse=True)
+        ids = ids.astype(np.int64)
+    test_ids = None
+    if x_test is None:
+        if not 0.0 < test_fraction < 1.0:
+            raise DataError(f"{name}: test_fraction must be in (0, 1) when no test split is given; got {test_fraction}")
+        if rng is None:
+            raise ValueError("from_arrays: rng is needed to hold out the test split")
+        test = _held_out(ids if ids is not None else np.zeros(len(y), np.int64), test_fraction, rng)
+        train = np.setdiff1d(np.arange(len(y)), test)
+        x_test, y_test = x[test], y[test]
+        test_ids = None if ids is None else ids[test]
+        x, y, ids = x[train], y[train], None if ids is None else ids[train]
+    else:
+        x_test = np.asarray(x_test)
+        y_test = _labels(y_test, f"{name} (test)")
+        tid = _client_ids(test_client_ids, len(y_test), f"{name} (test)")
+        if tid is not None and ids is not None:
+            pos = np.searchsorted(keys, tid)
+            unknown = (pos >= len(keys)) | (keys[np.minimum(pos, len(keys) - 1)] != tid)
+            if unknown.any():
+                raise DataError(f"{name} (test): client {tid[np.argmax(unknown)].item()!r} has no training examples")
+            test_ids = pos.astype(np.int64)
+    classes = int(max(y.max(initial=0), y_test.max(initial=0))) + 1 if num_classes is None else num_classes
+    if classes < 2:
+        raise DataError(f"{name}: a classifier needs at least 2 classes; the labels hold {classes}")
+    return Dataset(
+        name=name,
+        x_train=np.asarray(x, np.float32),
+        y_train=y,
+        x_test=np.asarray(x_test, np.float32),
+        y_test=y_test,
+        num_classes=classes,
+        task="classification",
+        client_ids=ids,
+        test_client_ids=test_ids,
+    )
+
+
+def _held_out(groups: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Sorted indices of ``round(fraction * n_k)`` examples of each group ``k`` (each keeping at least one)."""
+    out = []
+    for k in np.unique(groups):
+        members = np.flatnonzero(groups == k)
+        take = min(int(round(fraction * len(members))), len(members) - 1)
+        out.append(rng.choice(members, size=take, replace=False))
+    return np.sort(np.concatenate(out)).astype(np.int64)
+
+
+def load_files(
+    path: str | Path,
+    *,
+    test_path: str | Path | None = None,
+    label: str | None = None,
+    client_column: str | None = None,
+    test_fraction: float = 0.2,
+    num_classes: int | None = None,
+    rng: np.random.Generator | None = None,
+) -> Dataset:
+    """A :class:`Dataset` from your files (the formats of the module docstring).
+
+    Args:
+      path: the training file (the whole data set when there is no ``test_path``).
+      test_path: the test file, in the same layout.
+      label: the label column or array (default ``"y"`` in a ``.npz``, ``"label"`` in a table).
+      client_column: the client column or array (the natural partition); ``None``: none.
+      test_fraction: without ``test_path``, the share of each client's rows held out for testing.
+      num_classes: the number of classes (default: from the labels).
+      rng: the generator of the held-out test split.
+    """
+    path = Path(path)
+    x, y, ids = _split_columns(path, read_table(path), label, client_column)
+    test: dict = {}
+    if test_path is not None:
+        test_path = Path(test_path)
+        test_columns = read_table(test_path)
+        client_test = client_column if client_column in test_columns else None
+        x_test, y_test, ids_test = _split_columns(test_path, test_columns, label, client_test)
+        test = dict(x_test=x_test, y_test=y_test, test_client_ids=ids_test)
+        if x_test.shape[1:] != x.shape[1:]:
+            raise DataError(f"{test_path}: its examples have shape {x_test.shape[1:]}, those of {path} {x.shape[1:]}; they must match")
+    return from_arrays(x, y, client_ids=ids, test_fraction=test_fraction, num_classes=num_classes, rng=rng, name=str(path), **test)
