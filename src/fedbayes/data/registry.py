@@ -120,6 +120,8 @@ def _load_stackoverflow(task):
         return stackoverflow.load_stackoverflow(_so_folder(data_dir), task, seed=seed, **params)
 
     return load
+
+
 def _load_files(data_dir, seed, path=None, test_path=None, label=None, client_column=None, test_fraction=0.2, num_classes=None):
     if path is None:
         raise ValueError("dataset 'files' needs data.path (.npz, .npy, .csv or .parquet)")
