@@ -1,5 +1,8 @@
 """The GPU record's layout on a GPU: the vmap layout with the client states in device memory
-gives the plain jitted loop's round and, fused, bitwise its own unfused rounds. Skipped where JAX
+gives the plain jitted loop's round and, fused, its own unfused rounds (bitwise on the CPU, where
+tests/sim/test_fused.py checks it; on a GPU XLA compiles the scanned round with other fusions, so
+the results agree to float32 rounding: on an H100 on 2026-11-27 FedEP's were bitwise equal and
+FedAvg's differed in 12 of 1,024 weights of one layer by at most 3.7e-9). Skipped where JAX
 has no GPU (the suite runs on the CPU: run these with ``JAX_PLATFORMS=cuda,cpu pytest -m gpu``)."""
 
 import dataclasses
@@ -27,7 +30,7 @@ def test_the_vmap_round_with_a_device_store_is_the_plain_loops_round_on_the_gpu(
 
 
 @pytest.mark.parametrize("name", ["gpu_fedavg_10", "gpu_fedep_10"])
-def test_fused_rounds_equal_one_round_at_a_time_on_the_gpu(name):
+def test_fused_rounds_equal_one_round_at_a_time_on_the_gpu_to_float32_rounding(name):
     workload = fb.WORKLOADS[name]
     data = fb.load_data(TINY)
     one, state = fb.build_simulator(workload, TINY, data)
@@ -39,7 +42,7 @@ def test_fused_rounds_equal_one_round_at_a_time_on_the_gpu(name):
     got = [[np.asarray(a) for a in jax.tree.leaves(s.server_state)] for s, _ in fused.rounds(state, 5)]
     for g, w in zip(got, want, strict=True):
         for a, b in zip(g, w, strict=True):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)  # measured: at most 3.7e-9 (H100)
 
 
 def test_the_gpu_record_reports_its_device_and_own_limit():

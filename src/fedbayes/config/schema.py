@@ -372,7 +372,7 @@ class RunConfig(_Strict):
     fuse_rounds: int = Field(
         1,
         ge=1,
-        description="at most this many rounds between evaluations and checkpoints run as one compiled program (stateless methods or store = device; bitwise the same results); 1 = one program per round",
+        description="at most this many rounds between evaluations and checkpoints run as one compiled program (stateless methods or store = device; bitwise the same results on the CPU, the same to float32 rounding on a GPU); 1 = one program per round",
     )
     eval_batch_size: int = Field(2000, ge=1)
     ece_bins: int = Field(15, ge=1)

@@ -156,7 +156,8 @@ class Simulator:
       fuse: at most this many rounds run in one compiled program in :meth:`rounds`
         (:meth:`fused_program`) where nothing on the host depends on a round's result: a
         stateless method or a device store, a pooled federation, between the rounds the caller
-        ``keep``s. Bitwise the same results; 1 (default): one program per round.
+        ``keep``s. Bitwise the same results on the CPU (to float32 rounding on a GPU, where XLA
+        fuses the scanned round differently); 1 (default): one program per round.
 
     Attributes:
       replicated, sharded: the shardings of the round's inputs over the devices, whole on every
