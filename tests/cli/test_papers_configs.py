@@ -79,7 +79,7 @@ MODEL = {
 
 
 def _compare(path: Path, out: Path, data: Path, extra: list[str]):
-    sets = [*SMALL, f"data.data_dir={data}", f"store_dir={out / 'store'}", *extra]
+    sets = [*SMALL, f"data.data_dir={data}", *extra]
     raw = read_toml(path)
     sets += [f"{n}.algorithm.burn_in_rounds=1" for n, v in raw["variants"].items() if "burn_in_rounds" in v.get("algorithm", {})]
     args = ["compare", str(path), "--out", str(out), "--json"]

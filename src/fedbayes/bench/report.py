@@ -287,9 +287,13 @@ def text_tables(results: dict[str, dict[str, Any]], title: str | None = None, wi
     def columns(names, keep):
         return [Column(c, lambda *a: "", left=c in ("workload", "measure", "against", "clients / processes"), keep=keep.get(c, 0)) for c in names]
 
+    def filled(cols, cells):  # a column no workload of this run fills (an older JSON's) says nothing
+        idx = [i for i in range(len(cols)) if i == 0 or any(r[i] for r in cells)]
+        return [cols[i] for i in idx], [[r[i] for i in idx] for r in cells]
+
     parts = []
     if any(not _is_relative_entry(e) for e in results.values()):
-        parts.append(render_rows(columns(COLUMNS, _KEEP), rows(results), width=width, title=title))
+        parts.append(render_rows(*filled(columns(COLUMNS, _KEEP), rows(results)), width=width, title=title))
     relative = relative_rows(results)
     if relative:
         parts.append(render_rows(columns(RELATIVE_COLUMNS, _RELATIVE_KEEP), relative, width=width, title="paired ratios in one process" if parts else title))

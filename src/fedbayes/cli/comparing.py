@@ -159,7 +159,7 @@ def _run_comparison(
     from fedbayes.runs import compare as cmp
     from fedbayes.runs.strictjson import dumps_record
 
-    say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, markup=False))
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_out else (lambda s: console.print(s, highlight=False, soft_wrap=True, markup=False))
     reference, note = cmp.applicable_reference(reference, runs)
     if note:
         say(note)
@@ -194,8 +194,8 @@ def _run_comparison(
     else:
         print_table(result.summaries, threshold, result.curves, title=result.title, full=f"{result.markdown} and --json")
         _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
-        console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False)
-    _say_warnings(warned, say)
+        console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False, soft_wrap=True)
+    _say_warnings(warned, lambda s: print(s, file=sys.stderr, flush=True))  # warnings on stderr, as a single run's
     if result.shift is not None:
         say(f"shift table: {result.shift.markdown}  {result.shift.json}  plot: {result.shift.plot}")
     if result.diverged:
@@ -321,4 +321,4 @@ def _sweep(ctx: CommandContext, runs: dict[str, RunConfig], spec: dict, out: Pat
             display.close()
     ctx.resume_target = None
     print(result.tables.render(full=str(result.markdown)), end="", flush=True)
-    console.print(f"tables: {result.markdown}  {result.json}", highlight=False)
+    console.print(f"tables: {result.markdown}  {result.json}", highlight=False, soft_wrap=True)

@@ -8,8 +8,9 @@ except where raising it would do harm; there it is delivered :data:`DEFER_S` lat
 
 * while a module is being imported: an import cut in the middle leaves a half-initialised
   extension module behind (seen: segfaults and a C++ abort at exit when JAX's import was cut);
-* while the garbage collector runs a callback (JAX registers one): an exception there is printed
-  as "Exception ignored" with a traceback and then dropped.
+* while the garbage collector runs a callback (JAX registers one) or a finalizer runs
+  (``__del__``, ``weakref.finalize``): an exception there is printed as "Exception ignored" with a
+  traceback and then dropped.
 
 A second signal while the first is being handled (the command cleaning up, writing its line) is
 ignored, and so is any signal once the command has ended (:func:`ignore_from_now`: the
@@ -86,12 +87,19 @@ def _handle(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _finalizer(code) -> bool:
+    """A finalizer (``__del__``, ``weakref.finalize``) also prints an exception as "Exception
+    ignored" with a traceback, and drops it (seen: a signal inside ``weakref.finalize.__call__``)."""
+    return code.co_name == "__del__" or (code.co_name == "__call__" and os.path.basename(code.co_filename) == "weakref.py")
+
+
 def _must_wait(frame) -> bool:
-    """Whether ``frame`` (or a caller) is importing a module or running a garbage-collector callback."""
+    """Whether ``frame`` (or a caller) is importing a module or running a garbage-collector
+    callback or a finalizer."""
     depth = 0
     while frame is not None and depth < 400:
         code = frame.f_code
-        if code.co_filename.startswith("<frozen importlib") or "gc_callback" in code.co_name:
+        if code.co_filename.startswith("<frozen importlib") or "gc_callback" in code.co_name or _finalizer(code):
             return True
         frame, depth = frame.f_back, depth + 1
     return False

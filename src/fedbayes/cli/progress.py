@@ -105,7 +105,7 @@ class SweepProgress:
     def skip(self, label: str) -> None:
         self.count += 1
         if self.progress is None:
-            console.print(f"[{self.count}/{self.total}] {label}: finished earlier, not rerun", highlight=False, markup=False)
+            console.print(f"[{self.count}/{self.total}] {label}: finished earlier, not rerun", highlight=False, soft_wrap=True, markup=False)
         else:
             self.progress.advance(self.overall)
 

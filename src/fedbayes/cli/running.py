@@ -42,7 +42,7 @@ def run(
     check_out(out, overwrite)
     summary = run_one(ctx, cfg, out, logs=log)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
-    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False)
+    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False, soft_wrap=True)
 
 
 @handled
@@ -105,7 +105,7 @@ def _deploy(ctx: CommandContext, cfg, out: Path, *, resume: bool, tls: bool, run
     echo = lambda r: console.print(format_record(r, cfg.rounds), highlight=False)  # noqa: E731
     summary = flower_deploy.deploy_local(cfg, out, resume=resume, tls=tls, run_config=run_config, progress=echo, executor=executor)
     print_table({cfg.name: summary}, curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
-    console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False)
+    console.print(f"outputs in {out}/ (as fedbayes run; flower/ holds the processes' logs and the nodes' state)", highlight=False, soft_wrap=True)
 
 
 @handled
@@ -140,7 +140,7 @@ def resume(
     cfg = load(cfg_path, set_ or [], stored=True)
     done = run_folder.finished(cfg, out)
     if done is not None and not done.get("diverged"):
-        console.print(f"{out}: finished earlier ({cfg.rounds} rounds, every file intact); nothing to resume", highlight=False)
+        console.print(f"{out}: finished earlier ({cfg.rounds} rounds, every file intact); nothing to resume", highlight=False, soft_wrap=True)
         return
     if (out / DEPLOYED).is_dir():  # a run deployed on Flower continues there (its nodes hold the client states)
         if set_:
