@@ -114,7 +114,7 @@ def test_a_comparison_names_the_runs_that_ended_before_their_fixed_point_in_one_
     lines = [f"warning: fedep: {UNSETTLED}: over the last 10 rounds ...", "warning: checkpoint round 5 is damaged", f"warning: fedsep: {UNSETTLED}: ..."]
     _say_warnings(lines, said.append)
     assert said[0] == "warning: checkpoint round 5 is damaged"
-    assert said[1].startswith(f"note: fedep, fedsep: {UNSETTLED.replace('the run', 'the runs')} (") and len(said) == 2
+    assert said[1].startswith(f"note: fedep, fedsep: {UNSETTLED.replace('the run', 'the runs').replace(' its ', ' their ')} (") and len(said) == 2
 
 
 def test_no_paper_table_beside_another_number_of_rounds(tmp_path):

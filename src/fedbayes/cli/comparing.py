@@ -47,7 +47,7 @@ def _say_warnings(lines: list[str], say) -> None:
             say(line)
     if unsettled:
         say(
-            f"note: {', '.join(unsettled)}: {UNSETTLED if len(unsettled) == 1 else UNSETTLED.replace('the run', 'the runs')} "
+            f"note: {', '.join(unsettled)}: {UNSETTLED if len(unsettled) == 1 else UNSETTLED.replace('the run', 'the runs').replace(' its ', ' their ')} "
             "(the posterior still moved over the last rounds; each run's summary.json says by how much; more rounds settle it)"
         )
 
