@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 
 from fedbayes import __version__
+from fedbayes.cli import interrupts
 from fedbayes.errors import EXIT_INTERRUPTED, EXIT_UNEXPECTED, exit_code_for, one_line
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report
@@ -173,7 +174,7 @@ def handled(command):
                 if isinstance(exc, (SystemExit, typer.Exit, typer.Abort)) or type(exc).__module__.split(".")[0] in ("click", "typer"):
                     raise
                 code, line = describe_failure(exc, ctx)
-                print(line, file=sys.stderr, flush=True)
+                interrupts.say_line(line) if code == EXIT_INTERRUPTED else print(line, file=sys.stderr, flush=True)
                 raise typer.Exit(code) from None
 
     wrapper.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # typer sees the options only
@@ -188,17 +189,17 @@ def main() -> int:
 
     It is the process's entry point: once the command has ended, signals are ignored while the
     interpreter shuts down (:func:`fedbayes.cli.interrupts.ignore_from_now`)."""
-    from fedbayes.cli import interrupts
-
     code = EXIT_INTERRUPTED
     try:
         interrupts.install()  # again: a program that imported fedbayes.cli and then calls main()
         code = _main()
     except KeyboardInterrupt:  # a signal in the few instructions around the command's own handler
-        print("interrupted", file=sys.stderr, flush=True)
+        interrupts.say_line("interrupted")
     finally:
         interrupts.ignore_from_now()
         if code == EXIT_INTERRUPTED:
+            if not interrupts.line_said():  # exit 130 always comes with its line, whichever path led here
+                interrupts.say_line("interrupted")
             interrupts.exit_interrupted(code)
     return code
 
@@ -212,6 +213,6 @@ def _main() -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException as exc:
         code, line = describe_failure(exc)
-        print(line, file=sys.stderr, flush=True)
+        interrupts.say_line(line) if code == EXIT_INTERRUPTED else print(line, file=sys.stderr, flush=True)
         return code
     return 0

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 
-__all__ = ["DEFER_S", "exit_interrupted", "ignore_from_now", "install", "started_as_the_command", "stopping"]
+__all__ = ["DEFER_S", "exit_interrupted", "ignore_from_now", "install", "line_said", "say_line", "started_as_the_command", "stopping"]
 
 DEFER_S = 0.05
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -42,6 +42,17 @@ def started_as_the_command() -> bool:
     if os.path.basename(sys.argv[0] if sys.argv else "") == "fedbayes" or sys.argv[:1] == ["-m"]:
         _state["command"] = True
     return _state["command"]
+
+
+def say_line(line: str) -> None:
+    """Prints the interrupted command's one line on stderr and records that it is out."""
+    print(line, file=sys.stderr, flush=True)
+    _state["said"] = True
+
+
+def line_said() -> bool:
+    """Whether the interrupted command's line is out (:func:`say_line`)."""
+    return bool(_state.get("said"))
 
 
 def exit_interrupted(code: int) -> None:
