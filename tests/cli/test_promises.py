@@ -106,15 +106,24 @@ def test_long_titles_wrap_at_spaces():
     assert max(map(len, text.splitlines())) <= 40 and " ".join(text.split()).startswith(title)
 
 
-def test_a_comparison_names_the_runs_that_ended_before_their_fixed_point_in_one_note():
+def test_a_comparison_shows_the_fixed_point_in_its_table_not_as_a_warning():
     from fedbayes.cli.comparing import _say_warnings
     from fedbayes.runs.health import UNSETTLED
+    from fedbayes.runs.report import columns, fixed_point_value
 
     said: list[str] = []
     lines = [f"warning: fedep: {UNSETTLED}: over the last 10 rounds ...", "warning: checkpoint round 5 is damaged", f"warning: fedsep: {UNSETTLED}: ..."]
     _say_warnings(lines, said.append)
-    assert said[0] == "warning: checkpoint round 5 is damaged"
-    assert said[1].startswith(f"note: fedep, fedsep: {UNSETTLED.replace('the run', 'the runs').replace(' its ', ' their ')} (") and len(said) == 2
+    assert said == ["warning: checkpoint round 5 is damaged"]
+    settled = {"settled": True, "mean_drift": 0.004, "var_drift": 0.01, "window": 10}
+    moving = {"settled": False, "mean_drift": 0.022, "var_drift": 0.071, "window": 10}
+    assert fixed_point_value("a", {"fixed_point": settled}, []) == "yes"
+    assert fixed_point_value("a", {"fixed_point": moving}, []) == "no (7.1%)"
+    assert fixed_point_value("a", {}, []) == "—"
+    over_seeds = {"seeds": [0, 1, 2], "runs": {"0": {"fixed_point": settled}, "1": {"fixed_point": moving}, "2": {}}}
+    assert fixed_point_value("a", over_seeds, []) == "no 1/2 (7.1%)"
+    assert "fixed point" in [c.header for c in columns({"a": {"fixed_point": settled}, "b": {}})]
+    assert "fixed point" not in [c.header for c in columns({"a": {}, "b": {}})]
 
 
 def test_no_paper_table_beside_another_number_of_rounds(tmp_path):

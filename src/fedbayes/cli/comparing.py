@@ -36,20 +36,15 @@ def _seeds_option(text: str) -> list[int]:
 
 
 def _say_warnings(lines: list[str], say) -> None:
-    """The runs' warnings after the table: each as it came, except that the runs that ended before
-    their fixed point (:class:`fedbayes.runs.health.FixedPointCheck`, a matter of the round budget
-    the comparison chose) are named in one note."""
+    """The runs' warnings after the table, except that a run ending before its fixed point
+    (:class:`fedbayes.runs.health.FixedPointCheck`) is not a warning in a comparison: the
+    comparison chose the round budget, and the table's "fixed point" column says, for every
+    method, whether its posterior had settled and how far it still drifted."""
     from fedbayes.runs.health import UNSETTLED
 
-    unsettled = [line.removeprefix("warning: ").split(":")[0] for line in lines if f": {UNSETTLED}:" in line]
     for line in lines:
         if f": {UNSETTLED}:" not in line:
             say(line)
-    if unsettled:
-        say(
-            f"note: {', '.join(unsettled)}: {UNSETTLED if len(unsettled) == 1 else UNSETTLED.replace('the run', 'the runs').replace(' its ', ' their ')} "
-            "(the posterior still moved over the last rounds; each run's summary.json says by how much; more rounds settle it)"
-        )
 
 
 def _print_reference(summaries, curves, reference, full: str) -> None:

@@ -214,9 +214,11 @@ def supernode_command(
     return cmd + (["--auth-supernode-private-key", str(key)] if key is not None else [])
 
 
-def executor_command(port: int, state_dir: Path) -> list[str]:
-    """The warm executor of the SuperNode whose Runtime API is on ``port`` (:mod:`fedbayes.flower.executor`)."""
-    return [sys.executable, "-m", "fedbayes.flower.executor", "--runtime-api-address", f"127.0.0.1:{port}", "--insecure", "--state-dir", str(state_dir)]
+def executor_command(port: int, state_dir: Path, max_tasks: int | None = None) -> list[str]:
+    """The warm executor of the SuperNode whose Runtime API is on ``port`` (:mod:`fedbayes.flower.executor`);
+    ``max_tasks``: it exits after that many tasks."""
+    cmd = [sys.executable, "-m", "fedbayes.flower.executor", "--runtime-api-address", f"127.0.0.1:{port}", "--insecure", "--state-dir", str(state_dir)]
+    return cmd + ([] if max_tasks is None else ["--max-tasks", str(max_tasks)])
 
 
 def print_commands(
@@ -292,6 +294,7 @@ class Node:
     key: Path | None = None  # its private key (SuperNode authentication)
     executor: subprocess.Popen | None = None  # its warm executor (executor = "warm")
     data: dict | None = None  # its data keys in its node config (fedbayes.flower.nodedata)
+    max_tasks: int | None = None  # its warm executor exits after this many tasks (executor --max-tasks)
 
 
 @dataclass
@@ -387,12 +390,13 @@ class LocalFederation:
         )
         node.process = self.spawn(cmd, node.home, self.workdir / f"node{partition}.log", node.state_dir)
         if self.warm:
-            self.start_executor(partition)
+            self.start_executor(partition, node.max_tasks)
 
-    def start_executor(self, partition: int) -> None:
-        """Starts node ``partition``'s warm executor (:mod:`fedbayes.flower.executor`)."""
+    def start_executor(self, partition: int, max_tasks: int | None = None) -> None:
+        """Starts node ``partition``'s warm executor (:mod:`fedbayes.flower.executor`); ``max_tasks``:
+        it exits after that many tasks (the node's next tasks wait for a new one)."""
         node = self.nodes[partition]
-        node.executor = self.spawn(executor_command(node.port, node.state_dir), node.home, self.workdir / f"executor{partition}.log", node.state_dir)
+        node.executor = self.spawn(executor_command(node.port, node.state_dir, max_tasks), node.home, self.workdir / f"executor{partition}.log", node.state_dir)
 
     def kill_executor(self, partition: int) -> None:
         """SIGKILLs node ``partition``'s warm executor (as a crash would)."""

@@ -262,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", help="the node's state folder (its XLA cache goes in state-dir/jax_cache)")
     parser.add_argument("--poll", type=float, default=0.05, help="seconds between polls while tasks come")
     parser.add_argument("--idle-poll", type=float, default=0.5, help="seconds between polls when idle")
+    parser.add_argument(
+        "--max-tasks", type=int, help="exit after this many tasks (recycles the process; a new executor continues from the node's state)"
+    )
     args = parser.parse_args(argv)
+    if args.max_tasks is not None and args.max_tasks < 1:
+        parser.error(f"--max-tasks must be a positive integer; got {args.max_tasks}")
     os.environ.update(node_environment(args.state_dir))  # before JAX is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -284,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     executor = Executor(args.runtime_api_address, insecure=args.root_certificates is None, root_certificates=args.root_certificates, auth_secret=secret)
     log.info("fedbayes warm executor (flwr %s) serving %s", version, args.runtime_api_address)
     try:
-        executor.serve(args.poll, args.idle_poll, stop.event)
+        done = executor.serve(args.poll, args.idle_poll, stop.event, args.max_tasks)
+        if args.max_tasks is not None and done >= args.max_tasks:
+            log.info("served %d tasks (--max-tasks): exiting", done)
     finally:
         executor.close()
     return 0

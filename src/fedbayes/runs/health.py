@@ -250,6 +250,7 @@ class FixedPointCheck:
         self.previous: tuple | None = None
         self.change: dict = {}
         self.message: str | None = None
+        self.result: dict | None = None  # when judged: settled, and the drifts (summary.json's "fixed_point")
         self.start = rounds - 2 * self.half  # the window is rounds start + 1 .. rounds
         self.sums: list = [None, None]  # per half: [sum of means, sum of mean log variances, count]
         self.jitter: list = []  # per round in the window: (||mean change||^2, mean-log-variance change^2)
@@ -298,7 +299,8 @@ class FixedPointCheck:
         self.previous = (snapshot[0], _mean_log(snapshot[1]))
 
     def finish(self) -> str | None:
-        """The warning (also returned) when the last ``window`` rounds drift beyond their jitter."""
+        """The warning (also returned) when the last ``window`` rounds drift beyond their jitter;
+        :attr:`result` holds the verdict and the drifts whenever the run was judged."""
         if self.rounds < 2 * self.window or self.half < 1 or any(x is None or x[2] != self.half for x in self.sums) or not self.jitter:
             return None
         has_var = self.previous is not None and self.previous[1] is not None
@@ -315,6 +317,7 @@ class FixedPointCheck:
         drift_v = abs(lb - la)
         if drift_v > FIXED_POINT_VAR_TOL and drift_v > FIXED_POINT_SIGNIFICANCE * np.sqrt(jv / self.half):
             moved.append(f"variances by {100 * drift_v:.1f}% (mean log ratio)")
+        self.result = {"settled": not moved, "mean_drift": rel_m, "var_drift": float(drift_v), "window": self.window}
         if not moved:
             return None
         self.message = (

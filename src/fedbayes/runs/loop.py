@@ -206,6 +206,8 @@ class RunRecorder:
         warnings = [m for m in (self.calibration.message, self.fixed_point.finish()) if m]
         if self.fixed_point.message:
             self.warn(f"warning: {self.fixed_point.message}")
+        if self.fixed_point.result is not None:
+            summary["fixed_point"] = self.fixed_point.result
         if warnings:
             summary["warnings"] = warnings
         folder.write_json(out / folder.SUMMARY, summary)

@@ -117,6 +117,23 @@ def seeds_value(name, s, recs):
     return str(len(seeds)) if not bad else f"{len(seeds) - len(bad)}/{len(seeds)}"
 
 
+def fixed_point_value(name, s, recs):
+    """The "fixed point" cell (:class:`fedbayes.runs.health.FixedPointCheck`): "yes" when the
+    posterior only jittered over the run's last rounds, "no (drift)" when it still drifted at this
+    round budget (the larger of the mean's relative drift and the variances' log drift), "—" when
+    not judged (a point method, a short run); over seeds, "no k/n" with the largest drift."""
+    per_run = [r.get("fixed_point") for r in (s.get("runs") or {}).values()] if "runs" in s else [s.get("fixed_point")]
+    judged = [f for f in per_run if f]
+    if not judged:
+        return "—"
+    moving = [f for f in judged if not f["settled"]]
+    if not moving:
+        return "yes"
+    drift = max(max(f["mean_drift"], f["var_drift"]) for f in moving)
+    count = f" {len(moving)}/{len(judged)}" if len(per_run) > 1 else ""
+    return f"no{count} ({100 * drift:.1f}%)"
+
+
 def _best_mse(name, s, recs):
     values = [r["mse"] for r in recs if "mse" in r]
     return format_value(min(values), digits=5) if values else "—"
@@ -187,6 +204,8 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
             Column("best acc", lambda n, s, r: format_value(s.get("best_accuracy")), keep=6),
             Column(f"rounds to {threshold:.0%}", rounds_to_value(threshold), keep=5),
         ]
+    if any(s.get("fixed_point") or any(r.get("fixed_point") for r in (s.get("runs") or {}).values()) for s in summaries.values()):
+        cols.append(Column("fixed point", fixed_point_value, keep=7))
     cols += [Column("train s (total)", seconds_value, keep=6), Column("MB up (total)", _mb_up, keep=8)]
     return cols
 
