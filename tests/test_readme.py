@@ -101,3 +101,44 @@ def test_readme_commands_parse_and_run_in_the_state_earlier_ones_leave():
         if name in ("run", "compare", "sweep"):
             default = f"runs/{read_toml(ROOT / params['config'])['name']}" if name == "run" and out is None else None
             written.add(str(out) if out is not None else default)
+
+
+SKIPPED = ("bench",)  # minutes of timing on every workload; tests/bench runs each bench path on small sizes
+
+
+def _small_examples(folder: Path) -> None:
+    """examples/ as the README's commands read it, shrunk: 3 rounds, burn-in 1, and Fashion-MNIST
+    replaced by digits (as `make demo` does without it), so every command runs in seconds."""
+    folder.mkdir()
+    for path in (ROOT / "examples").iterdir():
+        if path.suffix != ".toml":
+            (folder / path.name).symlink_to(path)
+            continue
+        text = re.sub(r"(?m)^rounds = \d+", "rounds = 3", path.read_text())
+        text = re.sub(r"burn_in_rounds = \d+", "burn_in_rounds = 1", text)
+        text = re.sub(r'dataset = "fashion_mnist"(\s+)fraction = [0-9.]+', r'dataset = "digits"\1fraction = 1.0', text, count=1)
+        (folder / path.name).write_text(text)
+
+
+@pytest.mark.slow
+def test_readme_commands_run_in_the_order_written(tmp_path, monkeypatch):
+    """Every README `fedbayes` command but `bench` (SKIPPED), executed in the README's order in one
+    folder, so each meets the state the earlier ones leave (resumes of finished runs and
+    comparisons, a --rerun after a changed variant, --overwrite of a finished run): each exits 0.
+    The examples are shrunk (:func:`_small_examples`); the commands are run as written."""
+    from typer.testing import CliRunner
+
+    from fedbayes.cli import app
+
+    _small_examples(tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    ran = []
+    for args in _cli_lines():
+        if args[0] in SKIPPED:
+            continue
+        res = runner.invoke(app, args, env={"COLUMNS": "100", "FEDBAYES_NO_SYSTEM_DATA": "1"})
+        assert res.exit_code == 0, f"fedbayes {' '.join(args)} (after {len(ran)} commands): exit {res.exit_code}\n{res.output[-3000:]}"
+        ran.append(args[0])
+    assert ran.count("resume") == 2 and ran.count("compare") >= 4 and ran.count("sweep") == 2
+    assert (tmp_path / "runs/demo/compare.md").is_file() and (tmp_path / "runs/digits_sweep").is_dir()
