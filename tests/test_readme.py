@@ -76,7 +76,8 @@ def test_readme_commands_parse_and_run_in_the_state_earlier_ones_leave():
     from fedbayes.config.schema import read_toml
 
     group = typer.main.get_command(app)
-    written: set[str] = set()
+    assert "compare examples/fmnist_compare.toml --out runs/demo --resume" in (ROOT / "scripts" / "demo").read_text()
+    written: set[str] = {"runs/demo"}  # `make demo`, the README's first command
     lines = _cli_lines()
     assert len(lines) >= 15
     for args in lines:
@@ -103,11 +104,13 @@ def test_readme_commands_parse_and_run_in_the_state_earlier_ones_leave():
             written.add(str(out) if out is not None else default)
 
 
-SKIPPED = ("bench",)  # minutes of timing on every workload; tests/bench runs each bench path on small sizes
+# Commands that read and write no run folder, so no earlier command's state: bench (minutes of
+# timing; tests/bench runs each of its paths on small sizes) and toy (tests/toys).
+SKIPPED = ("bench", "toy")
 
 
 def _small_examples(folder: Path) -> None:
-    """examples/ as the README's commands read it, shrunk: 3 rounds, burn-in 1, and Fashion-MNIST
+    """examples/ as the README's commands read it, shrunk: 3 rounds, burn-in 1, Fashion-MNIST
     replaced by digits (as `make demo` does without it), so every command runs in seconds."""
     folder.mkdir()
     for path in (ROOT / "examples").iterdir():
@@ -122,8 +125,8 @@ def _small_examples(folder: Path) -> None:
 
 @pytest.mark.slow
 def test_readme_commands_run_in_the_order_written(tmp_path, monkeypatch):
-    """Every README `fedbayes` command but `bench` (SKIPPED), executed in the README's order in one
-    folder, so each meets the state the earlier ones leave (resumes of finished runs and
+    """`make demo`'s comparison, then every README `fedbayes` command but SKIPPED's, executed
+    in the README's order in one folder, so each meets the state the earlier ones leave (resumes of finished runs and
     comparisons, a --rerun after a changed variant, --overwrite of a finished run): each exits 0.
     The examples are shrunk (:func:`_small_examples`); the commands are run as written."""
     from typer.testing import CliRunner
@@ -132,13 +135,15 @@ def test_readme_commands_run_in_the_order_written(tmp_path, monkeypatch):
 
     _small_examples(tmp_path / "examples")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fedbayes.data.shift.SHIFTS", ("rotation",))  # --shift: one kind of shift instead of four
     runner = CliRunner()
     ran = []
-    for args in _cli_lines():
+    make_demo = ["compare", "examples/fmnist_compare.toml", "--out", "runs/demo", "--resume"]  # scripts/demo, the README's first command
+    for args in [make_demo, *_cli_lines()]:
         if args[0] in SKIPPED:
             continue
         res = runner.invoke(app, args, env={"COLUMNS": "100", "FEDBAYES_NO_SYSTEM_DATA": "1"})
         assert res.exit_code == 0, f"fedbayes {' '.join(args)} (after {len(ran)} commands): exit {res.exit_code}\n{res.output[-3000:]}"
         ran.append(args[0])
-    assert ran.count("resume") == 2 and ran.count("compare") >= 4 and ran.count("sweep") == 2
+    assert ran.count("resume") == 2 and ran.count("compare") >= 5 and ran.count("sweep") == 2
     assert (tmp_path / "runs/demo/compare.md").is_file() and (tmp_path / "runs/digits_sweep").is_dir()
