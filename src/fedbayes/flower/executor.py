@@ -262,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", help="the node's state folder (its XLA cache goes in state-dir/jax_cache)")
     parser.add_argument("--poll", type=float, default=0.05, help="seconds between polls while tasks come")
     parser.add_argument("--idle-poll", type=float, default=0.5, help="seconds between polls when idle")
-    parser.add_argument(
-        "--max-tasks", type=int, help="exit after this many tasks (recycles the process; a new executor continues from the node's state)"
-    )
+    parser.add_argument("--max-tasks", type=int, help="exit after this many tasks (recycles the process; a new executor continues from the node's state)")
     args = parser.parse_args(argv)
     if args.max_tasks is not None and args.max_tasks < 1:
         parser.error(f"--max-tasks must be a positive integer; got {args.max_tasks}")
