@@ -173,7 +173,7 @@ def _run_comparison(
     ctx.hold(out, "compare")
     ctx.resume_target = out  # an interrupted run: `fedbayes resume OUT` continues the comparison
 
-    warned: list[str] = []  # the runs' warning lines, said after the table (a run that ended before its fixed point: one note)
+    warned: list[str] = []  # the runs' warning lines, said after the table (a run that ended before its fixed point: in the table instead)
 
     def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
         return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append)
