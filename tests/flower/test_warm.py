@@ -155,6 +155,19 @@ def test_the_fast_node_caps_only_sleep():
     assert time.monotonic() - start < 1.0 and t.monotonic is time.monotonic and t.time is time.time
 
 
+def test_short_object_pulls_retry_fast_without_a_try_limit_and_only_once():
+    import types
+
+    seen = []
+    module = types.SimpleNamespace(pull_objects=lambda ids, fn, **kw: seen.append(kw) or {})
+    assert fastnode.short_object_pulls(module) and not fastnode.short_object_pulls(module)
+    module.pull_objects(["a"], None)
+    module.pull_objects(["a"], None, initial_backoff=2.0)  # a caller's own choice is kept
+    assert seen[0] == {"initial_backoff": 0.005, "backoff_cap": 0.05, "max_tries_per_object": None}
+    assert seen[1]["initial_backoff"] == 2.0
+    assert not fastnode.short_object_pulls(types.SimpleNamespace())
+
+
 # ----- real processes ------------------------------------------------------------------------------
 def _submit(fed, tmp: Path, raw: dict, name: str) -> tuple[str, Path]:
     cfg = tmp / f"{name}.toml"

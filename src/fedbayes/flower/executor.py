@@ -43,10 +43,11 @@ import threading
 import time
 from pathlib import Path
 
+from fedbayes.flower.fastnode import PULL_BACKOFF  # initial, cap (seconds) for pulling a message's objects
+
 FLWR_VERSIONS = ("1.41.", "1.42.")  # the flwr releases this executor is tested with
 APP_REF = "fedbayes.flower.apps:clientapp"
 ACTIVE = 10.0  # seconds after a task during which the executor polls at its fast rate
-PULL_BACKOFF = (0.005, 0.05)  # initial, cap (seconds) for pulling a message's objects
 
 log = logging.getLogger("fedbayes.flower.executor")
 
