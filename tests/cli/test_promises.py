@@ -116,9 +116,11 @@ def test_a_comparison_shows_the_fixed_point_in_its_table_not_as_a_warning():
     _say_warnings(lines, said.append)
     assert said == ["warning: checkpoint round 5 is damaged"]
     settled = {"settled": True, "mean_drift": 0.004, "var_drift": 0.01, "window": 10}
-    moving = {"settled": False, "mean_drift": 0.022, "var_drift": 0.071, "window": 10}
+    moving = {"settled": False, "moved": ["mean", "var"], "mean_drift": 0.022, "var_drift": 0.071, "window": 10}
     assert fixed_point_value("a", {"fixed_point": settled}, []) == "yes"
     assert fixed_point_value("a", {"fixed_point": moving}, []) == "no (7.1%)"
+    mean_only = {**moving, "moved": ["mean"]}  # the variances' drift was within their jitter: not shown
+    assert fixed_point_value("a", {"fixed_point": mean_only}, []) == "no (2.2%)"
     assert fixed_point_value("a", {}, []) == "—"
     over_seeds = {"seeds": [0, 1, 2], "runs": {"0": {"fixed_point": settled}, "1": {"fixed_point": moving}, "2": {}}}
     assert fixed_point_value("a", over_seeds, []) == "no 1/2 (7.1%)"

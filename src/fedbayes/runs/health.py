@@ -311,13 +311,15 @@ class FixedPointCheck:
         jm, jv = (np.mean([j[k] for j in self.jitter]) for k in (0, 1))
         drift_m = float(np.linalg.norm(b - a))
         rel_m = drift_m / max(float(np.linalg.norm(b)), 1e-12)
-        moved = []
+        moved, kinds = [], []
         if rel_m > FIXED_POINT_MEAN_TOL and drift_m > FIXED_POINT_SIGNIFICANCE * np.sqrt(jm / self.half):
             moved.append(f"mean by {100 * rel_m:.1f}% (relative L2)")
+            kinds.append("mean")
         drift_v = abs(lb - la)
         if drift_v > FIXED_POINT_VAR_TOL and drift_v > FIXED_POINT_SIGNIFICANCE * np.sqrt(jv / self.half):
             moved.append(f"variances by {100 * drift_v:.1f}% (mean log ratio)")
-        self.result = {"settled": not moved, "mean_drift": rel_m, "var_drift": float(drift_v), "window": self.window}
+            kinds.append("var")
+        self.result = {"settled": not moved, "moved": kinds, "mean_drift": rel_m, "var_drift": float(drift_v), "window": self.window}
         if not moved:
             return None
         self.message = (

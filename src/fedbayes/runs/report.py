@@ -120,8 +120,9 @@ def seeds_value(name, s, recs):
 def fixed_point_value(name, s, recs):
     """The "fixed point" cell (:class:`fedbayes.runs.health.FixedPointCheck`): "yes" when the
     posterior only jittered over the run's last rounds, "no (drift)" when it still drifted at this
-    round budget (the larger of the mean's relative drift and the variances' log drift), "—" when
-    not judged (a point method, a short run); over seeds, "no k/n" with the largest drift."""
+    round budget (the larger of the drifts that counted: the mean's relative drift, the variances'
+    log drift), "—" when not judged (a point method, a short run); over seeds, "no k/n" with the
+    largest such drift."""
     per_run = [r.get("fixed_point") for r in (s.get("runs") or {}).values()] if "runs" in s else [s.get("fixed_point")]
     judged = [f for f in per_run if f]
     if not judged:
@@ -129,7 +130,7 @@ def fixed_point_value(name, s, recs):
     moving = [f for f in judged if not f["settled"]]
     if not moving:
         return "yes"
-    drift = max(max(f["mean_drift"], f["var_drift"]) for f in moving)
+    drift = max(f[f"{kind}_drift"] for f in moving for kind in f.get("moved") or ("mean", "var"))
     count = f" {len(moving)}/{len(judged)}" if len(per_run) > 1 else ""
     return f"no{count} ({100 * drift:.1f}%)"
 
