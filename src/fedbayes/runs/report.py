@@ -117,13 +117,18 @@ def seeds_value(name, s, recs):
     return str(len(seeds)) if not bad else f"{len(seeds) - len(bad)}/{len(seeds)}"
 
 
+def _fixed_points(s) -> list:
+    """The ``fixed_point`` verdicts of a summary's runs: each seed's for a summary over seeds."""
+    return [r.get("fixed_point") for r in s["runs"].values()] if "runs" in s else [s.get("fixed_point")]
+
+
 def fixed_point_value(name, s, recs):
     """The "fixed point" cell (:class:`fedbayes.runs.health.FixedPointCheck`): "yes" when the
     posterior only jittered over the run's last rounds, "no (drift)" when it still drifted at this
     round budget (the larger of the drifts that counted: the mean's relative drift, the variances'
     log drift), "—" when not judged (a point method, a short run); over seeds, "no k/n" with the
     largest such drift."""
-    per_run = [r.get("fixed_point") for r in (s.get("runs") or {}).values()] if "runs" in s else [s.get("fixed_point")]
+    per_run = _fixed_points(s)
     judged = [f for f in per_run if f]
     if not judged:
         return "—"
@@ -205,7 +210,7 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
             Column("best acc", lambda n, s, r: format_value(s.get("best_accuracy")), keep=6),
             Column(f"rounds to {threshold:.0%}", rounds_to_value(threshold), keep=5),
         ]
-    if any(s.get("fixed_point") or any(r.get("fixed_point") for r in (s.get("runs") or {}).values()) for s in summaries.values()):
+    if any(any(_fixed_points(s)) for s in summaries.values()):
         cols.append(Column("fixed point", fixed_point_value, keep=7))
     cols += [Column("train s (total)", seconds_value, keep=6), Column("MB up (total)", _mb_up, keep=8)]
     return cols
