@@ -151,7 +151,7 @@ def test_the_calibration_and_fixed_point_checks_continue_across_a_resume():
     """The checks' state after round k, saved and restored, gives the same warnings as one pass."""
     rng = np.random.default_rng(0)
     snaps = [(1.0 + 0.1 * r + 0.001 * rng.normal(size=5), np.exp(0.01 * rng.normal(size=5) + 0.02 * r)) for r in range(31)]
-    records = [{"round": r, "accuracy": 0.8, "accuracy_marg": 0.8 - (0.1 if r == 7 else 0.0)} for r in range(31)]
+    records = [{"round": r, "accuracy": 0.8, "accuracy_marg": 0.8 - (0.1 if 7 <= r < 7 + health.CALIBRATION_ROUNDS else 0.0)} for r in range(31)]
 
     def one_pass(split=None):
         check, cal = health.FixedPointCheck("x", 30), health.CalibrationCheck("x")
@@ -170,7 +170,7 @@ def test_the_calibration_and_fixed_point_checks_continue_across_a_resume():
     whole = one_pass()
     assert whole[0] is not None and whole[1] is not None  # both checks warn in this sequence
     assert whole[3]["settled"] is False and whole[3]["mean_drift"] > 0.01 and "mean" in whole[3]["moved"]  # the verdict summary.json keeps
-    for split in (5, 21, 25, 30):
+    for split in (5, 9, 21, 25, 30):  # 9: inside the calibration gap's streak
         assert one_pass(split) == whole
 
 
@@ -247,10 +247,14 @@ def test_bad_paths_thresholds_and_seed_lists_are_one_line_exit_2(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(CFG)
     assert "is a folder, not a config file" in one_line(runner.invoke(app, ["run", str(tmp_path)]))
-    assert "--threshold: must be a number >= 0 and <= 1; got nan" in one_line(runner.invoke(app, ["compare", str(cfg), "--threshold", "nan", "--out", str(tmp_path / "c")]))
+    assert "--threshold: must be a number >= 0 and <= 1; got nan" in one_line(
+        runner.invoke(app, ["compare", str(cfg), "--threshold", "nan", "--out", str(tmp_path / "c")])
+    )
     line = one_line(runner.invoke(app, ["compare", str(cfg), "--seeds", "9223372036854775808,1", "--out", str(tmp_path / "s")]))
     assert "2**63 - 1" in line and not (tmp_path / "s").exists()  # refused before any folder is made
-    assert "at most 10000 seeds" in one_line(runner.invoke(app, ["sweep", str(cfg), "--grid", "client.lr=0.1", "--seeds", "99999999999999", "--out", str(tmp_path / "w")]))
+    assert "at most 10000 seeds" in one_line(
+        runner.invoke(app, ["sweep", str(cfg), "--grid", "client.lr=0.1", "--seeds", "99999999999999", "--out", str(tmp_path / "w")])
+    )
 
 
 # ----- disk client stores: locked, owned, never half-made ------------------------------------------
@@ -366,7 +370,7 @@ def _same_but_seconds(a: Path, b: Path) -> bool:
 
 
 @pytest.mark.slow
-@settings(max_examples=int(os.environ.get('FEDBAYES_PROPERTY_EXAMPLES', 14)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("FEDBAYES_PROPERTY_EXAMPLES", 14)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     in_comparison=st.booleans(),
     kind=st.sampled_from(FILE_KINDS),

@@ -18,7 +18,7 @@ from fedbayes.config.schema import RunConfig, validate
 from fedbayes.runs.build import build_experiment
 from fedbayes.runs.export import flatten
 from fedbayes.runs.folder import read_metrics
-from fedbayes.runs.health import CalibrationCheck
+from fedbayes.runs.health import CALIBRATION_ROUNDS, CalibrationCheck
 from fedbayes.runs.loop import run_experiment
 
 runner = CliRunner()
@@ -273,16 +273,42 @@ def test_run_help_points_to_the_config_reference():
 
 
 def test_calibration_warning_once(caplog):
+    """A gap that persists CALIBRATION_ROUNDS evaluations warns once, in its last round."""
     check = CalibrationCheck("fedep", after_round=1)
     with caplog.at_level(logging.WARNING, logger="fedbayes"):
         check.check({"round": 1, "accuracy": 0.8, "accuracy_marg": 0.5})  # burn-in: not checked
-        assert check.message is None
         check.check({"round": 2, "accuracy": 0.8, "accuracy_marg": 0.76})  # 4 points: fine
-        assert check.message is None
-        check.check({"round": 3, "accuracy": 0.77, "accuracy_marg": 0.57})
-        check.check({"round": 4, "accuracy": 0.77, "accuracy_marg": 0.50})
+        for r in range(3, 3 + CALIBRATION_ROUNDS - 1):
+            check.check({"round": r, "accuracy": 0.77, "accuracy_marg": 0.57})
+        assert check.message is None  # not yet CALIBRATION_ROUNDS in a row
+        check.check({"round": 3 + CALIBRATION_ROUNDS - 1, "accuracy": 0.77, "accuracy_marg": 0.50})
+        check.check({"round": 3 + CALIBRATION_ROUNDS, "accuracy": 0.77, "accuracy_marg": 0.40})
+        assert check.finish() == check.message
     warnings = [r for r in caplog.records if "marginalised accuracy" in r.getMessage()]
-    assert len(warnings) == 1 and "20.0 points" in warnings[0].getMessage() and "algorithm.scale" in warnings[0].getMessage()
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "27.0 points" in message and f"for {CALIBRATION_ROUNDS} evaluated rounds in a row" in message and "evaluation.prior_precision" in message
+
+
+def test_calibration_transient_after_the_posterior_forms_is_not_a_warning(caplog):
+    """The digits fallback's FedEP: a 15.6-point gap in its first round after burn-in, closing
+    within three rounds, is no verdict; a run that ends with the gap open is."""
+    gaps = [0.156, 0.081, 0.039, 0.036, 0.072, 0.039, 0.017, 0.003, 0.006, 0.0]
+    transient = CalibrationCheck("fedep", after_round=5)
+    with caplog.at_level(logging.WARNING, logger="fedbayes"):
+        for i, gap in enumerate(gaps):
+            transient.check({"round": 6 + i, "accuracy": 0.95, "accuracy_marg": 0.95 - gap})
+        assert transient.finish() is None
+        assert not [r for r in caplog.records if "marginalised accuracy" in r.getMessage()]
+        ending = CalibrationCheck("fedep", after_round=5)
+        for i, gap in enumerate([0.0, 0.0, 0.08, 0.09, 0.07]):  # the gap opens at the end: median 0.07
+            ending.check({"round": 6 + i, "accuracy": 0.95, "accuracy_marg": 0.95 - gap})
+        assert ending.message is None
+        assert "median over the run's last 5 evaluated rounds" in ending.finish()
+        short = CalibrationCheck("fedep")  # a run evaluated once, at its end
+        short.check({"round": 3, "accuracy": 0.9, "accuracy_marg": 0.7})
+        assert "20.0 points" in short.finish() and "last 1 evaluated rounds" in short.message
+    assert len([r for r in caplog.records if "marginalised accuracy" in r.getMessage()]) == 2
 
 
 def test_no_system_data_hides_the_debian_dataset(tmp_path):

@@ -517,7 +517,11 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
 _EP_TRAITS = dict(
     min_local_epochs=_min_local_epochs,
     burn_in_rounds=burn_in_setting,
-    calibration_advice="raise algorithm.scale (see docs/algorithms.md, 'Choosing scale')",
+    # the posterior preset's posterior is the likelihood's: narrow its predictive post hoc, or temper it (the paper's knob)
+    calibration_advice=(
+        'to predict with a narrower posterior, choose its prior precision on held-out data (evaluation.prior_precision = "validation", '
+        "data.validation_fraction > 0; laplace and ngvi sites) or temper it (algorithm.scale > 1; docs/algorithms.md, 'Choosing scale')"
+    ),
     divergence_hint="the tilted precisions of FedEP's laplace/ngvi methods",
     default_predictive=lambda hp: "sample" if hp.method == "mcmc" else "linearised",  # mcmc: moments of samples; else a Gaussian about the mean
     posterior_prior_precision=lambda hp: (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") else None,  # + sum_k scale F_k

@@ -300,7 +300,10 @@ SPEC = AlgorithmSpec(
     "fedlap_cov", FedLapCovConfig, build, "FedLap with diagonal-GGN site precisions: two duals, a preconditioned server",
     exact_server="multiplies the clients' sites exactly", needs_apply_fn=True,
     # its posterior's width is set by the prior precision
-    calibration_advice="raise algorithm.delta, the prior precision (docs/algorithms.md §10)",
+    calibration_advice=(
+        "to predict with a narrower posterior, choose its prior precision on held-out data (evaluation.prior_precision = \"validation\", "
+        "data.validation_fraction > 0), or train with a larger algorithm.delta, the prior precision (docs/algorithms.md §10)"
+    ),
     default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta,  # S_g = delta + sum_k V_k: diagonal-GGN Laplace
     stored_meaning=_stored_meaning,
 )  # fmt: skip

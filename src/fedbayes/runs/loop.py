@@ -203,7 +203,7 @@ class RunRecorder:
         config, out = self.config, self.out
         summary = summarize(config, self.records, self.task)
         save_model(out / folder.MODEL, algorithm, server_state)
-        warnings = [m for m in (self.calibration.message, self.fixed_point.finish()) if m]
+        warnings = [m for m in (self.calibration.finish(), self.fixed_point.finish()) if m]
         if self.fixed_point.message:
             self.warn(f"warning: {self.fixed_point.message}")
         if self.fixed_point.result is not None:
