@@ -10,7 +10,9 @@ its server step): round indices 1, 2, ... in turn for every workload, ``--reps``
 interleaved. The workloads share the cohort and the number of local steps, so the ratio of round
 times is the ratio of step times (the server steps of these methods are a few element-wise
 operations). ``--per-leaf`` adds ``pvi_100`` with its weight noise drawn one generator call per
-leaf, as before 2026-11-27, as the row ``pvi_100_per_leaf``.
+leaf, as before 2026-11-27, as the row ``pvi_100_per_leaf``; ``--natural-kl`` adds ``pvi_100`` and
+``pvi_local_100`` with their KL penalty through the natural parameters, as before 2026-11-27
+(``gaussian.kl(to_gaussian(q), cavity)``), as the rows ``*_natural_kl``.
 
 Prints, per workload, the median round time and the median and range over the passes of its
 ratio to the reference.
@@ -41,11 +43,23 @@ def _per_leaf_draw(key, vp, parameterisation):
     return jax.tree.map(lambda k, m, r: m + vi._std(r, parameterisation) * jax.random.normal(k, m.shape, m.dtype), keys, vp.mean, vp.raw_std)
 
 
+def _natural_kl(cavity, parameterisation):
+    """The KL penalty as it was before 2026-11-27: through ``q``'s natural parameters."""
+    from fedbayes import gaussian
+    from fedbayes.inference import vi
+
+    return lambda vp: gaussian.kl(vi.to_gaussian(vp, parameterisation), cavity)
+
+
+OLD = {"_per_leaf": ("draw_weights", _per_leaf_draw), "_natural_kl": ("kl_to_cavity", _natural_kl)}  # suffix: (vi's function, its old form)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workloads", nargs="*", default=["fedavg_e3_100", "pvi_100", "pvi_local_100"])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--per-leaf", action="store_true")
+    parser.add_argument("--natural-kl", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -55,15 +69,19 @@ def main(argv=None) -> None:
 
     settings = fb.FULL
     data = fb.load_data(settings)
-    original = vi.draw_weights
+    extra = (["pvi_100_per_leaf"] if args.per_leaf else []) + (["pvi_100_natural_kl", "pvi_local_100_natural_kl"] if args.natural_kl else [])
     runs = {}
-    for name in args.workloads + (["pvi_100_per_leaf"] if args.per_leaf else []):
-        workload = fb.WORKLOADS[name.removesuffix("_per_leaf")]
-        if name.endswith("_per_leaf"):
-            vi.draw_weights = _per_leaf_draw  # read when the loss is traced, below
+    for name in args.workloads + extra:
+        suffix = next((x for x in OLD if name.endswith(x)), "")
+        workload = fb.WORKLOADS[name.removesuffix(suffix)] if suffix else fb.WORKLOADS[name]
+        if suffix:  # read when the loss is traced, below
+            attr, old_form = OLD[suffix]
+            original = getattr(vi, attr)
+            setattr(vi, attr, old_form)
         sim, state = fb.build_simulator(workload, settings, data)
         server = fb.plain_round(sim, first_device_state(sim, state.server_state), fb.prepare_plain_round(sim, state, 0))  # compiles
-        vi.draw_weights = original
+        if suffix:
+            setattr(vi, attr, original)
         runs[name] = (sim, state, server)
     times = {n: [] for n in runs}
     for rep in range(args.reps):

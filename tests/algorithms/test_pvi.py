@@ -24,7 +24,7 @@ from fedbayes.data.federation import Federation
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.sgd import training_info
-from fedbayes.inference.vi import reparameterised_vi
+from fedbayes.inference.vi import VariationalParams, kl_to_cavity, reparameterised_vi, to_gaussian
 from fedbayes.runs.export import load_model
 from fedbayes.runs.folder import read_metrics
 from fedbayes.sim.simulator import Simulator
@@ -342,7 +342,7 @@ def test_config():
     cfg = validate({"algorithm": {"name": "pvi", "delta": 0.5, "rho": 0.2, "samples": 3, "init_std": 0.01, "parameterisation": "softplus"}})
     a = cfg.algorithm
     assert (a.delta, a.rho, a.samples, a.init_std, a.parameterisation, a.init_mean, a.improper_sites) == (0.5, 0.2, 3, 0.01, "softplus", "global", "allow")
-    assert a.estimator == "weights" and validate({"algorithm": {"name": "pvi", "estimator": "local"}}).algorithm.estimator == "local"
+    assert a.estimator == "local" and validate({"algorithm": {"name": "pvi", "estimator": "weights"}}).algorithm.estimator == "weights"
     for bad, field in (({"rho": 0.0}, "algorithm.rho"), ({"rho": 1.5}, "algorithm.rho"), ({"delta": 0}, "algorithm.delta"),
                        ({"estimator": "flipout"}, "algorithm.estimator"),
                        ({"samples": 0}, "algorithm.samples"), ({"init_mean": "zero"}, "algorithm.init_mean"),
@@ -487,3 +487,24 @@ def test_local_estimator_finds_the_mean_field_optimum_of_a_flax_linear_model(est
     np.testing.assert_allclose(got_mean, want_mean, atol=0.03)
     np.testing.assert_allclose(got_lam, np.diag(prec), rtol=0.08)
     assert int(info["steps"]) == 2000
+
+
+@pytest.mark.parametrize("parameterisation", ["log", "softplus"])
+def test_the_kl_penalty_in_q_s_own_parameters_equals_the_natural_parameter_kl(parameterisation):
+    """``kl_to_cavity`` (the local step's penalty) against ``gaussian.kl`` through the natural
+    parameters: the same value and gradient, across scales of the standard deviations and cavities."""
+    rng = np.random.default_rng(3)
+    for spread in (0.1, 1.0, 3.0):
+        mean = {"k": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=4), jnp.float32)}
+        raw = jax.tree.map(lambda m: jnp.asarray(spread * rng.normal(size=m.shape) - 1.0, jnp.float32), mean)
+        vp = VariationalParams(mean, raw)
+        cavity = gaussian.from_moments(
+            jax.tree.map(lambda m: m + jnp.asarray(rng.normal(size=m.shape), jnp.float32), mean),
+            jax.tree.map(lambda m: jnp.asarray(np.exp(spread * rng.normal(size=m.shape)), jnp.float32), mean),
+        )
+        fast = kl_to_cavity(cavity, parameterisation)
+        slow = lambda v: gaussian.kl(to_gaussian(v, parameterisation), cavity)  # noqa: E731
+        np.testing.assert_allclose(float(fast(vp)), float(slow(vp)), rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(jax.grad(fast)(vp)), jax.tree.leaves(jax.grad(slow)(vp))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+        assert float(kl_to_cavity(to_gaussian(vp, parameterisation), parameterisation)(vp)) == pytest.approx(0.0, abs=1e-4)  # KL(q || q) = 0

@@ -261,7 +261,9 @@ def test_a_stored_config_keeps_the_method_defaults_it_was_written_with():
     fedep = validate(stored_meaning({"algorithm": old_fedep, "server": server, "data": data})).algorithm
     assert fedep.preset == "paper" and fedep.ngvi_bias_correction is False and fedep.default_damping(4) == 0.25 and fedep.scale == 500.0
     assert validate({"algorithm": old_fedep, "server": server, "data": data}).algorithm.preset == "posterior"  # as a new config
-    assert validate(stored_meaning({"algorithm": old_pvi, "server": server, "data": data})).algorithm.rho == 0.25
+    old_pvi_run = validate(stored_meaning({"algorithm": old_pvi, "server": server, "data": data})).algorithm
+    assert old_pvi_run.rho == 0.25 and old_pvi_run.estimator == "weights"
+    assert validate({"algorithm": old_pvi, "server": server, "data": data}).algorithm.estimator == "local"  # as a new config
     assert validate(stored_meaning({"algorithm": old_cov, "server": server, "data": data})).algorithm.rho == 0.125
     old_vbnn = {"algorithm": {"name": "vbnn", "aggregation": "gaa"}, "model": {"name": "mlp", "variational": True}, "server": server, "data": data}
     assert validate(stored_meaning(old_vbnn)).algorithm.variant == "paper" and validate(old_vbnn).algorithm.variant == "bayes"

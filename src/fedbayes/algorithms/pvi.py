@@ -237,7 +237,9 @@ class PVIConfig(HParams):
     )
     samples: int = Field(1, ge=1, description="S, reparameterised weight samples per minibatch of the local VI")
     estimator: Literal[ESTIMATORS] = Field(  # type: ignore[valid-type]
-        "weights", description="local VI gradient: weights (one draw per minibatch) or local (dense outputs drawn per example; same objective)"
+        "local",
+        description="local VI gradient: local (dense outputs drawn per example, the default: lower variance, faster on a CPU) or weights "
+        "(one weight draw per minibatch, Ashman et al.'s); the same objective",
     )
     parameterisation: Literal[PARAMETERISATIONS] = Field("log", description="local standard deviation as exp(s) (log) or softplus(s)")  # type: ignore[valid-type]
     init_std: float | None = Field(None, gt=0, description="start the local std at min(global std, init_std); default: the global std")
@@ -254,9 +256,11 @@ def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
 
 
 def _stored_meaning(table: dict, stored: dict) -> dict:
-    """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``."""
+    """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``; one
+    written before ``estimator`` existed drew weights (the default until 2026-11-27 stored the key)."""
     if "rho" not in table:
         table["rho"] = 1.0 / stored_setting(stored, "server", "clients_per_round", 10)
+    table.setdefault("estimator", "weights")
     return table
 
 

@@ -184,7 +184,7 @@ def _gpu_record() -> list[FederatedWorkload]:
     methods = (
         ("fedavg", "FedAvg", ()),
         ("fedep", "FedEP (identity)", (("preset", "paper"),)),
-        ("pvi", "PVI (1 weight sample per step)", (("init_std", 0.1), ("init_mean", "model"))),
+        ("pvi", "PVI (1 weight sample per step)", (("init_std", 0.1), ("init_mean", "model"), ("estimator", "weights"))),
         ("fedlap_cov", "FedLap-Cov (GGN pass included)", ()),
     )
     out = []
@@ -250,7 +250,9 @@ WORKLOADS: dict[str, Workload] = {
         # ones keep their sites in device memory). PVI starts as examples/digits_pvi.toml does
         # (local std 0.1, mean at the model's init): from the prior's std 1 its weight noise makes
         # the client SGD diverge.
-        _against_fedavg_e3_100("pvi_100", "pvi", "PVI (1 weight sample per step)", store="device", hparams=(("init_std", 0.1), ("init_mean", "model"))),
+        _against_fedavg_e3_100(
+            "pvi_100", "pvi", "PVI (1 weight sample per step)", store="device", hparams=(("init_std", 0.1), ("init_mean", "model"), ("estimator", "weights"))
+        ),
         _against_fedavg_e3_100(
             "pvi_local_100",
             "pvi",

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedbayes import gaussian
 from fedbayes.data.batches import ClientData
@@ -39,6 +40,7 @@ __all__ = [
     "VariationalParams",
     "draw_weights",
     "expected_loss",
+    "kl_to_cavity",
     "local_reparameterisation",
     "reparameterised_vi",
     "standard_normal_like",
@@ -204,6 +206,37 @@ def local_reparameterisation(loss_fn: Callable, *, samples: int, parameterisatio
     return loss
 
 
+def kl_to_cavity(cavity: DiagGaussian, parameterisation: str) -> Callable[[VariationalParams], jax.Array]:
+    """``vp -> KL(q || cavity)`` for ``q = N(mean, diag(std^2))`` given by ``vp``, the same value as
+    ``gaussian.kl(to_gaussian(vp), cavity)`` (docs/algorithms.md §1.1) written in ``q``'s own
+    parameters:
+
+        KL = 1/2 sum_i [L_i v_i - 1 - log L_i - log v_i + L_i (mu_i - m_i)^2],   v_i = std_i^2,
+
+    with the cavity's precision ``L`` and mean ``m`` (and ``1 + log L``) computed once, before the
+    local steps, and ``log v = 2 raw_std`` read directly under the log parameterisation. Through
+    the natural parameters, every step's gradient went through ``1 / std^2``, ``eta / Lambda``
+    and a log per coordinate of both trees; this is one ``exp`` per coordinate (its gradient:
+    ``L (mu - m)`` and ``L v - 1``): 9-12% less time per PVI round on the CPU, paired
+    (docs/results/bench.md)."""
+    cavity = gaussian.to_diag(cavity)
+    precision, mean = cavity.precision, gaussian.mean(cavity)
+    constant = jax.tree.map(lambda lam: 1.0 + jnp.log(lam), precision)
+
+    def terms(mu, raw, lam, m, c):
+        if parameterisation == "log":
+            var, log_var = jnp.exp(2.0 * raw), 2.0 * raw
+        else:
+            std = jax.nn.softplus(raw)
+            var, log_var = jnp.square(std), 2.0 * jnp.log(std)
+        return 0.5 * (lam * var - c - log_var + lam * jnp.square(mu - m))
+
+    def kl(vp: VariationalParams) -> jax.Array:
+        return optax.tree.sum(jax.tree.map(terms, vp.mean, vp.raw_std, precision, mean, constant))
+
+    return kl
+
+
 def reparameterised_vi(
     trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None, estimator: str = "weights"
 ) -> CavityInference:
@@ -253,8 +286,10 @@ def reparameterised_vi(
             std0 = jax.tree.map(lambda s: jnp.minimum(s, jnp.asarray(init_std, s.dtype)), std0)
         vp0 = VariationalParams(gaussian.mean(start), jax.tree.map(lambda s: _raw_std(s, parameterisation), std0))
 
+        kl = kl_to_cavity(cavity, parameterisation)
+
         def penalty(vp):
-            return (gaussian.kl(to_gaussian(vp, parameterisation), cavity) / n).astype(jnp.float32)
+            return (kl(vp) / n).astype(jnp.float32)
 
         vp, info = run_sgd(key, vp0, data, local, penalty)
         return to_gaussian(vp, parameterisation), info
