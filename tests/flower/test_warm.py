@@ -101,8 +101,7 @@ def test_a_node_with_its_own_npz_or_csv_file_replies_as_the_simulators_client(ex
     ]
     for reply in replies:
         assert reply.config_records["meta"]["num_examples"] == len(y)
-        for name in ("message", "info"):
-            assert bytes(reply.array_records[name]["packed.npz"].data) == bytes(replies[0].array_records[name]["packed.npz"].data)
+        assert bytes(reply.array_records["reply"]["packed.npz"].data) == bytes(replies[0].array_records["reply"]["packed.npz"].data)
 
 
 def test_a_node_whose_examples_do_not_fit_the_model_refuses_in_one_line(exp, tmp_path):

@@ -216,11 +216,11 @@ class FlowerRounds:
         if reply.error is not None:
             raise MalformedMessage(f"the node reported an error: {reply.error}")
         content = reply.content
-        for name in ("message", "info", "meta"):
+        for name in ("reply", "meta"):
             if name not in content:
                 raise MalformedMessage(f"the reply has no {name!r} record")
-        message = decode(content.array_records["message"], self.message_spec)
-        info = decode(content.array_records["info"], self.info_spec)
+        both = decode(content.array_records["reply"], {"message": self.message_spec, "info": self.info_spec})
+        message, info = both["message"], both["info"]
         meta = content.config_records["meta"]
         n = meta.get("num_examples")
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
