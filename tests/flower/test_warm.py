@@ -154,6 +154,16 @@ def test_the_fast_node_caps_only_sleep():
     assert time.monotonic() - start < 1.0 and t.monotonic is time.monotonic and t.time is time.time
 
 
+def test_the_fast_node_caps_its_waits_apart_from_its_polls(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    t = fastnode.capped_time(0.05, 0.005)
+    t.sleep(3)  # after an empty pull: the next pull is a request to the SuperLink
+    t.sleep(0.5)  # waiting for the reply or its objects in the node's memory
+    t.sleep(0.001)
+    assert slept == [0.05, 0.005, 0.001]
+
+
 def test_short_object_pulls_retry_fast_without_a_try_limit_and_only_once():
     import types
 
