@@ -96,7 +96,7 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _compilation_cache(state_dir)
     config = _config(str(meta["config"]))
-    spec = {k: (list(v) if isinstance(v, list) else v) for k, v in content.config_records["spec"].items()}
+    spec = json.loads(str(meta["spec"]))
     setup = node_setup(config, client, state_dir, spec, node_source(node_config))
     broadcast = decode(content.array_records["broadcast"], setup.broadcast)
     template = setup.algorithm.client_init(setup.params)
