@@ -245,7 +245,8 @@ def probe_first(pull_object_fn, probe_id: str):
     ``flwr.supernode.start_client_internal``): while it pulls, every object of the message is
     unavailable. Pulled concurrently, each object retried on its own: 65 requests to the nodes for
     their 21 objects in a round of three (heavy MLP, loopback, 2026-11-27), each answered by the
-    node's process while it pulls from the SuperLink. One object waited for stands for all."""
+    node's process while it pulls from the SuperLink; waiting for one first, 28-38 requests for
+    18 objects. One object waited for stands for all."""
     from flwr.supercore.inflatable.inflatable_utils import pull_objects
 
     lock, got = threading.Lock(), {}
