@@ -212,9 +212,7 @@ class FlowerRounds:
     def _request(self, round_idx: int, cohort: list[int], bases: list[int], broadcast: ArrayRecord) -> Callable[[], RecordDict]:
         """The content of the round's train messages: the same for every cohort client (each node
         finds its ``base`` by its partition), so Flower sends it once and only the messages
-        themselves per client: 8 objects pushed for a cohort of three instead of 12 (2k - 2 fewer
-        for a cohort of k). Every node thus sees which partitions train in the round and their
-        bases, beside every client's example count that the spec already carries."""
+        themselves per client: 8 objects pushed for a cohort of three instead of 12."""
         meta = {"round": round_idx, "cohort": cohort, "bases": bases, "run": self.run_key, "config": self.config_text, "seed": self.seed, "spec": self.spec}
         return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta))})
 
