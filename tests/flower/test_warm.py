@@ -47,7 +47,7 @@ def exp():
 def _message(exp, client: int, config_text: str | None = None) -> RecordDict:
     rounds = FlowerRounds(exp, None)
     state = rounds.init(exp.params)
-    make = rounds._request(0, [client], [-1], encode(exp.algorithm.broadcast(state.server_state)))
+    make = rounds._request(0, client, -1, encode(exp.algorithm.broadcast(state.server_state)))
     content = make()
     if config_text is not None:
         content.config_records["fedbayes"]["config"] = config_text

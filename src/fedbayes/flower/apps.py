@@ -89,10 +89,9 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
 
     part, _ = _node_partition(node_config)
     meta = content.config_records["fedbayes"]
-    r, run_key, cohort = int(meta["round"]), str(meta["run"]), [int(c) for c in meta["cohort"]]
-    if part not in cohort:
-        raise ValueError(f"this node holds partition {part}; the message is for clients {cohort}")
-    client, base = part, int(meta["bases"][cohort.index(part)])
+    r, client, base, run_key = int(meta["round"]), int(meta["client"]), int(meta["base"]), str(meta["run"])
+    if client != part:
+        raise ValueError(f"this node holds partition {part}; the message is for client {client}")
     state_dir = Path(str(node_config.get("state-dir") or Path.home() / ".fedbayes" / "flower"))
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _compilation_cache(state_dir)

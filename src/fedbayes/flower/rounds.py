@@ -6,11 +6,11 @@
 (metrics.jsonl, clients.jsonl, checkpoints, resume, model.npz, summary.json). One round:
 
 1. the cohort of :func:`fedbayes.protocol.sample_cohort` (the simulator's);
-2. one train message per cohort client, to the node holding its partition, all with the same
-   content: the encoded broadcast, the round, the cohort, the config (TOML text), the data's
-   spec (:func:`data_spec`, JSON) and each cohort client's ``base``, the last round whose reply
-   from this client the server accepted (the node continues from its state after that round;
-   -1: ``client_init``);
+2. one train message per cohort client, to the node holding its partition: the encoded
+   broadcast, the round, the client id, the config (TOML text), the data's spec
+   (:func:`data_spec`, JSON) and ``base``, the last round
+   whose reply from this client the server accepted (the node continues from its state after
+   that round; -1: ``client_init``);
 3. replies are collected until all arrive or ``reply_timeout`` seconds pass (a node that
    restarts during the round is found again and sent the message anew); each reply is decoded
    against the expected message (:mod:`fedbayes.flower.codec`): a malformed one, or a node's
@@ -209,11 +209,8 @@ class FlowerRounds:
         return self.algorithm.server_params(state.server_state)
 
     # ----- one round --------------------------------------------------------------------------
-    def _request(self, round_idx: int, cohort: list[int], bases: list[int], broadcast: ArrayRecord) -> Callable[[], RecordDict]:
-        """The content of the round's train messages: the same for every cohort client (each node
-        finds its ``base`` by its partition), so Flower sends it once and only the messages
-        themselves per client: 8 objects pushed for a cohort of three instead of 12."""
-        meta = {"round": round_idx, "cohort": cohort, "bases": bases, "run": self.run_key, "config": self.config_text, "seed": self.seed, "spec": self.spec}
+    def _request(self, round_idx: int, client: int, base: int, broadcast: ArrayRecord) -> Callable[[], RecordDict]:
+        meta = {"round": round_idx, "client": client, "base": base, "run": self.run_key, "config": self.config_text, "seed": self.seed, "spec": self.spec}
         return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta))})
 
     def _decode(self, reply: Reply):
@@ -242,8 +239,7 @@ class FlowerRounds:
         broadcast_tree = self.algorithm.broadcast(state.server_state)
         broadcast = encode(broadcast_tree)
         base = np.asarray(state.client_states["base"])
-        make = self._request(r, [int(c) for c in cohort], [int(base[c]) for c in cohort], broadcast)
-        requests = dict.fromkeys((int(c) for c in cohort), make)
+        requests = {int(c): self._request(r, int(c), int(base[c]), broadcast) for c in cohort}
         started = time.monotonic()
         replies = self.transport.exchange(r, requests, s.reply_timeout)
         if self.times_file is not None:
