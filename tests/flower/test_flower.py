@@ -158,29 +158,29 @@ def honest(fedep_experiment, tmp_path_factory):
 
 
 def _message(content: RecordDict) -> dict[str, np.ndarray]:
-    return unpack(content.array_records["message"])
+    return unpack(content.array_records["reply"])  # the message's leaves under "message/", the info's under "info/"
 
 
 def _set(content, name, fn):
     arrays = _message(content)
     arrays[name] = fn(arrays[name])
-    content.array_records["message"] = pack(arrays)
+    content.array_records["reply"] = pack(arrays)
     return content
 
 
 def _drop(content, name):
     arrays = _message(content)
     del arrays[name]
-    content.array_records["message"] = pack(arrays)
+    content.array_records["reply"] = pack(arrays)
     return content
 
 
 def _precision_leaf(content) -> str:
-    return next(n for n in _message(content) if "/precision/" in n)
+    return next(n for n in _message(content) if n.startswith("message/") and "/precision/" in n)
 
 
 def _mean_leaf(content) -> str:
-    return next(n for n in _message(content) if "/precision_mean/" in n)
+    return next(n for n in _message(content) if n.startswith("message/") and "/precision_mean/" in n)
 
 
 MALFORMED = {

@@ -101,8 +101,7 @@ def test_a_node_with_its_own_npz_or_csv_file_replies_as_the_simulators_client(ex
     ]
     for reply in replies:
         assert reply.config_records["meta"]["num_examples"] == len(y)
-        for name in ("message", "info"):
-            assert bytes(reply.array_records[name]["packed.npz"].data) == bytes(replies[0].array_records[name]["packed.npz"].data)
+        assert bytes(reply.array_records["reply"]["packed.npz"].data) == bytes(replies[0].array_records["reply"]["packed.npz"].data)
 
 
 def test_a_node_whose_examples_do_not_fit_the_model_refuses_in_one_line(exp, tmp_path):
@@ -153,6 +152,16 @@ def test_the_fast_node_caps_only_sleep():
     start = time.monotonic()
     t.sleep(3)
     assert time.monotonic() - start < 1.0 and t.monotonic is time.monotonic and t.time is time.time
+
+
+def test_the_fast_node_caps_its_waits_apart_from_its_polls(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    t = fastnode.capped_time(0.05, 0.005)
+    t.sleep(3)  # after an empty pull: the next pull is a request to the SuperLink
+    t.sleep(0.5)  # waiting for the reply or its objects in the node's memory
+    t.sleep(0.001)
+    assert slept == [0.05, 0.005, 0.001]
 
 
 def test_short_object_pulls_retry_fast_without_a_try_limit_and_only_once():

@@ -3,8 +3,8 @@
 
 ClientApp (on every SuperNode; ``--node-config "partition-id=i num-partitions=K
 state-dir=DIR"``): a ``query`` message answers the node's partition; a ``train`` message runs
-the client's update (:mod:`fedbayes.flower.node`) and replies with the message, its info and
-the example count.
+the client's update (:mod:`fedbayes.flower.node`) and replies with the message and its info
+(one packed record, ``reply``) and the example count and times (``meta``).
 
 ServerApp (run config, see :data:`RUN_CONFIG`): ``config`` (the run's TOML file, on the
 SuperLink's machine), ``out`` (the run folder), ``resume``, and the failure settings of
@@ -96,7 +96,7 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _compilation_cache(state_dir)
     config = _config(str(meta["config"]))
-    spec = {k: (list(v) if isinstance(v, list) else v) for k, v in content.config_records["spec"].items()}
+    spec = json.loads(str(meta["spec"]))
     setup = node_setup(config, client, state_dir, spec, node_source(node_config))
     broadcast = decode(content.array_records["broadcast"], setup.broadcast)
     template = setup.algorithm.client_init(setup.params)
@@ -122,7 +122,9 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
     if sent_at is not None:
         times["to-node"] = wall - sent_at
     reply_meta = {"num_examples": int(len(setup.y)), "pid": os.getpid(), **{f"seconds-{k}": float(v) for k, v in times.items()}}
-    return RecordDict({"message": encode(message), "info": encode(info), "meta": ConfigRecord(reply_meta)})
+    # One packed record for message and info: Flower sends a record as three objects (record, array,
+    # chunk), each one HTTP request on each of the reply's three hops.
+    return RecordDict({"reply": encode({"message": message, "info": info}), "meta": ConfigRecord(reply_meta)})
 
 
 @clientapp.train()

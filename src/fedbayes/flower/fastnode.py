@@ -1,13 +1,17 @@
 """``python -m fedbayes.flower.fastnode <flower-supernode options>``: Flower's SuperNode with its
 idle sleeps capped, for a federation on one machine.
 
-Flower's SuperNode sleeps a fixed 3 s after every pull that finds no message, and checks every
-0.5 s for a reply to send (``flwr.supernode.start_client_internal``, flwr 1.41 and 1.42; neither
-is configurable). Right after a reply it pulls, finds nothing (the ServerApp is still
-aggregating) and sleeps 3 s: a floor of about 3 s per round whatever the ClientApp costs. This
-wrapper runs Flower's own ``flower-supernode`` with the ``time`` module of that one Flower module
-replaced by a copy whose ``sleep`` is capped at ``FEDBAYES_NODE_SLEEP`` seconds (default 0.05).
-It costs polling (about 20 requests a second per idle node), fine on loopback; on real machines
+Flower's SuperNode sleeps a fixed 3 s after every pull that finds no message, and waits in steps
+of 0.5 s for its ClientApp's reply and then for each of the reply's objects
+(``flwr.supernode.start_client_internal``, flwr 1.41 and 1.42; none is configurable). Right
+after a reply it pulls, finds nothing (the ServerApp is still aggregating) and sleeps 3 s: a
+floor of about 3 s per round whatever the ClientApp costs. This wrapper runs Flower's own
+``flower-supernode`` with the ``time`` module of that one Flower module replaced by a copy whose
+``sleep`` is capped (:func:`capped_time`): the 3 s sleep at ``FEDBAYES_NODE_SLEEP`` seconds
+(default 0.05), since each wake-up is a request to the SuperLink (about 20 a second per idle
+node, fine on loopback); the 0.5 s waits at ``FEDBAYES_NODE_WAIT`` (default 0.005), since they
+look at the node's own memory only. At a 50 ms cap the node found a reply's object 3 ms after it
+went to sleep and woke 47 ms later (loopback, 2026-11-27). On real machines
 ``fedbayes deploy --print-commands`` prints the stock ``flower-supernode``. With another flwr
 release than those tested, or if that module no longer sleeps through ``time``, it runs the stock
 SuperNode unchanged. It also pulls a message's objects from the SuperLink with a short backoff
@@ -25,10 +29,12 @@ import types
 TESTED = ("1.41.", "1.42.")
 
 
-def capped_time(cap: float) -> types.SimpleNamespace:
-    """A stand-in for the ``time`` module whose ``sleep`` sleeps at most ``cap`` seconds."""
+def capped_time(cap: float, wait_cap: float | None = None) -> types.SimpleNamespace:
+    """A stand-in for the ``time`` module whose ``sleep`` sleeps at most ``cap`` seconds, and a
+    sleep of under 1 s (the SuperNode's waits on its own state) at most ``wait_cap`` (default: ``cap``)."""
     names = {k: getattr(time, k) for k in dir(time) if not k.startswith("__")}
-    return types.SimpleNamespace(**{**names, "sleep": lambda s: time.sleep(min(s, cap))})
+    short = cap if wait_cap is None else wait_cap
+    return types.SimpleNamespace(**{**names, "sleep": lambda s: time.sleep(min(s, cap if s >= 1 else short))})
 
 
 PULL_BACKOFF = (0.005, 0.05)  # initial, cap (seconds): a retry of an object not yet pushed
@@ -67,7 +73,7 @@ def main() -> None:
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
     if flwr.__version__.startswith(TESTED) and start_client_internal.time is time:
-        start_client_internal.time = capped_time(float(os.environ.get("FEDBAYES_NODE_SLEEP", "0.05")))
+        start_client_internal.time = capped_time(float(os.environ.get("FEDBAYES_NODE_SLEEP", "0.05")), float(os.environ.get("FEDBAYES_NODE_WAIT", "0.005")))
         short_object_pulls(start_client_internal)
     sys.argv[0] = "flower-supernode"
     flower_supernode()

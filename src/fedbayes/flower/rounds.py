@@ -7,7 +7,8 @@
 
 1. the cohort of :func:`fedbayes.protocol.sample_cohort` (the simulator's);
 2. one train message per cohort client, to the node holding its partition: the encoded
-   broadcast, the round, the client id, the config (TOML text) and ``base``, the last round
+   broadcast, the round, the client id, the config (TOML text), the data's spec
+   (:func:`data_spec`, JSON) and ``base``, the last round
    whose reply from this client the server accepted (the node continues from its state after
    that round; -1: ``client_init``);
 3. replies are collected until all arrive or ``reply_timeout`` seconds pass (a node that
@@ -182,7 +183,8 @@ class FlowerRounds:
         self.seed = exp.config.seed
         self.num_clients = exp.federation.num_clients
         self.config_text = sent_config(exp.config)
-        self.spec = ConfigRecord(data_spec(exp))
+        # JSON in the message's one config record: a record of its own is one more object per hop
+        self.spec = json.dumps(data_spec(exp), sort_keys=True)
         self.times_file = None if times_file is None else Path(times_file)  # one line per round: round_times
         self.run_key = run_key(exp.config)
         fed = exp.federation
@@ -208,19 +210,19 @@ class FlowerRounds:
 
     # ----- one round --------------------------------------------------------------------------
     def _request(self, round_idx: int, client: int, base: int, broadcast: ArrayRecord) -> Callable[[], RecordDict]:
-        meta = {"round": round_idx, "client": client, "base": base, "run": self.run_key, "config": self.config_text, "seed": self.seed}
-        return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta)), "spec": self.spec})
+        meta = {"round": round_idx, "client": client, "base": base, "run": self.run_key, "config": self.config_text, "seed": self.seed, "spec": self.spec}
+        return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta))})
 
     def _decode(self, reply: Reply):
         """``(message, info, num_examples)`` of a reply, or raises MalformedMessage."""
         if reply.error is not None:
             raise MalformedMessage(f"the node reported an error: {reply.error}")
         content = reply.content
-        for name in ("message", "info", "meta"):
+        for name in ("reply", "meta"):
             if name not in content:
                 raise MalformedMessage(f"the reply has no {name!r} record")
-        message = decode(content.array_records["message"], self.message_spec)
-        info = decode(content.array_records["info"], self.info_spec)
+        both = decode(content.array_records["reply"], {"message": self.message_spec, "info": self.info_spec})
+        message, info = both["message"], both["info"]
         meta = content.config_records["meta"]
         n = meta.get("num_examples")
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
