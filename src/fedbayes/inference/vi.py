@@ -217,8 +217,8 @@ def kl_to_cavity(cavity: DiagGaussian, parameterisation: str) -> Callable[[Varia
     local steps, and ``log v = 2 raw_std`` read directly under the log parameterisation. Through
     the natural parameters, every step's gradient went through ``1 / std^2``, ``eta / Lambda``
     and a log per coordinate of both trees; this is one ``exp`` per coordinate (its gradient:
-    ``L (mu - m)`` and ``L v - 1``): 9-12% less time per PVI round on the CPU, paired
-    (docs/results/bench.md)."""
+    ``L (mu - m)`` and ``L v - 1``): about 10% less time per PVI round on the CPU, paired in one
+    process (docs/results/bench.md)."""
     cavity = gaussian.to_diag(cavity)
     precision, mean = cavity.precision, gaussian.mean(cavity)
     constant = jax.tree.map(lambda lam: 1.0 + jnp.log(lam), precision)
