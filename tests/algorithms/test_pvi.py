@@ -176,7 +176,8 @@ def test_one_client_with_damping_one_is_global_vi():
     model, params, trainer = logreg_setup(epochs=2, batch_size=32)
     trainer = trainer._replace(optimizer=optax.adam(0.01))
     delta, samples, init_std = 2.0, 2, 0.05
-    algo = pvi(trainer, optax.sgd(1.0), prior_precision=delta, damping=1.0, samples=samples, init_std=init_std)
+    # the reference below draws weights (Bayes-by-backprop), so PVI runs that estimator
+    algo = pvi(trainer, optax.sgd(1.0), prior_precision=delta, damping=1.0, samples=samples, init_std=init_std, estimator="weights")
     sim = Simulator(algo, fed, clients_per_round=1, seed=4)
     state, info = sim.run_round(sim.init(params))
     assert len(info.rejected) == 0

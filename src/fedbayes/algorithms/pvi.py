@@ -132,7 +132,7 @@ def pvi(
     init_mean: str = "global",
     allow_improper_sites: bool = True,
     local: CavityInference | None = None,
-    estimator: str = "weights",
+    estimator: str = "local",
 ) -> Algorithm:
     """Synchronous mean-field Gaussian PVI (module docstring; docs/algorithms.md §8).
 

@@ -224,12 +224,9 @@ def kl_to_cavity(cavity: DiagGaussian, parameterisation: str) -> Callable[[Varia
     constant = jax.tree.map(lambda lam: 1.0 + jnp.log(lam), precision)
 
     def terms(mu, raw, lam, m, c):
-        if parameterisation == "log":
-            var, log_var = jnp.exp(2.0 * raw), 2.0 * raw
-        else:
-            std = jax.nn.softplus(raw)
-            var, log_var = jnp.square(std), 2.0 * jnp.log(std)
-        return 0.5 * (lam * var - c - log_var + lam * jnp.square(mu - m))
+        std = _std(raw, parameterisation)
+        log_var = 2.0 * (raw if parameterisation == "log" else jnp.log(std))
+        return 0.5 * (lam * jnp.square(std) - c - log_var + lam * jnp.square(mu - m))
 
     def kl(vp: VariationalParams) -> jax.Array:
         return optax.tree.sum(jax.tree.map(terms, vp.mean, vp.raw_std, precision, mean, constant))
@@ -238,7 +235,7 @@ def kl_to_cavity(cavity: DiagGaussian, parameterisation: str) -> Callable[[Varia
 
 
 def reparameterised_vi(
-    trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None, estimator: str = "weights"
+    trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None, estimator: str = "local"
 ) -> CavityInference:
     """The local step of mean-field Gaussian PVI (docs/algorithms.md §8.2): Bayes-by-backprop on the
     tilted objective, per minibatch (mean-loss scale, i.e. the objective divided by ``n_k``)
@@ -258,9 +255,9 @@ def reparameterised_vi(
       init_std: if set, the local ``sigma`` starts at ``min(sigma_g, init_std)`` instead of the
         global's ``sigma_g`` (the objective is unchanged; a small start keeps early samples of a
         network near its mean, as Bayes-by-backprop initialisations do).
-      estimator: ``"weights"`` (one weight draw per minibatch and sample, Bayes-by-backprop) or
-        ``"local"`` (:func:`local_reparameterisation`: the same objective, the dense layers'
-        outputs drawn per example).
+      estimator: ``"local"`` (the default, as PVI's config: :func:`local_reparameterisation`, the
+        same objective with the dense layers' outputs drawn per example) or ``"weights"`` (one
+        weight draw per minibatch and sample, Bayes-by-backprop).
 
     Returns:
       ``fit(key, start, cavity, data) -> (q_k, info)`` (a :class:`~fedbayes.inference.base.CavityInference`
