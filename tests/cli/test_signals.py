@@ -131,3 +131,28 @@ def test_resume_of_a_deployed_run_goes_to_flower(tmp_path):
     (out / "config.toml").write_text(DIGITS_RUN.format(rounds=2, top="", algorithm="fedavg", extra=""))
     res = CliRunner().invoke(app, ["resume", str(out)])
     assert res.exit_code == 2 and res.stderr.strip().startswith("error: fedbayes deploy needs Flower"), res.output
+
+
+def test_an_interrupt_that_python_could_only_drop_is_delivered_again(monkeypatch):
+    """Raised where C code runs Python code (the unraisable hook's case), the interrupt is not
+    printed and lost: the signal is re-armed DEFER_S later. Other unraisable exceptions go to the
+    previous hook."""
+    import types
+
+    from fedbayes.cli import interrupts
+
+    monkeypatch.setattr(interrupts, "_state", {"stopping": True, "command": False})
+    seen = []
+    interrupts._state["unraisable"] = seen.append
+    timers = []
+    monkeypatch.setattr(interrupts.signal, "setitimer", lambda which, seconds: timers.append((which, seconds)))
+    interrupts._unraisable(types.SimpleNamespace(exc_value=KeyboardInterrupt(), object="Path"))
+    assert interrupts._state["stopping"] is False and interrupts._state["deferred"] is True
+    assert timers == [(signal.ITIMER_REAL, interrupts.DEFER_S)] and seen == []
+    other = types.SimpleNamespace(exc_value=ValueError("x"), object="Path")
+    interrupts._unraisable(other)
+    assert seen == [other] and len(timers) == 1
+    interrupts._state.update(stopping=True, said=True)  # the line is out: the command is ending anyway
+    late = types.SimpleNamespace(exc_value=KeyboardInterrupt(), object="Path")
+    interrupts._unraisable(late)
+    assert seen == [other, late] and len(timers) == 1

@@ -12,6 +12,11 @@ except where raising it would do harm; there it is delivered :data:`DEFER_S` lat
   (``__del__``, ``weakref.finalize``): an exception there is printed as "Exception ignored" with a
   traceback and then dropped.
 
+Any other place where C code runs Python code and cannot raise (seen once in CI: "Exception
+ignored in: 'Path'" during start-up, from no frame the list above names) reaches
+:func:`_unraisable`, installed as ``sys.unraisablehook``: the dropped interrupt is delivered
+again :data:`DEFER_S` later instead of being printed and lost.
+
 A second signal while the first is being handled (the command cleaning up, writing its line) is
 ignored, and so is any signal once the command has ended (:func:`ignore_from_now`: the
 interpreter's shutdown). This module imports nothing but the standard library.
@@ -74,6 +79,9 @@ def install() -> None:
     for sig in SIGNALS:
         signal.signal(sig, _handle)
     signal.signal(signal.SIGALRM, _handle)  # a deferred signal comes back as SIGALRM
+    if sys.unraisablehook is not _unraisable:
+        _state["unraisable"] = sys.unraisablehook
+        sys.unraisablehook = _unraisable
 
 
 def ignore_from_now() -> None:
@@ -90,12 +98,27 @@ def _handle(signum, frame) -> None:
     if signum == signal.SIGALRM and not _state.get("deferred"):
         return  # not ours
     if _must_wait(frame):
-        _state["deferred"] = True
-        signal.setitimer(signal.ITIMER_REAL, DEFER_S)
+        _defer()
         return
     _state["deferred"] = False
     _state["stopping"] = True
     raise KeyboardInterrupt
+
+
+def _defer() -> None:
+    _state["deferred"] = True
+    signal.setitimer(signal.ITIMER_REAL, DEFER_S)
+
+
+def _unraisable(unraisable) -> None:
+    """``sys.unraisablehook``: the interrupt that :func:`_handle` raised where Python could only
+    drop it is delivered again :data:`DEFER_S` later (nothing was stopped by it); every other
+    unraisable exception goes to the hook that was there before."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _state["stopping"] and not line_said():
+        _state["stopping"] = False
+        _defer()
+        return
+    _state.get("unraisable", sys.__unraisablehook__)(unraisable)
 
 
 def _finalizer(code) -> bool:
