@@ -101,10 +101,13 @@ def simulator_rounds(config, rounds: int) -> list[float]:
     return out
 
 
-def federation(work: Path, exp, executor: str) -> LocalFederation:
-    fed = LocalFederation(
-        work, exp.config.data.num_clients, executor=executor, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    )
+def federation(work: Path, exp, executor: str, count_requests: Path | None = None) -> LocalFederation:
+    path = [str(HERE), os.environ.get("PYTHONPATH")]
+    env = {}
+    if count_requests is not None:  # the SuperLink logs its requests (benchmarks/flower_requests)
+        path.insert(0, str(HERE / "flower_requests"))
+        env["FEDBAYES_COUNT_REQUESTS"] = str(count_requests)
+    fed = LocalFederation(work, exp.config.data.num_clients, executor=executor, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, path))})
     for n in fed.nodes:
         n.data = {"data-file": str(write_client_file(exp, n.partition, n.state_dir.parent / "data.npz"))}
     return fed
@@ -116,6 +119,27 @@ def fedbayes_rounds(fed: LocalFederation, config, out: Path) -> list[float]:
     status = fed.run({"config": str(cfg_file), "out": str(out)}, timeout=3600)
     assert status.get("ok"), status
     return [json.loads(line)["seconds"] for line in (out / "flower_times.jsonl").read_text().splitlines()]
+
+
+def requests_per_round(log: Path, rounds: int) -> dict:
+    """The SuperLink's requests per steady round of the last run in ``log`` (its
+    ``/v1/runtime/push-messages``, one a round, mark the rounds; rounds 1 to ``rounds - 2``): the
+    count by path, the total, and the SuperLink's CPU seconds per round and per request."""
+    rows = [line.split() for line in log.read_text().splitlines()]
+    pushes = [float(r[0]) for r in rows if r[3] == "/v1/runtime/push-messages"]
+    lo, hi, n = pushes[-(rounds - 1)], pushes[-1], rounds - 2
+    window = [r for r in rows if lo <= float(r[0]) < hi]
+    by_path: dict[str, float] = {}
+    for r in window:
+        by_path[r[3]] = by_path.get(r[3], 0) + 1 / n
+    cpu = float(window[-1][2]) - float(window[0][2])
+    return {
+        "rounds": n,
+        "total": len(window) / n,
+        "by_path": dict(sorted(((k, round(v, 1)) for k, v in by_path.items()), key=lambda kv: -kv[1])),
+        "superlink_cpu_s_per_round": cpu / n,
+        "superlink_cpu_ms_per_request": 1000 * cpu / len(window),
+    }
 
 
 def flower_fedavg_round(fed: LocalFederation, config, out: Path) -> float:
@@ -144,6 +168,7 @@ def main() -> None:
     parser.add_argument("--sim-rounds", type=int, default=12)
     parser.add_argument("--out", type=Path, default=Path("runs/flower_overhead"))
     parser.add_argument("--skip-stock", action="store_true", help="skip step 3 (the stock per-message path): a GPU record's time is short")
+    parser.add_argument("--count-requests", action="store_true", help="log the warm SuperLink's requests; summary: the heavy run's per steady round")
     args = parser.parse_args()
     config = load_config(args.config)
     if config.algorithm.name != "fedavg":
@@ -160,7 +185,8 @@ def main() -> None:
         before = load()
         record(f"simulator_{name}", steady(simulator_rounds(cfg.model_copy(update={"rounds": args.sim_rounds}), args.sim_rounds)), before)
 
-    fed = federation(args.out / "warm", build_experiment(config), "warm")
+    counted = (args.out / "superlink_requests.log").resolve() if args.count_requests else None
+    fed = federation(args.out / "warm", build_experiment(config), "warm", counted)
     heavy_files = build_experiment(configs["heavy_mlp"])
     try:
         fed.start()
@@ -170,6 +196,10 @@ def main() -> None:
             write_client_file(heavy_files, n.partition, Path(n.data["data-file"]))
         before = load()
         record("warm_heavy_mlp", steady(fedbayes_rounds(fed, configs["heavy_mlp"].model_copy(update={"rounds": args.rounds}), args.out / "warm_heavy")), before)
+        if counted is not None:
+            time.sleep(1.0)  # the last requests' lines
+            results["superlink_requests_heavy_mlp"] = requests_per_round(counted, args.rounds)
+            print(json.dumps({"superlink_requests_heavy_mlp": results["superlink_requests_heavy_mlp"]}), flush=True)
     finally:
         fed.stop()
 

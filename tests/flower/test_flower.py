@@ -23,7 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
 
 from fedbayes.config.schema import validate  # noqa: E402
 from fedbayes.flower.apps import train_reply  # noqa: E402
-from fedbayes.flower.codec import PACKED, MalformedMessage, decode, encode, leaf_names, pack, unpack  # noqa: E402
+from fedbayes.flower.codec import INLINE_BYTES, PACKED, MalformedMessage, decode, encode, leaf_names, pack, packed, put, take, unpack  # noqa: E402
 from fedbayes.flower.rounds import FlowerRounds, Reply, Settings  # noqa: E402
 from fedbayes.runs.build import build_experiment  # noqa: E402
 from fedbayes.runs.checkpoint import latest_checkpoint, read_checkpoint  # noqa: E402
@@ -105,6 +105,35 @@ def test_codec_rejects_a_damaged_packed_buffer_in_one_line():
         decode(record, {"a": np.zeros(3, np.float32)})
 
 
+def test_small_arrays_travel_inline_in_the_config_record_and_large_ones_as_a_packed_record():
+    small = {"a": np.arange(6, dtype=np.float32).reshape(3, 2)}
+    content = RecordDict({"meta": ConfigRecord({"n": 1})})
+    put(content, "reply", packed(small), "meta")
+    assert list(content.keys()) == ["meta"] and isinstance(content.config_records["meta"]["reply"], bytes)  # one object a hop
+    np.testing.assert_array_equal(take(content, "reply", "meta")["a"], small["a"])
+    large = {"a": np.zeros(INLINE_BYTES // 4 + 1, np.float32)}  # over Flower's chunk size
+    content = RecordDict({"meta": ConfigRecord({"n": 1})})
+    put(content, "reply", packed(large), "meta")
+    assert "reply" not in content.config_records["meta"] and list(content.array_records["reply"].keys()) == [PACKED]
+    assert take(content, "reply", "meta")["a"].shape == large["a"].shape
+    with pytest.raises(MalformedMessage, match="the message has no 'reply' arrays"):
+        take(RecordDict({"meta": ConfigRecord({"n": 1})}), "reply", "meta")
+    damaged = RecordDict({"meta": ConfigRecord({"reply": packed(small)[:-7]})})
+    with pytest.raises(MalformedMessage, match="the packed arrays cannot be read"):
+        take(damaged, "reply", "meta")
+
+
+def test_a_rounds_broadcast_is_inline_unless_its_copies_are_large():
+    from fedbayes.flower.rounds import INLINE_ROUND_BYTES, broadcast_payload
+
+    data = packed({"w": np.ones(1000, np.float32)})
+    assert broadcast_payload(data, 3) is data
+    many = INLINE_ROUND_BYTES // len(data) + 1  # the SuperLink would hold too many copies: one shared record
+    assert isinstance(broadcast_payload(data, many), ArrayRecord) and unpack(broadcast_payload(data, many))["w"].shape == (1000,)
+    big = b"\0" * (INLINE_BYTES + 1)
+    assert isinstance(broadcast_payload(big, 1), ArrayRecord)
+
+
 # ----- rounds in one process (the node's handler called directly) ------------------------------------
 class InProcess:
     """A transport that runs each client's ClientApp handler in this process, with node ids
@@ -158,20 +187,20 @@ def honest(fedep_experiment, tmp_path_factory):
 
 
 def _message(content: RecordDict) -> dict[str, np.ndarray]:
-    return unpack(content.array_records["reply"])  # the message's leaves under "message/", the info's under "info/"
+    return take(content, "reply", "meta")  # the message's leaves under "message/", the info's under "info/"
 
 
 def _set(content, name, fn):
     arrays = _message(content)
     arrays[name] = fn(arrays[name])
-    content.array_records["reply"] = pack(arrays)
+    put(content, "reply", packed(arrays), "meta")
     return content
 
 
 def _drop(content, name):
     arrays = _message(content)
     del arrays[name]
-    content.array_records["reply"] = pack(arrays)
+    put(content, "reply", packed(arrays), "meta")
     return content
 
 

@@ -28,9 +28,9 @@ from flwr.app import ConfigRecord, RecordDict  # noqa: E402
 from fedbayes.config.schema import validate  # noqa: E402
 from fedbayes.flower import executor, fastnode, node  # noqa: E402
 from fedbayes.flower.apps import train_reply  # noqa: E402
-from fedbayes.flower.codec import encode  # noqa: E402
+from fedbayes.flower.codec import packed, to_arrays  # noqa: E402
 from fedbayes.flower.nodedata import NodeDataError, node_source, read_file  # noqa: E402
-from fedbayes.flower.rounds import FlowerRounds, Reply, data_spec, round_times, sent_config  # noqa: E402
+from fedbayes.flower.rounds import FlowerRounds, Reply, broadcast_payload, data_spec, round_times, sent_config  # noqa: E402
 from fedbayes.runs.build import build_experiment  # noqa: E402
 from fedbayes.runs.loop import run_experiment  # noqa: E402
 
@@ -47,7 +47,7 @@ def exp():
 def _message(exp, client: int, config_text: str | None = None) -> RecordDict:
     rounds = FlowerRounds(exp, None)
     state = rounds.init(exp.params)
-    make = rounds._request(0, client, -1, encode(exp.algorithm.broadcast(state.server_state)))
+    make = rounds._request(0, client, -1, broadcast_payload(packed(to_arrays(exp.algorithm.broadcast(state.server_state))), 3))
     content = make()
     if config_text is not None:
         content.config_records["fedbayes"]["config"] = config_text
@@ -101,7 +101,7 @@ def test_a_node_with_its_own_npz_or_csv_file_replies_as_the_simulators_client(ex
     ]
     for reply in replies:
         assert reply.config_records["meta"]["num_examples"] == len(y)
-        assert bytes(reply.array_records["reply"]["packed.npz"].data) == bytes(replies[0].array_records["reply"]["packed.npz"].data)
+        assert reply.config_records["meta"]["reply"] == replies[0].config_records["meta"]["reply"]  # inline: a small reply
 
 
 def test_a_node_whose_examples_do_not_fit_the_model_refuses_in_one_line(exp, tmp_path):
@@ -164,6 +164,39 @@ def test_the_fast_node_caps_its_waits_apart_from_its_polls(monkeypatch):
     assert slept == [0.05, 0.005, 0.001]
 
 
+def test_a_rhythm_waits_half_the_shortest_recent_idle_spell_first():
+    now = [0.0]
+    r = fastnode.Rhythm(fraction=0.5, most=1.0, keep=3, clock=lambda: now[0])
+    assert r.idle() == 0.0  # nothing learnt yet
+    now[0] = 0.4
+    r.busy()
+    assert r.idle() == pytest.approx(0.2)
+    now[0] += 0.1  # a short spell: the next first wait is half of it
+    r.busy()
+    assert r.idle() == pytest.approx(0.05)
+    now[0] += 9.0  # a long one (the next run) does not lengthen it
+    r.busy()
+    assert r.idle() == pytest.approx(0.05)
+    for spell in (3.0, 4.0, 5.0):  # the short ones have left the window; capped at `most`
+        now[0] += spell
+        r.busy()
+        r.idle()
+    assert r.idle() == 1.0
+
+
+def test_the_fast_node_waits_part_of_its_rhythm_after_a_message_then_polls_at_its_cap(monkeypatch):
+    slept, now = [], [0.0]
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(round(s, 6)) or now.__setitem__(0, now[0] + s))
+    t = fastnode.capped_time(0.05, 0.005, fastnode.Rhythm(clock=lambda: now[0]))
+    t.sleep(3)  # idle at start: nothing learnt
+    for _ in range(9):  # polls every 50 ms until a message comes 0.5 s later
+        t.sleep(3)
+    t.sleep(0.5)  # a message: the node waits for its ClientApp
+    t.sleep(3)  # the next idle spell starts with half the last one
+    t.sleep(3)
+    assert slept == [0.05] * 10 + [0.005, 0.25, 0.05]
+
+
 def test_short_object_pulls_retry_fast_without_a_try_limit_and_only_once():
     import types
 
@@ -175,6 +208,39 @@ def test_short_object_pulls_retry_fast_without_a_try_limit_and_only_once():
     assert seen[0] == {"initial_backoff": 0.005, "backoff_cap": 0.05, "max_tries_per_object": None}
     assert seen[1]["initial_backoff"] == 2.0
     assert not fastnode.short_object_pulls(types.SimpleNamespace())
+
+
+def test_short_object_pulls_wait_for_the_root_alone_then_pull_the_rest_within_one_time_limit():
+    """The message's root is pushed last: while it is missing, the others are not retried one by
+    one; both calls share the caller's one overall time limit."""
+    import types
+
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError, pull_objects
+
+    module = types.SimpleNamespace(pull_objects=pull_objects)
+    fastnode.short_object_pulls(module)
+    calls = []
+
+    def fn(object_id):
+        calls.append(object_id)
+        if object_id == "root" and calls.count("root") < 4:
+            raise ObjectUnavailableError(object_id)
+        return object_id.encode()
+
+    assert module.pull_objects(["leaf", "record", "root"], fn) == {"leaf": b"leaf", "record": b"record", "root": b"root"}
+    assert calls[:4] == ["root"] * 4 and sorted(calls[4:]) == ["leaf", "record"]  # no request for the others while the root is missing
+
+    limits = []
+
+    def fake(ids, fn, **kw):
+        limits.append((list(ids), kw["max_time"]))
+        time.sleep(0.01)  # the root's pull takes a while
+        return dict.fromkeys(ids, b"")
+
+    module = types.SimpleNamespace(pull_objects=fake)
+    fastnode.short_object_pulls(module)
+    module.pull_objects(["leaf", "root"], None, max_time=5.0)
+    assert [ids for ids, _ in limits] == [["root"], ["leaf"]] and limits[0][1] == 5.0 and 0 < limits[1][1] < 5.0 - 0.005
 
 
 # ----- real processes ------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 ClientApp (on every SuperNode; ``--node-config "partition-id=i num-partitions=K
 state-dir=DIR"``): a ``query`` message answers the node's partition; a ``train`` message runs
 the client's update (:mod:`fedbayes.flower.node`) and replies with the message and its info
-(one packed record, ``reply``) and the example count and times (``meta``).
+(packed together as ``reply``: inline in the ``meta`` config record when small,
+:func:`fedbayes.flower.codec.put`) and the example count and times (``meta``).
 
 ServerApp (run config, see :data:`RUN_CONFIG`): ``config`` (the run's TOML file, on the
 SuperLink's machine), ``out`` (the run folder), ``resume``, and the failure settings of
@@ -83,7 +84,7 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
     start, wall = time.perf_counter(), time.time()
     import jax
 
-    from fedbayes.flower.codec import decode, encode, to_arrays
+    from fedbayes.flower.codec import decode, encode, packed, put, take, to_arrays
     from fedbayes.flower.node import StateFolder, client_update, node_setup
     from fedbayes.flower.nodedata import node_source
 
@@ -98,7 +99,7 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
     config = _config(str(meta["config"]))
     spec = json.loads(str(meta["spec"]))
     setup = node_setup(config, client, state_dir, spec, node_source(node_config))
-    broadcast = decode(content.array_records["broadcast"], setup.broadcast)
+    broadcast = decode(take(content, "broadcast", "fedbayes"), setup.broadcast)
     template = setup.algorithm.client_init(setup.params)
     stateful = bool(jax.tree.leaves(template))
     folder = StateFolder(state_dir, run_key, client)
@@ -122,9 +123,11 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
     if sent_at is not None:
         times["to-node"] = wall - sent_at
     reply_meta = {"num_examples": int(len(setup.y)), "pid": os.getpid(), **{f"seconds-{k}": float(v) for k, v in times.items()}}
-    # One packed record for message and info: Flower sends a record as three objects (record, array,
-    # chunk), each one HTTP request on each of the reply's three hops.
-    return RecordDict({"reply": encode({"message": message, "info": info}), "meta": ConfigRecord(reply_meta)})
+    # message and info packed together, inline in the meta record where small (codec.put): Flower
+    # sends every object as one HTTP request on each of the reply's three hops
+    reply = RecordDict({"meta": ConfigRecord(reply_meta)})
+    put(reply, "reply", packed(to_arrays({"message": message, "info": info})), "meta")
+    return reply
 
 
 @clientapp.train()

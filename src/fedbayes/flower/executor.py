@@ -24,7 +24,8 @@ What differs from ``run_clientapp`` and why:
   task is refused), and a refused heartbeat is logged instead of raising SIGINT in a process
   that outlives the task;
 * polling adapts: every ``poll`` seconds while tasks come, ``idle_poll`` after ``ACTIVE``
-  seconds without one.
+  seconds without one; after a task, the first wait is half the shortest of the last three
+  spells between a task and the next (:class:`fedbayes.flower.fastnode.Rhythm`).
 
 State across rounds is Flower's ``Context.state`` (pulled with every task, pushed back after
 it) and the node's state folder, as on the stock path, so a restarted executor or SuperNode
@@ -35,6 +36,7 @@ calls are unchanged between them); :data:`FLWR_VERSIONS` is checked at start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -44,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from fedbayes.flower.fastnode import PULL_BACKOFF  # initial, cap (seconds) for pulling a message's objects
+from fedbayes.flower.fastnode import PULL_BACKOFF, Rhythm  # PULL_BACKOFF: initial, cap (seconds) for pulling a message's objects
 
 FLWR_VERSIONS = ("1.41.", "1.42.")  # the flwr releases this executor is tested with
 APP_REF = "fedbayes.flower.apps:clientapp"
@@ -116,19 +118,24 @@ class Executor:
         """Runs tasks until ``stop`` is set (or ``max_tasks`` ran); returns the number run."""
         stop = stop or threading.Event()
         done, last = 0, time.monotonic()
+        rhythm, after_task = Rhythm(), False
         while not stop.is_set() and (max_tasks is None or done < max_tasks):
             self.children = [p for p in self.children if p.poll() is None]
             got = self.acquire()
             if got is not None:
+                rhythm.busy()
                 token, task = got
                 if self.apps.get(task.fab_hash) is False:
                     log.info("task %d: another app (FAB %s): started a fresh flwr-clientapp", task.task_id, task.fab_hash[:12])
                     self.children.append(self.spawn(token))
                 else:
                     self.run_task(token, task)
-                done, last = done + 1, time.monotonic()
+                done, last, after_task = done + 1, time.monotonic(), True
                 continue
-            stop.wait(poll if time.monotonic() - last < ACTIVE else idle_poll)
+            # the first empty poll after a task starts an idle spell: wait part of the recent ones first
+            first = rhythm.idle() if after_task else 0.0
+            after_task = False
+            stop.wait(max(first, poll) if time.monotonic() - last < ACTIVE else idle_poll)
         return done
 
     def spawn(self, token: str) -> subprocess.Popen:
@@ -159,6 +166,11 @@ class Executor:
         from flwr.supercore.heartbeat import HeartbeatSender
         from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
+        try:
+            from flwr.supercore.inflatable.inflatable_object import no_object_id_recompute
+        except ImportError:  # pragma: no cover - a flwr without it recomputes, as before
+            no_object_id_recompute = contextlib.nullcontext
+
         client = self._task_client(token)
         heartbeat = HeartbeatSender(_heartbeat_fn(client))
         heartbeat.start()
@@ -176,7 +188,11 @@ class Executor:
         finally:
             try:
                 if reply is not None and context is not None:
-                    push_message(client, reply, context)
+                    # every object's id computed once: Flower recomputes an id (deflate and hash the
+                    # object) on every access outside this context, and a ConfigRecord carrying the
+                    # reply's arrays inline is deflated about six times in push_message otherwise
+                    with no_object_id_recompute():
+                        push_message(client, reply, context)
             except Exception:
                 log.exception("failed to push the reply")
             heartbeat.stop()  # before the output: a heartbeat for a finished task is refused

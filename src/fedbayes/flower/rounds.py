@@ -7,7 +7,7 @@
 
 1. the cohort of :func:`fedbayes.protocol.sample_cohort` (the simulator's);
 2. one train message per cohort client, to the node holding its partition: the encoded
-   broadcast, the round, the client id, the config (TOML text), the data's spec
+   broadcast (inline in the message's config record when small, :func:`broadcast_payload`), the round, the client id, the config (TOML text), the data's spec
    (:func:`data_spec`, JSON) and ``base``, the last round
    whose reply from this client the server accepted (the node continues from its state after
    that round; -1: ``client_init``);
@@ -47,7 +47,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from fedbayes import protocol, tree
 from fedbayes.config.schema import to_toml
 from fedbayes.errors import BadInputError, FedbayesError
-from fedbayes.flower.codec import MalformedMessage, decode, encode
+from fedbayes.flower.codec import INLINE_BYTES, MalformedMessage, decode, pack, packed, put, take, to_arrays
 from fedbayes.protocol import RoundInfo, SimState
 from fedbayes.sim.simulator import client_data_template
 
@@ -155,6 +155,20 @@ def round_times(round_idx: int, seconds: float, replies: dict[int, Reply]) -> di
     return out
 
 
+INLINE_ROUND_BYTES = 64 * 1024 * 1024  # at most this much inline broadcast per round (all copies)
+
+
+def broadcast_payload(data: bytes, copies: int) -> bytes | ArrayRecord:
+    """How a round's broadcast travels: inline in every train message (``data``: one object a hop
+    instead of three) while each copy is at most :data:`~fedbayes.flower.codec.INLINE_BYTES` and
+    all ``copies`` together at most :data:`INLINE_ROUND_BYTES` (the SuperLink holds each message
+    until its node pulls it); otherwise as one packed record that every message shares, which
+    Flower stores and pushes once."""
+    if len(data) <= INLINE_BYTES and len(data) * copies <= INLINE_ROUND_BYTES:
+        return data
+    return pack(data)
+
+
 def check_deployable(config) -> None:
     """Rejects settings that only the simulator has, naming the field."""
     s = config.server
@@ -209,19 +223,29 @@ class FlowerRounds:
         return self.algorithm.server_params(state.server_state)
 
     # ----- one round --------------------------------------------------------------------------
-    def _request(self, round_idx: int, client: int, base: int, broadcast: ArrayRecord) -> Callable[[], RecordDict]:
+    def _request(self, round_idx: int, client: int, base: int, broadcast: bytes | ArrayRecord) -> Callable[[], RecordDict]:
+        """The train message's content: the broadcast inline in its config record when ``broadcast``
+        is bytes (one object a hop), else the round's one shared record (:func:`broadcast_payload`)."""
         meta = {"round": round_idx, "client": client, "base": base, "run": self.run_key, "config": self.config_text, "seed": self.seed, "spec": self.spec}
-        return lambda: RecordDict({"broadcast": broadcast, "fedbayes": ConfigRecord(dict(meta))})
+
+        def content() -> RecordDict:
+            out = RecordDict({"fedbayes": ConfigRecord(dict(meta))})
+            if isinstance(broadcast, bytes):
+                put(out, "broadcast", broadcast, "fedbayes", inline=True)
+            else:
+                out.array_records["broadcast"] = broadcast
+            return out
+
+        return content
 
     def _decode(self, reply: Reply):
         """``(message, info, num_examples)`` of a reply, or raises MalformedMessage."""
         if reply.error is not None:
             raise MalformedMessage(f"the node reported an error: {reply.error}")
         content = reply.content
-        for name in ("reply", "meta"):
-            if name not in content:
-                raise MalformedMessage(f"the reply has no {name!r} record")
-        both = decode(content.array_records["reply"], {"message": self.message_spec, "info": self.info_spec})
+        if "meta" not in content.config_records:
+            raise MalformedMessage("the reply has no 'meta' record")
+        both = decode(take(content, "reply", "meta"), {"message": self.message_spec, "info": self.info_spec})
         message, info = both["message"], both["info"]
         meta = content.config_records["meta"]
         n = meta.get("num_examples")
@@ -237,7 +261,7 @@ class FlowerRounds:
         r = state.round
         cohort = protocol.sample_cohort(self.seed, r, self.num_clients, self.config.server.clients_per_round)
         broadcast_tree = self.algorithm.broadcast(state.server_state)
-        broadcast = encode(broadcast_tree)
+        broadcast = broadcast_payload(packed(to_arrays(broadcast_tree)), len(cohort))
         base = np.asarray(state.client_states["base"])
         requests = {int(c): self._request(r, int(c), int(base[c]), broadcast) for c in cohort}
         started = time.monotonic()
