@@ -485,3 +485,56 @@ def test_an_interrupted_deploy_names_its_resume_and_fedbayes_resume_finishes_it_
     _check_complete(out, 3, 4)
     res = subprocess.run([*cli, "resume", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "finished earlier" in res.stdout, res.stdout + res.stderr
+
+
+def test_the_grid_transport_pulls_a_rounds_replies_after_half_the_last_rounds_wait():
+    """Replies come ``delay`` seconds after the push: from the second round on, the first pull waits
+    half the shortest recent time to a first reply, then pulls every poll; every reply arrives."""
+    import types
+
+    from fedbayes.flower.rounds import GridTransport
+
+    now, delay = [0.0], 0.4
+
+    class Grid:
+        def __init__(self):
+            self.pushed, self.pulls = {}, []
+
+        def get_node_ids(self):
+            return [7]
+
+        def push_messages(self, messages):
+            ids = []
+            for m in messages:
+                mid = f"m{len(self.pushed)}"
+                self.pushed[mid] = (now[0], m)
+                ids.append(mid)
+            return ids
+
+        def pull_messages(self, ids):
+            self.pulls.append(now[0])
+            out = []
+            for mid in ids:
+                at, m = self.pushed[mid]
+                if m.metadata.message_type == "query":
+                    content = RecordDict({"partition": ConfigRecord({"partition-id": 0, "num-partitions": 1})})
+                elif now[0] - at < delay:
+                    continue
+                else:
+                    content = RecordDict({"meta": ConfigRecord({})})
+                out.append(types.SimpleNamespace(metadata=types.SimpleNamespace(reply_to_message_id=mid), has_error=lambda: False, content=content))
+            return out
+
+    grid = Grid()
+    transport = GridTransport(grid, poll_interval=0.05, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    # Flower's Message needs a run's identity; the transport only reads the kind back
+    transport._message = lambda content, node, kind, group: types.SimpleNamespace(metadata=types.SimpleNamespace(message_type=kind), content=content)
+    transport.wait_for_nodes(1, 10.0, 1)
+    firsts = []
+    for r in range(3):
+        start, grid.pulls = now[0], []
+        replies = transport.exchange(r, {0: lambda: RecordDict({"fedbayes": ConfigRecord({})})}, timeout=10.0)
+        assert set(replies) == {0}
+        firsts.append((grid.pulls[0] - start, len(grid.pulls)))
+    assert firsts[0][0] == 0.0 and firsts[0][1] >= 9  # round 0: pulls from the start, every 50 ms
+    assert firsts[1][0] == pytest.approx(delay / 2, abs=0.03) and firsts[1][1] <= 6  # then half the wait first

@@ -48,6 +48,7 @@ from fedbayes import protocol, tree
 from fedbayes.config.schema import to_toml
 from fedbayes.errors import BadInputError, FedbayesError
 from fedbayes.flower.codec import INLINE_BYTES, MalformedMessage, decode, pack, packed, put, take, to_arrays
+from fedbayes.flower.fastnode import Rhythm
 from fedbayes.protocol import RoundInfo, SimState
 from fedbayes.sim.simulator import client_data_template
 
@@ -371,6 +372,9 @@ class GridTransport:
         self.grid = grid
         self.poll = poll_interval
         self.clock, self.sleep = clock, sleep
+        # the first pull of a round's replies waits half the shortest of the last rounds' times
+        # to the first reply (fastnode.Rhythm): polled every 50 ms, 5 pulls a heavy-MLP round
+        self.rhythm = Rhythm(clock=clock)
         self.partition_of: dict[int, int] = {}  # node id -> partition
         self.node_of: dict[int, int] = {}  # partition -> node id
         self.queries: dict[str, int] = {}  # query message id -> node id
@@ -442,6 +446,7 @@ class GridTransport:
         owner: dict[str, tuple[int, int]] = {}  # message id -> (client, node it went to)
         replies: dict[int, Reply] = {}
         next_discovery = self.clock()
+        first_wait = self.rhythm.idle()  # no reply comes sooner than the nodes' updates: pull later
         while True:
             if self.clock() >= next_discovery:  # new nodes are rare: look every DISCOVER_EVERY s, pull every poll
                 self.discover()
@@ -454,8 +459,12 @@ class GridTransport:
                     if mid:
                         owner[mid], sent[c] = (c, n), n
             waiting = [mid for mid, (c, _) in owner.items() if c not in replies]
+            if waiting and first_wait > 0:
+                self.sleep(first_wait)
+                first_wait = 0.0
             if waiting:
                 for reply in self.grid.pull_messages(waiting):
+                    self.rhythm.busy()
                     mid = reply.metadata.reply_to_message_id
                     c, node = owner.get(mid, (None, None))
                     if c is None or c in replies:
