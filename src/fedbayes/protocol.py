@@ -197,6 +197,13 @@ def client_weights(num_examples, weighting: str):
     return (n > 0).astype(xp.float32)
 
 
+def accepted(algorithm, server_state, messages: PyTree, weights: jax.Array) -> jax.Array:
+    """``[M]`` booleans: the stacked ``messages`` that pass ``algorithm.message_ok`` and have a
+    positive weight (the first part of :func:`server_step`)."""
+    ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
+    return jnp.logical_and(ok, weights > 0)
+
+
 def server_step(key: jax.Array, algorithm, server_state, messages: PyTree, weights: jax.Array, aggregator=None):
     """One server step: validation, masking, aggregation and the server update.
 
@@ -217,8 +224,7 @@ def server_step(key: jax.Array, algorithm, server_state, messages: PyTree, weigh
       ``message_ok`` and had a positive weight) and the server update's info plus
       ``num_accepted``.
     """
-    ok = jax.vmap(lambda m: algorithm.message_ok(server_state, m))(messages)
-    ok = jnp.logical_and(ok, weights > 0)
+    ok = accepted(algorithm, server_state, messages, weights)
     rule = aggregator or algorithm.aggregator
     extra = {"reference": algorithm.broadcast(server_state)} if rule.needs_reference else {}
     aggregate = rule(jax.random.fold_in(key, 0), messages, jnp.where(ok, weights, 0.0), **extra)

@@ -256,3 +256,32 @@ def test_old_soft_labels_are_subtracted_only_when_the_server_saw_them(runs):
     assert (
         max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(seen.site_change), jax.tree.leaves(unseen.site_change))) > 1e-6
     )
+
+
+def test_the_server_on_one_device_equals_the_server_in_the_rounds_program_and_pipelines_bitwise():
+    """FedLap-Func (tau > 0) runs its server step as a program of its own on the first device
+    (Algorithm.server_on_one_device): to float rounding the same rounds as with the server step
+    split over the devices in the round's program; pipelined (Simulator.rounds), bitwise those of
+    run_round; with the client states in device memory too."""
+    fed = digits_federation(SIZES)
+    model, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    alg = func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, damping=0.2, tau=1.0, server_steps=20, server_lr=1e-2)
+    assert alg.server_on_one_device and not func.fedlap_func(trainer, apply_fn, FEATURES, delta=5.0, damping=0.2, tau=0.0).server_on_one_device
+    apart = Simulator(alg, fed, clients_per_round=COHORT, seed=SEED)
+    assert apart.server_apart and apart.num_devices == 2
+    inside = Simulator(alg._replace(server_on_one_device=False), fed, clients_per_round=COHORT, seed=SEED)
+    assert not inside.server_apart
+    looped, _ = _run(apart, params)
+    for a, b in zip(looped, _run(inside, params)[0]):
+        for x, y in zip(jax.tree.leaves(a.server_state), jax.tree.leaves(b.server_state), strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    on_device = Simulator(alg, fed, clients_per_round=COHORT, seed=SEED, store="device")
+    for sim in (apart, on_device):
+        seen = 0
+        # compared as yielded (the next round reuses a memory store); a device store not donated
+        for a, (b, _) in zip(looped[1:], sim.rounds(sim.init(params), ROUNDS, donate=sim is apart), strict=True):
+            _assert_equal(a.server_state, b.server_state)
+            _assert_equal(a.client_states, jax.device_get(b.client_states))
+            seen += 1
+        assert seen == ROUNDS

@@ -19,6 +19,11 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
 * ``local_epochs``, ``local_batch_size``: how many shuffled passes over its data a client makes
   and with which minibatch size; the simulator lays out that many epochs per client
   (:mod:`fedbayes.data.batches`) and knows each client's step count ``E * ceil(n_k / B)``.
+* ``server_on_one_device``: the server step is a long sequential computation (FedLap-Func's
+  Adam steps over the cohort's memory points): the simulator runs it whole on its first device,
+  the others waiting at one gather, instead of splitting it over the devices with a collective per
+  step (:meth:`fedbayes.sim.simulator.Simulator.round_program`). Numbers are the same up to the
+  order of floating-point sums.
 
 ``info`` outputs are dicts of scalar arrays with a fixed structure per algorithm (as blackjax's
 kernels return ``(state, info)``): the client's mean training loss and step count
@@ -104,6 +109,7 @@ class Algorithm(NamedTuple):
     local_batch_size: int = 1
     server_posterior: PosteriorFn | None = None
     aggregator: aggregators.Aggregator = aggregators.weighted
+    server_on_one_device: bool = False
 
 
 def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, client_update, server_update) -> Algorithm:

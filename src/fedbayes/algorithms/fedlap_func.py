@@ -233,6 +233,9 @@ def fedlap_func(
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
         aggregator=aggregators.Rule(aggregate),
+        # server_steps Adam steps: on one device, no reduction per step; with tau = 0 (or no steps)
+        # the server problem is FedLap's and stays in the round's program, FedLap's bit for bit
+        server_on_one_device=tau > 0 and server_steps > 0,
     )
 
 
