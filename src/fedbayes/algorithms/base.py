@@ -20,10 +20,11 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   and with which minibatch size; the simulator lays out that many epochs per client
   (:mod:`fedbayes.data.batches`) and knows each client's step count ``E * ceil(n_k / B)``.
 * ``server_on_one_device``: the server step is a long sequential computation (FedLap-Func's
-  Adam steps over the cohort's memory points): the simulator runs it whole on its first device,
-  the others waiting at one gather, instead of splitting it over the devices with a collective per
-  step (:meth:`fedbayes.sim.simulator.Simulator.round_program`). Numbers are the same up to the
-  order of floating-point sums.
+  Adam steps over the cohort's memory points): the simulator runs its aggregation and update as
+  a program of its own on its first device, after the round's program has validated the
+  messages, instead of splitting them over the devices with a collective per step
+  (:meth:`fedbayes.sim.simulator.Simulator.server_program`). Numbers are the same up to the
+  order of floating-point sums; such a method's rounds are not fused.
 
 ``info`` outputs are dicts of scalar arrays with a fixed structure per algorithm (as blackjax's
 kernels return ``(state, info)``): the client's mean training loss and step count

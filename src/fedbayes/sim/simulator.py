@@ -158,8 +158,9 @@ class Simulator:
       fuse: at most this many rounds run in one compiled program in :meth:`rounds`
         (:meth:`fused_program`) where nothing on the host depends on a round's result: a
         stateless method or a device store, a pooled federation, a server step in the round's
-        program (not ``server_on_one_device``), between the rounds the caller ``keep``s. Bitwise the same results on the CPU (to float32 rounding on a GPU, where XLA
-        fuses the scanned round differently); 1 (default): one program per round.
+        program (not ``server_on_one_device``), between the rounds the caller ``keep``s. Bitwise
+        the same results on the CPU (to float32 rounding on a GPU, where XLA fuses the scanned
+        round differently); 1 (default): one program per round.
 
     Attributes:
       replicated, sharded: the shardings of the round's inputs over the devices, whole on every
@@ -370,7 +371,10 @@ class Simulator:
         the simulator's layout (:meth:`client_phase`), the attack on the ``attackers`` slots'
         messages (when the simulator has one), then :func:`fedbayes.protocol.server_step`. Returns
         the new server state, the new client states (every slot's; only accepted rows are written
-        back), the acceptance flags, the clients' info and the server's info."""
+        back), the acceptance flags, the clients' info and the server's info. With the server step
+        apart (``server_on_one_device``): an :class:`Apart` (the messages and weights) in place of
+        the new server state and an empty server info, which :meth:`launch` completes with
+        :meth:`server_program`."""
         algorithm = self.algorithm
         message = algorithm.broadcast(server_state)
         messages, new_states, infos = self.client_phase(message, client_states, client_ids, offsets, num_examples, round_idx, x, y, order)
