@@ -35,12 +35,12 @@ class Rhythm:
     """The first wait of an idle spell, learnt from the last ones: a poller (a SuperNode polling
     the SuperLink, an executor polling its node) that has just finished a task knows that the next
     one comes no sooner than the rest of the round (the other clients, the server's step): polled
-    every 50 ms meanwhile, a heavy-MLP round on loopback made 13 polls of the SuperLink and about
-    40 of the nodes, each a request served on the same two cores as the clients' updates
-    (2026-11-28). :meth:`first_wait` is ``fraction`` of the shortest of the last ``keep`` spells
-    (at most ``most`` seconds; none before a spell was seen), after which the poller polls at its
-    usual rate, so a round that comes sooner than the shortest recent one waits at most that
-    fraction of it, and a slower one costs nothing."""
+    every 50 ms meanwhile, the three nodes of a heavy-MLP round on loopback polled the SuperLink 13
+    times a round, each poll a request served on the same two cores as the clients' updates
+    (2026-11-28). The wait :meth:`idle` returns is ``fraction`` of the shortest of the last
+    ``keep`` spells (at most ``most`` seconds; none before a spell was seen), after which the
+    poller polls at its usual rate, so a round that comes sooner than the shortest recent one
+    waits at most that fraction of it, and a slower one costs nothing."""
 
     def __init__(self, fraction: float = 0.5, most: float = 1.0, keep: int = 3, clock=time.monotonic):
         self.fraction, self.most, self.clock = fraction, most, clock
