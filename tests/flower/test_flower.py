@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -292,15 +293,32 @@ def test_one_malformed_reply_is_left_out_of_an_otherwise_normal_round(fedep_expe
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def test_in_process_rounds_equal_the_simulator_for_a_stateful_method(tmp_path):
+@pytest.mark.parametrize("arrays", ["inline", "records"])
+def test_in_process_rounds_equal_the_simulator_for_a_stateful_method(tmp_path, arrays, monkeypatch):
+    """ADMM over 2 rounds through the ClientApp's handler; ``records``: with the inline limit at 0,
+    every broadcast and reply travels as a packed ArrayRecord (the path of messages over 5 MB)."""
+    from fedbayes.flower import apps, codec, rounds
     from fedbayes.flower.node import prepare_data
 
+    seen = []
+    if arrays == "records":
+        monkeypatch.setattr(codec, "INLINE_BYTES", 0)
+        monkeypatch.setattr(rounds, "INLINE_BYTES", 0)
+    real = apps.train_reply
+
+    def train_reply(content, *args, **kwargs):
+        reply = real(content, *args, **kwargs)
+        seen.append(("broadcast" in content.array_records, "reply" in reply.array_records))
+        return reply
+
+    monkeypatch.setattr(sys.modules[__name__], "train_reply", train_reply)
     cfg = validate(raw_config("admm", rounds=2))
     run_experiment(cfg, tmp_path / "sim")
     prepare_data(build_experiment(cfg), dict.fromkeys(range(3), tmp_path / "nodes"))
     run_experiment(cfg, tmp_path / "flower", rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
     assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-6)
     assert records(tmp_path / "flower" / "metrics.jsonl")[-1]["dropped"] == 0
+    assert len(seen) == 6 and set(seen) == {(arrays == "records",) * 2}
 
 
 def test_simulator_only_settings_are_refused_naming_the_field(fedep_experiment):
