@@ -19,7 +19,11 @@ What differs from ``run_clientapp`` and why:
 * the message's objects are pulled with a short backoff (5 ms, capped at 50 ms) instead of
   Flower's 1 s doubling to 10 s: the SuperNode creates the task before it has pulled the
   message's objects from the SuperLink, so a fast executor asks for them early; and it waits
-  for one of them before it asks for the others (:func:`probe_first`);
+  for the message's root before it asks for the others
+  (:func:`fedbayes.flower.fastnode.short_object_pulls`, as the loopback SuperNode and the
+  ServerApp pull). While the node pulls, every object of the message is unavailable: pulled
+  concurrently and each retried on its own, a heavy-MLP round of three made 65 requests to the
+  nodes for their 21 objects (loopback, 2026-11-27); waiting for one first, 28-38 for 18;
 * the task heartbeat is stopped before the task output is pushed (a heartbeat for a finished
   task is refused), and a refused heartbeat is logged instead of raising SIGINT in a process
   that outlives the task;
@@ -46,7 +50,7 @@ import threading
 import time
 from pathlib import Path
 
-from fedbayes.flower.fastnode import PULL_BACKOFF, Rhythm  # PULL_BACKOFF: initial, cap (seconds) for pulling a message's objects
+from fedbayes.flower.fastnode import PULL_BACKOFF, Rhythm, short_object_pulls  # PULL_BACKOFF: initial, cap (seconds) for pulling a message's objects
 
 FLWR_VERSIONS = ("1.41.", "1.42.")  # the flwr releases this executor is tested with
 APP_REF = "fedbayes.flower.apps:clientapp"
@@ -231,8 +235,10 @@ def pull_task_input(client):
     from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
     from flwr.proto.node_pb2 import Node
     from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+    from flwr.supercore.inflatable import inflatable_utils
     from flwr.supercore.inflatable.inflatable_protobuf_utils import make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf
-    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+
+    short_object_pulls(inflatable_utils)  # the root first (once a process): what pull_and_inflate_object_from_tree calls
 
     res = client.PullTaskInput(PullTaskInputRequest())
     context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
@@ -240,9 +246,9 @@ def pull_task_input(client):
     if not pulled.messages_list:
         raise RuntimeError("no message for this task from the Runtime API")
     node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
-    message = pull_and_inflate_object_from_tree(
+    message = inflatable_utils.pull_and_inflate_object_from_tree(
         tree,
-        probe_first(make_pull_object_fn_protobuf(client.PullObject, node, context.run_id), tree.object_id),
+        make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
         make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
         return_type=Message,
         initial_backoff=PULL_BACKOFF[0],
@@ -250,30 +256,6 @@ def pull_task_input(client):
     )
     message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks its own id
     return message, context, run, fab
-
-
-def probe_first(pull_object_fn, probe_id: str):
-    """``pull_object_fn`` that first waits, alone, for the object ``probe_id`` (with the short
-    backoff), then lets the message's other objects be pulled concurrently.
-
-    The SuperNode announces the task before it has pulled the message's objects from the
-    SuperLink, and stores them all at once when it has (``_pull_and_store_message`` of
-    ``flwr.supernode.start_client_internal``): while it pulls, every object of the message is
-    unavailable. Pulled concurrently, each object retried on its own: 65 requests to the nodes for
-    their 21 objects in a round of three (heavy MLP, loopback, 2026-11-27), each answered by the
-    node's process while it pulls from the SuperLink; waiting for one first, 28-38 requests for
-    18 objects. One object waited for stands for all."""
-    from flwr.supercore.inflatable.inflatable_utils import pull_objects
-
-    lock, got = threading.Lock(), {}
-
-    def pull(object_id: str) -> bytes:
-        with lock:  # the other pulls wait here until the probe is in
-            if not got:
-                got[probe_id] = pull_objects([probe_id], pull_object_fn, initial_backoff=PULL_BACKOFF[0], backoff_cap=PULL_BACKOFF[1])[probe_id]
-        return got[probe_id] if object_id == probe_id else pull_object_fn(object_id)
-
-    return pull
 
 
 def _heartbeat_fn(client):

@@ -107,8 +107,8 @@ def short_object_pulls(module, initial: float = PULL_BACKOFF[0], cap: float = PU
     if original is None or getattr(original, "short_backoff", False):
         return False
 
-    default_limit = inspect.signature(original).parameters.get("max_time", inspect.Parameter("max_time", inspect.Parameter.KEYWORD_ONLY)).default
-    default_limit = None if default_limit is inspect.Parameter.empty else default_limit
+    param = inspect.signature(original).parameters.get("max_time")  # Flower's overall limit, when the caller gives none
+    default_limit = None if param is None or param.default is inspect.Parameter.empty else param.default
 
     @functools.wraps(original)
     def pull_objects(object_ids, pull_object_fn, **kwargs):
