@@ -18,7 +18,9 @@ Steps (in this order, one federation of a SuperLink and K SuperNodes on loopback
 A fedbayes round's time is its exchange (``flower_times.jsonl``'s ``seconds``: from the
 server's first push to its last reply); Flower's FedAvg round is ``strategy.start``'s time over
 the rounds. Steady: rounds after the first (which builds and compiles). Prints one JSON line per
-measurement and the load average around each, and writes ``summary.json``.
+measurement and the load average around each, and writes ``summary.json``; with it the CPU seconds
+per round of each long-lived process during the warm heavy run (:func:`cpu_seconds`), and with
+``--count-requests`` the SuperLink's requests per steady round of that run.
 """
 
 from __future__ import annotations
@@ -113,6 +115,23 @@ def federation(work: Path, exp, executor: str, count_requests: Path | None = Non
     return fed
 
 
+def cpu_seconds(fed: LocalFederation) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the federation's long-lived processes: the SuperLink
+    (the ServerApp runs in a process of its own, started per run, and is not counted), each
+    SuperNode and each warm executor."""
+    import psutil
+
+    procs = {"superlink": fed.superlink}
+    for i, n in enumerate(fed.nodes):
+        procs[f"node{i}"], procs[f"executor{i}"] = n.process, n.executor
+    out = {}
+    for name, p in procs.items():
+        if p is not None and p.poll() is None:
+            t = psutil.Process(p.pid).cpu_times()
+            out[name] = t.user + t.system
+    return out
+
+
 def fedbayes_rounds(fed: LocalFederation, config, out: Path) -> list[float]:
     cfg_file = out.with_suffix(".toml")
     cfg_file.write_text(to_toml(config))
@@ -194,8 +213,11 @@ def main() -> None:
         record("warm_logreg", steady(fedbayes_rounds(fed, config.model_copy(update={"rounds": args.rounds}), args.out / "warm_logreg")), before)
         for n in fed.nodes:  # the heavy config's examples (digits) in the same files: the nodes read them per run
             write_client_file(heavy_files, n.partition, Path(n.data["data-file"]))
-        before = load()
+        before, cpu0 = load(), cpu_seconds(fed)
         record("warm_heavy_mlp", steady(fedbayes_rounds(fed, configs["heavy_mlp"].model_copy(update={"rounds": args.rounds}), args.out / "warm_heavy")), before)
+        cpu1 = cpu_seconds(fed)  # per round of the heavy run, its first round (compiles) included
+        results["cpu_s_per_round_heavy_mlp"] = {k: (cpu1[k] - cpu0[k]) / args.rounds for k in cpu1 if k in cpu0}
+        print(json.dumps({"cpu_s_per_round_heavy_mlp": results["cpu_s_per_round_heavy_mlp"]}), flush=True)
         if counted is not None:
             time.sleep(1.0)  # the last requests' lines
             results["superlink_requests_heavy_mlp"] = requests_per_round(counted, args.rounds)

@@ -398,8 +398,9 @@ class Simulator:
         (FedLap-Func's 500 Adam steps over the cohort's memory points) ends every step in a
         cross-device reduction, each device waiting for the other; one device alone, in a program
         of its own, uses both cores through XLA's intra-op threads. Measured 2026-11-28 on the
-        2-core machine (``fedlap_func_100``): the split server took about 0.55 s a round, the
-        same step on one device 0.32 s, the clients 0.14 s. (Inside the round's program the
+        2-core machine (``benchmarks/round_pieces.py fedlap_func_100``): the round took 0.77 s
+        with the server split, 0.53 s with it apart; the server step alone on one device 0.33 s,
+        the clients 0.14-0.15 s. (Inside the round's program the
         first device alone gets one core: XLA does not split the operations of a program of
         several devices over threads.)"""
         new, ok, info = protocol.server_step(server_key, self.algorithm, server_state, messages, weights, self.aggregator)
