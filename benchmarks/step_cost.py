@@ -1,6 +1,6 @@
 """A method's client step against FedAvg's, paired in one process: the cost of its arithmetic.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/step_cost.py [WORKLOAD ...] [--reps N] [--json]
+    PYTHONPATH=src .venv/bin/python benchmarks/step_cost.py [WORKLOAD ...] [--reps N] [--one-core] [--square-std] [--natural-kl] [--per-leaf] [--json]
 
 Each workload (default ``fedavg_e3_100 pvi_100 pvi_local_100``; any federated key of
 ``fedbayes.bench.WORKLOADS``; the first is the reference) is built as ``fedbayes bench`` builds it,
@@ -12,7 +12,14 @@ times is the ratio of step times (the server steps of these methods are a few el
 operations). ``--per-leaf`` adds ``pvi_100`` with its weight noise drawn one generator call per
 leaf, as before 2026-11-27, as the row ``pvi_100_per_leaf``; ``--natural-kl`` adds ``pvi_100`` and
 ``pvi_local_100`` with their KL penalty through the natural parameters, as before 2026-11-27
-(``gaussian.kl(to_gaussian(q), cavity)``), as the rows ``*_natural_kl``.
+(``gaussian.kl(to_gaussian(q), cavity)``), as the rows ``*_natural_kl``; ``--square-std`` adds
+``pvi_local_100`` with its variances computed as ``square(exp(raw_std))``, as before 2026-11-28,
+as the row ``pvi_local_100_square_std`` (the weight-draw estimator still computes them so).
+
+``--one-core`` runs everything on one single-threaded XLA host device in a process pinned to one
+core: every client of a round then runs in turn on that core, so the round ratio is the ratio of
+the clients' step loops as a plain process runs them, without the second device (whose threads
+share the cores in the default layout).
 
 Prints, per workload, the median round time and the median and range over the passes of its
 ratio to the reference.
@@ -29,7 +36,12 @@ import time
 
 from fedbayes.sim import hostdevices
 
-hostdevices.configure(os.environ)
+if "--one-core" in sys.argv[1:]:  # before JAX is imported (main imports it)
+    os.environ["XLA_FLAGS"] = hostdevices.xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=1, single_thread=True)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+else:
+    hostdevices.configure(os.environ)
 
 
 def _per_leaf_draw(key, vp, parameterisation):
@@ -43,7 +55,7 @@ def _per_leaf_draw(key, vp, parameterisation):
     return jax.tree.map(lambda k, m, r: m + vi._std(r, parameterisation) * jax.random.normal(k, m.shape, m.dtype), keys, vp.mean, vp.raw_std)
 
 
-def _natural_kl(cavity, parameterisation):
+def _natural_kl(cavity, parameterisation, **_):
     """The KL penalty as it was before 2026-11-27: through ``q``'s natural parameters."""
     from fedbayes import gaussian
     from fedbayes.inference import vi
@@ -51,7 +63,20 @@ def _natural_kl(cavity, parameterisation):
     return lambda vp: gaussian.kl(vi.to_gaussian(vp, parameterisation), cavity)
 
 
-OLD = {"_per_leaf": ("draw_weights", _per_leaf_draw), "_natural_kl": ("kl_to_cavity", _natural_kl)}  # suffix: (vi's function, its old form)
+def _square_std(raw, parameterisation):
+    """The variances as they were before 2026-11-28: ``square(std)``, i.e. ``exp(raw)^2``."""
+    import jax.numpy as jnp
+
+    from fedbayes.inference import vi
+
+    return jnp.square(vi._std(raw, parameterisation))
+
+
+OLD = {
+    "_per_leaf": ("draw_weights", _per_leaf_draw),
+    "_natural_kl": ("kl_to_cavity", _natural_kl),
+    "_square_std": ("_var", _square_std),
+}  # suffix: (vi's function, its old form)
 
 
 def main(argv=None) -> None:
@@ -60,6 +85,8 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--per-leaf", action="store_true")
     parser.add_argument("--natural-kl", action="store_true")
+    parser.add_argument("--square-std", action="store_true")
+    parser.add_argument("--one-core", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -70,6 +97,9 @@ def main(argv=None) -> None:
     settings = fb.FULL
     data = fb.load_data(settings)
     extra = (["pvi_100_per_leaf"] if args.per_leaf else []) + (["pvi_100_natural_kl", "pvi_local_100_natural_kl"] if args.natural_kl else [])
+    extra += ["pvi_local_100_square_std"] if args.square_std else []
+    if len(args.workloads + extra) > 8:  # own_limit keeps 8 workloads' programs and data
+        parser.error(f"at most 8 workloads in one process (own_limit's cache); got {len(args.workloads + extra)}")
     runs = {}
     for name in args.workloads + extra:
         suffix = next((x for x in OLD if name.endswith(x)), "")

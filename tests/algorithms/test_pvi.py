@@ -24,7 +24,7 @@ from fedbayes.data.federation import Federation
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.sgd import training_info
-from fedbayes.inference.vi import VariationalParams, kl_to_cavity, reparameterised_vi, to_gaussian
+from fedbayes.inference.vi import VariationalParams, kl_to_cavity, reparameterised_vi, std_of, to_gaussian, var_of
 from fedbayes.runs.export import load_model
 from fedbayes.runs.folder import read_metrics
 from fedbayes.sim.simulator import Simulator
@@ -490,8 +490,9 @@ def test_local_estimator_finds_the_mean_field_optimum_of_a_flax_linear_model(est
     assert int(info["steps"]) == 2000
 
 
+@pytest.mark.parametrize("squared_std", [False, True])
 @pytest.mark.parametrize("parameterisation", ["log", "softplus"])
-def test_the_kl_penalty_in_q_s_own_parameters_equals_the_natural_parameter_kl(parameterisation):
+def test_the_kl_penalty_in_q_s_own_parameters_equals_the_natural_parameter_kl(parameterisation, squared_std):
     """``kl_to_cavity`` (the local step's penalty) against ``gaussian.kl`` through the natural
     parameters: the same value and gradient, across scales of the standard deviations and cavities."""
     rng = np.random.default_rng(3)
@@ -503,9 +504,22 @@ def test_the_kl_penalty_in_q_s_own_parameters_equals_the_natural_parameter_kl(pa
             jax.tree.map(lambda m: m + jnp.asarray(rng.normal(size=m.shape), jnp.float32), mean),
             jax.tree.map(lambda m: jnp.asarray(np.exp(spread * rng.normal(size=m.shape)), jnp.float32), mean),
         )
-        fast = kl_to_cavity(cavity, parameterisation)
+        fast = kl_to_cavity(cavity, parameterisation, squared_std=squared_std)
         slow = lambda v: gaussian.kl(to_gaussian(v, parameterisation), cavity)  # noqa: E731
         np.testing.assert_allclose(float(fast(vp)), float(slow(vp)), rtol=1e-5)
         for a, b in zip(jax.tree.leaves(jax.grad(fast)(vp)), jax.tree.leaves(jax.grad(slow)(vp))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
         assert float(kl_to_cavity(to_gaussian(vp, parameterisation), parameterisation)(vp)) == pytest.approx(0.0, abs=1e-4)  # KL(q || q) = 0
+
+
+@pytest.mark.parametrize("parameterisation", ["log", "softplus"])
+def test_the_variances_are_the_squared_standard_deviations(parameterisation):
+    """``var_of`` (``exp(2 raw)`` under the log parameterisation, what the local estimator, the KL
+    penalty and ``to_gaussian`` read) is ``std_of`` squared, value and gradient, from tiny to large
+    standard deviations."""
+    raw = {"k": jnp.linspace(-12.0, 4.0, 33, dtype=jnp.float32)}
+    vp = VariationalParams({"k": jnp.zeros(33, jnp.float32)}, raw)
+    np.testing.assert_allclose(np.asarray(var_of(vp, parameterisation)["k"]), np.square(np.asarray(std_of(vp, parameterisation)["k"])), rtol=1e-6)
+    fast = jax.grad(lambda r: jnp.sum(var_of(VariationalParams(vp.mean, r), parameterisation)["k"]))(raw)["k"]
+    slow = jax.grad(lambda r: jnp.sum(jnp.square(std_of(VariationalParams(vp.mean, r), parameterisation)["k"])))(raw)["k"]
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), rtol=1e-5)

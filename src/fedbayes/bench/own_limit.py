@@ -37,7 +37,11 @@ class PlainInputs(NamedTuple):
     server_key: Any
 
 
-@functools.lru_cache(maxsize=4)
+# A process may time several workloads interleaved (benchmarks/step_cost.py): each keeps its
+# programs and its pooled data on the devices. With fewer slots than workloads every pass put
+# the whole training set on the devices again, inside the timed rounds (the "five-workload
+# slowdown" of docs/results/bench.md, 2026-11-27).
+@functools.lru_cache(maxsize=8)
 def _programs(sim):
     """``(client, broadcast, server)``: the jitted pieces of a plain round of ``sim``."""
     import jax
@@ -59,7 +63,7 @@ def _programs(sim):
     )
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def _pooled_on_devices(sim):
     """The pooled training set on each device (put there once, as the simulator puts it)."""
     import jax
