@@ -29,7 +29,10 @@ step's, a curvature batch's, a server step's), the ``once`` operations (per clie
 ``control`` (loops and dispatch) and ``sync`` (collectives, i.e. waiting for the other device), then
 the operations with the most time. The profiler slows the round (by 10-30% on the development
 machine), so read shares, not absolute times; when it drops events (a long trace of many small
-operations) the output says how much of the round the recorded operations explain.
+operations) the output says how much of the round the recorded operations explain. A workload
+with fused rounds (``fedavg_100_fused``) is traced as ``fedbayes bench`` runs it, whole blocks of
+its ``fuse`` rounds a program (the traced rounds rounded up to whole blocks); the other modes run
+one round a program.
 
 ``--mode cprofile`` is the older view: the steady rounds under cProfile, functions with the most
 own time (``fedbayes.bench.measure_federated(profile_top=...)``).
@@ -162,15 +165,27 @@ def measure_ops(workload: fb.FederatedWorkload, settings: fb.BenchSettings, *, t
 
     dataset = fb.load_data(settings)
     sim, state = fb.build_simulator(workload, settings, dataset)
-    for _ in range(2):  # compile, then one steady round before the trace
-        state, _ = sim.run_round(state, donate=True)
-    jax.block_until_ready(state.server_state)
     rounds = fb.steady_rounds(workload, settings)
+    if sim.fuse > 1:  # fused rounds, as `fedbayes bench` runs them: whole blocks of sim.fuse rounds
+        rounds = -(-rounds // sim.fuse) * sim.fuse
+
+        def run(state, n):
+            for state, _ in sim.rounds(state, state.round + n, donate=True):
+                pass
+            return state
+    else:
+
+        def run(state, n):
+            for _ in range(n):
+                state, _ = sim.run_round(state, donate=True)
+            return state
+
+    state = run(state, max(2, sim.fuse))  # compile, then steady rounds before the trace
+    jax.block_until_ready(state.server_state)
     with tempfile.TemporaryDirectory(prefix="fedbayes-trace-") as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             t0 = time.perf_counter()
-            for _ in range(rounds):
-                state, _ = sim.run_round(state, donate=True)
+            state = run(state, rounds)
             jax.block_until_ready(state.server_state)
             wall = time.perf_counter() - t0
         events, names = trace.load_events(trace.find_trace(tmp))
