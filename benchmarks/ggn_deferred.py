@@ -12,7 +12,8 @@ the largest client's number of batches: every client pays for that length.
 
 In one process with one single-threaded XLA host device, pinned to one core, on the first client
 of ``fedlap_cov_100``'s first round (``fedbayes.bench``: MLP 784-200-100-10, Fashion-MNIST, 600
-examples, batch 32), interleaved over ``--reps`` passes:
+examples, batch 32), interleaved over ``--reps`` passes in a rotated order
+(:func:`fedbayes.bench.relative.interleaved_times`):
 
 * ``per_batch``: ``data_curvature`` as FedLap-Cov runs it;
 * ``per_batch_b128``: the same at batch 128 (fewer, longer products);
@@ -20,7 +21,8 @@ examples, batch 32), interleaved over ``--reps`` passes:
   the largest);
 * ``deferred_2x``: deferred, buffers twice as long (the largest client twice this one's size).
 
-Prints each form's median milliseconds and its ratio to ``per_batch`` (median and range), and the
+Prints each form's median milliseconds and its ratio to ``per_batch`` (``ratio``: median and
+``range`` over the passes), and the
 largest relative difference of the deferred kernels from ``per_batch``'s.
 """
 
@@ -29,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 from fedbayes.sim import hostdevices
 
@@ -96,6 +96,7 @@ def main(argv=None) -> None:
     import numpy as np
 
     from fedbayes import bench as fb
+    from fedbayes.bench.relative import format_rows, interleaved_times, paired_rows
     from fedbayes.bench.workloads import model_and_trainer
     from fedbayes.data.batches import steps_per_epoch
     from fedbayes.inference.curvature import data_curvature
@@ -115,30 +116,19 @@ def main(argv=None) -> None:
         "deferred_exact": deferred_curvature(apply_fn, batch, batches),
         "deferred_2x": deferred_curvature(apply_fn, batch, 2 * batches),
     }
-    for fn in forms.values():
-        jax.block_until_ready(fn(params, data))  # compiles
+    calls = {name: (lambda fn=fn: fn(params, data)) for name, fn in forms.items()}
+    times = interleaved_times(calls, args.reps)  # compiles first, then rotates the order each pass
     ref = jax.device_get(forms["per_batch"](params, data))
     differences = {}
     for name in ("deferred_exact", "deferred_2x"):
         got = jax.device_get(forms[name](params, data))
         differences[name] = max(float(np.max(np.abs(got[p]["kernel"] - _at(ref, p)["kernel"])) / np.max(np.abs(_at(ref, p)["kernel"]))) for p in got)
-    times = {name: [] for name in forms}
-    for _ in range(args.reps):
-        for name, fn in forms.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(params, data))
-            times[name].append(time.perf_counter() - t0)
-    out = {"examples": int(data.num_examples), "batches": batches, "max_relative_difference": differences}
-    for name, ts in times.items():
-        ratios = [t / r for t, r in zip(ts, times["per_batch"])]
-        out[name] = {"ms": 1e3 * statistics.median(ts), "vs_per_batch": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+    out = {"examples": int(data.num_examples), "batches": batches, "max_relative_difference": differences, **paired_rows(times, "per_batch")}
     if args.json:
         print(json.dumps(out))
         return
     print(f"one client, {out['examples']} examples, {batches} batches of {batch}; deferred kernels within {max(differences.values()):.1e} (relative)")
-    for name in forms:
-        e = out[name]
-        print(f"{name:<16} {e['ms']:8.2f} ms  {e['vs_per_batch']:5.2f} ({e['range'][0]:.2f}-{e['range'][1]:.2f})")
+    print("\n".join(format_rows({name: out[name] for name in forms}, " of per_batch")))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ of PVI's weight-draw estimator (``estimator = "weights"``).
     PYTHONPATH=src .venv/bin/python benchmarks/normal_cost.py [--size N] [--reps R] [--json]
 
 In one process with one single-threaded XLA host device, pinned to one core (as
-``benchmarks/step_cost.py --one-core``), interleaved over ``--reps`` passes:
+``benchmarks/step_cost.py --one-core``), interleaved over ``--reps`` passes in a rotated order
+(:func:`fedbayes.bench.relative.interleaved_times`):
 
 * ``fedavg_step``: one client's local training in ``fedavg_e3_100`` (``fedbayes.bench``'s model and
   data: an MLP 784-200-100-10 on Fashion-MNIST, batch 32), its ``client_update`` divided by its
@@ -17,7 +18,7 @@ In one process with one single-threaded XLA host device, pinned to one core (as
 
 ``N`` defaults to the model's parameter count (178,110): one weight draw, the noise of one step of
 the weight-draw estimator. Prints each row's median milliseconds and its ratio to the FedAvg
-step (median and range over the passes).
+step (``ratio``: median and ``range`` over the passes).
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 from fedbayes.sim import hostdevices
 
@@ -67,6 +66,7 @@ def main(argv=None) -> None:
 
     from fedbayes import bench as fb
     from fedbayes.bench.own_limit import _programs, first_device_state
+    from fedbayes.bench.relative import format_rows, interleaved_times, paired_rows
     from fedbayes.data.batches import num_local_steps
 
     settings = fb.FULL
@@ -83,25 +83,14 @@ def main(argv=None) -> None:
     for kind, impl in (("normal", "threefry2x32"), ("normal", "rbg"), ("normal", "unsafe_rbg"), ("bits", "threefry2x32")):
         f = _draws(kind, impl, size)
         rows[f"{kind}[{impl}]"] = (lambda f=f: f(key), DRAWS)
-    for fn, _ in rows.values():
-        jax.block_until_ready(fn())  # compiles
-    times = {name: [] for name in rows}
-    for _ in range(args.reps):
-        for name, (fn, per) in rows.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append((time.perf_counter() - t0) / per)
-    out = {"size": size, "fedavg_steps": steps}
-    for name, ts in times.items():
-        ratios = [t / f for t, f in zip(ts, times["fedavg_step"])]
-        out[name] = {"ms": 1e3 * statistics.median(ts), "vs_fedavg_step": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+    per_call = interleaved_times({name: fn for name, (fn, _) in rows.items()}, args.reps)  # compiles first
+    times = {name: [t / rows[name][1] for t in ts] for name, ts in per_call.items()}  # per step or draw
+    out = {"size": size, "fedavg_steps": steps, **paired_rows(times, "fedavg_step")}
     if args.json:
         print(json.dumps(out))
         return
     print(f"{size:,} normals a draw; FedAvg step = one client's {steps} steps of fedavg_e3_100")
-    for name in rows:
-        e = out[name]
-        print(f"{name:<24} {e['ms']:8.3f} ms  {e['vs_fedavg_step']:6.2f} ({e['range'][0]:.2f}-{e['range'][1]:.2f}) FedAvg steps")
+    print("\n".join(format_rows({name: out[name] for name in rows}, " FedAvg steps")))
     sys.stdout.flush()
 
 

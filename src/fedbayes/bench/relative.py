@@ -79,6 +79,22 @@ def ratio_summary(numerator: list[float], denominator: list[float], target: floa
     return {"median": med, "min": min(ratios), "max": max(ratios), "target": target, "direction": direction, "meets": meets}
 
 
+def paired_rows(times: dict[str, list[float]], reference: str) -> dict[str, dict[str, Any]]:
+    """Per name of :func:`interleaved_times`' result: its median in milliseconds and the median and
+    range of its ratio to ``reference`` pass by pass (``{"ms", "ratio", "range"}``)."""
+    rows = {}
+    for name, ts in times.items():
+        r = ratio_summary(ts, times[reference], None, "<=")
+        rows[name] = {"ms": 1e3 * statistics.median(ts), "ratio": r["median"], "range": [r["min"], r["max"]]}
+    return rows
+
+
+def format_rows(rows: dict[str, dict[str, Any]], unit: str = "") -> list[str]:
+    """:func:`paired_rows` as aligned lines: name, milliseconds, ratio (range) and ``unit``."""
+    width = max(map(len, rows), default=0)
+    return [f"{n:<{width}}  {e['ms']:9.3f} ms  {e['ratio']:6.2f} ({e['range'][0]:.2f}-{e['range'][1]:.2f}){unit}" for n, e in rows.items()]
+
+
 # ----- curvature --------------------------------------------------------------------------------
 def _curvature_calls(model_name: str, settings) -> dict[str, Callable[[], Any]]:
     import jax
