@@ -260,6 +260,17 @@ def test_ratio_summary_pairs_repetitions():
     assert fb.relative.ratio_summary([3.0], [1.0], None, "<=")["meets"] is None
 
 
+def test_paired_rows_pair_each_pass_with_the_reference():
+    """A row's ratio is the median of pass-by-pass ratios, not the ratio of medians."""
+    times = {"ref": [1.0, 2.0, 4.0], "x": [3.0, 2.0, 8.0]}
+    rows = fb.relative.paired_rows(times, "ref")
+    assert rows["ref"] == {"ms": 2000.0, "ratio": 1.0, "range": [1.0, 1.0]}
+    assert rows["x"]["ms"] == 3000.0
+    assert rows["x"]["ratio"] == 2.0 and rows["x"]["range"] == [1.0, 3.0]  # ratios 3, 1, 2; medians' ratio 1.5
+    lines = fb.relative.format_rows(rows, " of ref")
+    assert lines[1].split() == ["x", "3000.000", "ms", "2.00", "(1.00-3.00)", "of", "ref"]
+
+
 def test_the_gpu_record_is_its_own_set_without_the_cpu_reference(repeat, monkeypatch):
     gpu_only = {n for n in fb.GPU_WORKLOADS if fb.WORKLOADS[n].gpu}
     assert gpu_only and not gpu_only & set(fb.resolve_names(None))  # the default set shares only cnn and vbnn
