@@ -23,7 +23,8 @@ Flower adapter) all run a round through these functions, so that they agree bit 
   rule unless another is given: a robust rule, DP noise) and apply ``algorithm.server_update``.
 * **The end of a round.** A round in which no message is accepted (every one rejected, dropped or
   missing) teaches the server nothing, so the server state stays as it was: round counters,
-  burn-in switches and optimizer state do not move. :func:`keep_unless_accepted` is that policy
+  burn-in switches and optimizer state do not move, except what the algorithm's
+  ``after_rejected_round`` changes (an adaptive damping shrinks). :func:`keep_unless_accepted` is that policy
   inside a compiled round (the simulator's); :func:`finish_round` applies it on the host, owns the
   ``fail_fast`` check and builds the :class:`RoundInfo`, for every runner.
 * **Messages.** :func:`message_templates`: the shapes and dtypes of the broadcast, a client's
@@ -54,6 +55,7 @@ __all__ = [
     "SimState",
     "finish_round",
     "keep_unless_accepted",
+    "rejected_round_state",
     "MessageTemplates",
     "message_templates",
     "client_key",
@@ -305,15 +307,24 @@ class Runner(Protocol):
         ...
 
 
-def keep_unless_accepted(accepted: jax.Array, new_server_state: PyTree, server_state: PyTree) -> PyTree:
+def rejected_round_state(algorithm, server_state: PyTree) -> PyTree:
+    """The server state after a round with no accepted message: ``server_state`` itself, or what
+    the algorithm's ``after_rejected_round`` makes of it."""
+    after = getattr(algorithm, "after_rejected_round", None)
+    return server_state if after is None else after(server_state)
+
+
+def keep_unless_accepted(accepted: jax.Array, new_server_state: PyTree, server_state: PyTree, algorithm=None) -> PyTree:
     """The policy for a round with no accepted message, inside a compiled round.
 
     ``new_server_state`` when any entry of ``accepted`` (the ``[M]`` flags of
-    :func:`server_step`) is true, else ``server_state``: a per-leaf select, so a round with an
-    accepted message returns ``new_server_state`` bit for bit.
+    :func:`server_step`) is true, else ``server_state`` (:func:`rejected_round_state` of
+    ``algorithm``, when given): a per-leaf select, so a round with an accepted message returns
+    ``new_server_state`` bit for bit.
     """
     any_accepted = jnp.any(accepted)
-    return jax.tree.map(lambda new, old: jnp.where(any_accepted, new, old), new_server_state, server_state)
+    kept = server_state if algorithm is None else rejected_round_state(algorithm, server_state)
+    return jax.tree.map(lambda new, old: jnp.where(any_accepted, new, old), new_server_state, kept)
 
 
 def finish_round(
@@ -333,6 +344,7 @@ def finish_round(
     server: dict[str, float] | None = None,
     dropped: np.ndarray | None = None,
     late: np.ndarray | None = None,
+    algorithm=None,
 ) -> tuple[PyTree, RoundInfo]:
     """The end of a round on the host, the same for every runner.
 
@@ -345,11 +357,13 @@ def finish_round(
       accepted: ``[M]`` booleans, the messages the server step accepted.
       rejected: the client ids whose messages were rejected.
       fail_fast: raise on a rejected message (``server.fail_fast``).
+      algorithm: the round's algorithm, whose ``after_rejected_round`` applies when no message
+        was accepted (:func:`rejected_round_state`); ``None``: the state is kept.
 
     Returns:
-      ``(server_state, info)``: the state to continue from (``server_state`` itself when no
-      message was accepted: nothing was learned, see :func:`keep_unless_accepted`) and what the
-      round did.
+      ``(server_state, info)``: the state to continue from (``server_state`` itself, or what the
+      algorithm's ``after_rejected_round`` makes of it, when no message was accepted: nothing was
+      learned, see :func:`keep_unless_accepted`) and what the round did.
 
     Raises:
       DivergedError: ``fail_fast`` and a message was rejected (exit code 3 in the CLI).
@@ -371,7 +385,7 @@ def finish_round(
         dropped=dropped,
         late=late,
     )
-    return (new_server_state if np.any(accepted) else server_state), info
+    return (new_server_state if np.any(accepted) else rejected_round_state(algorithm, server_state)), info
 
 
 # ----- message shapes ----------------------------------------------------------------------------

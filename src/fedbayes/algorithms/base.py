@@ -15,6 +15,10 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   zero and keeps its old state.
 * ``server_posterior(server_state) -> (mean, variance)`` (optional, Bayesian methods): the
   diagonal Gaussian ``q_g`` in moments, for marginalised predictions; ``None`` for point methods.
+* ``after_rejected_round(server_state) -> server_state`` (optional): the server state after a
+  round in which no message was accepted; ``None`` keeps it as it was (nothing was learned). A
+  method with an adaptive damping shrinks it there
+  (:func:`fedbayes.algorithms.damping.adaptive`), since a refused step was too large.
 * ``aggregator``: the method's own aggregation rule (default :func:`fedbayes.aggregators.weighted`).
 * ``local_epochs``, ``local_batch_size``: how many shuffled passes over its data a client makes
   and with which minibatch size; the simulator lays out that many epochs per client
@@ -111,6 +115,7 @@ class Algorithm(NamedTuple):
     server_posterior: PosteriorFn | None = None
     aggregator: aggregators.Aggregator = aggregators.weighted
     server_on_one_device: bool = False
+    after_rejected_round: Any = None  # server_state -> server_state; None: kept
 
 
 def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, client_update, server_update) -> Algorithm:
@@ -312,6 +317,13 @@ class AlgorithmSpec:
         posteriors, sample moments, a fixed variance), and then ``evaluation.prior_precision``
         allows only ``"fixed"``. Read it with :meth:`prior_precision_for`.
       divergence_hint: a further likely cause of a non-finite loss, named in the divergence error.
+      local_budget: ``"epochs"`` or ``"converged"``, or ``hparams ->`` one of them: when a client
+        stops by default (``client.stop`` unset and ``client.epochs`` not given): after
+        ``client.epochs`` epochs, or once its local objective has settled (``client.tol``, at most
+        ``client.max_epochs`` epochs). A method whose answer is the fixed point of exact local
+        steps (a site method's tilted posterior, a dual method's local optimum) needs the latter:
+        a fixed epoch of a few minibatches leaves it far from that point for hundreds of rounds
+        (docs/results/posterior_defaults.md). Read it with :meth:`local_budget_for`.
       stored_meaning: ``(algorithm_table, stored_config) -> algorithm_table``: a run folder's or a
         checkpoint's ``[algorithm]`` table with each key it lacks set to what it meant when it was
         written (a key whose default has changed since, or a key added since), so that an old run
@@ -337,6 +349,7 @@ class AlgorithmSpec:
     divergence_hint: str = ""
     default_predictive: str | Callable[[Any], str] = sampled_predictive
     posterior_prior_precision: Callable[[Any], PriorPrecision | tuple[float, float] | float | None] = no_laplace_prior
+    local_budget: str | Callable[[Any], str] = "epochs"
     stored_meaning: Callable[[dict, dict], dict] = as_stored
 
     def __post_init__(self):
@@ -352,6 +365,10 @@ class AlgorithmSpec:
     def predictive_for(self, hparams: Any) -> str:
         """:attr:`default_predictive` for these settings."""
         return self.default_predictive if isinstance(self.default_predictive, str) else self.default_predictive(hparams)
+
+    def local_budget_for(self, hparams: Any) -> str:
+        """:attr:`local_budget` for these settings."""
+        return self.local_budget if isinstance(self.local_budget, str) else self.local_budget(hparams)
 
     def prior_precision_for(self, hparams: Any) -> PriorPrecision | None:
         """:attr:`posterior_prior_precision` for these settings, as a :class:`PriorPrecision`;

@@ -44,7 +44,7 @@ Clients of FedSEP keep no state; clients of FedEP keep their site and their site
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,15 +52,16 @@ import optax
 from pydantic import Field, model_validator
 
 from fedbayes import gaussian
+from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.algorithms.sites import (
     GaussianMessage,
-    all_non_negative,
     burn_in_switch,
     checked_cavity,
     damped_difference,
     gaussian_message_ok,
+    non_negative_to_roundoff,
     optimizer_step,
     safe_mean,
     site_server_step,
@@ -101,6 +102,8 @@ class ServerState(NamedTuple):
       round: rounds done.
       anchor: ``init="uniform"``: the sampler's start where ``Lambda_g = 0``; FedEP with
         ``exact_late_sites``: the EP start's model; else ``None``.
+      damping: the damping the next EP round's clients use and what its rule compares with
+        (:class:`~fedbayes.algorithms.damping.DampingState`; kept through burn-in).
     """
 
     q: DiagGaussian
@@ -108,14 +111,17 @@ class ServerState(NamedTuple):
     opt_state: optax.OptState
     round: jax.Array
     anchor: PyTree = None
+    damping: damping_policy.DampingState | None = None
 
 
 class Broadcast(NamedTuple):
-    """What clients receive: ``q_g``, whether this is an EP round, and the uniform-init anchor."""
+    """What clients receive: ``q_g``, whether this is an EP round, the uniform-init anchor, and the
+    round's damping ``delta``."""
 
     q: DiagGaussian
     ep: jax.Array
     anchor: PyTree = None
+    damping: jax.Array | float = 1.0
 
 
 class ClientState(NamedTuple):
@@ -135,7 +141,7 @@ def _ep_algorithm(
     stateful: bool,
     total_examples: int,
     num_clients: int,
-    damping: float,
+    damping: float | damping_policy.Damping,
     alpha_cov: float,
     site_optimizer: optax.GradientTransformation | None,
     burn_in_rounds: int,
@@ -150,8 +156,10 @@ def _ep_algorithm(
         raise ValueError(f"{name}: init must be one of {', '.join(INITS)}; got {init!r}")
     if sep_power not in SEP_POWERS:
         raise ValueError(f"{name}: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
-    if not damping > 0:
-        raise ValueError(f"{name}: damping must be > 0; got {damping}")
+    if not isinstance(damping, damping_policy.Damping):
+        if not damping > 0:
+            raise ValueError(f"{name}: damping must be > 0; got {damping}")
+        damping = damping_policy.fixed(damping)
     if init == "benchmark" and not (alpha_cov > 0 or prior_precision > 0):
         raise ValueError(
             f"{name}: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 or prior_precision > 0; got {alpha_cov}"
@@ -187,10 +195,10 @@ def _ep_algorithm(
             q, anchor = model_q(params), (params if keeps_anchor else None)
         else:
             q, anchor = ep_start(params)
-        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor)
+        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, damping.init(params))
 
     def broadcast(state):
-        return Broadcast(state.q, state.round >= burn_in_rounds, state.anchor)
+        return Broadcast(state.q, state.round >= burn_in_rounds, state.anchor, state.damping.value)
 
     def client_init(params):
         if not stateful:
@@ -237,12 +245,12 @@ def _ep_algorithm(
             cavity, cavity_ok = checked_cavity(cavity, q)
             start = safe_mean(q, message.anchor if uniform else q.precision_mean)
             tilted, info = inference(key, start, cavity, data)
-            step = damped_difference(tilted, q, damping, delta_clip)
+            step = damped_difference(tilted, q, message.damping, delta_clip)
             if not stateful:
                 return GaussianMessage(step, cavity_ok), cstate, info
             new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
             # a zero site precision is a flat factor (no information there), not an improper one
-            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, all_non_negative(new_site.precision))
+            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, non_negative_to_roundoff(new_site.precision, q.precision))
             return GaussianMessage(step, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
 
         return burn_in_switch(burn_in_rounds, message.ep, ep_round, burn_in)
@@ -254,11 +262,13 @@ def _ep_algorithm(
         q_ep, _ = ep_start(theta)
         q = jax.tree.map(lambda a, b: jnp.where(done, a, b), q_ep, model_q(theta))
         anchor = theta if keeps_anchor else None
-        return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor), {"precision_guarded": jnp.zeros((), jnp.int32)}
+        info = {"precision_guarded": jnp.zeros((), jnp.int32), "damping": damping_policy.mean_value(state.damping)}
+        return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor, state.damping), info
 
     def ep_server(state, aggregate):
         q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
-        return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor), {"precision_guarded": guarded}
+        info = {"precision_guarded": guarded, "damping": damping_policy.mean_value(state.damping)}  # the damping this round's clients used
+        return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q)), info
 
     def server_update(key, state, aggregate):
         del key
@@ -285,6 +295,7 @@ def _ep_algorithm(
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
         server_posterior=server_posterior,
+        after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
     )
 
 
@@ -305,7 +316,7 @@ def fedep(
     *,
     total_examples: int,
     num_clients: int,
-    damping: float,
+    damping: float | damping_policy.Damping,
     alpha_cov: float,
     site_optimizer: optax.GradientTransformation | None = None,
     burn_in_rounds: int = 0,
@@ -325,7 +336,8 @@ def fedep(
         first iterate (one of the four methods of :func:`fedbayes.inference.tilted.make_tilted_inference`).
       total_examples: ``N``, all clients' examples (site init ``q_g^{n_k/N}``).
       num_clients: ``K``.
-      damping: ``delta`` (Guo et al. 2023 (FedEP)'s default ``1 / M``).
+      damping: ``delta``, a fixed value (Guo et al. 2023 (FedEP)'s default ``1 / M``) or a policy
+        (:func:`fedbayes.algorithms.damping.adaptive`: the server chooses it each round).
       alpha_cov: per-example precision of the benchmark initialisation, ``c (lambda_0 + lambda_wd)``.
       site_optimizer: ClientOpt on the sites (default: the server optimizer's configuration,
         Guo et al. 2023 (FedEP) Table 7).
@@ -360,7 +372,7 @@ def fedsep(
     *,
     total_examples: int,
     num_clients: int,
-    damping: float,
+    damping: float | damping_policy.Damping,
     alpha_cov: float,
     burn_in_rounds: int = 0,
     init: str = "benchmark",
@@ -382,7 +394,7 @@ PRESETS = ("posterior", "paper")
 # The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
 # fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
 PAPER_SETTINGS = {"method": "identity", "scale": 500.0, "clip_ratio": 2.0, "weight_decay": 1e-4, "prior_precision": 0.0, "ngvi_bias_correction": False}
-DEFAULT_DAMPING = 0.5  # the posterior preset's delta (docs/results/posterior_defaults.md)
+DEFAULT_DAMPING = 0.5  # the posterior preset's fixed delta before the adaptive damping (a stored config's unset damping)
 
 
 class EPConfig(TiltedSettings):
@@ -412,12 +424,10 @@ class EPConfig(TiltedSettings):
         description="client tilted inference: laplace (L, default) or ngvi (V) give a posterior; identity (I) and mcmc (M) "
         "give a variance set by alpha_cov = scale * (initial_precision + weight_decay), a hyperparameter, not the data",
     )
-    damping: float | None = Field(
+    damping: Annotated[float, Field(gt=0, le=1)] | Literal["adaptive"] | None = Field(
         None,
-        gt=0,
-        le=1,
-        description="delta; default 0.5 (preset posterior: ~200 rounds to the diagonal Laplace on breast cancer, 5x faster than 1/M) or 1 / clients_per_round "
-        "(preset paper); on a network use 1 / clients_per_round: at 0.5 the sites of the clients' differing local modes oscillate",
+        description="delta: adaptive (preset posterior: starts at 0.5, grown while the global posterior contracts, shrunk when it swings back "
+        "or grows; docs/algorithms.md §7.8) or a fixed value in (0, 1]; default adaptive, or 1 / clients_per_round (preset paper)",
     )
     delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
@@ -439,6 +449,8 @@ class EPConfig(TiltedSettings):
             data = {**data, "preset": preset}
         if preset == "paper":
             data = {**PAPER_SETTINGS, **data}
+        else:
+            data = {"damping": damping_policy.ADAPTIVE, **data}
         return data
 
     @model_validator(mode="after")
@@ -455,11 +467,11 @@ class EPConfig(TiltedSettings):
             )
         return self
 
-    def default_damping(self, clients_per_round: int) -> float:
-        """``damping`` if set, else the preset's: :data:`DEFAULT_DAMPING` or ``1 / clients_per_round``."""
+    def default_damping(self, clients_per_round: int) -> float | str:
+        """``damping`` if set, else the preset's: ``"adaptive"`` or ``1 / clients_per_round``."""
         if self.damping is not None:
             return self.damping
-        return 1.0 / clients_per_round if self.preset == "paper" else DEFAULT_DAMPING
+        return 1.0 / clients_per_round if self.preset == "paper" else damping_policy.ADAPTIVE
 
 
 class FedEPConfig(EPConfig):
@@ -482,7 +494,7 @@ def _common(hp: EPConfig, ctx: BuildContext) -> dict:
     inference = make_tilted_inference(hp.method, ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     return dict(
         inference=inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
-        damping=hp.default_damping(ctx.clients_per_round), alpha_cov=hp.alpha_cov, burn_in_rounds=hp.burn_in_rounds,
+        damping=damping_policy.from_setting(hp.default_damping(ctx.clients_per_round)), alpha_cov=hp.alpha_cov, burn_in_rounds=hp.burn_in_rounds,
         init=hp.init, prior_precision=hp.prior_precision, delta_clip=hp.delta_clip,
     )  # fmt: skip
 
@@ -506,9 +518,12 @@ def _min_local_epochs(hp: EPConfig) -> tuple[int, str]:
 def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before the presets ran the paper's: its resolved table holds every setting
     but the damping (then ``1 / clients_per_round``) and the NGVI bias correction (then none), which
-    the paper preset fills in exactly so."""
+    the paper preset fills in exactly so. One written with the posterior preset before the adaptive
+    damping left it unset for the fixed 0.5."""
     del stored
     table.setdefault("preset", "paper")
+    if table["preset"] == "posterior" and table.get("damping") is None:  # written before the adaptive damping: 0.5
+        table["damping"] = DEFAULT_DAMPING
     return table
 
 
@@ -516,6 +531,8 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
 # make_tilted_inference says so when they lack them; the identity and mcmc methods build without.
 _EP_TRAITS = dict(
     min_local_epochs=_min_local_epochs,
+    # laplace and ngvi: the tilted mode, so a client runs until its objective settles; identity and mcmc keep the paper's epochs
+    local_budget=lambda hp: "converged" if hp.method in ("laplace", "ngvi") else "epochs",
     burn_in_rounds=burn_in_setting,
     # the posterior preset's posterior is the likelihood's: narrow its predictive post hoc, or temper it (the paper's knob)
     calibration_advice=(

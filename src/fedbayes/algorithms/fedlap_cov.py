@@ -50,7 +50,7 @@ method of the paper from the same functions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,7 @@ import optax
 from pydantic import Field
 
 from fedbayes import gaussian, tree
+from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
 from fedbayes.algorithms.sites import GaussianMessage, gaussian_message_ok
@@ -122,20 +123,25 @@ class ServerState(NamedTuple):
       q: ``q_g`` in natural parameters, ``(sum_k v_k, delta + sum_k V_k)``.
       init: the model's initial parameters, where local training starts in round 1.
       round: rounds done.
+      damping: the site damping the next round's clients use
+        (:class:`~fedbayes.algorithms.damping.DampingState`).
     """
 
     params: optax.Params
     q: DiagGaussian
     init: optax.Params
     round: jax.Array
+    damping: damping_policy.DampingState | None = None
 
 
 class Broadcast(NamedTuple):
-    """What clients receive: ``w_g``, the precision ``S_g`` they use, and where training starts."""
+    """What clients receive: ``w_g``, the precision ``S_g`` they use, where training starts, and the
+    round's site damping ``rho``."""
 
     anchor: optax.Params
     precision: PyTree
     start: optax.Params
+    damping: jax.Array | float = 1.0
 
 
 def site_terms(w, message: Broadcast, site: DiagGaussian, ops: PrecisionOps = DIAGONAL) -> jax.Array:
@@ -149,15 +155,20 @@ def site_terms(w, message: Broadcast, site: DiagGaussian, ops: PrecisionOps = DI
     )
 
 
-def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, damping: float, ops: PrecisionOps = DIAGONAL) -> DiagGaussian:
+def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, damping, ops: PrecisionOps = DIAGONAL) -> DiagGaussian:
     """The damped site update: ``t_k <- t_k^(1 - rho) (t_k q_k / q_g)^rho`` (``rho`` the damping) with
     the local Laplace ``q_k = (S_k w_k, S_k)``, ``S_k = H_k + S_g - V_k``; the target's precision is
-    ``H_k``. A convex combination (:func:`fedbayes.gaussian.damp`), as the paper writes it."""
+    ``H_k``. A convex combination (:func:`fedbayes.gaussian.damp`), as the paper writes it; ``rho``
+    a number or one per coordinate (a pytree with the parameters' structure)."""
     s_g = message.precision
     s_k = optax.tree.sub(optax.tree.add(curvature, s_g), site.precision)
     change = optax.tree.sub(ops.matvec(s_k, w_k), ops.matvec(s_g, message.anchor))
     target = DiagGaussian(precision_mean=optax.tree.add(site.precision_mean, change), precision=curvature)
-    return gaussian.damp(site, target, damping)
+    if isinstance(damping, int | float) or (isinstance(damping, jax.Array) and damping.ndim == 0):
+        return gaussian.damp(site, target, damping)
+    # one damping per coordinate (fedbayes.algorithms.damping): the same convex combination, leaf by leaf
+    mix = lambda d, a, b: ((1 - d) * a + d * b).astype(a.dtype)
+    return DiagGaussian(jax.tree.map(mix, damping, site.precision_mean, target.precision_mean), jax.tree.map(mix, damping, site.precision, target.precision))
 
 
 def client_step(
@@ -182,25 +193,29 @@ def client_step(
     return w_k, h_k, site_update(site, w_k, message, h_k, damping, ops), info
 
 
-def server_init(params, delta: float, ops: PrecisionOps = DIAGONAL) -> ServerState:
-    """``q_g = p_0 = N(0, I / delta)``, ``w_g = 0``."""
+def server_init(params, delta: float, ops: PrecisionOps = DIAGONAL, damping: damping_policy.Damping | None = None) -> ServerState:
+    """``q_g = p_0 = N(0, I / delta)``, ``w_g = 0``, and the damping's state (``None``: fixed at 0.5)."""
     q = DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=ops.scaled_identity(params, delta))
-    return ServerState(optax.tree.zeros_like(params), q, params, jnp.zeros((), jnp.int32))
+    damping = damping if damping is not None else damping_policy.fixed(DEFAULT_RHO)
+    return ServerState(optax.tree.zeros_like(params), q, params, jnp.zeros((), jnp.int32), damping.init(params))
 
 
 def broadcast(state: ServerState, init_precision: str = "delta") -> Broadcast:
     precision = state.q.precision
     if init_precision == "zero":
         precision = jax.tree.map(lambda s: jnp.where(state.round == 0, jnp.zeros_like(s), s), precision)
-    return Broadcast(state.params, precision, training_start(state.init, state.params, state.round))
+    return Broadcast(state.params, precision, training_start(state.init, state.params, state.round), state.damping.value)
 
 
-def server_step(state: ServerState, site_change_total: DiagGaussian, delta: float, ops: PrecisionOps = DIAGONAL) -> ServerState:
+def server_step(
+    state: ServerState, site_change_total: DiagGaussian, delta: float, ops: PrecisionOps = DIAGONAL, damping: damping_policy.Damping | None = None
+) -> ServerState:
     """``q_g <- q_g prod_k (t_k^new / t_k)`` over the accepted clients, ``S_g`` kept at least
-    ``delta``, and ``w_g = S_g^{-1} eta_g``."""
+    ``delta``, and ``w_g = S_g^{-1} eta_g``; the damping's rule sees the change (``None``: kept)."""
     q = gaussian.product(state.q, site_change_total)
     q = DiagGaussian(precision_mean=q.precision_mean, precision=ops.at_least(q.precision, delta))
-    return ServerState(ops.solve(q.precision, q.precision_mean), q, state.init, state.round + 1)
+    rule = damping.update(state.damping, state.q, q) if damping is not None else state.damping
+    return ServerState(ops.solve(q.precision, q.precision_mean), q, state.init, state.round + 1, rule)
 
 
 def _valid_curvature(h) -> jax.Array:
@@ -212,7 +227,7 @@ def fedlap_cov(
     curvature: Curvature,
     *,
     delta: float,
-    damping: float,
+    damping: float | damping_policy.Damping,
     init_precision: str = "delta",
     solver: LocalSolver = run_sgd,
 ) -> Algorithm:
@@ -223,21 +238,26 @@ def fedlap_cov(
       curvature: ``(params, data) -> diagonal curvature of the client's sum loss`` (PSD), e.g.
         :func:`fedbayes.inference.curvature.data_curvature`.
       delta: prior precision (sum-loss scale), > 0.
-      damping: site damping ``rho`` in (0, 1].
+      damping: site damping ``rho``, a fixed value in (0, 1] or a policy
+        (:func:`fedbayes.algorithms.damping.adaptive`).
       init_precision: ``"delta"`` or ``"zero"``, the ``S_g`` clients use in round 1.
       solver: the local solver, ``run_sgd`` by default (tests pass an exact one).
     """
-    check_settings("fedlap_cov", delta, damping)
+    if not isinstance(damping, damping_policy.Damping):
+        check_settings("fedlap_cov", delta, damping)
+        damping = damping_policy.fixed(damping)
+    else:
+        check_settings("fedlap_cov", delta, 1.0)
     if init_precision not in INIT_PRECISIONS:
         raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
 
     def client_update(key, message: Broadcast, site, data):
-        _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=damping, curvature=curvature, solver=solver)
+        _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=message.damping, curvature=curvature, solver=solver)
         return GaussianMessage(gaussian.difference(new_site, site), _valid_curvature(h_k)), new_site, info
 
     def server_update(key, state, aggregate):
         del key
-        return server_step(state, aggregate.total.difference, delta), {}
+        return server_step(state, aggregate.total.difference, delta, damping=damping), {"damping": damping_policy.mean_value(state.damping)}
 
     def message_ok(state, message):
         # No positivity check: the server floors S_g at delta (server_step), it never keeps an old value.
@@ -248,7 +268,7 @@ def fedlap_cov(
 
     return Algorithm(
         name="fedlap_cov",
-        server_init=lambda key, params: server_init(params, delta),
+        server_init=lambda key, params: server_init(params, delta, damping=damping),
         broadcast=lambda state: broadcast(state, init_precision),
         client_init=gaussian.uniform_like,
         client_update=client_update,
@@ -258,6 +278,7 @@ def fedlap_cov(
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
         server_posterior=server_posterior,
+        after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
     )
 
 
@@ -266,12 +287,10 @@ class FedLapCovConfig(HParams):
 
     name: Literal["fedlap_cov"]
     delta: float = Field(1.0, gt=0, description="prior precision delta, on the sum-loss scale")
-    rho: float = Field(
-        DEFAULT_RHO,
-        gt=0,
-        le=1,
-        description="site damping rho; default 0.5: reaches the diagonal Laplace in ~100-200 rounds where the paper's 1 / num_clients "
-        "takes ~5x longer (docs/results/posterior_defaults.md); use a plain SGD client: Adam's local optimum is biased",
+    rho: Annotated[float, Field(gt=0, le=1)] | Literal["adaptive"] = Field(
+        damping_policy.ADAPTIVE,
+        description="site damping rho: adaptive (the default: starts at 0.5, grown while the global posterior contracts, shrunk when it "
+        "swings back or grows) or a fixed value in (0, 1] (the paper's 1 / num_clients); use a plain SGD client: Adam's local optimum is biased",
     )
     init_precision: Literal[INIT_PRECISIONS] = Field(  # type: ignore[valid-type]
         "delta", description="S_g the clients use in round 1: delta (PVI's) or zero (the authors' code)"
@@ -286,7 +305,7 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
             f"fedlap_cov: needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {ctx.task!r}"
         )
     curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
-    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=hp.rho, init_precision=hp.init_precision)
+    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=damping_policy.from_setting(hp.rho), init_precision=hp.init_precision)
 
 
 def _stored_meaning(table: dict, stored: dict) -> dict:
@@ -304,7 +323,7 @@ SPEC = AlgorithmSpec(
         "to predict with a narrower posterior, choose its prior precision on held-out data (evaluation.prior_precision = \"validation\", "
         "data.validation_fraction > 0), or train with a larger algorithm.delta, the prior precision (docs/algorithms.md §10)"
     ),
-    default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta,  # S_g = delta + sum_k V_k: diagonal-GGN Laplace
+    default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta, local_budget="converged",  # S_g = delta + sum_k V_k: diagonal-GGN Laplace
     stored_meaning=_stored_meaning,
 )  # fmt: skip
 SPECS = (SPEC,)

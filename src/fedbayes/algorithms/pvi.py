@@ -63,7 +63,7 @@ floats: the model's initial parameters in round 1, the global's mean afterwards)
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,7 @@ import optax
 from pydantic import Field
 
 from fedbayes import gaussian
+from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.sites import GaussianMessage, all_positive, checked_cavity, damped_difference, gaussian_message_ok, safe_mean, site_server_step
 from fedbayes.gaussian import DiagGaussian
@@ -81,7 +82,7 @@ from fedbayes.inference.vi import ESTIMATORS, PARAMETERISATIONS, reparameterised
 
 PyTree = Any
 INIT_MEANS = ("global", "model")
-DEFAULT_RHO = 0.5  # the config's default damping (docs/results/posterior_defaults.md)
+DEFAULT_RHO = 0.5  # the adaptive damping's start and the fixed default before it (docs/results/posterior_defaults.md)
 
 __all__ = [
     "INIT_MEANS",
@@ -98,20 +99,24 @@ __all__ = [
 
 
 class ServerState(NamedTuple):
-    """PVI server state: ``q_g``, the server optimizer's state over it, rounds done, and the
-    model's initial parameters (``init_mean="model"`` only, else ``None``)."""
+    """PVI server state: ``q_g``, the server optimizer's state over it, rounds done, the
+    model's initial parameters (``init_mean="model"`` only, else ``None``), and the damping
+    (:class:`~fedbayes.algorithms.damping.DampingState`)."""
 
     q: DiagGaussian
     opt_state: optax.OptState
     round: jax.Array
     anchor: PyTree = None
+    damping: damping_policy.DampingState | None = None
 
 
 class Broadcast(NamedTuple):
-    """What clients receive: ``q_g`` and, with ``init_mean="model"``, the local mean's start."""
+    """What clients receive: ``q_g``, with ``init_mean="model"`` the local mean's start, and the
+    round's damping ``rho``."""
 
     q: DiagGaussian
     start: PyTree = None
+    damping: jax.Array | float = 1.0
 
 
 class ClientState(NamedTuple):
@@ -125,7 +130,7 @@ def pvi(
     server_optimizer: optax.GradientTransformation,
     *,
     prior_precision: float,
-    damping: float,
+    damping: float | damping_policy.Damping,
     samples: int = 1,
     parameterisation: str = "log",
     init_std: float | None = None,
@@ -141,7 +146,7 @@ def pvi(
       server_optimizer: optax transformation of ``lambda_{q_g}`` by ``sum_k Delta_k`` (``sgd(1)``:
         PVI exactly).
       prior_precision: ``delta`` of the prior ``N(0, 1/delta)``, on the sum-loss scale.
-      damping: ``rho``, in (0, 1].
+      damping: ``rho``, a fixed value in (0, 1] or a policy (:func:`fedbayes.algorithms.damping.adaptive`).
       samples, parameterisation, init_std, estimator: the local step's (:func:`fedbayes.inference.vi.reparameterised_vi`).
       init_mean: where the local mean starts: ``"global"``, the mean of ``q_g`` (Ashman et al.);
         ``"model"``, the model's initial parameters in the first round (the prior's zero mean
@@ -156,8 +161,10 @@ def pvi(
     """
     if not prior_precision > 0:
         raise ValueError(f"pvi: prior_precision (delta) must be > 0; got {prior_precision}")
-    if not 0 < damping <= 1:
-        raise ValueError(f"pvi: damping (rho) must be in (0, 1]; got {damping}")
+    if not isinstance(damping, damping_policy.Damping):
+        if not 0 < damping <= 1:
+            raise ValueError(f"pvi: damping (rho) must be in (0, 1]; got {damping}")
+        damping = damping_policy.fixed(damping)
     if init_mean not in INIT_MEANS:
         raise ValueError(f"pvi: init_mean must be one of {', '.join(INIT_MEANS)}; got {init_mean!r}")
     if local is None:
@@ -168,16 +175,16 @@ def pvi(
         del key
         lam = optax.tree.full_like(params, prior_precision)
         q = DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=lam)
-        return ServerState(q, server_optimizer.init(q), jnp.zeros((), jnp.int32), params if anchored else None)
+        return ServerState(q, server_optimizer.init(q), jnp.zeros((), jnp.int32), params if anchored else None, damping.init(params))
 
     def server_params(state):
         return safe_mean(state.q, optax.tree.zeros_like(state.q.precision_mean))
 
     def broadcast(state):
         if not anchored:
-            return Broadcast(state.q)
+            return Broadcast(state.q, None, state.damping.value)
         first = state.round == 0
-        return Broadcast(state.q, jax.tree.map(lambda a, m: jnp.where(first, a, m), state.anchor, server_params(state)))
+        return Broadcast(state.q, jax.tree.map(lambda a, m: jnp.where(first, a, m), state.anchor, server_params(state)), state.damping.value)
 
     def client_init(params):
         return ClientState(gaussian.uniform_like(params))
@@ -188,7 +195,7 @@ def pvi(
         ok = jnp.logical_and(ok, all_positive(cavity.precision))  # the KL needs a proper cavity
         start = q if message.start is None else DiagGaussian(jax.tree.map(jnp.multiply, q.precision, message.start), q.precision)
         q_k, info = local(key, start, cavity, data)
-        step = damped_difference(q_k, q, damping)
+        step = damped_difference(q_k, q, message.damping)
         site = gaussian.product(cstate.site, step)
         if not allow_improper_sites:
             ok = jnp.logical_and(ok, all_positive(site.precision))
@@ -197,7 +204,8 @@ def pvi(
     def server_update(key, state, aggregate):
         del key
         q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
-        return ServerState(q, opt_state, state.round + 1, state.anchor), {"precision_guarded": guarded}
+        info = {"precision_guarded": guarded, "damping": damping_policy.mean_value(state.damping)}  # the damping this round's clients used
+        return ServerState(q, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q)), info
 
     def message_ok(state, message):
         return gaussian_message_ok(message, state.q)
@@ -217,6 +225,7 @@ def pvi(
         local_epochs=trainer.num_epochs,
         local_batch_size=trainer.batch_size,
         server_posterior=server_posterior,
+        after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
     )
 
 
@@ -228,12 +237,11 @@ class PVIConfig(HParams):
 
     name: Literal["pvi"]
     delta: float = Field(1.0, gt=0, description="prior precision: p(theta) = N(0, 1/delta), on the sum-loss scale")
-    rho: float = Field(
-        DEFAULT_RHO,
-        gt=0,
-        le=1,
-        description="damping of the site updates; default 0.5 (each site moves half way; 1 / clients_per_round, Ashman et al.'s, is ~5x slower); "
-        "use a plain SGD client: Adam's local optimum is biased",
+    rho: Annotated[float, Field(gt=0, le=1)] | Literal["adaptive"] = Field(
+        damping_policy.ADAPTIVE,
+        description="damping of the site updates: adaptive (the default: starts at 0.5, grown while the global posterior contracts, shrunk "
+        "when it swings back or grows) or a fixed value in (0, 1] (1 / clients_per_round is Ashman et al.'s); use a plain SGD client: Adam's "
+        "local optimum is biased",
     )
     samples: int = Field(1, ge=1, description="S, reparameterised weight samples per minibatch of the local VI")
     estimator: Literal[ESTIMATORS] = Field(  # type: ignore[valid-type]
@@ -249,7 +257,7 @@ class PVIConfig(HParams):
 
 def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
     return pvi(
-        ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=hp.rho,
+        ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=damping_policy.from_setting(hp.rho),
         samples=hp.samples, parameterisation=hp.parameterisation, init_std=hp.init_std, init_mean=hp.init_mean,
         allow_improper_sites=hp.improper_sites == "allow", estimator=hp.estimator,
     )  # fmt: skip
@@ -269,6 +277,7 @@ SPEC = AlgorithmSpec(
     # its posterior's width comes from the prior and the local steps, not a scale
     calibration_advice="set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2",
     default_predictive="sample",  # a variational posterior over the weights themselves
+    local_budget="converged",  # the tilted mean-field optimum, each round
     stored_meaning=_stored_meaning,
 )  # fmt: skip
 SPECS = (SPEC,)

@@ -54,7 +54,7 @@ def _programs(sim):
 
     def server(key, server_state, messages, weights):
         new, ok, _ = protocol.server_step(key, alg, server_state, tree.stack(messages), weights, aggregator)
-        return protocol.keep_unless_accepted(ok, new, server_state)
+        return protocol.keep_unless_accepted(ok, new, server_state, alg)
 
     return (
         jax.jit(alg.client_update, compiler_options=options),

@@ -330,6 +330,7 @@ class FlowerRounds:
             server=server,
             dropped=missing,
             late=missing[:0],
+            algorithm=self.algorithm,
         )
         return SimState(r + 1, new_server, {"base": new_base}), info
 

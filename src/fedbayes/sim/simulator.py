@@ -384,7 +384,7 @@ class Simulator:
             return Apart(messages, weights), new_states, protocol.accepted(algorithm, server_state, messages, weights), infos, {}
         server_key = protocol.server_key(self.seed, round_idx)
         new_server, ok, server_info = protocol.server_step(server_key, algorithm, server_state, messages, weights, self.aggregator)
-        new_server = protocol.keep_unless_accepted(ok, new_server, server_state)  # no accepted message: nothing learned
+        new_server = protocol.keep_unless_accepted(ok, new_server, server_state, algorithm)  # no accepted message: nothing learned
         # A rejected client keeps its old state: run_round writes back only the accepted rows
         # (no select over every client's state here, one pass less over the cohort's states).
         return new_server, new_states, ok, infos, server_info
@@ -404,7 +404,7 @@ class Simulator:
         first device alone gets one core: XLA does not split the operations of a program of
         several devices over threads.)"""
         new, ok, info = protocol.server_step(server_key, self.algorithm, server_state, messages, weights, self.aggregator)
-        return protocol.keep_unless_accepted(ok, new, server_state), info
+        return protocol.keep_unless_accepted(ok, new, server_state, self.algorithm), info
 
     def _server_apart(self, server_state, round_idx: int, outputs):
         """``outputs`` of a round's program whose server step runs apart: the server step run on
@@ -587,8 +587,9 @@ class Simulator:
             clients["dropped"], clients["late"] = p.dropped, p.late
         server = {k: np.asarray(v).item() for k, v in server_info.items()}
         succeeded = m - int(np.sum(p.dropped | p.late))
+        # the round's program has already applied the no-accepted-message policy (keep_unless_accepted)
         new_server, info = protocol.finish_round(
-            state.server_state,
+            new_server,
             new_server,
             ok,
             round_idx=round_idx,
