@@ -323,13 +323,14 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
     family_mean, family_var = {"diag_laplace": refs.diag_laplace, "ngvi": refs.ngvi, "mfvi": refs.mfvi, "map": (refs.map, None)}[method.family]
     sim = exp.simulator
     state = sim.init(exp.params)
-    seconds, first_round_s, trajectory, reached_at, comparison, rejected = 0.0, None, [], None, None, 0
+    seconds, first_round_s, trajectory, reached_at, comparison, rejected, steps = 0.0, None, [], None, None, 0, []
     mean = var = None
     for r in range(1, settings.max_rounds + 1):
         start = time.perf_counter()
         state, info = sim.run_round(state, donate=True)
         jax.block_until_ready(state.server_state)
         rejected += len(info.rejected)
+        steps.append(float(np.mean(info.clients["steps"])))  # local steps per client this round (the cost of "right")
         spent = time.perf_counter() - start
         seconds += spent
         first_round_s = spent if first_round_s is None else first_round_s
@@ -353,6 +354,7 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         seconds=round(seconds, 2),
         first_round_s=round(first_round_s, 2),
         rejected_messages=rejected,
+        steps_per_client_round=round(float(np.mean(steps)), 1),
         trajectory=trajectory,
         config=raw,
     )
@@ -500,7 +502,7 @@ FAMILY_NAMES = {"diag_laplace": "diag. Laplace", "ngvi": "NGVI fixed point", "mf
 
 def _row_md(row: dict) -> str:
     if "error" in row:
-        return f"| {row['label']} | {FAMILY_NAMES.get(row.get('family'), '-')} | not run: {row['error'][:160]} |" + " - |" * 10
+        return f"| {row['label']} | {FAMILY_NAMES.get(row.get('family'), '-')} | not run: {row['error'][:160]} |" + " - |" * 11
     fam = row.get("vs_family") or {}
     if row.get("reached_round"):
         meets = "yes"
@@ -519,6 +521,7 @@ def _row_md(row: dict) -> str:
         FAMILY_NAMES.get(row.get("family"), "-"),
         meets,
         rounds,
+        _num(row.get("steps_per_client_round"), 1) if "steps_per_client_round" in row else "-",
         seconds,
         _num(fam.get("mean_rel_l2")),
         _ratio(fam.get("var_ratio")),
@@ -543,7 +546,7 @@ def markdown(result: dict) -> str:
         "",
     ]
     header = (
-        "| method | family optimum | meets bar | rounds | seconds | mean rel. L2 vs family | var ratio vs family median [min, max] "
+        "| method | family optimum | meets bar | rounds | local steps per client and round | seconds | mean rel. L2 vs family | var ratio vs family median [min, max] "
         "| mean rel. L2 vs NUTS | var ratio vs NUTS median [min, max] | KL(NUTS-diag ‖ q) | acc | NLL | ECE % |"
     )
     for problem in result["problems"]:

@@ -156,7 +156,18 @@ class ClientConfig(_Strict):
 
     section: ClassVar[str] = "client."
 
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="local epochs of a fixed budget (stop = 'epochs')")
+    stop: Literal["epochs", "converged"] | None = Field(
+        None,
+        description="when a client stops: after client.epochs epochs, or converged: once an epoch's mean minibatch gradient has fallen "
+        "to client.tol times the first epoch's (at most client.max_epochs epochs); unset: epochs where client.epochs is given, else the "
+        "method's default (converged for the methods whose answer is a fixed point of local optima: FedEP/FedSEP's posterior preset, PVI, "
+        "FedLap-Cov, the VBNN)",
+    )
+    max_epochs: int = Field(10, ge=1, description="stop = 'converged': the most epochs a client runs in a round")
+    tol: float = Field(
+        0.1, gt=0, lt=1, description="stop = 'converged': a client stops once an epoch's mean minibatch gradient is at most this times the first epoch's (norm)"
+    )
     batch_size: int = Field(32, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.05, gt=0)
@@ -203,6 +214,25 @@ class ServerConfig(_Strict):
         if self.aggregator == "norm_bound" and self.norm_bound is None:
             raise ValueError("server.norm_bound: aggregator 'norm_bound' needs a bound > 0; set server.norm_bound")
         return self
+
+
+class HealthConfig(_Strict):
+    """When a run that has stopped learning is warned about, and when it is stopped (exit 3):
+    :class:`fedbayes.runs.health.LearningCheck`. An evaluation is unhealthy when its test NLL (MSE
+    for regression) is above ``nll_ratio`` times the untrained model's, or its accuracy more than
+    ``accuracy_drop`` below the run's best so far; it is past the stop bounds when above
+    ``stop_nll_ratio`` times the untrained NLL or more than ``stop_accuracy_drop`` below the best."""
+
+    section: ClassVar[str] = "health."
+
+    nll_ratio: float = Field(1.0, gt=0, description="unhealthy: test NLL (MSE) above this times the untrained model's (round 0)")
+    accuracy_drop: float = Field(0.2, gt=0, le=1, description="unhealthy: accuracy more than this below the run's best evaluation so far")
+    warn_after: int = Field(3, ge=0, description="unhealthy evaluations in a row before one warning (console, summary.json, the comparison table); 0 = never")
+    stop_nll_ratio: float = Field(1.5, gt=0, description="past the stop bound: test NLL (MSE) above this times the untrained model's")
+    stop_accuracy_drop: float = Field(0.3, gt=0, le=1, description="past the stop bound: accuracy more than this below the run's best")
+    stop_after: int = Field(
+        5, ge=0, description="evaluations in a row past a stop bound before the run stops (exit 3, the last good checkpoint kept); 0 = never"
+    )
 
 
 class PrivacyConfig(_Strict):
@@ -335,6 +365,27 @@ def _method_evaluation_defaults(data: Any) -> Any:
     return {**data, "evaluation": filled}
 
 
+def _method_local_budget(data: Any) -> Any:
+    """Fills an unset ``client.stop``: ``"epochs"`` where ``client.epochs`` is given (the user chose
+    a budget), else the method's :attr:`~fedbayes.algorithms.base.AlgorithmSpec.local_budget`."""
+    if not isinstance(data, dict):
+        return data
+    client = data.get("client", {})
+    if isinstance(client, ClientConfig):
+        client = {k: getattr(client, k) for k in client.model_fields_set}
+    if not isinstance(client, dict) or client.get("stop") is not None:
+        return data
+    if "epochs" in client:
+        stop = "epochs"
+    else:
+        try:
+            hparams = validate_algorithm(data.get("algorithm", _default_algorithm()))
+        except ValueError:
+            return data
+        stop = registry.get(hparams.name).local_budget_for(hparams)
+    return {**data, "client": {**client, "stop": stop}}
+
+
 def stored_meaning(raw: Any) -> Any:
     """``raw``, a config as a run folder or a checkpoint stored it, with each key of
     :data:`STORED_EVALUATION_DEFAULTS` that it lacks set to what it meant when it was written (the
@@ -348,6 +399,8 @@ def stored_meaning(raw: Any) -> Any:
         if key not in evaluation and not (key in EVALUATION_KEYS and key in algorithm):  # FedEP's own prior_precision is another key
             evaluation[key] = value
     out = {**raw, "evaluation": evaluation}
+    if isinstance(raw.get("client"), dict) and "stop" not in raw["client"]:  # written before client.stop: a fixed budget
+        out["client"] = {**raw["client"], "stop": "epochs"}
     if algorithm.get("name") in registry.names():  # the method's own keys (AlgorithmSpec.stored_meaning)
         out["algorithm"] = registry.get(algorithm["name"]).stored_meaning(dict(algorithm), raw)
     return out
@@ -384,13 +437,15 @@ class RunConfig(_Strict):
     evaluation: EvaluationConfig = EvaluationConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     attack: AttackConfig = AttackConfig()
+    health: HealthConfig = HealthConfig()
 
     @model_validator(mode="before")
     @classmethod
     def _evaluation_section(cls, data: Any) -> Any:
         """The ``[evaluation]`` keys moved from their old place (:func:`_moved_evaluation_keys`),
-        then the unset ones that depend on the method resolved (:func:`_method_evaluation_defaults`)."""
-        return _method_evaluation_defaults(_moved_evaluation_keys(data))
+        then the unset ones that depend on the method resolved (:func:`_method_evaluation_defaults`),
+        and the client's stopping rule (:func:`_method_local_budget`)."""
+        return _method_local_budget(_method_evaluation_defaults(_moved_evaluation_keys(data)))
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -416,8 +471,9 @@ class RunConfig(_Strict):
             )
         spec = self.spec
         minimum, why = spec.min_local_epochs(self.algorithm)
-        if self.client.epochs < minimum:
-            raise ValueError(f"client.epochs: {why}, so it needs epochs >= {minimum}; got {self.client.epochs}")
+        field = "max_epochs" if self.client.stop == "converged" else "epochs"
+        if getattr(self.client, field) < minimum:
+            raise ValueError(f"client.{field}: {why}, so it needs {field} >= {minimum}; got {getattr(self.client, field)}")
         if spec.exact_server and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
             raise ValueError(
                 f"server.optimizer: {spec.name}'s server {spec.exact_server} and uses no server optimizer; "

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
-from fedbayes.inference.sgd import LocalTrainer, objective_fn, training_info
+from fedbayes.inference.sgd import EpochTracker, LocalTrainer, objective_fn, training_info
 
 PyTree = Any
 
@@ -129,11 +129,20 @@ def epoch_samples(
     samples: each epoch's mean iterate (``average=True``, FedPA) or its last iterate
     (``average=False``, FedEP's SG-MCMC step), the last iterate and the client's info
     (:func:`fedbayes.inference.sgd.training_info`).
+
+    With ``trainer.tol > 0`` (``skip_epochs = 0`` only) the client stops as
+    :func:`fedbayes.inference.run_sgd` does, once an epoch's mean objective has settled; the
+    samples of the epochs not run are zeros, and ``info["steps"] / ceil(n_k / B)`` tells how many
+    epochs ran.
     """
     num_samples = trainer.num_epochs - skip_epochs
     if num_samples < 0:
         raise ValueError(f"skip_epochs ({skip_epochs}) must be <= the number of local epochs ({trainer.num_epochs})")
     spe = steps_per_epoch(data.num_examples, trainer.batch_size)
+    if trainer.tol > 0:
+        if skip_epochs:
+            raise ValueError("a local budget with a tolerance (client.stop = 'converged') takes every epoch's sample: skip_epochs must be 0")
+        return _epochs_until_converged(key, params, data, trainer, average, penalty, spe)
     grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
     samples, last, loss_sum = iasg(
         params,
@@ -147,3 +156,38 @@ def epoch_samples(
         has_aux=True,
     )
     return samples, last, training_info(loss_sum, trainer.num_epochs * spe)
+
+
+def _epochs_until_converged(key, params, data: ClientData, trainer: LocalTrainer, average: bool, penalty, spe):
+    """:func:`epoch_samples` with the stopping rule of :func:`fedbayes.inference.run_sgd`: one
+    sample per epoch run, in a ``while_loop`` over epochs (the client's own trip count)."""
+    grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
+    num = trainer.num_epochs
+
+    def epoch(carry):
+        e, p, opt_state, loss_sum, track, samples = carry
+
+        def step(i, c):
+            p, opt_state, loss_sum, track, total = c
+            s = e * spe + i
+            x, y, m = get_batch(data, s, trainer.batch_size)
+            grads, loss = grad_fn(p, jax.random.fold_in(key, s), x, y, m)
+            updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
+            p = optax.apply_updates(p, updates)
+            total = jax.tree.map(jnp.add, total, p) if average else total
+            return p, opt_state, loss_sum + loss.astype(loss_sum.dtype), track.add(grads, s, spe, trainer.tol), total
+
+        zeros = jax.tree.map(jnp.zeros_like, p)
+        p, opt_state, loss_sum, track, total = jax.lax.fori_loop(0, spe, step, (p, opt_state, loss_sum, track, zeros))
+        sample = jax.tree.map(lambda t: t / jnp.maximum(spe, 1).astype(t.dtype), total) if average else p
+        samples = jax.tree.map(lambda buf, x: buf.at[e].set(x), samples, sample)
+        return e + 1, p, opt_state, loss_sum, track, samples
+
+    def cond(carry):
+        e, _, _, _, track, _ = carry
+        return (e < num) & jnp.logical_not(track.done) & (spe > 0)
+
+    samples = jax.tree.map(lambda p: jnp.zeros((num, *jnp.shape(p)), jnp.result_type(p)), params)
+    init = (jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params), jnp.zeros((), jnp.float32), EpochTracker.start(params), samples)
+    e, last, _, loss_sum, _, samples = jax.lax.while_loop(cond, epoch, init)
+    return samples, last, training_info(loss_sum, e * spe)

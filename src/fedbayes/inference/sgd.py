@@ -7,7 +7,21 @@ from the broadcast parameters (docs/algorithms.md §2, "Client").
 The epochs' shuffles arrive laid out in ``data.order`` (:mod:`fedbayes.data.batches`): the
 simulator must lay out ``trainer.num_epochs`` epochs (``Algorithm.local_epochs``).
 
-The loop has a per-client trip count ``E * ceil(n_k / B)``. Run alone (or one client after
+**Local budget.** With ``trainer.tol == 0`` a client takes exactly ``E`` epochs. With
+``trainer.tol > 0`` it trains *until its local objective has converged*: it stops after the first
+epoch ``e >= 2`` whose mean minibatch gradient (the sum of the epoch's minibatch gradients over its
+steps: the full gradient for an epoch of one batch, and for many small steps nearly so, its
+noise averaged over the epoch) has a norm at most ``tol`` times the first epoch's,
+``||g_bar_e|| <= tol ||g_bar_1||``, and after ``E`` epochs at most (the cap, laid out by the
+simulator). A criterion on the gradient and relative to the round's start is free of the
+objective's scale: a tilted objective whose cavity term is large at the optimum (a small client
+under a precise cavity) changes by a small fraction of its value per step long before it
+settles, and a relative-objective rule stopped such clients after two steps. A client starts each
+round from the global's mean, so a run that is near its fixed point asks for a further ``1 / tol``
+reduction of an already small gradient. The steps taken are the client's ``steps`` info
+(``clients.jsonl``).
+
+The loop has a per-client trip count ``E * ceil(n_k / B)`` (a fixed budget; with a tolerance, at most that). Run alone (or one client after
 another on a device) it takes exactly that many steps. Under ``jax.vmap`` JAX batches the loop
 into one that runs to the cohort's longest client and holds every finished client's parameters
 and optimizer state with a select, i.e. the masked no-op steps ``jnp.where(active, new, old)``
@@ -18,14 +32,15 @@ result equals its own plain loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedbayes.data.batches import ClientData, get_batch, num_local_steps
+from fedbayes.data.batches import ClientData, get_batch, num_local_steps, steps_per_epoch
 
+PyTree = Any
 LossFn = Callable[..., jax.Array]  # (params, key, x, y, mask) -> mean loss over the valid examples
 
 
@@ -37,14 +52,17 @@ class LocalTrainer(NamedTuple):
         feeds stochastic losses (sampled weights of a Bayes-by-backprop model) and is ignored by
         deterministic models.
       optimizer: the client optax transformation (initialised afresh every round).
-      num_epochs: local epochs ``E``.
+      num_epochs: local epochs ``E`` (with ``tol > 0``: the most a client runs).
       batch_size: minibatch size ``B``.
+      tol: 0 runs exactly ``E`` epochs; ``> 0`` stops a client once an epoch's mean minibatch
+        gradient is at most ``tol`` times the first epoch's in norm (the module docstring).
     """
 
     loss_fn: LossFn
     optimizer: optax.GradientTransformation
     num_epochs: int
     batch_size: int
+    tol: float = 0.0
 
 
 def objective_fn(trainer: LocalTrainer, penalty: Callable | None = None):
@@ -82,6 +100,8 @@ def run_sgd(
       minibatch data loss over the steps taken and their number.
     """
     total = num_local_steps(data.num_examples, trainer.batch_size, trainer.num_epochs)
+    if trainer.tol > 0:
+        return _run_until_converged(key, params, data, trainer, penalty, total)
     grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
 
     def body(step, carry):
@@ -94,6 +114,53 @@ def run_sgd(
     init = (params, trainer.optimizer.init(params), jnp.zeros((), jnp.float32))
     p, _, loss_sum = jax.lax.fori_loop(0, total, body, init)
     return p, training_info(loss_sum, total)
+
+
+class EpochTracker(NamedTuple):
+    """The stopping rule's running state: the sum of this epoch's minibatch gradients, the first
+    epoch's mean-gradient norm, epochs completed, and whether the rule has fired."""
+
+    gradient: PyTree
+    first: jax.Array
+    epochs: jax.Array
+    done: jax.Array
+
+    @classmethod
+    def start(cls, params: PyTree) -> EpochTracker:
+        return cls(optax.tree.zeros_like(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.bool_))
+
+    def add(self, grads: PyTree, step, steps_per_epoch, tol: float) -> EpochTracker:
+        """Adds step ``step``'s minibatch gradient; at the end of an epoch, applies the rule."""
+        total = optax.tree.add(self.gradient, grads)
+        end = (step + 1) % steps_per_epoch == 0
+        norm = optax.tree.norm(total).astype(jnp.float32) / jnp.maximum(steps_per_epoch, 1).astype(jnp.float32)
+        first_epoch = self.epochs == 0
+        first = jnp.where(end & first_epoch, norm, self.first)
+        fired = end & jnp.logical_not(first_epoch) & (norm <= tol * first)
+        return EpochTracker(jax.tree.map(lambda t: jnp.where(end, jnp.zeros_like(t), t), total), first, self.epochs + end.astype(jnp.int32), self.done | fired)
+
+
+def _run_until_converged(key, params, data: ClientData, trainer: LocalTrainer, penalty, total):
+    """:func:`run_sgd` with the stopping rule (``trainer.tol > 0``): a ``while_loop`` whose trip
+    count is the client's own (under ``vmap``, finished clients hold their values)."""
+    spe = steps_per_epoch(data.num_examples, trainer.batch_size)
+    grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
+
+    def cond(carry):
+        step, _, _, _, track = carry
+        return (step < total) & jnp.logical_not(track.done)
+
+    def body(carry):
+        step, p, opt_state, loss_sum, track = carry
+        x, y, m = get_batch(data, step, trainer.batch_size)
+        grads, loss = grad_fn(p, jax.random.fold_in(key, step), x, y, m)
+        updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
+        track = track.add(grads, step, spe, trainer.tol)
+        return step + 1, optax.apply_updates(p, updates), opt_state, loss_sum + loss.astype(loss_sum.dtype), track
+
+    init = (jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params), jnp.zeros((), jnp.float32), EpochTracker.start(params))
+    steps, p, _, loss_sum, _ = jax.lax.while_loop(cond, body, init)
+    return p, training_info(loss_sum, steps)
 
 
 def training_info(loss_sum: jax.Array, steps: jax.Array) -> dict[str, jax.Array]:

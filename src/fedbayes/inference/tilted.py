@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field
 
-from fedbayes.data.batches import ClientData
+from fedbayes.data.batches import ClientData, steps_per_epoch
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
@@ -133,7 +133,9 @@ def tilted_prior(cavity: DiagGaussian, num_examples: jax.Array, weight_decay: fl
 
 def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, trainer: LocalTrainer) -> tuple[PyTree, PyTree, dict]:
     """The shared SG-MCMC step: mean and unbiased diagonal variance of the end-of-epoch iterates of
-    ``trainer`` on ``F_k`` (docs/algorithms.md §7.6), and the training info. With one epoch the variance is zero."""
+    ``trainer`` on ``F_k`` (docs/algorithms.md §7.6), and the training info. With one epoch the variance is zero.
+    With a local budget that runs until the objective settles (``trainer.tol > 0``), the moments
+    of the second half of the epochs run (:func:`_tail_moments`)."""
     inv_n = 1.0 / jnp.maximum(data.num_examples, 1).astype(jnp.float32)
 
     def penalty(theta):
@@ -143,9 +145,33 @@ def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, tr
 
     samples, _, info = epoch_samples(key, start, data, trainer, skip_epochs=0, average=False, penalty=penalty)
     num = trainer.num_epochs
+    if trainer.tol > 0:
+        mean, var = _tail_moments(samples, info["steps"] // jnp.maximum(steps_per_epoch(data.num_examples, trainer.batch_size), 1))
+        return mean, var, info
     mean = jax.tree.map(lambda s: jnp.mean(s, axis=0), samples)
     var = jax.tree.map(lambda s: jnp.var(s, axis=0, ddof=1) if num > 1 else jnp.zeros(s.shape[1:], s.dtype), samples)
     return mean, var, info
+
+
+def _tail_moments(samples: PyTree, done: jax.Array) -> tuple[PyTree, PyTree]:
+    """Mean and unbiased variance of the second half of the ``done`` epochs' samples (epochs
+    ``floor(done / 2) .. done - 1``): a client that ran until its objective settled spent its
+    first epochs on the way to the tilted mode, and their iterates would pull the mean back
+    towards the start (Polyak-Ruppert averaging of the tail)."""
+    num = jax.tree.leaves(samples)[0].shape[0]
+    e = jnp.arange(num)
+    w = ((e >= done // 2) & (e < done)).astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(w), 1.0)
+
+    def moments(s):
+        ws = w.reshape((num,) + (1,) * (s.ndim - 1)).astype(s.dtype)
+        mean = jnp.sum(ws * s, axis=0) / count.astype(s.dtype)
+        var = jnp.sum(ws * jnp.square(s - mean[None]), axis=0) / jnp.maximum(count - 1.0, 1.0).astype(s.dtype)
+        return mean, var
+
+    pairs = jax.tree.map(moments, samples)
+    is_pair = lambda x: isinstance(x, tuple)
+    return jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair), jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
 
 
 def stiff_step_control(trainer: LocalTrainer, prior: DiagGaussian, num_examples: jax.Array, cap: float = 1.0) -> LocalTrainer:

@@ -276,6 +276,16 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return opt
 
 
+def local_trainer(config: RunConfig, loss) -> LocalTrainer:
+    """The clients' :class:`~fedbayes.inference.LocalTrainer` from the ``[client]`` section: a fixed
+    budget of ``client.epochs`` epochs (``client.stop = "epochs"``), or at most ``client.max_epochs``
+    epochs until the objective settles (``"converged"``, tolerance ``client.tol``)."""
+    c = config.client
+    if c.stop == "converged":
+        return LocalTrainer(loss, client_optimizer(config), c.max_epochs, c.batch_size, tol=c.tol)
+    return LocalTrainer(loss, client_optimizer(config), c.epochs, c.batch_size)
+
+
 def _module(config: RunConfig, num_classes: int, module=None):
     """The flax module: ``module`` (passed from Python), your own from ``model.module``, or a built-in one by name."""
     if module is not None:
@@ -300,7 +310,7 @@ def build_model(config: RunConfig, spec: DataSpec, module=None) -> ModelParts:
     model = _module(config, spec.num_classes, module)
     limits.check_model(config, lambda: tree_lib.num_params(jax.eval_shape(lambda: init_params(model, protocol.params_key(config.seed), spec.feature_shape))))
     params = init_params(model, protocol.params_key(config.seed), spec.feature_shape)
-    trainer = LocalTrainer(loss_fn(model, spec.task), client_optimizer(config), config.client.epochs, config.client.batch_size)
+    trainer = local_trainer(config, loss_fn(model, spec.task))
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     keyed_apply_fn = apply_with_key(model) if variational else None
     return ModelParts(model, params, trainer, apply_fn, keyed_apply_fn)
