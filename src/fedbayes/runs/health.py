@@ -11,6 +11,9 @@ too wide for the data).
 * **Calibration**: :class:`CalibrationCheck` warns once when the marginalised accuracy stays more
   than :data:`CALIBRATION_GAP` below the point estimate's for :data:`CALIBRATION_ROUNDS` evaluated
   rounds in a row, or is that far below at the run's end.
+* **Learning** (``[health]``): :class:`LearningCheck` warns once about a run whose test NLL stays
+  above its untrained model's, or whose accuracy stays far below its best, for several evaluations
+  in a row, and stops it (exit 3, :class:`Diverged`) past stricter bounds, naming what to change.
 * **Fixed point**: :class:`FixedPointCheck` follows the server posterior (mean and variance; the
   server parameters of a point method) round by round, gives each evaluation record the last
   round's relative change (``posterior_change``), and warns at the end of a run whose last
@@ -43,15 +46,19 @@ __all__ = [
     "FIXED_POINT_SIGNIFICANCE",
     "FIXED_POINT_VAR_TOL",
     "FIXED_POINT_WINDOW",
+    "STOPPED_LEARNING",
     "CalibrationCheck",
     "Diverged",
     "FixedPointCheck",
+    "LearningCheck",
     "RejectionStreak",
     "calibration_advice",
     "calibration_after_round",
     "divergence_hint",
     "divergence_message",
+    "learning_knobs",
     "make_calibration_check",
+    "make_learning_check",
     "posterior_snapshot",
     "non_finite",
     "step_settings",
@@ -128,7 +135,7 @@ def divergence_message(config: RunConfig, round_idx: int, metric: str, out: Path
 
     ``metric``: what went wrong (a non-finite quantity, or a :class:`RejectionStreak`'s reason)."""
     knobs = step_settings(config)
-    what = metric if metric.startswith("every ") else f"{metric} non-finite"
+    what = metric if metric.startswith(("every ", STOPPED_LEARNING)) else f"{metric} non-finite"
     cause = f"likely cause: a step too large for the loss's curvature ({', '.join(knobs)}" + divergence_hint(config) + ")"
     ckpt = f"last good checkpoint: round {checkpoint}" if checkpoint is not None else "no checkpoint was saved yet (checkpoint_every)"
     alt = f" (or {', '.join(k + '=...' for k in knobs[1:])})" if len(knobs) > 1 else ""
@@ -154,6 +161,86 @@ class RejectionStreak:
         if self.limit and self.count >= self.limit:
             return f"every client's message was rejected for {self.count} rounds in a row (server.max_rejected_rounds = {self.limit}; 0 never stops)"
         return None
+
+
+# ----- learning ----------------------------------------------------------------------------------
+
+STOPPED_LEARNING = "stopped learning"  # the ``metric`` of a run the learning check stops
+
+
+class LearningCheck:
+    """A run that has stopped learning, judged from its evaluations (``[health]``,
+    :class:`~fedbayes.config.schema.HealthConfig`).
+
+    An evaluation is *unhealthy* when its test NLL (MSE for regression) is above ``nll_ratio``
+    times the untrained model's (the round-0 record) or its accuracy is more than
+    ``accuracy_drop`` below the best evaluation so far, and *past the stop bounds* when above
+    ``stop_nll_ratio`` times the untrained loss or more than ``stop_accuracy_drop`` below the best.
+    ``warn_after`` unhealthy evaluations in a row give one warning; ``stop_after`` evaluations in a
+    row past a stop bound make :meth:`check` return the reason to stop. A model worse than no
+    training at all, or one that lost most of what it had learnt and does not get it back, is a
+    failure of the run's settings (a step or damping too large), not a result: an exit code 0 would
+    hide it. The check is a function of the records alone, so a resumed run replays it
+    (:meth:`replay`) and warns and stops exactly where an uninterrupted one would.
+    """
+
+    def __init__(self, name: str, settings, knobs: str):
+        self.name, self.s, self.knobs = name, settings, knobs
+        self.loss_key = "nll"
+        self.untrained: float | None = None
+        self.best: float | None = None
+        self.best_round = 0
+        self.unhealthy = 0  # evaluations in a row
+        self.failing = 0  # evaluations in a row past a stop bound
+        self.message: str | None = None  # the warning, once given
+
+    def replay(self, records) -> None:
+        """Takes a resumed run's records as if they had just been checked (no log line)."""
+        for r in records:
+            self.check(r, log=False)
+
+    def _why(self, loss: float | None, acc: float | None, ratio: float, drop: float) -> str | None:
+        if loss is not None and self.untrained is not None and np.isfinite(loss) and loss > ratio * self.untrained:
+            return f"test {self.loss_key} {loss:.4g} above {'the' if ratio == 1 else f'{ratio:g} times the'} untrained model's {self.untrained:.4g}"
+        if acc is not None and self.best is not None and acc < self.best - drop:
+            return f"accuracy {acc:.4f}, more than {drop:g} below its best {self.best:.4f} (round {self.best_round})"
+        return None
+
+    def check(self, record: dict, log: bool = True) -> str | None:
+        """Takes an evaluated round's record; returns the reason to stop the run, or None."""
+        self.loss_key = "nll" if "nll" in record else "mse"
+        loss, acc = record.get(self.loss_key), record.get("accuracy")
+        if record["round"] == 0:
+            self.untrained = loss if loss is not None and np.isfinite(loss) and loss > 0 else None
+            self.best, self.best_round = acc, 0
+            return None
+        s = self.s
+        warn_why = self._why(loss, acc, s.nll_ratio, s.accuracy_drop)
+        stop_why = self._why(loss, acc, s.stop_nll_ratio, s.stop_accuracy_drop)
+        self.unhealthy = self.unhealthy + 1 if warn_why else 0
+        self.failing = self.failing + 1 if stop_why else 0
+        if acc is not None and (self.best is None or acc > self.best):
+            self.best, self.best_round = acc, record["round"]
+        if warn_why and s.warn_after and self.unhealthy >= s.warn_after and self.message is None:
+            self.message = (
+                f"{self.name}: round {record['round']}: the run is not learning: {warn_why}, for {self.unhealthy} evaluations in a row; "
+                f"likely cause: {self.knobs} ([health] sets when this warns)"
+            )
+            if log:
+                logging.getLogger("fedbayes").warning("warning: %s", self.message)
+        if stop_why and s.stop_after and self.failing >= s.stop_after:
+            return f"{STOPPED_LEARNING}: {stop_why}, for {self.failing} evaluations in a row (health.stop_after = {s.stop_after}; 0 never stops)"
+        return None
+
+
+def learning_knobs(config: RunConfig) -> str:
+    """What to change in a run that stopped learning: the step sizes, and the method's own knobs."""
+    return f"a step too large for the loss's curvature ({', '.join(step_settings(config))}{divergence_hint(config)})"
+
+
+def make_learning_check(config: RunConfig) -> LearningCheck:
+    """The run's learning check with its ``[health]`` settings."""
+    return LearningCheck(config.name, config.health, learning_knobs(config))
 
 
 # ----- calibration -------------------------------------------------------------------------------

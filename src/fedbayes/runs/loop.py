@@ -118,6 +118,9 @@ class RunRecorder:
         self.warned = False  # a divergence was reported (on_divergence = "warn"): no more checkpoints
         self.metrics = folder.MetricsWriter(out / folder.METRICS)
         self.calibration = health.make_calibration_check(config)
+        self.learning = health.make_learning_check(config)
+        self.stop_reason: str | None = None  # the learning check's, for the round just recorded
+        self.learning_warned = False
         self.fixed_point = health.FixedPointCheck(config.name, config.rounds)
         self.rejections = health.RejectionStreak(config.server.max_rejected_rounds)
         self.client_log = client_log  # its text so far goes into each checkpoint
@@ -139,6 +142,10 @@ class RunRecorder:
             r.update(self.fixed_point.change)
         r["seconds"] = round(r["seconds"], 3)
         self.calibration.check(r)
+        self.stop_reason = self.learning.check(r, log=False)
+        if self.learning.message and not self.learning_warned:
+            self.warn(f"warning: {self.learning.message}")
+            self.learning_warned = True
         self.records.append(r)
         self.metrics.append(r)
         return r
@@ -159,15 +166,17 @@ class RunRecorder:
         """
         config = self.config
         self.observe(e.round, state)
+        self.stop_reason = None
         rec = self.record(e.round, e.evaluation, e.counters, e.info) if e.evaluation is not None else None
         streak = self.rejections.update(e.info) if e.info is not None else None
-        bad = e.bad or health.non_finite(rec, None) or streak
+        bad = e.bad or health.non_finite(rec, None) or streak or self.stop_reason
         if bad is not None and not self.warned:
             message = health.divergence_message(config, e.round, bad, self.out, self.last_checkpoint)
+            metric = health.STOPPED_LEARNING if bad == self.stop_reason else bad
             if config.server.on_divergence == "stop":
-                summary = {**summarize(config, self.records, self.task), "diverged": {"round": e.round, "metric": bad, "checkpoint": self.last_checkpoint}}
+                summary = {**summarize(config, self.records, self.task), "diverged": {"round": e.round, "metric": metric, "checkpoint": self.last_checkpoint}}
                 folder.write_json(self.out / folder.SUMMARY, summary)
-                raise health.Diverged(message, e.round, bad, self.last_checkpoint)
+                raise health.Diverged(message, e.round, metric, self.last_checkpoint)
             self.warn(f"warning: {message}")
             self.warned = True
         if not self.warned and self.is_checkpoint_round(e.round):
@@ -179,6 +188,8 @@ class RunRecorder:
         """Continues the health checks from a checkpoint (``meta``: its metadata with its extra
         arrays), so a resumed run warns and stops exactly where an uninterrupted one would."""
         self.calibration.replay(self.records)
+        self.learning.replay(self.records)
+        self.learning_warned = self.learning.message is not None
         self.rejections.count = int(meta.get("health", {}).get("rejected_streak", 0))
         snapshot = health.posterior_snapshot(self.algorithm, state.server_state, self.server_params(state))
         self.fixed_point.restore(meta.get("extra", {}), int(state.round), snapshot)
@@ -203,7 +214,7 @@ class RunRecorder:
         config, out = self.config, self.out
         summary = summarize(config, self.records, self.task)
         save_model(out / folder.MODEL, algorithm, server_state)
-        warnings = [m for m in (self.calibration.finish(), self.fixed_point.finish()) if m]
+        warnings = [m for m in (self.learning.message, self.calibration.finish(), self.fixed_point.finish()) if m]
         if self.fixed_point.message:
             self.warn(f"warning: {self.fixed_point.message}")
         if self.fixed_point.result is not None:
