@@ -3,6 +3,7 @@ small files written here in each real format: TFF's HDF5 layout, StackOverflow's
 CIFAR's Python batches. Expected arrays are written out by hand."""
 
 import json
+import os
 import pickle
 
 import numpy as np
@@ -116,6 +117,60 @@ def test_cifar10_python_batches(tmp_path):
     assert (ds.num_train, ds.num_test, ds.num_classes, ds.client_ids) == (50, 10, 10, None)
 
 
+class _Shell:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_cifar_batch_that_runs_code_is_refused_and_runs_nothing(tmp_path):
+    writers.write_cifar_python(tmp_path, np.random.default_rng(5), num_classes=10, num_train=50, num_test=10)
+    marker = tmp_path / "PWNED"
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    batch.write_bytes(pickle.dumps({b"data": _Shell(f"touch {marker}"), b"labels": []}))
+    with pytest.raises(DataError, match="data_batch_1: refused: not a plain-data pickle .*posix.system") as err:
+        load_dataset("cifar10", tmp_path)
+    assert err.value.exit_code == 3 and not marker.exists()
+
+
+def _batch(n=4, data=None, **labels):
+    return {b"data": np.zeros((n, 3072), np.uint8) if data is None else data, **{k.encode(): v for k, v in labels.items()}}
+
+
+@pytest.mark.parametrize(
+    "blob,needle",
+    [
+        (_batch(data=np.full((4, 3072), 300.0), labels=[0] * 4), "data must be an integer array of pixels 0..255; got float64"),
+        (_batch(data=np.full((4, 3072), 256, np.int64), labels=[0] * 4), "pixel 256 outside 0..255"),
+        (_batch(data=np.full((4, 3072), -1, np.int64), labels=[0] * 4), "pixel -1 outside 0..255"),
+        (_batch(data=np.zeros((4, 3071), np.uint8), labels=[0] * 4), "data must be [n, 3072]; got (4, 3071)"),
+        (_batch(labels=[0, 1, 2, 2**32 + 1]), "labels label 4294967297 outside 0..9"),
+        (_batch(labels=[0, 1, 2, 10]), "labels label 10 outside 0..9"),
+        (_batch(labels=[0, 1, 2, -1]), "labels label -1 outside 0..9"),
+        (_batch(labels=[0, 1, 2, 1.7]), "labels must be integer labels; got 1.7"),
+        (_batch(labels=np.zeros((4, 2), np.int64)), "labels must be integer labels, one per row"),
+        (_batch(labels=[0, 1]), "one label per row needed"),
+        (_batch(), "no 'labels' entry"),
+        ([1, 2], "a pickled list, not a dict"),
+    ],
+)
+def test_cifar_pixels_and_labels_are_checked_never_cast(tmp_path, blob, needle):
+    writers.write_cifar_python(tmp_path, np.random.default_rng(5), num_classes=10, num_train=50, num_test=10)
+    (tmp_path / "cifar-10-batches-py" / "data_batch_2").write_bytes(pickle.dumps(blob))
+    with pytest.raises(DataError) as err:
+        load_dataset("cifar10", tmp_path)
+    assert "data_batch_2: " in str(err.value) and needle in str(err.value), err.value
+
+
+def test_cifar100_coarse_labels_are_bounded_by_twenty(tmp_path):
+    writers.write_cifar_python(tmp_path, np.random.default_rng(4), num_train=20, num_test=10)
+    (tmp_path / "cifar-100-python" / "test").write_bytes(pickle.dumps(_batch(fine_labels=[99] * 4, coarse_labels=[20] * 4)))
+    with pytest.raises(DataError, match="test: coarse_labels label 20 outside 0..19"):
+        load_dataset("cifar100", tmp_path, num_clients=2, test_clients=2)
+
+
 def test_pachinko_two_levels():
     fine = np.repeat(np.arange(100), 50)
     coarse = fine // 5
@@ -155,7 +210,7 @@ def test_missing_and_damaged_files_name_the_file(tmp_path):
         load_dataset("emnist", tmp_path)
     (tmp_path / "cifar-100-python").mkdir()
     (tmp_path / "cifar-100-python" / "train").write_bytes(b"garbage")
-    with pytest.raises(DataError, match="train: not a CIFAR Python batch"):
+    with pytest.raises(DataError, match="train: not a readable pickle"):
         load_dataset("cifar100", tmp_path)
     _so_folder(tmp_path, ["a"], ["b"], ["t0"])
     (tmp_path / "stackoverflow.word_count").write_text("a 3\nbroken\n")
