@@ -597,13 +597,17 @@ def deploy_local(
     config_file = work / run_folder.CONFIG
     config_file.write_text(to_toml(config))
     federation = LocalFederation(work, config.data.num_clients, tls=tls, executor=executor)
-    if prepare:  # each node's own data file, named in its node config (else every node loads the dataset itself)
+    # this launcher configures both sides: a user model module is the nodes' own too (nodedata.accept_run_config)
+    own = {"model-modules": config.model.module} if config.model.module is not None else {}
+    for node in federation.nodes:
+        node.data = dict(own) or None
+    if prepare or config.data.dataset == "files":  # each node's own data file, named in its node config (else every node loads the dataset itself)
         from fedbayes.flower.node import write_client_file
         from fedbayes.runs.build import build_experiment
 
         exp = build_experiment(config, store_dir=work / "unused_store")
         for node in federation.nodes:
-            node.data = {"data-file": str(write_client_file(exp, node.partition, node.state_dir.parent / "data.npz"))}
+            node.data = {"data-file": str(write_client_file(exp, node.partition, node.state_dir.parent / "data.npz")), **own}
     seen = 0
     metrics = out / run_folder.METRICS
 
