@@ -224,3 +224,65 @@ def test_datasets_status_says_where_it_looked(tmp_path):
     assert status["fed_cifar100"] == (True, str(tmp_path))
     assert not status["emnist"][0] and f"looked in {tmp_path}" in status["emnist"][1] and "fed_emnist_train.h5" in status["emnist"][1]
     assert not status["stackoverflow_lr"][0] and "stackoverflow.tag_count" in status["stackoverflow_lr"][1]
+
+
+def _emnist(tmp_path, train, test=None):
+    good = {"w0": {"pixels": np.full((3, 28, 28), 0.5, np.float32), "label": np.array([0, 1, 2], np.int32)}}
+    writers.write_tff(tmp_path / "fed_emnist_train.h5", {**good, **train})
+    writers.write_tff(tmp_path / "fed_emnist_test.h5", test or good)
+
+
+@pytest.mark.parametrize(
+    "client, needle",
+    [
+        ({"pixels": np.zeros((2, 28, 28), np.float32), "label": np.array([1.7, 1.0])}, "client 'w1': label 1.7 is not a class 0..61"),
+        ({"pixels": np.zeros((2, 28, 28), np.float32), "label": np.array([62, 1])}, "client 'w1': label 62 is not a class 0..61"),
+        ({"pixels": np.array([["a"] * 784] * 2, object).reshape(2, 28, 28), "label": np.array([0, 1])}, "client 'w1': pixels must be real numbers; got object"),
+        ({"pixels": np.zeros((2, 10, 10), np.float32), "label": np.array([0, 1])}, "client 'w1': images of shape [10, 10]; this dataset's are [28, 28]"),
+        ({"pixels": np.zeros((2, 28, 28), np.float32), "label": np.zeros((2, 2), np.int32)}, "client 'w1': labels must be one integer per example"),
+        ({"pixels": np.full((2, 28, 28), 255.0, np.float32), "label": np.array([0, 1])}, "client 'w1': pixel 255.0 outside 0..1"),
+    ],
+)
+def test_emnist_pixels_and_labels_are_checked_never_cast(tmp_path, client, needle):
+    _emnist(tmp_path, {"w1": client})
+    with pytest.raises(DataError) as err:
+        load_dataset("emnist", tmp_path)
+    assert str(err.value).startswith(str(tmp_path / "fed_emnist_train.h5")) and needle in str(err.value), err.value
+    assert err.value.exit_code == 3
+
+
+def test_a_tff_client_that_is_not_a_group_is_one_line(tmp_path):
+    import h5py
+
+    _emnist(tmp_path, {})
+    with h5py.File(tmp_path / "fed_emnist_test.h5", "a") as f:
+        f["examples"].create_dataset("w9", data=np.zeros(3))
+    with pytest.raises(DataError, match=r"fed_emnist_test.h5: client 'w9' is a Dataset, not a group of features"):
+        load_dataset("emnist", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "client, needle",
+    [
+        ({"image": np.zeros((2, 32, 32, 3), np.uint8), "label": np.array([2**32 + 3, 1], np.int64)}, "label 4294967299 is not a class 0..99"),
+        ({"image": np.zeros((2, 32, 32), np.uint8), "label": np.array([0, 1], np.int64)}, "images of shape [32, 32]; this dataset's are [32, 32, 3]"),
+        ({"image": np.full((2, 32, 32, 3), 300, np.int64), "label": np.array([0, 1], np.int64)}, "pixel 300 outside 0..255"),
+    ],
+)
+def test_fed_cifar100_pixels_and_labels_are_checked_never_cast(tmp_path, client, needle):
+    writers.write_fed_cifar100(tmp_path, np.random.default_rng(2), train_clients=2, test_clients=2, per_client=4)
+    writers.write_tff(tmp_path / "fed_cifar100_test.h5", {"c0": client})
+    with pytest.raises(DataError) as err:
+        load_dataset("fed_cifar100", tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'fed_cifar100_test.h5'}: client 'c0': ") and needle in str(err.value), err.value
+
+
+def test_stackoverflow_tokens_must_be_text_and_counts_utf8(tmp_path):
+    _so_folder(tmp_path, ["a b", "c"], ["", ""], ["t0", "t1"])
+    writers.write_tff(tmp_path / "stackoverflow_train.h5", {"u1": {"tokens": np.array([1, 2]), "title": np.array(["", ""], object), "tags": np.array(["t0", "t1"], object)}})
+    with pytest.raises(DataError, match=r"stackoverflow_train.h5: client 'u1': tokens must be text \(one byte string per post\); got int64"):
+        load_dataset("stackoverflow_nwp", tmp_path, vocab_size=2)
+    _so_folder(tmp_path, ["a b", "c"], ["", ""], ["t0", "t1"])
+    (tmp_path / "stackoverflow.word_count").write_bytes(b"a 3\n\xff\xfe 2\n")
+    with pytest.raises(DataError, match=r"stackoverflow.word_count: line 2 is not UTF-8 text"):
+        load_dataset("stackoverflow_nwp", tmp_path, vocab_size=2)

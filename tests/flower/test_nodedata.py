@@ -4,6 +4,7 @@ no dataset of the node's own, and no module the node does not list. Needs no flw
 import sys
 import tomllib
 
+import numpy as np
 import pytest
 
 from fedbayes.config.schema import validate
@@ -95,3 +96,32 @@ def test_a_validated_config_is_held_to_the_same_rules():
     with_dir = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": "/srv/x"})})
     with pytest.raises(NodeDataError, match="data.data_dir = '/srv/x'"):
         refuse_server_path(with_dir, {})
+
+
+def test_a_damaged_or_object_data_file_is_one_line(tmp_path):
+    from fedbayes.flower.nodedata import read_file
+
+    good = tmp_path / "good.npz"
+    np.savez(good, x=np.zeros((50, 3), np.float32), y=np.zeros(50))
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(good.read_bytes()[:200])
+    obj = tmp_path / "obj.npz"
+    np.savez(obj, x=np.array([{"a": 1}] * 3, object), y=np.zeros(3))
+    cplx = tmp_path / "complex.npz"
+    np.savez(cplx, x=np.zeros((3, 2)) + 1j, y=np.zeros(3))
+    for path, needle in ((cut, "cannot be read as npz"), (obj, "cannot be read as npz"), (cplx, "x must hold real numbers; got complex128")):
+        with pytest.raises(NodeDataError) as err:
+            read_file(path)
+        assert str(err.value).startswith(f"data-file {path}: ") and needle in str(err.value), err.value
+    bad = tmp_path / "latin.csv"
+    bad.write_bytes(b"label,a\n0,\xff\n")
+    with pytest.raises(NodeDataError, match="latin.csv: not a CSV text file"):
+        read_file(bad)
+
+
+def test_labels_of_the_wrong_shape_are_refused():
+    from fedbayes.flower.nodedata import check_examples
+
+    spec = {"feature_shape": [3], "num_classes": 2, "task": "classification", "x_dtype": "float32", "y_dtype": "int32"}
+    with pytest.raises(NodeDataError, match=r"mine.npz: labels must be one per example \(shape \[n\]\); got shape \[4, 2\]"):
+        check_examples(np.zeros((4, 3)), np.zeros((4, 2)), spec, "mine.npz")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
-from fedbayes.errors import DataError
+from fedbayes.errors import BadInputError, DataError
 
 # LEAF's Shakespeare vocabulary (models/utils/language_utils.py, ALL_LETTERS): 80 characters, the
 # newline first. Token id = position in this string.
@@ -212,7 +212,7 @@ def load_leaf(folder: str | os.PathLike, name: str = "leaf", num_classes: int | 
         raise DataError(f"{folder}: train examples have {x_train.shape[1:]} features but test examples {x_test.shape[1:]}")
     if text:
         if num_classes not in (None, NUM_LETTERS):
-            raise ValueError(f"num_classes for LEAF text must be {NUM_LETTERS}, got {num_classes}")
+            raise BadInputError(f"config error: data.num_classes: LEAF text has {NUM_LETTERS} classes; got {num_classes}")
         num_classes = NUM_LETTERS
     else:
         observed = int(max(y_train.max(), y_test.max(initial=0))) + 1

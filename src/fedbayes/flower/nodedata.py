@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import csv
 import tomllib
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -114,13 +116,25 @@ def read_file(path: str | Path, label_column: str = "label") -> tuple[np.ndarray
     if not path.is_file():
         raise NodeDataError(f"data-file {path}: no such file")
     if path.suffix == ".npz":
-        with np.load(path) as z:
-            if "x" not in z.files or "y" not in z.files:
-                raise NodeDataError(f"data-file {path}: needs arrays 'x' and 'y'; has {', '.join(z.files) or 'none'}")
-            return z["x"], z["y"]
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if "x" not in z.files or "y" not in z.files:
+                    raise NodeDataError(f"data-file {path}: needs arrays 'x' and 'y'; has {', '.join(z.files) or 'none'}")
+                x, y = z["x"], z["y"]
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
+            if isinstance(exc, NodeDataError):
+                raise
+            raise NodeDataError(f"data-file {path}: cannot be read as npz ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+        bad = next((k for k, a in (("x", x), ("y", y)) if a.dtype.kind not in "biuf"), None)
+        if bad is not None:
+            raise NodeDataError(f"data-file {path}: {bad} must hold real numbers; got {(x if bad == 'x' else y).dtype} values")
+        return x, y
     if path.suffix == ".csv":
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                rows = list(csv.reader(f))
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise NodeDataError(f"data-file {path}: not a CSV text file ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
         if not rows or label_column not in rows[0]:
             raise NodeDataError(f"data-file {path}: the header has no column {label_column!r} (label-column)")
         j = rows[0].index(label_column)
@@ -137,13 +151,15 @@ def read_file(path: str | Path, label_column: str = "label") -> tuple[np.ndarray
 def check_examples(x: np.ndarray, y: np.ndarray, spec, where: str) -> tuple[np.ndarray, np.ndarray]:
     """``x, y`` in the dtypes of the run, after checking them against the run's data ``spec``
     (``feature_shape``, ``num_classes``, ``task``, ``x_dtype``, ``y_dtype``), naming ``where``."""
-    if x.shape[1:] != tuple(spec["feature_shape"]) or len(x) != len(y) or len(y) == 0:
+    if x.ndim < 1 or y.ndim < 1 or x.shape[1:] != tuple(spec["feature_shape"]) or len(x) != len(y) or len(y) == 0:
         raise NodeDataError(
             f"{where}: {len(x)} examples of features {list(x.shape[1:])} and {len(y)} labels; the run's model takes features {list(spec['feature_shape'])}"
         )
     if not np.all(np.isfinite(x)):
         raise NodeDataError(f"{where}: non-finite features")
     if spec["task"] == "classification":
+        if y.ndim != 1:
+            raise NodeDataError(f"{where}: labels must be one per example (shape [n]); got shape {list(y.shape)}")
         if not np.all(y == np.round(y)) or y.min() < 0 or y.max() >= spec["num_classes"]:
             raise NodeDataError(f"{where}: labels must be integers in [0, {spec['num_classes']}) for the run's model; got {y.min()} to {y.max()}")
     return x.astype(spec["x_dtype"]), y.astype(spec["y_dtype"])
