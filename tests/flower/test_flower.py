@@ -556,3 +556,36 @@ def test_the_grid_transport_pulls_a_rounds_replies_after_half_the_last_rounds_wa
         firsts.append((grid.pulls[0] - start, len(grid.pulls)))
     assert firsts[0][0] == 0.0 and firsts[0][1] >= 9  # round 0: pulls from the start, every 50 ms
     assert firsts[1][0] == pytest.approx(delay / 2, abs=0.03) and firsts[1][1] <= 6  # then half the wait first
+
+
+@pytest.mark.slow
+def test_real_nodes_refuse_a_server_named_module_and_the_server_hears_it(tmp_path):
+    """A hostile server: its config's model.module names a file that no node lists. Each node
+    (a real SuperNode and its warm executor) refuses before importing it; the server logs each
+    node's one line and counts the replies rejected; only the server process imported the file."""
+    from fedbayes.flower.deploy import LocalFederation
+    from fedbayes.flower.node import prepare_data
+
+    marker = tmp_path / "IMPORTED"
+    evil = tmp_path / "evil_model.py"
+    evil.write_text(
+        f"import os, sys\nwith open({str(marker)!r}, 'a') as f:\n    f.write(' '.join(sys.argv) + '\\n')\n"
+        "import flax.linen as nn\nclass Net(nn.Module):\n    num_classes: int = 2\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return nn.Dense(self.num_classes, name='dense')(x.reshape((x.shape[0], -1)))\n"
+    )
+    plain = raw_config("fedavg", rounds=1, num_clients=2)
+    hostile = {**plain, "model": {"name": "module", "module": f"{evil}:Net"}}
+    fed = LocalFederation(tmp_path / "federation", 2)
+    try:
+        prepare_data(build_experiment(validate(plain)), {n.partition: n.state_dir for n in fed.nodes})
+        fed.start()
+        status, out = _run(fed, tmp_path, hostile, "hostile", **{"reply-timeout": 120.0})
+        assert status == {"ok": True}, status
+        last = records(out / "metrics.jsonl")[-1]
+        assert last["round"] == 1 and last["rejected"] == 2
+        log = (out / "flower_server.log").read_text()
+        assert log.count("this node refuses the run's model.module") >= 2, log[-2000:]
+        importers = marker.read_text().splitlines()
+        assert importers and all("serverapp" in line for line in importers), importers
+    finally:
+        _no_process_left(fed)
