@@ -266,10 +266,16 @@ def print_commands(
         "#    data-file = its examples (.npz with arrays x and y, or .csv with a header and a 'label' column), or",
         "#    dataset = NAME and data-dir = FOLDER (partition-id of the dataset, split as the run's config says).",
         "#    The server's config never names a node's data (a node refuses one that does); its shapes and classes are checked.",
+        *(
+            [f"#    The run's model is your own module: a node imports it only when its config lists it in model-modules (read {config.model.module} first)."]
+            if config.model.module is not None
+            else []
+        ),
     ]
     for i in range(k):
         state = f"{state_root}/node{i}"
         node_config = f"partition-id={i} num-partitions={k} state-dir='{state}' data-file='{state}/data.npz'"
+        node_config += f" model-modules='{config.model.module}'" if config.model.module is not None else ""
         lines += [
             f"JAX_COMPILATION_CACHE_DIR={state}/jax_cache {env} flower-supernode --root-certificates {f('ca.crt')} --superlink {superlink_host}:{port} "
             f'--auth-supernode-private-key {f(f"node{i}")} --isolation process --host {node_host} --port {node_ports[i]} --node-config "{node_config}"',
