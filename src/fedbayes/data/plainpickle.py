@@ -78,5 +78,5 @@ def load_plain(path: str | Path, encoding: str = "bytes") -> object:
         return _PlainUnpickler(io.BytesIO(raw), encoding=encoding).load()
     except _Refused as err:
         raise DataError(f"{path}: refused: not a plain-data pickle ({err})") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, MemoryError, OverflowError, UnicodeDecodeError) as err:
+    except Exception as err:  # what the unpickler or NumPy's reconstruction raises on a damaged file
         raise DataError(f"{path}: not a readable pickle ({type(err).__name__}: {' '.join(str(err).split())[:100]})") from None

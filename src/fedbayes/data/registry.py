@@ -301,7 +301,10 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int
 
 
 # What a loader meets in a damaged file that it did not name itself (numpy's and h5py's messages).
-_UNREAD = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, ZeroDivisionError, EOFError, zipfile.BadZipFile, zlib.error)
+_UNREAD = (
+    ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, ZeroDivisionError, EOFError, MemoryError,
+    NotImplementedError, RuntimeError, SyntaxError, zipfile.BadZipFile, zlib.error,
+)  # fmt: skip
 
 
 def _read(info: DatasetInfo, name: str, data_dir, seed: int, params: dict) -> Dataset:

@@ -69,25 +69,40 @@ def read_clients(path: Path, features: tuple[str, ...], limit: int | None = None
     except OSError as err:
         raise DataError(f"{path}: not a readable HDF5 file ({' '.join(str(err).split())[:160]})") from None
     with f:
-        examples = f.get("examples")
-        if not isinstance(examples, h5py.Group):
-            raise DataError(f"{path}: no '/examples' group (TFF's layout: /examples/<client>/<feature>)")
-        names = sorted(examples)
+        try:
+            examples = f.get("examples")
+            if not isinstance(examples, h5py.Group):
+                raise DataError(f"{path}: no '/examples' group (TFF's layout: /examples/<client>/<feature>)")
+            names = sorted(examples)
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
+            if isinstance(err, DataError):
+                raise
+            raise DataError(f"{path}: damaged HDF5 file ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
         for name in names[:limit]:
-            group = examples[name]
-            if not isinstance(group, h5py.Group):
-                raise DataError(f"{path}: client {name!r} is a {type(group).__name__}, not a group of features (TFF's layout: /examples/<client>/<feature>)")
-            missing = [k for k in features if not isinstance(group.get(k), h5py.Dataset)]
-            if missing:
-                raise DataError(f"{path}: client {name!r} has no {', '.join(missing)} (it holds {sorted(group)})")
-            arrays = {k: group[k][()] for k in features}
-            scalar = [k for k, a in arrays.items() if np.ndim(a) == 0]
-            if scalar:
-                raise DataError(f"{path}: client {name!r}: {scalar[0]} is a scalar, not one value per example")
-            lengths = {len(a) for a in arrays.values()}
-            if len(lengths) != 1:
-                raise DataError(f"{path}: client {name!r} has features of different lengths {sorted(lengths)}")
-            yield name, arrays
+            yield name, _client(h5py, path, examples, name, features)
+
+
+def _client(h5py, path: Path, examples, name: str, features: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """One client's feature arrays, checked (see :func:`read_clients`)."""
+    try:
+        group = examples[name]
+        if not isinstance(group, h5py.Group):
+            raise DataError(f"{path}: client {name!r} is a {type(group).__name__}, not a group of features (TFF's layout: /examples/<client>/<feature>)")
+        missing = [k for k in features if not isinstance(group.get(k), h5py.Dataset)]
+        if missing:
+            raise DataError(f"{path}: client {name!r} has no {', '.join(missing)} (it holds {sorted(group)})")
+        arrays = {k: group[k][()] for k in features}
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"{path}: client {name!r}: damaged ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
+    scalar = [k for k, a in arrays.items() if np.ndim(a) == 0]
+    if scalar:
+        raise DataError(f"{path}: client {name!r}: {scalar[0]} is a scalar, not one value per example")
+    lengths = {len(a) for a in arrays.values()}
+    if len(lengths) != 1:
+        raise DataError(f"{path}: client {name!r} has features of different lengths {sorted(lengths)}")
+    return arrays
 
 
 def _federated(train, test, x_key: str, y_key: str, checks) -> tuple[np.ndarray, ...]:
