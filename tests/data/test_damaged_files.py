@@ -130,5 +130,5 @@ def test_a_damaged_json_leaf_label_is_named(tmp_path):
     write_leaf(tmp_path, "test", "a.json", {"u0": {"x": [[1.0, 2.0]], "y": [0]}})
     with pytest.raises(FedbayesError) as err:
         load_dataset("leaf", tmp_path)
-    assert err.value.exit_code == 3 and "a.json" in str(err.value), err.value
+    assert err.value.exit_code == 3 and "a.json: user 'u0'" in str(err.value) and "got 1099511627776.0" in str(err.value), err.value
     json.loads((tmp_path / "train" / "a.json").read_text())  # the file itself is valid JSON
