@@ -13,8 +13,9 @@ the same :class:`Dataset`. Formats, told apart by the file's suffix:
   array names its columns by index (``"0"``, ``"1"``, ...), a structured one by its fields.
   Parquet needs pyarrow (``pip install -e '.[parquet]'``).
 
-Features become float32; labels are integer classes ``0..C-1`` (``C``: ``data.num_classes``, else
-one more than the largest label). A client column is the data's natural partition
+Features (real numbers only: no complex, text or object values) become float32; labels are
+integer classes ``0..C-1`` (``C``: ``data.num_classes``, else one more than the largest label, when
+that leaves no more than half the classes empty, as LEAF's loader asks), never cast. A client column is the data's natural partition
 (``data.partition = "natural"``): its values are mapped, in sorted order, to clients
 ``0..K-1``. The test split is ``data.test_path`` (the same format, with or without a client
 column) or, without one, ``data.test_fraction`` of each client's rows held out by a generator
