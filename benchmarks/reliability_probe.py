@@ -749,6 +749,21 @@ def _hostile_row(p: Probe, group: str, case: str, command: str, r, expect: int, 
         print(f"[{'SECURITY':>12}] {group} / {case}: {marker} exists", flush=True)
 
 
+def _add_client(path: Path, features: dict) -> None:
+    """One more client ``z_bad`` in a TFF file, beside the good ones."""
+    import h5py
+    import numpy as np
+
+    with h5py.File(path, "a") as f:
+        group = f["examples"].create_group("z_bad")
+        for k, v in features.items():
+            v = np.asarray(v)
+            if v.dtype.kind in "OSU":
+                group.create_dataset(k, data=np.array([str(e).encode() for e in v.ravel()], object).reshape(v.shape), dtype=h5py.string_dtype())
+            else:
+                group.create_dataset(k, data=v)
+
+
 def hostile(p: Probe):
     import pickle
 
@@ -760,25 +775,25 @@ def hostile(p: Probe):
     tmp.mkdir()
     run_cfg = BASE.format(rounds=1, algorithm="fedavg", extra="", top="")
 
-    def run(group, case, data: str, expect=3, needle="", marker=None, extra="", name=None):
+    def run(group, case, data: str, expect=3, needle="", marker=None, extra="", name=None, model="logreg", sets=()):
         name = name or f"h{len(p.rows)}"
         cfg = tmp / f"{name}.toml"
-        cfg.write_text(run_cfg.replace('dataset = "digits"', data) + extra)
-        r = _bounded(["run", cfg, "--out", tmp / f"{name}_out"], cache=p.cache)
+        cfg.write_text(run_cfg.replace('dataset = "digits"', data).replace('name = "logreg"', f'name = "{model}"') + extra)
+        r = _bounded(["run", cfg, "--out", tmp / f"{name}_out", *(a for v in sets for a in ("--set", v))], cache=p.cache)
         _hostile_row(p, group, case, "fedbayes run c.toml", r, expect, needle, marker)
 
     def files(case, path, extra_data="", **kw):
         run("own data files", case, f'dataset = "files"\npath = "{path}"{extra_data}', needle=str(path), **kw)
 
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(60, 4)), rng.integers(0, 3, 60)
+    x, y = rng.normal(size=(200, 4)), rng.integers(0, 3, 200)  # enough for the config's split: a file read silently runs (exit 0)
     cases = {
-        "NPZ label 2^32": dict(x=x, y=np.where(np.arange(60) == 5, 2**32, y)),
+        "NPZ label 2^32": dict(x=x, y=np.where(np.arange(200) == 5, 2**32, y)),
         "NPZ complex features": dict(x=x + 1j, y=y),
-        "NPZ zero features": dict(x=np.zeros((60, 0)), y=y),
+        "NPZ zero features": dict(x=np.zeros((200, 0)), y=y),
         "NPZ no rows": dict(x=np.zeros((0, 4)), y=np.zeros(0, np.int64)),
         "NPZ labels of shape [n, 2]": dict(x=x, y=np.stack([y, y], 1)),
-        "NPZ float label 1.7": dict(x=x, y=np.where(np.arange(60) == 3, 1.7, y)),
+        "NPZ float label 1.7": dict(x=x, y=np.where(np.arange(200) == 3, 1.7, y)),
     }
     for case, arrays in cases.items():
         path = tmp / f"{case.replace(' ', '_').replace('^', '')}.npz"
@@ -790,10 +805,10 @@ def hostile(p: Probe):
     cut.write_bytes(good.read_bytes()[:300])
     files("NPZ truncated", cut)
     obj = tmp / "object.npz"
-    np.savez(obj, x=np.array([{"a": 1}] * 60, object), y=y)
+    np.savez(obj, x=np.array([{"a": 1}] * 200, object), y=y)
     files("NPZ object array (needs pickle)", obj)
     struct_npy = tmp / "structured.npy"
-    table = np.zeros(60, dtype=[("a", "f8"), ("b", "c16"), ("label", "i8")])
+    table = np.zeros(200, dtype=[("a", "f8"), ("b", "c16"), ("label", "i8")])
     table["label"] = y
     np.save(struct_npy, table)
     files("NPY structured array with a complex column", struct_npy)
@@ -831,7 +846,7 @@ def hostile(p: Probe):
 
     def cifar(case, blob, marker=None, raw: bytes | None = None):
         folder = tmp / f"cifar_{len(p.rows)}"
-        writers.write_cifar_python(folder, np.random.default_rng(1), num_classes=10, num_train=60, num_test=12)
+        writers.write_cifar_python(folder, np.random.default_rng(1), num_classes=10, num_train=150, num_test=12)
         batch = folder / "cifar-10-batches-py" / "data_batch_1"
         batch.write_bytes(raw if raw is not None else pickle.dumps(blob))
         run("CIFAR batches", case, f'dataset = "cifar10"\ndata_dir = "{folder}"', needle=str(batch), marker=marker)
@@ -850,21 +865,12 @@ def hostile(p: Probe):
     def tff(case, dataset, file, client, marker=None):
         folder = tmp / f"tff_{len(p.rows)}"
         if dataset == "emnist":
-            writers.write_fed_emnist(folder, np.random.default_rng(2), num_clients=4, per_client=(10, 12))
+            writers.write_fed_emnist(folder, np.random.default_rng(2), num_clients=4, per_client=(20, 24))
         else:
-            writers.write_fed_cifar100(folder, np.random.default_rng(3), train_clients=4, test_clients=2, per_client=10)
+            writers.write_fed_cifar100(folder, np.random.default_rng(3), train_clients=4, test_clients=2, per_client=20)
         path = folder / file
-        if isinstance(client, dict):  # one more client, beside the good ones
-            import h5py
-
-            with h5py.File(path, "a") as f:
-                group = f["examples"].create_group("z_bad")
-                for k, v in client.items():
-                    v = np.asarray(v)
-                    if v.dtype.kind in "OSU":
-                        group.create_dataset(k, data=np.array([str(e).encode() for e in v.ravel()], object).reshape(v.shape), dtype=h5py.string_dtype())
-                    else:
-                        group.create_dataset(k, data=v)
+        if isinstance(client, dict):
+            _add_client(path, client)
         else:
             client(path)
         run("TFF files", case, f'dataset = "{dataset}"\ndata_dir = "{folder}"', needle=str(path))
@@ -898,13 +904,13 @@ def hostile(p: Probe):
 
     def stackoverflow(case, damage, file):
         folder = tmp / f"so_{len(p.rows)}"
-        writers.write_stackoverflow(folder, np.random.default_rng(4), num_clients=4, posts_per_client=(3, 5))
+        writers.write_stackoverflow(folder, np.random.default_rng(4), num_clients=4, posts_per_client=(20, 24))
         damage(folder)
-        run("StackOverflow", case, f'dataset = "stackoverflow_nwp"\ndata_dir = "{folder}"\nvocab_size = 5\nmax_len = 4', needle=str(folder / file))
+        run("StackOverflow", case, f'dataset = "stackoverflow_nwp"\ndata_dir = "{folder}"\nvocab_size = 5\nmax_len = 4', needle=str(folder / file), model="lstm_nwp")
 
     stackoverflow(
         "integer tokens",
-        lambda f: writers.write_tff(f / "stackoverflow_train.h5", {"u": {"tokens": np.arange(4), "title": np.array(["a"] * 4, object), "tags": np.array(["t0"] * 4, object)}}),
+        lambda f: _add_client(f / "stackoverflow_train.h5", {"tokens": np.arange(4), "title": np.array(["a"] * 4, object), "tags": np.array(["t0"] * 4, object)}),
         "stackoverflow_train.h5",
     )
     stackoverflow("non-UTF-8 word count", lambda f: (f / "stackoverflow.word_count").write_bytes(b"w1 9\n\xff\xfe 8\nw2 7\nw3 6\nw4 5\nw5 4\n"), "stackoverflow.word_count")
@@ -923,7 +929,10 @@ def hostile(p: Probe):
     run("LEAF and IDX", "IDX header claiming 2^63 pixels", f'dataset = "mnist"\ndata_dir = "{folder}"', needle=str(path))
 
     # configs and bench settings
-    run("config", "privacy.noise_multiplier = 1e30", 'dataset = "digits"', expect=2, needle="privacy.noise_multiplier", extra="[privacy]\nclip = 1.0\nnoise_multiplier = 1e30\n")
+    run(
+        "config", "privacy.noise_multiplier = 1e30", 'dataset = "digits"', expect=2, needle="privacy.noise_multiplier",
+        extra="[privacy]\nclip = 1.0\nnoise_multiplier = 1e30\n", sets=('server.weighting="uniform"',),
+    )
     for case, client in (("epochs -1", '{"epochs": -1}'), ("unknown key", '{"nosuch": 1}'), ("a list", "[1]")):
         r = _bounded(["bench", "posterior", "--quick", "--out", tmp / "bp", "--client", client], timeout=120, cache=p.cache)
         _hostile_row(p, "bench", f"bench posterior --client {case}", f"fedbayes bench posterior --quick --client '{client}'", r, 2, "--client")
@@ -933,25 +942,36 @@ def hostile(p: Probe):
     evil = tmp / "evil_model.py"
     evil.write_text(f"open({str(marker)!r}, 'w').close()\n")
     secret = tmp / "secret.csv"
-    secret.write_text("a,label\n1,0\n2,1\n")
+    secret.write_text("a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(200)))  # enough rows for a node to train on it
+    # what a node does with a train message's config, up to reading its examples (apps.train_reply
+    # without flwr): this tree's check before validation where it has one, then validation, the
+    # node's refusal of a path and node_examples; one line and the exit code as the CLI's handler gives
     node = r"""
 import sys, tomllib
+from pathlib import Path
 from fedbayes.config.schema import validate
-from fedbayes.flower.nodedata import NodeDataError, accept_run_config, read_file
+from fedbayes.errors import exit_code_for, one_line
+from fedbayes.flower import nodedata
 raw = tomllib.loads(open(sys.argv[1]).read())
 source = dict(a.split("=", 1) for a in sys.argv[2:])
 try:
-    if raw:
-        validate(accept_run_config(raw, source))
-    else:
-        read_file(source["data-file"])
-except NodeDataError as exc:
-    print(f"node error: {exc}", file=sys.stderr)
-    sys.exit(3)
+    if not raw:
+        nodedata.read_file(source["data-file"])
+        sys.exit(0)
+    accept = getattr(nodedata, "accept_run_config", None)
+    config = validate(accept(raw, source) if accept else raw)
+    nodedata.refuse_server_path(config, source)
+    from fedbayes.flower.node import node_examples
+    x, y = node_examples(config, 0, Path(sys.argv[1]).parent / "node_state", source)
+    print(f"the node read {len(y)} examples", file=sys.stderr)
+except Exception as exc:
+    code = 3 if isinstance(exc, nodedata.NodeDataError) else exit_code_for(exc)
+    print(f"node error: {one_line(exc)}" + (" (Traceback: an unanticipated error in the node)" if code == 1 else ""), file=sys.stderr)
+    sys.exit(code)
 """
     (tmp / "node.py").write_text(node)
 
-    def flower(case, data='dataset = "digits"', top="", model="", source=(), needle="refuses", marker=None, empty=False):
+    def flower(case, data='dataset = "digits"', top="", model="", source=(), needle="refuses", marker=None, empty=False, read_is_a_leak=False):
         cfg = tmp / f"server_{len(p.rows)}.toml"
         cfg.write_text("" if empty else top + run_cfg.replace('dataset = "digits"', data).replace('name = "logreg"', model or 'name = "logreg"'))
         env = dict(os.environ, PYTHONPATH=str(SRC), JAX_PLATFORMS="cpu")
@@ -960,10 +980,15 @@ except NodeDataError as exc:
         except subprocess.TimeoutExpired:
             r = subprocess.CompletedProcess([], None, "", "")
         _hostile_row(p, "Flower node", case, "the node's check of a server's config (nodedata.accept_run_config)", r, 3, needle, marker)
+        if read_is_a_leak and r.returncode == 0:  # the node read the file the server named (and would train on it)
+            p.rows[-1]["outcome"] = "SECURITY"
+            print(f"[{'SECURITY':>12}] {case}: the node read the server's file", flush=True)
 
     flower("server's model.module (not in the node's model-modules)", model=f'name = "module"\nmodule = "{evil}:Net"', source=("data-file=mine.npz",), marker=marker)
-    flower("server's dataset = files, path = a secret file", data=f'dataset = "files"\npath = "{secret}"')
-    flower("server's data.test_path", data=f'dataset = "files"\npath = "mine.npz"\ntest_path = "{secret}"', source=("data-file=mine.npz",))
+    flower("server's dataset = files, path = a secret file", data=f'dataset = "files"\npath = "{secret}"', read_is_a_leak=True)
+    mine = tmp / "mine.npz"
+    np.savez(mine, x=np.zeros((4, 64)), y=np.arange(4) % 2)
+    flower("server's data.test_path (node with its own data-file)", data=f'dataset = "files"\npath = "{mine}"\ntest_path = "{secret}"', source=(f"data-file={mine}",))
     flower("server's data.data_dir", data='dataset = "digits"\ndata_dir = "/srv/other"')
     flower("server's store_dir", top='store_dir = "/var/other"\n')
     flower("server's dataset = arrays, node without a data-file", data='dataset = "arrays"')
