@@ -126,6 +126,16 @@ def test_a_server_named_data_file_is_refused_and_never_read(exp, tmp_path):
     assert own.config_records["meta"]["reply"] == plain.config_records["meta"]["reply"]
 
 
+def test_a_server_named_model_larger_than_the_node_is_refused_before_it_is_allocated(exp, tmp_path):
+    from fedbayes.config.schema import ConfigError
+
+    npz = node.write_client_file(exp, 0, tmp_path / "mine.npz")
+    text = _with(exp, model={"name": "mlp", "hidden": [10**9, 10**9]})
+    with pytest.raises(ConfigError, match=r"^config error: model.hidden: the model has [\d,]+ parameters; .* this machine has") as err:
+        train_reply(_message(exp, 0, text), _node_config(tmp_path, **{"data-file": str(npz)}), RecordDict())
+    assert "\n" not in str(err.value)
+
+
 def _write_csv(path: Path, x: np.ndarray, y: np.ndarray) -> Path:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
