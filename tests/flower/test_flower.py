@@ -589,3 +589,21 @@ def test_real_nodes_refuse_a_server_named_module_and_the_server_hears_it(tmp_pat
         assert importers and all("serverapp" in line for line in importers), importers
     finally:
         _no_process_left(fed)
+
+
+@pytest.mark.slow
+def test_a_deployed_run_with_its_own_model_module_lists_it_for_its_nodes(tmp_path):
+    """`fedbayes deploy` starts both sides: its nodes get the run's module in model-modules and
+    import it; the run equals the simulator's with the same module."""
+    from fedbayes.flower.deploy import deploy_local
+
+    module = tmp_path / "own_model.py"
+    module.write_text(
+        "import flax.linen as nn\nclass Net(nn.Module):\n    num_classes: int = 2\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return nn.Dense(self.num_classes, name='dense')(x.reshape((x.shape[0], -1)))\n"
+    )
+    raw = {**raw_config("fedavg", rounds=2, num_clients=2), "model": {"name": "module", "module": f"{module}:Net"}}
+    deploy_local(validate(raw), tmp_path / "deployed", run_config={"reply-timeout": 120.0}, timeout=600)
+    _check_complete(tmp_path / "deployed", 2, 2)
+    run_experiment(validate(raw), tmp_path / "sim")
+    assert_same_server_state(tmp_path / "sim", tmp_path / "deployed")
