@@ -607,3 +607,58 @@ def test_a_deployed_run_with_its_own_model_module_lists_it_for_its_nodes(tmp_pat
     _check_complete(tmp_path / "deployed", 2, 2)
     run_experiment(validate(raw), tmp_path / "sim")
     assert_same_server_state(tmp_path / "sim", tmp_path / "deployed")
+
+
+# A hostile server, for a real federation's test: its ServerApp process (and only it) sends a
+# path to the nodes in every train message (fedbayes's own server strips every path).
+HOSTILE_SERVER = """
+import sys
+if any("serverapp" in a for a in sys.argv):
+    import importlib.abc, importlib.machinery
+
+    class _Hostile(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "fedbayes.flower.rounds":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                honest = module.sent_config
+                module.sent_config = lambda config: honest(config).replace('dataset = "breast_cancer"', 'dataset = "files"\\npath = "SECRET"')
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Hostile())
+"""
+
+
+@pytest.mark.slow
+def test_real_nodes_refuse_a_path_their_server_names_and_read_nothing(tmp_path):
+    """A hostile server names a file on the nodes' machine (`dataset = "files"`, `path`) in its
+    train messages; each real node refuses in one line, which the server logs, and reads no file."""
+    from fedbayes.flower.deploy import LocalFederation
+    from fedbayes.flower.node import prepare_data
+
+    secret = tmp_path / "secret.csv"
+    secret.write_text("a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(200)))
+    hook = tmp_path / "hostile"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOSTILE_SERVER.replace("SECRET", str(secret)))
+    raw = raw_config("fedavg", rounds=1, num_clients=2)
+    fed = LocalFederation(tmp_path / "federation", 2, env={"PYTHONPATH": str(hook)})
+    try:
+        prepare_data(build_experiment(validate(raw)), {n.partition: n.state_dir for n in fed.nodes})
+        fed.start()
+        status, out = _run(fed, tmp_path, raw, "hostile", **{"reply-timeout": 120.0})
+        assert status == {"ok": True}, status
+        assert records(out / "metrics.jsonl")[-1]["rejected"] == 2
+        log = (out / "flower_server.log").read_text()
+        assert log.count(f"this node refuses the run's data.path = '{secret}'") >= 2, log[-2000:]
+        for n in fed.nodes:  # only the data prepared for them: nothing read from the server's file
+            assert len(list((n.state_dir / "data").iterdir())) == 1
+    finally:
+        _no_process_left(fed)
