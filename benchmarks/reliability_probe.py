@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"  # the fedbayes the commands run (--src: another tree's, for a "before" count)
 KILLED_RUN = ROOT / "tests" / "killed_run.py"  # the CLI, killed abruptly after a given round
 
 BASE = """
@@ -60,7 +61,7 @@ def config(tmp: Path, name="c.toml", rounds=6, algorithm="fedavg", extra="", top
 
 def cli(args, env_extra=None, cache=None, timeout=300, die_after=None):
     env = dict(os.environ, JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(cache or "off"), **(env_extra or {}))
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
     entry = ["-m", "fedbayes.cli"] if die_after is None else [str(KILLED_RUN), str(die_after)]
     return subprocess.run([sys.executable, *entry, *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
 
@@ -722,16 +723,293 @@ def _wait(path: Path, proc: subprocess.Popen, timeout: float = 120, poll: float 
         time.sleep(poll)
 
 
+# ----- hostile input (issue 41, "A federation you can trust"): data that runs code or is coerced,
+# a server that chooses a node's files or code, unchecked bench settings ------------------------------
+
+
+def _bounded(args, timeout=180, **kw):
+    """``cli`` with a time limit: a command still running then is a HANG (exit None)."""
+    try:
+        return cli(args, timeout=timeout, **kw)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return subprocess.CompletedProcess(args, None, "", err)
+
+
+def _hostile_row(p: Probe, group: str, case: str, command: str, r, expect: int, needle: str, marker: Path | None = None):
+    """One line with exit ``expect`` naming ``needle`` (a file, a field); ``marker``: a file whose
+    existence means code ran or a file was read that should not have been (SECURITY)."""
+    if r.returncode is None:
+        p.rows.append({"group": group, "case": case, "command": command, "exit": None, "outcome": "HANG", "message": ""})
+        print(f"[{'HANG':>12}] {group} / {case}", flush=True)
+        return
+    _line(p, group, case, command, r, expect, needle)
+    if marker is not None and marker.exists():
+        p.rows[-1]["outcome"] = "SECURITY"
+        print(f"[{'SECURITY':>12}] {group} / {case}: {marker} exists", flush=True)
+
+
+def _add_client(path: Path, features: dict) -> None:
+    """One more client ``z_bad`` in a TFF file, beside the good ones."""
+    import h5py
+    import numpy as np
+
+    with h5py.File(path, "a") as f:
+        group = f["examples"].create_group("z_bad")
+        for k, v in features.items():
+            v = np.asarray(v)
+            if v.dtype.kind in "OSU":
+                group.create_dataset(k, data=np.array([str(e).encode() for e in v.ravel()], object).reshape(v.shape), dtype=h5py.string_dtype())
+            else:
+                group.create_dataset(k, data=v)
+
+
+def hostile(p: Probe):
+    import pickle
+
+    import numpy as np
+
+    from fedbayes.data import writers
+
+    tmp = p.tmp / "hostile"
+    tmp.mkdir()
+    run_cfg = BASE.format(rounds=1, algorithm="fedavg", extra="", top="")
+
+    def run(group, case, data: str, expect=3, needle="", marker=None, extra="", name=None, model="logreg", sets=()):
+        name = name or f"h{len(p.rows)}"
+        cfg = tmp / f"{name}.toml"
+        cfg.write_text(run_cfg.replace('dataset = "digits"', data).replace('name = "logreg"', f'name = "{model}"') + extra)
+        r = _bounded(["run", cfg, "--out", tmp / f"{name}_out", *(a for v in sets for a in ("--set", v))], cache=p.cache)
+        _hostile_row(p, group, case, "fedbayes run c.toml", r, expect, needle, marker)
+
+    def files(case, path, extra_data="", **kw):
+        run("own data files", case, f'dataset = "files"\npath = "{path}"{extra_data}', needle=str(path), **kw)
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 4)), rng.integers(0, 3, 200)  # enough for the config's split: a file read silently runs (exit 0)
+    cases = {
+        "NPZ label 2^32": dict(x=x, y=np.where(np.arange(200) == 5, 2**32, y)),
+        "NPZ complex features": dict(x=x + 1j, y=y),
+        "NPZ zero features": dict(x=np.zeros((200, 0)), y=y),
+        "NPZ no rows": dict(x=np.zeros((0, 4)), y=np.zeros(0, np.int64)),
+        "NPZ labels of shape [n, 2]": dict(x=x, y=np.stack([y, y], 1)),
+        "NPZ float label 1.7": dict(x=x, y=np.where(np.arange(200) == 3, 1.7, y)),
+    }
+    for case, arrays in cases.items():
+        path = tmp / f"{case.replace(' ', '_').replace('^', '')}.npz"
+        np.savez(path, **arrays)
+        files(case, path)
+    good = tmp / "good.npz"
+    np.savez(good, x=x, y=y)
+    cut = tmp / "truncated.npz"
+    cut.write_bytes(good.read_bytes()[:300])
+    files("NPZ truncated", cut)
+    obj = tmp / "object.npz"
+    np.savez(obj, x=np.array([{"a": 1}] * 200, object), y=y)
+    files("NPZ object array (needs pickle)", obj)
+    struct_npy = tmp / "structured.npy"
+    table = np.zeros(200, dtype=[("a", "f8"), ("b", "c16"), ("label", "i8")])
+    table["label"] = y
+    np.save(struct_npy, table)
+    files("NPY structured array with a complex column", struct_npy)
+
+    def csv_file(case, text: str, **kw):
+        path = tmp / f"{case.split(':')[0].replace(' ', '_')}.csv"
+        path.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+        files(case, path, **kw)
+
+    rows = "\n".join(",".join(f"{v:.3f}" for v in r) + f",{c}" for r, c in zip(x, y))
+    csv_file("CSV 64 columns of one name", ",".join(["f"] * 4) + ",label\n" + rows + "\n")
+    csv_file("CSV one label 3,000,000 (no num_classes)", "a,b,c,d,label\n" + rows.replace(",0\n", ",3000000\n", 1) + "\n")
+    csv_file("CSV header only", "a,b,c,d,label\n")
+    csv_file("CSV label 4294967297", "a,b,c,d,label\n" + rows.replace(",1\n", ",4294967297\n", 1) + "\n")
+    csv_file("CSV Latin-1 bytes", b"a,b,c,d,label\n0,1,2,3,\xe9\n")
+    nan_ids = "a,b,c,d,label,site\n" + "\n".join(f"{r[0]:.3f},1,2,3,{c},{'nan' if i == 4 else i % 3}" for i, (r, c) in enumerate(zip(x, y))) + "\n"
+    path = tmp / "nan_client.csv"
+    path.write_text(nan_ids)
+    run("own data files", "CSV NaN client id (natural partition)", f'dataset = "files"\npath = "{path}"\nclient_column = "site"', needle=str(path))
+
+    # CIFAR's Python batches
+    class Shell:
+        def __init__(self, command):
+            self.command = command
+
+        def __reduce__(self):
+            return (os.system, (self.command,))
+
+    class ShellThenBatch:
+        def __init__(self, command):
+            self.command = command
+
+        def __reduce__(self):
+            return (eval, (f"__import__('os').system({self.command!r}) and None or {{b'data': [], b'labels': []}}",))
+
+    def cifar(case, blob, marker=None, raw: bytes | None = None):
+        folder = tmp / f"cifar_{len(p.rows)}"
+        writers.write_cifar_python(folder, np.random.default_rng(1), num_classes=10, num_train=150, num_test=12)
+        batch = folder / "cifar-10-batches-py" / "data_batch_1"
+        batch.write_bytes(raw if raw is not None else pickle.dumps(blob))
+        run("CIFAR batches", case, f'dataset = "cifar10"\ndata_dir = "{folder}"', needle=str(batch), marker=marker)
+
+    pwned = tmp / "PWNED"
+    cifar("pickle whose __reduce__ runs a shell command", {b"data": Shell(f"touch {pwned}"), b"labels": []}, marker=pwned)
+    pwned2 = tmp / "PWNED2"
+    cifar("pickle that runs a command, then returns a valid batch", ShellThenBatch(f"touch {pwned2}"), marker=pwned2)
+    pwned3 = tmp / "PWNED3"
+    cifar("pickle naming builtins.exec by GLOBAL", None, marker=pwned3, raw=b"cbuiltins\nexec\n(Vopen(" + repr(str(pwned3)).encode() + b", 'w')\ntR.")
+    cifar("float pixels in [-200, 565]", {b"data": np.linspace(-200, 565, 12 * 3072).reshape(12, 3072), b"labels": [0] * 12})
+    cifar("label 2^32 + 1", {b"data": np.zeros((12, 3072), np.uint8), b"labels": [2**32 + 1] + [0] * 11})
+    cifar("object array of pixels", {b"data": np.array([[1] * 3072] * 12, object), b"labels": [0] * 12})
+
+    # TFF files
+    def tff(case, dataset, file, client, marker=None):
+        folder = tmp / f"tff_{len(p.rows)}"
+        if dataset == "emnist":
+            writers.write_fed_emnist(folder, np.random.default_rng(2), num_clients=4, per_client=(20, 24))
+        else:
+            writers.write_fed_cifar100(folder, np.random.default_rng(3), train_clients=4, test_clients=2, per_client=20)
+        path = folder / file
+        if isinstance(client, dict):
+            _add_client(path, client)
+        else:
+            client(path)
+        run("TFF files", case, f'dataset = "{dataset}"\ndata_dir = "{folder}"', needle=str(path))
+
+    px = np.full((6, 28, 28), 0.5, np.float32)
+    lab = np.arange(6, dtype=np.int32) % 3
+    tff("EMNIST float label 1.7", "emnist", "fed_emnist_train.h5", {"pixels": px, "label": lab + np.float64(0.7)})
+    tff("EMNIST string pixels", "emnist", "fed_emnist_train.h5", {"pixels": np.array([["a"] * 784] * 6, object).reshape(6, 28, 28), "label": lab})
+    tff("EMNIST 10x10 images among 28x28", "emnist", "fed_emnist_train.h5", {"pixels": np.zeros((6, 10, 10), np.float32), "label": lab})
+    tff("EMNIST labels of shape [n, 2]", "emnist", "fed_emnist_train.h5", {"pixels": px, "label": np.stack([lab, lab], 1)})
+    tff("EMNIST NaN pixel", "emnist", "fed_emnist_test.h5", {"pixels": np.where(np.arange(784).reshape(28, 28) == 9, np.nan, px), "label": lab})
+
+    def not_a_group(path):
+        import h5py
+
+        with h5py.File(path, "a") as f:
+            f["examples"].create_dataset("z_bad", data=np.zeros(3))
+
+    tff("TFF client entry that is a dataset, not a group", "emnist", "fed_emnist_train.h5", not_a_group)
+
+    def examples_dataset(path):
+        import h5py
+
+        with h5py.File(path, "w") as f:
+            f.create_dataset("examples", data=np.zeros(3))
+
+    tff("TFF /examples that is a dataset", "emnist", "fed_emnist_test.h5", examples_dataset)
+    img = np.zeros((6, 32, 32, 3), np.uint8)
+    tff("fed_cifar100 int64 label 2^32 + 3", "fed_cifar100", "fed_cifar100_train.h5", {"image": img, "label": np.array([2**32 + 3, 0, 1, 2, 3, 4], np.int64)})
+    tff("fed_cifar100 grayscale client", "fed_cifar100", "fed_cifar100_test.h5", {"image": np.zeros((6, 32, 32), np.uint8), "label": np.arange(6, dtype=np.int64)})
+
+    def stackoverflow(case, damage, file):
+        folder = tmp / f"so_{len(p.rows)}"
+        writers.write_stackoverflow(folder, np.random.default_rng(4), num_clients=4, posts_per_client=(20, 24))
+        damage(folder)
+        run("StackOverflow", case, f'dataset = "stackoverflow_nwp"\ndata_dir = "{folder}"\nvocab_size = 5\nmax_len = 4', needle=str(folder / file), model="lstm_nwp")
+
+    stackoverflow(
+        "integer tokens",
+        lambda f: _add_client(f / "stackoverflow_train.h5", {"tokens": np.arange(4), "title": np.array(["a"] * 4, object), "tags": np.array(["t0"] * 4, object)}),
+        "stackoverflow_train.h5",
+    )
+    stackoverflow("non-UTF-8 word count", lambda f: (f / "stackoverflow.word_count").write_bytes(b"w1 9\n\xff\xfe 8\nw2 7\nw3 6\nw4 5\nw5 4\n"), "stackoverflow.word_count")
+
+    # LEAF and IDX, newly
+    users = {f"u{i}": {"x": [[float(i), 1.0]] * 4, "y": [0, 1, 0, 2**40 if i == 1 else 1]} for i in range(4)}
+    folder = tmp / "leaf_big"
+    for split in ("train", "test"):
+        (folder / split).mkdir(parents=True)
+        (folder / split / "a.json").write_text(json.dumps({"users": list(users), "num_samples": [4] * 4, "user_data": users}))
+    run("LEAF and IDX", "LEAF label 2^40", f'dataset = "leaf"\ndata_dir = "{folder}"', needle=str(folder))
+    folder = write_idx(tmp / "idx_huge")
+    path = folder / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(bytes([0, 0, 8, 3]) + struct.pack(">3I", 2**31, 2**16, 2**16))
+    run("LEAF and IDX", "IDX header claiming 2^63 pixels", f'dataset = "mnist"\ndata_dir = "{folder}"', needle=str(path))
+
+    # configs and bench settings
+    run(
+        "config", "privacy.noise_multiplier = 1e30", 'dataset = "digits"', expect=2, needle="privacy.noise_multiplier",
+        extra="[privacy]\nclip = 1.0\nnoise_multiplier = 1e30\n", sets=('server.weighting="uniform"',),
+    )
+    for case, client in (("epochs -1", '{"epochs": -1}'), ("unknown key", '{"nosuch": 1}'), ("a list", "[1]")):
+        r = _bounded(["bench", "posterior", "--quick", "--out", tmp / "bp", "--client", client], timeout=120, cache=p.cache)
+        _hostile_row(p, "bench", f"bench posterior --client {case}", f"fedbayes bench posterior --quick --client '{client}'", r, 2, "--client")
+
+    # a Flower node: the node-side check of a server's config and of its own data file (no flwr needed)
+    marker = tmp / "IMPORTED"
+    evil = tmp / "evil_model.py"
+    evil.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    secret = tmp / "secret.csv"
+    secret.write_text("a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(200)))  # enough rows for a node to train on it
+    # what a node does with a train message's config, up to reading its examples (apps.train_reply
+    # without flwr): this tree's check before validation where it has one, then validation, the
+    # node's refusal of a path and node_examples; one line and the exit code as the CLI's handler gives
+    node = r"""
+import sys, tomllib
+from pathlib import Path
+from fedbayes.config.schema import validate
+from fedbayes.errors import exit_code_for, one_line
+from fedbayes.flower import nodedata
+raw = tomllib.loads(open(sys.argv[1]).read())
+source = dict(a.split("=", 1) for a in sys.argv[2:])
+try:
+    if not raw:
+        nodedata.read_file(source["data-file"])
+        sys.exit(0)
+    accept = getattr(nodedata, "accept_run_config", None)
+    config = validate(accept(raw, source) if accept else raw)
+    nodedata.refuse_server_path(config, source)
+    from fedbayes.flower.node import node_examples
+    x, y = node_examples(config, 0, Path(sys.argv[1]).parent / "node_state", source)
+    print(f"the node read {len(y)} examples", file=sys.stderr)
+except Exception as exc:
+    code = 3 if isinstance(exc, nodedata.NodeDataError) else exit_code_for(exc)
+    print(f"node error: {one_line(exc)}" + (" (Traceback: an unanticipated error in the node)" if code == 1 else ""), file=sys.stderr)
+    sys.exit(code)
+"""
+    (tmp / "node.py").write_text(node)
+
+    def flower(case, data='dataset = "digits"', top="", model="", source=(), needle="refuses", marker=None, empty=False, read_is_a_leak=False):
+        cfg = tmp / f"server_{len(p.rows)}.toml"
+        cfg.write_text("" if empty else top + run_cfg.replace('dataset = "digits"', data).replace('name = "logreg"', model or 'name = "logreg"'))
+        env = dict(os.environ, PYTHONPATH=str(SRC), JAX_PLATFORMS="cpu")
+        try:
+            r = subprocess.run([sys.executable, str(tmp / "node.py"), str(cfg), *source], capture_output=True, text=True, env=env, timeout=120)
+        except subprocess.TimeoutExpired:
+            r = subprocess.CompletedProcess([], None, "", "")
+        _hostile_row(p, "Flower node", case, "the node's check of a server's config (nodedata.accept_run_config)", r, 3, needle, marker)
+        if read_is_a_leak and r.returncode == 0:  # the node read the file the server named (and would train on it)
+            p.rows[-1]["outcome"] = "SECURITY"
+            print(f"[{'SECURITY':>12}] {case}: the node read the server's file", flush=True)
+
+    flower("server's model.module (not in the node's model-modules)", model=f'name = "module"\nmodule = "{evil}:Net"', source=("data-file=mine.npz",), marker=marker)
+    flower("server's dataset = files, path = a secret file", data=f'dataset = "files"\npath = "{secret}"', read_is_a_leak=True)
+    mine = tmp / "mine.npz"
+    np.savez(mine, x=np.zeros((4, 64)), y=np.arange(4) % 2)
+    flower("server's data.test_path (node with its own data-file)", data=f'dataset = "files"\npath = "{mine}"\ntest_path = "{secret}"', source=(f"data-file={mine}",))
+    flower("server's data.data_dir", data='dataset = "digits"\ndata_dir = "/srv/other"')
+    flower("server's store_dir", top='store_dir = "/var/other"\n')
+    flower("server's dataset = arrays, node without a data-file", data='dataset = "arrays"')
+    np.savez(tmp / "node_obj.npz", x=np.array([{"a": 1}] * 3, object), y=np.zeros(3))
+    flower("node's own data-file truncated", source=(f"data-file={cut}",), needle=str(cut), empty=True)
+    flower("node's own data-file an object array", source=(f"data-file={tmp / 'node_obj.npz'}",), needle="node_obj.npz", empty=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated parts to run (damaged_folders, two_runs, bad_configs, bad_data, other, edges)")
+    ap.add_argument("--only", default="", help="comma-separated parts to run (damaged_folders, two_runs, bad_configs, bad_data, other, edges, hostile)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--src", default="", help="the fedbayes source tree the commands run (default: this checkout's src/)")
     args = ap.parse_args()
+    global SRC
+    SRC = Path(args.src).resolve() if args.src else SRC
     tmp = Path(tempfile.mkdtemp(prefix="fb_probe_"))
     cache = tmp / "xla"
     p = Probe(tmp, cache)
     t0 = time.time()
-    for part in (damaged_folders, two_runs, bad_configs, bad_data, other, edges):
+    for part in (damaged_folders, two_runs, bad_configs, bad_data, other, edges, hostile):
         if any(word in part.__name__ for word in args.only.split(",")):
             part(p)
     counts = {}

@@ -101,3 +101,25 @@ def test_the_command_line_names_what_it_accepts(tmp_path):
     assert res.exit_code == 2 and "unknown suite 'nope'; allowed: posterior" in res.output
     res = runner.invoke(app, ["bench", "posterior", "--out", str(tmp_path), "--dataset", "nope"])
     assert res.exit_code == 2 and "allowed: breast_cancer, digits_3v8" in res.output
+
+
+@pytest.mark.parametrize(
+    "client, needle",
+    [
+        ('{"epochs": -1}', "--client: client.epochs: Input should be greater than or equal to 1"),
+        ('{"nosuch": 1}', "--client: client.nosuch: unknown key; allowed keys here: epochs"),
+        ('{"lr": "fast"}', "--client: client.lr: Input should be a valid number"),
+        ("[1, 2]", "--client must be a JSON object of [client] settings"),
+        ('[["epochs", 2]]', "--client must be a JSON object of [client] settings"),
+    ],
+)
+def test_client_settings_are_checked_before_any_work(tmp_path, client, needle):
+    from typer.testing import CliRunner
+
+    from fedbayes.cli import app
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "posterior", "--quick", "--out", str(out), "--client", client])
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
+    assert not out.exists()

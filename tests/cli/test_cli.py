@@ -248,3 +248,28 @@ def test_compilation_cache_folder_and_off_switch(tmp_path, monkeypatch):
         assert enable_compilation_cache() == str(tmp_path / "xdg" / "fedbayes" / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+class _Shell:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_cifar_batch_that_runs_code_exits_3_naming_the_file_and_runs_nothing(tmp_path):
+    import pickle
+
+    from fedbayes.data import writers
+
+    writers.write_cifar_python(tmp_path / "cf", np.random.default_rng(0), num_classes=10, num_train=50, num_test=10)
+    batch = tmp_path / "cf" / "cifar-10-batches-py" / "data_batch_1"
+    batch.write_bytes(pickle.dumps({b"data": _Shell(f"touch {tmp_path / 'PWNED'}"), b"labels": []}))
+    config = write(tmp_path, rounds=1).read_text().replace('dataset = "digits"', f'dataset = "cifar10"\ndata_dir = "{tmp_path / "cf"}"')
+    (tmp_path / "c.toml").write_text(config)
+    res = runner.invoke(app, ["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")])
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 3 and len(lines) == 1, res.output
+    assert str(batch) in lines[0] and "refused" in lines[0]
+    assert not (tmp_path / "PWNED").exists()

@@ -519,3 +519,10 @@ def test_load_dataset_file_based(tmp_path, monkeypatch):
     monkeypatch.setattr(idx_module, "FASHION_MNIST_SYSTEM_DIRS", (str(tmp_path / "none"),))
     present, detail = dict((n, (p, d)) for n, p, d in dataset_status())["fashion_mnist"]
     assert not present and "apt-get" in detail
+
+
+def test_an_idx_header_announcing_more_than_int64_bytes_is_named_exactly(tmp_path):
+    path = tmp_path / "huge-idx3"
+    path.write_bytes(bytes([0, 0, 8, 3]) + struct.pack(">3I", 2**31, 2**16, 2**16))
+    with pytest.raises(ValueError, match=r"huge-idx3: IDX header announces shape \(2147483648, 65536, 65536\) \(9223372036854775808 bytes of data\)"):
+        read_idx(path)

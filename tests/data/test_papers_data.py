@@ -3,6 +3,7 @@ small files written here in each real format: TFF's HDF5 layout, StackOverflow's
 CIFAR's Python batches. Expected arrays are written out by hand."""
 
 import json
+import os
 import pickle
 
 import numpy as np
@@ -116,6 +117,60 @@ def test_cifar10_python_batches(tmp_path):
     assert (ds.num_train, ds.num_test, ds.num_classes, ds.client_ids) == (50, 10, 10, None)
 
 
+class _Shell:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_cifar_batch_that_runs_code_is_refused_and_runs_nothing(tmp_path):
+    writers.write_cifar_python(tmp_path, np.random.default_rng(5), num_classes=10, num_train=50, num_test=10)
+    marker = tmp_path / "PWNED"
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    batch.write_bytes(pickle.dumps({b"data": _Shell(f"touch {marker}"), b"labels": []}))
+    with pytest.raises(DataError, match="data_batch_1: refused: not a plain-data pickle .*posix.system") as err:
+        load_dataset("cifar10", tmp_path)
+    assert err.value.exit_code == 3 and not marker.exists()
+
+
+def _batch(n=4, data=None, **labels):
+    return {b"data": np.zeros((n, 3072), np.uint8) if data is None else data, **{k.encode(): v for k, v in labels.items()}}
+
+
+@pytest.mark.parametrize(
+    "blob,needle",
+    [
+        (_batch(data=np.full((4, 3072), 300.0), labels=[0] * 4), "data must be an integer array of pixels 0..255; got float64"),
+        (_batch(data=np.full((4, 3072), 256, np.int64), labels=[0] * 4), "pixel 256 outside 0..255"),
+        (_batch(data=np.full((4, 3072), -1, np.int64), labels=[0] * 4), "pixel -1 outside 0..255"),
+        (_batch(data=np.zeros((4, 3071), np.uint8), labels=[0] * 4), "data must be [n, 3072]; got (4, 3071)"),
+        (_batch(labels=[0, 1, 2, 2**32 + 1]), "labels label 4294967297 outside 0..9"),
+        (_batch(labels=[0, 1, 2, 10]), "labels label 10 outside 0..9"),
+        (_batch(labels=[0, 1, 2, -1]), "labels label -1 outside 0..9"),
+        (_batch(labels=[0, 1, 2, 1.7]), "labels must be integer labels; got 1.7"),
+        (_batch(labels=np.zeros((4, 2), np.int64)), "labels must be integer labels, one per row"),
+        (_batch(labels=[0, 1]), "one label per row needed"),
+        (_batch(), "no 'labels' entry"),
+        ([1, 2], "a pickled list, not a dict"),
+    ],
+)
+def test_cifar_pixels_and_labels_are_checked_never_cast(tmp_path, blob, needle):
+    writers.write_cifar_python(tmp_path, np.random.default_rng(5), num_classes=10, num_train=50, num_test=10)
+    (tmp_path / "cifar-10-batches-py" / "data_batch_2").write_bytes(pickle.dumps(blob))
+    with pytest.raises(DataError) as err:
+        load_dataset("cifar10", tmp_path)
+    assert "data_batch_2: " in str(err.value) and needle in str(err.value), err.value
+
+
+def test_cifar100_coarse_labels_are_bounded_by_twenty(tmp_path):
+    writers.write_cifar_python(tmp_path, np.random.default_rng(4), num_train=20, num_test=10)
+    (tmp_path / "cifar-100-python" / "test").write_bytes(pickle.dumps(_batch(fine_labels=[99] * 4, coarse_labels=[20] * 4)))
+    with pytest.raises(DataError, match="test: coarse_labels label 20 outside 0..19"):
+        load_dataset("cifar100", tmp_path, num_clients=2, test_clients=2)
+
+
 def test_pachinko_two_levels():
     fine = np.repeat(np.arange(100), 50)
     coarse = fine // 5
@@ -155,7 +210,7 @@ def test_missing_and_damaged_files_name_the_file(tmp_path):
         load_dataset("emnist", tmp_path)
     (tmp_path / "cifar-100-python").mkdir()
     (tmp_path / "cifar-100-python" / "train").write_bytes(b"garbage")
-    with pytest.raises(DataError, match="train: not a CIFAR Python batch"):
+    with pytest.raises(DataError, match="train: not a readable pickle"):
         load_dataset("cifar100", tmp_path)
     _so_folder(tmp_path, ["a"], ["b"], ["t0"])
     (tmp_path / "stackoverflow.word_count").write_text("a 3\nbroken\n")
@@ -169,3 +224,65 @@ def test_datasets_status_says_where_it_looked(tmp_path):
     assert status["fed_cifar100"] == (True, str(tmp_path))
     assert not status["emnist"][0] and f"looked in {tmp_path}" in status["emnist"][1] and "fed_emnist_train.h5" in status["emnist"][1]
     assert not status["stackoverflow_lr"][0] and "stackoverflow.tag_count" in status["stackoverflow_lr"][1]
+
+
+def _emnist(tmp_path, train, test=None):
+    good = {"w0": {"pixels": np.full((3, 28, 28), 0.5, np.float32), "label": np.array([0, 1, 2], np.int32)}}
+    writers.write_tff(tmp_path / "fed_emnist_train.h5", {**good, **train})
+    writers.write_tff(tmp_path / "fed_emnist_test.h5", test or good)
+
+
+@pytest.mark.parametrize(
+    "client, needle",
+    [
+        ({"pixels": np.zeros((2, 28, 28), np.float32), "label": np.array([1.7, 1.0])}, "client 'w1': label 1.7 is not a class 0..61"),
+        ({"pixels": np.zeros((2, 28, 28), np.float32), "label": np.array([62, 1])}, "client 'w1': label 62 is not a class 0..61"),
+        ({"pixels": np.array([["a"] * 784] * 2, object).reshape(2, 28, 28), "label": np.array([0, 1])}, "client 'w1': pixels must be real numbers; got object"),
+        ({"pixels": np.zeros((2, 10, 10), np.float32), "label": np.array([0, 1])}, "client 'w1': images of shape [10, 10]; this dataset's are [28, 28]"),
+        ({"pixels": np.zeros((2, 28, 28), np.float32), "label": np.zeros((2, 2), np.int32)}, "client 'w1': labels must be one integer per example"),
+        ({"pixels": np.full((2, 28, 28), 255.0, np.float32), "label": np.array([0, 1])}, "client 'w1': pixel 255.0 outside 0..1"),
+    ],
+)
+def test_emnist_pixels_and_labels_are_checked_never_cast(tmp_path, client, needle):
+    _emnist(tmp_path, {"w1": client})
+    with pytest.raises(DataError) as err:
+        load_dataset("emnist", tmp_path)
+    assert str(err.value).startswith(str(tmp_path / "fed_emnist_train.h5")) and needle in str(err.value), err.value
+    assert err.value.exit_code == 3
+
+
+def test_a_tff_client_that_is_not_a_group_is_one_line(tmp_path):
+    import h5py
+
+    _emnist(tmp_path, {})
+    with h5py.File(tmp_path / "fed_emnist_test.h5", "a") as f:
+        f["examples"].create_dataset("w9", data=np.zeros(3))
+    with pytest.raises(DataError, match=r"fed_emnist_test.h5: client 'w9' is a Dataset, not a group of features"):
+        load_dataset("emnist", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "client, needle",
+    [
+        ({"image": np.zeros((2, 32, 32, 3), np.uint8), "label": np.array([2**32 + 3, 1], np.int64)}, "label 4294967299 is not a class 0..99"),
+        ({"image": np.zeros((2, 32, 32), np.uint8), "label": np.array([0, 1], np.int64)}, "images of shape [32, 32]; this dataset's are [32, 32, 3]"),
+        ({"image": np.full((2, 32, 32, 3), 300, np.int64), "label": np.array([0, 1], np.int64)}, "pixel 300 outside 0..255"),
+    ],
+)
+def test_fed_cifar100_pixels_and_labels_are_checked_never_cast(tmp_path, client, needle):
+    writers.write_fed_cifar100(tmp_path, np.random.default_rng(2), train_clients=2, test_clients=2, per_client=4)
+    writers.write_tff(tmp_path / "fed_cifar100_test.h5", {"c0": client})
+    with pytest.raises(DataError) as err:
+        load_dataset("fed_cifar100", tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'fed_cifar100_test.h5'}: client 'c0': ") and needle in str(err.value), err.value
+
+
+def test_stackoverflow_tokens_must_be_text_and_counts_utf8(tmp_path):
+    _so_folder(tmp_path, ["a b", "c"], ["", ""], ["t0", "t1"])
+    writers.write_tff(tmp_path / "stackoverflow_train.h5", {"u1": {"tokens": np.array([1, 2]), "title": np.array(["", ""], object), "tags": np.array(["t0", "t1"], object)}})
+    with pytest.raises(DataError, match=r"stackoverflow_train.h5: client 'u1': tokens must be text \(one byte string per post\); got int64"):
+        load_dataset("stackoverflow_nwp", tmp_path, vocab_size=2)
+    _so_folder(tmp_path, ["a b", "c"], ["", ""], ["t0", "t1"])
+    (tmp_path / "stackoverflow.word_count").write_bytes(b"a 3\n\xff\xfe 2\n")
+    with pytest.raises(DataError, match=r"stackoverflow.word_count: line 2 is not UTF-8 text"):
+        load_dataset("stackoverflow_nwp", tmp_path, vocab_size=2)

@@ -106,3 +106,58 @@ def test_from_arrays_maps_test_client_ids_and_refuses_unknown_ones():
     assert ds.client_ids.tolist() == [1, 0, 1, 0, 2, 2] and ds.test_client_ids.tolist() == [2, 0]
     with pytest.raises(DataError, match="client 'z' has no training examples"):
         from_arrays(x, y, client_ids=np.array(["b", "a", "b", "a", "c", "c"]), x_test=x[:1], y_test=y[:1], test_client_ids=np.array(["z"]))
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize(
+    "arrays, kwargs, message",
+    [
+        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 2**32])}, {}, "example 3: label 4294967296 is not a class"),
+        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 3_000_000])}, {}, "label 3000000 would make 3000001 classes of which only 3 occur; set data.num_classes"),
+        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 5])}, {"num_classes": 3}, "label 5 is outside the declared num_classes = 3"),
+        ({"x": np.zeros((4, 2)) + 1j, "y": np.array([0, 1, 0, 1])}, {}, "features must be real numbers; got complex128"),
+        ({"x": np.zeros((4, 0)), "y": np.array([0, 1, 0, 1])}, {}, "the examples have no features (shape (4, 0))"),
+        ({"x": np.zeros((0, 2)), "y": np.zeros(0, np.int64)}, {}, "holds no examples"),
+        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 1]) + 0j}, {}, "labels must be integer classes 0..C-1; got complex128"),
+        ({"x": np.zeros((4, 2)), "y": np.zeros((4, 2), np.int64)}, {}, "labels must be one per example (shape [N]); got shape (4, 2)"),
+        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 1]), "c": np.array([1.0, np.nan, 1.0, 2.0])}, {"client_column": "c"}, "example 1: client id nan is not finite"),
+    ],
+)
+def test_npz_labels_and_features_are_checked_never_coerced(tmp_path, arrays, kwargs, message):
+    path = _npz(tmp_path / "d.npz", **arrays)
+    with pytest.raises(DataError) as err:
+        load_files(path, test_fraction=0.5, rng=np.random.default_rng(0), **kwargs)
+    assert str(err.value).startswith(str(path)) and message in str(err.value) and "\n" not in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("label,f,f,f\n0,1,2,3\n1,4,5,6\n", "column 'f' appears 3 times in the header; column names must be unique"),
+        ("label,a\n", "holds no examples"),
+        ("label,a\n0,1\n4294967297,2\n", "label 4294967297.0 is not a class"),
+        ("label,a\n0,1\n1,2\n3000000,1\n", "label 3000000 would make 3000001 classes"),
+    ],
+)
+def test_csv_columns_and_labels_are_checked(tmp_path, content, message):
+    path = tmp_path / "d.csv"
+    path.write_text(content)
+    with pytest.raises(DataError) as err:
+        load_files(path, test_fraction=0.5, rng=np.random.default_rng(0))
+    assert str(err.value).startswith(str(path)) and message in str(err.value), err.value
+
+
+def test_a_truncated_or_object_npz_is_one_line_naming_the_file(tmp_path):
+    good = _npz(tmp_path / "good.npz", x=np.zeros((40, 3)), y=np.arange(40) % 2)
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    obj = tmp_path / "obj.npz"
+    np.savez(obj, x=np.array([{"a": 1}] * 4, object), y=np.zeros(4))
+    for path in (cut, obj):
+        with pytest.raises(DataError) as err:
+            load_files(path, rng=np.random.default_rng(0))
+        assert str(err.value).startswith(f"{path}: cannot be read as npz"), err.value

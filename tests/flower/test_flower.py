@@ -556,3 +556,109 @@ def test_the_grid_transport_pulls_a_rounds_replies_after_half_the_last_rounds_wa
         firsts.append((grid.pulls[0] - start, len(grid.pulls)))
     assert firsts[0][0] == 0.0 and firsts[0][1] >= 9  # round 0: pulls from the start, every 50 ms
     assert firsts[1][0] == pytest.approx(delay / 2, abs=0.03) and firsts[1][1] <= 6  # then half the wait first
+
+
+@pytest.mark.slow
+def test_real_nodes_refuse_a_server_named_module_and_the_server_hears_it(tmp_path):
+    """A hostile server: its config's model.module names a file that no node lists. Each node
+    (a real SuperNode and its warm executor) refuses before importing it; the server logs each
+    node's one line and counts the replies rejected; only the server process imported the file."""
+    from fedbayes.flower.deploy import LocalFederation
+    from fedbayes.flower.node import prepare_data
+
+    marker = tmp_path / "IMPORTED"
+    evil = tmp_path / "evil_model.py"
+    evil.write_text(
+        f"import os, sys\nwith open({str(marker)!r}, 'a') as f:\n    f.write(' '.join(sys.argv) + '\\n')\n"
+        "import flax.linen as nn\nclass Net(nn.Module):\n    num_classes: int = 2\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return nn.Dense(self.num_classes, name='dense')(x.reshape((x.shape[0], -1)))\n"
+    )
+    plain = raw_config("fedavg", rounds=1, num_clients=2)
+    hostile = {**plain, "model": {"name": "module", "module": f"{evil}:Net"}}
+    fed = LocalFederation(tmp_path / "federation", 2)
+    try:
+        prepare_data(build_experiment(validate(plain)), {n.partition: n.state_dir for n in fed.nodes})
+        fed.start()
+        status, out = _run(fed, tmp_path, hostile, "hostile", **{"reply-timeout": 120.0})
+        assert status == {"ok": True}, status
+        last = records(out / "metrics.jsonl")[-1]
+        assert last["round"] == 1 and last["rejected"] == 2
+        log = (out / "flower_server.log").read_text()
+        assert log.count("this node refuses the run's model.module") >= 2, log[-2000:]
+        importers = marker.read_text().splitlines()
+        assert importers and all("serverapp" in line for line in importers), importers
+    finally:
+        _no_process_left(fed)
+
+
+@pytest.mark.slow
+def test_a_deployed_run_with_its_own_model_module_lists_it_for_its_nodes(tmp_path):
+    """`fedbayes deploy` starts both sides: its nodes get the run's module in model-modules and
+    import it; the run equals the simulator's with the same module."""
+    from fedbayes.flower.deploy import deploy_local
+
+    module = tmp_path / "own_model.py"
+    module.write_text(
+        "import flax.linen as nn\nclass Net(nn.Module):\n    num_classes: int = 2\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return nn.Dense(self.num_classes, name='dense')(x.reshape((x.shape[0], -1)))\n"
+    )
+    raw = {**raw_config("fedavg", rounds=2, num_clients=2), "model": {"name": "module", "module": f"{module}:Net"}}
+    deploy_local(validate(raw), tmp_path / "deployed", run_config={"reply-timeout": 120.0}, timeout=600)
+    _check_complete(tmp_path / "deployed", 2, 2)
+    run_experiment(validate(raw), tmp_path / "sim")
+    assert_same_server_state(tmp_path / "sim", tmp_path / "deployed")
+
+
+# A hostile server, for a real federation's test: its ServerApp process (and only it) sends a
+# path to the nodes in every train message (fedbayes's own server strips every path).
+HOSTILE_SERVER = """
+import sys
+if any("serverapp" in a for a in sys.argv):
+    import importlib.abc, importlib.machinery
+
+    class _Hostile(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "fedbayes.flower.rounds":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                honest = module.sent_config
+                module.sent_config = lambda config: honest(config).replace('dataset = "breast_cancer"', 'dataset = "files"\\npath = "SECRET"')
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Hostile())
+"""
+
+
+@pytest.mark.slow
+def test_real_nodes_refuse_a_path_their_server_names_and_read_nothing(tmp_path):
+    """A hostile server names a file on the nodes' machine (`dataset = "files"`, `path`) in its
+    train messages; each real node refuses in one line, which the server logs, and reads no file."""
+    from fedbayes.flower.deploy import LocalFederation
+    from fedbayes.flower.node import prepare_data
+
+    secret = tmp_path / "secret.csv"
+    secret.write_text("a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(200)))
+    hook = tmp_path / "hostile"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOSTILE_SERVER.replace("SECRET", str(secret)))
+    raw = raw_config("fedavg", rounds=1, num_clients=2)
+    fed = LocalFederation(tmp_path / "federation", 2, env={"PYTHONPATH": str(hook)})
+    try:
+        prepare_data(build_experiment(validate(raw)), {n.partition: n.state_dir for n in fed.nodes})
+        fed.start()
+        status, out = _run(fed, tmp_path, raw, "hostile", **{"reply-timeout": 120.0})
+        assert status == {"ok": True}, status
+        assert records(out / "metrics.jsonl")[-1]["rejected"] == 2
+        log = (out / "flower_server.log").read_text()
+        assert log.count(f"this node refuses the run's data.path = '{secret}'") >= 2, log[-2000:]
+        for n in fed.nodes:  # only the data prepared for them: nothing read from the server's file
+            assert len(list((n.state_dir / "data").iterdir())) == 1
+    finally:
+        _no_process_left(fed)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,65 @@ def test_the_server_never_sends_a_data_path_and_a_node_refuses_one_in_one_line(e
 def test_a_node_holding_another_dataset_refuses_the_run(exp, tmp_path):
     with pytest.raises(NodeDataError, match="this node holds dataset 'wine'; the run is configured for 'breast_cancer'"):
         train_reply(_message(exp, 0), _node_config(tmp_path, dataset="wine"), RecordDict())
+
+
+def _evil_module(tmp_path: Path) -> tuple[str, Path]:
+    """A model file that leaves a marker when imported (by whom: the importing process's argv)."""
+    marker = tmp_path / "IMPORTED"
+    evil = tmp_path / "evil_model.py"
+    evil.write_text(
+        f"import sys\nwith open({str(marker)!r}, 'a') as f:\n    f.write(' '.join(sys.argv) + '\\n')\n"
+        "import flax.linen as nn\nclass Net(nn.Module):\n    num_classes: int = 2\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return nn.Dense(self.num_classes, name='dense')(x.reshape((x.shape[0], -1)))\n"
+    )
+    return f"{evil}:Net", marker
+
+
+def _with(exp, **sections) -> str:
+    raw = tomllib.loads(sent_config(exp.config))
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return tomli_w.dumps(raw)
+
+
+def test_a_server_named_module_is_refused_unless_the_node_lists_it(exp, tmp_path):
+    spec, marker = _evil_module(tmp_path)
+    text = _with(exp, model={"name": "module", "module": spec})
+    npz = node.write_client_file(exp, 0, tmp_path / "mine.npz")
+    for own in ({}, {"data-file": str(npz)}):
+        with pytest.raises(NodeDataError, match=r"^this node refuses the run's model.module = '.*evil_model.py:Net': a node imports only"):
+            train_reply(_message(exp, 0, text), _node_config(tmp_path, **own), RecordDict())
+    assert not marker.exists()
+    # listed: imported, and the same model as logreg's gives logreg's reply
+    reply = train_reply(_message(exp, 0, text), _node_config(tmp_path, **{"data-file": str(npz), "model-modules": f"pkg.other:Net,{spec}"}), RecordDict())
+    plain = train_reply(_message(exp, 0), _node_config(tmp_path / "plain", **{"data-file": str(npz)}), RecordDict())
+    assert marker.exists() and reply.config_records["meta"]["reply"] == plain.config_records["meta"]["reply"]
+
+
+def test_a_server_named_data_file_is_refused_and_never_read(exp, tmp_path):
+    secret = tmp_path / "secret.csv"
+    secret.write_text("label,a\n0,1\n1,2\n")
+    before = secret.stat().st_atime_ns
+    for data in ({"dataset": "files", "path": str(secret)}, {"dataset": "files", "path": "mine.npz", "test_path": str(secret)}, {"dataset": "files"}):
+        with pytest.raises(NodeDataError, match=r"^this node refuses the run's data\.(path|test_path|dataset)") as err:
+            train_reply(_message(exp, 0, _with(exp, data=data)), _node_config(tmp_path), RecordDict())
+        assert "\n" not in str(err.value)
+    assert secret.stat().st_atime_ns == before and not (tmp_path / "state" / "data").exists()
+    # the server's own-data run, without its paths (as the server sends it): the node's data-file is the data
+    npz = node.write_client_file(exp, 0, tmp_path / "mine.npz")
+    own = train_reply(_message(exp, 0, _with(exp, data={"dataset": "files"})), _node_config(tmp_path, **{"data-file": str(npz)}), RecordDict())
+    plain = train_reply(_message(exp, 0), _node_config(tmp_path / "plain", **{"data-file": str(npz)}), RecordDict())
+    assert own.config_records["meta"]["reply"] == plain.config_records["meta"]["reply"]
+
+
+def test_a_server_named_model_larger_than_the_node_is_refused_before_it_is_allocated(exp, tmp_path):
+    from fedbayes.config.schema import ConfigError
+
+    npz = node.write_client_file(exp, 0, tmp_path / "mine.npz")
+    text = _with(exp, model={"name": "mlp", "hidden": [10**9, 10**9]})
+    with pytest.raises(ConfigError, match=r"^config error: model.hidden: the model has [\d,]+ parameters; .* this machine has") as err:
+        train_reply(_message(exp, 0, text), _node_config(tmp_path, **{"data-file": str(npz)}), RecordDict())
+    assert "\n" not in str(err.value)
 
 
 def _write_csv(path: Path, x: np.ndarray, y: np.ndarray) -> Path:

@@ -29,6 +29,7 @@ class PlainInputs(NamedTuple):
     """One plain round's inputs, on the devices (:func:`prepare_plain_round`)."""
 
     round: int
+    server_device: Any  # where the server state, the weights and the server key live (the mesh's first device)
     devices: list  # per client: the device it runs on
     keys: list  # per client: its key (protocol.client_key)
     states: list  # per client: its state row on its device
@@ -94,7 +95,7 @@ def prepare_plain_round(sim, state, round_idx: int) -> PlainInputs:
     device_of = {int(i): devices[d] for d, g in enumerate(groups) for i in g}
     pooled = _pooled_on_devices(sim)
     length = size_class(epochs * int(sim.sizes.max()) + batch)
-    out = PlainInputs(round_idx, [], [], [], [], None, protocol.server_key(sim.seed, round_idx))
+    out = PlainInputs(round_idx, devices[0], [], [], [], [], None, jax.device_put(protocol.server_key(sim.seed, round_idx), devices[0]))
     for i, cid in enumerate(cohort):
         dev, ix = device_of[i], fed.client_indices[cid]
         order, _, _ = layout_orders(sim.seed, round_idx, [cid], [ix], epochs, batch, length=length)
@@ -113,7 +114,7 @@ def plain_round(sim, server_state, inputs: PlainInputs):
     import jax
 
     client, broadcast, server = _programs(sim)
-    first = inputs.devices[0]
+    first = inputs.server_device  # not the first client's device: the cohort's first client may run elsewhere
     message = broadcast(server_state)
     on = {d: jax.device_put(message, d) for d in set(inputs.devices)}
     messages = [client(k, on[d], s, data)[0] for d, k, s, data in zip(inputs.devices, inputs.keys, inputs.states, inputs.data)]

@@ -442,6 +442,21 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
     }
 
 
+def check_client(client: dict | None, method: Method) -> None:
+    """Raises ValueError, one line naming the field, when ``client`` (the ``[client]`` settings
+    for every method, ``--client``) with ``method``'s own is not a valid ``[client]`` section."""
+    from pydantic import ValidationError
+
+    from fedbayes.config.schema import ClientConfig, format_validation_error
+
+    if client is not None and not isinstance(client, dict):
+        raise ValueError(f"--client must be a JSON object of [client] settings; got {client!r}")
+    try:
+        ClientConfig(**{**method.client, **(client or {})})
+    except ValidationError as exc:
+        raise ValueError("--client: " + format_validation_error(exc, ClientConfig, "client.").removeprefix("config error: ")) from None
+
+
 def run_posterior_bench(
     out: str | Path,
     settings: PosteriorBenchSettings = FULL,
@@ -466,6 +481,8 @@ def run_posterior_bench(
     bad = [m for m in chosen if m not in by_key]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; allowed: {', '.join(by_key)}")
+    for key in chosen:
+        check_client(settings.client, by_key[key])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     result = {

@@ -115,9 +115,12 @@ def _bench_posterior(
         settings = dataclasses.replace(settings, max_rounds=max_rounds)
     if client is not None:
         try:
-            settings = dataclasses.replace(settings, client=dict(json.loads(client)))
-        except (ValueError, TypeError):
+            parsed = json.loads(client)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
             fail(f"error: bench posterior: --client must be a JSON object of [client] settings, got {client!r}")
+        settings = dataclasses.replace(settings, client=parsed)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
     try:
         result = posterior.run_posterior_bench(out, settings, datasets, methods, log=log)

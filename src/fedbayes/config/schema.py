@@ -241,7 +241,9 @@ class PrivacyConfig(_Strict):
     section: ClassVar[str] = "privacy."
 
     clip: float | None = Field(None, gt=0, description="joint L2 bound C of each client's message; unset: no DP")
-    noise_multiplier: float = Field(0.0, ge=0, description="sigma: Gaussian noise of std sigma*C on the sum of the cohort's clipped messages")
+    noise_multiplier: float = Field(
+        0.0, ge=0, le=1e6, description="sigma: Gaussian noise of std sigma*C on the sum of the cohort's clipped messages (at most 1e6: epsilon is 0 there, and dp-accounting fails above about 1e8)"
+    )
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported per evaluation as epsilon")
     coordinates: Literal["natural", "moments"] = Field("natural", description="Gaussian messages: clip and noise natural parameters, or (mean, log precision)")
     precision_floor: float = Field(0.5, gt=0, lt=1, description="natural coordinates: a noisy round can shrink a global precision at most to this fraction")

@@ -12,6 +12,7 @@ uint32 sizes, then the elements in C order, big-endian.
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
 import zlib
@@ -77,7 +78,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise DataError(f"{path}: truncated IDX header ({ndim} dimensions announced)")
     shape = struct.unpack(f">{ndim}I", raw[4:header_len])
     dtype = IDX_DTYPES[code]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize  # Python integers: a damaged header's product does not wrap
     if len(raw) - header_len != expected:
         raise DataError(f"{path}: IDX header announces shape {shape} ({expected} bytes of data) but the file holds {len(raw) - header_len} bytes")
     data = np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(shape)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
-from fedbayes.errors import DataError
+from fedbayes.errors import BadInputError, DataError
 
 # LEAF's Shakespeare vocabulary (models/utils/language_utils.py, ALL_LETTERS): 80 characters, the
 # newline first. Token id = position in this string.
@@ -138,7 +138,8 @@ def _numeric_arrays(users: dict, order: list[str]):
                 f"{path}: user {user!r}: x and y must be numeric arrays of one shape (null is not a number; {' '.join(str(err).split())[:120]})"
             ) from None
         if y.size and (y.ndim != 1 or not np.isfinite(y).all() or np.any(y != np.round(y)) or np.any(y < 0) or np.any(y >= 2**31)):
-            raise DataError(f"{path}: user {user!r}: y must be non-negative integer labels")
+            bad = y.reshape(-1)[~(np.isfinite(y) & (y == np.round(y)) & (y >= 0) & (y < 2**31)).reshape(-1)] if y.ndim == 1 else y.reshape(-1)
+            raise DataError(f"{path}: user {user!r}: y must be non-negative integer labels, one per example; got {float(bad[0])!r}" + ("" if y.ndim == 1 else f" in shape {list(y.shape)}"))
         if x.size and not np.isfinite(x).all():
             bad = int(np.argmax(~np.isfinite(x.reshape(len(x), -1)).all(axis=1)))
             raise DataError(f"{path}: user {user!r}: example {bad} has a non-finite feature (NaN, Inf, null or out of float32 range)")
@@ -212,7 +213,7 @@ def load_leaf(folder: str | os.PathLike, name: str = "leaf", num_classes: int | 
         raise DataError(f"{folder}: train examples have {x_train.shape[1:]} features but test examples {x_test.shape[1:]}")
     if text:
         if num_classes not in (None, NUM_LETTERS):
-            raise ValueError(f"num_classes for LEAF text must be {NUM_LETTERS}, got {num_classes}")
+            raise BadInputError(f"config error: data.num_classes: LEAF text has {NUM_LETTERS} classes; got {num_classes}")
         num_classes = NUM_LETTERS
     else:
         observed = int(max(y_train.max(), y_test.max(initial=0))) + 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import numpy as np
 from fedbayes import protocol
 from fedbayes.data import cifar, idx, leaf, sklearn_data, stackoverflow, synthetic, tff, user
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
+from fedbayes.data.partition import PartitionError
+from fedbayes.errors import DataError, FedbayesError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,12 +289,34 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int
     unknown = sorted(set(params) - set(info.params))
     if unknown:
         raise ValueError(f"dataset {name!r} got unknown parameter(s) {unknown}; allowed: {sorted(info.params + ('fraction',))}")
-    dataset = info.loader(data_dir, seed, **params)
+    if name in FILE_BASED or name == "files":
+        dataset = _read(info, name, data_dir, seed, params)
+    else:
+        dataset = info.loader(data_dir, seed, **params)
     source = dataset.name if name == "files" else name  # the file's path
     check_dataset(dataset, str(data_dir) if data_dir is not None and name in FILE_BASED else source)
     if fraction is not None:
         dataset = dataset.subsample(fraction, protocol.subsample_rng(seed))
     return dataset
+
+
+# What a loader meets in a damaged file that it did not name itself (numpy's and h5py's messages).
+_UNREAD = (
+    ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, ZeroDivisionError, EOFError, MemoryError,
+    NotImplementedError, RuntimeError, SyntaxError, zipfile.BadZipFile, zlib.error,
+)  # fmt: skip
+
+
+def _read(info: DatasetInfo, name: str, data_dir, seed: int, params: dict) -> Dataset:
+    """``info.loader``'s dataset; a failure the loader did not put in words is a
+    :class:`DataError` naming the file or folder (never a config error, never a traceback)."""
+    try:
+        return info.loader(data_dir, seed, **params)
+    except (FedbayesError, PartitionError):
+        raise
+    except _UNREAD as exc:
+        where = params.get("path") if name == "files" else data_dir if data_dir is not None else info.locate(None)[1]
+        raise DataError(f"{where}: cannot be read as dataset {name!r} ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
 
 
 def dataset_status(data_dir: str | os.PathLike | None = None) -> list[tuple[str, bool, str]]:

@@ -67,8 +67,12 @@ def read_word_counts(path: Path, vocab_size: int) -> list[str]:
         the file and the line).
     """
     words: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}: line {number} is not UTF-8 text: {raw[:80]!r}") from None
             parts = line.split()
             if len(parts) != 2 or not parts[1].isdigit():
                 raise DataError(f"{path}: line {number} is not 'word count': {line.strip()[:80]!r}")
@@ -137,11 +141,25 @@ def tag_targets(tags, tag_ids: dict[str, int]) -> np.ndarray:
     return y
 
 
+def _texts(path: Path, client: str, feature: str, values) -> list[str]:
+    """A client's ``feature`` as text: byte strings (or str) decoded as UTF-8, anything else refused."""
+    values = np.asarray(values)
+    if values.ndim != 1 or not all(isinstance(v, (bytes, str)) for v in values):
+        raise DataError(f"{path}: client {client!r}: {feature} must be text (one byte string per post); got {values.dtype} values of shape {list(values.shape)}")
+    out = []
+    for i, v in enumerate(values):
+        try:
+            out.append(v.decode("utf-8") if isinstance(v, bytes) else str(v))
+        except UnicodeDecodeError:
+            raise DataError(f"{path}: client {client!r}: {feature} of post {i} is not UTF-8 text: {v[:60]!r}") from None
+    return out
+
+
 def _rows(path: Path, task: str, words: dict[str, int], tags: dict[str, int], max_len: int, limit: int | None, max_posts: int | None = None):
     features = ("tokens",) if task == "next_word" else ("tokens", "title", "tags")
     xs, ys, names = [], [], []
     for name, a in read_clients(path, features, limit):
-        a = {k: v[:max_posts] for k, v in a.items()}
+        a = {k: _texts(path, name, k, v[:max_posts]) for k, v in a.items()}
         if task == "next_word":
             x, y = token_sequences(a["tokens"], words, max_len)
         else:

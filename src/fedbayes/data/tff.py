@@ -26,7 +26,7 @@ import numpy as np
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.errors import DataError
 
-__all__ = ["TFF_INSTRUCTIONS", "load_fed_cifar100", "load_fed_emnist", "read_clients", "tff_file"]
+__all__ = ["TFF_INSTRUCTIONS", "client_checker", "load_fed_cifar100", "load_fed_emnist", "read_clients", "tff_file"]
 
 TFF_INSTRUCTIONS = (
     "Download TFF's file on a machine with network access (the URL tff.simulation.datasets names, e.g. "
@@ -69,34 +69,82 @@ def read_clients(path: Path, features: tuple[str, ...], limit: int | None = None
     except OSError as err:
         raise DataError(f"{path}: not a readable HDF5 file ({' '.join(str(err).split())[:160]})") from None
     with f:
-        examples = f.get("examples")
-        if not isinstance(examples, h5py.Group):
-            raise DataError(f"{path}: no '/examples' group (TFF's layout: /examples/<client>/<feature>)")
-        names = sorted(examples)
+        try:
+            examples = f.get("examples")
+            if not isinstance(examples, h5py.Group):
+                raise DataError(f"{path}: no '/examples' group (TFF's layout: /examples/<client>/<feature>)")
+            names = sorted(examples)
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
+            if isinstance(err, DataError):
+                raise
+            raise DataError(f"{path}: damaged HDF5 file ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
         for name in names[:limit]:
-            group = examples[name]
-            missing = [k for k in features if not isinstance(group.get(k), h5py.Dataset)]
-            if missing:
-                raise DataError(f"{path}: client {name!r} has no {', '.join(missing)} (it holds {sorted(group)})")
-            arrays = {k: group[k][()] for k in features}
-            lengths = {len(a) for a in arrays.values()}
-            if len(lengths) != 1:
-                raise DataError(f"{path}: client {name!r} has features of different lengths {sorted(lengths)}")
-            yield name, arrays
+            yield name, _client(h5py, path, examples, name, features)
 
 
-def _federated(train, test, x_key: str, y_key: str, dtype) -> tuple[np.ndarray, ...]:
+def _client(h5py, path: Path, examples, name: str, features: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """One client's feature arrays, checked (see :func:`read_clients`)."""
+    try:
+        group = examples[name]
+        if not isinstance(group, h5py.Group):
+            raise DataError(f"{path}: client {name!r} is a {type(group).__name__}, not a group of features (TFF's layout: /examples/<client>/<feature>)")
+        missing = [k for k in features if not isinstance(group.get(k), h5py.Dataset)]
+        if missing:
+            raise DataError(f"{path}: client {name!r} has no {', '.join(missing)} (it holds {sorted(group)})")
+        arrays = {k: group[k][()] for k in features}
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"{path}: client {name!r}: damaged ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
+    scalar = [k for k, a in arrays.items() if np.ndim(a) == 0]
+    if scalar:
+        raise DataError(f"{path}: client {name!r}: {scalar[0]} is a scalar, not one value per example")
+    lengths = {len(a) for a in arrays.values()}
+    if len(lengths) != 1:
+        raise DataError(f"{path}: client {name!r} has features of different lengths {sorted(lengths)}")
+    return arrays
+
+
+def _federated(train, test, x_key: str, y_key: str, checks) -> tuple[np.ndarray, ...]:
+    """Stacked ``x, y, client ids`` of train and test; ``checks``: for train and for test,
+    ``check(client, x, y)`` returning a client's ``(x float32, y int32)`` (:func:`client_checker`)."""
     ids = {name: i for i, (name, _) in enumerate(train)}
     for name, _ in test:
         ids.setdefault(name, len(ids))
 
-    def stack(clients):
-        x = np.concatenate([np.asarray(a[x_key], dtype) for _, a in clients])
-        y = np.concatenate([np.asarray(a[y_key]).astype(np.int32) for _, a in clients])
+    def stack(clients, check):
+        checked = [check(n, a[x_key], a[y_key]) for n, a in clients]
+        x = np.concatenate([c[0] for c in checked])
+        y = np.concatenate([c[1] for c in checked])
         cid = np.concatenate([np.full(len(a[y_key]), ids[n], np.int64) for n, a in clients])
         return x, y, cid
 
-    return (*stack(train), *stack(test))
+    return (*stack(train, checks[0]), *stack(test, checks[1]))
+
+
+def client_checker(path: Path, shape: tuple[int, ...], pixels: tuple[float, float], num_classes: int):
+    """``check(client, x, y)`` for :func:`_federated`: images of ``shape`` with real values in
+    ``pixels`` (inclusive) and integer labels in ``[0, num_classes)``, never cast or wrapped;
+    a :class:`DataError` names the file, the client and the value."""
+
+    def check(name: str, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        where = f"{path}: client {name!r}"
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype.kind not in "iuf":
+            raise DataError(f"{where}: pixels must be real numbers; got {x.dtype} values")
+        if x.shape[1:] != shape:
+            raise DataError(f"{where}: images of shape {list(x.shape[1:])}; this dataset's are {list(shape)}")
+        if x.size and not (np.all(np.isfinite(x)) and x.min() >= pixels[0] and x.max() <= pixels[1]):
+            bad = x[~(np.isfinite(x) & (x >= pixels[0]) & (x <= pixels[1]))].flat[0]
+            raise DataError(f"{where}: pixel {bad} outside {pixels[0]:g}..{pixels[1]:g}")
+        if y.ndim != 1 or y.dtype.kind not in "iuf":
+            raise DataError(f"{where}: labels must be one integer per example; got {y.dtype} of shape {list(y.shape)}")
+        bad = ~np.isfinite(y) | (y != np.round(y)) | (y < 0) | (y >= num_classes) if y.dtype.kind == "f" else (y < 0) | (y >= num_classes)
+        if np.any(bad):
+            raise DataError(f"{where}: label {y[np.argmax(bad)]} is not a class 0..{num_classes - 1}")
+        return x.astype(np.float32), y.astype(np.int32)
+
+    return check
 
 
 def _empty(path, clients):
@@ -116,8 +164,8 @@ def load_fed_emnist(folder: str | os.PathLike, only_digits: bool = False) -> Dat
     train_path, test_path = tff_file(folder, f"{stem}_train.h5"), tff_file(folder, f"{stem}_test.h5")
     train = _empty(train_path, list(read_clients(train_path, ("pixels", "label"))))
     test = _empty(test_path, list(read_clients(test_path, ("pixels", "label"))))
-    x, y, cid, xt, yt, tid = _federated(train, test, "pixels", "label", np.float32)
     num_classes = 10 if only_digits else 62
+    x, y, cid, xt, yt, tid = _federated(train, test, "pixels", "label", [client_checker(p, (28, 28), (0.0, 1.0), num_classes) for p in (train_path, test_path)])
     return Dataset("emnist", x[..., None], y, xt[..., None], yt, num_classes, "classification", cid, tid)
 
 
@@ -132,5 +180,5 @@ def load_fed_cifar100(folder: str | os.PathLike) -> Dataset:
     train_path, test_path = tff_file(folder, "fed_cifar100_train.h5"), tff_file(folder, "fed_cifar100_test.h5")
     train = _empty(train_path, list(read_clients(train_path, ("image", "label"))))
     test = _empty(test_path, list(read_clients(test_path, ("image", "label"))))
-    x, y, cid, xt, yt, tid = _federated(train, test, "image", "label", np.float32)
+    x, y, cid, xt, yt, tid = _federated(train, test, "image", "label", [client_checker(p, (32, 32, 3), (0.0, 255.0), 100) for p in (train_path, test_path)])
     return Dataset("fed_cifar100", x, y, xt, yt, 100, "classification", cid, tid)

@@ -13,8 +13,9 @@ the same :class:`Dataset`. Formats, told apart by the file's suffix:
   array names its columns by index (``"0"``, ``"1"``, ...), a structured one by its fields.
   Parquet needs pyarrow (``pip install -e '.[parquet]'``).
 
-Features become float32; labels are integer classes ``0..C-1`` (``C``: ``data.num_classes``, else
-one more than the largest label). A client column is the data's natural partition
+Features (real numbers only: no complex, text or object values) become float32; labels are
+integer classes ``0..C-1`` (``C``: ``data.num_classes``, else one more than the largest label, when
+that leaves no more than half the classes empty, as LEAF's loader asks), never cast. A client column is the data's natural partition
 (``data.partition = "natural"``): its values are mapped, in sorted order, to clients
 ``0..K-1``. The test split is ``data.test_path`` (the same format, with or without a client
 column) or, without one, ``data.test_fraction`` of each client's rows held out by a generator
@@ -26,6 +27,7 @@ exit code 3).
 from __future__ import annotations
 
 import csv
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +56,9 @@ def _columns_csv(path: Path) -> dict[str, np.ndarray]:
     if not rows:
         raise DataError(f"{path}: the CSV file is empty; it needs a header row and one row per example")
     header, body = [h.strip() for h in rows[0]], rows[1:]
+    twice = [name for name, n in Counter(header).items() if n > 1]
+    if twice:
+        raise DataError(f"{path}: column {twice[0]!r} appears {header.count(twice[0])} times in the header; column names must be unique")
     out: dict[str, np.ndarray] = {}
     for j, name in enumerate(header):
         try:
@@ -100,8 +105,8 @@ def read_table(path: str | Path) -> dict[str, np.ndarray]:
             return _columns_parquet(path)
     except DataError:
         raise
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: cannot be read as {suffix[1:]} ({' '.join(str(exc).split())})") from None
+    except Exception as exc:  # a parser's failure on a damaged file, whatever its kind (zipfile, numpy's header parser, pyarrow)
+        raise DataError(f"{path}: cannot be read as {suffix[1:]} ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
     raise DataError(f"{path}: unknown format {suffix or '(no suffix)'!r}; allowed: {', '.join(FORMATS)}")
 
 
@@ -121,20 +126,36 @@ def _split_columns(path: Path, columns: dict[str, np.ndarray], label: str | None
         names = [n for n in columns if n not in (label, client)]
         if not names:
             raise DataError(f"{path}: no feature columns besides the label {label!r}" + (f" and the client column {client!r}" if client else ""))
+        bad = next((n for n in names if np.asarray(columns[n]).dtype.kind not in "biuf"), None)
+        if bad is not None:
+            raise DataError(f"{path}: column {bad!r} holds {np.asarray(columns[bad]).dtype} values; features must be real numbers")
         x = np.stack([np.asarray(columns[n], np.float64) for n in names], axis=1)
     return x, columns[label], ids
+
+
+MAX_LABEL = np.iinfo(np.int32).max  # class ids are int32
 
 
 def _labels(y: np.ndarray, where: str) -> np.ndarray:
     y = np.asarray(y)
     if y.ndim != 1:
         raise DataError(f"{where}: labels must be one per example (shape [N]); got shape {y.shape}")
-    if not np.issubdtype(y.dtype, np.number) or (np.issubdtype(y.dtype, np.floating) and not np.all(np.isfinite(y))):
+    if y.dtype.kind not in "iuf" or (y.dtype.kind == "f" and not np.all(np.isfinite(y))):
         raise DataError(f"{where}: labels must be integer classes 0..C-1; got {y.dtype} values")
-    if np.any(y != np.round(y)) or np.any(y < 0):
-        bad = int(np.argmax((y != np.round(y)) | (y < 0)))
-        raise DataError(f"{where}: example {bad}: label {y[bad]} is not a class 0..C-1 (labels must be non-negative integers)")
+    bad = (y != np.round(y)) | (y < 0) | (y > MAX_LABEL)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise DataError(f"{where}: example {i}: label {y[i]} is not a class 0..C-1 (labels must be integers from 0 to {MAX_LABEL})")
     return y.astype(np.int32)
+
+
+def _features(x, where: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"{where}: features must be real numbers; got {x.dtype} values")
+    if x.ndim >= 2 and x.shape[0] and np.prod(x.shape[1:]) == 0:
+        raise DataError(f"{where}: the examples have no features (shape {x.shape})")
+    return x
 
 
 def _client_ids(ids: np.ndarray | None, n: int, where: str) -> np.ndarray | None:
@@ -143,7 +164,29 @@ def _client_ids(ids: np.ndarray | None, n: int, where: str) -> np.ndarray | None
     ids = np.asarray(ids)
     if ids.shape != (n,):
         raise DataError(f"{where}: the client column must hold one id per example ({n}); got shape {ids.shape}")
+    if ids.dtype.kind == "f" and not np.all(np.isfinite(ids)):
+        i = int(np.argmax(~np.isfinite(ids)))
+        raise DataError(f"{where}: example {i}: client id {ids[i]} is not finite")
+    if ids.dtype.kind not in "biufUS":
+        raise DataError(f"{where}: client ids must be numbers or strings; got {ids.dtype} values")
     return ids
+
+
+def _num_classes(y: np.ndarray, y_test: np.ndarray, num_classes: int | None, where: str) -> int:
+    """``num_classes``, or one more than the largest label when no more than half the classes
+    that makes are missing (a stray large label must be declared, as LEAF's loader asks)."""
+    largest = int(max(y.max(initial=0), y_test.max(initial=0)))
+    if num_classes is not None:
+        if largest >= num_classes:
+            raise DataError(f"{where}: label {largest} is outside the declared num_classes = {num_classes}")
+        return num_classes
+    present = len(np.union1d(y, y_test))
+    if largest + 1 > 2 * present:
+        raise DataError(
+            f"{where}: label {largest} would make {largest + 1} classes of which only {present} occur; "
+            "set data.num_classes to declare the classes if this is intended"
+        )
+    return largest + 1
 
 
 def from_arrays(
@@ -177,10 +220,12 @@ def from_arrays(
     Raises:
       DataError: arrays that do not align, labels that are not classes, a split left empty.
     """
-    x = np.asarray(x)
+    x = _features(x, name)
     y = _labels(y, name)
     if x.ndim < 2 or x.shape[0] != y.shape[0]:
         raise DataError(f"{name}: features must be [N, ...] with one row per label ({y.shape[0]}); got shape {x.shape}")
+    if len(y) == 0:
+        raise DataError(f"{name}: holds no examples")
     ids = _client_ids(client_ids, len(y), name)
     if (x_test is None) != (y_test is None):
         raise DataError(f"{name}: give both x_test and y_test, or neither (then test_fraction of the examples is held out)")
@@ -199,7 +244,7 @@ def from_arrays(
         test_ids = None if ids is None else ids[test]
         x, y, ids = x[train], y[train], None if ids is None else ids[train]
     else:
-        x_test = np.asarray(x_test)
+        x_test = _features(x_test, f"{name} (test)")
         y_test = _labels(y_test, f"{name} (test)")
         tid = _client_ids(test_client_ids, len(y_test), f"{name} (test)")
         if tid is not None and ids is not None:
@@ -208,7 +253,7 @@ def from_arrays(
             if unknown.any():
                 raise DataError(f"{name} (test): client {tid[np.argmax(unknown)].item()!r} has no training examples")
             test_ids = pos.astype(np.int64)
-    classes = int(max(y.max(initial=0), y_test.max(initial=0))) + 1 if num_classes is None else num_classes
+    classes = _num_classes(y, y_test, num_classes, name)
     if classes < 2:
         raise DataError(f"{name}: a classifier needs at least 2 classes; the labels hold {classes}")
     return Dataset(

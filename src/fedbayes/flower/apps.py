@@ -71,11 +71,18 @@ def _compilation_cache(state_dir: Path) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _config(text: str):
-    """The validated run config of a message's TOML (parsed once per text in a warm process)."""
-    from fedbayes.config.schema import validate
+def _config(text: str, source: str):
+    """The validated run config of a message's TOML as this node accepts it
+    (:func:`fedbayes.flower.nodedata.accept_run_config`, before validation imports anything;
+    parsed once per text and node source in a warm process)."""
+    from fedbayes.config.schema import ConfigError, validate
+    from fedbayes.flower.nodedata import accept_run_config
 
-    return validate(tomllib.loads(text))
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config error: the run's config is not TOML ({exc})") from None
+    return validate(accept_run_config(raw, json.loads(source)))
 
 
 def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: float | None = None) -> RecordDict:
@@ -96,9 +103,10 @@ def train_reply(content: RecordDict, node_config, state: RecordDict, sent_at: fl
     state_dir = Path(str(node_config.get("state-dir") or Path.home() / ".fedbayes" / "flower"))
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _compilation_cache(state_dir)
-    config = _config(str(meta["config"]))
+    source = node_source(node_config)
+    config = _config(str(meta["config"]), json.dumps(source, sort_keys=True))
     spec = json.loads(str(meta["spec"]))
-    setup = node_setup(config, client, state_dir, spec, node_source(node_config))
+    setup = node_setup(config, client, state_dir, spec, source)
     broadcast = decode(take(content, "broadcast", "fedbayes"), setup.broadcast)
     template = setup.algorithm.client_init(setup.params)
     stateful = bool(jax.tree.leaves(template))

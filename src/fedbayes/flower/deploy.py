@@ -266,10 +266,16 @@ def print_commands(
         "#    data-file = its examples (.npz with arrays x and y, or .csv with a header and a 'label' column), or",
         "#    dataset = NAME and data-dir = FOLDER (partition-id of the dataset, split as the run's config says).",
         "#    The server's config never names a node's data (a node refuses one that does); its shapes and classes are checked.",
+        *(
+            [f"#    The run's model is your own module: a node imports it only when its config lists it in model-modules (read {config.model.module} first)."]
+            if config.model.module is not None
+            else []
+        ),
     ]
     for i in range(k):
         state = f"{state_root}/node{i}"
         node_config = f"partition-id={i} num-partitions={k} state-dir='{state}' data-file='{state}/data.npz'"
+        node_config += f" model-modules='{config.model.module}'" if config.model.module is not None else ""
         lines += [
             f"JAX_COMPILATION_CACHE_DIR={state}/jax_cache {env} flower-supernode --root-certificates {f('ca.crt')} --superlink {superlink_host}:{port} "
             f'--auth-supernode-private-key {f(f"node{i}")} --isolation process --host {node_host} --port {node_ports[i]} --node-config "{node_config}"',
@@ -597,13 +603,17 @@ def deploy_local(
     config_file = work / run_folder.CONFIG
     config_file.write_text(to_toml(config))
     federation = LocalFederation(work, config.data.num_clients, tls=tls, executor=executor)
-    if prepare:  # each node's own data file, named in its node config (else every node loads the dataset itself)
+    # this launcher configures both sides: a user model module is the nodes' own too (nodedata.accept_run_config)
+    own = {"model-modules": config.model.module} if config.model.module is not None else {}
+    for node in federation.nodes:
+        node.data = dict(own) or None
+    if prepare or config.data.dataset == "files":  # each node's own data file, named in its node config (else every node loads the dataset itself)
         from fedbayes.flower.node import write_client_file
         from fedbayes.runs.build import build_experiment
 
         exp = build_experiment(config, store_dir=work / "unused_store")
         for node in federation.nodes:
-            node.data = {"data-file": str(write_client_file(exp, node.partition, node.state_dir.parent / "data.npz"))}
+            node.data = {"data-file": str(write_client_file(exp, node.partition, node.state_dir.parent / "data.npz")), **own}
     seen = 0
     metrics = out / run_folder.METRICS
 

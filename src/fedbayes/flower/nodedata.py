@@ -1,4 +1,4 @@
-"""A node's own data: where a SuperNode's examples come from is the node's setting, never the server's.
+"""A node's own data and code: the node decides them, never the server.
 
 The node's configuration (``flower-supernode --node-config "..."``, or a TOML file it names with
 ``node-toml=PATH``, whose keys are the same) says where its examples are:
@@ -9,15 +9,22 @@ The node's configuration (``flower-supernode --node-config "..."``, or a TOML fi
 * ``dataset = NAME`` and optionally ``data-dir = PATH``: a fedbayes dataset read from the node's
   own folder; the node takes partition ``partition-id`` of it, split as the run's config says
   (``data.partition``, ``data.seed``): the examples the simulator gives that client;
-* neither: the dataset the run's config names, read from fedbayes's default location (datasets
-  that ship with a library, such as scikit-learn's, need no files).
+* neither: the dataset the run's config names, by its registry name, read from fedbayes's
+  default location on the node (datasets that ship with a library, such as scikit-learn's,
+  need no files).
 
-The server's config says *what* the run is (model, method, partition scheme, the data's
-shapes) and is checked against the node's examples: their feature shape and labels must fit
-the model the server built (:func:`check_examples`). It never says *where* a node's data is: a
-train message whose config names ``data.data_dir`` is refused with one line
-(:func:`refuse_server_path`), and so is one that names another dataset than the node's
-``dataset``.
+and which user model code it may import: ``model-modules = SPEC[,SPEC...]``, each spec exactly as
+a config's ``model.module`` gives it (``package.module:Class`` or ``path/to/file.py:Class``).
+
+The server's config says *what* the run is (method and hyperparameters, a registry model by name
+and its shape arguments, the partition scheme, the round schedule) and is checked against the
+node's examples (:func:`check_examples`). It never says *where* a node's data is nor which code
+it runs: :func:`accept_run_config` refuses, in one line and before the config is validated (which
+would import a user module) or any file is read, a config naming a path (``data.data_dir``,
+``data.path``, ``data.test_path``, ``store_dir``), another dataset than the node's ``dataset``,
+your-own-data datasets (``files``, ``arrays``) on a node without a ``data-file``, and a
+``model.module`` the node's ``model-modules`` does not name. The refusal is the ClientApp's error,
+which the server logs and counts as a rejected reply.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-KEYS = ("data-file", "dataset", "data-dir", "label-column")
+KEYS = ("data-file", "dataset", "data-dir", "label-column", "model-modules")
+SERVER_PATHS = (("data", "data_dir"), ("data", "path"), ("data", "test_path"), (None, "store_dir"))  # a server may name none of these
+OWN_DATA = ("files", "arrays")  # datasets that only a data-file of the node can give
 
 
 class NodeDataError(ValueError):
@@ -54,15 +63,48 @@ def node_source(node_config) -> dict[str, str]:
     return source
 
 
-def refuse_server_path(config, source: dict[str, str]) -> None:
-    """Raises :class:`NodeDataError` when the run's config tries to choose the node's data."""
-    d = config.data
-    if d.data_dir is not None:
+def allowed_modules(source: dict[str, str]) -> list[str]:
+    """The user model modules the node's ``model-modules`` names (comma-separated)."""
+    return [m.strip() for m in source.get("model-modules", "").split(",") if m.strip()]
+
+
+def accept_run_config(raw: dict, source: dict[str, str]) -> dict:
+    """The server's raw (unvalidated) run config as this node runs it, or :class:`NodeDataError`.
+
+    Refuses a path the server names (:data:`SERVER_PATHS`; ``data.path`` may only be the node's
+    own ``data-file``), another dataset than the node's, ``files``/``arrays`` data on a node
+    without a ``data-file``, and a ``model.module`` outside the node's ``model-modules``. For
+    ``files`` data, ``data.path`` becomes the node's ``data-file``. Nothing is read or imported.
+    """
+    own = source.get("data-file")
+    sections = {None: raw, **{k: v for k, v in raw.items() if isinstance(v, dict)}}
+    for section, key in SERVER_PATHS:
+        value = sections.get(section, {}).get(key)
+        if value is not None and not (key == "path" and own is not None and str(value) == own):
+            name = f"{section}.{key}" if section else key
+            raise NodeDataError(
+                f"this node refuses the run's {name} = {value!r}: a node's data comes from its own configuration (node config data-file, or dataset and data-dir)"
+            )
+    data = sections.get("data", {})
+    dataset = data.get("dataset", "fashion_mnist")
+    if "dataset" in source and source["dataset"] != dataset:
+        raise NodeDataError(f"this node holds dataset {source['dataset']!r}; the run is configured for {dataset!r}")
+    if dataset in OWN_DATA and own is None:
+        raise NodeDataError(f"this node refuses the run's data.dataset = {dataset!r}: that is data a node holds itself, and this node has no data-file in its configuration")
+    module = sections.get("model", {}).get("module")
+    if module is not None and str(module) not in allowed_modules(source):
         raise NodeDataError(
-            f"this node refuses the run's data.data_dir = {d.data_dir!r}: a node's data comes from its own configuration (node config data-file, or dataset and data-dir)"
+            f"this node refuses the run's model.module = {module!r}: a node imports only a model module its own configuration names (node config model-modules; it names {allowed_modules(source) or 'none'})"
         )
-    if "dataset" in source and source["dataset"] != d.dataset:
-        raise NodeDataError(f"this node holds dataset {source['dataset']!r}; the run is configured for {d.dataset!r}")
+    if dataset == "files":
+        return {**raw, "data": {**data, "path": own}}
+    return raw
+
+
+def refuse_server_path(config, source: dict[str, str]) -> None:
+    """Raises :class:`NodeDataError` when a validated run config chooses the node's data or code
+    (:func:`accept_run_config`'s rules)."""
+    accept_run_config(config.model_dump(mode="json"), source)
 
 
 def read_file(path: str | Path, label_column: str = "label") -> tuple[np.ndarray, np.ndarray]:
@@ -72,13 +114,25 @@ def read_file(path: str | Path, label_column: str = "label") -> tuple[np.ndarray
     if not path.is_file():
         raise NodeDataError(f"data-file {path}: no such file")
     if path.suffix == ".npz":
-        with np.load(path) as z:
-            if "x" not in z.files or "y" not in z.files:
-                raise NodeDataError(f"data-file {path}: needs arrays 'x' and 'y'; has {', '.join(z.files) or 'none'}")
-            return z["x"], z["y"]
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if "x" not in z.files or "y" not in z.files:
+                    raise NodeDataError(f"data-file {path}: needs arrays 'x' and 'y'; has {', '.join(z.files) or 'none'}")
+                x, y = z["x"], z["y"]
+        except Exception as exc:  # a parser's failure on a damaged file, whatever its kind
+            if isinstance(exc, NodeDataError):
+                raise
+            raise NodeDataError(f"data-file {path}: cannot be read as npz ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+        bad = next((k for k, a in (("x", x), ("y", y)) if a.dtype.kind not in "biuf"), None)
+        if bad is not None:
+            raise NodeDataError(f"data-file {path}: {bad} must hold real numbers; got {(x if bad == 'x' else y).dtype} values")
+        return x, y
     if path.suffix == ".csv":
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                rows = list(csv.reader(f))
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise NodeDataError(f"data-file {path}: not a CSV text file ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
         if not rows or label_column not in rows[0]:
             raise NodeDataError(f"data-file {path}: the header has no column {label_column!r} (label-column)")
         j = rows[0].index(label_column)
@@ -95,13 +149,15 @@ def read_file(path: str | Path, label_column: str = "label") -> tuple[np.ndarray
 def check_examples(x: np.ndarray, y: np.ndarray, spec, where: str) -> tuple[np.ndarray, np.ndarray]:
     """``x, y`` in the dtypes of the run, after checking them against the run's data ``spec``
     (``feature_shape``, ``num_classes``, ``task``, ``x_dtype``, ``y_dtype``), naming ``where``."""
-    if x.shape[1:] != tuple(spec["feature_shape"]) or len(x) != len(y) or len(y) == 0:
+    if x.ndim < 1 or y.ndim < 1 or x.shape[1:] != tuple(spec["feature_shape"]) or len(x) != len(y) or len(y) == 0:
         raise NodeDataError(
             f"{where}: {len(x)} examples of features {list(x.shape[1:])} and {len(y)} labels; the run's model takes features {list(spec['feature_shape'])}"
         )
     if not np.all(np.isfinite(x)):
         raise NodeDataError(f"{where}: non-finite features")
     if spec["task"] == "classification":
+        if y.ndim != 1:
+            raise NodeDataError(f"{where}: labels must be one per example (shape [n]); got shape {list(y.shape)}")
         if not np.all(y == np.round(y)) or y.min() < 0 or y.max() >= spec["num_classes"]:
             raise NodeDataError(f"{where}: labels must be integers in [0, {spec['num_classes']}) for the run's model; got {y.min()} to {y.max()}")
     return x.astype(spec["x_dtype"]), y.astype(spec["y_dtype"])

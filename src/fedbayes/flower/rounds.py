@@ -125,10 +125,12 @@ def data_spec(exp) -> dict:
 
 
 def sent_config(config) -> str:
-    """The config text a train message carries: the run's, without ``data.data_dir`` (where the
-    server's own copy of the data is: a node's data is the node's business, and a node refuses
-    a message that names a path, :func:`fedbayes.flower.nodedata.refuse_server_path`)."""
-    return to_toml(config.model_copy(update={"data": config.data.model_copy(update={"data_dir": None})}))
+    """The config text a train message carries: the run's, without its paths (``data.data_dir``,
+    ``data.path``, ``data.test_path``, ``store_dir``: where the server's own copies are; a node's
+    data is the node's business, and a node refuses a message that names a path,
+    :func:`fedbayes.flower.nodedata.accept_run_config`)."""
+    data = config.data.model_copy(update={"data_dir": None, "path": None, "test_path": None})
+    return to_toml(config.model_copy(update={"data": data, "store_dir": None}))
 
 
 def round_times(round_idx: int, seconds: float, replies: dict[int, Reply]) -> dict:

@@ -40,6 +40,13 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+# Data settings that only some datasets read (their defaults are large): named only for those.
+_ONLY_FOR = {
+    "data.vocab_size": "stackoverflow_", "data.num_tags": "stackoverflow_lr", "data.max_len": "stackoverflow_nwp",
+    "data.max_clients": "stackoverflow_", "data.max_posts": "stackoverflow_", "data.test_examples": "stackoverflow_",
+}  # fmt: skip
+
+
 def size_settings(config: RunConfig) -> list[str]:
     """``key = value`` for the config's integer settings of at least :data:`LARGE` (model widths,
     a method's counts, batch sizes), largest first; else the model's widths and the batch size."""
@@ -53,7 +60,9 @@ def size_settings(config: RunConfig) -> list[str]:
                 flat.append((prefix + k, v))
 
     walk("", config.model_dump(mode="json"))
-    ints = [(k, v) for k, v in flat if k not in ("seed", "rounds") and _largest(v) >= LARGE]
+    dataset = config.data.dataset
+    applies = lambda k: dataset.startswith(_ONLY_FOR.get(k, ""))  # noqa: E731
+    ints = [(k, v) for k, v in flat if k not in ("seed", "rounds") and applies(k) and _largest(v) >= LARGE]
     ints.sort(key=lambda kv: -_largest(kv[1]))
     if not ints:
         ints = [("model.hidden", list(config.model.hidden)), ("client.batch_size", config.client.batch_size)]
