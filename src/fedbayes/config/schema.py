@@ -102,6 +102,17 @@ class DataConfig(_Strict):
         lt=1,
         description="fraction of each client's training examples held out as a validation split (seeded; fedbayes sweep selects on it); 0 = none",
     )
+    standardize: bool | None = Field(
+        None,
+        description="centre and scale each feature by its mean and standard deviation over the clients' training examples (from per-client sums, fedbayes.data.standardize); unset: on for files and arrays whose features' magnitudes differ by more than 100 times",
+    )
+
+    @field_validator("standardize")
+    @classmethod
+    def _scalable(cls, value: bool | None, info) -> bool | None:
+        if value and info.data.get("dataset") == "stackoverflow_nwp":
+            raise ValueError("data.standardize: stackoverflow_nwp's inputs are word ids, not features to scale; leave it unset or false")
+        return value
 
 
 class ModelConfig(_Strict):
