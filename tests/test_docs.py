@@ -6,6 +6,7 @@ import html
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import urllib.parse
@@ -99,3 +100,28 @@ def test_run_config_and_every_config_section_show_their_fields(site):
         assert section.title in config or not section.name, section.title
         for key in section.keys:
             assert re.search(rf"^{key.name}$", config, flags=re.M), f"{section.title}: {key.name}"
+
+
+def _browser() -> str | None:
+    return next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_browser() is None, reason="no headless Chromium on this machine (apt-get install chromium)")
+def test_a_headless_browser_follows_the_sites_links_from_file_urls(site, tmp_path):
+    """Chromium opens site/index.html as file://, and the pages its navigation links to (as the
+    browser resolves them) are pages, not folder listings."""
+
+    def dom(url: str) -> str:
+        args = [_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+        args += ["--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", url]
+        return subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+
+    index = (site / "index.html").resolve().as_uri()
+    home = dom(index)
+    links = re.findall(r'<a href="([^"#]+)" class="md-nav__link"', home)
+    targets = {urllib.parse.urljoin(index, link) for link in links}
+    assert len(targets) > 10, links
+    for url in sorted(t for t in targets if t.endswith(("/getting-started.html", "/api.html", "/config.html", "/getting-started/"))):
+        page = dom(url)
+        assert "<article" in page and "<h1" in page and "Index of" not in page, url
