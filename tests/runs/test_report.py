@@ -102,3 +102,28 @@ def test_markdown_has_every_column():
     for col in report.columns(_summaries()):
         assert col.header in header
     assert md.count("\n") == len(NAMES) + 2
+
+
+def test_at_80_columns_the_bayesian_columns_are_kept_and_others_left_out_with_a_note():
+    """The main job's methods: the marginalised columns and the fixed point stay; the footnote
+    names the columns left out instead (the curve summaries, time, upload, ...)."""
+    summaries = {}
+    for i, name in enumerate(["fedavg", "fedprox", "fedep", "fedsep", "fedlap_cov", "fedlap_func", "vbnn_cf"]):
+        final = {"accuracy": 0.83 + i / 1000, "nll": 0.47 + i / 100, "ece": 0.0296, "seconds": 11.5, "bytes_up": 7.124e8}
+        bayes = name in ("fedep", "fedsep", "fedlap_cov")
+        if bayes:
+            final.update(accuracy_marg=0.8357, nll_marg=0.4711, ece_marg=0.0223)
+        summaries[name] = {
+            "algorithm": name.split("_")[0],
+            "server_optimizer": "sgd",
+            "final": final,
+            "best_accuracy": 0.8418,
+            "rounds_to": {"0.80": 11},
+            "final_mean_3": 0.8412,
+            "fixed_point": {"settled": False, "mean_drift": 0.071, "var_drift": 0.01, "moved": ["mean"]} if bayes else None,
+        }
+    text = report.render(summaries, width=80)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    dropped = _shown(text)
+    assert dropped and not dropped & {"NLL marg.", "ECE marg. (%)", "acc marg.", "fixed point", "accuracy", "NLL"}, dropped
+    assert "no (7.1%)" in text and "0.4711" in text

@@ -169,7 +169,11 @@ _MULTILABEL_COLUMNS = (("precision", "precision", 0), ("recall", "recall", 2), (
 
 
 def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
-    """The columns for these summaries: classification or regression; "marg." only when present."""
+    """The columns for these summaries: classification or regression; "marg." only when present.
+
+    When the table must be narrowed, the Bayesian columns (the marginalised predictions and
+    whether the posterior reached its fixed point), which this library exists for, are left out
+    last, after the point predictions' secondary columns, the curve summaries, time and upload."""
     cols = [
         Column("method", lambda n, s, r: n, left=True),
         Column("algorithm", lambda n, s, r: str(s.get("algorithm", "")), left=True, keep=9),
@@ -193,25 +197,25 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
     else:
         cols += [
             Column("accuracy", _final("accuracy")),
-            Column("NLL", _final("nll"), keep=2),
-            Column("ECE (%)", _final("ece", pct=True), keep=3),
+            Column("NLL", _final("nll"), keep=3),
+            Column("ECE (%)", _final("ece", pct=True), keep=4),
         ]
         if any("accuracy_marg" in s.get("final", {}) for s in summaries.values()):
             cols += [
-                Column("acc marg.", _final("accuracy_marg"), keep=4),
-                Column("NLL marg.", _final("nll_marg"), keep=7),
-                Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=7),
+                Column("acc marg.", _final("accuracy_marg"), keep=2),
+                Column("NLL marg.", _final("nll_marg"), keep=1),
+                Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=2),
             ]
         if curves_known:
-            cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=3), Column("acc max R-2..R", _curve("max_last"), keep=6)]
+            cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=5), Column("acc max R-2..R", _curve("max_last"), keep=7)]
         if any("epsilon" in s.get("final", {}) for s in summaries.values()):
             cols += [Column("epsilon", _epsilon, keep=4)]  # client-level DP (fedbayes.aggregators.dp); inf: no noise
         cols += [
-            Column("best acc", lambda n, s, r: format_value(s.get("best_accuracy")), keep=6),
-            Column(f"rounds to {threshold:.0%}", rounds_to_value(threshold), keep=5),
+            Column("best acc", lambda n, s, r: format_value(s.get("best_accuracy")), keep=7),
+            Column(f"rounds to {threshold:.0%}", rounds_to_value(threshold), keep=6),
         ]
     if any(any(_fixed_points(s)) for s in summaries.values()):
-        cols.append(Column("fixed point", fixed_point_value, keep=7))
+        cols.append(Column("fixed point", fixed_point_value, keep=1))
     cols += [Column("train s (total)", seconds_value, keep=6), Column("MB up (total)", _mb_up, keep=8)]
     return cols
 
