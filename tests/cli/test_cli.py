@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,21 @@ def test_datasets_lists_presence():
     res = runner.invoke(app, ["datasets"])
     assert res.exit_code == 0
     assert "digits" in res.output and "fashion_mnist" in res.output
+
+
+def test_datasets_fits_80_columns_and_names_each_datasets_own_archive(tmp_path):
+    """Each hint whole (a URL on a line of its own, never cut) within 80 columns, and the TFF
+    archive of that dataset: not EMNIST's for CIFAR-100 or StackOverflow."""
+    res = runner.invoke(app, ["datasets"], env={"COLUMNS": "80", "FEDBAYES_DATA": str(tmp_path), "FEDBAYES_NO_SYSTEM_DATA": "1"})
+    assert res.exit_code == 0, res.output
+    assert all(len(line) <= 80 for line in res.output.splitlines()), max(res.output.splitlines(), key=len)
+    blocks = re.split(r"\n(?=\S)", res.output)
+    hint = {block.split()[0]: " ".join(block.split()) for block in blocks if block.strip()}
+    url = "https://storage.googleapis.com/tff-datasets-public/"
+    assert f"{url}fed_emnist.tar.bz2 " in hint["emnist"]
+    assert f"{url}fed_cifar100.tar.bz2 " in hint["fed_cifar100"]
+    assert f"{url}stackoverflow.tar.bz2 " in hint["stackoverflow_nwp"] and f"{url}stackoverflow.tar.bz2 " in hint["stackoverflow_lr"]
+    assert "https://www.cs.toronto.edu/~kriz/cifar.html " in hint["cifar10"]
 
 
 def _cli(args, env_extra=None, cache="off", die_after=None):
