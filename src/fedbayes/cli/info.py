@@ -27,7 +27,7 @@ def config_reference(
         chosen = config_doc.select(section)
     except ValueError as exc:
         fail(f"error: {exc}")
-    print(config_doc.render(chosen), end="")
+    print(config_doc.render(chosen, terminal_width()), end="")
 
 
 def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to look in as well")] = None):
