@@ -91,7 +91,9 @@ def compare(
 
     if overwrite and resume:
         fail("error: --overwrite and --resume exclude each other")
-    runs = _or_fail(lambda: cmp.load_comparison(configs, set_ or []))
+    # a resumed comparison keeps each variant's earlier --set (comparison.toml), but for a variant run again
+    remembered = {v: items for v, items in _or_fail(lambda: cmp.stored_overrides(out)).items() if v not in (rerun or ())} if resume else {}
+    runs, overrides = _or_fail(lambda: cmp.load_comparison_with_overrides(configs, set_ or [], remembered))
     unknown = [v for v in rerun or [] if v not in runs]
     if unknown:
         fail(f"error: --rerun {unknown[0]}: not a variant of this comparison; allowed: {', '.join(runs)}")
@@ -120,6 +122,8 @@ def compare(
         reference=reference,
         shift=kinds,
         rerun=tuple(rerun or ()),
+        overrides=overrides,
+        remembered=remembered,
     )
 
 
@@ -128,11 +132,11 @@ def resume_comparison(ctx: CommandContext, out: Path, logs=None) -> None:
     from fedbayes.runs import compare as cmp
 
     files = [out / run_folder.COMPARISON]
-    runs = _or_fail(lambda: cmp.load_comparison(files, []))
+    runs, overrides = _or_fail(lambda: cmp.load_comparison_with_overrides(files, []))
     seeds = _or_fail(lambda: cmp.file_seeds(files))
     reference = _or_fail(lambda: cmp.file_reference(files, list(runs)))
     kinds = _or_fail(lambda: cmp.file_shift(files))
-    _run_comparison(ctx, runs, out, resume=True, logs=logs, seeds=seeds, reference=reference, shift=kinds)
+    _run_comparison(ctx, runs, out, resume=True, logs=logs, seeds=seeds, reference=reference, shift=kinds, overrides=overrides)
 
 
 def _run_comparison(
@@ -149,6 +153,8 @@ def _run_comparison(
     reference=None,
     shift=None,
     rerun: tuple[str, ...] = (),
+    overrides=None,
+    remembered=None,
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import compare as cmp
@@ -158,6 +164,9 @@ def _run_comparison(
     reference, note = cmp.applicable_reference(reference, runs)
     if note:
         say(note)
+    for variant, items in (remembered or {}).items():
+        if items and variant in runs:
+            say(f"{variant}: runs with its earlier --set {' '.join(items)} (kept in {out / run_folder.COMPARISON}; --rerun {variant} runs it as the file says)")
     if resume:  # a run folder holding another config is never overwritten (nor mixed in silently), unless named by --rerun
         planned = cmp.jobs(runs, out, seeds)
         for job in planned:
@@ -176,10 +185,13 @@ def _run_comparison(
     warned: list[str] = []  # the runs' warning lines, said after the table (a run that ended before its fixed point: in the table instead)
 
     def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
-        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append)
+        shown = progress.reporter(folder, logs, cfg, json_out, per_round=False)  # a bar per run, or one line at its end
+        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append, reporter=shown)
 
     try:
-        result = cmp.run_comparison(runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift)
+        result = cmp.run_comparison(
+            runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift, overrides=overrides
+        )
     except DatasetNotFoundError as exc:
         fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
@@ -187,7 +199,12 @@ def _run_comparison(
     if json_out:
         print(dumps_record(result.body), flush=True)
     else:
-        print_table(result.summaries, threshold, result.curves, title=result.title, full=f"{result.markdown} and --json")
+        changed = result.overrides
+        print_table(
+            cmp.marked(result.summaries, changed), threshold, cmp.marked(result.curves, changed), title=result.title, full=f"{result.markdown} and --json"
+        )
+        if changed:
+            console.print(cmp.overrides_note(changed), highlight=False, soft_wrap=True, markup=False)
         _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False, soft_wrap=True)
     _say_warnings(warned, lambda s: print(s, file=sys.stderr, flush=True))  # warnings on stderr, as a single run's
