@@ -72,23 +72,28 @@ def run_one(
     """Runs (or resumes) one experiment into ``out`` and returns its summary; a diverged run is
     exit 3 (or, with ``diverged_ok``, a ``diverged:`` line and its summary); a missing dataset
     exit 3; a config error exit 2. ``reporter``: the progress display (default: bar or lines,
-    with the loggers of ``logs``); ``warn``: where the run's warning lines go (default stderr)."""
+    with the loggers of ``logs``); ``warn``: where the run's warning lines go (default stderr).
+    The summary returned also holds ``compile_seconds``: JAX's compilation in this process during
+    the run, which the run's ``seconds`` leave out."""
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import loop
+    from fedbayes.runs.compile_clock import CompileClock
     from fedbayes.runs.health import Diverged
 
     ctx.folder = out
     try:
         # overwrite: the command has checked the folder already (check_out, or a comparison's own rule)
-        return loop.run_experiment(
-            config,
-            out,
-            resume=resume,
-            overwrite=True,
-            reporter=reporter or progress.reporter(out, logs, config, stderr),
-            accept_changes=accept_changes,
-            warn=warn,
-        )
+        with CompileClock() as compiling:
+            summary = loop.run_experiment(
+                config,
+                out,
+                resume=resume,
+                overwrite=True,
+                reporter=reporter or progress.reporter(out, logs, config, stderr),
+                accept_changes=accept_changes,
+                warn=warn,
+            )
+        return {**summary, "compile_seconds": compiling.seconds}  # the tables' "compile s" (not in summary.json: it is this process's)
     except Diverged as exc:
         if not diverged_ok:
             raise  # one line and exit 3 (the top-level handler)

@@ -151,6 +151,13 @@ def seconds_value(name, s, recs):
     return f"{_mean(f.get('seconds_total', f.get('seconds', 0.0))) or 0.0:.1f}"
 
 
+def compile_value(name, s, recs):
+    """The "compile s" cell: JAX's compilation during the run, which "train s" leaves out
+    (:mod:`fedbayes.runs.compile_clock`); "—" for a run finished earlier, whose process is gone."""
+    v = s.get("compile_seconds")
+    return "—" if v is None else f"{v:.1f}"
+
+
 def _mb_up(name, s, recs):
     f = s.get("final", {})
     return f"{(_mean(f.get('bytes_up_total', f.get('bytes_up', 0))) or 0) / 1e6:.1f}"
@@ -216,7 +223,10 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
         ]
     if any(any(_fixed_points(s)) for s in summaries.values()):
         cols.append(Column("fixed point", fixed_point_value, keep=1))
-    cols += [Column("train s (total)", seconds_value, keep=6), Column("MB up (total)", _mb_up, keep=8)]
+    cols.append(Column("train s (total)", seconds_value, keep=6))
+    if any("compile_seconds" in s for s in summaries.values()):
+        cols.append(Column("compile s", compile_value, keep=8))
+    cols.append(Column("MB up (total)", _mb_up, keep=8))
     return cols
 
 
