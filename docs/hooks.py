@@ -28,7 +28,7 @@ def _commands(group: click.Group, prefix: str):
     for name in group.list_commands(ctx):
         command = group.get_command(ctx, name)
         yield f"{prefix} {name}", command
-        if isinstance(command, click.Group):
+        if hasattr(command, "list_commands"):  # a group (typer may bundle its own click)
             yield from _commands(command, f"{prefix} {name}")
 
 

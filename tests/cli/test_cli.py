@@ -264,3 +264,29 @@ def test_compilation_cache_folder_and_off_switch(tmp_path, monkeypatch):
         assert enable_compilation_cache() == str(tmp_path / "xdg" / "fedbayes" / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_every_commands_help_shows_brackets_as_written():
+    """Under the typer releases flwr pins (0.13-0.20), plain help escapes "[required]" and
+    "[default: ...]" for rich (``\\[required]``); every command's help is a PlainHelpCommand's,
+    which shows them as written."""
+    import click
+    import typer
+
+    from fedbayes.cli.base import PlainHelpCommand
+
+    def commands(group):
+        for name in group.list_commands(click.Context(group)):
+            command = group.get_command(click.Context(group), name)
+            yield from commands(command) if hasattr(command, "list_commands") else [command]  # a group (typer may bundle its own click)
+
+    found = list(commands(typer.main.get_command(app)))
+    assert len(found) > 8 and all(isinstance(c, PlainHelpCommand) for c in found)
+
+    class Escaped(click.Option):  # what such a typer gives click's formatter
+        def get_help_record(self, ctx):
+            return "--config", "the run's TOML  \\[required]"
+
+    command = PlainHelpCommand("deploy", params=[Escaped(["--config"])], help="Run on [flower].", rich_markup_mode=None)
+    text = command.get_help(click.Context(command, info_name="deploy"))
+    assert "the run's TOML  [required]" in text and "Run on [flower]." in text and "\\[" not in text

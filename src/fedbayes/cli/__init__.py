@@ -29,7 +29,7 @@ from fedbayes.sim import hostdevices  # noqa: E402
 hostdevices.configure()
 
 from fedbayes.cli import comparing, info, running  # noqa: E402
-from fedbayes.cli.base import CACHE_ENV, CommandContext, app, console, describe_failure, enable_compilation_cache, main  # noqa: E402
+from fedbayes.cli.base import CACHE_ENV, CommandContext, PlainHelpCommand, app, console, describe_failure, enable_compilation_cache, main  # noqa: E402
 from fedbayes.cli.progress import RichReporter  # noqa: E402
 from fedbayes.toys.commands import toy_app  # noqa: E402  (toy quadratic | least-squares | niw)
 
@@ -45,3 +45,6 @@ app.command("config")(info.config_reference)
 app.command()(info.datasets)
 app.command()(info.bench)
 app.add_typer(toy_app, name="toy")
+for _command in (*app.registered_commands, *toy_app.registered_commands):
+    if _command.cls in (None, PlainHelpCommand.__base__):  # typer's default: help without rich's escapes under older typer
+        _command.cls = PlainHelpCommand

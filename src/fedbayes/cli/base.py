@@ -57,6 +57,16 @@ def enable_compilation_cache() -> str | None:
     return cache
 
 
+class PlainHelpCommand(typer.core.TyperCommand):
+    """A command whose plain-text help shows ``[required]`` and ``[default: ...]`` as written:
+    the typer releases flwr pins (0.13-0.20) escape them for rich markup (``\\[required]``) even
+    when the help is plain text."""
+
+    def format_help(self, ctx, formatter) -> None:
+        super().format_help(ctx, formatter)
+        formatter.buffer[:] = [text.replace("\\[", "[") for text in formatter.buffer]
+
+
 # rich_markup_mode=None: help text is plain text, so "[flower]" and "[privacy]" stay as written (rich markup would eat them)
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Federated learning as Bayesian inference, in JAX.")
 console = Console()
