@@ -127,3 +127,16 @@ def test_at_80_columns_the_bayesian_columns_are_kept_and_others_left_out_with_a_
     dropped = _shown(text)
     assert dropped and not dropped & {"NLL marg.", "ECE marg. (%)", "acc marg.", "fixed point", "accuracy", "NLL"}, dropped
     assert "no (7.1%)" in text and "0.4711" in text
+
+
+def test_a_markdown_report_as_text_fits_and_says_what_its_tables_left_out():
+    """fedbayes bench posterior prints its Markdown this way: paragraphs wrapped, each table
+    narrowed from the right with a note naming the file that has every column."""
+    header = "| method | " + " | ".join(f"column number {i}" for i in range(12)) + " |"
+    rows = [f"| method_{k} | " + " | ".join(f"{k}.{i:03d}" for i in range(12)) + " |" for k in range(3)]
+    md = "\n".join(["### a problem", "", "word " * 40, "", header, "|" + "---|" * 13, *rows, ""])
+    text = report.markdown_as_text(md, width=60, full="runs/posterior/posterior_quality.md")
+    assert all(len(line) <= 60 for line in text.splitlines()), text
+    assert "a problem" in text and text.count("word") == 40
+    assert all(f"method_{k}" in text and f"{k}.000" in text for k in range(3))
+    assert "left out to fit 60 columns: column number 11" in " ".join(text.split()) and "posterior_quality.md" in text

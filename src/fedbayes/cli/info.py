@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from fedbayes.cli.base import fail
+from fedbayes.runs import report
 from fedbayes.runs.report import terminal_width
 
 __all__ = ["bench", "config_reference", "datasets"]
@@ -132,5 +133,5 @@ def _bench_posterior(
     if json_:
         print(json.dumps(result, default=float))
     else:
-        print(posterior.markdown(result))
+        print(report.markdown_as_text(posterior.markdown(result), full=str(out / "posterior_quality.md")), end="")
         log(f"written: {out / 'posterior_quality.md'} and {out / 'posterior_quality.json'}")

@@ -16,6 +16,7 @@ The width is the terminal's; when the output is not a terminal, ``$COLUMNS`` whe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -335,10 +336,12 @@ def render_rows(
         if dropped:
             note = f"({len(dropped)} column(s) left out to fit {width} columns: {', '.join(dropped)}; all in {full})"
             lines += textwrap.wrap(note, width, break_long_words=False, break_on_hyphens=False)
-    else:  # too narrow for a grid: one block per method, every value whole
+    else:  # too narrow for a grid: one block per method, every value whole (wrapped at spaces)
+        wrap = functools.partial(textwrap.wrap, width=width, break_long_words=False, break_on_hyphens=False)
         for r in rows:
-            lines.append(r[0])
-            lines += [f"  {c.header}: {v}" for c, v in zip(cols[1:], r[1:])]
+            lines += wrap(r[0])
+            for c, v in zip(cols[1:], r[1:]):
+                lines += wrap(f"{c.header}: {v}", initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines) + "\n"
 
 
@@ -353,6 +356,33 @@ def markdown_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
     md = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(md) + "\n"
+
+
+def markdown_as_text(md: str, *, width: int | None = None, full: str = "the Markdown file") -> str:
+    """A Markdown report (paragraphs, ``###`` headings, tables) as plain text no wider than
+    ``width`` (default :func:`terminal_width`): paragraphs wrapped at spaces, each table by the
+    rules of :func:`render_rows` (its first column kept; the others left out from the right, with
+    a note naming them and ``full``)."""
+    width = width or terminal_width()
+    out: list[str] = []
+    table: list[list[str]] = []
+
+    def flush():
+        if table:
+            header, rows = table[0], [r for r in table[2:]]
+            cols = [Column(h, lambda n, s, r: "", left=(i == 0), keep=i) for i, h in enumerate(header)]
+            out.append(render_rows(cols, rows, width=width, full=full).rstrip("\n"))
+            table.clear()
+
+    for line in md.splitlines():
+        if line.startswith("|"):
+            table.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            continue
+        flush()
+        text = line.lstrip("#").strip() if line.startswith("#") else line
+        out += textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
+    flush()
+    return "\n".join(out) + "\n"
 
 
 def reference_table(summaries: Mapping[str, dict], curves: Mapping[str, Sequence[dict]], reference) -> tuple[list[Column], list[list[str]]]:
