@@ -188,14 +188,18 @@ def _run_comparison(
         shown = progress.reporter(folder, logs, cfg, json_out, per_round=False)  # a bar per run, or one line at its end
         return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append, reporter=shown)
 
+    shifting = progress.StepsBar("shift (evaluations)", stderr=json_out)
     try:
         result = cmp.run_comparison(
-            runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift, overrides=overrides
-        )
+            runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift, overrides=overrides,
+            shift_progress=shifting.update,
+        )  # fmt: skip
     except DatasetNotFoundError as exc:
         fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
         fail(str(exc))
+    finally:
+        shifting.close()
     if json_out:
         print(dumps_record(result.body), flush=True)
     else:

@@ -10,7 +10,7 @@ from fedbayes.cli.base import console, fail
 from fedbayes.config.schema import RunConfig
 from fedbayes.runs.loggers import PlainReporter, format_record, status_text
 
-__all__ = ["RichReporter", "RunLineReporter", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
+__all__ = ["RichReporter", "RunLineReporter", "StepsBar", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
 
 
 # Widths of the progress bar's fixed columns: the count ("100/100"), the status ("acc 0.9123"),
@@ -109,6 +109,29 @@ def reporter(out: Path | None = None, logs: list[str] | None = None, config: Run
     except (ValueError, LoggerUnavailable) as exc:
         fail(f"error: {exc}")
     return Reporters([progress, *loggers])
+
+
+class StepsBar:
+    """A bar for a job counted in steps (``update(done, total)``: the evaluations of a comparison
+    under shift) on a terminal, started at its first update; nothing elsewhere, where the job's
+    own lines say what it does."""
+
+    def __init__(self, label: str, stderr: bool = False):
+        self.label, self.on = label, console.is_terminal and not stderr
+        self.progress = self.task = None
+
+    def update(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        if self.progress is None:
+            self.progress = progress_bar()
+            self.progress.start()
+            self.task = self.progress.add_task(self.label, total=total, status="")
+        self.progress.update(self.task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 class SweepProgress:

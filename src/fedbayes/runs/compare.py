@@ -367,6 +367,7 @@ def run_comparison(
     say: Callable[[str], None] = print,
     shift: Sequence[str] | None = None,
     overrides: Mapping[str, Sequence[str]] | None = None,
+    shift_progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> ComparisonResult:
     """Runs every (variant, seed) not finished yet and writes the comparison's files.
 
@@ -378,6 +379,7 @@ def run_comparison(
     its datasets are checked first, and comparison.toml keeps them as its ``[shift]`` table.
     ``overrides``: each variant's ``--set`` items, kept as comparison.toml's ``[overrides]``; the
     Markdown table names a variant that has some ``VARIANT*``, with a note.
+    ``shift_progress(done, total)``: after each evaluation under shift (:func:`fedbayes.runs.shift.evaluate_runs`).
 
     Raises:
       ConfigError, DatasetNotFoundError: a run's data check (:func:`check_data`), or with
@@ -447,7 +449,7 @@ def run_comparison(
         for j in planned:
             if not fine[j].get("diverged"):
                 folders.setdefault(j.variant, {})[j.seed] = j.folder
-        shifted = write_shift(out, folders, seeds=seeds, kinds=shift, title=f"{title} under dataset shift", say=say)
+        shifted = write_shift(out, folders, seeds=seeds, kinds=shift, title=f"{title} under dataset shift", say=say, progress=shift_progress)
     return ComparisonResult(summaries, records, body, table_title, plot, out / folder.COMPARE_MD, diverged, shifted, overrides)
 
 
