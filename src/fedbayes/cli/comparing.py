@@ -54,6 +54,22 @@ def _print_reference(summaries, curves, reference, full: str) -> None:
     print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}", full=full), end="", flush=True)
 
 
+def _title(configs: list[Path], runs: dict[str, RunConfig]) -> str:
+    """What was run, for the plots: "fmnist_compare: 10 methods, fashion_mnist (10%), 10 clients, 50 rounds"."""
+
+    def each(values) -> str:
+        return ", ".join(map(str, sorted(set(values))))
+
+    data = ", ".join(
+        sorted({c.data.dataset + (f" ({c.data.fraction:.0%})" if c.data.fraction < 1 else "") for c in runs.values()})
+    )  # fmt: skip
+    name = configs[0].stem if len(configs) == 1 else "comparison"
+    return (
+        f"{name}: {len(runs)} method{'s' if len(runs) > 1 else ''}, {data}, "
+        f"{each(c.data.num_clients for c in runs.values())} clients, {each(c.rounds for c in runs.values())} rounds"
+    )
+
+
 @handled
 def compare(
     ctx: CommandContext,
@@ -101,8 +117,7 @@ def compare(
         fail("error: --rerun replaces variants of the comparison in --out: pass --resume with it")
     seed_list = _seeds_option(seeds) if seeds is not None else _or_fail(lambda: cmp.file_seeds(configs))
     check_out(out, overwrite, resume, what="comparison")
-    datasets = sorted({c.data.dataset for c in runs.values()})
-    title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
+    title = _title(configs, runs)
     reference = _or_fail(lambda: cmp.file_reference(configs, list(runs)))
     kinds = _or_fail(lambda: cmp.file_shift(configs))
     if shift and kinds is None:
