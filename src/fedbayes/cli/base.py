@@ -104,11 +104,14 @@ class CommandContext:
       stack: the locks the command holds (released when it ends, however it ends).
       folder: the run folder being written (its ``error.log``; the resume line of an interrupt).
       resume_target: the comparison or sweep whose ``fedbayes resume`` continues the interrupted run.
+      compile_seconds: JAX's compilation in each run folder this command ran (the tables' "compile
+        s", which the runs' own files leave out: it belongs to the process, not to the run).
     """
 
     stack: contextlib.ExitStack
     folder: Path | None = None
     resume_target: Path | None = None
+    compile_seconds: dict[Path, float] = dataclasses.field(default_factory=dict)
 
     def hold(self, folder: Path, what: str) -> None:
         """Holds ``folder``'s run lock until the command ends (see :mod:`fedbayes.runs.runlock`)."""

@@ -13,7 +13,7 @@ import typer
 
 from fedbayes.cli import progress
 from fedbayes.cli.base import CommandContext, console, fail, handled
-from fedbayes.cli.common import LOG_HELP, SEEDS_HELP, check_out, number_in, print_table, run_one
+from fedbayes.cli.common import LOG_HELP, SEEDS_HELP, check_out, number_in, print_table, run_one, with_compile_seconds
 from fedbayes.config.schema import ConfigError, RunConfig
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report
@@ -219,9 +219,8 @@ def _run_comparison(
         print(dumps_record(result.body), flush=True)
     else:
         changed = result.overrides
-        print_table(
-            cmp.marked(result.summaries, changed), threshold, cmp.marked(result.curves, changed), title=result.title, full=f"{result.markdown} and --json"
-        )
+        shown = result.summaries if seeds else with_compile_seconds(result.summaries, {v: out / v for v in result.summaries}, ctx)
+        print_table(cmp.marked(shown, changed), threshold, cmp.marked(result.curves, changed), title=result.title, full=f"{result.markdown} and --json")
         if changed:
             console.print(cmp.overrides_note(changed), highlight=False, soft_wrap=True, markup=False)
         _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
