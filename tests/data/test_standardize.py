@@ -48,10 +48,20 @@ def test_the_default_is_on_for_own_data_whose_scales_differ_by_orders_of_magnitu
     wide = [client_moments(np.array([[1000.0, 0.5], [1200.0, 0.1]]), np.arange(2))]
     alike = [client_moments(np.array([[1.0, 0.5, 0.0], [16.0, 0.1, 0.0]]), np.arange(2))]  # 0.5 to 16; an all-zero column is left out
     assert scale_ratio(wide) > SCALE_RATIO > scale_ratio(alike)
-    assert should_standardize(None, "files", wide) and should_standardize(None, "arrays", wide)
-    assert not should_standardize(None, "files", alike)
-    assert not should_standardize(None, "digits", wide)  # the built-in datasets come scaled by their loaders
+    assert should_standardize("auto", "files", wide) and should_standardize("auto", "arrays", wide)
+    assert not should_standardize("auto", "files", alike)
+    assert not should_standardize("auto", "digits", wide)  # the built-in datasets come scaled by their loaders
     assert should_standardize(True, "digits", alike) and not should_standardize(False, "files", wide)
+
+
+def test_a_run_written_before_the_option_resumes_unscaled():
+    """Its stored config lacks the key: own data then was not scaled, so it is not on resume."""
+    from fedbayes.config.schema import stored_meaning, validate
+
+    own = {"data": {"dataset": "files", "path": "x.csv"}}
+    assert validate(stored_meaning(own)).data.standardize is False
+    assert validate(stored_meaning({"data": {"dataset": "digits"}})).data.standardize == "auto"
+    assert validate(own).data.standardize == "auto" and validate({**own, "data": {**own["data"], "standardize": "auto"}}) == validate(own)
 
 
 def test_word_ids_are_not_scaled():

@@ -45,6 +45,7 @@ EVALUATION_KEYS = ("marginal_samples", "predictive")  # under [algorithm] before
 # What a stored config (a run folder's config.toml, a checkpoint) meant when it lacks a key whose
 # default now depends on the method: the behaviour of the versions that wrote it (resolved()).
 STORED_EVALUATION_DEFAULTS = {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}
+STANDARDIZE_AUTO_DATASETS = ("files", "arrays")  # fedbayes.data.standardize.USER_DATASETS: where data.standardize = "auto" may scale
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -102,14 +103,14 @@ class DataConfig(_Strict):
         lt=1,
         description="fraction of each client's training examples held out as a validation split (seeded; fedbayes sweep selects on it); 0 = none",
     )
-    standardize: bool | None = Field(
-        None,
-        description="centre and scale each feature by its mean and standard deviation over the clients' training examples (from per-client sums, fedbayes.data.standardize); unset: on for files and arrays whose features' magnitudes differ by more than 100 times",
+    standardize: bool | Literal["auto"] = Field(
+        "auto",
+        description="centre and scale each feature by its mean and standard deviation over the clients' training examples (from per-client sums, fedbayes.data.standardize); auto: on for files and arrays whose features' magnitudes differ by more than 100 times",
     )
 
     @field_validator("standardize")
     @classmethod
-    def _scalable(cls, value: bool | None, info) -> bool | None:
+    def _scalable(cls, value: bool | str, info) -> bool | str:
         if value and info.data.get("dataset") == "stackoverflow_nwp":
             raise ValueError("data.standardize: stackoverflow_nwp's inputs are word ids, not features to scale; leave it unset or false")
         return value
@@ -350,7 +351,8 @@ def stored_meaning(raw: Any) -> Any:
     """``raw``, a config as a run folder or a checkpoint stored it, with each key of
     :data:`STORED_EVALUATION_DEFAULTS` that it lacks set to what it meant when it was written (the
     behaviour of the versions before the key's default came to depend on the method), so that a
-    resumed old run evaluates as it did. New runs record every key, and are returned as they are."""
+    resumed old run evaluates as it did; likewise ``data.standardize`` (off for your own data,
+    which was not scaled then). New runs record every key, and are returned as they are."""
     if not isinstance(raw, dict) or not isinstance(raw.get("evaluation", {}), dict):
         return raw
     algorithm = raw["algorithm"] if isinstance(raw.get("algorithm"), dict) else {}
@@ -359,6 +361,9 @@ def stored_meaning(raw: Any) -> Any:
         if key not in evaluation and not (key in EVALUATION_KEYS and key in algorithm):  # FedEP's own prior_precision is another key
             evaluation[key] = value
     out = {**raw, "evaluation": evaluation}
+    data = raw.get("data", {})
+    if isinstance(data, dict) and "standardize" not in data:  # written before data.standardize: own data was not scaled
+        out["data"] = {**data, "standardize": False if data.get("dataset") in STANDARDIZE_AUTO_DATASETS else "auto"}
     if algorithm.get("name") in registry.names():  # the method's own keys (AlgorithmSpec.stored_meaning)
         out["algorithm"] = registry.get(algorithm["name"]).stored_meaning(dict(algorithm), raw)
     return out

@@ -10,9 +10,9 @@ of squares of each feature) and the server adds them (:func:`combine`); with the
 largest magnitude, which decides the default. The test split and the
 validation split are scaled by the same statistics; neither contributes to them.
 
-``data.standardize`` unset is on for your own data (``files``, ``arrays``) whose features'
-magnitudes differ by more than :data:`SCALE_RATIO` (:func:`scale_ratio`), off otherwise: the
-built-in datasets come scaled by their loaders.
+``data.standardize = "auto"`` (the default) is on for your own data (``files``, ``arrays``) whose
+features' magnitudes differ by more than :data:`SCALE_RATIO` (:func:`scale_ratio`), off otherwise:
+the built-in datasets come scaled by their loaders.
 """
 
 from __future__ import annotations
@@ -73,15 +73,15 @@ def scale_ratio(moments: Sequence[Moments]) -> float:
     return float(magnitude.max() / magnitude.min()) if len(magnitude) > 1 else 1.0
 
 
-def should_standardize(setting: bool | None, dataset: str, moments: Sequence[Moments]) -> bool:
-    """``data.standardize`` resolved: as set, or (unset) on for your own data whose features'
+def should_standardize(setting: bool | str, dataset: str, moments: Sequence[Moments]) -> bool:
+    """``data.standardize`` resolved: as set, or (``"auto"``) on for your own data whose features'
     magnitudes differ by more than :data:`SCALE_RATIO`."""
-    if setting is not None:
-        return setting
+    if setting != "auto":
+        return bool(setting)
     return dataset in USER_DATASETS and scale_ratio(moments) > SCALE_RATIO
 
 
-def standardize(data: Dataset, parts: Sequence[np.ndarray], setting: bool | None = True, dataset: str = "files") -> Dataset:
+def standardize(data: Dataset, parts: Sequence[np.ndarray], setting: bool | str = True, dataset: str = "files") -> Dataset:
     """``data`` with every split's features standardised by the statistics of the clients'
     training rows ``parts`` (a validation split held out of ``x_train`` is scaled, not counted),
     or ``data`` itself where ``setting`` (``data.standardize``, for the config's ``dataset``)
