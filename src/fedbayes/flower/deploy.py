@@ -263,7 +263,7 @@ def print_commands(
         f"mkdir -p ~/.flwr && touch ~/.flwr/config.toml && {{ grep -q '^\\[superlink\\]' ~/.flwr/config.toml || "
         f"printf '[superlink]\\ndefault = \"{CONNECTION}\"\\n' >> ~/.flwr/config.toml; }} && "
         f"{{ grep -q '^\\[superlink\\.{CONNECTION}\\]' ~/.flwr/config.toml || printf '[superlink.{CONNECTION}]\\naddress = \"{superlink_host}:{port}\"\\n"
-        f"root-certificates = \"{f('ca.crt')}\"\\n' >> ~/.flwr/config.toml; }}",
+        f'root-certificates = "{f("ca.crt")}"\\n\' >> ~/.flwr/config.toml; }}',
         *(f"flwr supernode register {f(f'node{i}.pub')} {CONNECTION}" for i in range(k)),
         "",
         f"# 3. On each client machine i = 0..{k - 1}: a SuperNode and its warm fedbayes executor. The node's data is its own:",
