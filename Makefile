@@ -13,8 +13,8 @@ $(BIN)/fedbayes: pyproject.toml
 
 env: $(BIN)/fedbayes
 
-# Main job: FedAvg, FedProx, FedDyn, FedPA, FedEP (I), FedSEP (I), FedLap, FedLap-Cov and FedLap-Func
-# in the setting of Swaroop et al. 2025 (ADMM and Bayes), Table 1 (10% of Fashion-MNIST, 10 clients,
+# Main job, ten methods: FedAvg, FedProx, FedDyn, FedPA, FedEP (I), FedSEP (I), FedLap, FedLap-Cov,
+# FedLap-Func and a federated variational BNN (conflation) in the setting of Swaroop et al. 2025 (ADMM and Bayes), Table 1 (10% of Fashion-MNIST, 10 clients,
 # two-level Dirichlet split, MLP, 50 rounds); prints a table with the paper's numbers beside ours and
 # writes runs/demo/compare.png.
 # scripts/demo installs the dataset where it can (root + apt), else runs the same comparison on

@@ -900,20 +900,37 @@ def hostile(p: Probe):
     tff("TFF /examples that is a dataset", "emnist", "fed_emnist_test.h5", examples_dataset)
     img = np.zeros((6, 32, 32, 3), np.uint8)
     tff("fed_cifar100 int64 label 2^32 + 3", "fed_cifar100", "fed_cifar100_train.h5", {"image": img, "label": np.array([2**32 + 3, 0, 1, 2, 3, 4], np.int64)})
-    tff("fed_cifar100 grayscale client", "fed_cifar100", "fed_cifar100_test.h5", {"image": np.zeros((6, 32, 32), np.uint8), "label": np.arange(6, dtype=np.int64)})
+    tff(
+        "fed_cifar100 grayscale client",
+        "fed_cifar100",
+        "fed_cifar100_test.h5",
+        {"image": np.zeros((6, 32, 32), np.uint8), "label": np.arange(6, dtype=np.int64)},
+    )
 
     def stackoverflow(case, damage, file):
         folder = tmp / f"so_{len(p.rows)}"
         writers.write_stackoverflow(folder, np.random.default_rng(4), num_clients=4, posts_per_client=(20, 24))
         damage(folder)
-        run("StackOverflow", case, f'dataset = "stackoverflow_nwp"\ndata_dir = "{folder}"\nvocab_size = 5\nmax_len = 4', needle=str(folder / file), model="lstm_nwp")
+        run(
+            "StackOverflow",
+            case,
+            f'dataset = "stackoverflow_nwp"\ndata_dir = "{folder}"\nvocab_size = 5\nmax_len = 4',
+            needle=str(folder / file),
+            model="lstm_nwp",
+        )
 
     stackoverflow(
         "integer tokens",
-        lambda f: _add_client(f / "stackoverflow_train.h5", {"tokens": np.arange(4), "title": np.array(["a"] * 4, object), "tags": np.array(["t0"] * 4, object)}),
+        lambda f: _add_client(
+            f / "stackoverflow_train.h5", {"tokens": np.arange(4), "title": np.array(["a"] * 4, object), "tags": np.array(["t0"] * 4, object)}
+        ),
         "stackoverflow_train.h5",
     )
-    stackoverflow("non-UTF-8 word count", lambda f: (f / "stackoverflow.word_count").write_bytes(b"w1 9\n\xff\xfe 8\nw2 7\nw3 6\nw4 5\nw5 4\n"), "stackoverflow.word_count")
+    stackoverflow(
+        "non-UTF-8 word count",
+        lambda f: (f / "stackoverflow.word_count").write_bytes(b"w1 9\n\xff\xfe 8\nw2 7\nw3 6\nw4 5\nw5 4\n"),
+        "stackoverflow.word_count",
+    )
 
     # LEAF and IDX, newly
     users = {f"u{i}": {"x": [[float(i), 1.0]] * 4, "y": [0, 1, 0, 2**40 if i == 1 else 1]} for i in range(4)}
@@ -930,8 +947,13 @@ def hostile(p: Probe):
 
     # configs and bench settings
     run(
-        "config", "privacy.noise_multiplier = 1e30", 'dataset = "digits"', expect=2, needle="privacy.noise_multiplier",
-        extra="[privacy]\nclip = 1.0\nnoise_multiplier = 1e30\n", sets=('server.weighting="uniform"',),
+        "config",
+        "privacy.noise_multiplier = 1e30",
+        'dataset = "digits"',
+        expect=2,
+        needle="privacy.noise_multiplier",
+        extra="[privacy]\nclip = 1.0\nnoise_multiplier = 1e30\n",
+        sets=('server.weighting="uniform"',),
     )
     for case, client in (("epochs -1", '{"epochs": -1}'), ("unknown key", '{"nosuch": 1}'), ("a list", "[1]")):
         r = _bounded(["bench", "posterior", "--quick", "--out", tmp / "bp", "--client", client], timeout=120, cache=p.cache)
@@ -984,11 +1006,20 @@ except Exception as exc:
             p.rows[-1]["outcome"] = "SECURITY"
             print(f"[{'SECURITY':>12}] {case}: the node read the server's file", flush=True)
 
-    flower("server's model.module (not in the node's model-modules)", model=f'name = "module"\nmodule = "{evil}:Net"', source=("data-file=mine.npz",), marker=marker)
+    flower(
+        "server's model.module (not in the node's model-modules)",
+        model=f'name = "module"\nmodule = "{evil}:Net"',
+        source=("data-file=mine.npz",),
+        marker=marker,
+    )
     flower("server's dataset = files, path = a secret file", data=f'dataset = "files"\npath = "{secret}"', read_is_a_leak=True)
     mine = tmp / "mine.npz"
     np.savez(mine, x=np.zeros((4, 64)), y=np.arange(4) % 2)
-    flower("server's data.test_path (node with its own data-file)", data=f'dataset = "files"\npath = "{mine}"\ntest_path = "{secret}"', source=(f"data-file={mine}",))
+    flower(
+        "server's data.test_path (node with its own data-file)",
+        data=f'dataset = "files"\npath = "{mine}"\ntest_path = "{secret}"',
+        source=(f"data-file={mine}",),
+    )
     flower("server's data.data_dir", data='dataset = "digits"\ndata_dir = "/srv/other"')
     flower("server's store_dir", top='store_dir = "/var/other"\n')
     flower("server's dataset = arrays, node without a data-file", data='dataset = "arrays"')

@@ -4,11 +4,15 @@
   command added to the app appears without editing the page;
 * ``<!-- readme: HEADING -->``: the README's section under that heading (its body, without the
   heading), with its links to ``docs/`` made relative to the site;
-* ``<!-- results-gallery -->`` (docs/results.md): every page and plot of ``docs/results/``.
+* ``<!-- results-gallery -->`` (docs/results.md): every page and plot of ``docs/results/``;
+* ``<!-- config-reference: SECTION -->``: the config keys of ``SECTION`` (as ``fedbayes config
+  SECTION`` selects them; ``all`` for every section), one table per section, from the config's
+  own definitions (:mod:`fedbayes.config.reference`).
 """
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
@@ -24,7 +28,7 @@ def _commands(group: click.Group, prefix: str):
     for name in group.list_commands(ctx):
         command = group.get_command(ctx, name)
         yield f"{prefix} {name}", command
-        if isinstance(command, click.Group):
+        if hasattr(command, "list_commands"):  # a group (typer may bundle its own click)
             yield from _commands(command, f"{prefix} {name}")
 
 
@@ -64,7 +68,31 @@ def results_gallery() -> str:
     return "\n".join(lines)
 
 
+def _cell(text: str) -> str:
+    """Table-cell text: HTML's special characters and the column separator escaped."""
+    return html.escape(text, quote=False).replace("|", "\\|") or " "
+
+
+def config_tables(section: str) -> str:
+    """Markdown: per config section its title, doc line and a table of its keys."""
+    from fedbayes.config import reference
+
+    parts = []
+    for s in reference.select(None if section == "all" else section):
+        if section == "all":
+            parts += [f"### `{s.title}`" if s.name else "### Top level", ""]
+        parts += [s.doc, ""] if s.doc and section == "all" else []
+        if not s.keys:
+            parts += ["No keys besides `name`.", ""]
+            continue
+        parts += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        parts += [f"| `{k.name}` | {_cell(k.type)} | `{k.default}` | {_cell(k.meaning)} |" for k in s.keys]
+        parts.append("")
+    return "\n".join(parts)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = re.sub(r"<!-- config-reference: (\S+) -->", lambda m: config_tables(m.group(1)), markdown)
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, cli_reference())
     markdown = markdown.replace("<!-- results-gallery -->", results_gallery())

@@ -1,8 +1,15 @@
 """The docs site's pages: their commands name files and options that exist; the Python example of
-"Your own data and model" runs as written."""
+"Your own data and model" runs as written; the built site works from file:// and its API
+reference is Markdown, free of Sphinx markup."""
 
+import html
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -32,3 +39,89 @@ def test_the_own_data_python_example_runs_as_written(tmp_path, monkeypatch):
     exec(compile(code.replace('rounds": 10', 'rounds": 2'), "docs/own-data.md", "exec"), namespace)
     assert namespace["summary"]["final"]["accuracy"] > 0.3
     assert (tmp_path / "runs" / "python_arrays" / "model.npz").is_file()
+
+
+def _built_site(folder: Path) -> Path:
+    """``make docs``'s build of this checkout into ``folder`` (strict: a warning fails it)."""
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed (make docs installs it)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "-d", str(folder)], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    return _built_site(tmp_path_factory.mktemp("site"))
+
+
+def _text(page: Path) -> str:
+    """A built page's article as plain text (the code of its examples included)."""
+    body = page.read_text(encoding="utf-8")
+    body = body[body.find("<article") :]
+    return html.unescape(re.sub(r"<[^>]+>", "", body))
+
+
+def test_the_built_site_links_to_files_so_it_works_from_file_urls(site):
+    """Opened as site/index.html (file://), a link must name a file: a folder shows a listing."""
+    pages = sorted(p for p in site.rglob("*.html") if p.name != "404.html")  # 404.html: a web server's page
+    assert len(pages) > 20
+    checked = 0
+    for page in pages:
+        for link in re.findall(r'(?:href|src)="([^"#?]+)[^"]*"', page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:|//", link):
+                continue  # another site
+            target = (page.parent / urllib.parse.unquote(link)).resolve()
+            assert target.is_file(), f"{page.relative_to(site)}: {link} is not a file of the site"
+            checked += 1
+    assert checked > 500
+
+
+def test_the_api_reference_shows_no_sphinx_markup(site):
+    for page in ("api.html", "config.html"):
+        text = _text(site / page)
+        roles = re.findall(r":(?:class|func|meth|mod|attr|data|obj|exc):`?\S+", text)
+        assert not roles, f"{page}: {roles[:5]}"
+        assert not re.search(r"\w::\s", text), page  # a literal block's marker (Example::)
+    api = (site / "api.html").read_text(encoding="utf-8")
+    assert 'href="#fedbayes.sim.simulator.Simulator.run_round"' in api  # :meth:`run_round`, resolved in its scope
+
+
+def test_run_config_and_every_config_section_show_their_fields(site):
+    from fedbayes.config import reference
+
+    api, config = _text(site / "api.html"), _text(site / "config.html")
+    assert "Bases:" not in api.split("RunConfig", 1)[1][:300]
+    top = reference.sections()[0]
+    assert len(top.keys) > 10
+    for key in top.keys:
+        assert re.search(rf"^{key.name}$", api, flags=re.M), f"RunConfig.{key.name}"
+    for section in reference.sections():
+        assert section.title in config or not section.name, section.title
+        for key in section.keys:
+            assert re.search(rf"^{key.name}$", config, flags=re.M), f"{section.title}: {key.name}"
+
+
+def _browser() -> str | None:
+    return next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_browser() is None, reason="no headless Chromium on this machine (apt-get install chromium)")
+def test_a_headless_browser_follows_the_sites_links_from_file_urls(site, tmp_path):
+    """Chromium opens site/index.html as file://, and the pages its navigation links to (as the
+    browser resolves them) are pages, not folder listings."""
+
+    def dom(url: str) -> str:
+        args = [_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+        args += ["--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", url]
+        return subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+
+    index = (site / "index.html").resolve().as_uri()
+    home = dom(index)
+    links = re.findall(r'<a href="([^"#]+)" class="md-nav__link"', home)
+    targets = {urllib.parse.urljoin(index, link) for link in links}
+    assert len(targets) > 10, links
+    for url in sorted(t for t in targets if t.endswith(("/getting-started.html", "/api.html", "/config.html", "/getting-started/"))):
+        page = dom(url)
+        assert "<article" in page and "<h1" in page and "Index of" not in page, url

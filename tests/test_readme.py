@@ -139,11 +139,14 @@ def test_readme_commands_run_in_the_order_written(tmp_path, monkeypatch):
     runner = CliRunner()
     ran = []
     make_demo = ["compare", "examples/fmnist_compare.toml", "--out", "runs/demo", "--resume"]  # scripts/demo, the README's first command
-    for args in [make_demo, *_cli_lines()]:
+    for args in [make_demo, *_cli_lines(), make_demo]:  # and `make demo` again, after the README's --set
         if args[0] in SKIPPED:
             continue
         res = runner.invoke(app, args, env={"COLUMNS": "100", "FEDBAYES_NO_SYSTEM_DATA": "1"})
         assert res.exit_code == 0, f"fedbayes {' '.join(args)} (after {len(ran)} commands): exit {res.exit_code}\n{res.output[-3000:]}"
         ran.append(args[0])
-    assert ran.count("resume") == 2 and ran.count("compare") >= 5 and ran.count("sweep") == 2
+    assert ran.count("resume") == 2 and ran.count("compare") >= 6 and ran.count("sweep") == 2
     assert (tmp_path / "runs/demo/compare.md").is_file() and (tmp_path / "runs/digits_sweep").is_dir()
+    # the last `make demo` kept FedProx's --set from the README and marked it
+    assert "fedprox: runs with its earlier --set algorithm.mu=0.1" in res.output
+    assert "fedprox*" in res.output and "fedprox*" in (tmp_path / "runs/demo/compare.md").read_text()

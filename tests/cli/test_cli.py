@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +141,21 @@ def test_datasets_lists_presence():
     assert "digits" in res.output and "fashion_mnist" in res.output
 
 
+def test_datasets_fits_80_columns_and_names_each_datasets_own_archive(tmp_path):
+    """Each hint whole (a URL on a line of its own, never cut) within 80 columns, and the TFF
+    archive of that dataset: not EMNIST's for CIFAR-100 or StackOverflow."""
+    res = runner.invoke(app, ["datasets"], env={"COLUMNS": "80", "FEDBAYES_DATA": str(tmp_path), "FEDBAYES_NO_SYSTEM_DATA": "1"})
+    assert res.exit_code == 0, res.output
+    assert all(len(line) <= 80 for line in res.output.splitlines()), max(res.output.splitlines(), key=len)
+    blocks = re.split(r"\n(?=\S)", res.output)
+    hint = {block.split()[0]: " ".join(block.split()) for block in blocks if block.strip()}
+    url = "https://storage.googleapis.com/tff-datasets-public/"
+    assert f"{url}fed_emnist.tar.bz2 " in hint["emnist"]
+    assert f"{url}fed_cifar100.tar.bz2 " in hint["fed_cifar100"]
+    assert f"{url}stackoverflow.tar.bz2 " in hint["stackoverflow_nwp"] and f"{url}stackoverflow.tar.bz2 " in hint["stackoverflow_lr"]
+    assert "https://www.cs.toronto.edu/~kriz/cifar.html " in hint["cifar10"]
+
+
 def _cli(args, env_extra=None, cache="off", die_after=None):
     """The CLI in its own process; ``die_after=R`` kills it abruptly after round R (tests/killed_run.py)."""
     env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"], JAX_PLATFORMS="cpu", FEDBAYES_CACHE=str(cache), **(env_extra or {}))
@@ -273,3 +289,29 @@ def test_a_cifar_batch_that_runs_code_exits_3_naming_the_file_and_runs_nothing(t
     assert res.exit_code == 3 and len(lines) == 1, res.output
     assert str(batch) in lines[0] and "refused" in lines[0]
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_every_commands_help_shows_brackets_as_written():
+    """Under the typer releases flwr pins (0.13-0.20), plain help escapes "[required]" and
+    "[default: ...]" for rich (``\\[required]``); every command's help is a PlainHelpCommand's,
+    which shows them as written."""
+    import click
+    import typer
+
+    from fedbayes.cli.base import PlainHelpCommand
+
+    def commands(group):
+        for name in group.list_commands(click.Context(group)):
+            command = group.get_command(click.Context(group), name)
+            yield from commands(command) if hasattr(command, "list_commands") else [command]  # a group (typer may bundle its own click)
+
+    found = list(commands(typer.main.get_command(app)))
+    assert len(found) > 8 and all(isinstance(c, PlainHelpCommand) for c in found)
+
+    class Escaped(click.Option):  # what such a typer gives click's formatter
+        def get_help_record(self, ctx):
+            return "--config", "the run's TOML  \\[required]"
+
+    command = PlainHelpCommand("deploy", params=[Escaped(["--config"])], help="Run on [flower].", rich_markup_mode=None)
+    text = command.get_help(click.Context(command, info_name="deploy"))
+    assert "the run's TOML  [required]" in text and "Run on [flower]." in text and "\\[" not in text

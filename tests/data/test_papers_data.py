@@ -279,7 +279,9 @@ def test_fed_cifar100_pixels_and_labels_are_checked_never_cast(tmp_path, client,
 
 def test_stackoverflow_tokens_must_be_text_and_counts_utf8(tmp_path):
     _so_folder(tmp_path, ["a b", "c"], ["", ""], ["t0", "t1"])
-    writers.write_tff(tmp_path / "stackoverflow_train.h5", {"u1": {"tokens": np.array([1, 2]), "title": np.array(["", ""], object), "tags": np.array(["t0", "t1"], object)}})
+    writers.write_tff(
+        tmp_path / "stackoverflow_train.h5", {"u1": {"tokens": np.array([1, 2]), "title": np.array(["", ""], object), "tags": np.array(["t0", "t1"], object)}}
+    )
     with pytest.raises(DataError, match=r"stackoverflow_train.h5: client 'u1': tokens must be text \(one byte string per post\); got int64"):
         load_dataset("stackoverflow_nwp", tmp_path, vocab_size=2)
     _so_folder(tmp_path, ["a b", "c"], ["", ""], ["t0", "t1"])

@@ -33,8 +33,14 @@ class _ShellThenBatch:
 
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_arrays_lists_and_strings_round_trip(tmp_path, protocol):
-    blob = {b"data": np.arange(12, dtype=np.uint8).reshape(3, 4), b"labels": [1, 2, 3], b"batch_label": b"training batch 1 of 5",
-            "names": ["a", "b"], b"scalar": np.int64(7), b"floats": np.linspace(0, 1, 5)}
+    blob = {
+        b"data": np.arange(12, dtype=np.uint8).reshape(3, 4),
+        b"labels": [1, 2, 3],
+        b"batch_label": b"training batch 1 of 5",
+        "names": ["a", "b"],
+        b"scalar": np.int64(7),
+        b"floats": np.linspace(0, 1, 5),
+    }
     path = tmp_path / "batch"
     path.write_bytes(pickle.dumps(blob, protocol=protocol))
     out = load_plain(path)

@@ -117,14 +117,22 @@ def _npz(path, **arrays):
     "arrays, kwargs, message",
     [
         ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 2**32])}, {}, "example 3: label 4294967296 is not a class"),
-        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 3_000_000])}, {}, "label 3000000 would make 3000001 classes of which only 3 occur; set data.num_classes"),
+        (
+            {"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 3_000_000])},
+            {},
+            "label 3000000 would make 3000001 classes of which only 3 occur; set data.num_classes",
+        ),
         ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 5])}, {"num_classes": 3}, "label 5 is outside the declared num_classes = 3"),
         ({"x": np.zeros((4, 2)) + 1j, "y": np.array([0, 1, 0, 1])}, {}, "features must be real numbers; got complex128"),
         ({"x": np.zeros((4, 0)), "y": np.array([0, 1, 0, 1])}, {}, "the examples have no features (shape (4, 0))"),
         ({"x": np.zeros((0, 2)), "y": np.zeros(0, np.int64)}, {}, "holds no examples"),
         ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 1]) + 0j}, {}, "labels must be integer classes 0..C-1; got complex128"),
         ({"x": np.zeros((4, 2)), "y": np.zeros((4, 2), np.int64)}, {}, "labels must be one per example (shape [N]); got shape (4, 2)"),
-        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 1]), "c": np.array([1.0, np.nan, 1.0, 2.0])}, {"client_column": "c"}, "example 1: client id nan is not finite"),
+        (
+            {"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 1]), "c": np.array([1.0, np.nan, 1.0, 2.0])},
+            {"client_column": "c"},
+            "example 1: client id nan is not finite",
+        ),
     ],
 )
 def test_npz_labels_and_features_are_checked_never_coerced(tmp_path, arrays, kwargs, message):

@@ -51,3 +51,25 @@ def test_print_commands_uses_tls_not_insecure():
     assert out.count("flower-supernode --") == 3 and "partition-id=2 num-partitions=3" in out and "data-file=" in out
     assert out.count("python -m fedbayes.flower.executor") == 3 and out.count("--isolation process") == 3
     assert out.count("flwr supernode register") == 3 and "flwr run fedbayes-app" in out
+
+
+def test_the_printed_connection_is_added_once_and_keeps_the_users_own(tmp_path):
+    """Run twice (as a user rerunning the printed steps does), the step that writes Flower's
+    connection leaves one [superlink] table and one connection, and an existing one untouched."""
+    import tomllib
+
+    from fedbayes.config.schema import load_config
+    from fedbayes.flower.deploy import print_commands
+
+    text = print_commands(CONFIG, load_config(CONFIG), tmp_path / "out", "10.0.0.1", 9092)
+    (step,) = [line for line in text.splitlines() if "~/.flwr/config.toml" in line and not line.startswith("#")]
+    home = tmp_path / "home"
+    (home / ".flwr").mkdir(parents=True)
+    (home / ".flwr" / "config.toml").write_text('[superlink]\ndefault = "mine"\n\n[superlink.mine]\naddress = "127.0.0.1:9093"\ninsecure = true\n')
+    for _ in range(2):
+        subprocess.run(["bash", "-c", step], env={**os.environ, "HOME": str(home)}, check=True)
+    written = (home / ".flwr" / "config.toml").read_text()
+    config = tomllib.loads(written)  # a table written twice would not parse
+    assert config["superlink"]["default"] == "mine" and config["superlink"]["mine"]["insecure"] is True
+    assert [k for k in config["superlink"] if k != "default"] == ["mine", "local"] and written.count("[superlink.local]") == 1
+    assert config["superlink"]["local"]["address"] == "10.0.0.1:9092"

@@ -74,11 +74,16 @@ def test_a_node_pinned_to_a_dataset_refuses_another():
 def test_a_module_is_imported_only_when_the_node_lists_it(tmp_path):
     evil = tmp_path / "evil_model.py"
     marker = tmp_path / "IMPORTED"
-    evil.write_text(f"open({str(marker)!r}, 'w').close()\nimport flax.linen as nn\nclass Net(nn.Module):\n    @nn.compact\n    def __call__(self, x):\n        return nn.Dense(2)(x)\n")
+    evil.write_text(
+        f"open({str(marker)!r}, 'w').close()\nimport flax.linen as nn\nclass Net(nn.Module):\n    @nn.compact\n    def __call__(self, x):\n        return nn.Dense(2)(x)\n"
+    )
     spec = f"{evil}:Net"
     raw = _raw(model={"module": spec, "name": "module"})
     for source in ({}, {"data-file": "mine.npz"}, {"model-modules": "pkg.other:Net"}):
-        with pytest.raises(NodeDataError, match=r"this node refuses the run's model.module = '.*evil_model.py:Net': a node imports only a model module its own configuration names"):
+        with pytest.raises(
+            NodeDataError,
+            match=r"this node refuses the run's model.module = '.*evil_model.py:Net': a node imports only a model module its own configuration names",
+        ):
             accept_run_config(raw, source)
     assert not marker.exists() and "evil_model" not in sys.modules
     assert accept_run_config(raw, {"model-modules": f"pkg.other:Net, {spec}"}) == raw

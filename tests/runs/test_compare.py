@@ -73,3 +73,16 @@ def test_a_diverged_summary_keeps_where_not_its_numbers():
     assert cmp.without_numbers(fine) is fine
     over_seeds = {"name": "m", "seeds": [0, 1], "runs": {"0": fine, "1": diverged}}
     assert cmp.without_numbers(over_seeds)["runs"]["1"] == cmp.without_numbers(diverged)
+
+
+def test_overrides_merge_by_key_the_later_winning():
+    assert cmp.merge_overrides(["algorithm.mu=0.1", "rounds=3"], ["algorithm.mu = 0.5", "seed=1"]) == ["rounds=3", "algorithm.mu = 0.5", "seed=1"]
+
+
+def test_a_files_overrides_apply_before_remembered_ones_and_the_command_line(tmp_path):
+    path = _file(tmp_path, COMPARISON + '\n[overrides]\nfedprox = ["client.lr=0.3", "rounds=4"]\n')
+    runs, items = cmp.load_comparison_with_overrides([path], ["fedprox.rounds=5"], {"fedprox": ["client.lr=0.2"], "fedavg": ["seed=7"]})
+    assert runs["fedprox"].client.lr == 0.2 and runs["fedprox"].rounds == 5 and runs["fedavg"].seed == 7
+    assert items == {"fedprox": ["client.lr=0.2", "rounds=5"], "fedavg": ["seed=7"]}
+    with pytest.raises(ConfigError, match="overrides"):
+        cmp.load_comparison([_file(tmp_path, COMPARISON + "\n[overrides]\nfedprox = 3\n")], [])

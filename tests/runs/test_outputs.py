@@ -121,6 +121,29 @@ def test_compare_resume_refuses_a_changed_variant(tmp_path):
     assert res.exit_code == 2 and "different config" in res.output
 
 
+def test_a_resumed_comparison_keeps_each_variants_set_and_marks_it(tmp_path):
+    """After `--set fedprox.algorithm.mu=0.5 --rerun fedprox`, a plain `--resume` (as `make demo`
+    runs it) and `fedbayes resume` keep FedProx's mu instead of refusing its run; the tables name
+    it fedprox*; `--rerun fedprox` alone runs it as the file says."""
+    cfg, out = _file(tmp_path, COMPARE), tmp_path / "cmp"
+    assert runner.invoke(app, ["compare", str(cfg), "--out", str(out)]).exit_code == 0
+    res = runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--resume", "--set", "fedprox.algorithm.mu=0.5", "--rerun", "fedprox"])
+    assert res.exit_code == 0, res.output
+    assert "\nmu = 0.5\n" in (out / "fedprox" / "config.toml").read_text()
+    for args in (["compare", str(cfg), "--out", str(out), "--resume"], ["resume", str(out)]):
+        res = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        assert res.output.count("finished earlier, not rerun") == 2
+        assert "fedprox* " in res.output and "fedavg* " not in res.output
+        assert "* changed by --set (comparison.toml keeps it): fedprox (algorithm.mu=0.5)" in res.output
+        assert "fedprox*" in (out / "compare.md").read_text()
+    assert "fedprox: runs with its earlier --set algorithm.mu=0.5" in runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--resume"]).output
+    res = runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--resume", "--rerun", "fedprox"])
+    assert res.exit_code == 0, res.output
+    assert "fedprox*" not in res.output and "mu = 0.5" not in (out / "fedprox" / "config.toml").read_text()
+    assert "overrides" not in (out / "comparison.toml").read_text()
+
+
 def test_set_targets_one_variant_and_json_goes_to_stdout(tmp_path):
     cfg, out = _file(tmp_path, COMPARE), tmp_path / "cmp"
     res = runner.invoke(app, ["compare", str(cfg), "--out", str(out), "--set", "fedprox.algorithm.mu=0.5", "--set", "seed=3", "--json"])
@@ -266,6 +289,13 @@ def test_config_reference_lists_every_key():
     assert "scale = 1.0" in fedep and "(float, > 0)" in fedep and "fedsep" not in fedep and "preset = 'posterior'" in fedep
     bad = runner.invoke(app, ["config", "nope"])
     assert bad.exit_code == 2 and "unknown section 'nope'" in bad.output
+
+
+def test_config_reference_fits_80_columns_and_keeps_every_meaning():
+    wide = runner.invoke(app, ["config", "data"], env={"COLUMNS": "400"}).output
+    narrow = runner.invoke(app, ["config", "data"], env={"COLUMNS": "80"}).output
+    assert all(len(line) <= 80 for line in narrow.splitlines()), max(narrow.splitlines(), key=len)
+    assert max(map(len, wide.splitlines())) > 80 and " ".join(narrow.split()) == " ".join(wide.split())
 
 
 def test_run_help_points_to_the_config_reference():

@@ -102,3 +102,41 @@ def test_markdown_has_every_column():
     for col in report.columns(_summaries()):
         assert col.header in header
     assert md.count("\n") == len(NAMES) + 2
+
+
+def test_at_80_columns_the_bayesian_columns_are_kept_and_others_left_out_with_a_note():
+    """The main job's methods: the marginalised columns and the fixed point stay; the footnote
+    names the columns left out instead (the curve summaries, time, upload, ...)."""
+    summaries = {}
+    for i, name in enumerate(["fedavg", "fedprox", "fedep", "fedsep", "fedlap_cov", "fedlap_func", "vbnn_cf"]):
+        final = {"accuracy": 0.83 + i / 1000, "nll": 0.47 + i / 100, "ece": 0.0296, "seconds": 11.5, "bytes_up": 7.124e8}
+        bayes = name in ("fedep", "fedsep", "fedlap_cov")
+        if bayes:
+            final.update(accuracy_marg=0.8357, nll_marg=0.4711, ece_marg=0.0223)
+        summaries[name] = {
+            "algorithm": name.split("_")[0],
+            "server_optimizer": "sgd",
+            "final": final,
+            "best_accuracy": 0.8418,
+            "rounds_to": {"0.80": 11},
+            "final_mean_3": 0.8412,
+            "fixed_point": {"settled": False, "mean_drift": 0.071, "var_drift": 0.01, "moved": ["mean"]} if bayes else None,
+        }
+    text = report.render(summaries, width=80)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    dropped = _shown(text)
+    assert dropped and not dropped & {"NLL marg.", "ECE marg. (%)", "acc marg.", "fixed point", "accuracy", "NLL"}, dropped
+    assert "no (7.1%)" in text and "0.4711" in text
+
+
+def test_a_markdown_report_as_text_fits_and_says_what_its_tables_left_out():
+    """fedbayes bench posterior prints its Markdown this way: paragraphs wrapped, each table
+    narrowed from the right with a note naming the file that has every column."""
+    header = "| method | " + " | ".join(f"column number {i}" for i in range(12)) + " |"
+    rows = [f"| method_{k} | " + " | ".join(f"{k}.{i:03d}" for i in range(12)) + " |" for k in range(3)]
+    md = "\n".join(["### a problem", "", "word " * 40, "", header, "|" + "---|" * 13, *rows, ""])
+    text = report.markdown_as_text(md, width=60, full="runs/posterior/posterior_quality.md")
+    assert all(len(line) <= 60 for line in text.splitlines()), text
+    assert "a problem" in text and text.count("word") == 40
+    assert all(f"method_{k}" in text and f"{k}.000" in text for k in range(3))
+    assert "left out to fit 60 columns: column number 11" in " ".join(text.split()) and "posterior_quality.md" in text

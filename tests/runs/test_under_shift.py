@@ -64,7 +64,9 @@ def test_a_posterior_gets_its_marginalised_metrics_under_shift(tmp_path):
     out = tmp_path / "run"
     res = runner.invoke(app, ["run", str(p), "--out", str(out)])
     assert res.exit_code == 0, res.output
-    (recs,) = rs.evaluate_runs([out], kinds=("noise",), levels=(0, 5))
+    steps = []
+    (recs,) = rs.evaluate_runs([out], kinds=("noise",), levels=(0, 5), progress=lambda done, total: steps.append((done, total)))
+    assert steps == [(0, 2), (1, 2), (2, 2)]  # the comparison's bar under shift
     last = read_metrics(out / "metrics.jsonl")[-1]
     assert [r["level"] for r in recs] == [0, 5] and set(rs.METRICS) <= set(recs[0])
     assert all(recs[0][k] == pytest.approx(last[k], abs=1e-6) for k in rs.METRICS)  # the run's own evaluator, its key

@@ -1,4 +1,4 @@
-"""The ``fedbayes`` command line: run, deploy, resume, compare, sweep, config, datasets, bench, toy.
+"""The ``fedbayes`` command line: run, deploy, resume, compare, sweep, config, datasets, new, bench, toy.
 
 No math lives here: commands parse and validate configs, then call :mod:`fedbayes.runs` (one run:
 :mod:`fedbayes.runs.loop`; comparisons and sweeps: :mod:`fedbayes.runs.compare`,
@@ -10,7 +10,7 @@ documented exit code (:mod:`fedbayes.errors`; the handler is :func:`fedbayes.cli
 Modules: :mod:`~fedbayes.cli.base` (the app, the command context, the error mapping, the entry
 point), :mod:`~fedbayes.cli.progress` (progress displays), :mod:`~fedbayes.cli.common` (what the
 commands share), :mod:`~fedbayes.cli.running` (run, deploy, resume), :mod:`~fedbayes.cli.comparing`
-(compare, sweep), :mod:`~fedbayes.cli.info` (config, datasets, bench).
+(compare, sweep), :mod:`~fedbayes.cli.info` (config, datasets, bench), :mod:`~fedbayes.cli.scaffold` (new).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from fedbayes.sim import hostdevices  # noqa: E402
 # count already in XLA_FLAGS is kept.
 hostdevices.configure()
 
-from fedbayes.cli import comparing, info, running  # noqa: E402
-from fedbayes.cli.base import CACHE_ENV, CommandContext, app, console, describe_failure, enable_compilation_cache, main  # noqa: E402
+from fedbayes.cli import comparing, info, running, scaffold  # noqa: E402
+from fedbayes.cli.base import CACHE_ENV, CommandContext, PlainHelpCommand, app, console, describe_failure, enable_compilation_cache, main  # noqa: E402
 from fedbayes.cli.progress import RichReporter  # noqa: E402
 from fedbayes.toys.commands import toy_app  # noqa: E402  (toy quadratic | least-squares | niw)
 
@@ -43,5 +43,9 @@ app.command()(comparing.compare)
 app.command(help=comparing.SWEEP_HELP)(comparing.sweep)
 app.command("config")(info.config_reference)
 app.command()(info.datasets)
+app.command()(scaffold.new)
 app.command()(info.bench)
 app.add_typer(toy_app, name="toy")
+for _command in (*app.registered_commands, *toy_app.registered_commands):
+    if _command.cls in (None, PlainHelpCommand.__base__):  # typer's default: help without rich's escapes under older typer
+        _command.cls = PlainHelpCommand

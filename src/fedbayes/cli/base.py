@@ -57,6 +57,16 @@ def enable_compilation_cache() -> str | None:
     return cache
 
 
+class PlainHelpCommand(typer.core.TyperCommand):
+    """A command whose plain-text help shows ``[required]`` and ``[default: ...]`` as written:
+    the typer releases flwr pins (0.13-0.20) escape them for rich markup (``\\[required]``) even
+    when the help is plain text."""
+
+    def format_help(self, ctx, formatter) -> None:
+        super().format_help(ctx, formatter)
+        formatter.buffer[:] = [text.replace("\\[", "[") for text in formatter.buffer]
+
+
 # rich_markup_mode=None: help text is plain text, so "[flower]" and "[privacy]" stay as written (rich markup would eat them)
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Federated learning as Bayesian inference, in JAX.")
 console = Console()
@@ -94,11 +104,14 @@ class CommandContext:
       stack: the locks the command holds (released when it ends, however it ends).
       folder: the run folder being written (its ``error.log``; the resume line of an interrupt).
       resume_target: the comparison or sweep whose ``fedbayes resume`` continues the interrupted run.
+      compile_seconds: JAX's compilation in each run folder this command ran (the tables' "compile
+        s", which the runs' own files leave out: it belongs to the process, not to the run).
     """
 
     stack: contextlib.ExitStack
     folder: Path | None = None
     resume_target: Path | None = None
+    compile_seconds: dict[Path, float] = dataclasses.field(default_factory=dict)
 
     def hold(self, folder: Path, what: str) -> None:
         """Holds ``folder``'s run lock until the command ends (see :mod:`fedbayes.runs.runlock`)."""

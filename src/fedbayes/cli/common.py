@@ -72,23 +72,29 @@ def run_one(
     """Runs (or resumes) one experiment into ``out`` and returns its summary; a diverged run is
     exit 3 (or, with ``diverged_ok``, a ``diverged:`` line and its summary); a missing dataset
     exit 3; a config error exit 2. ``reporter``: the progress display (default: bar or lines,
-    with the loggers of ``logs``); ``warn``: where the run's warning lines go (default stderr)."""
+    with the loggers of ``logs``); ``warn``: where the run's warning lines go (default stderr).
+    JAX's compilation during the run, which the run's ``seconds`` leave out, goes to
+    ``ctx.compile_seconds`` (:func:`with_compile_seconds`)."""
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import loop
+    from fedbayes.runs.compile_clock import CompileClock
     from fedbayes.runs.health import Diverged
 
     ctx.folder = out
     try:
         # overwrite: the command has checked the folder already (check_out, or a comparison's own rule)
-        return loop.run_experiment(
-            config,
-            out,
-            resume=resume,
-            overwrite=True,
-            reporter=reporter or progress.reporter(out, logs, config, stderr),
-            accept_changes=accept_changes,
-            warn=warn,
-        )
+        with CompileClock() as compiling:
+            summary = loop.run_experiment(
+                config,
+                out,
+                resume=resume,
+                overwrite=True,
+                reporter=reporter or progress.reporter(out, logs, config, stderr),
+                accept_changes=accept_changes,
+                warn=warn,
+            )
+        ctx.compile_seconds[Path(out)] = compiling.seconds
+        return summary
     except Diverged as exc:
         if not diverged_ok:
             raise  # one line and exit 3 (the top-level handler)
@@ -103,6 +109,13 @@ def run_one(
 
         raise_if_too_large(config, exc)  # one line naming the config's sizes (exit 2)
         raise
+
+
+def with_compile_seconds(summaries: dict[str, dict], folders: dict[str, Path], ctx: CommandContext) -> dict[str, dict]:
+    """The summaries to print, each run this command ran with its ``compile_seconds`` (the
+    tables' "compile s"); ``folders``: each summary's run folder."""
+    seconds = {name: ctx.compile_seconds.get(Path(folder)) for name, folder in folders.items()}
+    return {name: s if seconds.get(name) is None else {**s, "compile_seconds": seconds[name]} for name, s in summaries.items()}
 
 
 def records(out: Path) -> list[dict]:

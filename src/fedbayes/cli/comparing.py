@@ -13,7 +13,7 @@ import typer
 
 from fedbayes.cli import progress
 from fedbayes.cli.base import CommandContext, console, fail, handled
-from fedbayes.cli.common import LOG_HELP, SEEDS_HELP, check_out, number_in, print_table, run_one
+from fedbayes.cli.common import LOG_HELP, SEEDS_HELP, check_out, number_in, print_table, run_one, with_compile_seconds
 from fedbayes.config.schema import ConfigError, RunConfig
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report
@@ -54,6 +54,22 @@ def _print_reference(summaries, curves, reference, full: str) -> None:
     print(report.render_rows(cols, rows, title=f"beside the paper: {reference.source}", full=full), end="", flush=True)
 
 
+def _title(configs: list[Path], runs: dict[str, RunConfig]) -> str:
+    """What was run, for the plots: "fmnist_compare: 10 methods, fashion_mnist (10%), 10 clients, 50 rounds"."""
+
+    def each(values) -> str:
+        return ", ".join(map(str, sorted(set(values))))
+
+    data = ", ".join(
+        sorted({c.data.dataset + (f" ({c.data.fraction:.0%})" if c.data.fraction < 1 else "") for c in runs.values()})
+    )  # fmt: skip
+    name = configs[0].stem if len(configs) == 1 else "comparison"
+    return (
+        f"{name}: {len(runs)} method{'s' if len(runs) > 1 else ''}, {data}, "
+        f"{each(c.data.num_clients for c in runs.values())} clients, {each(c.rounds for c in runs.values())} rounds"
+    )
+
+
 @handled
 def compare(
     ctx: CommandContext,
@@ -91,7 +107,9 @@ def compare(
 
     if overwrite and resume:
         fail("error: --overwrite and --resume exclude each other")
-    runs = _or_fail(lambda: cmp.load_comparison(configs, set_ or []))
+    # a resumed comparison keeps each variant's earlier --set (comparison.toml), but for a variant run again
+    remembered = {v: items for v, items in _or_fail(lambda: cmp.stored_overrides(out)).items() if v not in (rerun or ())} if resume else {}
+    runs, overrides = _or_fail(lambda: cmp.load_comparison_with_overrides(configs, set_ or [], remembered))
     unknown = [v for v in rerun or [] if v not in runs]
     if unknown:
         fail(f"error: --rerun {unknown[0]}: not a variant of this comparison; allowed: {', '.join(runs)}")
@@ -99,8 +117,7 @@ def compare(
         fail("error: --rerun replaces variants of the comparison in --out: pass --resume with it")
     seed_list = _seeds_option(seeds) if seeds is not None else _or_fail(lambda: cmp.file_seeds(configs))
     check_out(out, overwrite, resume, what="comparison")
-    datasets = sorted({c.data.dataset for c in runs.values()})
-    title = f"{configs[0].stem if len(configs) == 1 else 'comparison'} ({', '.join(datasets)})"
+    title = _title(configs, runs)
     reference = _or_fail(lambda: cmp.file_reference(configs, list(runs)))
     kinds = _or_fail(lambda: cmp.file_shift(configs))
     if shift and kinds is None:
@@ -120,6 +137,8 @@ def compare(
         reference=reference,
         shift=kinds,
         rerun=tuple(rerun or ()),
+        overrides=overrides,
+        remembered=remembered,
     )
 
 
@@ -128,11 +147,11 @@ def resume_comparison(ctx: CommandContext, out: Path, logs=None) -> None:
     from fedbayes.runs import compare as cmp
 
     files = [out / run_folder.COMPARISON]
-    runs = _or_fail(lambda: cmp.load_comparison(files, []))
+    runs, overrides = _or_fail(lambda: cmp.load_comparison_with_overrides(files, []))
     seeds = _or_fail(lambda: cmp.file_seeds(files))
     reference = _or_fail(lambda: cmp.file_reference(files, list(runs)))
     kinds = _or_fail(lambda: cmp.file_shift(files))
-    _run_comparison(ctx, runs, out, resume=True, logs=logs, seeds=seeds, reference=reference, shift=kinds)
+    _run_comparison(ctx, runs, out, resume=True, logs=logs, seeds=seeds, reference=reference, shift=kinds, overrides=overrides)
 
 
 def _run_comparison(
@@ -149,6 +168,8 @@ def _run_comparison(
     reference=None,
     shift=None,
     rerun: tuple[str, ...] = (),
+    overrides=None,
+    remembered=None,
 ) -> None:
     from fedbayes.data.dataset import DatasetNotFoundError
     from fedbayes.runs import compare as cmp
@@ -158,6 +179,9 @@ def _run_comparison(
     reference, note = cmp.applicable_reference(reference, runs)
     if note:
         say(note)
+    for variant, items in (remembered or {}).items():
+        if items and variant in runs:
+            say(f"{variant}: runs with its earlier --set {' '.join(items)} (kept in {out / run_folder.COMPARISON}; --rerun {variant} runs it as the file says)")
     if resume:  # a run folder holding another config is never overwritten (nor mixed in silently), unless named by --rerun
         planned = cmp.jobs(runs, out, seeds)
         for job in planned:
@@ -176,18 +200,29 @@ def _run_comparison(
     warned: list[str] = []  # the runs' warning lines, said after the table (a run that ended before its fixed point: in the table instead)
 
     def one(cfg: RunConfig, folder: Path, resume_run: bool) -> dict:
-        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append)
+        shown = progress.reporter(folder, logs, cfg, json_out, per_round=False)  # a bar per run, or one line at its end
+        return run_one(ctx, cfg, folder, resume=resume_run, logs=logs, stderr=json_out, diverged_ok=True, warn=warned.append, reporter=shown)
 
+    shifting = progress.StepsBar("shift (evaluations)", stderr=json_out)
     try:
-        result = cmp.run_comparison(runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift)
+        result = cmp.run_comparison(
+            runs, out, one, seeds=seeds, resume=resume, reference=reference, threshold=threshold, title=title, say=say, shift=shift, overrides=overrides,
+            shift_progress=shifting.update,
+        )  # fmt: skip
     except DatasetNotFoundError as exc:
         fail(f"data error: {exc}", code=3)
     except ConfigError as exc:
         fail(str(exc))
+    finally:
+        shifting.close()
     if json_out:
         print(dumps_record(result.body), flush=True)
     else:
-        print_table(result.summaries, threshold, result.curves, title=result.title, full=f"{result.markdown} and --json")
+        changed = result.overrides
+        shown = result.summaries if seeds else with_compile_seconds(result.summaries, {v: out / v for v in result.summaries}, ctx)
+        print_table(cmp.marked(shown, changed), threshold, cmp.marked(result.curves, changed), title=result.title, full=f"{result.markdown} and --json")
+        if changed:
+            console.print(cmp.overrides_note(changed), highlight=False, soft_wrap=True, markup=False)
         _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False, soft_wrap=True)
     _say_warnings(warned, lambda s: print(s, file=sys.stderr, flush=True))  # warnings on stderr, as a single run's

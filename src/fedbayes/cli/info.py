@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
-from fedbayes.cli.base import console, fail
+from fedbayes.cli.base import fail
+from fedbayes.runs import report
 from fedbayes.runs.report import terminal_width
 
 __all__ = ["bench", "config_reference", "datasets"]
@@ -28,20 +28,25 @@ def config_reference(
         chosen = config_doc.select(section)
     except ValueError as exc:
         fail(f"error: {exc}")
-    print(config_doc.render(chosen), end="")
+    print(config_doc.render(chosen, terminal_width()), end="")
 
 
 def datasets(data_dir: Annotated[Optional[Path], typer.Option(help="folder to look in as well")] = None):
     """List the datasets and whether each is present on this machine."""
     from fedbayes.data import dataset_status
 
-    table = Table()
-    table.add_column("dataset")
-    table.add_column("present")
-    table.add_column("where / how to get it")
-    for name, present, detail in dataset_status(data_dir):
-        table.add_row(name, "yes" if present else "no", detail)
-    console.print(table)
+    status = dataset_status(data_dir)
+    name_width = max(len(name) for name, _, _ in status)
+    width = terminal_width()
+    lines = [f"{'dataset':<{name_width}}  present  where / how to get it"]
+    for name, present, detail in status:
+        head = f"{name:<{name_width}}  {'yes' if present else 'no':<7}  "
+        if len(head) + len(detail) <= width:
+            lines.append(head + detail)
+        else:  # on lines of their own below the name, wrapped at spaces: a URL or a path is never cut
+            lines.append(head.rstrip())
+            lines += textwrap.wrap(detail, width, initial_indent="  ", subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    print("\n".join(lines))
 
 
 def bench(
@@ -131,5 +136,5 @@ def _bench_posterior(
     if json_:
         print(json.dumps(result, default=float))
     else:
-        print(posterior.markdown(result))
+        print(report.markdown_as_text(posterior.markdown(result), full=str(out / "posterior_quality.md")), end="")
         log(f"written: {out / 'posterior_quality.md'} and {out / 'posterior_quality.json'}")

@@ -10,7 +10,7 @@ from fedbayes.cli.base import console, fail
 from fedbayes.config.schema import RunConfig
 from fedbayes.runs.loggers import PlainReporter, format_record, status_text
 
-__all__ = ["RichReporter", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
+__all__ = ["RichReporter", "RunLineReporter", "StepsBar", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
 
 
 # Widths of the progress bar's fixed columns: the count ("100/100"), the status ("acc 0.9123"),
@@ -73,14 +73,35 @@ class RichReporter:
         self.progress.stop()
 
 
-def reporter(out: Path | None = None, logs: list[str] | None = None, config: RunConfig | None = None, stderr: bool = False):
-    """The progress display (stderr when stdout is for JSON) plus the loggers of ``--log``."""
+class RunLineReporter:
+    """Plain progress of one run of several (a comparison's), where the output is not a terminal:
+    one line when the run ends, its last evaluation, instead of a line per round."""
+
+    def __init__(self, echo=print):
+        self.echo, self.last, self.total = echo, None, 0
+
+    def start(self, name, total, done):
+        self.total = total
+
+    def update(self, round_idx, total, record):
+        if record is not None:
+            self.last = record
+
+    def stop(self):
+        if self.last is not None:
+            self.echo(f"    {format_record(self.last, self.total)}")
+
+
+def reporter(out: Path | None = None, logs: list[str] | None = None, config: RunConfig | None = None, stderr: bool = False, per_round: bool = True):
+    """The progress display (stderr when stdout is for JSON) plus the loggers of ``--log``: a bar
+    on a terminal, else plain lines, one per evaluation (``per_round``) or one when the run ends."""
     from fedbayes.runs.loggers import LoggerUnavailable, Reporters, make_loggers
 
+    echo = lambda s: print(s, file=sys.stderr if stderr else sys.stdout, flush=True)  # noqa: E731
     if console.is_terminal and not stderr:
         progress = RichReporter()
     else:
-        progress = PlainReporter(lambda s: print(s, file=sys.stderr if stderr else sys.stdout, flush=True))
+        progress = PlainReporter(echo) if per_round else RunLineReporter(echo)
     if not logs:
         return progress
     try:
@@ -88,6 +109,29 @@ def reporter(out: Path | None = None, logs: list[str] | None = None, config: Run
     except (ValueError, LoggerUnavailable) as exc:
         fail(f"error: {exc}")
     return Reporters([progress, *loggers])
+
+
+class StepsBar:
+    """A bar for a job counted in steps (``update(done, total)``: the evaluations of a comparison
+    under shift) on a terminal, started at its first update; nothing elsewhere, where the job's
+    own lines say what it does."""
+
+    def __init__(self, label: str, stderr: bool = False):
+        self.label, self.on = label, console.is_terminal and not stderr
+        self.progress = self.task = None
+
+    def update(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        if self.progress is None:
+            self.progress = progress_bar()
+            self.progress.start()
+            self.task = self.progress.add_task(self.label, total=total, status="")
+        self.progress.update(self.task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 class SweepProgress:

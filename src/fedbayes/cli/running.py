@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from fedbayes.cli.base import CommandContext, console, fail, handled
-from fedbayes.cli.common import LOG_HELP, check_out, load, number_in, print_table, records, run_one
+from fedbayes.cli.common import LOG_HELP, check_out, load, number_in, print_table, records, run_one, with_compile_seconds
 from fedbayes.config.schema import parse_override
 from fedbayes.flower import INSTALL as _FLOWER_INSTALL  # the package's __init__ imports no flwr
 from fedbayes.runs import folder as run_folder
@@ -41,7 +41,7 @@ def run(
     out = out or Path("runs") / cfg.name
     check_out(out, overwrite)
     summary = run_one(ctx, cfg, out, logs=log)
-    print_table({cfg.name: summary}, curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
+    print_table(with_compile_seconds({cfg.name: summary}, {cfg.name: out}, ctx), curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
     console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False, soft_wrap=True)
 
 
@@ -149,4 +149,4 @@ def resume(
         return
     accept = [".".join(parse_override(item)[0]) for item in set_ or []]
     summary = run_one(ctx, cfg, out, resume=True, logs=log, accept_changes=accept)
-    print_table({cfg.name: summary}, curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
+    print_table(with_compile_seconds({cfg.name: summary}, {cfg.name: out}, ctx), curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")

@@ -8,6 +8,8 @@ tables are read from there (every registered method's settings), one table per a
 from __future__ import annotations
 
 import dataclasses
+import functools
+import textwrap
 import types
 import typing
 from typing import Literal, Union
@@ -153,19 +155,21 @@ def select(section: str | None, model: type[BaseModel] = RunConfig) -> list[Sect
     return chosen
 
 
-def render(chosen: list[Section]) -> str:
-    """Plain text: per section its title and doc line, then one line per key:
-    ``key = default  (type, constraints)  meaning``."""
+def render(chosen: list[Section], width: int = 100) -> str:
+    """Plain text no wider than ``width`` (a word longer than a line aside): per section its title
+    and doc line, then per key ``key = default  (type, constraints)  meaning``, wrapped at spaces
+    under the key."""
     lines: list[str] = []
+    wrap = functools.partial(textwrap.wrap, width=width, subsequent_indent=" " * 6, break_long_words=False, break_on_hyphens=False)
     for s in chosen:
         lines.append(s.title)
         if s.doc:
-            lines.append(f"  {s.doc}")
+            lines += wrap(s.doc, initial_indent="  ", subsequent_indent="  ")
         if not s.keys:
             lines.append("  (no keys besides name)")
-        width = max([len(f"{k.name} = {k.default}") for k in s.keys] + [0])
+        head_width = max([len(f"{k.name} = {k.default}") for k in s.keys] + [0])
         for k in s.keys:
             head = f"{k.name} = {k.default}"
-            lines.append(f"  {head:<{width}}  ({k.type})  {k.meaning}".rstrip())
+            lines += wrap(f"{head:<{head_width}}  ({k.type})  {k.meaning}".rstrip(), initial_indent="  ")
         lines.append("")
     return "\n".join(lines)

@@ -45,6 +45,7 @@ EVALUATION_KEYS = ("marginal_samples", "predictive")  # under [algorithm] before
 # What a stored config (a run folder's config.toml, a checkpoint) meant when it lacks a key whose
 # default now depends on the method: the behaviour of the versions that wrote it (resolved()).
 STORED_EVALUATION_DEFAULTS = {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}
+STANDARDIZE_AUTO_DATASETS = ("files", "arrays")  # fedbayes.data.standardize.USER_DATASETS: where data.standardize = "auto" may scale
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -102,6 +103,17 @@ class DataConfig(_Strict):
         lt=1,
         description="fraction of each client's training examples held out as a validation split (seeded; fedbayes sweep selects on it); 0 = none",
     )
+    standardize: bool | Literal["auto"] = Field(
+        "auto",
+        description="centre and scale each feature by its mean and standard deviation over the clients' training examples (from per-client sums, fedbayes.data.standardize); auto: on for files and arrays whose features' magnitudes differ by more than 100 times",
+    )
+
+    @field_validator("standardize")
+    @classmethod
+    def _scalable(cls, value: bool | str, info) -> bool | str:
+        if value and info.data.get("dataset") == "stackoverflow_nwp":
+            raise ValueError("data.standardize: stackoverflow_nwp's inputs are word ids, not features to scale; leave it unset or false")
+        return value
 
 
 class ModelConfig(_Strict):
@@ -242,7 +254,10 @@ class PrivacyConfig(_Strict):
 
     clip: float | None = Field(None, gt=0, description="joint L2 bound C of each client's message; unset: no DP")
     noise_multiplier: float = Field(
-        0.0, ge=0, le=1e6, description="sigma: Gaussian noise of std sigma*C on the sum of the cohort's clipped messages (at most 1e6: epsilon is 0 there, and dp-accounting fails above about 1e8)"
+        0.0,
+        ge=0,
+        le=1e6,
+        description="sigma: Gaussian noise of std sigma*C on the sum of the cohort's clipped messages (at most 1e6: epsilon is 0 there, and dp-accounting fails above about 1e8)",
     )
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported per evaluation as epsilon")
     coordinates: Literal["natural", "moments"] = Field("natural", description="Gaussian messages: clip and noise natural parameters, or (mean, log precision)")
@@ -392,7 +407,8 @@ def stored_meaning(raw: Any) -> Any:
     """``raw``, a config as a run folder or a checkpoint stored it, with each key of
     :data:`STORED_EVALUATION_DEFAULTS` that it lacks set to what it meant when it was written (the
     behaviour of the versions before the key's default came to depend on the method), so that a
-    resumed old run evaluates as it did. New runs record every key, and are returned as they are."""
+    resumed old run evaluates as it did; likewise ``data.standardize`` (off for your own data,
+    which was not scaled then). New runs record every key, and are returned as they are."""
     if not isinstance(raw, dict) or not isinstance(raw.get("evaluation", {}), dict):
         return raw
     algorithm = raw["algorithm"] if isinstance(raw.get("algorithm"), dict) else {}
@@ -403,6 +419,9 @@ def stored_meaning(raw: Any) -> Any:
     out = {**raw, "evaluation": evaluation}
     if isinstance(raw.get("client"), dict) and "stop" not in raw["client"]:  # written before client.stop: a fixed budget
         out["client"] = {**raw["client"], "stop": "epochs"}
+    data = raw.get("data", {})
+    if isinstance(data, dict) and "standardize" not in data:  # written before data.standardize: own data was not scaled
+        out["data"] = {**data, "standardize": False if data.get("dataset") in STANDARDIZE_AUTO_DATASETS else "auto"}
     if algorithm.get("name") in registry.names():  # the method's own keys (AlgorithmSpec.stored_meaning)
         out["algorithm"] = registry.get(algorithm["name"]).stored_meaning(dict(algorithm), raw)
     return out

@@ -139,7 +139,10 @@ def _numeric_arrays(users: dict, order: list[str]):
             ) from None
         if y.size and (y.ndim != 1 or not np.isfinite(y).all() or np.any(y != np.round(y)) or np.any(y < 0) or np.any(y >= 2**31)):
             bad = y.reshape(-1)[~(np.isfinite(y) & (y == np.round(y)) & (y >= 0) & (y < 2**31)).reshape(-1)] if y.ndim == 1 else y.reshape(-1)
-            raise DataError(f"{path}: user {user!r}: y must be non-negative integer labels, one per example; got {float(bad[0])!r}" + ("" if y.ndim == 1 else f" in shape {list(y.shape)}"))
+            raise DataError(
+                f"{path}: user {user!r}: y must be non-negative integer labels, one per example; got {float(bad[0])!r}"
+                + ("" if y.ndim == 1 else f" in shape {list(y.shape)}")
+            )
         if x.size and not np.isfinite(x).all():
             bad = int(np.argmax(~np.isfinite(x.reshape(len(x), -1)).all(axis=1)))
             raise DataError(f"{path}: user {user!r}: example {bad} has a non-finite feature (NaN, Inf, null or out of float32 range)")

@@ -109,11 +109,11 @@ def _files_folder(sub: str, files: tuple[str, ...], instructions: str):
 
 
 _TFF = "tff"
-_emnist_folder, _locate_emnist = _files_folder(_TFF, ("fed_emnist_train.h5", "fed_emnist_test.h5"), tff.TFF_INSTRUCTIONS)
-_fed_cifar_folder, _locate_fed_cifar = _files_folder(_TFF, ("fed_cifar100_train.h5", "fed_cifar100_test.h5"), tff.TFF_INSTRUCTIONS)
+_emnist_folder, _locate_emnist = _files_folder(_TFF, ("fed_emnist_train.h5", "fed_emnist_test.h5"), tff.tff_instructions("fed_emnist"))
+_fed_cifar_folder, _locate_fed_cifar = _files_folder(_TFF, ("fed_cifar100_train.h5", "fed_cifar100_test.h5"), tff.tff_instructions("fed_cifar100"))
 _SO_FILES = ("stackoverflow_train.h5", "stackoverflow_test.h5", "stackoverflow.word_count")
-_so_folder, _locate_so_nwp = _files_folder(_TFF, _SO_FILES, tff.TFF_INSTRUCTIONS)
-_, _locate_so_lr = _files_folder(_TFF, (*_SO_FILES, "stackoverflow.tag_count"), tff.TFF_INSTRUCTIONS)
+_so_folder, _locate_so_nwp = _files_folder(_TFF, _SO_FILES, tff.tff_instructions("stackoverflow"))
+_, _locate_so_lr = _files_folder(_TFF, (*_SO_FILES, "stackoverflow.tag_count"), tff.tff_instructions("stackoverflow"))
 _cifar10_folder, _locate_cifar10 = _files_folder("cifar", ("cifar-10-batches-py",), cifar.CIFAR_INSTRUCTIONS)
 _cifar100_folder, _locate_cifar100 = _files_folder("cifar", ("cifar-100-python",), cifar.CIFAR_INSTRUCTIONS)
 _SO_PARAMS = ("vocab_size", "max_clients", "max_posts", "test_examples")
@@ -207,7 +207,7 @@ DATASETS: dict[str, DatasetInfo] = {
     "fed_cifar100": DatasetInfo(
         name="fed_cifar100",
         description="TFF's federated CIFAR-100: 500 train / 100 test clients of 100 images by the Pachinko split; natural partition",
-        how_to_get=tff.TFF_INSTRUCTIONS,
+        how_to_get=tff.tff_instructions("fed_cifar100"),
         loader=lambda data_dir, seed: tff.load_fed_cifar100(_fed_cifar_folder(data_dir)),
         locate=_locate_fed_cifar,
     ),
@@ -229,7 +229,7 @@ DATASETS: dict[str, DatasetInfo] = {
     "stackoverflow_nwp": DatasetInfo(
         name="stackoverflow_nwp",
         description="TFF's StackOverflow, next-word prediction: 10k words + 4 special tokens, sequences of 20; one client per user",
-        how_to_get=tff.TFF_INSTRUCTIONS,
+        how_to_get=tff.tff_instructions("stackoverflow"),
         loader=_load_stackoverflow("next_word"),
         locate=_locate_so_nwp,
         params=(*_SO_PARAMS, "max_len"),
@@ -237,7 +237,7 @@ DATASETS: dict[str, DatasetInfo] = {
     "stackoverflow_lr": DatasetInfo(
         name="stackoverflow_lr",
         description="TFF's StackOverflow, tag prediction: bag of 10k words -> 500 tags, multi-label; one client per user",
-        how_to_get=tff.TFF_INSTRUCTIONS,
+        how_to_get=tff.tff_instructions("stackoverflow"),
         loader=_load_stackoverflow("multilabel"),
         locate=_locate_so_lr,
         params=(*_SO_PARAMS, "num_tags"),

@@ -145,7 +145,9 @@ def _texts(path: Path, client: str, feature: str, values) -> list[str]:
     """A client's ``feature`` as text: byte strings (or str) decoded as UTF-8, anything else refused."""
     values = np.asarray(values)
     if values.ndim != 1 or not all(isinstance(v, (bytes, str)) for v in values):
-        raise DataError(f"{path}: client {client!r}: {feature} must be text (one byte string per post); got {values.dtype} values of shape {list(values.shape)}")
+        raise DataError(
+            f"{path}: client {client!r}: {feature} must be text (one byte string per post); got {values.dtype} values of shape {list(values.shape)}"
+        )
     out = []
     for i, v in enumerate(values):
         try:

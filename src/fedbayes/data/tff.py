@@ -26,13 +26,21 @@ import numpy as np
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.errors import DataError
 
-__all__ = ["TFF_INSTRUCTIONS", "client_checker", "load_fed_cifar100", "load_fed_emnist", "read_clients", "tff_file"]
+__all__ = ["TFF_INSTRUCTIONS", "TFF_URL", "client_checker", "tff_instructions", "load_fed_cifar100", "load_fed_emnist", "read_clients", "tff_file"]
 
-TFF_INSTRUCTIONS = (
-    "Download TFF's file on a machine with network access (the URL tff.simulation.datasets names, e.g. "
-    "https://storage.googleapis.com/tff-datasets-public/fed_emnist.tar.bz2), unpack it and pass its folder as data_dir "
-    "(or put it in $FEDBAYES_DATA/tff). fedbayes never downloads data."
-)
+TFF_URL = "https://storage.googleapis.com/tff-datasets-public/"  # where tff.simulation.datasets fetches its archives
+
+
+def tff_instructions(stem: str) -> str:
+    """How to get TFF's archive ``STEM.tar.bz2`` (``fed_emnist``, ``fed_emnist_digitsonly``,
+    ``fed_cifar100``, ``stackoverflow``): its URL on a line of its own, never cut."""
+    return (
+        f"Download {TFF_URL}{stem}.tar.bz2 on a machine with network access, unpack it and pass its folder as data_dir "
+        "(or put it in $FEDBAYES_DATA/tff). fedbayes never downloads data."
+    )
+
+
+TFF_INSTRUCTIONS = tff_instructions("fed_emnist")
 
 
 def _h5py():
@@ -47,7 +55,8 @@ def tff_file(folder: str | os.PathLike, name: str) -> Path:
     """``folder / name``, or :class:`DatasetNotFoundError` naming it and how to get it."""
     path = Path(folder) / name
     if not path.is_file():
-        raise DatasetNotFoundError(f"{path} is missing. {TFF_INSTRUCTIONS}")
+        stem = name.removesuffix(".h5").removesuffix("_train").removesuffix("_test").split(".")[0]  # stackoverflow.word_count: stackoverflow
+        raise DatasetNotFoundError(f"{path} is missing. {tff_instructions(stem)}")
     return path
 
 

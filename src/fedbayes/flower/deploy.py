@@ -259,7 +259,11 @@ def print_commands(
         f"--host {'0.0.0.0' if superlink_host == 'SUPERLINK_HOST' else superlink_host} --port {port} --disable-runtime-dependency-installation --enable-supernode-auth",
         "",
         "# 2. Where you submit the run: a connection to the SuperLink, and the nodes' public keys registered (before they start).",
-        f'mkdir -p ~/.flwr && printf \'[superlink]\\ndefault = "{CONNECTION}"\\n[superlink.{CONNECTION}]\\naddress = "{superlink_host}:{port}"\\nroot-certificates = "{f("ca.crt")}"\\n\' >> ~/.flwr/config.toml',
+        # once: run again, it leaves a config that has the connection (or any [superlink] table) as it is
+        f"mkdir -p ~/.flwr && touch ~/.flwr/config.toml && {{ grep -q '^\\[superlink\\]' ~/.flwr/config.toml || "
+        f"printf '[superlink]\\ndefault = \"{CONNECTION}\"\\n' >> ~/.flwr/config.toml; }} && "
+        f"{{ grep -q '^\\[superlink\\.{CONNECTION}\\]' ~/.flwr/config.toml || printf '[superlink.{CONNECTION}]\\naddress = \"{superlink_host}:{port}\"\\n"
+        f'root-certificates = "{f("ca.crt")}"\\n\' >> ~/.flwr/config.toml; }}',
         *(f"flwr supernode register {f(f'node{i}.pub')} {CONNECTION}" for i in range(k)),
         "",
         f"# 3. On each client machine i = 0..{k - 1}: a SuperNode and its warm fedbayes executor. The node's data is its own:",

@@ -90,7 +90,9 @@ def accept_run_config(raw: dict, source: dict[str, str]) -> dict:
     if "dataset" in source and source["dataset"] != dataset:
         raise NodeDataError(f"this node holds dataset {source['dataset']!r}; the run is configured for {dataset!r}")
     if dataset in OWN_DATA and own is None:
-        raise NodeDataError(f"this node refuses the run's data.dataset = {dataset!r}: that is data a node holds itself, and this node has no data-file in its configuration")
+        raise NodeDataError(
+            f"this node refuses the run's data.dataset = {dataset!r}: that is data a node holds itself, and this node has no data-file in its configuration"
+        )
     module = sections.get("model", {}).get("module")
     if module is not None and str(module) not in allowed_modules(source):
         raise NodeDataError(

@@ -271,7 +271,7 @@ class FlowerRounds:
         replies = self.transport.exchange(r, requests, s.reply_timeout)
         if self.times_file is not None:
             with open(self.times_file, "a") as f:
-                f.write(json.dumps(round_times(r, time.monotonic() - started, replies)) + "\n")
+                f.write(json.dumps(round_times(r + 1, time.monotonic() - started, replies)) + "\n")  # numbered as metrics.jsonl: 1 is the first
 
         m = len(cohort)
         zero_message = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), self.message_spec)

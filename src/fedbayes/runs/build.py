@@ -3,7 +3,8 @@
 The path, in the order a run takes it:
 
 1. **data** (:func:`prepare_split`): load the dataset, check the model against it, partition the
-   training set over the clients (seeded by ``config.seed``) and hold out the validation split;
+   training set over the clients (seeded by ``config.seed``), hold out the validation split and
+   scale the features (``data.standardize``, :mod:`fedbayes.data.standardize`);
 2. **scenario** (:func:`build_scenario`): the attacking clients, the message attack, the labels
    (flipped for ``attack.kind = "label_flip"``);
 3. **model** (:func:`build_model`): the flax model, its initial parameters and the clients' local
@@ -43,6 +44,7 @@ from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
 from fedbayes.data.federation import Federation
 from fedbayes.data.holdout import hold_out
+from fedbayes.data.standardize import standardize
 from fedbayes.errors import DataError
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
 from fedbayes.evaluation.prior_precision import make_prior_precision_search
@@ -209,14 +211,15 @@ def prepare_split(config: RunConfig, given: Dataset | None = None, module=None) 
     check_model(config, dataset, module)
     parts = split_clients(config, dataset)
     fraction = config.data.validation_fraction
-    if fraction == 0:
-        return dataset, parts, None
-    parts, validation = hold_out(parts, fraction, lambda k: protocol.validation_rng(config.seed, k))
-    if validation.size == 0:
-        raise ConfigError(
-            f"config error: data.validation_fraction: {fraction} of each client's examples holds out none "
-            f"({sum(map(len, parts))} training examples over {len(parts)} clients, every client keeping one); raise it, or set 0 for no validation split"
-        )
+    validation = None
+    if fraction > 0:
+        parts, validation = hold_out(parts, fraction, lambda k: protocol.validation_rng(config.seed, k))
+        if validation.size == 0:
+            raise ConfigError(
+                f"config error: data.validation_fraction: {fraction} of each client's examples holds out none "
+                f"({sum(map(len, parts))} training examples over {len(parts)} clients, every client keeping one); raise it, or set 0 for no validation split"
+            )
+    dataset = standardize(dataset, parts, config.data.standardize, config.data.dataset)
     return dataset, parts, validation
 
 

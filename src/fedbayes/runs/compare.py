@@ -12,7 +12,10 @@ one run whose summary is the variant's.
 continues interrupted ones from their checkpoints) through a ``run_one`` callable (the CLI passes
 one that reports progress and maps errors to exit codes), writes ``comparison.toml``,
 ``compare.md``, ``compare.json`` and ``compare.png``, and returns a :class:`ComparisonResult` for
-the caller to print. With ``shift=True`` it then evaluates every finished run under dataset shift
+the caller to print. ``comparison.toml`` keeps each variant's ``--set`` items (its ``[overrides]``
+table): a later ``compare FILE --resume`` into the same folder applies them again
+(:func:`load_comparison_with_overrides`), so a variant changed on the command line stays
+changed, and the tables mark it. With ``shift=True`` it then evaluates every finished run under dataset shift
 (:mod:`fedbayes.runs.shift`) and writes ``shift.md``, ``shift.json`` and ``shift.png``. No command
 line here.
 """
@@ -42,6 +45,11 @@ __all__ = [
     "file_shift",
     "jobs",
     "load_comparison",
+    "load_comparison_with_overrides",
+    "marked",
+    "merge_overrides",
+    "overrides_note",
+    "stored_overrides",
     "applicable_reference",
     "reference_markdown",
     "run_comparison",
@@ -50,7 +58,8 @@ __all__ = [
     "without_numbers",
 ]
 
-COMPARISON_KEYS = ("base", "variants", "seeds", "reference", "shift")  # the top-level keys of a comparison file
+COMPARISON_KEYS = ("base", "variants", "seeds", "reference", "shift", "overrides")  # the top-level keys of a comparison file
+OVERRIDES_HELP = 'overrides: a table of variant = ["key=value", ...] (the --set items each variant runs with)'
 DIVERGED_KEYS = ("name", "algorithm", "server_optimizer", "rounds", "seeds", "diverged_seeds", "diverged", "runs")
 
 
@@ -74,6 +83,35 @@ def split_overrides(overrides: Sequence[str], variants) -> tuple[list[str], dict
     return common, targeted
 
 
+def _override_key(item: str) -> str:
+    return item.partition("=")[0].strip()
+
+
+def merge_overrides(earlier: Sequence[str], later: Sequence[str]) -> list[str]:
+    """``--set`` items: ``earlier`` then ``later``, a key given in both only with its later value."""
+    again = {_override_key(item) for item in later}
+    return [item for item in earlier if _override_key(item) not in again] + list(later)
+
+
+def _overrides_table(table, where: str) -> dict[str, list[str]]:
+    if not isinstance(table, dict) or not all(isinstance(v, list) and all(isinstance(i, str) and "=" in i for i in v) for v in table.values()):
+        raise ConfigError(f"config error: {where}: {OVERRIDES_HELP}; got {table!r}")
+    return {name: list(items) for name, items in table.items()}
+
+
+def stored_overrides(out: Path) -> dict[str, list[str]]:
+    """The ``--set`` items of each variant of the comparison in ``out`` (its comparison.toml's
+    ``[overrides]``); empty when ``out`` holds no comparison.
+
+    Raises:
+      ConfigError: a damaged table (one line naming the file).
+    """
+    path = Path(out) / folder.COMPARISON
+    if not path.is_file():
+        return {}
+    return _overrides_table(read_toml(path).get("overrides", {}), f"{path}: overrides")
+
+
 def load_comparison(files: Sequence[Path], overrides: Sequence[str]) -> dict[str, RunConfig]:
     """Variant name -> config, from one comparison file ([base] + [variants.*]) or several run files.
 
@@ -82,7 +120,22 @@ def load_comparison(files: Sequence[Path], overrides: Sequence[str]) -> dict[str
     Raises:
       ConfigError: one line naming the file, the variant and the field.
     """
+    return load_comparison_with_overrides(files, overrides)[0]
+
+
+def load_comparison_with_overrides(
+    files: Sequence[Path], overrides: Sequence[str], remembered: Mapping[str, Sequence[str]] | None = None
+) -> tuple[dict[str, RunConfig], dict[str, list[str]]]:
+    """:func:`load_comparison`, and the ``--set`` items each variant of a comparison file runs with:
+    the file's own ``[overrides]`` table, then ``remembered`` (an earlier comparison's,
+    :func:`stored_overrides`), then ``overrides``; a key given again keeps only its last value.
+    Variants without any are left out of the second mapping.
+
+    Raises:
+      ConfigError: one line naming the file, the variant and the field.
+    """
     runs: dict[str, RunConfig] = {}
+    items: dict[str, list[str]] = {}
     all_overrides = list(overrides)
     for path in files:
         raw = read_toml(path)
@@ -96,17 +149,35 @@ def load_comparison(files: Sequence[Path], overrides: Sequence[str]) -> dict[str
             if not variants:
                 raise ConfigError(f"config error: {path}: variants: a comparison needs at least one [variants.NAME] table")
             common, targeted = split_overrides(all_overrides, variants)
+            own = _overrides_table(raw.get("overrides", {}), f"{path}: overrides")
             for name, update in variants.items():
                 merged = deep_merge(raw.get("base", {}), update)
                 merged["name"] = name
+                given = merge_overrides(merge_overrides(own.get(name, []), (remembered or {}).get(name, [])), common + targeted.get(name, []))
                 try:
-                    runs[name] = validate(apply_overrides(merged, common + targeted.get(name, [])))
+                    runs[name] = validate(apply_overrides(merged, given))
                 except ConfigError as exc:
                     raise ConfigError(f"{exc} (variant {name!r})") from None
+                if given:
+                    items[name] = given
         else:
             cfg = validate(apply_overrides(read_toml(path), all_overrides))
-            runs[cfg.name if cfg.name not in runs else f"{cfg.name}_{len(runs)}"] = cfg
-    return runs
+            name = cfg.name if cfg.name not in runs else f"{cfg.name}_{len(runs)}"
+            runs[name] = cfg
+            if all_overrides:
+                items[name] = all_overrides
+    return runs, items
+
+
+def marked(by_variant: Mapping[str, Any], overrides: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """``by_variant`` with each variant changed by ``--set`` named ``VARIANT*`` (the tables' rows)."""
+    return {f"{name}*" if overrides.get(name) else name: value for name, value in by_variant.items()}
+
+
+def overrides_note(overrides: Mapping[str, Sequence[str]]) -> str:
+    """The line under a table that says what ``VARIANT*`` means ("" when no variant is changed)."""
+    changed = [f"{name} ({', '.join(items)})" for name, items in overrides.items() if items]
+    return f"* changed by --set (comparison.toml keeps it): {'; '.join(changed)}" if changed else ""
 
 
 def file_reference(files: Sequence[Path], variants: Sequence[str]):
@@ -280,6 +351,7 @@ class ComparisonResult(NamedTuple):
     markdown: Path
     diverged: list[str]  # the diverged runs: "VARIANT", or "VARIANT (seed S)"
     shift: Any = None  # fedbayes.runs.shift.ShiftFiles, with shift=True
+    overrides: Mapping[str, Sequence[str]] = {}  # variant -> its --set items (its rows are marked VARIANT*)
 
 
 def run_comparison(
@@ -294,6 +366,8 @@ def run_comparison(
     title: str = "comparison",
     say: Callable[[str], None] = print,
     shift: Sequence[str] | None = None,
+    overrides: Mapping[str, Sequence[str]] | None = None,
+    shift_progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> ComparisonResult:
     """Runs every (variant, seed) not finished yet and writes the comparison's files.
 
@@ -303,6 +377,9 @@ def run_comparison(
     (:func:`conflicts`). ``shift``: the shifts (:data:`fedbayes.data.shift.SHIFTS`) under which,
     after the runs, each run that did not diverge is evaluated (:func:`fedbayes.runs.shift.write_shift`);
     its datasets are checked first, and comparison.toml keeps them as its ``[shift]`` table.
+    ``overrides``: each variant's ``--set`` items, kept as comparison.toml's ``[overrides]``; the
+    Markdown table names a variant that has some ``VARIANT*``, with a note.
+    ``shift_progress(done, total)``: after each evaluation under shift (:func:`fedbayes.runs.shift.evaluate_runs`).
 
     Raises:
       ConfigError, DatasetNotFoundError: a run's data check (:func:`check_data`), or with
@@ -325,6 +402,9 @@ def run_comparison(
         comparison["reference"] = reference.model_dump(mode="json", exclude_none=True)
     if shift:
         comparison["shift"] = {"kinds": list(shift)}
+    overrides = {name: list(items) for name, items in (overrides or {}).items() if items and name in runs}
+    if overrides:
+        comparison["overrides"] = overrides
     folder.write_atomic(out / folder.COMPARISON, "# written by `fedbayes compare`; `fedbayes resume` continues it\n" + toml_text(comparison))
     results: dict[str, dict[Any, dict]] = {}
     for j in planned:
@@ -342,7 +422,7 @@ def run_comparison(
         summaries = {j.variant: results[j.variant][None] for j in planned}
         records = {j.variant: curves[j] for j in planned}
         plot = plot_curves(out / folder.COMPARE_PLOT, records, title=title, task=task)
-        md = report.markdown(summaries, threshold=threshold, curves=records) + reference_markdown(summaries, records, reference)
+        md = _marked_markdown(summaries, threshold, records, overrides) + reference_markdown(summaries, records, reference)
         table_title = "fedbayes comparison" if len(summaries) > 1 else None
         diverged = [n for n, s in summaries.items() if s.get("diverged")]
     else:
@@ -354,7 +434,7 @@ def run_comparison(
             out / folder.COMPARE_PLOT, records, title=f"{title}, mean ± std over seeds {list(seeds)}", task=task, bands={n: sd for n, (_, sd) in means.items()}
         )
         note = f"\nMean±std over seeds {list(seeds)} (sample standard deviation); curve summaries as Swaroop et al. 2025 (ADMM and Bayes) report them.\n"
-        md = report.markdown(summaries, threshold=threshold, curves=records) + note + reference_markdown(summaries, records, reference)
+        md = _marked_markdown(summaries, threshold, records, overrides) + note + reference_markdown(summaries, records, reference)
         table_title = f"fedbayes comparison, mean±std over seeds {list(seeds)}"
         diverged = [f"{n} (seed {s})" for n in runs for s in seeds if results[n][s].get("diverged")]
     folder.write_atomic(out / folder.COMPARE_MD, md)
@@ -369,5 +449,11 @@ def run_comparison(
         for j in planned:
             if not fine[j].get("diverged"):
                 folders.setdefault(j.variant, {})[j.seed] = j.folder
-        shifted = write_shift(out, folders, seeds=seeds, kinds=shift, title=f"{title} under dataset shift", say=say)
-    return ComparisonResult(summaries, records, body, table_title, plot, out / folder.COMPARE_MD, diverged, shifted)
+        shifted = write_shift(out, folders, seeds=seeds, kinds=shift, title=f"{title} under dataset shift", say=say, progress=shift_progress)
+    return ComparisonResult(summaries, records, body, table_title, plot, out / folder.COMPARE_MD, diverged, shifted, overrides)
+
+
+def _marked_markdown(summaries: dict, threshold: float, records: dict, overrides: Mapping[str, Sequence[str]]) -> str:
+    note = overrides_note(overrides)
+    table = report.markdown(marked(summaries, overrides), threshold=threshold, curves=marked(records, overrides))
+    return table + (f"\n{note}\n" if note else "")

@@ -13,9 +13,9 @@
   method's model, in the round) and for Bayesian methods ``posterior_var_change`` (the mean change
   of its log variances; :class:`fedbayes.runs.health.FixedPointCheck`), and four
   counters that are cumulative since round 0: ``seconds`` (training time: the wall time of the
-  rounds up to the moment each round's outputs are ready, evaluation and checkpoints excluded;
-  no round is in flight while a round is evaluated or checkpointed, so none of its compute hides
-  in the excluded time),
+  rounds up to the moment each round's outputs are ready, evaluation, checkpoints and JAX's
+  compilation excluded (:mod:`fedbayes.runs.compile_clock`); no round is in flight while a round
+  is evaluated or checkpointed, so none of its compute hides in the excluded time),
   ``bytes_up``, ``bytes_down`` and ``rejected`` (messages refused);
 * ``clients.jsonl``: one line per sampled client and round (:class:`fedbayes.runs.loggers.ClientLog`);
 * ``model.npz``: the final server parameters (and posterior) by tree path (:mod:`fedbayes.runs.export`);
@@ -56,6 +56,7 @@ from fedbayes.errors import BadInputError
 from fedbayes.runs import folder, health, runlock
 from fedbayes.runs.build import Experiment, build_experiment
 from fedbayes.runs.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from fedbayes.runs.compile_clock import CompileClock
 from fedbayes.runs.export import save_model
 from fedbayes.runs.loggers import ClientLog, PlainReporter, Reporter
 from fedbayes.runs.plotting import plot_curves
@@ -335,21 +336,24 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
         # after a quiet round's results (evaluation, checkpoint, records) is excluded, and nothing
         # runs on the devices then. After any other round the next one is already running, so the
         # host's bookkeeping there overlaps training and counts.
-        clock = time.perf_counter()
-        for state, info in runner.rounds(state, config.rounds, donate=True, keep=lambda r: quiet(r + 1)):
-            ready = time.perf_counter()
-            counters["seconds"] += ready - clock
-            counters["bytes_up"] += info.bytes_up
-            counters["bytes_down"] += info.bytes_down
-            counters["rejected"] += len(info.rejected)
-            if "dropped" in counters:
-                counters["dropped"] += len(info.dropped)
-                counters["late"] += len(info.late)
-            client_log.write(info, state.round)
-            r = state.round
-            evaluation = exp.evaluate(state.server_state, r) if evaluates(r) else None
-            recorder.settle(Pending(r, info, evaluation, dict(counters), health.non_finite(None, runner.server_params(state), train_loss(info))), state)
-            clock = time.perf_counter() if quiet(r) else ready
+        # Compilation inside those windows (the first rounds' programs) is left out too
+        # (fedbayes.runs.compile_clock): it does not grow with the rounds.
+        with CompileClock() as compiling:
+            clock, compiled = time.perf_counter(), 0.0
+            for state, info in runner.rounds(state, config.rounds, donate=True, keep=lambda r: quiet(r + 1)):
+                ready, compiled_by_then = time.perf_counter(), compiling.seconds
+                counters["seconds"] += max(0.0, ready - clock - (compiled_by_then - compiled))
+                counters["bytes_up"] += info.bytes_up
+                counters["bytes_down"] += info.bytes_down
+                counters["rejected"] += len(info.rejected)
+                if "dropped" in counters:
+                    counters["dropped"] += len(info.dropped)
+                    counters["late"] += len(info.late)
+                client_log.write(info, state.round)
+                r = state.round
+                evaluation = exp.evaluate(state.server_state, r) if evaluates(r) else None
+                recorder.settle(Pending(r, info, evaluation, dict(counters), health.non_finite(None, runner.server_params(state), train_loss(info))), state)
+                clock, compiled = (time.perf_counter(), compiling.seconds) if quiet(r) else (ready, compiled_by_then)
     finally:
         reporter.stop()
     return recorder.finish(runner.algorithm, state.server_state)

@@ -16,6 +16,7 @@ The width is the terminal's; when the output is not a terminal, ``$COLUMNS`` whe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -151,6 +152,13 @@ def seconds_value(name, s, recs):
     return f"{_mean(f.get('seconds_total', f.get('seconds', 0.0))) or 0.0:.1f}"
 
 
+def compile_value(name, s, recs):
+    """The "compile s" cell: JAX's compilation during the run, which "train s" leaves out
+    (:mod:`fedbayes.runs.compile_clock`); "—" for a run finished earlier, whose process is gone."""
+    v = s.get("compile_seconds")
+    return "—" if v is None else f"{v:.1f}"
+
+
 def _mb_up(name, s, recs):
     f = s.get("final", {})
     return f"{(_mean(f.get('bytes_up_total', f.get('bytes_up', 0))) or 0) / 1e6:.1f}"
@@ -169,7 +177,11 @@ _MULTILABEL_COLUMNS = (("precision", "precision", 0), ("recall", "recall", 2), (
 
 
 def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
-    """The columns for these summaries: classification or regression; "marg." only when present."""
+    """The columns for these summaries: classification or regression; "marg." only when present.
+
+    When the table must be narrowed, the Bayesian columns (the marginalised predictions and
+    whether the posterior reached its fixed point), which this library exists for, are left out
+    last, after the point predictions' secondary columns, the curve summaries, time and upload."""
     cols = [
         Column("method", lambda n, s, r: n, left=True),
         Column("algorithm", lambda n, s, r: str(s.get("algorithm", "")), left=True, keep=9),
@@ -193,26 +205,29 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
     else:
         cols += [
             Column("accuracy", _final("accuracy")),
-            Column("NLL", _final("nll"), keep=2),
-            Column("ECE (%)", _final("ece", pct=True), keep=3),
+            Column("NLL", _final("nll"), keep=3),
+            Column("ECE (%)", _final("ece", pct=True), keep=4),
         ]
         if any("accuracy_marg" in s.get("final", {}) for s in summaries.values()):
             cols += [
-                Column("acc marg.", _final("accuracy_marg"), keep=4),
-                Column("NLL marg.", _final("nll_marg"), keep=7),
-                Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=7),
+                Column("acc marg.", _final("accuracy_marg"), keep=2),
+                Column("NLL marg.", _final("nll_marg"), keep=1),
+                Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=2),
             ]
         if curves_known:
-            cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=3), Column("acc max R-2..R", _curve("max_last"), keep=6)]
+            cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=5), Column("acc max R-2..R", _curve("max_last"), keep=7)]
         if any("epsilon" in s.get("final", {}) for s in summaries.values()):
             cols += [Column("epsilon", _epsilon, keep=4)]  # client-level DP (fedbayes.aggregators.dp); inf: no noise
         cols += [
-            Column("best acc", lambda n, s, r: format_value(s.get("best_accuracy")), keep=6),
-            Column(f"rounds to {threshold:.0%}", rounds_to_value(threshold), keep=5),
+            Column("best acc", lambda n, s, r: format_value(s.get("best_accuracy")), keep=7),
+            Column(f"rounds to {threshold:.0%}", rounds_to_value(threshold), keep=6),
         ]
     if any(any(_fixed_points(s)) for s in summaries.values()):
-        cols.append(Column("fixed point", fixed_point_value, keep=7))
-    cols += [Column("train s (total)", seconds_value, keep=6), Column("MB up (total)", _mb_up, keep=8)]
+        cols.append(Column("fixed point", fixed_point_value, keep=1))
+    cols.append(Column("train s (total)", seconds_value, keep=6))
+    if any("compile_seconds" in s for s in summaries.values()):
+        cols.append(Column("compile s", compile_value, keep=8))
+    cols.append(Column("MB up (total)", _mb_up, keep=8))
     return cols
 
 
@@ -321,10 +336,12 @@ def render_rows(
         if dropped:
             note = f"({len(dropped)} column(s) left out to fit {width} columns: {', '.join(dropped)}; all in {full})"
             lines += textwrap.wrap(note, width, break_long_words=False, break_on_hyphens=False)
-    else:  # too narrow for a grid: one block per method, every value whole
+    else:  # too narrow for a grid: one block per method, every value whole (wrapped at spaces)
+        wrap = functools.partial(textwrap.wrap, width=width, break_long_words=False, break_on_hyphens=False)
         for r in rows:
-            lines.append(r[0])
-            lines += [f"  {c.header}: {v}" for c, v in zip(cols[1:], r[1:])]
+            lines += wrap(r[0])
+            for c, v in zip(cols[1:], r[1:]):
+                lines += wrap(f"{c.header}: {v}", initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines) + "\n"
 
 
@@ -339,6 +356,33 @@ def markdown_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
     md = ["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(md) + "\n"
+
+
+def markdown_as_text(md: str, *, width: int | None = None, full: str = "the Markdown file") -> str:
+    """A Markdown report (paragraphs, ``###`` headings, tables) as plain text no wider than
+    ``width`` (default :func:`terminal_width`): paragraphs wrapped at spaces, each table by the
+    rules of :func:`render_rows` (its first column kept; the others left out from the right, with
+    a note naming them and ``full``)."""
+    width = width or terminal_width()
+    out: list[str] = []
+    table: list[list[str]] = []
+
+    def flush():
+        if table:
+            header, rows = table[0], [r for r in table[2:]]
+            cols = [Column(h, lambda n, s, r: "", left=(i == 0), keep=i) for i, h in enumerate(header)]
+            out.append(render_rows(cols, rows, width=width, full=full).rstrip("\n"))
+            table.clear()
+
+    for line in md.splitlines():
+        if line.startswith("|"):
+            table.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            continue
+        flush()
+        text = line.lstrip("#").strip() if line.startswith("#") else line
+        out += textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
+    flush()
+    return "\n".join(out) + "\n"
 
 
 def reference_table(summaries: Mapping[str, dict], curves: Mapping[str, Sequence[dict]], reference) -> tuple[list[Column], list[list[str]]]:

@@ -123,10 +123,12 @@ def evaluate_runs(
     kinds: Sequence[str] = shifts.SHIFTS,
     levels: Sequence[int] | None = None,
     say: Callable[[str], None] = lambda s: None,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> list[list[dict]]:
     """Each run folder's records under shift, in the order given: one record per (shift, level)
     with ``shift``, ``level``, ``intensity`` and the metrics. Each shifted test set is made once
-    and serves every run on that dataset. ``levels``: only these levels of each shift (default all).
+    and serves every run on that dataset. ``levels``: only these levels of each shift (default
+    all). ``progress(done, total)`` after each evaluation of a run on a shifted test set.
 
     Raises:
       ConfigError: a run's dataset holds no images (:func:`check_configs`).
@@ -138,6 +140,9 @@ def evaluate_runs(
     groups: dict[tuple, list[int]] = {}
     for i, cfg in enumerate(configs):
         groups.setdefault(_data_key(cfg), []).append(i)
+    count = lambda kind: len(shifts.levels(kind) if levels is None else levels)  # noqa: E731
+    total, done = sum(count(kind) for kind in kinds) * len(run_dirs), 0
+    progress(done, total)
     for members in groups.values():
         dataset = load_data(configs[members[0]])
         runs = {i: _Run(run_dirs[i], dataset) for i in members}
@@ -151,6 +156,8 @@ def evaluate_runs(
                 for i, run in runs.items():
                     record = {"shift": kind, "level": level, "intensity": shifts.intensity(kind, level)}
                     out[i].append(record | run.evaluate(shifted))
+                    done += 1
+                    progress(done, total)
     return out
 
 
@@ -215,10 +222,11 @@ def write_shift(
     kinds: Sequence[str] = shifts.SHIFTS,
     title: str = "",
     say: Callable[[str], None] = lambda s: None,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> ShiftFiles:
     """Evaluates the run folders ``runs`` (variant -> seed (None without seeds) -> folder) under
     every shift and writes ``OUT/shift.md``, ``OUT/shift.json`` and ``OUT/shift.png``. Variants
-    with seeds show the mean over their seeds.
+    with seeds show the mean over their seeds. ``say`` and ``progress``: as :func:`evaluate_runs`'s.
 
     Raises:
       ConfigError: a run's dataset holds no images.
@@ -226,7 +234,7 @@ def write_shift(
     """
     out = Path(out)
     flat = [(name, seed, Path(d)) for name, by_seed in runs.items() for seed, d in by_seed.items()]
-    results = evaluate_runs([d for _, _, d in flat], kinds=kinds, say=say)
+    results = evaluate_runs([d for _, _, d in flat], kinds=kinds, say=say, progress=progress)
     by_variant: dict[str, dict] = {}
     for (name, seed, _), recs in zip(flat, results):
         by_variant.setdefault(name, {})[seed] = recs
