@@ -60,7 +60,7 @@ PyTree = Any
 
 INITIAL = 0.2  # the first rounds' damping: cautious; it grows while the changes keep their direction
 MINIMUM = 0.1  # the paper's 1 / K for ten clients: the floor keeps a run that only jitters moving towards its fixed point
-MAXIMUM = 0.5  # the best fixed damping on the logistic regressions; above it a network's sites swung
+MAXIMUM = 1.0
 GROW = 1.25
 SHRINK = 0.5
 REVERSED = -1.0  # rho_hat below this: the changes swing back and do not decay (an unstable oscillation)

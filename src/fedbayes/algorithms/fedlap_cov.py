@@ -23,13 +23,13 @@ mean-loss trainer minimising the objective divided by ``n_k``, the start of loca
 initial parameters in round 1 and at ``w_g`` afterwards, partial participation by summed site
 changes, no server optimizer):
 
-* **Defaults that reach the fixed point.** The config's ``rho`` defaults to :data:`DEFAULT_RHO`
-  ``= 0.5``, not the paper's ``1 / K``: each client's site moves half way to its target, whatever
-  the cohort, so partial participation stays convergent; on breast cancer (10 Dirichlet(0.5)
-  clients, SGD clients) the mean is 0.034 from the MAP after 180 rounds at 0.5 and 0.27 at
-  ``1 / K`` (docs/results/posterior_defaults.md). The local solver must be unbiased: plain SGD
-  reaches the fixed point, while Adam (restarted every round, sign-like steps) settles where the
-  median of the minibatch gradients vanishes, 1.0 from the MAP at ``rho = 0.5``.
+* **Defaults that reach the fixed point.** The config's ``rho`` is adaptive by default
+  (:mod:`fedbayes.algorithms.damping`: the server chooses it each round and broadcasts it); the
+  fixed default before it was :data:`DEFAULT_RHO` ``= 0.5``, not the paper's ``1 / K``: each
+  client's site moves a fraction of the way to its target whatever the cohort, so partial
+  participation stays convergent (docs/results/posterior_defaults.md). The local solver must be
+  unbiased: plain SGD reaches the fixed point, while Adam (restarted every round, sign-like steps)
+  settles where the median of the minibatch gradients vanishes, 1.0 from the MAP at ``rho = 0.5``.
 
 * **Positivity.** ``V_k`` is a convex combination of ``V_k >= 0`` and the GGN ``H_k >= 0``, so it
   stays non-negative exactly, and ``S_g >= delta``. The server keeps ``S_g`` at least ``delta``

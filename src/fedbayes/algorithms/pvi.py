@@ -27,14 +27,15 @@ plain SGD at lr 1, this is PVI's synchronous update ``q_g = p prod_k t_k`` exact
 transformation (momentum, Adam) treats ``sum_k Delta_k`` as a step on natural parameters, as FedEP
 does (docs/algorithms.md §1.3), and ``q_g`` then no longer equals ``p prod_k t_k``.
 
-**Damping.** ``rho`` (the config's default :data:`DEFAULT_RHO` ``= 0.5``; Ashman et al. and FedLap
-use ``1 / K`` under full participation). A client's change ``rho (lambda_{q_k} - lambda_{q_g})`` is
-its own site's move towards its target, so the damping acts per site and does not depend on the
-cohort: 0.5 converges under partial participation too, several times faster than ``1 / M``
-(docs/results/posterior_defaults.md). With ``rho <= 1 / M`` the new global precision
-``(1 - M rho) Lambda_g + rho sum_k Lambda_{q_k}`` is a convex combination of positive ones, so it
-stays positive; with a larger ``rho`` a site can turn improper and the server's guard (below) may
-have to act.
+**Damping.** ``rho``: by default the adaptive damping of :mod:`fedbayes.algorithms.damping` (the
+server chooses it each round from how the global mean moved; it travels in the broadcast), or a
+fixed value (Ashman et al. and FedLap use ``1 / K`` under full participation; the fixed default
+before the adaptive one was :data:`DEFAULT_RHO` ``= 0.5``). A client's change ``rho (lambda_{q_k} -
+lambda_{q_g})`` is its own site's move towards its target, so the damping acts per site and does
+not depend on the cohort (docs/results/posterior_defaults.md). With ``rho <= 1 / M`` the new global
+precision ``(1 - M rho) Lambda_g + rho sum_k Lambda_{q_k}`` is a convex combination of positive
+ones, so it stays positive; with a larger ``rho`` a site can turn improper and the server's guard
+(below) may have to act.
 
 **The client optimiser** must be unbiased: with plain SGD the local step reaches the tilted
 mean-field optimum and PVI the exact mean-field VI optimum; Adam, restarted every round with

@@ -173,10 +173,10 @@ class ClientConfig(_Strict):
         None,
         description="when a client stops: after client.epochs epochs, or converged: once an epoch's mean minibatch gradient has fallen "
         "to client.tol times the first epoch's (at most client.max_epochs epochs); unset: epochs where client.epochs is given, else the "
-        "method's default (converged for the methods whose answer is a fixed point of local optima: FedEP/FedSEP's posterior preset, PVI, "
-        "FedLap-Cov, the VBNN)",
+        "method's default (converged for the methods whose answer is a fixed point of local optima: FedEP/FedSEP's laplace and ngvi "
+        "clients, PVI, FedLap-Cov)",
     )
-    max_epochs: int = Field(10, ge=1, description="stop = 'converged': the most epochs a client runs in a round")
+    max_epochs: int = Field(20, ge=1, description="stop = 'converged': the most epochs a client runs in a round")
     tol: float = Field(
         0.1, gt=0, lt=1, description="stop = 'converged': a client stops once an epoch's mean minibatch gradient is at most this times the first epoch's (norm)"
     )
@@ -229,11 +229,11 @@ class ServerConfig(_Strict):
 
 
 class HealthConfig(_Strict):
-    """When a run that has stopped learning is warned about, and when it is stopped (exit 3):
-    :class:`fedbayes.runs.health.LearningCheck`. An evaluation is unhealthy when its test NLL (MSE
-    for regression) is above ``nll_ratio`` times the untrained model's, or its accuracy more than
-    ``accuracy_drop`` below the run's best so far; it is past the stop bounds when above
-    ``stop_nll_ratio`` times the untrained NLL or more than ``stop_accuracy_drop`` below the best."""
+    """When a run that has stopped learning is warned about, and when it is stopped (exit 3;
+    fedbayes.runs.health.LearningCheck). An evaluation is unhealthy when its test NLL (MSE
+    for regression) is above nll_ratio times the untrained model's, or its accuracy more than
+    accuracy_drop below the run's best so far; it is past the stop bounds when above
+    stop_nll_ratio times the untrained NLL or more than stop_accuracy_drop below the best."""
 
     section: ClassVar[str] = "health."
 
