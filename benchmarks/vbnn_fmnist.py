@@ -259,6 +259,12 @@ def _initial_params(config):
     params = init_params(model, protocol.params_key(config.seed), data.feature_shape)
     if getattr(config.algorithm, "variant", "bayes") == "paper":
         params = paper_init(protocol.server_init_key(config.seed), params)
+    if getattr(config.algorithm, "method", "bbb") == "ivon":  # the server's IVON start, h = h_0
+        from fedbayes.algorithms.vbnn import ivon_init
+        from fedbayes.runs.build import prepare_split
+
+        total = sum(len(p) for p in prepare_split(config)[1])
+        params = ivon_init(params, config.algorithm.ivon_hess_init, total / config.algorithm.kl_weight, config.algorithm.prior_variance)
     return params
 
 
@@ -284,6 +290,9 @@ def analyse(compare_dir: str, plot: str | None, data_out: str | None) -> str:
             start = _initial_params(config)
             row["logvar_start"] = logvar_quantiles(start, QUANTILES)
             row["logvar_end"] = logvar_quantiles(params, QUANTILES)
+            row["logvar_start_per_layer"] = {
+                "/".join(k): [float(x) for x in np.quantile(np.asarray(v), QUANTILES)] for k, v in split_variational(start)[1].items()
+            }
             row["logvar_end_per_layer"] = {
                 "/".join(k): [float(x) for x in np.quantile(np.asarray(v), QUANTILES)] for k, v in split_variational(params)[1].items()
             }
@@ -299,6 +308,11 @@ def analyse(compare_dir: str, plot: str | None, data_out: str | None) -> str:
         rule = f"{r['aggregation'].upper()} ({r['variant']})" if "variant" in r else r["algorithm"]
         lv = (fmt(r["logvar_start"]), fmt(r["logvar_end"])) if "variant" in r else ("-", "-")
         lines.append(f"| {r['run']} | {rule} | {r['accuracy']:.4f} | {r['nll']:.4f} | {100 * r['ece']:.2f} | {lv[0]} | {lv[1]} |")
+    lines += ["", "| run | layer | start: min / 5% / median / 95% / max | end |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        for layer, end in r.get("logvar_end_per_layer", {}).items():
+            fmt = lambda q: " / ".join(f"{x:.2f}" for x in q)  # noqa: E731
+            lines.append(f"| {r['run']} | {layer} | {fmt(r['logvar_start_per_layer'][layer])} | {fmt(end)} |")
     if data_out:
         with open(data_out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -62,13 +62,36 @@ from pydantic import Field, model_validator
 
 from fedbayes.aggregators.variational import ACCUMULATIONS, RULES, VARIANTS, variational_rule
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message, stateless_client_init
+from fedbayes.data.batches import get_batch, num_local_steps
 from fedbayes.hparams import HParams
-from fedbayes.inference.sgd import LocalTrainer, run_sgd
-from fedbayes.models.variational import kl_to_prior, merge_variational, paper_clamp, paper_init, split_variational
+from fedbayes.inference.ivon import hessian_from_variance, ivon
+from fedbayes.inference.sgd import LocalTrainer, run_sgd, training_info
+from fedbayes.models.variational import (
+    LOGVAR_MIN,
+    kl_to_prior,
+    merge_variational,
+    paper_clamp,
+    paper_init,
+    prior_variances,
+    split_variational,
+    variance,
+)
 
-__all__ = ["DEFAULT_LOGVAR_LR", "VBNNState", "logvar_labels", "variational_data_loss", "variational_objective", "vbnn"]
+__all__ = [
+    "CLIENT_METHODS",
+    "DEFAULT_LOGVAR_LR",
+    "IVONClient",
+    "ivon_init",
+    "VBNNState",
+    "logvar_labels",
+    "run_ivon",
+    "variational_data_loss",
+    "variational_objective",
+    "vbnn",
+]
 
 DEFAULT_LOGVAR_LR = 1e-3
+CLIENT_METHODS = ("bbb", "ivon")  # Bayes-by-backprop with Adam on the log-variances; IVON
 
 # ----- the client -------------------------------------------------------------------------------
 
@@ -138,6 +161,120 @@ def logvar_labels(params: Any) -> Any:
     return merge_variational({k: "rest" for k in means}, {k: "logvar" for k in log_vars}, jax.tree.map(lambda _: "rest", det))
 
 
+class IVONClient(NamedTuple):
+    """Settings of the IVON client (:func:`run_ivon`; :mod:`fedbayes.inference.ivon`).
+
+    Attributes:
+        lr: IVON's step size ``alpha``.
+        beta1: the momentum's decay.
+        beta2: the Hessian estimate's decay (per local step; ``h`` carries over rounds through the
+            broadcast variances).
+        hess_init: ``h_0``: the server's initial ``h`` of every weight (:func:`ivon_init`) and
+            the deterministic leaves' (biases') ``h`` at the start of every round.
+        samples: weight draws per step.
+        antithetic: draw them in pairs ``eps, -eps``.
+        clip: clip every preconditioned step of the means elementwise to ``[-clip, clip]``
+            (``None``: no clip, as Algorithm 1).
+    """
+
+    lr: float = 0.03
+    beta1: float = 0.9
+    beta2: float = 0.99
+    hess_init: float = 0.1
+    samples: int = 2
+    antithetic: bool = True
+    clip: float | None = None
+
+
+def ivon_init(params: Any, hess_init: float, ess: float, prior_variance: float | str = 1.0) -> Any:
+    """The tree with every log-variance at IVON's start ``h = hess_init`` (Shen et al. 2024,
+    Algorithm 1's ``h_0``): ``log(1 / (lambda (h_0 + delta_j)))`` with ``lambda = ess`` and
+    ``delta_j = 1 / (lambda s_j^2)`` (:func:`run_ivon`). The server starts the IVON client's
+    posterior there instead of the layers' ``log(0.01 / fan_in)``, whose ``h = 1 / (lambda
+    sigma^2)`` would be hundreds of times the data's curvature and take ``beta2``'s time constant
+    many times over to forget."""
+    means, log_vars, det = split_variational(params)
+    prior = prior_variances(means, prior_variance)
+    new = {k: (-jnp.log(ess * (hess_init + 1.0 / (ess * prior[k])))).astype(v.dtype) for k, v in log_vars.items()}
+    return merge_variational(means, new, det)
+
+
+def run_ivon(
+    key: jax.Array,
+    params: Any,
+    data: Any,
+    apply_fn: Callable,
+    settings: IVONClient,
+    *,
+    num_epochs: int,
+    batch_size: int,
+    total_examples: int,
+    prior_variance: float | str = 1.0,
+    kl_weight: float = 1.0,
+) -> tuple[Any, dict]:
+    """A VBNN client by IVON (Shen et al. 2024, Algorithm 1; :mod:`fedbayes.inference.ivon`).
+
+    The client's share of the federation's negative ELBO, ``n_k (mean CE_k + kl_weight KL(q || p) /
+    N)`` (module docstring), is IVON's objective ``lambda E_q[mean CE_k] + KL(q || N(0, 1 / (lambda
+    delta)))`` up to the factor ``n_k / lambda`` with
+
+        lambda = N / kl_weight,   delta_j = 1 / (lambda s_j^2)
+
+    (``s_j^2`` the prior's variance of weight ``j``); deterministic leaves (biases) get
+    ``delta = 0``, no prior, as in the Bayes-by-backprop client. IVON's posterior
+    ``N(m, 1 / (lambda (h + delta)))`` is the client's variational posterior: ``m`` starts at the
+    broadcast means and ``h`` at ``1 / (lambda sigma^2) - delta`` of the broadcast variances
+    (:func:`~fedbayes.inference.ivon.hessian_from_variance`), so the Hessian estimate carries over
+    rounds through the server's rule; at the end the client returns ``m`` and
+    ``log(1 / (lambda (h + delta)))``. The deterministic leaves are drawn and updated like the
+    weights (their ``h`` starts at ``settings.hess_init`` every round) and returned as their
+    means. The model is evaluated at each draw ``theta`` with every log-variance at the models'
+    floor :data:`~fedbayes.models.variational.LOGVAR_MIN` (``sigma^2 = e^-30``): the layer's forward
+    pass at ``theta``, up to its numerical noise floor (an output standard deviation of about 1e-4).
+
+    Returns:
+        ``(params, info)`` with ``info`` as :func:`fedbayes.inference.sgd.training_info`.
+    """
+    means, log_vars, det = split_variational(params)
+    ess = float(total_examples) / kl_weight
+    prior = prior_variances(means, prior_variance)
+    delta = ({k: 1.0 / (ess * v) for k, v in prior.items()}, jax.tree.map(jnp.zeros_like, det))
+    opt = ivon(
+        settings.lr, ess, delta, beta1=settings.beta1, beta2=settings.beta2, hess_init=settings.hess_init,
+        num_samples=settings.samples, antithetic=settings.antithetic, clip_radius=settings.clip,
+    )  # fmt: skip
+    start = (means, det)
+    hessian = (
+        hessian_from_variance({k: variance(v) for k, v in log_vars.items()}, ess, delta[0]),
+        jax.tree.map(lambda d: jnp.full_like(d, settings.hess_init), det),
+    )
+    data_loss = variational_data_loss(apply_fn)
+    floor = {k: jnp.full_like(v, LOGVAR_MIN) for k, v in log_vars.items()}
+
+    def loss(theta, k, x, y, m):
+        return data_loss(merge_variational(theta[0], floor, theta[1]), k, x, y, m)
+
+    grad_fn = jax.value_and_grad(loss)
+    if settings.samples > 1:
+        grad_fn = jax.vmap(grad_fn, in_axes=(0, 0, None, None, None))
+    total = num_local_steps(data.num_examples, batch_size, num_epochs)
+
+    def body(step, carry):
+        m, state, loss_sum = carry
+        draw_key, pass_key = jax.random.split(jax.random.fold_in(key, step))
+        x, y, mask = get_batch(data, step, batch_size)
+        theta, eps = opt.sample(draw_key, state, m)
+        pass_keys = jax.random.split(pass_key, settings.samples) if settings.samples > 1 else pass_key
+        value, grads = grad_fn(theta, pass_keys, x, y, mask)
+        updates, state = opt.update(grads, state, m, eps)
+        return optax.apply_updates(m, updates), state, loss_sum + jnp.mean(value).astype(loss_sum.dtype)
+
+    m, state, loss_sum = jax.lax.fori_loop(0, total, body, (start, opt.init(start, hessian), jnp.zeros((), jnp.float32)))
+    mean, var = opt.posterior(state, m)
+    new = merge_variational(mean[0], {k: jnp.log(v).astype(log_vars[k].dtype) for k, v in var[0].items()}, mean[1])
+    return new, training_info(loss_sum, total)
+
+
 # ----- the algorithm ----------------------------------------------------------------------------
 
 
@@ -160,6 +297,8 @@ def vbnn(
     total_examples: int | None = None,
     logvar_lr: float | None = None,
     kl_weight: float = 1.0,
+    method: str = "bbb",
+    ivon_settings: IVONClient | None = None,
 ) -> Algorithm:
     """Federated VBNN with one of the rules of :data:`RULES` (FVBA / FVBWA by the round's weights).
 
@@ -198,6 +337,12 @@ def vbnn(
             variational posterior; below 1 a tempered ("cold") one, Wenzel et al. 2020, "How Good is
             the Bayes Posterior in Deep Neural Networks Really?", equivalently the likelihood
             counted ``1 / lambda`` times.
+        method: the client: ``"bbb"`` (default; Bayes-by-backprop with ``trainer.optimizer`` on
+            the means and Adam at ``logvar_lr`` on the log-variances) or ``"ivon"`` (:func:`run_ivon`,
+            ``bayes`` only: IVON's natural-gradient steps move every variance by its own curvature
+            estimate; ``trainer.optimizer`` and ``logvar_lr`` are not used, the epochs and batch
+            size are).
+        ivon_settings: the IVON client's settings (``None``: :class:`IVONClient`'s defaults).
 
     Raises:
         ValueError: for an unknown aggregation or variant, a population below 1, a prior variance
@@ -211,8 +356,11 @@ def vbnn(
         raise ValueError(f"logvar_lr must be > 0, got {logvar_lr}")
     if not kl_weight > 0 or (variant == "paper" and kl_weight != 1.0):
         raise ValueError(f"kl_weight must be > 0 (and 1 in the paper variant), got {kl_weight}")
+    if method not in CLIENT_METHODS or (method == "ivon" and variant != "bayes"):
+        raise ValueError(f"method must be one of {', '.join(CLIENT_METHODS)} (ivon in the bayes variant only), got {method!r} in {variant!r}")
     aggregator = variational_rule(aggregation, population, accumulation, variant)
     paper = variant == "paper"
+    ivon_settings = IVONClient() if ivon_settings is None else ivon_settings
     if logvar_lr is None and not paper:
         logvar_lr = DEFAULT_LOGVAR_LR
     model_fn = (lambda p, k, x: apply_fn(paper_clamp(p), k, x)) if paper else apply_fn
@@ -231,9 +379,17 @@ def vbnn(
             raise ValueError("vbnn needs a variational model (leaves <name>_mean and <name>_logvar); got none")
         if paper:
             params = paper_init(key, params)
+        if method == "ivon":
+            params = ivon_init(params, ivon_settings.hess_init, int(total_examples) / kl_weight, prior_variance)
         return VBNNState(params=params, round=jnp.zeros((), jnp.int32))
 
     def client_update(key, params, client_state, data):
+        if method == "ivon":
+            new, info = run_ivon(
+                key, params, data, apply_fn, ivon_settings, num_epochs=trainer.num_epochs, batch_size=trainer.batch_size,
+                total_examples=int(total_examples), prior_variance=prior_variance, kl_weight=kl_weight,
+            )  # fmt: skip
+            return new, client_state, info
         n = jnp.maximum(data.num_examples.astype(jnp.float32), 1.0)
         new, info = run_sgd(key, params, data, local, penalty_fn(n))
         return new, client_state, info
@@ -280,6 +436,19 @@ class VBNNConfig(HParams):
         None, gt=0, description="Adam's rate for the log-variances; unset: 0.001 in variant bayes, the client's optimizer in variant paper"
     )
     kl_weight: float = Field(1.0, gt=0, description="the KL's weight lambda (variant bayes): 1 the variational posterior, < 1 a tempered one")
+    method: Literal[CLIENT_METHODS] = Field(  # type: ignore[valid-type]
+        "bbb",
+        description="the client: bbb (Bayes-by-backprop, Adam on the log-variances) or ivon (IVON's natural-gradient steps, Shen et al. 2024; variant bayes)",
+    )
+    ivon_lr: float = Field(IVONClient().lr, gt=0, description="ivon: the step size alpha")
+    ivon_beta1: float = Field(IVONClient().beta1, ge=0, lt=1, description="ivon: the momentum's decay")
+    ivon_beta2: float = Field(IVONClient().beta2, ge=0, lt=1, description="ivon: the Hessian estimate's decay per local step")
+    ivon_hess_init: float = Field(
+        IVONClient().hess_init, gt=0, description="ivon: h_0, the initial Hessian estimate (the weights' at the server's start, the biases' every round)"
+    )
+    ivon_samples: int = Field(IVONClient().samples, ge=1, description="ivon: weight draws per step (even with ivon_antithetic)")
+    ivon_antithetic: bool = Field(IVONClient().antithetic, description="ivon: draw the weights in pairs eps, -eps")
+    ivon_clip: float | None = Field(IVONClient().clip, gt=0, description="ivon: clip each preconditioned step of the means to this radius (unset: no clip)")
 
     @model_validator(mode="after")
     def _reference_code_is_paper(self) -> VBNNConfig:
@@ -287,6 +456,10 @@ class VBNNConfig(HParams):
             raise ValueError(f"algorithm.kl_weight: the paper variant weighs the KL 1, got {self.kl_weight}")
         if self.prior_variance != "fan_in" and not self.prior_variance > 0:
             raise ValueError(f"algorithm.prior_variance must be > 0 or 'fan_in', got {self.prior_variance!r}")
+        if self.method == "ivon" and self.variant != "bayes":
+            raise ValueError(f"algorithm.method: ivon runs in the bayes variant, got variant {self.variant!r}")
+        if self.method == "ivon" and self.ivon_antithetic and self.ivon_samples % 2:
+            raise ValueError(f"algorithm.ivon_samples must be even with ivon_antithetic, got {self.ivon_samples}")
         if self.accumulation != "exact" and self.variant != "paper":
             raise ValueError(
                 f"algorithm.accumulation: {self.accumulation!r} is the published code's sum; set algorithm.variant = 'paper' (got {self.variant!r})"
@@ -300,7 +473,8 @@ def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     return vbnn(
         ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance,
         accumulation=hp.accumulation, variant=hp.variant, total_examples=ctx.federation.total_examples, logvar_lr=hp.logvar_lr,
-        kl_weight=hp.kl_weight,
+        kl_weight=hp.kl_weight, method=hp.method,
+        ivon_settings=IVONClient(hp.ivon_lr, hp.ivon_beta1, hp.ivon_beta2, hp.ivon_hess_init, hp.ivon_samples, hp.ivon_antithetic, hp.ivon_clip),
     )  # fmt: skip
 
 
