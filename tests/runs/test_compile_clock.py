@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from fedbayes.config.schema import validate
 from fedbayes.runs.compile_clock import CompileClock
@@ -18,6 +19,7 @@ def test_the_clock_counts_a_compilation_and_not_a_cached_call():
     assert first.seconds > 0 and again.seconds == 0
 
 
+@pytest.mark.alone  # a stopwatch: another test's load on the other core would move it
 def test_a_runs_seconds_leave_its_compilation_out(tmp_path):
     """The first round's programs compile inside its timed window; before, the first round's
     seconds were about half of all the compilation (1.6 s of 3.1 s here), now a round's compute."""
@@ -33,4 +35,7 @@ def test_a_runs_seconds_leave_its_compilation_out(tmp_path):
     with CompileClock() as compiling:
         run_experiment(config, tmp_path / "run", warn=lambda s: None)
     seconds = [r["seconds"] for r in read_metrics(tmp_path / "run" / METRICS)]
-    assert compiling.seconds > 0.5 and seconds[1] < 0.2 * compiling.seconds, (seconds, compiling.seconds)
+    # with its compilation counted, the first round would take about a later round's time plus all
+    # of it; without, about a later round's (on a loaded machine: 0.293 s against 0.299 and 0.303,
+    # 0.68 s of compilation)
+    assert compiling.seconds > 0 and seconds[1] < min(seconds[2:]) + 0.5 * compiling.seconds, (seconds, compiling.seconds)

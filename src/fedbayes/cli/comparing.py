@@ -222,7 +222,7 @@ def _run_comparison(
         shown = result.summaries if seeds else with_compile_seconds(result.summaries, {v: out / v for v in result.summaries}, ctx)
         print_table(cmp.marked(shown, changed), threshold, cmp.marked(result.curves, changed), title=result.title, full=f"{result.markdown} and --json")
         if changed:
-            console.print(cmp.overrides_note(changed), highlight=False, soft_wrap=True, markup=False)
+            console.print(cmp.overrides_note(changed, list(shown)), highlight=False, soft_wrap=True, markup=False)
         _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False, soft_wrap=True)
     _say_warnings(warned, lambda s: print(s, file=sys.stderr, flush=True))  # warnings on stderr, as a single run's

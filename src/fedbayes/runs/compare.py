@@ -169,14 +169,26 @@ def load_comparison_with_overrides(
     return runs, items
 
 
+def _shared(overrides: Mapping[str, Sequence[str]], names) -> set[str]:
+    """The ``--set`` items that every one of ``names`` runs with (a setting of the whole comparison,
+    such as ``rounds=6``, changes no variant against the others)."""
+    sets = [set(overrides.get(name, ())) for name in names]
+    return set.intersection(*sets) if sets else set()
+
+
 def marked(by_variant: Mapping[str, Any], overrides: Mapping[str, Sequence[str]]) -> dict[str, Any]:
-    """``by_variant`` with each variant changed by ``--set`` named ``VARIANT*`` (the tables' rows)."""
-    return {f"{name}*" if overrides.get(name) else name: value for name, value in by_variant.items()}
+    """``by_variant`` with each variant that ``--set`` changed against the others named
+    ``VARIANT*`` (the tables' rows); items every variant shares mark none."""
+    shared = _shared(overrides, list(by_variant))
+    return {f"{name}*" if set(overrides.get(name, ())) - shared else name: value for name, value in by_variant.items()}
 
 
-def overrides_note(overrides: Mapping[str, Sequence[str]]) -> str:
-    """The line under a table that says what ``VARIANT*`` means ("" when no variant is changed)."""
-    changed = [f"{name} ({', '.join(items)})" for name, items in overrides.items() if items]
+def overrides_note(overrides: Mapping[str, Sequence[str]], names: Sequence[str] | None = None) -> str:
+    """The line under a table that says what ``VARIANT*`` means ("" when no variant is changed
+    against the others); ``names``: the table's variants (default: those in ``overrides``)."""
+    names = list(overrides) if names is None else list(names)
+    shared = _shared(overrides, names)
+    changed = [f"{name} ({', '.join(i for i in items if i not in shared)})" for name, items in overrides.items() if set(items) - shared]
     return f"* changed by --set (comparison.toml keeps it): {'; '.join(changed)}" if changed else ""
 
 
@@ -454,6 +466,6 @@ def run_comparison(
 
 
 def _marked_markdown(summaries: dict, threshold: float, records: dict, overrides: Mapping[str, Sequence[str]]) -> str:
-    note = overrides_note(overrides)
+    note = overrides_note(overrides, list(summaries))
     table = report.markdown(marked(summaries, overrides), threshold=threshold, curves=marked(records, overrides))
     return table + (f"\n{note}\n" if note else "")
