@@ -723,7 +723,7 @@ def _wait(path: Path, proc: subprocess.Popen, timeout: float = 120, poll: float 
         time.sleep(poll)
 
 
-# ----- hostile input (issue 41, "A federation you can trust"): data that runs code or is coerced,
+# ----- hostile input: data that runs code or is coerced,
 # a server that chooses a node's files or code, unchecked bench settings ------------------------------
 
 

@@ -76,7 +76,7 @@ def test_ivon_learns_digits_and_its_variances_spread():
     assert metrics["accuracy"] > 0.8, metrics
     _, bbb = _digits_run("bbb")
     # the 5-95% spread of every layer's log-variances: the data's curvature per weight under IVON,
-    # Adam's equal steps under Bayes-by-backprop (a few hundredths after 4 rounds, issue 40)
+    # Adam's equal steps under Bayes-by-backprop (a few hundredths after 4 rounds)
     for name in spread:
         assert spread[name] > 0.2 and spread[name] > 5 * bbb[name], (name, spread, bbb)
 
