@@ -72,7 +72,7 @@ ADAPTIVE = "adaptive"  # the config value that selects :func:`adaptive`
 
 __all__ = [
     "ADAPTIVE", "BLOW_UP", "DIVERGING", "GROW", "INITIAL", "MAXIMUM", "MINIMUM", "REVERSED", "SHRINK", "SWING", "WINDOW",
-    "Damping", "DampingState", "adaptive", "fixed", "from_setting", "mean_change", "mean_value", "scale",
+    "Damping", "DampingState", "adaptive", "fixed", "from_setting", "mean_change",
 ]  # fmt: skip
 
 
@@ -116,21 +116,6 @@ def mean_change(old: DiagGaussian, new: DiagGaussian) -> PyTree:
         return jnp.where(ok, eta1 / jnp.where(ok, lam1, 1.0) - eta0 / jnp.where(ok, lam0, 1.0), 0.0)
 
     return jax.tree.map(one, old.precision_mean, old.precision, new.precision_mean, new.precision)
-
-
-def mean_value(state: DampingState) -> jax.Array:
-    """The damping (its mean, were it one per coordinate): what a round's server info reports."""
-    leaves = jax.tree.leaves(state.value)
-    return (sum(jnp.sum(v) for v in leaves) / sum(jnp.size(v) for v in leaves)).astype(jnp.float32)
-
-
-def scale(damping: PyTree | float, difference: DiagGaussian) -> DiagGaussian:
-    """``delta * difference`` for a natural-parameter difference: ``delta`` a number or, per
-    coordinate, a pytree with the parameters' structure."""
-    if isinstance(damping, int | float) or (isinstance(damping, jax.Array) and damping.ndim == 0):
-        return optax.tree.scale(damping, difference)
-    mul = lambda d, x: (d * x).astype(x.dtype)
-    return DiagGaussian(precision_mean=jax.tree.map(mul, damping, difference.precision_mean), precision=jax.tree.map(mul, damping, difference.precision))
 
 
 def _init(params: PyTree, value: float) -> DampingState:

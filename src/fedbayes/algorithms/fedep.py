@@ -262,12 +262,12 @@ def _ep_algorithm(
         q_ep, _ = ep_start(theta)
         q = jax.tree.map(lambda a, b: jnp.where(done, a, b), q_ep, model_q(theta))
         anchor = theta if keeps_anchor else None
-        info = {"precision_guarded": jnp.zeros((), jnp.int32), "damping": damping_policy.mean_value(state.damping)}
+        info = {"precision_guarded": jnp.zeros((), jnp.int32), "damping": state.damping.value}
         return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor, state.damping), info
 
     def ep_server(state, aggregate):
         q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
-        info = {"precision_guarded": guarded, "damping": damping_policy.mean_value(state.damping)}  # the damping this round's clients used
+        info = {"precision_guarded": guarded, "damping": state.damping.value}  # the damping this round's clients used
         return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q)), info
 
     def server_update(key, state, aggregate):

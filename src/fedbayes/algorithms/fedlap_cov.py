@@ -155,20 +155,16 @@ def site_terms(w, message: Broadcast, site: DiagGaussian, ops: PrecisionOps = DI
     )
 
 
-def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, damping, ops: PrecisionOps = DIAGONAL) -> DiagGaussian:
+def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, damping: float | jax.Array, ops: PrecisionOps = DIAGONAL) -> DiagGaussian:
     """The damped site update: ``t_k <- t_k^(1 - rho) (t_k q_k / q_g)^rho`` (``rho`` the damping) with
     the local Laplace ``q_k = (S_k w_k, S_k)``, ``S_k = H_k + S_g - V_k``; the target's precision is
     ``H_k``. A convex combination (:func:`fedbayes.gaussian.damp`), as the paper writes it; ``rho``
-    a number or one per coordinate (a pytree with the parameters' structure)."""
+    may be traced (the adaptive damping arrives in the broadcast)."""
     s_g = message.precision
     s_k = optax.tree.sub(optax.tree.add(curvature, s_g), site.precision)
     change = optax.tree.sub(ops.matvec(s_k, w_k), ops.matvec(s_g, message.anchor))
     target = DiagGaussian(precision_mean=optax.tree.add(site.precision_mean, change), precision=curvature)
-    if isinstance(damping, int | float) or (isinstance(damping, jax.Array) and damping.ndim == 0):
-        return gaussian.damp(site, target, damping)
-    # one damping per coordinate (fedbayes.algorithms.damping): the same convex combination, leaf by leaf
-    mix = lambda d, a, b: ((1 - d) * a + d * b).astype(a.dtype)
-    return DiagGaussian(jax.tree.map(mix, damping, site.precision_mean, target.precision_mean), jax.tree.map(mix, damping, site.precision, target.precision))
+    return gaussian.damp(site, target, damping)
 
 
 def client_step(
@@ -257,7 +253,7 @@ def fedlap_cov(
 
     def server_update(key, state, aggregate):
         del key
-        return server_step(state, aggregate.total.difference, delta, damping=damping), {"damping": damping_policy.mean_value(state.damping)}
+        return server_step(state, aggregate.total.difference, delta, damping=damping), {"damping": state.damping.value}
 
     def message_ok(state, message):
         # No positivity check: the server floors S_g at delta (server_step), it never keeps an old value.

@@ -205,7 +205,7 @@ def pvi(
     def server_update(key, state, aggregate):
         del key
         q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
-        info = {"precision_guarded": guarded, "damping": damping_policy.mean_value(state.damping)}  # the damping this round's clients used
+        info = {"precision_guarded": guarded, "damping": state.damping.value}  # the damping this round's clients used
         return ServerState(q, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q)), info
 
     def message_ok(state, message):

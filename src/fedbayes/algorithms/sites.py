@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import optax
 
 from fedbayes import gaussian, tree
-from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.gaussian import DiagGaussian
 
@@ -122,13 +121,13 @@ def guard_positive(new: DiagGaussian, old: DiagGaussian) -> tuple[DiagGaussian, 
     return guarded, jnp.asarray(kept, jnp.int32)
 
 
-def damped_difference(new: DiagGaussian, reference: DiagGaussian, damping, max_norm: float | None = None) -> DiagGaussian:
+def damped_difference(new: DiagGaussian, reference: DiagGaussian, damping: float | jax.Array, max_norm: float | None = None) -> DiagGaussian:
     """``damping * clip(new / reference)``: the damped natural-parameter difference that FedEP and
     PVI send (Guo et al. 2023 (FedEP) Sec. 2.2.3, ``delta Delta_k``; Swaroop et al. 2025 (ADMM and
     Bayes) Eq. 6, ``rho (lambda_{q_k} - lambda_{q_g})``), the difference clipped to a joint norm of
-    at most ``max_norm`` first (:func:`clip_joint_norm`; ``None``: no clipping). ``damping`` is a
-    number or one per coordinate (:func:`fedbayes.algorithms.damping.scale`)."""
-    return damping_policy.scale(damping, clip_joint_norm(gaussian.difference(new, reference), max_norm))
+    at most ``max_norm`` first (:func:`clip_joint_norm`; ``None``: no clipping). ``damping`` may be
+    traced (the adaptive damping arrives in the broadcast)."""
+    return optax.tree.scale(damping, clip_joint_norm(gaussian.difference(new, reference), max_norm))
 
 
 def gaussian_message_ok(message: GaussianMessage, q: DiagGaussian | None = None) -> jax.Array:
