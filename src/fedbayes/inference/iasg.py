@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
-from fedbayes.inference.sgd import EpochTracker, LocalTrainer, objective_fn, training_info
+from fedbayes.inference.sgd import LocalTrainer, epochs_until_converged, objective_fn, training_info
 
 PyTree = Any
 
@@ -131,7 +131,8 @@ def epoch_samples(
     (:func:`fedbayes.inference.sgd.training_info`).
 
     With ``trainer.tol > 0`` (``skip_epochs = 0`` only) the client stops as
-    :func:`fedbayes.inference.run_sgd` does, once an epoch's mean objective has settled; the
+    :func:`fedbayes.inference.run_sgd` does, once an epoch's mean minibatch gradient has fallen to
+    ``tol`` times the first epoch's; the
     samples of the epochs not run are zeros, and ``info["steps"] / ceil(n_k / B)`` tells how many
     epochs ran.
     """
@@ -159,35 +160,22 @@ def epoch_samples(
 
 
 def _epochs_until_converged(key, params, data: ClientData, trainer: LocalTrainer, average: bool, penalty, spe):
-    """:func:`epoch_samples` with the stopping rule of :func:`fedbayes.inference.run_sgd`: one
-    sample per epoch run, in a ``while_loop`` over epochs (the client's own trip count)."""
+    """:func:`epoch_samples` with the stopping rule of :func:`fedbayes.inference.run_sgd`
+    (:func:`fedbayes.inference.sgd.epochs_until_converged`): one sample per epoch run."""
     grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
-    num = trainer.num_epochs
 
-    def epoch(carry):
-        e, p, opt_state, loss_sum, track, samples = carry
+    def step_fn(s, p, opt_state):
+        x, y, m = get_batch(data, s, trainer.batch_size)
+        grads, loss = grad_fn(p, jax.random.fold_in(key, s), x, y, m)
+        updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, grads, loss
 
-        def step(i, c):
-            p, opt_state, loss_sum, track, total = c
-            s = e * spe + i
-            x, y, m = get_batch(data, s, trainer.batch_size)
-            grads, loss = grad_fn(p, jax.random.fold_in(key, s), x, y, m)
-            updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
-            p = optax.apply_updates(p, updates)
-            total = jax.tree.map(jnp.add, total, p) if average else total
-            return p, opt_state, loss_sum + loss.astype(loss_sum.dtype), track.add(grads, s, spe, trainer.tol), total
+    def record(samples, e, p, iterate_sum):
+        sample = jax.tree.map(lambda t: t / jnp.maximum(spe, 1).astype(t.dtype), iterate_sum) if average else p
+        return jax.tree.map(lambda buf, x: buf.at[e].set(x), samples, sample)
 
-        zeros = jax.tree.map(jnp.zeros_like, p)
-        p, opt_state, loss_sum, track, total = jax.lax.fori_loop(0, spe, step, (p, opt_state, loss_sum, track, zeros))
-        sample = jax.tree.map(lambda t: t / jnp.maximum(spe, 1).astype(t.dtype), total) if average else p
-        samples = jax.tree.map(lambda buf, x: buf.at[e].set(x), samples, sample)
-        return e + 1, p, opt_state, loss_sum, track, samples
-
-    def cond(carry):
-        e, _, _, _, track, _ = carry
-        return (e < num) & jnp.logical_not(track.done) & (spe > 0)
-
-    samples = jax.tree.map(lambda p: jnp.zeros((num, *jnp.shape(p)), jnp.result_type(p)), params)
-    init = (jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params), jnp.zeros((), jnp.float32), EpochTracker.start(params), samples)
-    e, last, _, loss_sum, _, samples = jax.lax.while_loop(cond, epoch, init)
-    return samples, last, training_info(loss_sum, e * spe)
+    samples = jax.tree.map(lambda p: jnp.zeros((trainer.num_epochs, *jnp.shape(p)), jnp.result_type(p)), params)
+    last, _, loss_sum, epochs, samples = epochs_until_converged(
+        params, trainer.optimizer.init(params), data, trainer, step_fn, samples, record, sum_iterates=average
+    )
+    return samples, last, training_info(loss_sum, epochs * spe)

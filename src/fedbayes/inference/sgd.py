@@ -101,7 +101,7 @@ def run_sgd(
     """
     total = num_local_steps(data.num_examples, trainer.batch_size, trainer.num_epochs)
     if trainer.tol > 0:
-        return _run_until_converged(key, params, data, trainer, penalty, total)
+        return _run_until_converged(key, params, data, trainer, penalty)
     grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
 
     def body(step, carry):
@@ -117,50 +117,77 @@ def run_sgd(
 
 
 class EpochTracker(NamedTuple):
-    """The stopping rule's running state: the sum of this epoch's minibatch gradients, the first
-    epoch's mean-gradient norm, epochs completed, and whether the rule has fired."""
+    """The stopping rule's state between epochs: the first epoch's mean-gradient norm, epochs
+    completed, and whether the rule has fired. A client's loop sums its minibatch gradients over an
+    epoch and hands the sum to :meth:`end_epoch` (one norm per epoch, none per step)."""
 
-    gradient: PyTree
     first: jax.Array
     epochs: jax.Array
     done: jax.Array
 
     @classmethod
-    def start(cls, params: PyTree) -> EpochTracker:
-        return cls(optax.tree.zeros_like(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.bool_))
+    def start(cls) -> EpochTracker:
+        return cls(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.bool_))
 
-    def add(self, grads: PyTree, step, steps_per_epoch, tol: float) -> EpochTracker:
-        """Adds step ``step``'s minibatch gradient; at the end of an epoch, applies the rule."""
-        total = optax.tree.add(self.gradient, grads)
-        end = (step + 1) % steps_per_epoch == 0
-        norm = optax.tree.norm(total).astype(jnp.float32) / jnp.maximum(steps_per_epoch, 1).astype(jnp.float32)
+    def end_epoch(self, gradient_sum: PyTree, steps_per_epoch, tol: float) -> EpochTracker:
+        """The state after an epoch whose minibatch gradients sum to ``gradient_sum``: the rule fires
+        once the epoch's mean gradient is at most ``tol`` times the first epoch's in norm."""
+        norm = optax.tree.norm(gradient_sum).astype(jnp.float32) / jnp.maximum(steps_per_epoch, 1).astype(jnp.float32)
         first_epoch = self.epochs == 0
-        first = jnp.where(end & first_epoch, norm, self.first)
-        fired = end & jnp.logical_not(first_epoch) & (norm <= tol * first)
-        return EpochTracker(jax.tree.map(lambda t: jnp.where(end, jnp.zeros_like(t), t), total), first, self.epochs + end.astype(jnp.int32), self.done | fired)
+        first = jnp.where(first_epoch, norm, self.first)
+        fired = jnp.logical_not(first_epoch) & (norm <= tol * first)
+        return EpochTracker(first, self.epochs + 1, self.done | fired)
 
 
-def _run_until_converged(key, params, data: ClientData, trainer: LocalTrainer, penalty, total):
-    """:func:`run_sgd` with the stopping rule (``trainer.tol > 0``): a ``while_loop`` whose trip
-    count is the client's own (under ``vmap``, finished clients hold their values)."""
+def epochs_until_converged(
+    params, opt_state, data: ClientData, trainer: LocalTrainer, step_fn: Callable, extra, extra_epoch: Callable, sum_iterates: bool = False
+):
+    """The loop of a client that stops once its objective settles (``trainer.tol > 0``): a
+    ``while_loop`` over epochs (the client's own trip count; under ``vmap`` finished clients hold
+    their values), each a ``fori_loop`` of ``ceil(n_k / B)`` steps.
+
+    ``step_fn(s, p, opt_state) -> (p, opt_state, grads, loss)`` takes step ``s``; ``extra`` is a
+    per-epoch carry updated by ``extra_epoch(extra, e, p, epoch_carry)`` at each epoch's end
+    (``epoch_carry`` the sum of the epoch's iterates with ``sum_iterates``, for averaging; else
+    zeros). Returns ``(p, opt_state,
+    loss_sum, epochs, extra)``.
+    """
     spe = steps_per_epoch(data.num_examples, trainer.batch_size)
-    grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
+
+    def epoch(carry):
+        e, p, opt_state, loss_sum, track, extra = carry
+
+        def step(i, c):
+            p, opt_state, loss_sum, grad_sum, iterate_sum = c
+            p, opt_state, grads, loss = step_fn(e * spe + i, p, opt_state)
+            iterate_sum = optax.tree.add(iterate_sum, p) if sum_iterates else iterate_sum
+            return p, opt_state, loss_sum + loss.astype(loss_sum.dtype), optax.tree.add(grad_sum, grads), iterate_sum
+
+        zeros = optax.tree.zeros_like(p)
+        p, opt_state, loss_sum, grad_sum, iterate_sum = jax.lax.fori_loop(0, spe, step, (p, opt_state, loss_sum, zeros, zeros))
+        return e + 1, p, opt_state, loss_sum, track.end_epoch(grad_sum, spe, trainer.tol), extra_epoch(extra, e, p, iterate_sum)
 
     def cond(carry):
-        step, _, _, _, track = carry
-        return (step < total) & jnp.logical_not(track.done)
+        e, _, _, _, track, _ = carry
+        return (e < trainer.num_epochs) & jnp.logical_not(track.done) & (spe > 0)
 
-    def body(carry):
-        step, p, opt_state, loss_sum, track = carry
-        x, y, m = get_batch(data, step, trainer.batch_size)
-        grads, loss = grad_fn(p, jax.random.fold_in(key, step), x, y, m)
+    init = (jnp.zeros((), jnp.int32), params, opt_state, jnp.zeros((), jnp.float32), EpochTracker.start(), extra)
+    e, p, opt_state, loss_sum, _, extra = jax.lax.while_loop(cond, epoch, init)
+    return p, opt_state, loss_sum, e, extra
+
+
+def _run_until_converged(key, params, data: ClientData, trainer: LocalTrainer, penalty):
+    """:func:`run_sgd` with the stopping rule (``trainer.tol > 0``)."""
+    grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
+
+    def step_fn(s, p, opt_state):
+        x, y, m = get_batch(data, s, trainer.batch_size)
+        grads, loss = grad_fn(p, jax.random.fold_in(key, s), x, y, m)
         updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
-        track = track.add(grads, step, spe, trainer.tol)
-        return step + 1, optax.apply_updates(p, updates), opt_state, loss_sum + loss.astype(loss_sum.dtype), track
+        return optax.apply_updates(p, updates), opt_state, grads, loss
 
-    init = (jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params), jnp.zeros((), jnp.float32), EpochTracker.start(params))
-    steps, p, _, loss_sum, _ = jax.lax.while_loop(cond, body, init)
-    return p, training_info(loss_sum, steps)
+    p, _, loss_sum, epochs, _ = epochs_until_converged(params, trainer.optimizer.init(params), data, trainer, step_fn, (), lambda extra, *_: extra)
+    return p, training_info(loss_sum, epochs * steps_per_epoch(data.num_examples, trainer.batch_size))
 
 
 def training_info(loss_sum: jax.Array, steps: jax.Array) -> dict[str, jax.Array]:
