@@ -1,6 +1,6 @@
-"""The docs site's pages: their commands name files and options that exist; the Python example of
-"Your own data and model" runs as written; the built site works from file:// and its API
-reference is Markdown, free of Sphinx markup."""
+"""The docs site's pages: their commands name files and options that exist; the tutorial's code
+blocks and the Python example of "Your own data and model" run as written; the built site works
+from file:// and its API reference is Markdown, free of Sphinx markup."""
 
 import html
 import os
@@ -12,6 +12,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,73 @@ def test_the_own_data_python_example_runs_as_written(tmp_path, monkeypatch):
     exec(compile(code.replace('rounds": 10', 'rounds": 2'), "docs/own-data.md", "exec"), namespace)
     assert namespace["summary"]["final"]["accuracy"] > 0.3
     assert (tmp_path / "runs" / "python_arrays" / "model.npz").is_file()
+
+
+# The tutorial's pages in reading order; each continues from the files the earlier ones leave.
+TUTORIAL = ("tutorial/first-run.md", "tutorial/own-data.md", "tutorial/bayesian.md", "tutorial/deploy.md")
+# A block preceded by this marker is shown, not run; the reason is required.
+SKIP = re.compile(r"<!-- docs-test: skip \((.+?)\) -->")
+FEDBAYES = ".venv/bin/fedbayes "
+
+
+def _tutorial_blocks(page: str) -> list[tuple[str, str, str | None]]:
+    """``(language, code, skip reason or None)`` of every fenced block of a tutorial page."""
+    found = re.findall(r"(<!-- docs-test: skip \((?:.+?)\) -->\n)?```(\w*)\n(.*?)```", (ROOT / "docs" / page).read_text(), flags=re.S)
+    return [(language, code, SKIP.match(marker).group(1) if marker else None) for marker, language, code in found]
+
+
+def test_the_tutorial_is_in_the_navigation_and_most_of_its_blocks_run():
+    """In the site's navigation in reading order; every block is Python or a shell block whose
+    lines the runner below knows; the blocks shown but not run are few and say why."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert [nav.index(page) for page in TUTORIAL] == sorted(nav.index(page) for page in TUTORIAL)
+    blocks = [block for page in TUTORIAL for block in _tutorial_blocks(page)]
+    run = [(language, code) for language, code, skip in blocks if skip is None]
+    assert len(run) >= 3 * len(blocks) // 4, f"{len(blocks) - len(run)} of {len(blocks)} blocks are not run"
+    for language, code in run:
+        assert language in ("python", "bash"), language
+        if language == "bash":
+            assert all(line.startswith((FEDBAYES, "ls ")) for line in code.splitlines()), code
+
+
+def _run_shell_line(line: str, cwd: Path) -> str:
+    """A tutorial shell line: a ``fedbayes`` command through the CLI in this process (its imports
+    and compiled programs shared), anything else through bash. Returns its output; a failure fails."""
+    if not line.startswith(FEDBAYES):
+        res = subprocess.run(["bash", "-c", line], cwd=cwd, capture_output=True, text=True)
+        assert res.returncode == 0, f"{line}: {res.stderr}"
+        return res.stdout
+    from typer.testing import CliRunner
+
+    from fedbayes.cli import app
+
+    res = CliRunner().invoke(app, shlex.split(line)[1:], env={"COLUMNS": "100", "FEDBAYES_NO_SYSTEM_DATA": "1"})
+    assert res.exit_code == 0, f"{line}: exit {res.exit_code}\n{res.output[-3000:]}"
+    return res.output
+
+
+@pytest.mark.slow
+def test_the_tutorial_runs_as_written(tmp_path, monkeypatch, capsys):
+    """Every block of the tutorial but those marked, page after page in one folder holding
+    examples/, as a reader types them: shell lines as commands, Python blocks each in a fresh
+    namespace. Only digits and scikit-learn's bundled data: passes with optional data absent."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDBAYES_NO_SYSTEM_DATA", "1")
+    outputs = []
+    for page in TUTORIAL:
+        for i, (language, code, skip) in enumerate(_tutorial_blocks(page)):
+            if skip is not None:
+                continue
+            if language == "bash":
+                outputs += [_run_shell_line(line, tmp_path) for line in code.splitlines()]
+            else:
+                exec(compile(code, f"docs/{page} block {i + 1}", "exec"), {"__name__": "__docs__"})
+                outputs.append(capsys.readouterr().out)
+    text = "\n".join(outputs)
+    assert "posterior std" in text and "predicted [" in text and "flower-supernode" in text
+    assert (tmp_path / "runs/first/model.npz").is_file() and (tmp_path / "runs/wine/model.npz").is_file()
+    assert "posterior_variance/Dense_0/kernel" in np.load(tmp_path / "runs/wine_fedep/model.npz").files
 
 
 def _built_site(folder: Path) -> Path:
