@@ -120,6 +120,7 @@ def test_traits_say_what_the_name_checks_said():
     assert has("needs_apply_fn") == {"fedlap_cov", "fedlap_func"}
     assert has("divergence_hint") == {"fedep", "fedsep"}
     assert has("calibration_advice") == {"fedep", "fedsep", "pvi", "fedlap_cov"}
+    assert has("bayesian") == {"fedpa", "fedep", "fedsep", "fedlap", "fedlap_cov", "fedlap_func", "pvi", "vbnn"}
     fedpa = specs["fedpa"].hparams(name="fedpa", skip_epochs=3, burn_in_rounds=2)
     assert specs["fedpa"].min_local_epochs(fedpa)[0] == 4 and specs["fedpa"].burn_in_rounds(fedpa) == 2
     assert specs["fedep"].min_local_epochs(specs["fedep"].hparams(name="fedep", method="mcmc"))[0] == 2

@@ -86,3 +86,9 @@ def test_a_files_overrides_apply_before_remembered_ones_and_the_command_line(tmp
     assert items == {"fedprox": ["client.lr=0.2", "rounds=5"], "fedavg": ["seed=7"]}
     with pytest.raises(ConfigError, match="overrides"):
         cmp.load_comparison([_file(tmp_path, COMPARISON + "\n[overrides]\nfedprox = 3\n")], [])
+
+
+def test_the_bayesian_variants_are_those_whose_method_says_so(tmp_path):
+    text = COMPARISON + '[variants.fedep.algorithm]\nname = "fedep"\n[variants.fedlap.algorithm]\nname = "fedlap"\n'
+    runs = cmp.load_comparison([_file(tmp_path, text)], [])
+    assert cmp.bayesian_variants(runs) == {"fedep", "fedlap"}

@@ -1,6 +1,18 @@
-"""The curves plot: point curves set the axes, a curve far outside is drawn clipped and named."""
+"""The curves plot: point curves set the axes, a curve far outside or worse than the untrained model
+is drawn clipped and named; point and Bayesian methods are told apart by line style, and the legend
+says which is which."""
 
-from fedbayes.runs.plotting import panel_limits, plot_curves
+import pytest
+
+from fedbayes.runs.plotting import curves_figure, panel_limits, plot_curves
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
 
 
 def test_point_curves_set_the_axes_and_outliers_are_named():
@@ -20,20 +32,63 @@ def test_point_curves_set_the_axes_and_outliers_are_named():
 def test_plot_names_the_clipped_curve(tmp_path):
     good = [{"round": r, "accuracy": 0.8 + 0.01 * r, "nll": 0.5, "ece": 0.03} for r in range(6)]
     bad = [{**g, "accuracy_marg": 0.07, "nll_marg": 30.0, "ece_marg": 0.5} for g in good]
-    import matplotlib
+    fig = curves_figure({"fedavg": good, "fedlap_cov": bad}, bayesian={"fedlap_cov"})
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert texts == [
+        "clipped below: fedlap_cov (marg.)",
+        "clipped above (worse than the untrained model's 0.5): fedlap_cov (marg.)",  # its NLL: round 0's caps the axis
+        "clipped above: fedlap_cov (marg.)",
+    ]
+    assert plot_curves(tmp_path / "c.png", {"fedavg": good}).stat().st_size > 0
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    texts = []
-    original = plt.Axes.text
-    plt.Axes.text = lambda self, *a, **k: texts.append(a[2]) or original(self, *a, **k)
-    try:
-        plot_curves(tmp_path / "c.png", {"fedavg": good, "fedlap_cov": bad})
-    finally:
-        plt.Axes.text = original
-    assert (tmp_path / "c.png").stat().st_size > 0
-    assert texts == ["clipped below: fedlap_cov (marg.)", "clipped above: fedlap_cov (marg.)", "clipped above: fedlap_cov (marg.)"]
+def _records(accuracy, nll, rounds=11, marginal=False):
+    """A run's records: round 0 untrained (accuracy 0.1, NLL 2.3), then the given curves of r."""
+    out = [{"round": 0, "accuracy": 0.1, "nll": 2.3, "ece": 0.05}]
+    out += [{"round": r, "accuracy": accuracy(r), "nll": nll(r), "ece": 0.03} for r in range(1, rounds)]
+    return [{**r, "accuracy_marg": r["accuracy"], "nll_marg": r["nll"] * 0.95, "ece_marg": 0.02} for r in out] if marginal else out
+
+
+def test_point_methods_are_solid_bayesian_ones_dashed_and_the_legend_says_so():
+    runs = {
+        "fedep": _records(lambda r: 0.8, lambda r: 0.5, marginal=True),
+        "fedavg": _records(lambda r: 0.7, lambda r: 0.7),
+        "fedprox": _records(lambda r: 0.75, lambda r: 0.6),
+    }
+    fig = curves_figure(runs, title="digits: 3 methods, 10 clients, 10 rounds", bayesian={"fedep"})
+    styles = {(line.get_color(), line.get_linestyle(), round(line.get_linewidth(), 1)) for line in fig.axes[0].get_lines()}
+    assert styles == {("C0", "--", 1.6), ("C0", ":", 1.0), ("C1", "-", 1.6), ("C2", "-", 1.6)}  # fedep, its marg., fedavg, fedprox
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["fedavg", "fedprox", "fedep", "fedep (marg.)"]  # point methods first
+    assert legend.get_title().get_text() == "solid: point methods; dashed: Bayesian methods (their posterior mean); dotted: averaged over the posterior (marg.)"
+    assert fig.get_suptitle() == "digits: 3 methods, 10 clients, 10 rounds"
+    only_point = curves_figure({"fedavg": runs["fedavg"]})
+    assert only_point.legends[0].get_title().get_text() == "solid: point methods"
+
+
+def test_a_diverging_method_leaves_the_nll_axis_to_the_others():
+    runs = {
+        "fedavg": _records(lambda r: 0.8, lambda r: 0.5 + 0.1 / r),
+        "fedep": _records(lambda r: 0.85, lambda r: 0.4 + 0.1 / r),
+        "fedlap": _records(lambda r: 0.1, lambda r: 2.0 * r),  # diverges: NLL 20 at round 10
+    }
+    fig = curves_figure(runs, bayesian={"fedep", "fedlap"})
+    accuracy, nll, _ = fig.axes[:3]
+    lo, hi = nll.get_ylim()
+    assert 0.55 < hi < 0.6 and 0.4 < lo < 0.42  # the others' range after round 2, not stretched to 20
+    assert [t.get_text() for t in nll.texts] == ["clipped above (worse than the untrained model's 2.3): fedlap"]
+    clipped = next(line for line in nll.get_lines() if line.get_color() == "C2")
+    assert max(clipped.get_ydata()[2:]) == pytest.approx(hi)  # drawn along the top edge
+    assert accuracy.get_ylim()[0] < 0.1  # accuracy has no cap: the diverged run's 0.1 stays in view
+
+
+def test_a_ceiling_clips_point_curves_above_it_unless_every_one_is():
+    rounds = [0, 1, 2, 3]
+    good, bad = ("a", True, rounds, [2.0, 1.0, 0.8, 0.7]), ("b", True, rounds, [2.0, 3.0, 9.0, 40.0])
+    (lo, hi), clipped = panel_limits([good, bad], start=1, ceiling=2.0)
+    assert hi < 1.1 and clipped == ["b above"]
+    (lo, hi), clipped = panel_limits([bad], start=1, ceiling=2.0)  # nothing below the cap: the curves' own range
+    assert hi > 40 and clipped == []
 
 
 def test_a_marginalised_curve_near_the_point_curves_stretches_the_axes_instead_of_being_clipped():

@@ -282,6 +282,10 @@ class AlgorithmSpec:
         is validated into.
       build: ``build(hparams, ctx) -> Algorithm`` (:class:`BuildFn`).
       summary: one line for listings.
+      bayesian: the method is approximate Bayesian inference (its clients infer local posteriors, or
+        sites of one, and its server combines them), whether or not it keeps a posterior beyond its
+        mean; ``False``: it optimises a point estimate (FedAvg, FedProx, FedDyn, ADMM). Comparisons
+        draw the two families apart.
       exact_server: non-empty when the server's update is exact and takes no server optimizer: what
         it does instead, as a phrase after "<name>'s server" (the config then requires
         ``server.optimizer = 'sgd'`` and ``server.lr = 1``, naming this phrase).
@@ -337,6 +341,7 @@ class AlgorithmSpec:
     build: BuildFn
     summary: str = ""
     _: dataclasses.KW_ONLY
+    bayesian: bool = False
     exact_server: str = ""
     aggregator_policy: AggregatorPolicy = "wrappable"
     aggregator_note: str = ""

@@ -530,6 +530,7 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
 # FedEP and FedSEP share their traits. The laplace and ngvi methods read the model's outputs, and
 # make_tilted_inference says so when they lack them; the identity and mcmc methods build without.
 _EP_TRAITS = dict(
+    bayesian=True,
     min_local_epochs=_min_local_epochs,
     # laplace and ngvi: the tilted mode, so a client runs until its objective settles; identity and mcmc keep the paper's epochs
     local_budget=lambda hp: "converged" if hp.method in ("laplace", "ngvi") else "epochs",

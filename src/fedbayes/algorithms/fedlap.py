@@ -241,6 +241,6 @@ def build(hp: FedLapConfig, ctx: BuildContext) -> Algorithm:
 
 SPEC = AlgorithmSpec(
     "fedlap", FedLapConfig, build, "Laplace PVI with isotropic Gaussian sites: ADMM-like duals, w_g = sum of the sites",
-    exact_server="multiplies the clients' sites exactly",
+    bayesian=True, exact_server="multiplies the clients' sites exactly",
 )  # fmt: skip
 SPECS = (SPEC,)

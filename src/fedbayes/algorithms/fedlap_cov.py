@@ -313,7 +313,7 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
 
 SPEC = AlgorithmSpec(
     "fedlap_cov", FedLapCovConfig, build, "FedLap with diagonal-GGN site precisions: two duals, a preconditioned server",
-    exact_server="multiplies the clients' sites exactly", needs_apply_fn=True,
+    bayesian=True, exact_server="multiplies the clients' sites exactly", needs_apply_fn=True,
     # its posterior's width is set by the prior precision
     calibration_advice=(
         "to predict with a narrower posterior, choose its prior precision on held-out data (evaluation.prior_precision = \"validation\", "

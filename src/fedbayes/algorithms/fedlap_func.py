@@ -266,7 +266,7 @@ def build(hp: FedLapFuncConfig, ctx: BuildContext) -> Algorithm:
 SPEC = AlgorithmSpec(
     "fedlap_func", FedLapFuncConfig, build, "FedLap plus soft labels on memory points, fitted at the server",
     exact_server="solves its own problem (the sum of the sites, then Adam over the memory points; algorithm.server_lr sets that rate)",
-    aggregator_policy="refuses",
+    bayesian=True, aggregator_policy="refuses",
     aggregator_note="aggregates its sites and stacks the cohort's memory points with its own rule, which its server needs and a robust rule or DP cannot wrap",
     needs_apply_fn=True, needs_feature_spec=True,
 )  # fmt: skip

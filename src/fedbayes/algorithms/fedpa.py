@@ -288,6 +288,6 @@ def _min_local_epochs(hp: FedPAConfig) -> tuple[int, str]:
 
 SPEC = AlgorithmSpec(
     "fedpa", FedPAConfig, build, "posterior averaging: IASG samples, shrinkage covariance",
-    min_local_epochs=_min_local_epochs, burn_in_rounds=burn_in_setting,
+    bayesian=True, min_local_epochs=_min_local_epochs, burn_in_rounds=burn_in_setting,
 )  # fmt: skip
 SPECS = (SPEC,)

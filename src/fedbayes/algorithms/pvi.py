@@ -275,6 +275,7 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
 
 SPEC = AlgorithmSpec(
     "pvi", PVIConfig, build, "partitioned variational inference: mean-field Gaussian sites, reparameterised local VI",
+    bayesian=True,
     # its posterior's width comes from the prior and the local steps, not a scale
     calibration_advice="set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2",
     default_predictive="sample",  # a variational posterior over the weights themselves

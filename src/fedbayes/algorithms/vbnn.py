@@ -487,7 +487,7 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
 
 SPEC = AlgorithmSpec(
     "vbnn", VBNNConfig, build, "variational BNN clients (Bayes-by-backprop, the prior once); six rules to combine their posteriors",
-    aggregator_policy="own",
+    bayesian=True, aggregator_policy="own",
     aggregator_note="combines variational parameters with its own rule (algorithm.aggregation), not natural-parameter deltas that a robust rule, a precision cap or DP noise could act on",
     needs_variational_model=True, stored_meaning=_stored_meaning,
 )  # fmt: skip

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fedbayes.algorithms import registry
 from fedbayes.hparams import INT_MAX
 from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, deep_merge, read_reference, read_toml, same_config, validate
 from fedbayes.runs import folder, report
@@ -51,6 +52,7 @@ __all__ = [
     "overrides_note",
     "stored_overrides",
     "applicable_reference",
+    "bayesian_variants",
     "reference_markdown",
     "run_comparison",
     "split_overrides",
@@ -319,6 +321,12 @@ def check_data(configs: Sequence[tuple[Any, RunConfig]], label: Callable[[Any], 
             raise ConfigError(f"{exc} ({label(key)})") from None
 
 
+def bayesian_variants(runs: Mapping[str, RunConfig]) -> set[str]:
+    """The variants that run a Bayesian method (the registry spec's ``bayesian`` trait): the plot
+    draws them apart from the point methods."""
+    return {name for name, config in runs.items() if registry.get(config.algorithm.name).bayesian}
+
+
 def without_numbers(summary: dict) -> dict:
     """A diverged variant's summary keeps its name, settings and where it diverged, not its metrics."""
     if "runs" in summary:  # over seeds: each diverged seed's run loses its numbers too
@@ -430,10 +438,12 @@ def run_comparison(
     task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
     from fedbayes.runs.plotting import plot_curves
 
+    bayesian = bayesian_variants(runs)
+
     if seeds is None:  # each variant is its one run
         summaries = {j.variant: results[j.variant][None] for j in planned}
         records = {j.variant: curves[j] for j in planned}
-        plot = plot_curves(out / folder.COMPARE_PLOT, records, title=title, task=task)
+        plot = plot_curves(out / folder.COMPARE_PLOT, records, title=title, task=task, bayesian=bayesian)
         md = _marked_markdown(summaries, threshold, records, overrides) + reference_markdown(summaries, records, reference)
         table_title = "fedbayes comparison" if len(summaries) > 1 else None
         diverged = [n for n, s in summaries.items() if s.get("diverged")]
@@ -443,7 +453,7 @@ def run_comparison(
         means = {name: sm.mean_curves([by_seed[name][s] for s in seeds if not results[name][s].get("diverged")]) for name in runs}
         records = {n: m for n, (m, _) in means.items()}
         plot = plot_curves(
-            out / folder.COMPARE_PLOT, records, title=f"{title}, mean ± std over seeds {list(seeds)}", task=task, bands={n: sd for n, (_, sd) in means.items()}
+            out / folder.COMPARE_PLOT, records, title=f"{title}, mean ± std over seeds {list(seeds)}", task=task, bands={n: sd for n, (_, sd) in means.items()}, bayesian=bayesian
         )
         note = f"\nMean±std over seeds {list(seeds)} (sample standard deviation); curve summaries as Swaroop et al. 2025 (ADMM and Bayes) report them.\n"
         md = _marked_markdown(summaries, threshold, records, overrides) + note + reference_markdown(summaries, records, reference)

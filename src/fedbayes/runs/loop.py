@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedbayes.aggregators.dp import epsilon as privacy_epsilon
+from fedbayes.algorithms import registry
 from fedbayes.config.schema import RunConfig, to_toml
 from fedbayes.errors import BadInputError
 from fedbayes.runs import folder, health, runlock
@@ -223,7 +224,8 @@ class RunRecorder:
         if warnings:
             summary["warnings"] = warnings
         folder.write_json(out / folder.SUMMARY, summary)
-        plot_curves(out / folder.CURVES, {config.name: self.records}, title=config.name, task=self.task)
+        bayesian = (config.name,) if registry.get(config.algorithm.name).bayesian else ()
+        plot_curves(out / folder.CURVES, {config.name: self.records}, title=config.name, task=self.task, bayesian=bayesian)
         return summary
 
 

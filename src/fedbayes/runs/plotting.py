@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 # (metric, axis label, scale, its marginalised form)
@@ -34,27 +35,59 @@ def line_styles(n: int) -> list[tuple[str, str]]:
 # otherwise squash the differences between methods into one bundle.
 SETTLED_SHARE = 0.2
 _MARGIN = 0.05
+# Lower is better and unbounded: past the untrained model's value a curve says only "worse than not
+# training", so that value caps the axis and one diverging method cannot flatten the others.
+CAPPED_AT_UNTRAINED = ("nll", "loss", "mse", "rmse")
+# Line style says the family, colour the method; the marginalised predictive is dotted.
+POINT_STYLE, BAYESIAN_STYLE, MARGINAL_STYLE = "-", "--", ":"
+_MARKERS = ("o", "^", "D", "v")
 
 
-def panel_limits(series: Sequence[tuple[str, bool, Sequence[float], Sequence[float]]], start: float) -> tuple[tuple[float, float] | None, list[str]]:
+def method_styles(names: Sequence[str], bayesian: Collection[str] = ()) -> dict[str, tuple[str, str, str]]:
+    """``name -> (colour, line style, marker)``: solid for a point method, dashed for a Bayesian one
+    (those in ``bayesian``: :attr:`fedbayes.algorithms.base.AlgorithmSpec.bayesian`); the 10 tab10
+    colours in order, then again with the next marker, so that 40 methods stay apart."""
+    return {n: (f"C{i % 10}", BAYESIAN_STYLE if n in bayesian else POINT_STYLE, _MARKERS[(i // 10) % len(_MARKERS)]) for i, n in enumerate(names)}
+
+
+def untrained_value(runs: Mapping[str, Sequence[dict]], key: str) -> float | None:
+    """The median over the runs of ``key`` at round 0, the untrained model's (the runs of a comparison
+    start alike, but for a method with its own initialisation); ``None`` when no run has it."""
+    values = [r[key] for records in runs.values() for r in records[:1] if r.get("round") == 0 and r.get(key) is not None and math.isfinite(r[key])]
+    return statistics.median(values) if values else None
+
+
+def panel_limits(
+    series: Sequence[tuple[str, bool, Sequence[float], Sequence[float]]], start: float, ceiling: float | None = None
+) -> tuple[tuple[float, float] | None, list[str]]:
     """A panel's y-limits and the curves drawn clipped.
 
     Args:
       series: ``(label, is_point_curve, rounds, values)`` per curve.
       start: the first round that sets the limits.
+      ceiling: values above it set no limit (the untrained model's NLL: a curve above it is worse than
+        not training); ignored when every point curve lies above it.
 
     Returns:
-      ``(lo, hi)``: the range of the point curves' values from round ``start`` on, stretched to the
-      other curves' values (the marginalised predictions) that lie within one such range of it, then
-      widened by 5% on each side (``None``: no point curve there); and ``"label above"`` /
-      ``"label below"`` for every curve with a value outside ``(lo, hi)`` from round ``start`` on (a
-      point curve never is; a curve far off, such as a broken predictive, is).
+      ``(lo, hi)``: the range of the point curves' values from round ``start`` on (those up to
+      ``ceiling``), stretched to the other curves' values (the marginalised predictions) that lie
+      within one such range of it and below ``ceiling``, then widened by 5% on each side (``None``:
+      no point curve there); and ``"label above"`` / ``"label below"`` for every curve with a value
+      outside ``(lo, hi)`` from round ``start`` on (a point curve only when it passes ``ceiling``; a
+      curve far off, such as a broken predictive, is).
     """
     settled = [y for _, point, xs, ys in series if point for x, y in zip(xs, ys) if x >= start and math.isfinite(y)]
-    if not settled:
-        return None, []
-    lo, hi = min(settled), max(settled)
-    near = [y for _, point, xs, ys in series if not point for x, y in zip(xs, ys) if x >= start and lo - (hi - lo) <= y <= hi + (hi - lo)]
+    below = [y for y in settled if ceiling is None or y <= ceiling]
+    if not below:
+        return (None, []) if not settled else panel_limits(series, start)
+    lo, hi = min(below), max(below)
+    near = [
+        y
+        for _, point, xs, ys in series
+        if not point
+        for x, y in zip(xs, ys)
+        if x >= start and lo - (hi - lo) <= y <= hi + (hi - lo) and (ceiling is None or y <= ceiling)
+    ]
     lo, hi = min([lo, *near]), max([hi, *near])
     pad = _MARGIN * (hi - lo) or _MARGIN * max(abs(hi), 1e-3)
     lo, hi = lo - pad, hi + pad
@@ -68,31 +101,40 @@ def panel_limits(series: Sequence[tuple[str, bool, Sequence[float], Sequence[flo
     return (lo, hi), clipped
 
 
-def plot_curves(
-    path: str | Path,
+def legend_title(point: bool, bayesian: bool, marginal: bool) -> str:
+    """What the line styles mean, for the families drawn."""
+    parts = [("solid: point methods", point), ("dashed: Bayesian methods (their posterior mean)", bayesian), ("dotted: averaged over the posterior (marg.)", marginal)]
+    return "; ".join(text for text, drawn in parts if drawn)
+
+
+def curves_figure(
     runs: Mapping[str, Sequence[dict]],
     *,
     title: str = "",
     task: str = "classification",
     bands: Mapping[str, Sequence[dict]] | None = None,
-) -> Path:
-    """Overlays the evaluation curves of several runs, one panel per metric, and saves a PNG.
+    bayesian: Collection[str] = (),
+):
+    """The evaluation curves of several runs overlaid, one panel per metric: a matplotlib figure.
 
-    Each run has its own colour and line style; a run with marginalised predictions (Bayesian
-    methods) also gets its "marg." curve in the same colour, thinner and with square markers.
-    The legend sits below the panels, off the data. Each panel's y-axis spans the point curves
-    after the first :data:`SETTLED_SHARE` of the rounds (:func:`panel_limits`), so that the methods
-    stand apart; a curve outside that range there is drawn clipped at the panel's edge and named
-    in the panel ("clipped: ... above/below"); the early rounds leave the panel as they fall.
+    Each run has its own colour; its line style says its family: solid for a point method, dashed for
+    a Bayesian one (the names in ``bayesian``), whose marginalised predictions ("marg.") are drawn
+    dotted in the same colour, thinner, with square markers. The legend sits below the panels, off
+    the data, point methods first, and its title says what the styles mean. Each panel's y-axis spans
+    the point curves after the first :data:`SETTLED_SHARE` of the rounds (:func:`panel_limits`), so
+    that the methods stand apart; for the metrics of :data:`CAPPED_AT_UNTRAINED` (NLL) it ends at the
+    untrained model's value (round 0, :func:`untrained_value`). A curve outside that range there is
+    drawn clipped at the panel's edge and named in the panel ("clipped above: ..."), with the cap
+    when it is what clipped it; the early rounds leave the panel as they fall.
 
     Args:
-      path: output file.
       runs: label -> the run's ``metrics.jsonl`` records (each with ``round`` and the metrics).
-      title: figure title (the experiment's name).
+      title: figure title (what was run).
       task: ``"classification"`` or ``"regression"`` (which metrics to draw).
       bands: label -> records of the same rounds holding a spread (the standard deviation over
         seeds, :func:`fedbayes.runs.summaries.mean_curves`): drawn as a shaded band of +-1 spread
         around that run's curve (the mean over seeds).
+      bayesian: the labels of the runs of Bayesian methods.
     """
     import matplotlib  # imported here: pyplot costs about a second at start-up
 
@@ -100,21 +142,23 @@ def plot_curves(
     import matplotlib.pyplot as plt
 
     panels = _PANELS[task]
-    styles = dict(zip(runs, line_styles(len(runs))))
+    styles = method_styles(list(runs), bayesian)
     rounds = [r["round"] for records in runs.values() for r in records]
     start = min(rounds, default=0) + SETTLED_SHARE * (max(rounds, default=0) - min(rounds, default=0))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
-    handles, labels = [], []
-    for ax, (key, label, scale, marg_key) in zip(axes, panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True, squeeze=False)
+    entries: dict[str, tuple[int, object]] = {}  # legend label -> (order, handle)
+    for ax, (key, label, scale, marg_key) in zip(axes[0], panels):
         curves = []  # (run, suffix, width, marker, xs, ys)
         for name, records in runs.items():
-            for k, suffix, width, marker in ((key, "", 1.6, "o"), (marg_key, " (marg.)", 1.0, "s")):
+            for k, suffix, width, marker in ((key, "", 1.6, styles[name][2]), (marg_key, " (marg.)", 1.0, "s")):
                 pts = [(r["round"], r[k] * scale) for r in records if k is not None and k in r and r[k] is not None]
                 if pts:
                     curves.append((name, suffix, width, marker, *zip(*pts)))
-        limits, clipped = panel_limits([(name + suffix, not suffix, xs, ys) for name, suffix, _, _, xs, ys in curves], start)
+        untrained = untrained_value(runs, key) if key in CAPPED_AT_UNTRAINED else None
+        ceiling = None if untrained is None else untrained * scale
+        limits, clipped = panel_limits([(name + suffix, not suffix, xs, ys) for name, suffix, _, _, xs, ys in curves], start, ceiling)
         for name, suffix, width, marker, xs, ys in curves:
-            colour, style = styles[name]
+            colour, style, _ = styles[name]
             spread = {r["round"]: r[k] * scale for k in ((marg_key if suffix else key),) for r in (bands or {}).get(name, ()) if k in r}
             if spread and all(x in spread for x in xs):
                 lo = [y - spread[x] for x, y in zip(xs, ys)]
@@ -122,30 +166,56 @@ def plot_curves(
                 ax.fill_between(xs, lo, hi, color=colour, alpha=0.15 if not suffix else 0.08, linewidth=0)
             if any(c.startswith(name + suffix + " ") for c in clipped):  # drawn along the edge it leaves by, not lost
                 ys = [min(max(y, limits[0]), limits[1]) if x >= start else y for x, y in zip(xs, ys)]
-            (line,) = ax.plot(xs, ys, color=colour, linestyle=style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
-            if ax is axes[0] and name + suffix not in labels:
-                handles.append(line)
-                labels.append(name + suffix)
+            line_style = MARGINAL_STYLE if suffix else style
+            (line,) = ax.plot(xs, ys, color=colour, linestyle=line_style, linewidth=width, marker=marker if len(xs) <= 30 else None, markersize=3)
+            order = 2 * list(runs).index(name) + bool(suffix) + (2 * len(runs) if name in bayesian else 0)
+            entries.setdefault(name + suffix, (order, line))
         if limits is not None:
             ax.set_ylim(*limits)
+        late = {name + suffix: [y for x, y in zip(xs, ys) if x >= start] for name, suffix, _, _, xs, ys in curves}
         for side, y, va in (("below", 0.04, "bottom"), ("above", 0.96, "top")):  # beside the edge the curves run along
             names = [c.removesuffix(" " + side) for c in clipped if c.endswith(" " + side)]
-            if names:
-                ax.text(0.98, y, f"clipped {side}: " + ", ".join(names), transform=ax.transAxes, fontsize=6, ha="right", va=va, wrap=True)
+            if not names:
+                continue
+            capped = side == "above" and ceiling is not None and any(not math.isfinite(v) or v > ceiling for n in names for v in late[n])
+            note = f" (worse than the untrained model's {ceiling:.3g})" if capped else ""
+            ax.text(0.98, y, f"clipped {side}{note}: " + ", ".join(names), transform=ax.transAxes, fontsize=6, ha="right", va=va, wrap=True)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    return _save(fig, path, handles, labels, title, ncols=5, dpi=120)
+    labels = sorted(entries, key=lambda text: entries[text][0])
+    families = legend_title(any(n not in bayesian for n in runs), any(n in bayesian for n in runs), any(t.endswith(" (marg.)") for t in labels))
+    _decorate(fig, [entries[t][1] for t in labels], labels, title, ncols=5, legend_title=families)
+    return fig
 
 
-def _save(fig, path: str | Path, handles: list, labels: list, title: str, *, ncols: int, dpi: int) -> Path:
-    """The figure's shared legend below the panels, its title, written to ``path`` and closed."""
-    import matplotlib.pyplot as plt
+def plot_curves(
+    path: str | Path,
+    runs: Mapping[str, Sequence[dict]],
+    *,
+    title: str = "",
+    task: str = "classification",
+    bands: Mapping[str, Sequence[dict]] | None = None,
+    bayesian: Collection[str] = (),
+) -> Path:
+    """:func:`curves_figure` saved as a PNG at ``path``."""
+    return _save(curves_figure(runs, title=title, task=task, bands=bands, bayesian=bayesian), path, dpi=120)
 
+
+def _decorate(fig, handles: list, labels: list, title: str, *, ncols: int, legend_title: str = "") -> None:
+    """The figure's shared legend below the panels and its title."""
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), ncols), fontsize=8, frameon=False)
+        fig.legend(
+            handles, labels, loc="outside lower center", ncols=min(len(labels), ncols), fontsize=8, frameon=False, title=legend_title or None, title_fontsize=8
+        )
     if title:
         fig.suptitle(title)
+
+
+def _save(fig, path: str | Path, *, dpi: int) -> Path:
+    """Writes the figure to ``path`` and closes it."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
@@ -198,4 +268,5 @@ def plot_shift(path: str | Path, body: Mapping, *, title: str = "") -> Path:
             if row == 0:
                 ax.set_title(kind)
             ax.grid(alpha=0.3)
-    return _save(fig, path, handles, labels, title, ncols=6, dpi=90)  # twelve panels: a smaller file at the same legibility
+    _decorate(fig, handles, labels, title, ncols=6)
+    return _save(fig, path, dpi=90)  # twelve panels: a smaller file at the same legibility
