@@ -125,6 +125,50 @@ def test_profile_rows_name_functions(repeat):
     assert all(r["own_s"] >= 0 and r["calls"] > 0 and r["function"] for r in raw["profile"])
 
 
+def test_each_measurement_reports_its_timed_rounds_and_ends_in_one_line(monkeypatch, capsys):
+    """A federated worker reports its rounds (throttled lines the parent reads back); the driver
+    gives every measurement a step, updated with those rounds and finished with its result line."""
+    report = fb.progress_lines(interval_s=60.0)
+    for done in (0, 1, 2):
+        report(done, 2)
+    lines = capsys.readouterr().out.splitlines()
+    assert [fb.progress_of(line) for line in lines] == [(0, 2), (2, 2)]  # round 1 within the interval: left out
+    assert fb.progress_of(fb.RESULT_PREFIX + "{}") is None
+    rounds = []
+    raw = fb.measure_federated(fb.WORKLOADS["fedavg"], TINY, on_round=lambda done, total: rounds.append((done, total)))
+    assert rounds == [(0, 3), (1, 3), (2, 3), (3, 3)] and len(raw["round_s"]) == 2  # the last: its measurements after the rounds
+    limit = [fb.measure_limit(fb.WORKLOADS[fb.REFERENCE], TINY)]
+
+    def federated(workload, settings, progress):
+        for done, total in rounds:
+            progress(done, total)
+        return raw
+
+    monkeypatch.setattr(fb.run, "run_federated_process", federated)
+    monkeypatch.setattr(fb.run, "run_limit_processes", lambda workload, settings: limit)
+    seen = []
+
+    class Recorded:
+        def __init__(self, label):
+            self.label, self.updates = label, []
+            seen.append(self)
+
+        def update(self, done, total):
+            self.updates.append((done, total))
+
+        def finish(self, line):
+            self.line = line
+
+    fb.run_bench(TINY, ["fedavg"], steps=Recorded)
+    assert [s.label.split() for s in seen] == [["repeat", "1/1", fb.REFERENCE], ["repeat", "1/1", "fedavg"]]
+    assert seen[0].updates == [] and seen[1].updates == rounds  # a limit reports no rounds: its bar only moves
+    assert all(re.fullmatch(r" *[\d,]+ examples/s  \(\d+\.\d s\)", s.line) for s in seen)
+    logged = []
+    fb.run_bench(TINY, ["fedavg"], log=logged.append)  # without steps: the line of each as it ends
+    assert [line.split()[:3] for line in logged] == [["repeat", "1/1", fb.REFERENCE], ["repeat", "1/1", "fedavg"]]
+    assert all(line.endswith(" s)") and "examples/s" in line for line in logged)
+
+
 def test_paired_rounds_interleave_workloads_and_give_per_pass_ratios():
     raw = fb.measure_paired(["fedavg_e3", "fedpa", "fedep"], TINY, rounds=2, block=1)
     assert all(len(raw["round_s"][n]) == 2 and all(t > 0 for t in raw["round_s"][n]) for n in ("fedavg_e3", "fedpa", "fedep"))
@@ -198,7 +242,7 @@ def test_the_parent_process_imports_no_jax():
 
 
 def test_cli_json_is_one_object_keyed_by_workload(repeat, monkeypatch):
-    monkeypatch.setattr(fb, "run_bench", lambda settings, names, log: fb.summarize([repeat]))
+    monkeypatch.setattr(fb, "run_bench", lambda settings, names, **_: fb.summarize([repeat]))
     res = CliRunner().invoke(app, ["bench", "--quick", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
@@ -234,7 +278,7 @@ def test_relative_workloads_report_paired_ratios_against_their_reference(capsys,
     monkeypatch.setattr(fb.run, "run_relative_process", lambda name, settings: raws[name])
     monkeypatch.setattr(fb.run, "check_dataset", lambda settings: pytest.fail("relative workloads read no data"))
     assert fb.run_bench(TINY, ["vbnn", "cnn"]) == {n: results[n] for n in ("cnn", "vbnn")}
-    monkeypatch.setattr(fb, "run_bench", lambda settings, names, log: results)
+    monkeypatch.setattr(fb, "run_bench", lambda settings, names, **_: results)
     res = CliRunner().invoke(app, ["bench", "--workload", "cnn"], env={"COLUMNS": "80"})
     # one table, the relative one (no throughput columns), no line wider than the terminal, names and numbers whole
     assert res.exit_code == 0, res.output
@@ -281,7 +325,7 @@ def test_the_gpu_record_is_its_own_set_without_the_cpu_reference(repeat, monkeyp
     assert "ratio_to_limit" not in entry and entry["layout"] == "vmap" and entry["store"] == "device" and entry["device_kind"]
     assert fb.OWN_LIMIT_RATIO in entry and "gpu_fedavg_10" in fb.markdown(results)
     seen = {}
-    monkeypatch.setattr(fb, "run_bench", lambda settings, names, log: seen.update(names=names, settings=settings) or results)
+    monkeypatch.setattr(fb, "run_bench", lambda settings, names, **_: seen.update(names=names, settings=settings) or results)
     res = CliRunner().invoke(app, ["bench", "gpu", "--json"])
     assert res.exit_code == 0, res.output
     assert seen["names"] == list(fb.GPU_WORKLOADS) and seen["settings"] == fb.GPU and not seen["settings"].paired

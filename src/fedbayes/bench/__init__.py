@@ -90,7 +90,8 @@ The package, one concept per module (everything public is exported here):
 * :mod:`~fedbayes.bench.protocol`: the subprocess protocol (spawning workers, reading their
   results, the worker's entry point);
 * :mod:`~fedbayes.bench.report`: entries, summaries over repeats, the Markdown and rich tables;
-* :mod:`~fedbayes.bench.run`: :func:`run_bench`, the driver behind ``fedbayes bench``.
+* :mod:`~fedbayes.bench.run`: :func:`run_bench`, the driver behind ``fedbayes bench``, with each
+  measurement's progress (:class:`Step`: a bar per measurement on a terminal, a line as each ends).
 
 No module imports JAX at top level: the parent process only starts workers and formats their
 results. Workers are ``python -m fedbayes.bench <spec-json>`` (:mod:`fedbayes.bench.__main__`).
@@ -100,8 +101,11 @@ from fedbayes.bench.measure import measure_federated, measure_limit, measure_own
 from fedbayes.bench.own_limit import plain_round, prepare_plain_round
 from fedbayes.bench.protocol import (
     GO,
+    PROGRESS_PREFIX,
     READY,
     RESULT_PREFIX,
+    progress_lines,
+    progress_of,
     run_federated_process,
     run_limit_processes,
     run_paired_process,
@@ -128,7 +132,7 @@ from fedbayes.bench.report import (
     summarize,
     text_tables,
 )
-from fedbayes.bench.run import paired_groups, run_bench
+from fedbayes.bench.run import LoggedStep, Step, Steps, paired_groups, run_bench
 from fedbayes.bench.workloads import (
     FULL,
     GPU,
@@ -166,6 +170,7 @@ __all__ = [
     "GO",
     "OWN_LIMIT_RATIO",
     "PAIRED_RATIO",
+    "PROGRESS_PREFIX",
     "QUICK",
     "READY",
     "REFERENCE",
@@ -177,7 +182,10 @@ __all__ = [
     "BenchSettings",
     "FederatedWorkload",
     "LimitWorkload",
+    "LoggedStep",
     "RelativeWorkload",
+    "Step",
+    "Steps",
     "Workload",
     "add_paired",
     "baseline_of",
@@ -200,6 +208,8 @@ __all__ = [
     "peak_rss_mb",
     "plain_round",
     "prepare_plain_round",
+    "progress_lines",
+    "progress_of",
     "relative_entry",
     "relative_rows",
     "resolve_names",

@@ -90,6 +90,7 @@ def measure_federated(
     *,
     spawn_time: float | None = None,
     profile_top: int = 0,
+    on_round: Callable[[int, int], None] = lambda done, total: None,
 ) -> dict[str, Any]:
     """Runs a federated workload in this process and returns its raw timings.
 
@@ -101,6 +102,9 @@ def measure_federated(
       profile_top: when positive, the steady rounds run under ``cProfile`` and the result holds
         that many functions with the most own time (``profile``); the timings are then slowed by
         the profiler.
+      on_round: ``on_round(done, total)`` after the first round (``done = 0``), after each timed
+        round (its time taken before the call) and once the measurements after them (the own
+        limit, the device probes) are done: ``total`` is the timed rounds plus one.
 
     Returns:
       ``first_round_s``, ``round_s`` (list, steady rounds), ``examples``, ``padding_waste`` and
@@ -141,14 +145,17 @@ def measure_federated(
         profiler.enable()
     # Pipelined, as run_experiment runs them: a round's time is from the previous round's results
     # to its own (the host work it overlaps with its predecessor is not counted twice).
+    total = steady_rounds(workload, settings)
+    on_round(0, total + 1)
     t0 = time.perf_counter()
-    for state, info in sim.rounds(state, state.round + steady_rounds(workload, settings), donate=True):
+    for state, info in sim.rounds(state, state.round + total, donate=True):
         t1 = time.perf_counter()
         times.append(t1 - t0)
         examples.append(int(sizes[np.asarray(info.cohort)].sum()) * epochs)
         padding.append(float(info.padding_waste))
         step_waste.append(float(info.step_waste))
         rejected += len(info.rejected)
+        on_round(len(times), total + 1)  # the worker's report is throttled: microseconds, in the next round's time
         t0 = t1
     jax.block_until_ready(state.server_state)
     if profiler is not None:
@@ -191,6 +198,7 @@ def measure_federated(
     }
     if profiler is not None:
         out["profile"] = _profile_rows(profiler, profile_top, sum(times))
+    on_round(total + 1, total + 1)
     return out
 
 

@@ -14,7 +14,9 @@ JSON object:
 * ``{"relative", "settings"}``: a relative workload (:data:`fedbayes.bench.relative.MEASURES`),
   one XLA host device per core.
 
-``settings`` is :func:`settings_to_dict`'s. The worker prints its raw result as one line,
+``settings`` is :func:`settings_to_dict`'s. A federated worker prints its progress as lines of
+:data:`PROGRESS_PREFIX` followed by ``DONE TOTAL`` (its timed rounds, at most every
+:data:`PROGRESS_INTERVAL_S` seconds), and every worker prints its raw result as one line,
 :data:`RESULT_PREFIX` followed by JSON; a non-zero exit or no such line is a
 :class:`~fedbayes.bench.workloads.BenchError` carrying the last lines of the worker's stderr.
 """
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedbayes.bench.measure import measure_federated, measure_limit, measure_paired
@@ -36,6 +38,8 @@ from fedbayes.bench.workloads import WORKLOADS, BenchError, BenchSettings, Feder
 from fedbayes.sim.hostdevices import num_cores, xla_flags
 
 RESULT_PREFIX = "FEDBAYES_BENCH_RESULT "
+PROGRESS_PREFIX = "FEDBAYES_BENCH_PROGRESS "
+PROGRESS_INTERVAL_S = 0.25
 READY = "FEDBAYES_BENCH_READY"
 GO = "go"
 
@@ -60,15 +64,28 @@ def _tail(errfile) -> str:
     return "\n".join(errfile.read().strip().splitlines()[-15:])
 
 
-def _read_result(proc: subprocess.Popen, errfile, label: str) -> dict[str, Any]:
+Progress = Callable[[int, int], None]  # progress(done, total): a worker's timed rounds so far
+
+
+def _read_result(proc: subprocess.Popen, errfile, label: str, progress: Progress | None = None) -> dict[str, Any]:
     result = None
     for line in proc.stdout:
         if line.startswith(RESULT_PREFIX):
             result = json.loads(line[len(RESULT_PREFIX) :])
+        elif (reported := progress_of(line)) is not None and progress is not None:
+            progress(*reported)
     code = proc.wait()
     if code != 0 or result is None:
         raise BenchError(f"benchmark worker {label} failed (exit code {code}):\n{_tail(errfile)}")
     return result
+
+
+def progress_of(line: str) -> tuple[int, int] | None:
+    """``(done, total)`` of a worker's progress line (:func:`progress_lines`), else ``None``."""
+    if not line.startswith(PROGRESS_PREFIX):
+        return None
+    done, total = map(int, line[len(PROGRESS_PREFIX) :].split())
+    return done, total
 
 
 def settings_to_dict(settings: BenchSettings) -> dict[str, Any]:
@@ -83,15 +100,15 @@ def settings_from_dict(fields: dict[str, Any]) -> BenchSettings:
     )
 
 
-def run_federated_process(workload: FederatedWorkload, settings: BenchSettings, *, profile_top: int = 0) -> dict[str, Any]:
+def run_federated_process(workload: FederatedWorkload, settings: BenchSettings, *, profile_top: int = 0, progress: Progress | None = None) -> dict[str, Any]:
     """Runs one federated workload in a fresh process laid out as the CLI lays itself out (one XLA
-    host device per core)."""
+    host device per core); ``progress(done, total)`` as its timed rounds advance."""
     flags = xla_flags(os.environ.get("XLA_FLAGS", ""), device_count=num_cores())
     with tempfile.TemporaryFile("w+") as err:
         spec = {"workload": workload.name, "settings": settings_to_dict(settings), "spawn_time": time.time(), "profile_top": profile_top}
         proc = _spawn(spec, flags, err)
         proc.stdin.close()
-        return _read_result(proc, err, workload.name)
+        return _read_result(proc, err, workload.name, progress)
 
 
 def run_limit_processes(workload: LimitWorkload, settings: BenchSettings) -> list[dict[str, Any]]:
@@ -150,6 +167,20 @@ def run_relative_process(name: str, settings: BenchSettings) -> dict[str, Any]:
 
 
 # ----- the worker's side -----------------------------------------------------------------------
+def progress_lines(interval_s: float = PROGRESS_INTERVAL_S) -> Progress:
+    """``progress(done, total)`` printing :data:`PROGRESS_PREFIX` lines: the first, the last, and
+    between them at most one each ``interval_s`` (a print per round would enter the round times)."""
+    last = [-float("inf")]
+
+    def progress(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done in (0, total) or now - last[0] >= interval_s:
+            last[0] = now
+            print(f"{PROGRESS_PREFIX}{done} {total}", flush=True)
+
+    return progress
+
+
 def worker(argv: Sequence[str]) -> None:
     """The entry point of ``python -m fedbayes.bench SPEC``: measures what ``SPEC`` (JSON) names
     and prints :data:`RESULT_PREFIX` and the raw result as one JSON line (see the module docstring)."""
@@ -175,5 +206,5 @@ def worker(argv: Sequence[str]) -> None:
 
         raw = measure_limit(workload, settings, share=spec["share"], num_shares=spec["num_shares"], wait_for_go=wait_for_go if spec.get("sync") else None)
     else:
-        raw = measure_federated(workload, settings, spawn_time=spec.get("spawn_time"), profile_top=spec.get("profile_top", 0))
+        raw = measure_federated(workload, settings, spawn_time=spec.get("spawn_time"), profile_top=spec.get("profile_top", 0), on_round=progress_lines())
     print(RESULT_PREFIX + json.dumps(raw), flush=True)

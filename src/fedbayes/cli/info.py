@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from fedbayes.cli.base import fail
+from fedbayes.cli.progress import BenchProgress
 from fedbayes.runs import report
 from fedbayes.runs.report import terminal_width
 
@@ -97,10 +98,13 @@ def bench(
     title = fb.describe_run(settings, quick, suite)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731  (stdout stays pure JSON)
     log(textwrap.fill(title, terminal_width(), break_long_words=False, break_on_hyphens=False))
+    steps = BenchProgress(log)
     try:
-        results = fb.run_bench(settings, workload, log=log)
+        results = fb.run_bench(settings, workload, log=log, steps=steps)
     except fb.BenchError as exc:
+        steps.close()
         fail(f"bench error: {exc}", code=3)
+    steps.close()
     if json_:
         print(json.dumps(results))
     else:

@@ -10,7 +10,7 @@ from fedbayes.cli.base import console, fail
 from fedbayes.config.schema import RunConfig
 from fedbayes.runs.loggers import PlainReporter, format_record, status_text
 
-__all__ = ["RichReporter", "RunLineReporter", "StepsBar", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
+__all__ = ["BenchProgress", "BenchStep", "RichReporter", "RunLineReporter", "StepsBar", "SweepProgress", "SweepRunReporter", "progress_bar", "reporter"]
 
 
 # Widths of the progress bar's fixed columns: the count ("100/100"), the status ("acc 0.9123"),
@@ -195,3 +195,49 @@ class SweepRunReporter:
             p.progress.advance(p.overall)
         elif self.last is not None:
             console.print(f"    {format_record(self.last, self.total)}", highlight=False, markup=False)
+
+
+class BenchProgress:
+    """``fedbayes bench``'s progress (the ``steps`` of :func:`fedbayes.bench.run_bench`), on stderr
+    so that stdout keeps the table or the JSON: on a terminal, the measurement in progress as a bar
+    over its timed rounds (a moving bar for those that report no rounds: limits, paired, relative),
+    replaced by its line when it ends; elsewhere only those lines (``echo``). ``on``: the console
+    (default stderr's)."""
+
+    def __init__(self, echo=print, on=None):
+        from rich.console import Console
+
+        self.echo, self.progress = echo, None
+        on = on or Console(stderr=True)
+        if on.is_terminal:
+            self.progress = progress_bar(on)
+            self.progress.start()
+
+    def __call__(self, label: str) -> BenchStep:
+        return BenchStep(self, label)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+class BenchStep:
+    """One measurement of a bench (:class:`fedbayes.bench.Step`): its bar, then its line."""
+
+    def __init__(self, parent: BenchProgress, label: str):
+        self.parent, self.label, self.task = parent, label, None
+        if parent.progress is not None:
+            self.task = parent.progress.add_task(" ".join(label.split()), total=None, status="")
+
+    def update(self, done: int, total: int) -> None:
+        if self.task is not None:
+            self.parent.progress.update(self.task, completed=done, total=total)
+
+    def finish(self, line: str) -> None:
+        progress = self.parent.progress
+        if self.task is None or progress is None:
+            self.parent.echo(f"{self.label} {line}")
+            return
+        progress.remove_task(self.task)
+        progress.console.print(f"{self.label} {line}", highlight=False, markup=False, soft_wrap=True)
