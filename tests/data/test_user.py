@@ -79,7 +79,9 @@ def test_a_test_file_and_images_in_a_npz(tmp_path):
         ("label,a\n0,1\n1,x\n", {}, "row 3, column 'a': 'x' is not a number"),
         ("y,a\n0,1\n1,2\n", {}, "data.label 'label' is not a column of it; it has y, a"),
         ("label,a\n0,1\n1,2\n", {"client_column": "site"}, "data.client_column 'site' is not a column"),
-        ("label,a\n0,1\n1.5,2\n", {}, "label 1.5 is not a class"),
+        ("label,a\n0,1\n1.5,2\n", {}, "row 3, column 'label': label 1.5 is not a class"),
+        ("label,a,b\n0,1,2\n1,2,3\n0,inf,3\n1,nan,1\n", {}, "row 4, column 'a': inf is not a finite number; features must be finite (2 such example(s))"),
+        ("client,label,a\n0,0,1\nnan,1,2\n", {"client_column": "client"}, "row 3, column 'client': client id nan is not finite"),
         ("label\n0\n1\n", {}, "no feature columns besides the label"),
     ],
 )
@@ -116,7 +118,8 @@ def _npz(path, **arrays):
 @pytest.mark.parametrize(
     "arrays, kwargs, message",
     [
-        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 2**32])}, {}, "example 3: label 4294967296 is not a class"),
+        ({"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 2**32])}, {}, "d.npz: array 'y', example 3: label 4294967296 is not a class"),
+        ({"x": np.array([[0.0], [1.0], [np.nan], [2.0]]), "y": np.array([0, 1, 0, 1])}, {}, "d.npz: array 'x', example 2: a non-finite feature"),
         (
             {"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 3_000_000])},
             {},
@@ -131,7 +134,7 @@ def _npz(path, **arrays):
         (
             {"x": np.zeros((4, 2)), "y": np.array([0, 1, 0, 1]), "c": np.array([1.0, np.nan, 1.0, 2.0])},
             {"client_column": "c"},
-            "example 1: client id nan is not finite",
+            "d.npz: array 'c', example 1: client id nan is not finite",
         ),
     ],
 )
@@ -147,7 +150,7 @@ def test_npz_labels_and_features_are_checked_never_coerced(tmp_path, arrays, kwa
     [
         ("label,f,f,f\n0,1,2,3\n1,4,5,6\n", "column 'f' appears 3 times in the header; column names must be unique"),
         ("label,a\n", "holds no examples"),
-        ("label,a\n0,1\n4294967297,2\n", "label 4294967297.0 is not a class"),
+        ("label,a\n0,1\n4294967297,2\n", "row 3, column 'label': label 4294967297.0 is not a class"),
         ("label,a\n0,1\n1,2\n3000000,1\n", "label 3000000 would make 3000001 classes"),
     ],
 )
@@ -169,3 +172,18 @@ def test_a_truncated_or_object_npz_is_one_line_naming_the_file(tmp_path):
         with pytest.raises(DataError) as err:
             load_files(path, rng=np.random.default_rng(0))
         assert str(err.value).startswith(f"{path}: cannot be read as npz"), err.value
+
+
+def test_a_bad_value_is_located_as_its_source_holds_it(tmp_path):
+    """By the row and column of a CSV file, else by the array or column and the example's index
+    from 0, in the order given (before the test split is drawn)."""
+    table = np.array([[0, 1.0, 2.0], [1, 3.0, np.nan], [0, 1.0, 1.0]])
+    np.save(tmp_path / "t.npy", table)
+    with pytest.raises(DataError, match=r"t\.npy: column '2', example 1: nan is not a finite number"):
+        load_files(tmp_path / "t.npy", label="0", rng=np.random.default_rng(0))
+    x, y = np.zeros((6, 2)), np.array([0, 1, 0, 1, 0, 1])
+    x[4, 1] = np.inf
+    with pytest.raises(DataError, match="arrays: array 'x', example 4: a non-finite feature"):
+        from_arrays(x, y, rng=np.random.default_rng(0))
+    with pytest.raises(DataError, match="arrays: array 'y_test', example 1: label -1 is not a class"):
+        from_arrays(x[:4], y[:4], x_test=x[:2], y_test=np.array([0, -1]))

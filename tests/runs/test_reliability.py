@@ -363,7 +363,7 @@ def _big_label():
     "train,test,needle",
     [
         (_users(0), {u: ([], []) for u in _users(0)}, "the test split holds no examples"),
-        (_nan_train(), _users(2), "user 'u1': example 2 has a non-finite feature"),
+        (_nan_train(), _users(2), "user 'u1', example 2: a non-finite feature"),
         (_null_train(), _users(2), "user 'u2'"),
         (_users(0), _nan_train(), "user 'u1'"),
         (_big_label(), _users(2), "user 'u0': label 1000"),

@@ -145,7 +145,7 @@ def _numeric_arrays(users: dict, order: list[str]):
             )
         if x.size and not np.isfinite(x).all():
             bad = int(np.argmax(~np.isfinite(x.reshape(len(x), -1)).all(axis=1)))
-            raise DataError(f"{path}: user {user!r}: example {bad} has a non-finite feature (NaN, Inf, null or out of float32 range)")
+            raise DataError(f"{path}: user {user!r}, example {bad}: a non-finite feature (NaN, Inf, null or out of float32 range)")
         if len(uy) == 0:
             continue
         if x.ndim < 2 or x.shape[0] != len(uy):

@@ -21,13 +21,16 @@ that leaves no more than half the classes empty, as LEAF's loader asks), never c
 column) or, without one, ``data.test_fraction`` of each client's rows held out by a generator
 seeded by the run's seed (:func:`fedbayes.protocol.test_split_rng`).
 Every failure is one line naming the file and what is wrong (:class:`~fedbayes.errors.DataError`,
-exit code 3).
+exit code 3), and a bad value where it is as its reader would look for it (:func:`locator`): in a
+CSV file by its row (the header is row 1) and column, in arrays and the other tables by the array's
+or column's name and the example's index from 0, in the file's order (before any split).
 """
 
 from __future__ import annotations
 
 import csv
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +38,7 @@ import numpy as np
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.errors import DataError
 
-__all__ = ["FORMATS", "from_arrays", "load_files", "read_table"]
+__all__ = ["FORMATS", "from_arrays", "load_files", "locator", "read_table"]
 
 FORMATS = (".npz", ".npy", ".csv", ".parquet")
 NPZ_FEATURES, NPZ_LABEL, TABLE_LABEL = "x", "y", "label"
@@ -110,18 +113,53 @@ def read_table(path: str | Path) -> dict[str, np.ndarray]:
     raise DataError(f"{path}: unknown format {suffix or '(no suffix)'!r}; allowed: {', '.join(FORMATS)}")
 
 
+Locate = Callable[[str, int], str]  # (array or column name, example index) -> where it is, for messages
+
+
+def locator(source: str | Path, *, arrays: bool = False) -> Locate:
+    """Where example ``i`` of an array or column is, as the one who wrote ``source`` would look for
+    it: in a ``.csv`` file its row (the header is row 1, so example ``i`` is row ``i + 2``) and
+    column; in a ``.npz`` file, in the other tables and in arrays (``arrays``: ``source`` only names
+    them), the array or column and the example's index from 0."""
+    suffix = "" if arrays else Path(str(source)).suffix.lower()
+    if suffix == ".csv":
+        return lambda name, i: f"{source}: row {i + 2}, column {name!r}"
+    noun = "column" if suffix in (".npy", ".parquet") else "array"
+    return lambda name, i: f"{source}: {noun} {name!r}, example {i}"
+
+
+def _finite_features(x: np.ndarray, names: list[str], at: Locate) -> None:
+    """Refuses a non-finite feature, located: ``names`` are the columns of a table's ``x`` (one per
+    column), or one array's name for ``x`` of any example shape."""
+    if x.dtype.kind != "f" or x.size == 0:
+        return
+    bad = ~np.isfinite(x.reshape(len(x), -1))
+    if not bad.any():
+        return
+    i = int(np.argmax(bad.any(axis=1)))
+    count = int(bad.any(axis=1).sum())
+    if len(names) == 1:
+        raise DataError(f"{at(names[0], i)}: a non-finite feature (NaN, Inf or empty); {count} such example(s)")
+    j = int(np.argmax(bad[i]))
+    raise DataError(f"{at(names[j], i)}: {x[i, j]} is not a finite number; features must be finite ({count} such example(s))")
+
+
 def _split_columns(path: Path, columns: dict[str, np.ndarray], label: str | None, client: str | None):
-    """``(x, y, client ids or None)`` from a file's columns."""
+    """``(x, y, client ids or None)`` from a file's columns, their values checked where the file
+    holds them (:func:`locator`)."""
     npz = path.suffix.lower() == ".npz"
     label = label or (NPZ_LABEL if npz else TABLE_LABEL)
     for what, name in (("data.label", label), ("data.client_column", client)):
         if name is not None and name not in columns:
             raise DataError(f"{path}: {what} {name!r} is not {'an array' if npz else 'a column'} of it; it has {', '.join(columns)}")
-    ids = None if client is None else columns[client]
+    at = locator(path)
+    y = _labels(columns[label], str(path), lambda i: at(label, i))
+    ids = None if client is None else _client_ids(columns[client], len(y), str(path), lambda i: at(client, i))
     if npz:
         if NPZ_FEATURES not in columns:
             raise DataError(f"{path}: a .npz file holds its features as the array 'x'; it has {', '.join(columns)}")
-        x = columns[NPZ_FEATURES]
+        x = _features(columns[NPZ_FEATURES], str(path))
+        _finite_features(x, [NPZ_FEATURES], at)
     else:
         names = [n for n in columns if n not in (label, client)]
         if not names:
@@ -130,22 +168,25 @@ def _split_columns(path: Path, columns: dict[str, np.ndarray], label: str | None
         if bad is not None:
             raise DataError(f"{path}: column {bad!r} holds {np.asarray(columns[bad]).dtype} values; features must be real numbers")
         x = np.stack([np.asarray(columns[n], np.float64) for n in names], axis=1)
-    return x, columns[label], ids
+        _finite_features(x, names, at)
+    return x, y, ids
 
 
 MAX_LABEL = np.iinfo(np.int32).max  # class ids are int32
 
 
-def _labels(y: np.ndarray, where: str) -> np.ndarray:
+def _labels(y: np.ndarray, where: str, at: Callable[[int], str]) -> np.ndarray:
+    """``y`` as int32 classes; ``where`` names the source, ``at(i)`` locates example ``i``."""
     y = np.asarray(y)
     if y.ndim != 1:
         raise DataError(f"{where}: labels must be one per example (shape [N]); got shape {y.shape}")
-    if y.dtype.kind not in "iuf" or (y.dtype.kind == "f" and not np.all(np.isfinite(y))):
+    if y.dtype.kind not in "iuf":
         raise DataError(f"{where}: labels must be integer classes 0..C-1; got {y.dtype} values")
-    bad = (y != np.round(y)) | (y < 0) | (y > MAX_LABEL)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(y) | (y != np.round(y)) | (y < 0) | (y > MAX_LABEL)
     if np.any(bad):
         i = int(np.argmax(bad))
-        raise DataError(f"{where}: example {i}: label {y[i]} is not a class 0..C-1 (labels must be integers from 0 to {MAX_LABEL})")
+        raise DataError(f"{at(i)}: label {y[i]} is not a class 0..C-1 (labels must be integers from 0 to {MAX_LABEL})")
     return y.astype(np.int32)
 
 
@@ -158,7 +199,7 @@ def _features(x, where: str) -> np.ndarray:
     return x
 
 
-def _client_ids(ids: np.ndarray | None, n: int, where: str) -> np.ndarray | None:
+def _client_ids(ids: np.ndarray | None, n: int, where: str, at: Callable[[int], str]) -> np.ndarray | None:
     if ids is None:
         return None
     ids = np.asarray(ids)
@@ -166,7 +207,7 @@ def _client_ids(ids: np.ndarray | None, n: int, where: str) -> np.ndarray | None
         raise DataError(f"{where}: the client column must hold one id per example ({n}); got shape {ids.shape}")
     if ids.dtype.kind == "f" and not np.all(np.isfinite(ids)):
         i = int(np.argmax(~np.isfinite(ids)))
-        raise DataError(f"{where}: example {i}: client id {ids[i]} is not finite")
+        raise DataError(f"{at(i)}: client id {ids[i]} is not finite")
     if ids.dtype.kind not in "biufUS":
         raise DataError(f"{where}: client ids must be numbers or strings; got {ids.dtype} values")
     return ids
@@ -220,13 +261,15 @@ def from_arrays(
     Raises:
       DataError: arrays that do not align, labels that are not classes, a split left empty.
     """
+    at = locator(name, arrays=True)  # by the names run_experiment's data= gives them
     x = _features(x, name)
-    y = _labels(y, name)
+    y = _labels(y, name, lambda i: at("y", i))
     if x.ndim < 2 or x.shape[0] != y.shape[0]:
         raise DataError(f"{name}: features must be [N, ...] with one row per label ({y.shape[0]}); got shape {x.shape}")
     if len(y) == 0:
         raise DataError(f"{name}: holds no examples")
-    ids = _client_ids(client_ids, len(y), name)
+    _finite_features(x, ["x"], at)
+    ids = _client_ids(client_ids, len(y), name, lambda i: at("client_ids", i))
     if (x_test is None) != (y_test is None):
         raise DataError(f"{name}: give both x_test and y_test, or neither (then test_fraction of the examples is held out)")
     if ids is not None:
@@ -245,8 +288,9 @@ def from_arrays(
         x, y, ids = x[train], y[train], None if ids is None else ids[train]
     else:
         x_test = _features(x_test, f"{name} (test)")
-        y_test = _labels(y_test, f"{name} (test)")
-        tid = _client_ids(test_client_ids, len(y_test), f"{name} (test)")
+        y_test = _labels(y_test, f"{name} (test)", lambda i: at("y_test", i))
+        _finite_features(x_test, ["x_test"], at)
+        tid = _client_ids(test_client_ids, len(y_test), f"{name} (test)", lambda i: at("test_client_ids", i))
         if tid is not None and ids is not None:
             pos = np.searchsorted(keys, tid)
             unknown = (pos >= len(keys)) | (keys[np.minimum(pos, len(keys) - 1)] != tid)
