@@ -122,6 +122,13 @@ def test_a_damaged_or_object_data_file_is_one_line(tmp_path):
     bad.write_bytes(b"label,a\n0,\xff\n")
     with pytest.raises(NodeDataError, match="latin.csv: not a CSV text file"):
         read_file(bad)
+    for text, needle in (
+        ("label,a\n0,1\n1,x\n", "t.csv: row 3, column 'a': 'x' is not a number"),
+        ("label,a\n0,1\n1\n", "t.csv: row 3 has 1 values, the header 2"),
+    ):
+        (tmp_path / "t.csv").write_text(text)
+        with pytest.raises(NodeDataError, match=needle):
+            read_file(tmp_path / "t.csv")  # as fedbayes.data.user words it for the simulator's files
 
 
 def test_labels_of_the_wrong_shape_are_refused():

@@ -138,14 +138,27 @@ def read_file(path: str | Path, label_column: str = "label") -> tuple[np.ndarray
         if not rows or label_column not in rows[0]:
             raise NodeDataError(f"data-file {path}: the header has no column {label_column!r} (label-column)")
         j = rows[0].index(label_column)
-        try:
-            table = np.array([[float(v) for v in row] for row in rows[1:]], np.float64)
-        except ValueError as exc:
-            raise NodeDataError(f"data-file {path}: {exc}") from None
+        header = rows[0]
+        for i, row in enumerate(rows[1:]):
+            if len(row) != len(header):
+                raise NodeDataError(f"data-file {path}: row {i + 2} has {len(row)} values, the header {len(header)}")
+            bad = next((k for k, v in enumerate(row) if not _is_number(v)), None)
+            if bad is not None:
+                # row and column as fedbayes.data.user.locator words a CSV's (not imported: it would start JAX)
+                raise NodeDataError(f"data-file {path}: row {i + 2}, column {header[bad]!r}: {row[bad]!r} is not a number")
+        table = np.array([[float(v) for v in row] for row in rows[1:]], np.float64)
         if table.ndim != 2 or len(table) == 0:
             raise NodeDataError(f"data-file {path}: no examples")
         return np.delete(table, j, axis=1), table[:, j]
     raise NodeDataError(f"data-file {path}: allowed: a .npz (arrays x, y) or a .csv with a header")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_examples(x: np.ndarray, y: np.ndarray, spec, where: str) -> tuple[np.ndarray, np.ndarray]:
