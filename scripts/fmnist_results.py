@@ -68,11 +68,14 @@ def _fedbayes(args: list[str]) -> None:
 
 def _redraw(out: Path) -> None:
     """compare.png of the finished comparison in ``out``, drawn again by this commit's plotting."""
+    from fedbayes.algorithms import registry
     from fedbayes.runs.folder import read_metrics
     from fedbayes.runs.plotting import plot_curves
 
-    order = list(json.loads((out / "compare.json").read_text()))
-    plot_curves(out / "compare.png", {v: read_metrics(out / v / "metrics.jsonl") for v in order}, title="fmnist_compare (fashion_mnist)")
+    body = json.loads((out / "compare.json").read_text())
+    bayesian = {v for v, summary in body.items() if registry.get(summary["algorithm"]).bayesian}
+    curves = {v: read_metrics(out / v / "metrics.jsonl") for v in body}
+    plot_curves(out / "compare.png", curves, title="fmnist_compare (fashion_mnist)", bayesian=bayesian)
 
 
 def main() -> None:
