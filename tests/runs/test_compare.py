@@ -92,3 +92,10 @@ def test_the_bayesian_variants_are_those_whose_method_says_so(tmp_path):
     text = COMPARISON + '[variants.fedep.algorithm]\nname = "fedep"\n[variants.fedlap.algorithm]\nname = "fedlap"\n'
     runs = cmp.load_comparison([_file(tmp_path, text)], [])
     assert cmp.bayesian_variants(runs) == {"fedep", "fedlap"}
+
+
+def test_the_plots_title_says_what_was_run(tmp_path):
+    runs = cmp.load_comparison([_file(tmp_path, COMPARISON)], [])
+    assert cmp.describe("c", runs) == "c: 2 methods, digits, 3 clients, 2 rounds"
+    runs = cmp.load_comparison([_file(tmp_path, COMPARISON)], ["data.num_clients=6", "data.fraction=0.5", "fedprox.rounds=4"])
+    assert cmp.describe("c", runs) == "c: 2 methods, digits (50%), 6 clients (3 per round), 2, 4 rounds"

@@ -55,19 +55,10 @@ def _print_reference(summaries, curves, reference, full: str) -> None:
 
 
 def _title(configs: list[Path], runs: dict[str, RunConfig]) -> str:
-    """What was run, for the plots: "fmnist_compare: 10 methods, fashion_mnist (10%), 10 clients, 50 rounds"."""
+    """What was run, for the plots (:func:`fedbayes.runs.compare.describe`)."""
+    from fedbayes.runs import compare as cmp
 
-    def each(values) -> str:
-        return ", ".join(map(str, sorted(set(values))))
-
-    data = ", ".join(
-        sorted({c.data.dataset + (f" ({c.data.fraction:.0%})" if c.data.fraction < 1 else "") for c in runs.values()})
-    )  # fmt: skip
-    name = configs[0].stem if len(configs) == 1 else "comparison"
-    return (
-        f"{name}: {len(runs)} method{'s' if len(runs) > 1 else ''}, {data}, "
-        f"{each(c.data.num_clients for c in runs.values())} clients, {each(c.rounds for c in runs.values())} rounds"
-    )
+    return cmp.describe(configs[0].stem if len(configs) == 1 else "comparison", runs)
 
 
 @handled

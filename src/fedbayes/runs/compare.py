@@ -41,6 +41,7 @@ __all__ = [
     "check_data",
     "check_seeds",
     "conflicts",
+    "describe",
     "file_reference",
     "file_seeds",
     "file_shift",
@@ -325,6 +326,27 @@ def bayesian_variants(runs: Mapping[str, RunConfig]) -> set[str]:
     """The variants that run a Bayesian method (the registry spec's ``bayesian`` trait): the plot
     draws them apart from the point methods."""
     return {name for name, config in runs.items() if registry.get(config.algorithm.name).bayesian}
+
+
+def describe(name: str, runs: Mapping[str, RunConfig]) -> str:
+    """What a comparison runs, for its plot's title: its name, the number of methods, the data (a
+    file of your own by its name), the clients (and how many train each round, when not all) and
+    the rounds; a setting the variants differ in lists each value, e.g. "fmnist_compare: 10
+    methods, fashion_mnist (10%), 10 clients, 50 rounds"."""
+
+    def each(values) -> str:
+        return ", ".join(map(str, sorted(set(values))))
+
+    def data(c: RunConfig) -> str:
+        source = Path(c.data.path).name if c.data.dataset == "files" and c.data.path else c.data.dataset
+        return source + (f" ({c.data.fraction:.0%})" if c.data.fraction < 1 else "")
+
+    configs = list(runs.values())
+    clients = f"{each(c.data.num_clients for c in configs)} clients"
+    if any(c.server.clients_per_round < c.data.num_clients for c in configs):
+        clients += f" ({each(min(c.server.clients_per_round, c.data.num_clients) for c in configs)} per round)"
+    methods = f"{len(runs)} method{'s' if len(runs) > 1 else ''}"
+    return f"{name}: {methods}, {each(data(c) for c in configs)}, {clients}, {each(c.rounds for c in configs)} rounds"
 
 
 def without_numbers(summary: dict) -> dict:
