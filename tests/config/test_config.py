@@ -77,7 +77,7 @@ def test_the_evaluation_section():
         ({"evaluation": {"predictive": "glm"}}, "evaluation.predictive: Input should be 'sample' or 'linearised'; got 'glm'"),
         (
             {"evaluation": {"samples": 3}},
-            "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive, prior_precision, subset_of_weights",
+            "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive, prior_precision, subset_of_weights, conformal_alpha, calibration_fraction, conformal_score",
         ),
         (
             {"algorithm": {"name": "fedep", "marginal_samples": 5}, "evaluation": {"marginal_samples": 4}},
@@ -143,7 +143,15 @@ def test_the_reference_lists_the_evaluation_section_and_every_registered_method(
     assert "evaluation" in names and all(f"algorithm.{n}" in names for n in registry.names())
     fedep = reference.select("fedep")[0]
     assert not {"marginal_samples", "predictive"} & {k.name for k in fedep.keys}  # (its prior_precision is the prior's own)
-    assert {k.name for k in reference.select("evaluation")[0].keys} == {"marginal_samples", "predictive", "prior_precision", "subset_of_weights"}
+    assert {k.name for k in reference.select("evaluation")[0].keys} == {
+        "marginal_samples",
+        "predictive",
+        "prior_precision",
+        "subset_of_weights",
+        "conformal_alpha",
+        "calibration_fraction",
+        "conformal_score",
+    }
 
 
 def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterior():

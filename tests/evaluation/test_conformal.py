@@ -49,6 +49,9 @@ def test_the_rank_in_exact_arithmetic():
     assert cf.conformal_rank(30, 0.2) == 25  # ceil(24.8)
     with pytest.raises(ValueError, match="alpha"):
         cf.conformal_rank(10, 1.0)
+    for alpha in (0.1, 0.05, 0.3, 0.37):  # the fewest scores with a finite threshold
+        n = cf.min_calibration(alpha)
+        assert cf.conformal_rank(n, alpha) <= n and cf.conformal_rank(n - 1, alpha) > n - 1
 
 
 def test_scores_by_hand():

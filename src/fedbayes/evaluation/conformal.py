@@ -60,6 +60,7 @@ __all__ = [
     "coverage",
     "federated_quantile",
     "label_scores",
+    "min_calibration",
     "mixture_coverage",
     "pooled_quantile",
     "prediction_sets",
@@ -94,6 +95,14 @@ def conformal_rank(num_scores: int, alpha: float) -> int:
     if num_scores < 0:
         raise ValueError(f"num_scores must be >= 0; got {num_scores}")
     return math.ceil((num_scores + 1) * (1 - Fraction(repr(float(alpha)))))
+
+
+def min_calibration(alpha: float) -> int:
+    """The fewest scores with a finite threshold: the least ``n`` with ``k <= n``, i.e.
+    ``(n + 1)(1 - alpha) <= n``, ``n = ceil((1 - alpha) / alpha)`` (exact, as :func:`conformal_rank`)."""
+    conformal_rank(0, alpha)  # checks alpha
+    a = Fraction(repr(float(alpha)))
+    return math.ceil((1 - a) / a)
 
 
 def pooled_quantile(scores: np.ndarray, alpha: float) -> float:
