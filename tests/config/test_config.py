@@ -279,3 +279,33 @@ def test_a_stored_config_keeps_the_method_defaults_it_was_written_with():
         model = {"name": "mlp", "variational": name == "vbnn"}
         new = validate({"algorithm": {"name": name}, "model": model, "server": server, "data": data}).model_dump(mode="json", exclude_none=True)
         assert stored_meaning(new) == new
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"evaluation": {"conformal_alpha": 1.0}}, "config error: evaluation.conformal_alpha: Input should be less than 1"),
+        ({"evaluation": {"conformal_alpha": 0.1, "calibration_fraction": 0}}, "config error: evaluation.calibration_fraction: Input should be greater than 0"),
+        (
+            {"evaluation": {"conformal_alpha": 0.1, "calibration_fraction": 0.5}, "data": {"validation_fraction": 0.5}},
+            "config error: evaluation.calibration_fraction: with data.validation_fraction = 0.5 nothing is left to train on",
+        ),
+        (
+            {"evaluation": {"conformal_alpha": 0.1}, "data": {"dataset": "least_squares"}, "model": {"name": "linear"}},
+            "config error: evaluation.conformal_alpha: conformal prediction sets here are for classification",
+        ),
+        ({"evaluation": {"conformal_score": "raps"}}, "config error: evaluation.conformal_score: Input should be 'lac' or 'aps'"),
+    ],
+)
+def test_bad_conformal_settings_are_one_line(raw, message):
+    with pytest.raises(ConfigError) as exc:
+        validate(raw)
+    assert "\n" not in str(exc.value) and message in str(exc.value), str(exc.value)
+
+
+def test_the_config_and_the_evaluation_agree_on_conformal_scores():
+    from fedbayes.config import schema
+    from fedbayes.evaluation.conformal import SCORES
+
+    assert schema.CONFORMAL_SCORES == SCORES
+    assert validate({}).evaluation.conformal_alpha is None  # off unless asked
