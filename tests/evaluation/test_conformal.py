@@ -64,6 +64,15 @@ def test_scores_by_hand():
         cf.all_scores(p, "raps")
 
 
+def test_aps_scores_over_many_rows_and_classes_follow_the_definition():
+    """Enough rows and classes that the scores are computed in several blocks."""
+    p = np.random.default_rng(1).dirichlet(np.ones(40), size=1500)
+    scores = cf.all_scores(p, "aps")
+    for i in (0, 624, 625, 1499):  # blocks of 625 rows at 40 classes
+        want = [p[i][p[i] > p[i, c]].sum() + p[i, c] for c in range(40)]
+        np.testing.assert_allclose(scores[i], want, rtol=1e-12)
+
+
 def test_sets_coverage_and_per_client_coverage_by_hand():
     sets = cf.prediction_sets(np.array([[0.1, 0.9], [0.6, 0.4], [0.2, 0.3], [0.7, 0.8]]), 0.5)
     labels = np.array([0, 0, 1, 1])
