@@ -61,6 +61,7 @@ __all__ = [
     "client_key",
     "client_round_key",
     "attackers_rng",
+    "calibration_rng",
     "client_weights",
     "cohort_rng",
     "dropout_rng",
@@ -85,7 +86,7 @@ WEIGHTINGS = ("examples", "uniform")
 _CLIENT, _SERVER_INIT, _PARAMS, _EVALUATION, _SERVER_ROUND = 0, 2, 3, 5, 6
 # Tags of NumPy streams default_rng([seed, tag, ...]).
 _SUBSAMPLE, _PARTITION, _SIZES, _COHORT, _SHUFFLE = 1, 2, 7, 11, 12
-_VALIDATION, _DROPOUT, _ATTACKERS, _TEST_SPLIT = 13, 14, 15, 16
+_VALIDATION, _DROPOUT, _ATTACKERS, _TEST_SPLIT, _CALIBRATION = 13, 14, 15, 16, 17
 
 
 def _root(seed) -> jax.Array:
@@ -155,6 +156,11 @@ def shuffle_rng(seed: int, round_idx: int, client_id: int) -> np.random.Generato
 def validation_rng(seed: int, client_id: int) -> np.random.Generator:
     """The generator that picks which of client ``client_id``'s examples are held out for validation."""
     return np.random.default_rng([seed, _VALIDATION, client_id])
+
+
+def calibration_rng(seed: int, client_id: int) -> np.random.Generator:
+    """The generator that picks which of client ``client_id``'s examples it keeps for conformal calibration."""
+    return np.random.default_rng([seed, _CALIBRATION, client_id])
 
 
 def dropout_rng(seed: int, round_idx: int) -> np.random.Generator:

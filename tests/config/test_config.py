@@ -77,7 +77,7 @@ def test_the_evaluation_section():
         ({"evaluation": {"predictive": "glm"}}, "evaluation.predictive: Input should be 'sample' or 'linearised'; got 'glm'"),
         (
             {"evaluation": {"samples": 3}},
-            "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive, prior_precision, subset_of_weights",
+            "evaluation.samples: unknown key; allowed keys here: marginal_samples, predictive, prior_precision, subset_of_weights, conformal_alpha, calibration_fraction, conformal_score",
         ),
         (
             {"algorithm": {"name": "fedep", "marginal_samples": 5}, "evaluation": {"marginal_samples": 4}},
@@ -143,7 +143,15 @@ def test_the_reference_lists_the_evaluation_section_and_every_registered_method(
     assert "evaluation" in names and all(f"algorithm.{n}" in names for n in registry.names())
     fedep = reference.select("fedep")[0]
     assert not {"marginal_samples", "predictive"} & {k.name for k in fedep.keys}  # (its prior_precision is the prior's own)
-    assert {k.name for k in reference.select("evaluation")[0].keys} == {"marginal_samples", "predictive", "prior_precision", "subset_of_weights"}
+    assert {k.name for k in reference.select("evaluation")[0].keys} == {
+        "marginal_samples",
+        "predictive",
+        "prior_precision",
+        "subset_of_weights",
+        "conformal_alpha",
+        "calibration_fraction",
+        "conformal_score",
+    }
 
 
 def test_the_predictive_and_prior_precision_default_to_what_matches_the_posterior():
@@ -271,3 +279,33 @@ def test_a_stored_config_keeps_the_method_defaults_it_was_written_with():
         model = {"name": "mlp", "variational": name == "vbnn"}
         new = validate({"algorithm": {"name": name}, "model": model, "server": server, "data": data}).model_dump(mode="json", exclude_none=True)
         assert stored_meaning(new) == new
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"evaluation": {"conformal_alpha": 1.0}}, "config error: evaluation.conformal_alpha: Input should be less than 1"),
+        ({"evaluation": {"conformal_alpha": 0.1, "calibration_fraction": 0}}, "config error: evaluation.calibration_fraction: Input should be greater than 0"),
+        (
+            {"evaluation": {"conformal_alpha": 0.1, "calibration_fraction": 0.5}, "data": {"validation_fraction": 0.5}},
+            "config error: evaluation.calibration_fraction: with data.validation_fraction = 0.5 nothing is left to train on",
+        ),
+        (
+            {"evaluation": {"conformal_alpha": 0.1}, "data": {"dataset": "least_squares"}, "model": {"name": "linear"}},
+            "config error: evaluation.conformal_alpha: conformal prediction sets here are for classification",
+        ),
+        ({"evaluation": {"conformal_score": "raps"}}, "config error: evaluation.conformal_score: Input should be 'lac' or 'aps'"),
+    ],
+)
+def test_bad_conformal_settings_are_one_line(raw, message):
+    with pytest.raises(ConfigError) as exc:
+        validate(raw)
+    assert "\n" not in str(exc.value) and message in str(exc.value), str(exc.value)
+
+
+def test_the_config_and_the_evaluation_agree_on_conformal_scores():
+    from fedbayes.config import schema
+    from fedbayes.evaluation.conformal import SCORES
+
+    assert schema.CONFORMAL_SCORES == SCORES
+    assert validate({}).evaluation.conformal_alpha is None  # off unless asked

@@ -87,17 +87,33 @@ def compare(
             help="then evaluate every run under dataset shift (rotation, noise, blur, contrast; a [shift] table's kinds = [...] picks some): OUT/shift.md, shift.json, shift.png",
         ),
     ] = False,
+    conformal: Annotated[
+        Optional[float],
+        typer.Option(
+            "--conformal",
+            help="ALPHA: conformal prediction sets at coverage 1 - ALPHA for every variant (evaluation.conformal_alpha; each run's conformal.json): coverage and set-size columns",
+        ),
+    ] = None,
 ):
     """Run several methods or configs and print one table and one overlaid plot.
 
     With seeds (`seeds = [0, 1, 2]` in the comparison file, or --seeds 3) every variant runs once
     per seed, each run in its own folder OUT/VARIANT/seed_S/, and the table, compare.json and the
     plot show the mean and standard deviation over the seeds (the plot: the mean curve in a band
-    of +-1 standard deviation)."""
+    of +-1 standard deviation).
+
+    --conformal ALPHA sets evaluation.conformal_alpha for every variant: each client keeps
+    evaluation.calibration_fraction of its training examples for calibration, and after the last
+    round each run's conformal.json holds the sets' coverage and size on the test set; the table
+    gets coverage and set-size columns."""
     from fedbayes.runs import compare as cmp
 
     if overwrite and resume:
         fail("error: --overwrite and --resume exclude each other")
+    if conformal is not None:
+        if not 0 < conformal < 1:
+            fail(f"error: --conformal: the miscoverage alpha must be in (0, 1), e.g. 0.1 for 90% sets; got {conformal}")
+        set_ = [*(set_ or []), f"evaluation.conformal_alpha={conformal!r}"]
     # a resumed comparison keeps each variant's earlier --set (comparison.toml), but for a variant run again
     remembered = {v: items for v, items in _or_fail(lambda: cmp.stored_overrides(out)).items() if v not in (rerun or ())} if resume else {}
     runs, overrides = _or_fail(lambda: cmp.load_comparison_with_overrides(configs, set_ or [], remembered))

@@ -42,7 +42,8 @@ def run(
     check_out(out, overwrite)
     summary = run_one(ctx, cfg, out, logs=log)
     print_table(with_compile_seconds({cfg.name: summary}, {cfg.name: out}, ctx), curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
-    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json, model.npz, curves.png, checkpoints/)", highlight=False, soft_wrap=True)
+    conformal = ", conformal.json" if cfg.evaluation.conformal_alpha is not None else ""
+    console.print(f"outputs in {out}/ (metrics.jsonl, summary.json{conformal}, model.npz, curves.png, checkpoints/)", highlight=False, soft_wrap=True)
 
 
 @handled

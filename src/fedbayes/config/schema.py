@@ -39,6 +39,7 @@ MODELS = ("logreg", "mlp", "cnn", "linear", "emnist_cnn", "resnet18_gn", "lstm_n
 VARIATIONAL_MODELS = ("mlp", "cnn")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 PREDICTIVES = ("sample", "linearised")  # fedbayes.evaluation.evaluators.PREDICTIVES (a test keeps them equal)
+CONFORMAL_SCORES = ("lac", "aps")  # fedbayes.evaluation.conformal.SCORES (a test keeps them equal)
 PRIOR_PRECISIONS = ("fixed", "marglik", "validation")  # fedbayes.evaluation.prior_precision.SEARCHES (a test keeps them equal)
 SUBSETS = ("all", "last_layer")  # fedbayes.evaluation.evaluators.SUBSETS (a test keeps them equal)
 EVALUATION_KEYS = ("marginal_samples", "predictive")  # under [algorithm] before the [evaluation] section
@@ -307,6 +308,19 @@ class EvaluationConfig(_Strict):
         description="the weights the marginalised prediction draws from q_g: all, or last_layer (the output layer's; the others at q_g's mean), "
         "as Laplace Redux's default last-layer Laplace; default: last_layer where the method's posterior is curvature plus a prior, all otherwise",
     )
+    conformal_alpha: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="split conformal prediction sets at miscoverage alpha (coverage 1 - alpha), calibrated on calibration_fraction of each client's "
+        "training examples (then not trained on) by a federated quantile of counts; the run folder gets conformal.json; unset: off",
+    )
+    calibration_fraction: float = Field(
+        0.1, gt=0, lt=1, description="with conformal_alpha: the fraction of each client's training examples kept for conformal calibration"
+    )
+    conformal_score: Literal[CONFORMAL_SCORES] = Field(  # type: ignore[valid-type]
+        "lac", description="with conformal_alpha: the nonconformity score: lac (1 - p_y) or aps (the mass of the classes at least as likely as y)"
+    )
 
 
 def _default_algorithm() -> HParams:
@@ -538,6 +552,19 @@ class RunConfig(_Strict):
             )
         if search == "validation" and self.data.validation_fraction == 0:
             raise ValueError("evaluation.prior_precision: 'validation' chooses on the validation split; set data.validation_fraction > 0, or use 'marglik'")
+        return self
+
+    @model_validator(mode="after")
+    def _conformal_possible(self) -> RunConfig:
+        if self.evaluation.conformal_alpha is None:
+            return self
+        if self.data.dataset == "least_squares":
+            raise ValueError("evaluation.conformal_alpha: conformal prediction sets here are for classification; least_squares is a regression; unset it")
+        if self.data.validation_fraction + self.evaluation.calibration_fraction >= 1:
+            raise ValueError(
+                f"evaluation.calibration_fraction: with data.validation_fraction = {self.data.validation_fraction} nothing is left to train on; "
+                f"their sum must be below 1; got {self.evaluation.calibration_fraction}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -44,16 +44,27 @@ def hold_out(parts: Sequence[np.ndarray], fraction: float, client_rng: Callable[
       ``(train_parts, validation)``: each client's remaining indices, in their original order, and
       the sorted union of the held-out ones (disjoint from every training part).
     """
+    train, held = hold_out_per_client(parts, fraction, client_rng)
+    held = [h for h in held if len(h)]
+    validation = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
+    return train, validation
+
+
+def hold_out_per_client(
+    parts: Sequence[np.ndarray], fraction: float, client_rng: Callable[[int], np.random.Generator]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`hold_out`, the held-out indices kept by client: ``(train_parts, held_parts)``, both
+    in each client's original order (a client that holds out none has an empty part)."""
     train, held = [], []
     for k, part in enumerate(parts):
         part = np.asarray(part)
         count = held_out_count(len(part), fraction)
         if count == 0:
             train.append(part)
+            held.append(part[:0])
             continue
         chosen = np.zeros(len(part), dtype=bool)
         chosen[client_rng(k).choice(len(part), size=count, replace=False)] = True
         train.append(part[~chosen])
         held.append(part[chosen])
-    validation = np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
-    return train, validation
+    return train, held

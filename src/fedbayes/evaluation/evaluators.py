@@ -7,6 +7,7 @@ compiled function that accumulates summable statistics over batches (docs/algori
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -197,21 +198,75 @@ def _check_marginal(num_samples: int, predictive: str) -> None:
 
 def _marginal_stats(apply_fn, key, mean, variance, data, num_samples: int, num_bins: int, predictive: str) -> dict[str, jax.Array]:
     """:func:`marginal_metrics` on the batched set ``data = (xb, yb, mb)``."""
-    keys = optax.tree.split_key_like(key, mean)
-    steps = jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
+    steps = _weight_steps(key, mean, variance, num_samples)
 
-    def logits(step, xs):
+    def body(acc, batch):
+        xs, ys, ms = batch
+        log_mean = _marginal_log_probs(apply_fn, mean, steps, xs, predictive)
+        return metrics.merge_stats(acc, metrics.classification_stats(log_mean, ys, ms, num_bins)), None
+
+    stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), data)
+    return metrics.finalize_stats(stats)
+
+
+def _weight_steps(key, mean, variance, num_samples: int):
+    """``theta_s - mean = sqrt(variance) * eps_s``, ``[S, ...]`` per leaf: the same draws for every batch."""
+    keys = optax.tree.split_key_like(key, mean)
+    return jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
+
+
+def _marginal_log_probs(apply_fn, mean, steps, xs, predictive: str) -> jax.Array:
+    """``log(1/S sum_s softmax(f_s(x)))`` of one batch, ``f_s`` as :func:`marginal_metrics` says."""
+
+    def logits(step):
         if predictive == "sample":
             return apply_fn(optax.tree.add(mean, step), xs)
         f, jd = jax.jvp(lambda p: apply_fn(p, xs), (mean,), (step,))
         return f + jd
 
-    def body(acc, batch):
-        xs, ys, ms = batch
-        log_probs = jax.vmap(lambda s: jax.nn.log_softmax(logits(s, xs), axis=-1))(steps)
-        # log of the mean probability, stably: logsumexp over samples minus log S.
-        log_mean = jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(num_samples))
-        return metrics.merge_stats(acc, metrics.classification_stats(log_mean, ys, ms, num_bins)), None
+    log_probs = jax.vmap(lambda s: jax.nn.log_softmax(logits(s), axis=-1))(steps)
+    # log of the mean probability, stably: logsumexp over samples minus log S.
+    num_samples = jax.tree.leaves(steps)[0].shape[0]
+    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(num_samples))
 
-    stats, _ = jax.lax.scan(body, metrics.init_stats(num_bins), data)
-    return metrics.finalize_stats(stats)
+
+def make_probabilities(apply_fn: Callable, *, batch_size: int = 2000) -> Callable[[Any, np.ndarray], np.ndarray]:
+    """Returns ``probabilities(params, x) -> [n, C]``: ``softmax(f(x; params))`` on the host, the
+    point predictive whose accuracy and NLL :func:`make_evaluator` reports."""
+    run = jax.jit(lambda params, xs: jax.nn.softmax(apply_fn(params, xs), axis=-1))
+
+    def probabilities(params, x: np.ndarray) -> np.ndarray:
+        return _in_batches(lambda xs: run(params, xs), x, batch_size)
+
+    return probabilities
+
+
+def make_marginal_probabilities(
+    apply_fn: Callable, *, num_samples: int = 10, batch_size: int = 2000, predictive: str = "sample"
+) -> Callable[[Any, Any, Any, np.ndarray], np.ndarray]:
+    """Returns ``probabilities(key, mean, variance, x) -> [n, C]``: the marginalised predictive
+    ``1/S sum_s softmax(f_s(x))`` of :func:`marginal_metrics`, with the very draws ``theta_s`` that
+    :func:`make_marginal_evaluator` uses for the same key (one fixed predictive for every ``x``)."""
+    _check_marginal(num_samples, predictive)
+    run = jax.jit(lambda key, mean, variance, xs: jnp.exp(_marginal_log_probs(apply_fn, mean, _weight_steps(key, mean, variance, num_samples), xs, predictive)))
+
+    def probabilities(key, mean, variance, x: np.ndarray) -> np.ndarray:
+        return _in_batches(lambda xs: run(key, mean, variance, xs), x, batch_size)
+
+    return probabilities
+
+
+def _in_batches(run: Callable, x: np.ndarray, batch_size: int) -> np.ndarray:
+    """``run`` over ``x`` in batches of one shape (the last padded), concatenated on the host."""
+    n = len(x)
+    if n == 0:
+        raise ValueError("no examples to predict")
+    size = min(batch_size, n)
+    out = []
+    for start in range(0, n, size):
+        xs = x[start : start + size]
+        pad = size - len(xs)
+        if pad:
+            xs = np.concatenate([xs, np.zeros((pad, *xs.shape[1:]), xs.dtype)])
+        out.append(np.asarray(run(jnp.asarray(xs)))[: size - pad])
+    return np.concatenate(out)

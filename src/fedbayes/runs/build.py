@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -43,7 +44,7 @@ from fedbayes.config.schema import ConfigError, RunConfig
 from fedbayes.data import load_dataset, natural, partition
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
 from fedbayes.data.federation import Federation
-from fedbayes.data.holdout import hold_out
+from fedbayes.data.holdout import hold_out, hold_out_per_client
 from fedbayes.data.standardize import standardize
 from fedbayes.errors import DataError
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
@@ -61,20 +62,24 @@ __all__ = [
     "DataSpec",
     "Experiment",
     "ModelParts",
+    "Splits",
     "Scenario",
     "build_algorithm_and_aggregator",
     "build_context",
     "build_evaluator",
     "build_experiment",
     "build_model",
+    "build_predictive",
     "build_scenario",
     "build_simulator",
     "check_model",
     "client_optimizer",
+    "client_splits",
     "load_data",
     "make_server_aggregator",
     "prepare_data",
     "prepare_split",
+    "prepare_splits",
     "split_clients",
 ]
 
@@ -207,8 +212,34 @@ def prepare_data(config: RunConfig, given: Dataset | None = None, module=None) -
 def prepare_split(config: RunConfig, given: Dataset | None = None, module=None) -> tuple[Dataset, list[np.ndarray], np.ndarray | None]:
     """:func:`prepare_data` plus the validation split held out from each client's training
     examples (``data.validation_fraction``, :mod:`fedbayes.data.holdout`); None when it is 0."""
+    split = prepare_splits(config, given, module)
+    return split.dataset, split.parts, split.validation
+
+
+class Splits(NamedTuple):
+    """The data of a run (:func:`prepare_splits`)."""
+
+    dataset: Dataset
+    parts: list[np.ndarray]  # each client's training examples
+    validation: np.ndarray | None  # the validation split (data.validation_fraction), or None
+    calibration: list[np.ndarray] | None  # each client's conformal calibration examples (evaluation.conformal_alpha), or None
+
+
+def prepare_splits(config: RunConfig, given: Dataset | None = None, module=None) -> Splits:
+    """:func:`prepare_split` plus each client's conformal calibration examples: with
+    ``evaluation.conformal_alpha`` set, ``evaluation.calibration_fraction`` of what each client
+    keeps after the validation split (so that split is the one a run without conformal sets
+    gets), drawn with :func:`fedbayes.protocol.calibration_rng` and never trained on."""
     dataset = load_data(config, given)
     check_model(config, dataset, module)
+    parts, validation, calibration = client_splits(config, dataset)
+    dataset = standardize(dataset, parts, config.data.standardize, config.data.dataset)
+    return Splits(dataset, parts, validation, calibration)
+
+
+def client_splits(config: RunConfig, dataset: Dataset) -> tuple[list[np.ndarray], np.ndarray | None, list[np.ndarray] | None]:
+    """The partition and the held-out splits of :func:`prepare_splits`: ``(parts, validation,
+    calibration)``, indices into ``dataset``'s training set (the same for the same seed)."""
     parts = split_clients(config, dataset)
     fraction = config.data.validation_fraction
     validation = None
@@ -219,8 +250,28 @@ def prepare_split(config: RunConfig, given: Dataset | None = None, module=None) 
                 f"config error: data.validation_fraction: {fraction} of each client's examples holds out none "
                 f"({sum(map(len, parts))} training examples over {len(parts)} clients, every client keeping one); raise it, or set 0 for no validation split"
             )
-    dataset = standardize(dataset, parts, config.data.standardize, config.data.dataset)
-    return dataset, parts, validation
+    calibration = None
+    if config.evaluation.conformal_alpha is not None:
+        parts, calibration = _calibration_split(config, dataset, parts)
+    return parts, validation, calibration
+
+
+def _calibration_split(config: RunConfig, dataset: Dataset, parts: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's training and calibration examples; refuses, in one line, a task without
+    classes or too few calibration examples for a finite threshold (``k <= N``)."""
+    from fedbayes.evaluation.conformal import conformal_rank, min_calibration
+
+    e = config.evaluation
+    if dataset.task != "classification":
+        raise ConfigError(f"config error: evaluation.conformal_alpha: conformal sets here are for classification; {dataset.name!r} is a {dataset.task} task; unset it")
+    parts, calibration = hold_out_per_client(parts, e.calibration_fraction, lambda k: protocol.calibration_rng(config.seed, k))
+    total = sum(map(len, calibration))
+    if conformal_rank(total, e.conformal_alpha) > total:
+        raise ConfigError(
+            f"config error: evaluation.calibration_fraction: {e.calibration_fraction} of the clients' examples gives {total} calibration examples; "
+            f"coverage {1 - e.conformal_alpha:g} needs at least {min_calibration(e.conformal_alpha)} (raise it, or raise evaluation.conformal_alpha)"
+        )
+    return parts, calibration
 
 
 class DataSpec(NamedTuple):
@@ -461,20 +512,35 @@ def _with_marginal(
     e = config.evaluation
     settings = dict(num_samples=e.marginal_samples, batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=e.predictive)
     marginal = make_marginal_evaluator(apply_fn, dataset.x_test, dataset.y_test, **settings)
-    tune = _prior_precision_search(config, apply_fn, held_out, total_examples, settings)
+    posterior = _evaluated_posterior(config, algorithm, _prior_precision_search(config, apply_fn, held_out, total_examples, settings))
 
     def evaluate(server_state, round_idx: int) -> dict[str, float]:
         out = evaluate_point(algorithm.server_params(server_state))
-        mean, variance = algorithm.server_posterior(server_state)
-        variance = restrict_to_subset(variance, e.subset_of_weights)
-        key = protocol.evaluation_key(config.seed, round_idx)
-        if tune is not None:  # the validation draws: another stream than the test's
-            variance, chosen = tune(jax.random.fold_in(key, 1), mean, variance)
-            out["prior_precision_marg"] = float(chosen)
+        key, mean, variance, chosen = posterior(server_state, round_idx)
+        if chosen is not None:
+            out["prior_precision_marg"] = chosen
         out.update({f"{k}_marg": v for k, v in marginal(key, mean, variance).items() if k in ("accuracy", "nll", "ece")})
         return out
 
     return evaluate
+
+
+def _evaluated_posterior(config: RunConfig, algorithm: algs.Algorithm, tune):
+    """``(server state, round) -> (key, mean, variance, chosen prior precision or None)``: the
+    posterior the marginalised prediction draws from, as :func:`_with_marginal` describes."""
+    e = config.evaluation
+
+    def posterior(server_state, round_idx: int):
+        mean, variance = algorithm.server_posterior(server_state)
+        variance = restrict_to_subset(variance, e.subset_of_weights)
+        key = protocol.evaluation_key(config.seed, round_idx)
+        chosen = None
+        if tune is not None:  # the validation draws: another stream than the test's
+            variance, chosen = tune(jax.random.fold_in(key, 1), mean, variance)
+            chosen = float(chosen)
+        return key, mean, variance, chosen
+
+    return posterior
 
 
 def _prior_precision_search(config: RunConfig, apply_fn, held_out: Dataset | None, total_examples: int, settings: dict):
@@ -498,6 +564,63 @@ def _on_state(evaluate_point, algorithm: algs.Algorithm) -> Evaluate:
     return lambda server_state, round_idx: evaluate_point(algorithm.server_params(server_state))
 
 
+Predict = Callable[[np.ndarray, int], np.ndarray]  # (x, stream) -> class probabilities [n, C]
+
+
+def build_predictive(
+    config: RunConfig,
+    algorithm: algs.Algorithm,
+    model: ModelParts,
+    validation_set: Dataset | None = None,
+    total_examples: int = 0,
+) -> Callable[[Any, int], dict[str, Predict]]:
+    """``(server state, round) -> {suffix: predict}``: the predictives whose metrics the run's
+    evaluation reports at that round, as functions ``predict(x, stream) -> probabilities``.
+
+    ``""``: the point predictive ``softmax(f(x; params))``, or a variational model's marginalised
+    one (its only one); ``"_marg"``: a method with a posterior, the marginalised predictive with
+    the evaluation's key, weights and prior precision (:func:`_with_marginal`), so its draws
+    ``theta_s`` are those of ``*_marg`` and the same for every ``x``. A variational model draws
+    each example's forward-pass noise afresh: ``stream`` keeps the noise of two sets apart.
+    ``validation_set`` and ``total_examples``: as :func:`build_evaluator` passes them on.
+    """
+    from fedbayes.evaluation.evaluators import make_marginal_probabilities, make_probabilities
+    from fedbayes.evaluation.variational import predictive_log_probs
+
+    e = config.evaluation
+    if config.model.variational:
+        passes = jax.jit(lambda params, key, xs: jnp.exp(predictive_log_probs(model.keyed_apply_fn, params, key, xs, e.marginal_samples)))
+
+        def variational(server_state, round_idx: int) -> dict[str, Predict]:
+            params, key = algorithm.server_params(server_state), protocol.evaluation_key(config.seed, round_idx)
+
+            def predict(x, stream):
+                size = config.eval_batch_size
+                stream_key = jax.random.fold_in(key, 2 + stream)  # not the evaluation's key: other draws
+                return np.concatenate([np.asarray(passes(params, jax.random.fold_in(stream_key, b), jnp.asarray(x[i : i + size]))) for b, i in enumerate(range(0, len(x), size))])
+
+            return {"": predict}
+
+        return variational
+    point = make_probabilities(model.apply_fn, batch_size=config.eval_batch_size)
+    posterior = None
+    if algorithm.server_posterior is not None:
+        settings = dict(num_samples=e.marginal_samples, batch_size=config.eval_batch_size, num_bins=config.ece_bins, predictive=e.predictive)
+        tune = _prior_precision_search(config, model.apply_fn, validation_set, total_examples, settings)
+        posterior = _evaluated_posterior(config, algorithm, tune)
+        marginal = make_marginal_probabilities(model.apply_fn, num_samples=e.marginal_samples, batch_size=config.eval_batch_size, predictive=e.predictive)
+
+    def predictives(server_state, round_idx: int) -> dict[str, Predict]:
+        params = algorithm.server_params(server_state)
+        out = {"": lambda x, stream: point(params, x)}
+        if posterior is not None:
+            key, mean, variance, _ = posterior(server_state, round_idx)
+            out["_marg"] = lambda x, stream: marginal(key, mean, variance, x)
+        return out
+
+    return predictives
+
+
 # ----- all of it ---------------------------------------------------------------------------------
 
 
@@ -516,6 +639,8 @@ class Experiment:
     evaluate: Evaluate  # (server state, round) -> metrics
     validation: np.ndarray | None = None  # held-out training indices (data.validation_fraction)
     store_dir: str | Path | None = None  # the disk client store's folder when config.store_dir is unset
+    calibration: list[np.ndarray] | None = None  # each client's conformal calibration examples (evaluation.conformal_alpha)
+    predictive: Callable[[Any, int], dict] | None = None  # build_predictive's, with calibration
 
     @functools.cached_property
     def simulator(self) -> Simulator:
@@ -546,11 +671,18 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None, dat
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset;
     ``data`` and ``module``: your dataset (``data.dataset = "arrays"``) and flax module
     (``model.name = "module"``) passed from Python."""
-    dataset, parts, validation = prepare_split(config, data, module)
+    dataset, parts, validation, calibration = prepare_splits(config, data, module)
     scenario, y_train = build_scenario(config, dataset, parts)
     federation = Federation(dataset.x_train, y_train, tuple(parts))
     spec = DataSpec.of(dataset)
     model = build_model(config, spec, module)
-    algorithm, aggregator = build_algorithm_and_aggregator(config, registry.FederationInfo.from_sizes(federation.sizes), spec, model)
-    evaluate = build_evaluator(config, algorithm, dataset, model, validation, registry.FederationInfo.from_sizes(federation.sizes))
-    return Experiment(config, dataset, federation, model.model, model.params, algorithm, aggregator, scenario, evaluate, validation, store_dir)
+    info = registry.FederationInfo.from_sizes(federation.sizes)
+    algorithm, aggregator = build_algorithm_and_aggregator(config, info, spec, model)
+    evaluate = build_evaluator(config, algorithm, dataset, model, validation, info)
+    predictive = None
+    if calibration is not None:
+        held_out = None if validation is None else dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation], test_client_ids=None)
+        predictive = build_predictive(config, algorithm, model, held_out, info.total_examples)
+    exp = Experiment(config, dataset, federation, model.model, model.params, algorithm, aggregator, scenario, evaluate, validation, store_dir)
+    exp.calibration, exp.predictive = calibration, predictive
+    return exp

@@ -10,6 +10,8 @@ run of a sweep) holds:
 * ``model.npz`` (:data:`MODEL`): the final server parameters by tree path (:mod:`fedbayes.runs.export`);
 * ``checkpoints/round_NNNNNN.npz`` (:data:`CHECKPOINTS`, :data:`CHECKPOINT_GLOB`);
 * ``summary.json`` (:data:`SUMMARY`) and ``curves.png`` (:data:`CURVES`) at the end;
+* ``conformal.json`` (:data:`CONFORMAL`) at the end, with ``evaluation.conformal_alpha``
+  (:mod:`fedbayes.runs.conformal`);
 * ``resume_changes.jsonl`` (:data:`RESUME_CHANGES`): config changes accepted on resume;
 * ``client_store/`` (:data:`CLIENT_STORE`): the disk client store when ``store_dir`` is unset;
 * ``metrics.csv`` (:data:`METRICS_CSV`, ``--log csv``) and ``error.log`` (:data:`ERROR_LOG`).
@@ -49,6 +51,7 @@ __all__ = [
     "COMPARE_PLOT",
     "COMPARISON",
     "CONFIG",
+    "CONFORMAL",
     "CURVES",
     "ERROR_LOG",
     "METRICS",
@@ -78,6 +81,7 @@ METRICS = "metrics.jsonl"
 CLIENTS = "clients.jsonl"
 MODEL = "model.npz"
 SUMMARY = "summary.json"
+CONFORMAL = "conformal.json"
 CURVES = "curves.png"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_GLOB = "round_*.npz"

@@ -22,7 +22,9 @@
 * ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
   the end;
 * ``summary.json`` and ``curves.png`` at the end; ``summary.json``'s ``warnings`` lists the run's
-  warnings (a posterior too wide for the data; a run that ended before its fixed point).
+  warnings (a posterior too wide for the data; a run that ended before its fixed point);
+* ``conformal.json`` at the end with ``evaluation.conformal_alpha`` (:mod:`fedbayes.runs.conformal`;
+  its coverages and set sizes also go into ``summary.json``'s ``final``).
 
 Rounds run pipelined (the runner's ``rounds``: round ``r + 1``'s host work overlaps round ``r``,
 and so does its launch unless round ``r`` is evaluated or checkpointed: then round ``r + 1`` is
@@ -211,11 +213,19 @@ class RunRecorder:
         save_checkpoint(self.out / folder.CHECKPOINTS, state, meta, extra=extra)
         self.last_checkpoint = int(state.round)
 
-    def finish(self, algorithm, server_state) -> dict:
-        """Writes ``model.npz``, ``summary.json`` and ``curves.png``; returns the summary."""
+    def finish(self, algorithm, server_state, conformal: Callable[[Any], dict] | None = None) -> dict:
+        """Writes ``model.npz``, ``summary.json`` and ``curves.png`` (and ``conformal.json`` from
+        ``conformal(server_state)``); returns the summary."""
         config, out = self.config, self.out
         summary = summarize(config, self.records, self.task)
         save_model(out / folder.MODEL, algorithm, server_state)
+        if conformal is not None:
+            from fedbayes.runs.conformal import summary_fields
+
+            body = conformal(server_state)
+            folder.write_json(out / folder.CONFORMAL, body)
+            summary["final"].update(summary_fields(body))
+            summary["conformal"] = {k: body[k] for k in ("alpha", "nominal", "bound", "score", "calibration_examples")}
         warnings = [m for m in (self.learning.message, self.calibration.finish(), self.fixed_point.finish()) if m]
         if self.fixed_point.message:
             self.warn(f"warning: {self.fixed_point.message}")
@@ -358,4 +368,14 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
                 clock, compiled = (time.perf_counter(), compiling.seconds) if quiet(r) else (ready, compiled_by_then)
     finally:
         reporter.stop()
-    return recorder.finish(runner.algorithm, state.server_state)
+    return recorder.finish(runner.algorithm, state.server_state, _conformal(exp, int(state.round)))
+
+
+def _conformal(exp: Experiment, round_idx: int) -> Callable[[Any], dict] | None:
+    """``server state -> conformal.json's body`` after round ``round_idx`` (None when off)."""
+    if exp.predictive is None:
+        return None
+    from fedbayes.runs.conformal import conformal_body
+
+    parts = exp.federation.client_indices
+    return lambda server_state: conformal_body(exp.config, exp.predictive(server_state, round_idx), exp.dataset, parts, exp.calibration, round_idx)

@@ -3,7 +3,8 @@
 A table never cuts a method name or a number. When the columns do not fit the width, optional
 columns are left out (least useful first, a footnote says which); when even the essential columns
 do not fit, every method is printed as a block of ``column: value`` lines instead. Marginalised
-columns ("marg.") appear only when some method has marginalised predictions; a regression run
+columns ("marg.") appear only when some method has marginalised predictions, and the conformal
+sets' coverage and size only when some run has them; a regression run
 gets its own columns (MSE, RMSE). Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (the mean and max accuracy over
 rounds R-2..R, :mod:`fedbayes.runs.summaries`) appear when the summaries carry curves. A summary over
 several seeds (:func:`fedbayes.runs.summaries.aggregate`) shows each number as ``mean±std`` and a
@@ -214,6 +215,10 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
                 Column("NLL marg.", _final("nll_marg"), keep=1),
                 Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=2),
             ]
+        if any("coverage" in s.get("final", {}) for s in summaries.values()):  # conformal sets (fedbayes.runs.conformal)
+            cols += [Column("coverage", _final("coverage"), keep=1), Column("set size", _final("set_size", digits=2), keep=1), Column("cov. client min", _final("coverage_client_min"), keep=5)]
+            if any("coverage_marg" in s.get("final", {}) for s in summaries.values()):
+                cols += [Column("cov. marg.", _final("coverage_marg"), keep=2), Column("set size marg.", _final("set_size_marg", digits=2), keep=2)]
         if curves_known:
             cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=5), Column("acc max R-2..R", _curve("max_last"), keep=7)]
         if any("epsilon" in s.get("final", {}) for s in summaries.values()):
@@ -469,7 +474,10 @@ def shift_markdown(body: Mapping) -> str:
         + (f"Means over seeds {seeds} (their standard deviations are in shift.json). " if seeds else "")
         + "A row `NAME marg.` is the method's marginalised predictive over its posterior; `(marg.)` marks a variational model, whose metrics are all marginalised.\n"
     ]
-    for metric, title in (("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE (%)")):
+    shown = [("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE (%)")]
+    if any("coverage" in r for m in body["methods"].values() for r in m["records"]):  # conformal sets (fedbayes.runs.conformal)
+        shown += [("coverage", "conformal coverage"), ("set_size", "conformal set size")]
+    for metric, title in shown:
         cols = ["method", "clean"] + [f"{k} (mean of levels 1-{len(s['intensities']) - 1})" for k, s in shifts.items()]
         lines = [f"\n**{title}**, clean and averaged over each shift's levels:\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for label, suffix, m in rows:

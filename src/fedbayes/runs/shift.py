@@ -8,7 +8,10 @@ the shifted test sets of :mod:`fedbayes.data.shift` by the very evaluator the ru
 its last evaluated round): the point metrics of ``params``; for a method with a posterior
 (``posterior_mean`` and ``posterior_variance`` in the archive) also the marginalised ``*_marg``
 ones; for a variational model its metrics, which are all those of its marginalised predictive. So
-level 0 reproduces the run's last row of ``metrics.jsonl``.
+level 0 reproduces the run's last row of ``metrics.jsonl``. A run with conformal sets
+(``evaluation.conformal_alpha``) also gets their ``coverage`` and ``set_size`` (``*_marg``) under
+each shift, calibrated on the clean calibration examples: what a federation calibrated before a
+shift would see.
 
 Every run sees the same shifted images (the noise's seed is :data:`NOISE_SEED`, not the run's).
 """
@@ -27,11 +30,12 @@ from fedbayes.config.schema import ConfigError, RunConfig, load_config
 from fedbayes.data import shift as shifts
 from fedbayes.errors import DataError
 from fedbayes.runs import folder, report
-from fedbayes.runs.build import DataSpec, build_evaluator, build_model, load_data
+from fedbayes.runs.build import DataSpec, build_evaluator, build_model, build_predictive, client_splits, load_data
 from fedbayes.runs.export import load_model
 from fedbayes.runs.strictjson import dumps_record
 
 __all__ = [
+    "CONFORMAL_METRICS",
     "METRICS",
     "NOISE_SEED",
     "SHIFT_JSON",
@@ -50,6 +54,7 @@ SHIFT_JSON = "shift.json"
 SHIFT_PLOT = "shift.png"
 NOISE_SEED = 0
 METRICS = ("accuracy", "nll", "ece", "accuracy_marg", "nll_marg", "ece_marg")
+CONFORMAL_METRICS = ("coverage", "set_size", "coverage_marg", "set_size_marg")  # a run with evaluation.conformal_alpha
 
 
 def _data_key(config: RunConfig) -> tuple:
@@ -112,9 +117,31 @@ class _Run:
         records = folder.read_metrics(self.folder / folder.METRICS)
         self.round = int(records[-1]["round"]) if records else self.config.rounds  # the key of the last evaluation
 
+        self.thresholds = None  # the conformal sets' thresholds, calibrated on the clean data once
+
     def evaluate(self, dataset) -> dict[str, float]:
         evaluate = build_evaluator(self.config, self.algorithm, dataset, self.model)
-        return {k: v for k, v in evaluate(None, self.round).items() if k in METRICS}
+        out = {k: v for k, v in evaluate(None, self.round).items() if k in METRICS}
+        if self.config.evaluation.conformal_alpha is not None:
+            out.update(self._conformal(dataset))
+        return out
+
+    def _conformal(self, dataset) -> dict[str, float]:
+        """The coverage and mean size of the run's conformal sets on ``dataset``'s (shifted) test
+        set, each predictive's threshold from the clients' clean calibration examples
+        (:mod:`fedbayes.runs.conformal`)."""
+        from fedbayes.runs import conformal
+
+        if self.thresholds is None:
+            parts, validation, calibration = client_splits(self.config, dataset)
+            held_out = None if validation is None else dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation])
+            self.predictives = build_predictive(self.config, self.algorithm, self.model, held_out, int(sum(map(len, parts))))(None, self.round)
+            self.thresholds = {s: conformal.calibrate(self.config, p, dataset.x_train, dataset.y_train, calibration) for s, p in self.predictives.items()}
+        out = {}
+        for suffix, q in self.thresholds.items():
+            record = conformal.sets_record(self.config, self.predictives[suffix], q, dataset.x_test, dataset.y_test)
+            out[f"coverage{suffix}"], out[f"set_size{suffix}"] = record["coverage"], record["set_size"]
+        return out
 
 
 def evaluate_runs(
@@ -171,7 +198,7 @@ def mean_over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
     out = []
     for rows in zip(*per_seed):
         record = {k: rows[0][k] for k in ("shift", "level", "intensity")}
-        for k in METRICS:
+        for k in METRICS + CONFORMAL_METRICS:
             values = [r[k] for r in rows if k in r]
             if values:
                 record[k] = float(np.mean(values))
