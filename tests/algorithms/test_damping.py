@@ -32,8 +32,8 @@ def test_mean_change_ignores_coordinates_without_information():
 
 
 def test_adaptive_rule_step_by_step():
-    """Decisions every ``WINDOW`` residual pairs on the least-squares ``rho_hat``; a blow-up at once."""
-    assert (damping.WINDOW, damping.REVERSED, damping.SWING, damping.BLOW_UP) == (3, -1.0, -0.5, 1.5)  # the sequence is written for these
+    """Decisions every ``WINDOW`` residual pairs on the least-squares ``rho_hat`` and ``g_hat``."""
+    assert (damping.WINDOW, damping.REVERSED, damping.DIVERGING, damping.GROWING) == (3, -1.0, 1.0, 1.25)  # the sequence is written for these
     policy = damping.adaptive(initial=0.2, minimum=0.01, maximum=1.0, grow=1.25, shrink=0.5)
     mean = [0.0]
 
@@ -49,18 +49,66 @@ def test_adaptive_rule_step_by_step():
         assert float(t.value) == pytest.approx(0.2)
     t = move(t, 0.625)  # the window is full: rho_hat = 0.5 > 0, too cautious
     assert float(t.value) == pytest.approx(0.25)
-    for r in (1.0, -0.8, 0.8):  # a new window: a swing, but a decaying one, and no blow-up (0.8 < 1.5 x 1)
+    for r in (1.0, -0.8, 0.8):  # a new window: a swing, and a single round decides nothing
         t = move(t, r)
         assert float(t.value) == pytest.approx(0.25)
-    t = move(t, -0.8)  # rho_hat = (-0.64 * 2 - 0.8) / (1 + 0.64 * 2) = -0.91: a decaying swing is kept
+    t = move(t, -0.8)  # rho_hat = -2.08 / 2.28 = -0.91, g_hat 0.92: a swing that does not grow is kept
     assert float(t.value) == pytest.approx(0.25)
-    t = move(t, 3.0)  # swung back (-3.75 x) and grew 3.75 x: a blow-up, acted on at once
+    for r in (1.1, -1.21):  # a kept damping goes on with its last residual: a swing that grows 10% a round ...
+        t = move(t, r)
+        assert float(t.value) == pytest.approx(0.25)
+    t = move(t, 1.331)  # ... rho_hat = -3.82 / 3.31 = -1.15 < -1: unstable
     assert float(t.value) == pytest.approx(0.125)
-    for r in (1.0, -1.1, 1.21):  # a swing that grows 10% a round: no single round is a blow-up ...
+    for r in (1.0, 1.1, 1.21):  # a residual that grows 10% a round in its own direction ...
         t = move(t, r)
         assert float(t.value) == pytest.approx(0.125)
-    t = move(t, -1.331)  # ... but the window's rho_hat is -1.1 < -1: an unstable oscillation
+    t = move(t, 1.331)  # ... rho_hat = 1.1 > 1: diverging
     assert float(t.value) == pytest.approx(0.0625)
+
+
+def test_a_swing_that_grows_in_some_directions_shrinks_the_damping():
+    """One direction swings back and grows 1.5x a round while another keeps a steady pull: the
+    window's rho_hat is -0.84 (a "decaying" swing to rho_hat alone) but the residual grows (g_hat
+    1.39 > GROWING): the damping is halved. A swing that decays 0.8x a round beside a weaker pull
+    (rho_hat -0.59, g_hat 0.83) is left alone."""
+    assert damping.GROWING == 1.25
+
+    def run(factor, steady):
+        policy = damping.adaptive(initial=0.2, minimum=0.01)
+        t, mean = policy.init(jnp.zeros(2)), np.zeros(2)
+        for k in range(damping.WINDOW + 1):  # the first round has no predecessor; the next ones fill the window
+            step = float(t.value) * np.array([factor**k * (-1) ** k, steady])
+            t = policy.update(t, _gaussian(mean, [1.0, 1.0]), _gaussian(mean + step, [1.0, 1.0]))
+            mean = mean + step
+        return float(t.value)
+
+    assert run(1.5, 1.0) == pytest.approx(0.1)
+    assert run(0.8, 0.3) == pytest.approx(0.2)
+
+
+def test_a_rise_of_the_loss_at_the_broadcast_halves_the_damping_that_made_it_and_caps_it():
+    """The loss at round t's broadcast measures round t-1's update: a rise past LOSS_RISE halves
+    the damping that update used (not again once lowered) and caps any later growth there."""
+    assert damping.LOSS_RISE == 0.2
+    policy = damping.adaptive(initial=0.4, minimum=0.05)
+    t = policy.init(jnp.zeros(1))
+    g = _gaussian([0.0], [1.0])
+    t = policy.update(t, g, g, 1.0)
+    t = policy.update(t, g, g, 1.15)  # +15%: kept
+    assert float(t.value) == pytest.approx(0.4)
+    t = policy.update(t, g, g, 1.5)  # +30%: the 0.4 behind it is halved and becomes the ceiling
+    assert (float(t.value), float(t.ceiling)) == (pytest.approx(0.2), pytest.approx(0.2))
+    t = policy.update(t, g, g, 2.0)  # rose again, but measures the update still made at 0.4: not halved twice
+    assert float(t.value) == pytest.approx(0.2)
+    t = policy.update(t, g, g, 0.5)
+    assert float(t.value) == pytest.approx(0.2)
+    for k in range(60):  # a steady contraction grows the damping, but only to the ceiling
+        t = policy.update(t, _gaussian([0.0], [1.0]), _gaussian([float(t.value) * 0.8**k], [1.0]), 0.5)
+    assert float(t.value) == pytest.approx(0.2)
+    unmeasured = policy.init(jnp.zeros(1))
+    for loss in (None, 0.0, float("nan")):  # not measured: no decision on the loss
+        unmeasured = policy.update(unmeasured, g, g, loss)
+    assert float(unmeasured.value) == pytest.approx(0.4) and float(unmeasured.ceiling) == 1.0
 
 
 def test_adaptive_rule_climbs_to_its_maximum_on_a_contraction():

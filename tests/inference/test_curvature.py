@@ -306,7 +306,8 @@ def _penalty_only(lam, eta, lr, epochs=3, n=10, momentum=None):
     from fedbayes.data.batches import ClientData
     from fedbayes.gaussian import DiagGaussian
     from fedbayes.inference.sgd import LocalTrainer
-    from fedbayes.inference.tilted import sgmcmc_moments, stiff_step_control
+    from fedbayes.inference.sgd import stiff_step_control
+    from fedbayes.inference.tilted import sgmcmc_moments
 
     trainer = LocalTrainer(lambda p, k, x, y, m: 0.0 * jnp.sum(p["w"]), optax.sgd(lr, momentum=momentum), epochs, 5)
     data = ClientData(jnp.zeros((n, 1)), jnp.zeros((n,)), jnp.tile(jnp.arange(n, dtype=jnp.int32), epochs), jnp.int32(0), jnp.int32(n))
@@ -314,7 +315,7 @@ def _penalty_only(lam, eta, lr, epochs=3, n=10, momentum=None):
     start = {"w": jnp.zeros_like(lam)}
     key = jax.random.key(0)
     plain = sgmcmc_moments(key, start, prior, data, trainer)[0]["w"]
-    controlled = sgmcmc_moments(key, start, prior, data, stiff_step_control(trainer, prior, data.num_examples))[0]["w"]
+    controlled = sgmcmc_moments(key, start, prior, data, stiff_step_control(trainer, prior.precision, data.num_examples))[0]["w"]
     return plain, controlled
 
 

@@ -18,28 +18,52 @@ delta (1 - a)`` for the undamped map's slope ``a``, and then ``r_t = rho r_{t-1}
 
     rho_hat = sum_t <r_t, r_{t-1}> / sum_t |r_{t-1}|^2
 
+and the residual's growth per round over the same pairs,
+
+    g_hat = ( sum_t |r_t|^2 / sum_t |r_{t-1}|^2 )^(1/2),
+
 and then (a changed damping starts a new window):
 
 * ``rho_hat <`` :data:`REVERSED` (the changes swing back and do not decay: at ``rho <= -1`` the
-  oscillation of undamped EP) or ``rho_hat >`` :data:`DIVERGING` (the residual grows):
-  ``delta <- max(delta_min, delta * shrink)``. A swing that decays (``-1 < rho < 0``) is left alone:
-  with coordinates that settle at different rates, the best fixed damping overshoots the fastest
-  ones a little (``rho`` near -0.5 there) to move the slowest at a useful rate, and stochastic
-  local steps keep exciting those fast oscillating directions;
+  oscillation of undamped EP), ``rho_hat >`` :data:`DIVERGING` (the residual grows in its own
+  direction), or ``rho_hat < 0`` with ``g_hat >`` :data:`GROWING` (the changes swing back and
+  grow; ``rho_hat`` alone hides this when only some directions swing, as on a network whose
+  clients' local modes pull apart): ``delta <- max(delta_min, delta * shrink)``. A swing that
+  decays (``-1 < rho_hat < 0``, ``g_hat <= GROWING``) is left alone: with coordinates that settle at
+  different rates, the best fixed damping overshoots the fastest ones a little (``rho`` near -0.5
+  there) to move the slowest at a useful rate, and stochastic local steps keep exciting those fast
+  oscillating directions;
 * ``rho_hat > 0`` (the changes keep their direction: too cautious): ``delta <- min(delta_max, delta * grow)``;
 * otherwise ``delta`` stays: residuals that are only the jitter of stochastic local steps about
   the fixed point are nearly uncorrelated, and give no reason to move it;
-* a residual that swung back (``<r_t, r_{t-1}> <`` :data:`SWING` ``|r_{t-1}|^2``) and grew past
-  :data:`BLOW_UP` times the last one is acted on at once (the first round of a network's
-  collapse, measured: a mean change twice the last one's and against it);
 * a round whose every message the server rejected (the step would have made the global improper,
-  or the local results were not finite) leaves the global where it was and shrinks ``delta`` at once.
+  or the local results were not finite) leaves the global where it was and shrinks ``delta`` at once;
+* the clients' mean data loss at the broadcast (each client's loss of the global mean on its own
+  examples, weighted by its examples, sent with its message: the federated training loss of the
+  global mean) rising by more than :data:`LOSS_RISE` from one round to the next means the update
+  between them, made at the last round's ``delta``, made the global fit its data worse: that
+  ``delta`` is halved at once (unless it has already been lowered since) and becomes the
+  ceiling the damping may grow back to. This is the bold driver's own test (Vogl et al. 1988:
+  shrink the step when the error rose), on the one quantity the server can see the error by.
 
 A single round's correlation is too noisy to act on (SGD clients on a logistic regression: the
-per-round cosine ranged over [-0.65, 0.78] at one damping); so are per-coordinate signs, with
-which an Rprop-style damping per parameter decayed to its floor within 60 rounds there. The
-first damping is cautious (:data:`INITIAL`): at 0.5 the main job's network lost its accuracy
-within two rounds of EP, before any rule could see it coming.
+per-round cosine and size ratio of the residuals ranged widely at one damping); so are
+per-coordinate signs, with which an Rprop-style damping per parameter decayed to its floor within
+60 rounds there. For the same reason every decision waits for a full window: a rule that halved
+the damping at once on a single round that swung back and doubled fired mostly on that noise and
+held the logistic regressions near the floor (docs/results/posterior_defaults.md). The first
+damping is cautious (:data:`INITIAL`): at 0.5 the main job's network lost its accuracy within two
+rounds of EP, before any rule could see it coming.
+
+Why the loss as well as the residuals: on a network the global mean contracts steadily while the
+damping grows, and then, a round or two after it passes what the network tolerates, swings and
+grows, while the logistic regressions reach their fixed points fastest at a damping the network
+does not tolerate; before the swing the residuals of the two look alike, and the swing shows in
+them only a window later, after the accuracy has gone (docs/results/posterior_defaults.md,
+"Self-tuning defaults"). The training loss at the broadcast rises at the first harmful round. It
+is exact for deterministic models (every example once, at the broadcast mean); under partial
+participation each round's is a different cohort's, so a rise can also be the cohort's, and
+:data:`LOSS_RISE` is a large fraction rather than a test of significance.
 
 The clients of round ``t + 1`` use the new ``delta`` (it travels in the broadcast), so every site
 and the global stay consistent, ``q_g = p_0 prod_k q_k``, whatever the schedule. A fixed damping
@@ -64,14 +88,14 @@ MAXIMUM = 1.0
 GROW = 1.25
 SHRINK = 0.5
 REVERSED = -1.0  # rho_hat below this: the changes swing back and do not decay (an unstable oscillation)
-SWING = -0.5  # a single round's rho below this, with a residual grown past BLOW_UP, is a blow-up
 DIVERGING = 1.0  # rho_hat above this: the residual grows
+GROWING = 1.25  # g_hat above this with rho_hat < 0: a swing that grows (25% a round over the window; less is the local steps' noise)
+LOSS_RISE = 0.2  # the cohort's loss at the broadcast rising by more than this fraction in a round: the last damping was too large
 WINDOW = 3  # rounds of residuals per decision
-BLOW_UP = 1.5  # a residual that swung back and grew past this times the last one is acted on at once
 ADAPTIVE = "adaptive"  # the config value that selects :func:`adaptive`
 
 __all__ = [
-    "ADAPTIVE", "BLOW_UP", "DIVERGING", "GROW", "INITIAL", "MAXIMUM", "MINIMUM", "REVERSED", "SHRINK", "SWING", "WINDOW",
+    "ADAPTIVE", "DIVERGING", "GROW", "GROWING", "INITIAL", "LOSS_RISE", "MAXIMUM", "MINIMUM", "REVERSED", "SHRINK", "WINDOW",
     "Damping", "DampingState", "adaptive", "fixed", "from_setting", "mean_change",
 ]  # fmt: skip
 
@@ -86,6 +110,10 @@ class DampingState(NamedTuple):
       cross: ``sum <r_t, r_{t-1}>`` over the window so far.
       square: ``sum |r_{t-1}|^2`` over the window so far.
       count: rounds in the window so far.
+      ahead: ``sum |r_t|^2`` over the window so far (the same pairs as ``square``).
+      fit: the cohort's mean loss at the last round's broadcast (0: none seen yet).
+      previous: the damping of the last round, whose update the next round's loss measures.
+      ceiling: the most the damping may grow to: :data:`MAXIMUM` until a round's loss rose.
     """
 
     value: jax.Array
@@ -94,11 +122,16 @@ class DampingState(NamedTuple):
     cross: jax.Array
     square: jax.Array
     count: jax.Array
+    ahead: jax.Array
+    fit: jax.Array
+    previous: jax.Array
+    ceiling: jax.Array
 
 
 class Damping(NamedTuple):
-    """A damping policy: ``init(params) -> DampingState``, ``update(state, old_q, new_q) -> DampingState``
-    (pure; ``old_q`` and ``new_q`` the global before and after the round), ``rejected(state) ->
+    """A damping policy: ``init(params) -> DampingState``, ``update(state, old_q, new_q, loss=None) ->
+    DampingState`` (pure; ``old_q`` and ``new_q`` the global before and after the round, ``loss`` the
+    cohort's mean loss at the round's broadcast, 0 or ``None`` when not measured), ``rejected(state) ->
     DampingState`` after a round whose every message the server rejected (the global did not move;
     the method's ``after_rejected_round``), and whether it adapts."""
 
@@ -118,9 +151,12 @@ def mean_change(old: DiagGaussian, new: DiagGaussian) -> PyTree:
     return jax.tree.map(one, old.precision_mean, old.precision, new.precision_mean, new.precision)
 
 
-def _init(params: PyTree, value: float) -> DampingState:
+def _init(params: PyTree, value: float, ceiling: float) -> DampingState:
     zero = jnp.zeros((), jnp.float32)
-    return DampingState(jnp.asarray(value, jnp.float32), optax.tree.zeros_like(params), jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32))
+    v = jnp.asarray(value, jnp.float32)
+    return DampingState(
+        v, optax.tree.zeros_like(params), jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32), zero, zero, v, jnp.asarray(ceiling, jnp.float32)
+    )
 
 
 def from_setting(value: float | str) -> Damping:
@@ -132,7 +168,7 @@ def fixed(value: float) -> Damping:
     """A constant damping ``value`` > 0 (the methods check their own range)."""
     if not value > 0:
         raise ValueError(f"damping must be > 0; got {value}")
-    return Damping(lambda params: _init(params, value), lambda state, old, new: state, lambda state: state, adaptive=False)
+    return Damping(lambda params: _init(params, value, value), lambda state, old, new, loss=None: state, lambda state: state, adaptive=False)
 
 
 def adaptive(initial: float = INITIAL, minimum: float = MINIMUM, maximum: float = MAXIMUM, grow: float = GROW, shrink: float = SHRINK) -> Damping:
@@ -144,31 +180,50 @@ def adaptive(initial: float = INITIAL, minimum: float = MINIMUM, maximum: float 
     if not (grow >= 1 and 0 < shrink < 1):
         raise ValueError(f"adaptive damping needs grow >= 1 and 0 < shrink < 1; got {grow}, {shrink}")
 
-    def update(state: DampingState, old: DiagGaussian, new: DiagGaussian) -> DampingState:
+    def update(state: DampingState, old: DiagGaussian, new: DiagGaussian, loss: jax.Array | None = None) -> DampingState:
         r = optax.tree.scale(1.0 / state.value, mean_change(old, new))
         seen = state.has_last.astype(jnp.float32)
         step_cross = seen * optax.tree.vdot(r, state.last)
         step_square = seen * optax.tree.norm(state.last, squared=True)
-        cross, square = state.cross + step_cross, state.square + step_square
+        step_ahead = seen * optax.tree.norm(r, squared=True)
+        cross, square, ahead = state.cross + step_cross, state.square + step_square, state.ahead + step_ahead
         count = state.count + state.has_last.astype(jnp.int32)
         rho = cross / jnp.maximum(square, 1e-30)
-        size_ratio = jnp.sqrt(optax.tree.norm(r, squared=True) / jnp.maximum(step_square, 1e-30))
-        blew_up = state.has_last & (step_cross < SWING * step_square) & (size_ratio > BLOW_UP)
-        decide = (count >= WINDOW) | blew_up
+        growth = jnp.sqrt(ahead / jnp.maximum(square, 1e-30))
+        decide = count >= WINDOW
         shrunk = jnp.maximum(minimum, state.value * shrink)
-        grown = jnp.minimum(maximum, state.value * grow)
-        verdict = jnp.where(blew_up | (rho < REVERSED) | (rho > DIVERGING), shrunk, jnp.where(rho > 0, grown, state.value))
-        value = jnp.where(decide, verdict, state.value).astype(jnp.float32)
+        grown = jnp.minimum(state.ceiling, state.value * grow)
+        unstable = (rho < REVERSED) | (rho > DIVERGING) | ((rho < 0) & (growth > GROWING))
+        verdict = jnp.where(unstable, shrunk, jnp.where(rho > 0, jnp.maximum(grown, state.value), state.value))
+        value = jnp.where(decide, verdict, state.value)
+        # The loss at this round's broadcast measures the last round's update, made at `previous`:
+        # a rise past LOSS_RISE halves that damping (unless it has been lowered since) and caps it.
+        loss = jnp.zeros((), jnp.float32) if loss is None else jnp.asarray(loss, jnp.float32)
+        measured = jnp.isfinite(loss) & (loss > 0)
+        rose = measured & (state.fit > 0) & (loss > (1.0 + LOSS_RISE) * state.fit)
+        after_rise = jnp.where(state.value < state.previous, state.value, jnp.maximum(minimum, state.previous * shrink))
+        value = jnp.where(rose, jnp.minimum(value, after_rise), value).astype(jnp.float32)
+        ceiling = jnp.where(rose, jnp.minimum(state.ceiling, after_rise), state.ceiling).astype(jnp.float32)
+        decide = decide | rose
         zero = jnp.zeros((), jnp.float32)
         changed = value != state.value  # a new damping starts a new window, its first residual made at it
         return DampingState(
-            value, r, jnp.logical_not(changed), jnp.where(decide, zero, cross), jnp.where(decide, zero, square), jnp.where(decide, 0, count).astype(jnp.int32)
+            value,
+            r,
+            jnp.logical_not(changed),
+            jnp.where(decide, zero, cross),
+            jnp.where(decide, zero, square),
+            jnp.where(decide, 0, count).astype(jnp.int32),
+            jnp.where(decide, zero, ahead),
+            jnp.where(measured, loss, state.fit).astype(jnp.float32),
+            state.value,
+            ceiling,
         )
 
     def rejected(state: DampingState) -> DampingState:
         # every message refused: the damping shrinks at once and the window starts afresh
         zero = jnp.zeros((), jnp.float32)
         value = jnp.maximum(minimum, state.value * shrink).astype(jnp.float32)
-        return DampingState(value, state.last, jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32))
+        return DampingState(value, state.last, jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32), zero, state.fit, state.previous, state.ceiling)
 
-    return Damping(lambda params: _init(params, initial), update, rejected, adaptive=True)
+    return Damping(lambda params: _init(params, initial, maximum), update, rejected, adaptive=True)

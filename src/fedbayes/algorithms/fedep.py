@@ -56,6 +56,7 @@ from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.algorithms.sites import (
+    BROADCAST_LOSS_TAG,
     GaussianMessage,
     burn_in_switch,
     checked_cavity,
@@ -68,7 +69,7 @@ from fedbayes.algorithms.sites import (
 )
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.base import CavityInference
-from fedbayes.inference.sgd import LocalTrainer, run_sgd
+from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
 from fedbayes.inference.tilted import METHODS, TiltedSettings, make_tilted_inference
 
 PyTree = Any
@@ -215,7 +216,7 @@ def _ep_algorithm(
             theta = q.precision_mean  # Lambda = 1 during burn-in
             last, info = run_sgd(key, theta, data, trainer)
             step = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
-            return GaussianMessage(step, jnp.ones((), jnp.bool_)), cstate, info
+            return GaussianMessage(step, jnp.ones((), jnp.bool_), jnp.zeros((), jnp.float32)), cstate, info
 
         def ep_round():
             share = n / total
@@ -244,14 +245,15 @@ def _ep_algorithm(
                 cavity = gaussian.product(prior, gaussian.power(gaussian.quotient(q, prior), frac))
             cavity, cavity_ok = checked_cavity(cavity, q)
             start = safe_mean(q, message.anchor if uniform else q.precision_mean)
+            fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), start, data, trainer)
             tilted, info = inference(key, start, cavity, data)
             step = damped_difference(tilted, q, message.damping, delta_clip)
             if not stateful:
-                return GaussianMessage(step, cavity_ok), cstate, info
+                return GaussianMessage(step, cavity_ok, fit), cstate, info
             new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
             # a zero site precision is a flat factor (no information there), not an improper one
             ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, non_negative_to_roundoff(new_site.precision, q.precision))
-            return GaussianMessage(step, ok), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
+            return GaussianMessage(step, ok, fit), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
 
         return burn_in_switch(burn_in_rounds, message.ep, ep_round, burn_in)
 
@@ -268,7 +270,9 @@ def _ep_algorithm(
     def ep_server(state, aggregate):
         q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
         info = {"precision_guarded": guarded, "damping": state.damping.value}  # the damping this round's clients used
-        return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q)), info
+        return ServerState(
+            q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q, aggregate.mean.loss)
+        ), info
 
     def server_update(key, state, aggregate):
         del key

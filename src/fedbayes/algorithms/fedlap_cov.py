@@ -61,13 +61,13 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
-from fedbayes.algorithms.sites import GaussianMessage, gaussian_message_ok
+from fedbayes.algorithms.sites import BROADCAST_LOSS_TAG, GaussianMessage, gaussian_message_ok
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import data_curvature
-from fedbayes.inference.sgd import LocalTrainer, run_sgd
+from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
 
 PyTree = Any
 DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_defaults.md)
@@ -204,13 +204,19 @@ def broadcast(state: ServerState, init_precision: str = "delta") -> Broadcast:
 
 
 def server_step(
-    state: ServerState, site_change_total: DiagGaussian, delta: float, ops: PrecisionOps = DIAGONAL, damping: damping_policy.Damping | None = None
+    state: ServerState,
+    site_change_total: DiagGaussian,
+    delta: float,
+    ops: PrecisionOps = DIAGONAL,
+    damping: damping_policy.Damping | None = None,
+    loss: jax.Array | None = None,
 ) -> ServerState:
     """``q_g <- q_g prod_k (t_k^new / t_k)`` over the accepted clients, ``S_g`` kept at least
-    ``delta``, and ``w_g = S_g^{-1} eta_g``; the damping's rule sees the change (``None``: kept)."""
+    ``delta``, and ``w_g = S_g^{-1} eta_g``; the damping's rule sees the change and the cohort's
+    loss at the broadcast (``damping=None``: kept)."""
     q = gaussian.product(state.q, site_change_total)
     q = DiagGaussian(precision_mean=q.precision_mean, precision=ops.at_least(q.precision, delta))
-    rule = damping.update(state.damping, state.q, q) if damping is not None else state.damping
+    rule = damping.update(state.damping, state.q, q, loss) if damping is not None else state.damping
     return ServerState(ops.solve(q.precision, q.precision_mean), q, state.init, state.round + 1, rule)
 
 
@@ -248,12 +254,13 @@ def fedlap_cov(
         raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
 
     def client_update(key, message: Broadcast, site, data):
+        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer)
         _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=message.damping, curvature=curvature, solver=solver)
-        return GaussianMessage(gaussian.difference(new_site, site), _valid_curvature(h_k)), new_site, info
+        return GaussianMessage(gaussian.difference(new_site, site), _valid_curvature(h_k), fit), new_site, info
 
     def server_update(key, state, aggregate):
         del key
-        return server_step(state, aggregate.total.difference, delta, damping=damping), {"damping": state.damping.value}
+        return server_step(state, aggregate.total.difference, delta, damping=damping, loss=aggregate.mean.loss), {"damping": state.damping.value}
 
     def message_ok(state, message):
         # No positivity check: the server floors S_g at delta (server_step), it never keeps an old value.

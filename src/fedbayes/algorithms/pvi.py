@@ -74,11 +74,20 @@ from pydantic import Field
 from fedbayes import gaussian
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
-from fedbayes.algorithms.sites import GaussianMessage, all_positive, checked_cavity, damped_difference, gaussian_message_ok, safe_mean, site_server_step
+from fedbayes.algorithms.sites import (
+    BROADCAST_LOSS_TAG,
+    GaussianMessage,
+    all_positive,
+    checked_cavity,
+    damped_difference,
+    gaussian_message_ok,
+    safe_mean,
+    site_server_step,
+)
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
-from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.inference.sgd import LocalTrainer, broadcast_loss
 from fedbayes.inference.vi import ESTIMATORS, PARAMETERISATIONS, reparameterised_vi
 
 PyTree = Any
@@ -195,18 +204,19 @@ def pvi(
         cavity, ok = checked_cavity(gaussian.quotient(q, cstate.site), q)
         ok = jnp.logical_and(ok, all_positive(cavity.precision))  # the KL needs a proper cavity
         start = q if message.start is None else DiagGaussian(jax.tree.map(jnp.multiply, q.precision, message.start), q.precision)
+        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), gaussian.mean(start), data, trainer)
         q_k, info = local(key, start, cavity, data)
         step = damped_difference(q_k, q, message.damping)
         site = gaussian.product(cstate.site, step)
         if not allow_improper_sites:
             ok = jnp.logical_and(ok, all_positive(site.precision))
-        return GaussianMessage(step, ok), ClientState(site), info
+        return GaussianMessage(step, ok, fit), ClientState(site), info
 
     def server_update(key, state, aggregate):
         del key
         q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
         info = {"precision_guarded": guarded, "damping": state.damping.value}  # the damping this round's clients used
-        return ServerState(q, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q)), info
+        return ServerState(q, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q, aggregate.mean.loss)), info
 
     def message_ok(state, message):
         return gaussian_message_ok(message, state.q)

@@ -340,7 +340,10 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         comparison = _compare(mean, var, family_mean, family_var, method.kernel_only)
         if not all(bool(np.all(np.isfinite(np.asarray(leaf)))) for leaf in jax.tree.leaves((mean, var))):
             raise FloatingPointError(f"the server posterior is not finite at round {r}")
-        trajectory.append({"round": r, **comparison})
+        point = {"round": r, **comparison}
+        if info.server and "damping" in info.server:  # the damping this round's clients used
+            point["damping"] = float(info.server["damping"])
+        trajectory.append(point)
         if _reached(method.family, comparison):
             reached_at = r
             break

@@ -116,6 +116,68 @@ def run_sgd(
     return p, training_info(loss_sum, total)
 
 
+def stiff_step_control(trainer: LocalTrainer, precision: PyTree, num_examples: jax.Array, cap: float = 1.0) -> LocalTrainer:
+    """The local optimizer with its step capped where a known quadratic penalty is stiff.
+
+    A local objective with the penalty ``theta^T diag(precision) theta / (2 n_k)`` (FedEP's tilted
+    prior, PVI's KL to the cavity in the mean) has curvature ``h_i = precision_i / n_k`` in
+    coordinate ``i``, exactly known before the first step. Gradient descent with step ``lr`` on it
+    is stable only while ``lr h_i < 2`` (heavy ball ``< 2 (1 + beta)``); a cavity that grows round
+    by round passes that in some coordinates and the client iterates blow up
+    (docs/algorithms.md §7.5, §8.2).
+
+    The fix scales the gradient per coordinate by ``P_i = 1 / max(1, lr_i h_i / cap)``: a diagonal
+    preconditioner, so the fixed point (the local optimum) is unchanged; in stiff coordinates it is
+    the proximal (implicit) step on the quadratic, the same scaling by ``precision / n_k`` that Guo
+    et al. 2023 (FedEP)'s NGVI mean step uses (docs/algorithms.md §7.6 V); in every coordinate with
+    ``lr_i h_i <= cap`` the step is bitwise SGD's (the multiplier is exactly 1). ``lr_i`` is the
+    optimizer's first step on a unit gradient (plain and heavy-ball SGD: ``lr``; Nesterov: ``lr (1 +
+    beta)``). Adaptive optimizers (Adam) are invariant to this scaling and gain nothing. A zero
+    precision (a coordinate without the penalty) leaves the step alone; ``cap <= 0`` disables it.
+
+    Args:
+      trainer: the local training whose optimizer is wrapped.
+      precision: the penalty's ``precision``, a pytree shaped like the optimized parameters.
+      num_examples: ``n_k``, the client's examples (the objective is per example).
+      cap: the largest ``lr_i h_i`` left unscaled.
+    """
+    if cap <= 0:
+        return trainer
+    opt = trainer.optimizer
+    inv_n = 1.0 / jnp.maximum(num_examples, 1).astype(jnp.float32)
+    zeros = jax.tree.map(jnp.zeros_like, precision)
+    probe, _ = opt.update(jax.tree.map(jnp.ones_like, zeros), opt.init(zeros), zeros)
+    scale = jax.tree.map(lambda u, lam: 1.0 / jnp.maximum(1.0, jnp.abs(u) * lam * inv_n / cap), probe, precision)
+
+    def update(grads, state, params=None):
+        del params
+        return jax.tree.map(lambda g, p: g * p.astype(g.dtype), grads, scale), state
+
+    precondition = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return trainer._replace(optimizer=optax.chain(precondition, opt))
+
+
+def broadcast_loss(key: jax.Array, params, data: ClientData, trainer: LocalTrainer) -> jax.Array:
+    """The client's mean data loss at ``params`` (the broadcast, before any local step) over the
+    minibatches of its first laid-out epoch: every example once, the per-example mean weighted by
+    each batch's examples; 0 for a client without data. A forward pass per batch, no gradient.
+
+    The site methods send it with their message: its mean over the cohort is the federated
+    training loss of the global mean, which the adaptive damping watches
+    (:mod:`fedbayes.algorithms.damping`)."""
+    spe = steps_per_epoch(data.num_examples, trainer.batch_size)
+
+    def body(step, carry):
+        total, count = carry
+        x, y, m = get_batch(data, step, trainer.batch_size)
+        loss = trainer.loss_fn(params, jax.random.fold_in(key, step), x, y, m)
+        k = jnp.sum(m)
+        return total + k * loss.astype(jnp.float32), count + k
+
+    total, count = jax.lax.fori_loop(0, spe, body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)))
+    return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+
+
 class EpochTracker(NamedTuple):
     """The stopping rule's state between epochs: the first epoch's mean-gradient norm, epochs
     completed, and whether the rule has fired. A client's loop sums its minibatch gradients over an

@@ -32,7 +32,7 @@ The Fisher of L and V comes from :mod:`fedbayes.inference.curvature` (one sample
 example, per-layer ``(a^2)^T (g^2)`` sums: about a training step per batch instead of ~50), so
 the paper's budgets are the defaults (``fisher_max_batches = 0``).
 
-Stability (:func:`stiff_step_control`): the SG-MCMC step's gradient is scaled per coordinate by
+Stability (:func:`fedbayes.inference.sgd.stiff_step_control`): the SG-MCMC step's gradient is scaled per coordinate by
 ``1 / max(1, lr h_i)``, ``h_i = Lambda_p,i / n_k`` the tilted prior's exactly known curvature, so the
 sampler stays stable when the Laplace/NGVI precisions make the cavity stiff (plain SGD diverges
 once ``lr h_i > 2``); the tilted mode is unchanged and every coordinate with ``lr h_i <= 1`` takes
@@ -71,7 +71,7 @@ from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_n
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import batch_diag_fisher, over_client_data
 from fedbayes.inference.iasg import epoch_samples
-from fedbayes.inference.sgd import LocalTrainer
+from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
 
 PyTree = Any
 METHODS = ("identity", "mcmc", "laplace", "ngvi")
@@ -87,7 +87,7 @@ class TiltedSettings(HParams):
     stays unbiased); 0 follows the paper (every pass). The Fisher comes from
     :mod:`fedbayes.inference.curvature` (about a training step per batch), so the cap is rarely
     needed. ``step_cap`` bounds the SG-MCMC step per coordinate, ``lr h_i <= step_cap`` on the
-    tilted prior's curvature (:func:`stiff_step_control`, the stability fix); ``<= 0`` disables it.
+    tilted prior's curvature (:func:`fedbayes.inference.sgd.stiff_step_control`, the stability fix); ``<= 0`` disables it.
     """
 
     scale: float = Field(
@@ -172,42 +172,6 @@ def _tail_moments(samples: PyTree, done: jax.Array) -> tuple[PyTree, PyTree]:
     pairs = jax.tree.map(moments, samples)
     is_pair = lambda x: isinstance(x, tuple)
     return jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair), jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
-
-
-def stiff_step_control(trainer: LocalTrainer, prior: DiagGaussian, num_examples: jax.Array, cap: float = 1.0) -> LocalTrainer:
-    """The SG-MCMC sampler with its step capped where the tilted prior is stiff (the stability fix).
-
-    The tilted objective's penalty ``theta^T diag(Lambda_p) theta / (2 n_k)`` has curvature
-    ``h_i = Lambda_p,i / n_k`` in coordinate ``i``, exactly known before the first step. Gradient
-    descent with step ``lr`` on it is stable only while ``lr h_i < 2`` (heavy ball ``< 2 (1 + beta)``).
-    With the Laplace and NGVI precisions (``c F_k``, ``c = 500``) the cavity grows round by round
-    until ``lr h_i`` passes 2 in some coordinates and the client iterates blow up (FedEP (L), client
-    SGD lr 0.05, 10% Fashion-MNIST: accuracy 0.10 at round 5, NLL 6e23 at round 6).
-
-    The fix scales the gradient of ``F_k`` per coordinate by ``P_i = 1 / max(1, lr_i h_i / cap)``: a
-    diagonal preconditioner, so the fixed point (the tilted mode, hence ``mu^``) is unchanged; in
-    stiff coordinates it is the proximal (implicit) step on the quadratic, the same scaling by
-    ``Lambda_p / n_k`` that Guo et al. 2023 (FedEP)'s NGVI mean step uses (docs/algorithms.md §7.6 V); in every coordinate with
-    ``lr_i h_i <= cap`` the step is bitwise SGD's (the multiplier is exactly 1), so the identity
-    method's results are unchanged wherever they were stable. ``lr_i`` is the optimizer's first
-    step on a unit gradient (plain and heavy-ball SGD: ``lr``; Nesterov: ``lr (1 + beta)``).
-    Adaptive optimizers (Adam) are invariant to this scaling and gain nothing. ``cap <= 0``
-    disables it.
-    """
-    if cap <= 0:
-        return trainer
-    opt = trainer.optimizer
-    inv_n = 1.0 / jnp.maximum(num_examples, 1).astype(jnp.float32)
-    zeros = jax.tree.map(jnp.zeros_like, prior.precision)
-    probe, _ = opt.update(jax.tree.map(jnp.ones_like, zeros), opt.init(zeros), zeros)
-    scale = jax.tree.map(lambda u, lam: 1.0 / jnp.maximum(1.0, jnp.abs(u) * lam * inv_n / cap), probe, prior.precision)
-
-    def update(grads, state, params=None):
-        del params
-        return jax.tree.map(lambda g, p: g * p.astype(g.dtype), grads, scale), state
-
-    precondition = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-    return trainer._replace(optimizer=optax.chain(precondition, opt))
 
 
 def make_tilted_inference(
@@ -295,7 +259,7 @@ def make_tilted_inference(
         n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
         prior = tilted_prior(cavity, data.num_examples, s.weight_decay)
         key_mc, key_f = jax.random.split(key)
-        mu, var, info = sgmcmc_moments(key_mc, start, prior, data, stiff_step_control(trainer, prior, data.num_examples, s.step_cap))
+        mu, var, info = sgmcmc_moments(key_mc, start, prior, data, stiff_step_control(trainer, prior.precision, data.num_examples, s.step_cap))
         identity = jax.tree.map(lambda lam: lam + s.alpha_cov * n, cavity.precision)
         if method == "identity":
             lam = identity

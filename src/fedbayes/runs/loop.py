@@ -136,7 +136,8 @@ class RunRecorder:
         return r == c.rounds or bool(c.checkpoint_every and r % c.checkpoint_every == 0)
 
     def record(self, round_idx: int, evaluated: dict, snapshot: dict, info=None) -> dict:
-        """Appends round ``round_idx``'s metric record (evaluation, counters, epsilon, training loss)."""
+        """Appends round ``round_idx``'s metric record (evaluation, counters, epsilon, training loss,
+        and the damping a site method's clients used)."""
         r = {"round": round_idx, **evaluated, **snapshot}
         if self.config.privacy.clip is not None:
             p = self.config.privacy
@@ -144,6 +145,8 @@ class RunRecorder:
         if info is not None:
             r["train_loss"] = train_loss(info)
             r.update(self.fixed_point.change)
+            if info.server and "damping" in info.server:  # the damping this round's clients used
+                r["damping"] = round(float(info.server["damping"]), 6)
         r["seconds"] = round(r["seconds"], 3)
         self.calibration.check(r)
         self.stop_reason = self.learning.check(r, log=False)
