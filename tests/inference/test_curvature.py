@@ -305,8 +305,7 @@ def _penalty_only(lam, eta, lr, epochs=3, n=10, momentum=None):
     """SG-MCMC moments on F = (theta^T Lambda theta / 2 - eta^T theta) / n with a zero loss."""
     from fedbayes.data.batches import ClientData
     from fedbayes.gaussian import DiagGaussian
-    from fedbayes.inference.sgd import LocalTrainer
-    from fedbayes.inference.sgd import stiff_step_control
+    from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
     from fedbayes.inference.tilted import sgmcmc_moments
 
     trainer = LocalTrainer(lambda p, k, x, y, m: 0.0 * jnp.sum(p["w"]), optax.sgd(lr, momentum=momentum), epochs, 5)
