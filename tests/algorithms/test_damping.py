@@ -111,6 +111,26 @@ def test_a_rise_of_the_loss_at_the_broadcast_halves_the_damping_that_made_it_and
     assert float(unmeasured.value) == pytest.approx(0.4) and float(unmeasured.ceiling) == 1.0
 
 
+def test_a_window_whose_loss_rose_does_not_grow_and_one_that_rose_past_loss_rise_halves():
+    """Residuals that keep their direction would grow the damping, but not while the loss at the
+    broadcast is higher than when the window began; 8% a round (each below LOSS_RISE) adds up to
+    more than LOSS_RISE over a window: halved and capped at the window's end."""
+    policy = damping.adaptive(initial=0.2, minimum=0.01)
+
+    def run(losses):
+        t, mean = policy.init(jnp.zeros(1)), 0.0
+        for k, loss in enumerate(losses):
+            step = float(t.value) * 0.9**k  # a steady contraction: rho_hat 0.9
+            t = policy.update(t, _gaussian([mean], [1.0]), _gaussian([mean + step], [1.0]), loss)
+            mean += step
+        return t
+
+    assert float(run([1.0, 0.9, 0.8, 0.7]).value) == pytest.approx(0.25)  # the loss falls: grown
+    assert float(run([1.0, 1.01, 1.0, 1.02]).value) == pytest.approx(0.2)  # it rose a little: kept
+    t = run([1.0, 1.08, 1.17, 1.26])  # 26% over the window, at most 8% a round
+    assert (float(t.value), float(t.ceiling)) == (pytest.approx(0.1), pytest.approx(0.1))
+
+
 def test_adaptive_rule_climbs_to_its_maximum_on_a_contraction():
     policy = damping.adaptive(initial=0.2, maximum=0.9)
     t, mean = policy.init(jnp.zeros(1)), 0.0

@@ -33,7 +33,8 @@ and then (a changed damping starts a new window):
   different rates, the best fixed damping overshoots the fastest ones a little (``rho`` near -0.5
   there) to move the slowest at a useful rate, and stochastic local steps keep exciting those fast
   oscillating directions;
-* ``rho_hat > 0`` (the changes keep their direction: too cautious): ``delta <- min(delta_max, delta * grow)``;
+* ``rho_hat > 0`` (the changes keep their direction: too cautious) and the clients' loss at the
+  broadcast (below) no higher than when the window began: ``delta <- min(delta_max, delta * grow)``;
 * otherwise ``delta`` stays: residuals that are only the jitter of stochastic local steps about
   the fixed point are nearly uncorrelated, and give no reason to move it;
 * a round whose every message the server rejected (the step would have made the global improper,
@@ -43,7 +44,8 @@ and then (a changed damping starts a new window):
   global mean) rising by more than :data:`LOSS_RISE` from one round to the next means the update
   between them, made at the last round's ``delta``, made the global fit its data worse: that
   ``delta`` is halved at once (unless it has already been lowered since) and becomes the
-  ceiling the damping may grow back to. This is the bold driver's own test (Vogl et al. 1988:
+  ceiling the damping may grow back to; a loss that rose by more than :data:`LOSS_RISE` over a
+  window, round by round less, does the same at the window's end. This is the bold driver's own test (Vogl et al. 1988:
   shrink the step when the error rose), on the one quantity the server can see the error by.
 
 A single round's correlation is too noisy to act on (SGD clients on a logistic regression: the
@@ -114,6 +116,7 @@ class DampingState(NamedTuple):
       fit: the cohort's mean loss at the last round's broadcast (0: none seen yet).
       previous: the damping of the last round, whose update the next round's loss measures.
       ceiling: the most the damping may grow to: :data:`MAXIMUM` until a round's loss rose.
+      window_fit: the cohort's loss when the current window began (0: none).
     """
 
     value: jax.Array
@@ -126,6 +129,7 @@ class DampingState(NamedTuple):
     fit: jax.Array
     previous: jax.Array
     ceiling: jax.Array
+    window_fit: jax.Array
 
 
 class Damping(NamedTuple):
@@ -155,7 +159,7 @@ def _init(params: PyTree, value: float, ceiling: float) -> DampingState:
     zero = jnp.zeros((), jnp.float32)
     v = jnp.asarray(value, jnp.float32)
     return DampingState(
-        v, optax.tree.zeros_like(params), jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32), zero, zero, v, jnp.asarray(ceiling, jnp.float32)
+        v, optax.tree.zeros_like(params), jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32), zero, zero, v, jnp.asarray(ceiling, jnp.float32), zero
     )
 
 
@@ -191,19 +195,25 @@ def adaptive(initial: float = INITIAL, minimum: float = MINIMUM, maximum: float 
         rho = cross / jnp.maximum(square, 1e-30)
         growth = jnp.sqrt(ahead / jnp.maximum(square, 1e-30))
         decide = count >= WINDOW
-        shrunk = jnp.maximum(minimum, state.value * shrink)
-        grown = jnp.minimum(state.ceiling, state.value * grow)
-        unstable = (rho < REVERSED) | (rho > DIVERGING) | ((rho < 0) & (growth > GROWING))
-        verdict = jnp.where(unstable, shrunk, jnp.where(rho > 0, jnp.maximum(grown, state.value), state.value))
-        value = jnp.where(decide, verdict, state.value)
-        # The loss at this round's broadcast measures the last round's update, made at `previous`:
-        # a rise past LOSS_RISE halves that damping (unless it has been lowered since) and caps it.
         loss = jnp.zeros((), jnp.float32) if loss is None else jnp.asarray(loss, jnp.float32)
         measured = jnp.isfinite(loss) & (loss > 0)
+        # Over the window: a loss that rose at all forbids growth, one that rose past LOSS_RISE halves.
+        window_known = measured & (state.window_fit > 0)
+        window_worse = window_known & (loss > state.window_fit)
+        window_rose = window_known & (loss > (1.0 + LOSS_RISE) * state.window_fit)
+        shrunk = jnp.maximum(minimum, state.value * shrink)
+        grown = jnp.minimum(state.ceiling, state.value * grow)
+        unstable = (rho < REVERSED) | (rho > DIVERGING) | ((rho < 0) & (growth > GROWING)) | window_rose
+        cautious = (rho > 0) & jnp.logical_not(window_worse)
+        verdict = jnp.where(unstable, shrunk, jnp.where(cautious, jnp.maximum(grown, state.value), state.value))
+        value = jnp.where(decide, verdict, state.value)
+        window_cap = jnp.where(decide & window_rose, shrunk, state.ceiling)
+        # The loss at this round's broadcast measures the last round's update, made at `previous`:
+        # a rise past LOSS_RISE halves that damping (unless it has been lowered since) and caps it.
         rose = measured & (state.fit > 0) & (loss > (1.0 + LOSS_RISE) * state.fit)
         after_rise = jnp.where(state.value < state.previous, state.value, jnp.maximum(minimum, state.previous * shrink))
         value = jnp.where(rose, jnp.minimum(value, after_rise), value).astype(jnp.float32)
-        ceiling = jnp.where(rose, jnp.minimum(state.ceiling, after_rise), state.ceiling).astype(jnp.float32)
+        ceiling = jnp.minimum(window_cap, jnp.where(rose, jnp.minimum(state.ceiling, after_rise), state.ceiling)).astype(jnp.float32)
         decide = decide | rose
         zero = jnp.zeros((), jnp.float32)
         changed = value != state.value  # a new damping starts a new window, its first residual made at it
@@ -218,12 +228,15 @@ def adaptive(initial: float = INITIAL, minimum: float = MINIMUM, maximum: float 
             jnp.where(measured, loss, state.fit).astype(jnp.float32),
             state.value,
             ceiling,
+            jnp.where(decide | (state.window_fit <= 0), jnp.where(measured, loss, 0.0), state.window_fit).astype(jnp.float32),
         )
 
     def rejected(state: DampingState) -> DampingState:
         # every message refused: the damping shrinks at once and the window starts afresh
         zero = jnp.zeros((), jnp.float32)
         value = jnp.maximum(minimum, state.value * shrink).astype(jnp.float32)
-        return DampingState(value, state.last, jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32), zero, state.fit, state.previous, state.ceiling)
+        return DampingState(
+            value, state.last, jnp.zeros((), jnp.bool_), zero, zero, jnp.zeros((), jnp.int32), zero, state.fit, state.previous, state.ceiling, zero
+        )
 
     return Damping(lambda params: _init(params, initial, maximum), update, rejected, adaptive=True)
