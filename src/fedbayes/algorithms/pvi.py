@@ -288,6 +288,8 @@ SPEC = AlgorithmSpec(
     bayesian=True,
     # its posterior's width comes from the prior and the local steps, not a scale
     calibration_advice="set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2",
+    # a network's local VI from the prior's zero mean and unit standard deviation learns nothing
+    divergence_hint="on a network, a local step started at the prior (algorithm.init_mean = 'model', algorithm.init_std = 0.03; docs/algorithms.md §8.2)",
     default_predictive="sample",  # a variational posterior over the weights themselves
     local_budget="converged",  # the tilted mean-field optimum, each round
     stored_meaning=_stored_meaning,
