@@ -118,7 +118,7 @@ def test_traits_say_what_the_name_checks_said():
     assert has("needs_variational_model") == {"vbnn"}
     assert has("needs_feature_spec") == {"fedlap_func"}
     assert has("needs_apply_fn") == {"fedlap_cov", "fedlap_func"}
-    assert has("divergence_hint") == {"fedep", "fedsep"}
+    assert has("divergence_hint") == {"fedep", "fedsep", "pvi"}
     assert has("calibration_advice") == {"fedep", "fedsep", "pvi", "fedlap_cov"}
     assert has("bayesian") == {"fedpa", "fedep", "fedsep", "fedlap", "fedlap_cov", "fedlap_func", "pvi", "vbnn"}
     fedpa = specs["fedpa"].hparams(name="fedpa", skip_epochs=3, burn_in_rounds=2)

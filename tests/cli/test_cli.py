@@ -141,10 +141,18 @@ def test_datasets_lists_presence():
     assert "digits" in res.output and "fashion_mnist" in res.output
 
 
-def test_datasets_fits_80_columns_and_names_each_datasets_own_archive(tmp_path):
+def test_datasets_fits_80_columns_and_names_each_datasets_own_archive():
     """Each hint whole (a URL on a line of its own, never cut) within 80 columns, and the TFF
-    archive of that dataset: not EMNIST's for CIFAR-100 or StackOverflow."""
-    res = runner.invoke(app, ["datasets"], env={"COLUMNS": "80", "FEDBAYES_DATA": str(tmp_path), "FEDBAYES_NO_SYSTEM_DATA": "1"})
+    archive of that dataset: not EMNIST's for CIFAR-100 or StackOverflow. The data folder has a
+    short name: its paths are printed whole (pytest's own tmp_path can pass 80 columns by itself)."""
+    import shutil
+    import tempfile
+
+    data = tempfile.mkdtemp(prefix="fb")
+    try:
+        res = runner.invoke(app, ["datasets"], env={"COLUMNS": "80", "FEDBAYES_DATA": data, "FEDBAYES_NO_SYSTEM_DATA": "1"})
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
     assert res.exit_code == 0, res.output
     assert all(len(line) <= 80 for line in res.output.splitlines()), max(res.output.splitlines(), key=len)
     blocks = re.split(r"\n(?=\S)", res.output)

@@ -58,12 +58,12 @@ BROADCAST_LOSS_TAG = 0x6C6F7373  # folded into a client's round key for its broa
 class GaussianMessage(NamedTuple):
     """A site method's message: a natural-parameter difference (a factor, usually improper), the
     client's own validity flag (a proper cavity, a valid site or curvature), and its mean data loss
-    at the broadcast mean (:func:`fedbayes.inference.sgd.broadcast_loss`; 0: not measured), whose
-    weighted mean over the cohort the adaptive damping watches."""
+    at the broadcast mean (:func:`fedbayes.inference.sgd.broadcast_loss`; ``None``: not measured, no
+    leaf), whose weighted mean over the cohort the adaptive damping watches."""
 
     difference: DiagGaussian
     ok: jax.Array
-    loss: jax.Array | float = 0.0
+    loss: jax.Array | None = None
 
 
 def checked_cavity(cavity: DiagGaussian, q: DiagGaussian, rtol: float = 1e-5) -> tuple[DiagGaussian, jax.Array]:
