@@ -216,7 +216,7 @@ def _ep_algorithm(
             theta = q.precision_mean  # Lambda = 1 during burn-in
             last, info = run_sgd(key, theta, data, trainer)
             step = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
-            return GaussianMessage(step, jnp.ones((), jnp.bool_), jnp.zeros((), jnp.float32)), cstate, info
+            return GaussianMessage(step, jnp.ones((), jnp.bool_), jnp.zeros((), jnp.float32) if damping.adaptive else None), cstate, info
 
         def ep_round():
             share = n / total
@@ -245,7 +245,8 @@ def _ep_algorithm(
                 cavity = gaussian.product(prior, gaussian.power(gaussian.quotient(q, prior), frac))
             cavity, cavity_ok = checked_cavity(cavity, q)
             start = safe_mean(q, message.anchor if uniform else q.precision_mean)
-            fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), start, data, trainer)
+            # the adaptive damping's signal (a forward pass over the client's data); a fixed one needs none
+            fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), start, data, trainer) if damping.adaptive else None
             tilted, info = inference(key, start, cavity, data)
             step = damped_difference(tilted, q, message.damping, delta_clip)
             if not stateful:

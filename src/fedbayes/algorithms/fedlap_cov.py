@@ -254,7 +254,7 @@ def fedlap_cov(
         raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
 
     def client_update(key, message: Broadcast, site, data):
-        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer)
+        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer) if damping.adaptive else None
         _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=message.damping, curvature=curvature, solver=solver)
         return GaussianMessage(gaussian.difference(new_site, site), _valid_curvature(h_k), fit), new_site, info
 

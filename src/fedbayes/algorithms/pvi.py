@@ -59,7 +59,7 @@ its mean and variance for the marginalised predictive (docs/algorithms.md §13.1
 State: the server keeps ``q_g`` (2d floats) and the server optimizer's state; a client keeps its site
 (2d floats). Messages: ``q_g`` down (with ``init_mean="model"`` also the local mean's start, d
 floats: the model's initial parameters in round 1, the global's mean afterwards), ``Delta_k`` up
-(2d floats and a flag).
+(2d floats and a flag; with the adaptive damping also the client's loss at the broadcast, 1 float).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def pvi(
         cavity, ok = checked_cavity(gaussian.quotient(q, cstate.site), q)
         ok = jnp.logical_and(ok, all_positive(cavity.precision))  # the KL needs a proper cavity
         start = q if message.start is None else DiagGaussian(jax.tree.map(jnp.multiply, q.precision, message.start), q.precision)
-        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), gaussian.mean(start), data, trainer)
+        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), gaussian.mean(start), data, trainer) if damping.adaptive else None
         q_k, info = local(key, start, cavity, data)
         step = damped_difference(q_k, q, message.damping)
         site = gaussian.product(cstate.site, step)
