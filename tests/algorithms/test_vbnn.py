@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import digits_vbnn_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -505,27 +506,8 @@ def test_predictive_is_mean_of_softmaxes():
 
 @pytest.mark.parametrize("weighting", ["uniform", "examples"])
 def test_vbnn_learns_digits(weighting):
-    from fedbayes.data import load_dataset, partition
-    from fedbayes.data.federation import Federation
-    from fedbayes.sim.simulator import Simulator
-
-    data = load_dataset("digits")
-    parts = partition("iid", data.y_train, 4, np.random.default_rng(0))
-    model = make_model("mlp", data.num_classes, variational=True, hidden=(32,))
-    apply = apply_with_key(model)
-    trainer = LocalTrainer(None, optax.sgd(0.05, momentum=0.9), num_epochs=2, batch_size=32)
-    sim = Simulator(
-        vbnn(trainer, apply, aggregation="gaa", total_examples=len(data.y_train)),
-        Federation(data.x_train, data.y_train, tuple(parts)),
-        clients_per_round=4,
-        seed=0,
-        weighting=weighting,
-    )
-    state = sim.init(init_params(model, jax.random.key(0), data.feature_shape))
-    for _ in range(4):
-        state, info = sim.run_round(state)
-        assert len(info.rejected) == 0
-    metrics = predictive_metrics(apply, sim.server_params(state), jax.random.key(9), data.x_test, data.y_test)
+    apply, params, data = digits_vbnn_run(aggregation="gaa", sim_kwargs={"weighting": weighting})
+    metrics = predictive_metrics(apply, params, jax.random.key(9), data.x_test, data.y_test)
     assert metrics["accuracy"] > 0.8, metrics
     assert np.isfinite(metrics["nll"]) and 0 <= metrics["ece"] <= 1
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import digits_vbnn_run
 
 from fedbayes.algorithms.vbnn import IVONClient, run_ivon, vbnn
 from fedbayes.data.batches import ClientData
@@ -45,27 +46,9 @@ def test_one_client_moves_every_leaf_and_keeps_the_structure():
 
 
 def _digits_run(method):
-    from fedbayes.data import load_dataset, partition
-    from fedbayes.data.federation import Federation
     from fedbayes.evaluation.variational import predictive_metrics
-    from fedbayes.sim.simulator import Simulator
 
-    data = load_dataset("digits")
-    parts = partition("iid", data.y_train, 4, np.random.default_rng(0))
-    model = make_model("mlp", data.num_classes, variational=True, hidden=(32,))
-    apply = apply_with_key(model)
-    trainer = LocalTrainer(None, optax.sgd(0.05, momentum=0.9), num_epochs=2, batch_size=32)
-    sim = Simulator(
-        vbnn(trainer, apply, aggregation="cf", total_examples=len(data.y_train), method=method),
-        Federation(data.x_train, data.y_train, tuple(parts)),
-        clients_per_round=4,
-        seed=0,
-    )
-    state = sim.init(init_params(model, jax.random.key(0), data.feature_shape))
-    for _ in range(4):
-        state, info = sim.run_round(state)
-        assert len(info.rejected) == 0
-    params = sim.server_params(state)
+    apply, params, data = digits_vbnn_run(aggregation="cf", method=method)
     metrics = predictive_metrics(apply, params, jax.random.key(9), data.x_test, data.y_test)
     spread = {k: float(np.subtract(*np.quantile(np.asarray(v), [0.95, 0.05]))) for k, v in split_variational(params)[1].items()}
     return metrics, spread

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
-from fedbayes.inference.sgd import LocalTrainer, epochs_until_converged, objective_fn, training_info
+from fedbayes.inference.sgd import LocalTrainer, epochs_until_converged, minibatch_step_fn, objective_fn, training_info
 
 PyTree = Any
 
@@ -162,13 +162,7 @@ def epoch_samples(
 def _epochs_until_converged(key, params, data: ClientData, trainer: LocalTrainer, average: bool, penalty, spe):
     """:func:`epoch_samples` with the stopping rule of :func:`fedbayes.inference.run_sgd`
     (:func:`fedbayes.inference.sgd.epochs_until_converged`): one sample per epoch run."""
-    grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
-
-    def step_fn(s, p, opt_state):
-        x, y, m = get_batch(data, s, trainer.batch_size)
-        grads, loss = grad_fn(p, jax.random.fold_in(key, s), x, y, m)
-        updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state, grads, loss
+    step_fn = minibatch_step_fn(key, data, trainer, penalty)
 
     def record(samples, e, p, iterate_sum):
         sample = jax.tree.map(lambda t: t / jnp.maximum(spe, 1).astype(t.dtype), iterate_sum) if average else p

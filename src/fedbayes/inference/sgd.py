@@ -238,8 +238,10 @@ def epochs_until_converged(
     return p, opt_state, loss_sum, e, extra
 
 
-def _run_until_converged(key, params, data: ClientData, trainer: LocalTrainer, penalty):
-    """:func:`run_sgd` with the stopping rule (``trainer.tol > 0``)."""
+def minibatch_step_fn(key, data: ClientData, trainer: LocalTrainer, penalty: Callable | None = None) -> Callable:
+    """``step_fn(s, p, opt_state) -> (p, opt_state, grads, loss)``: local step ``s`` of the
+    optimizer on minibatch ``s`` with key ``fold_in(key, s)``, as :func:`epochs_until_converged`
+    takes it (the loops of :func:`run_sgd` and :func:`fedbayes.inference.epoch_samples`)."""
     grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
 
     def step_fn(s, p, opt_state):
@@ -248,6 +250,12 @@ def _run_until_converged(key, params, data: ClientData, trainer: LocalTrainer, p
         updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, grads, loss
 
+    return step_fn
+
+
+def _run_until_converged(key, params, data: ClientData, trainer: LocalTrainer, penalty):
+    """:func:`run_sgd` with the stopping rule (``trainer.tol > 0``)."""
+    step_fn = minibatch_step_fn(key, data, trainer, penalty)
     p, _, loss_sum, epochs, _ = epochs_until_converged(params, trainer.optimizer.init(params), data, trainer, step_fn, (), lambda extra, *_: extra)
     return p, training_info(loss_sum, epochs * steps_per_epoch(data.num_examples, trainer.batch_size))
 
