@@ -299,3 +299,34 @@ def test_a_round_with_no_accepted_message_leaves_the_server_state(layout):
     moved, _ = sim_ok.run_round(sim_ok.init(params))
     assert int(moved.server_state.round) == int(before.round) + 1
     assert not all(np.array_equal(np.asarray(b), a) for a, b in zip(jax.tree.leaves(before.opt_state), jax.tree.leaves(moved.server_state.opt_state)))
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_no_collective_runs_inside_a_client_loop(layout):
+    """A vmap over a cohort sharded across devices turned each client loop's stopping test into an
+    all-reduce; XLA:CPU ran it beside a collective that did not wait for the loops and, with as
+    many threads as devices, deadlocked (aborted after 40 s on 2 cores). Both layouts split the
+    cohort by hand, so the round's loops hold no cross-device collective."""
+    import re
+
+    assert len(jax.devices()) == 2  # tests run with two host devices (conftest)
+    fed = digits_federation(SIZES)
+    _, params, trainer = logreg_setup(epochs=2, batch_size=16)
+    sim = Simulator(fedavg(trainer, optax.sgd(1.0)), fed, clients_per_round=4, seed=0, layout=layout)
+    state = sim.init(params)
+    hlo = jax.jit(sim.round_program).lower(state.server_state, (), *sim.prepare_round(0).args).compile().as_text()
+    # One block per computation of the compiled module, by name.
+    blocks = {m.group(1): m.group(0) for m in re.finditer(r"^%([\w.\-]+) \(.*?^}", hlo, re.M | re.S)}
+    loops = re.findall(r"condition=%([\w.\-]+), body=%([\w.\-]+)", hlo)
+    assert loops, "the round has client loops"
+    collective = re.compile(r" (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
+    seen, todo = set(), [name for pair in loops for name in pair]
+    while todo:  # the loops' computations and all they call (nested loops, fusions)
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        block = blocks[name]
+        assert not collective.search(block), f"{layout}: a collective inside a client loop ({name})"
+        todo.extend(re.findall(r"(?:calls|to_apply|condition|body)=%([\w.\-]+)", block))
+    assert collective.search(hlo), "the server step sums over the devices"

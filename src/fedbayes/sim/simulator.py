@@ -16,8 +16,9 @@ One round (docs/design.md, "One round, as data flows"):
      ``shard_map``; each device runs its clients one after another (``lax.map``), each client with
      its own trip count, so there is no padding waste. Clients are balanced over devices on the
      host each round, longest first.
-   * ``"vmap"``: the cohort (client axis sharded over the devices) runs under ``jax.vmap``; each
-     client's loop is masked past its own step count, so every client takes exactly its steps.
+   * ``"vmap"``: the cohort is split over the devices the same way, and each device runs its
+     clients under ``jax.vmap``; each client's loop is masked past its own step count, so every
+     client takes exactly its steps.
 
    Client ``k`` always uses the key :func:`fedbayes.protocol.client_key` and the shuffles of
    :func:`fedbayes.protocol.shuffle_rng`: results do not depend on the cohort, its order, padding,
@@ -345,17 +346,19 @@ class Simulator:
     def client_phase(self, message, client_states, client_ids, offsets, num_examples, round_idx, x, y, order):
         """The cohort's client updates in the simulator's layout: ``(messages, new states, infos)``,
         each split by slot over the devices. No step of it crosses devices."""
-        if self.layout == "vmap":
-            one = self._client_fn(message, round_idx, x, y, order)
-            messages, new_states, infos = jax.vmap(one)(client_ids, client_states, offsets, num_examples)
-            # Keep every state leaf split by client, as the sequential layout's shard_map does: XLA
-            # would replicate a leaf that does not depend on the client (a constant flag).
-            return messages, jax.lax.with_sharding_constraint(new_states, self.sharded), infos
+        vmapped = self.layout == "vmap"
 
         def per_device(message, round_idx, x, y, order, cids, cstates, offs, n):
             one = self._client_fn(message, round_idx, x, y, order)
+            if vmapped:
+                return jax.vmap(one)(cids, cstates, offs, n)
             return jax.lax.map(lambda a: one(*a), (cids, cstates, offs, n))
 
+        # Both layouts split the cohort by hand (shard_map). Under a vmap over the whole sharded
+        # cohort, every client loop's stopping test became an all-reduce across the devices, and
+        # XLA:CPU, running a collective that did not wait for the loops beside them on as few
+        # threads as devices, deadlocked (aborted after 40 s, seen on 2 cores). Here each device
+        # loops over its own clients only, until its own longest client is done.
         # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
         # over devices and clients would no longer be independent (docs/design.md).
         return jax.shard_map(
