@@ -342,16 +342,43 @@ def test_init_mean_model_starts_round_one_at_the_model():
 def test_config():
     cfg = validate({"algorithm": {"name": "pvi", "delta": 0.5, "rho": 0.2, "samples": 3, "init_std": 0.01, "parameterisation": "softplus"}})
     a = cfg.algorithm
-    assert (a.delta, a.rho, a.samples, a.init_std, a.parameterisation, a.init_mean, a.improper_sites) == (0.5, 0.2, 3, 0.01, "softplus", "global", "allow")
+    assert (a.delta, a.rho, a.samples, a.init_std, a.parameterisation, a.init_mean, a.improper_sites) == (0.5, 0.2, 3, 0.01, "softplus", "auto", "allow")
+    assert validate({"algorithm": {"name": "pvi"}}).algorithm.init_std == "auto"
+    assert validate({"algorithm": {"name": "pvi", "init_std": "global"}}).algorithm.init_std == "global"
     assert a.estimator == "local" and validate({"algorithm": {"name": "pvi", "estimator": "weights"}}).algorithm.estimator == "weights"
     for bad, field in (({"rho": 0.0}, "algorithm.rho"), ({"rho": 1.5}, "algorithm.rho"), ({"delta": 0}, "algorithm.delta"),
                        ({"estimator": "flipout"}, "algorithm.estimator"),
                        ({"samples": 0}, "algorithm.samples"), ({"init_mean": "zero"}, "algorithm.init_mean"),
+                       ({"init_std": 0.0}, "algorithm.init_std"), ({"init_std": "model"}, "algorithm.init_std"),
                        ({"damping": 0.1}, "algorithm.damping: unknown key")):  # fmt: skip
         with pytest.raises(ConfigError, match=field):
             validate({"algorithm": {"name": "pvi", **bad}})
     with pytest.raises(ValueError, match="damping"):
         pvi(_null_trainer(), optax.sgd(1.0), prior_precision=1.0, damping=0.0)
+
+
+def test_the_automatic_start_depends_on_whether_the_model_is_a_network():
+    """``"auto"``: the model's weights and a small std on a network (zeros make hidden units alike,
+    the prior's width makes the sampled network predict noise); the global on a GLM, as Ashman et
+    al. start it. An explicit setting wins whatever the model."""
+    from fedbayes.algorithms.pvi import NETWORK_INIT_STD, local_start
+
+    assert local_start("auto", "auto", hidden_layers=True) == ("model", NETWORK_INIT_STD)
+    assert local_start("auto", "auto", hidden_layers=False) == ("global", None)
+    for hidden in (True, False):
+        assert local_start("global", "global", hidden_layers=hidden) == ("global", None)
+        assert local_start("model", 0.1, hidden_layers=hidden) == ("model", 0.1)
+
+
+def test_a_stored_config_without_the_start_meant_the_global():
+    from fedbayes.config.schema import stored_meaning
+
+    old = {"algorithm": {"name": "pvi", "init_mean": "global"}, "server": {"clients_per_round": 4}}
+    a = validate(stored_meaning(old)).algorithm
+    assert (a.init_mean, a.init_std) == ("global", "global")
+    new = {"algorithm": {"name": "pvi", "init_mean": "auto", "init_std": "auto", "rho": "adaptive", "estimator": "local"}}
+    a = validate(stored_meaning(new)).algorithm
+    assert (a.init_mean, a.init_std) == ("auto", "auto")
 
 
 def test_cli_run_writes_metrics_and_the_posterior(tmp_path):

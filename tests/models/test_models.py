@@ -324,3 +324,11 @@ def test_loss_fn_unknown_task():
 
 def test_modules_are_flax_modules():
     assert all(isinstance(make_model(n, 3), nn.Module) for n in MODELS)
+
+
+def test_a_network_has_hidden_layers_and_a_glm_has_not():
+    from fedbayes.models import has_hidden_layers
+
+    for name, shape, hidden in (("logreg", (8, 8, 1), False), ("linear", (5,), False), ("mlp", (8, 8, 1), True), ("cnn", (8, 8, 1), True)):
+        model = make_model(name, 10)
+        assert has_hidden_layers(init_params(model, jax.random.key(0), shape)) is hidden, name

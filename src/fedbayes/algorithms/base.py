@@ -181,6 +181,9 @@ class BuildContext(NamedTuple):
       feature_spec: shape and dtype of one example's features (no batch axis), for methods whose
         states hold inputs (FedLap-Func's memory points); ``None`` when not needed
         (:attr:`AlgorithmSpec.needs_feature_spec`).
+      hidden_layers: the model is a network, not a generalised linear model
+        (:func:`fedbayes.models.has_hidden_layers`), for methods whose default start differs
+        between the two (PVI's local step).
     """
 
     trainer: LocalTrainer
@@ -191,6 +194,7 @@ class BuildContext(NamedTuple):
     task: str = "classification"
     keyed_apply_fn: KeyedApplyFn | None = None
     feature_spec: jax.ShapeDtypeStruct | None = None
+    hidden_layers: bool = False
 
 
 class BuildFn(Protocol):

@@ -92,15 +92,20 @@ from fedbayes.inference.vi import ESTIMATORS, PARAMETERISATIONS, reparameterised
 
 PyTree = Any
 INIT_MEANS = ("global", "model")
+AUTO = "auto"
+NETWORK_INIT_STD = 0.03  # the local std's start on a network under "auto" (docs/algorithms.md §8.2)
 DEFAULT_RHO = 0.5  # the adaptive damping's start and the fixed default before it (docs/results/posterior_defaults.md)
 
 __all__ = [
+    "AUTO",
     "INIT_MEANS",
+    "NETWORK_INIT_STD",
     "Broadcast",
     "ClientState",
     "PVIConfig",
     "ServerState",
     "build",
+    "local_start",
     "pvi",
 ]
 
@@ -261,25 +266,52 @@ class PVIConfig(HParams):
         "(one weight draw per minibatch, Ashman et al.'s); the same objective",
     )
     parameterisation: Literal[PARAMETERISATIONS] = Field("log", description="local standard deviation as exp(s) (log) or softplus(s)")  # type: ignore[valid-type]
-    init_std: float | None = Field(None, gt=0, description="start the local std at min(global std, init_std); default: the global std")
-    init_mean: Literal[INIT_MEANS] = Field("global", description="local mean's start: global (mean of q_g) or model (the model's init in round 1)")  # type: ignore[valid-type]
+    init_std: Annotated[float, Field(gt=0)] | Literal["auto", "global"] = Field(
+        AUTO,
+        description="start the local std at min(global std, init_std), or at the global std (global); auto (the default): "
+        f"{NETWORK_INIT_STD} on a network, the global std on a generalised linear model",
+    )
+    init_mean: Literal[INIT_MEANS + (AUTO,)] = Field(  # type: ignore[valid-type]
+        AUTO,
+        description="local mean's start: global (mean of q_g), model (the model's init in round 1), or auto (the default): model on a "
+        "network, global on a generalised linear model",
+    )
     improper_sites: Literal["allow", "reject"] = Field("allow", description="a message that gives its site a non-positive precision: allow or reject")
 
 
+def local_start(init_mean: str, init_std: float | str, hidden_layers: bool) -> tuple[str, float | None]:
+    """The local step's start, ``(init_mean, init_std)`` as :func:`pvi` takes them, from the
+    settings, where ``"auto"`` depends on the model (docs/algorithms.md §8.2). On a network
+    (``hidden_layers``): the model's initial weights and a standard deviation of at most
+    :data:`NETWORK_INIT_STD`, since zeros make every hidden unit alike and weights drawn with the
+    prior's width make the sampled network predict noise. On a generalised linear model: the
+    global, as Ashman et al. (2022) start it; a small first standard deviation there makes the
+    first sites far too precise for the local SGD to undo (docs/results/posterior_defaults.md)."""
+    mean = ("model" if hidden_layers else "global") if init_mean == AUTO else init_mean
+    if init_std == AUTO:
+        return mean, NETWORK_INIT_STD if hidden_layers else None
+    return mean, None if init_std == "global" else float(init_std)
+
+
 def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
+    init_mean, init_std = local_start(hp.init_mean, hp.init_std, ctx.hidden_layers)
     return pvi(
         ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=damping_policy.from_setting(hp.rho),
-        samples=hp.samples, parameterisation=hp.parameterisation, init_std=hp.init_std, init_mean=hp.init_mean,
+        samples=hp.samples, parameterisation=hp.parameterisation, init_std=init_std, init_mean=init_mean,
         allow_improper_sites=hp.improper_sites == "allow", estimator=hp.estimator,
     )  # fmt: skip
 
 
 def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``; one
-    written before ``estimator`` existed drew weights (the default until 2026-11-27 stored the key)."""
+    written before ``estimator`` existed drew weights (the default until 2026-11-27 stored the key);
+    one written before ``init_std`` and ``init_mean`` had ``"auto"`` started at the global."""
     if "rho" not in table:
         table["rho"] = 1.0 / stored_setting(stored, "server", "clients_per_round", 10)
     table.setdefault("estimator", "weights")
+    # before "auto" (2026-11-28): no init_std meant the global's, and init_mean was always written
+    table.setdefault("init_std", "global")
+    table.setdefault("init_mean", "global")
     return table
 
 
@@ -289,7 +321,8 @@ SPEC = AlgorithmSpec(
     # its posterior's width comes from the prior and the local steps, not a scale
     calibration_advice="set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2",
     # a network's local VI from the prior's zero mean and unit standard deviation learns nothing
-    divergence_hint="on a network, a local step started at the prior (algorithm.init_mean = 'model', algorithm.init_std = 0.03; docs/algorithms.md §8.2)",
+    divergence_hint="a local step started nearer the model (algorithm.init_mean = 'model' and a smaller algorithm.init_std; 'auto' gives 'model' "
+    "and 0.03 on a network; docs/algorithms.md §8.2)",
     default_predictive="sample",  # a variational posterior over the weights themselves
     local_budget="converged",  # the tilted mean-field optimum, each round
     stored_meaning=_stored_meaning,

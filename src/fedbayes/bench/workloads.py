@@ -339,7 +339,7 @@ def algorithm_names() -> tuple[str, ...]:
     return registry.names()
 
 
-def build_algorithm(name: str, trainer, federation, clients_per_round: int, apply_fn, task: str, feature_spec=None, hparams=()):
+def build_algorithm(name: str, trainer, federation, clients_per_round: int, apply_fn, task: str, feature_spec=None, hparams=(), hidden_layers=False):
     """The :class:`~fedbayes.algorithms.Algorithm` called ``name``, as the bench runs it: built by
     :mod:`fedbayes.algorithms.registry` from its default settings (FedPA ``rho = 0.01``, one
     mixing epoch; the FedEP workloads ask for ``preset = "paper"``: the scaled-identity method, damping ``1/M``), with the server
@@ -353,6 +353,7 @@ def build_algorithm(name: str, trainer, federation, clients_per_round: int, appl
       apply_fn, task: the model's apply function and task.
       feature_spec: one example's features (``jax.ShapeDtypeStruct``), for FedLap-Func's memory.
       hparams: ``(name, value)`` pairs overriding the method's defaults.
+      hidden_layers: the model is a network (:func:`fedbayes.models.has_hidden_layers`).
 
     Raises:
       BenchError: ``name`` is not registered.
@@ -365,7 +366,7 @@ def build_algorithm(name: str, trainer, federation, clients_per_round: int, appl
         raise BenchError(f"unknown algorithm {name!r}; known: {', '.join(registry.names())}")
     info = federation if isinstance(federation, registry.FederationInfo) else registry.FederationInfo.from_sizes(federation)
     spec = registry.get(name)
-    ctx = registry.BuildContext(trainer, optax.sgd(1.0), info, clients_per_round, apply_fn, task, feature_spec=feature_spec)
+    ctx = registry.BuildContext(trainer, optax.sgd(1.0), info, clients_per_round, apply_fn, task, feature_spec=feature_spec, hidden_layers=hidden_layers)
     return spec.build(spec.hparams(name=name, **dict(hparams)), ctx)
 
 
@@ -433,10 +434,13 @@ def build_simulator(workload: FederatedWorkload, settings: BenchSettings, datase
     federation = Federation(dataset.x_train, dataset.y_train, tuple(parts))
     import jax
 
+    from fedbayes.models import has_hidden_layers
+
     feature_spec = jax.ShapeDtypeStruct(dataset.x_train.shape[1:], dataset.x_train.dtype)
     algorithm = build_algorithm(
-        workload.algorithm, trainer, federation.sizes, workload.clients_per_round, apply_fn, dataset.task, feature_spec, workload.hparams
-    )
+        workload.algorithm, trainer, federation.sizes, workload.clients_per_round, apply_fn, dataset.task, feature_spec, workload.hparams,
+        hidden_layers=has_hidden_layers(params),
+    )  # fmt: skip
     simulator_kwargs.setdefault("store", workload.store)
     simulator_kwargs.setdefault("fuse", workload.fuse)
     simulator_kwargs.setdefault("layout", workload.layout)

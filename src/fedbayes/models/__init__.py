@@ -36,6 +36,7 @@ __all__ = [
     "VariationalMLP",
     "LinearRegression",
     "LogisticRegression",
+    "has_hidden_layers",
     "init_params",
     "loss_fn",
     "make_model",
@@ -124,6 +125,15 @@ def init_params(model: nn.Module, key: jax.Array, feature_shape: Sequence[int]) 
     init = _init_traced if isinstance(dummy, jax.core.Tracer) else _init
     params = init(model, key, dummy)["params"]
     return jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+
+
+def has_hidden_layers(params: Any) -> bool:
+    """Whether a model with parameters ``params`` is a network rather than a generalised linear
+    model: more than one weight array (a parameter of rank 2 or more: a dense kernel, a
+    convolution's filters). A logistic or linear regression has one kernel and a bias; an MLP,
+    a CNN or an LSTM has several. Methods whose good start differs between the two read it
+    (:attr:`fedbayes.algorithms.base.BuildContext.hidden_layers`)."""
+    return sum(1 for leaf in jax.tree.leaves(params) if jnp.ndim(leaf) >= 2) > 1
 
 
 LossFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]

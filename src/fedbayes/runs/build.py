@@ -50,7 +50,7 @@ from fedbayes.errors import DataError
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
 from fedbayes.evaluation.prior_precision import make_prior_precision_search
 from fedbayes.inference.sgd import LocalTrainer
-from fedbayes.models import init_params, loss_fn, make_model
+from fedbayes.models import has_hidden_layers, init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs import limits
 from fedbayes.sim import scenario as attacks
@@ -376,7 +376,7 @@ def build_model(config: RunConfig, spec: DataSpec, module=None) -> ModelParts:
 def build_context(config: RunConfig, spec: DataSpec, federation: registry.FederationInfo, model: ModelParts) -> registry.BuildContext:
     """The one constructor of what the registry's builders get besides their own settings: the
     trainer, the server optimizer, the federation's sizes, the cohort size, the model's apply
-    functions, the task and one example's feature shape. No data."""
+    functions, the task, one example's feature shape and whether the model is a network. No data."""
     s = config.server
     server_opt = algs.make_server_optimizer(s.optimizer, s.lr, momentum=s.momentum, b1=s.beta1, b2=s.beta2, tau=s.tau, variant=s.variant)
     return registry.BuildContext(
@@ -388,6 +388,7 @@ def build_context(config: RunConfig, spec: DataSpec, federation: registry.Federa
         task=spec.task,
         keyed_apply_fn=model.keyed_apply_fn,
         feature_spec=jax.ShapeDtypeStruct(tuple(spec.feature_shape), spec.x_dtype),
+        hidden_layers=has_hidden_layers(model.params),
     )
 
 
