@@ -123,3 +123,25 @@ def test_client_settings_are_checked_before_any_work(tmp_path, client, needle):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
     assert not out.exists()
+
+
+def test_keep_going_runs_every_round_and_says_how_far_the_method_strays_after_the_bar(bench):
+    import dataclasses
+
+    out, _, _ = bench
+    # PVI with minibatches of 8 meets the bar on the tiny problem at about round 20
+    settings = dataclasses.replace(SETTINGS, max_rounds=30, stop_at_bar=False, client={"batch_size": 8})
+    result = posterior.run_posterior_bench(out, settings, ["tiny"], ["pvi"], extra_problems={"tiny": TINY})
+    row = result["problems"][0]["rows"][-1]
+    assert [t["round"] for t in row["trajectory"]] == list(range(1, 31)) and row["rounds"] == 30  # not stopped at the bar
+    reached = row["reached_round"]
+    assert reached is not None and reached < 30
+    later = [t for t in row["trajectory"] if t["round"] > reached]
+    after = row["after_bar"]
+    assert after["checks"] == len(later) and after["max_mean_rel_l2"] == max(t["mean_rel_l2"] for t in later)
+    assert after["var_ratio_range"] == [min(t["var_ratio"][0] for t in later), max(t["var_ratio"][0] for t in later)]
+    assert 0 <= after["share_meeting_bar"] <= 1
+    assert f"after round {reached}" in (out / "posterior_quality.md").read_text()
+    # a row cached under the usual rule is not taken for a run past the bar, nor the other way round
+    again = posterior.run_posterior_bench(out, dataclasses.replace(settings, stop_at_bar=True), ["tiny"], ["pvi"], extra_problems={"tiny": TINY})
+    assert "after_bar" not in again["problems"][0]["rows"][-1] and again["problems"][0]["rows"][-1]["rounds"] == reached

@@ -234,12 +234,16 @@ class PosteriorBenchSettings:
         nuts: the NUTS settings.
         client: ``[client]`` settings for every method (default: none, the methods' defaults),
             e.g. a larger local budget to separate a method's fixed point from its local solver.
+        stop_at_bar: end a method's run at the first check that meets the bar (the default);
+            ``False`` runs all ``max_rounds`` rounds, and the row also says how far the method
+            strayed after first meeting it (``after_bar``): whether it stays there.
     """
 
     max_rounds: int = 1000
     check_every: int = 10
     nuts: NUTSSettings = NUTSSettings()
     client: dict = dataclasses.field(default_factory=dict)
+    stop_at_bar: bool = True
 
 
 FULL = PosteriorBenchSettings()
@@ -344,9 +348,10 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         if info.server and "damping" in info.server:  # the damping this round's clients used
             point["damping"] = float(info.server["damping"])
         trajectory.append(point)
-        if _reached(method.family, comparison):
+        if reached_at is None and _reached(method.family, comparison):
             reached_at = r
-            break
+            if settings.stop_at_bar:
+                break
     row = _row_stats(method.label, mean, var, nuts, apply_fn, dataset.x_test, dataset.y_test, method.kernel_only)
     row.update(
         key=method.key,
@@ -361,6 +366,8 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         trajectory=trajectory,
         config=raw,
     )
+    if reached_at is not None and not settings.stop_at_bar:
+        row["after_bar"] = _after_bar(trajectory, reached_at, method.family)
     log(
         f"  {method.label}: round {row['rounds']}{' (reached)' if reached_at else ''}, vs family {comparison['mean_rel_l2']:.3f}"
         + (f", var x{comparison['var_ratio'][0]:.3g}" if "var_ratio" in comparison else "")
@@ -369,8 +376,24 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
     return row
 
 
+def _after_bar(trajectory: list[dict], reached_at: int, family: str) -> dict:
+    """How far a method strayed from its family optimum at the checks after it first met the bar:
+    the largest mean distance, the variance ratios' range (median over parameters at each check),
+    and the share of those checks that still meet the bar."""
+    later = [t for t in trajectory if t["round"] > reached_at]
+    out = {"checks": len(later), "max_mean_rel_l2": max((t["mean_rel_l2"] for t in later), default=None)}
+    if later and family != "map":
+        ratios = [t["var_ratio"][0] for t in later]
+        out["var_ratio_range"] = [min(ratios), max(ratios)]
+    out["share_meeting_bar"] = sum(_reached(family, t) for t in later) / len(later) if later else None
+    return out
+
+
 def _stopping_rule(settings: PosteriorBenchSettings) -> dict:
-    return {"max_rounds": settings.max_rounds, "check_every": settings.check_every, "mean_tolerance": MEAN_TOLERANCE, "variance_band": list(VARIANCE_BAND)}
+    rule = {"max_rounds": settings.max_rounds, "check_every": settings.check_every, "mean_tolerance": MEAN_TOLERANCE, "variance_band": list(VARIANCE_BAND)}
+    if not settings.stop_at_bar:  # a row cached under the usual rule stays valid
+        rule["stop_at_bar"] = False
+    return rule
 
 
 def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, methods: Sequence[Method] = METHODS, log=lambda s: None) -> dict:
@@ -586,5 +609,18 @@ def markdown(result: dict) -> str:
         rejected = [f"{row['label']} {row['rejected_messages']}" for row in problem["rows"] if row.get("rejected_messages")]
         if rejected:
             lines += ["", "Client messages rejected by the server's checks (over all rounds run): " + "; ".join(rejected) + "."]
+        after = [_after_bar_md(row) for row in problem["rows"] if row.get("after_bar")]
+        if after:
+            lines += ["", "Run past the bar to the last round (`--keep-going`; the row's distances are the last round's): " + "; ".join(after) + "."]
         lines.append("")
     return "\n".join(lines)
+
+
+def _after_bar_md(row: dict) -> str:
+    a = row["after_bar"]
+    text = f"{row['label']} at the {a['checks']} checks after round {row['reached_round']}: mean rel. L2 at most {_num(a['max_mean_rel_l2'])}"
+    if "var_ratio_range" in a:
+        text += f", median variance ratio {_num(a['var_ratio_range'][0])}-{_num(a['var_ratio_range'][1])}"
+    if a["share_meeting_bar"] is not None:
+        text += f", {100 * a['share_meeting_bar']:.0f}% of them meeting the bar"
+    return text

@@ -75,13 +75,16 @@ def bench(
         Optional[str],
         typer.Option(help='posterior: [client] settings for every method as JSON, e.g. \'{"epochs": 3, "batch_size": 8}\' (default: the defaults)'),
     ] = None,
+    keep_going: Annotated[
+        bool, typer.Option("--keep-going", help="posterior: run every method all --max-rounds rounds, past the bar, to see whether it stays there")
+    ] = False,
 ):
     """Round throughput, compile time and peak memory against this machine's compute limit; with
     ``posterior``, each Bayesian method's posterior against NUTS and its family's central optimum."""
     import dataclasses
 
     if suite == "posterior":
-        _bench_posterior(out, quick, dataset, method, max_rounds, client, json_)
+        _bench_posterior(out, quick, dataset, method, max_rounds, client, json_, keep_going)
         return
     if suite not in (None, "gpu"):
         fail(f"error: bench: unknown suite {suite!r}; allowed: posterior, gpu (or none for the throughput bench)")
@@ -112,7 +115,14 @@ def bench(
 
 
 def _bench_posterior(
-    out: Path, quick: bool, datasets: list[str] | None, methods: list[str] | None, max_rounds: int | None, client: str | None, json_: bool
+    out: Path,
+    quick: bool,
+    datasets: list[str] | None,
+    methods: list[str] | None,
+    max_rounds: int | None,
+    client: str | None,
+    json_: bool,
+    keep_going: bool = False,
 ) -> None:
     """``fedbayes bench posterior``: :func:`fedbayes.bench.posterior.run_posterior_bench`."""
     import dataclasses
@@ -122,6 +132,8 @@ def _bench_posterior(
     settings = posterior.QUICK if quick else posterior.FULL
     if max_rounds is not None:
         settings = dataclasses.replace(settings, max_rounds=max_rounds)
+    if keep_going:
+        settings = dataclasses.replace(settings, stop_at_bar=False)
     if client is not None:
         try:
             parsed = json.loads(client)
