@@ -237,6 +237,18 @@ def test_a_stored_config_without_the_keys_evaluates_as_it_did(tmp_path):
     assert same_config(path, old) and not same_config(path, validate({"algorithm": {"name": "fedlap_cov"}}))
 
 
+def test_a_stored_config_without_max_steps_keeps_its_epoch_cap():
+    """``client.max_steps`` (a converging small client's step floor) did not exist before
+    2026-11-28: a stored run without it capped every client at ``max_epochs`` epochs."""
+    from fedbayes.config.schema import stored_meaning
+
+    assert validate({}).client.max_steps == 200
+    old = {"algorithm": {"name": "pvi"}, "client": {"stop": "converged", "max_epochs": 20}}
+    assert validate(stored_meaning(old)).client.max_steps == 0
+    new = validate({"algorithm": {"name": "pvi"}}).model_dump(mode="json")
+    assert stored_meaning(new)["client"]["max_steps"] == 200
+
+
 def test_resume_reads_a_run_folders_config_as_it_was_written(tmp_path):
     """``fedbayes resume`` loads the folder's config.toml with stored=True: an older FedLap-Cov run
     (no predictive, prior_precision or subset_of_weights) resumes with the sampled predictive at its

@@ -57,3 +57,48 @@ def test_epoch_samples_stop_alike_and_keep_the_epochs_run(average):
     np.testing.assert_allclose(np.asarray(samples["w"][:done]), np.asarray(fixed_samples["w"]), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(samples["w"][done:]), 0.0)
     np.testing.assert_array_equal(np.asarray(last["w"]), np.asarray(fixed_last["w"]))
+
+
+def test_a_small_client_runs_up_to_max_steps_past_its_epochs():
+    """An epoch of one batch is one step: with ``max_steps`` the cap is that many steps, the epochs
+    past the laid-out ones reusing their shuffles, and the iterate is that of a fixed budget of as
+    many full-batch steps (laid out in full, for the comparison)."""
+    start = {"w": jnp.zeros((), jnp.float32)}
+    laid_out = _data(epochs=5)  # five epochs laid out, as the simulator does for E = 5
+    trainer = LocalTrainer(_loss, optax.sgd(0.2), 5, 8, tol=1e-6, max_steps=17)
+    p, info = run_sgd(jax.random.key(0), start, laid_out, trainer)
+    assert int(info["steps"]) == 17
+    fixed, _ = run_sgd(jax.random.key(0), start, _data(epochs=17), _trainer(17))
+    np.testing.assert_array_equal(np.asarray(p["w"]), np.asarray(fixed["w"]))
+    # it still stops once settled, and a client whose epochs are max_steps or more keeps E epochs
+    _, info = run_sgd(jax.random.key(0), start, laid_out, trainer._replace(tol=0.5))
+    assert int(info["steps"]) == next(e for e in range(2, 41) if 0.8 ** (e - 1) <= 0.5)
+    _, info = run_sgd(jax.random.key(0), start, laid_out, trainer._replace(max_steps=3))
+    assert int(info["steps"]) == 5
+
+
+def test_the_epoch_cap_gives_small_clients_their_steps():
+    from fedbayes.inference.sgd import epoch_cap
+
+    trainer = LocalTrainer(_loss, optax.sgd(0.2), 20, 32, tol=0.1, max_steps=200)
+    # 1, 2, 7 and 10 steps an epoch: 200, 100, 29 and 20 epochs
+    assert [int(epoch_cap(trainer, n)) for n in (12, 40, 200, 320)] == [200, 100, 29, 20]
+    assert [int(epoch_cap(trainer._replace(max_steps=0), n)) for n in (12, 320)] == [20, 20]
+
+
+def test_epoch_samples_past_their_rows_keep_the_last_epochs_in_a_ring():
+    """A converging small client may run more epochs than the samples have rows: row ``e mod E``
+    holds epoch ``e``, so the rows hold the last ``E`` epochs, as a plain run of that many epochs
+    gives them."""
+    from fedbayes.inference.iasg import epoch_of_sample
+
+    start = {"w": jnp.zeros((), jnp.float32)}
+    trainer = LocalTrainer(_loss, optax.sgd(0.2), 5, 8, tol=1e-6, max_steps=17)
+    samples, last, info = epoch_samples(jax.random.key(0), start, _data(epochs=5), trainer, skip_epochs=0, average=False)
+    assert int(info["steps"]) == 17
+    plain, plain_last, _ = epoch_samples(jax.random.key(0), start, _data(epochs=17), _trainer(17), skip_epochs=0, average=False)
+    rows = np.asarray(epoch_of_sample(5, jnp.int32(17)))
+    assert sorted(rows.tolist()) == [12, 13, 14, 15, 16] and rows[16 % 5] == 16
+    np.testing.assert_allclose(np.asarray(samples["w"]), np.asarray(plain["w"])[rows], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(last["w"]), np.asarray(plain_last["w"]))
+    assert np.asarray(epoch_of_sample(5, jnp.int32(3))).tolist() == [0, 1, 2, -2, -1]  # rows not yet filled

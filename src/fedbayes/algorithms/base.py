@@ -332,6 +332,10 @@ class AlgorithmSpec:
         steps (a site method's tilted posterior, a dual method's local optimum) needs the latter:
         a fixed epoch of a few minibatches leaves it far from that point for hundreds of rounds
         (docs/results/posterior_defaults.md). Read it with :meth:`local_budget_for`.
+      local_max_steps: ``client.max_steps`` when not given: the steps a converging small client
+        may run past ``client.max_epochs`` epochs (:func:`fedbayes.inference.sgd.epoch_cap`); 0
+        for a method measured worse with them (FedSEP, whose fixed point moves away from the
+        family optimum with longer local runs).
       stored_meaning: ``(algorithm_table, stored_config) -> algorithm_table``: a run folder's or a
         checkpoint's ``[algorithm]`` table with each key it lacks set to what it meant when it was
         written (a key whose default has changed since, or a key added since), so that an old run
@@ -359,6 +363,7 @@ class AlgorithmSpec:
     default_predictive: str | Callable[[Any], str] = sampled_predictive
     posterior_prior_precision: Callable[[Any], PriorPrecision | tuple[float, float] | float | None] = no_laplace_prior
     local_budget: str | Callable[[Any], str] = "epochs"
+    local_max_steps: int = 200
     stored_meaning: Callable[[dict, dict], dict] = as_stored
 
     def __post_init__(self):

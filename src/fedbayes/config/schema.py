@@ -178,6 +178,13 @@ class ClientConfig(_Strict):
         "clients, PVI, FedLap-Cov)",
     )
     max_epochs: int = Field(20, ge=1, description="stop = 'converged': the most epochs a client runs in a round")
+    max_steps: int = Field(
+        200,
+        ge=0,
+        description="stop = 'converged': a client whose max_epochs epochs are fewer steps than this (a small client, whose epoch is a step or "
+        "two) may run up to this many steps (epochs past max_epochs reuse their shuffles); 0: max_epochs epochs at most; unset: the "
+        "method's default (200; FedSEP 0)",
+    )
     tol: float = Field(
         0.1, gt=0, lt=1, description="stop = 'converged': a client stops once an epoch's mean minibatch gradient is at most this times the first epoch's (norm)"
     )
@@ -398,23 +405,29 @@ def _method_evaluation_defaults(data: Any) -> Any:
 
 def _method_local_budget(data: Any) -> Any:
     """Fills an unset ``client.stop``: ``"epochs"`` where ``client.epochs`` is given (the user chose
-    a budget), else the method's :attr:`~fedbayes.algorithms.base.AlgorithmSpec.local_budget`."""
+    a budget), else the method's :attr:`~fedbayes.algorithms.base.AlgorithmSpec.local_budget`; and
+    an unset ``client.max_steps`` with the method's
+    :attr:`~fedbayes.algorithms.base.AlgorithmSpec.local_max_steps`."""
     if not isinstance(data, dict):
         return data
     client = data.get("client", {})
     if isinstance(client, ClientConfig):
         client = {k: getattr(client, k) for k in client.model_fields_set}
-    if not isinstance(client, dict) or client.get("stop") is not None:
+    if not isinstance(client, dict):
         return data
-    if "epochs" in client:
-        stop = "epochs"
-    else:
+    filled = dict(client)
+    if filled.get("stop") is None and "epochs" in filled:
+        filled["stop"] = "epochs"
+    if filled.get("stop") is None or "max_steps" not in filled:
         try:
             hparams = validate_algorithm(data.get("algorithm", _default_algorithm()))
         except ValueError:
-            return data
-        stop = registry.get(hparams.name).local_budget_for(hparams)
-    return {**data, "client": {**client, "stop": stop}}
+            return data if filled == client else {**data, "client": filled}
+        spec = registry.get(hparams.name)
+        if filled.get("stop") is None:
+            filled["stop"] = spec.local_budget_for(hparams)
+        filled.setdefault("max_steps", spec.local_max_steps)
+    return data if filled == client else {**data, "client": filled}
 
 
 def stored_meaning(raw: Any) -> Any:
@@ -433,6 +446,8 @@ def stored_meaning(raw: Any) -> Any:
     out = {**raw, "evaluation": evaluation}
     if isinstance(raw.get("client"), dict) and "stop" not in raw["client"]:  # written before client.stop: a fixed budget
         out["client"] = {**raw["client"], "stop": "epochs"}
+    if isinstance(raw.get("client"), dict) and "max_steps" not in raw["client"]:  # written before client.max_steps: max_epochs alone
+        out["client"] = {**out.get("client", raw["client"]), "max_steps": 0}
     data = raw.get("data", {})
     if isinstance(data, dict) and "standardize" not in data:  # written before data.standardize: own data was not scaled
         out["data"] = {**data, "standardize": False if data.get("dataset") in STANDARDIZE_AUTO_DATASETS else "auto"}

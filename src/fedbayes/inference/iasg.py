@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
-from fedbayes.inference.sgd import LocalTrainer, epochs_until_converged, minibatch_step_fn, objective_fn, training_info
+from fedbayes.inference.sgd import LocalTrainer, epoch_cap, epochs_until_converged, minibatch_step_fn, objective_fn, training_info
 
 PyTree = Any
 
@@ -134,7 +134,10 @@ def epoch_samples(
     :func:`fedbayes.inference.run_sgd` does, once an epoch's mean minibatch gradient has fallen to
     ``tol`` times the first epoch's; the
     samples of the epochs not run are zeros, and ``info["steps"] / ceil(n_k / B)`` tells how many
-    epochs ran.
+    epochs ran. A small client may then run past ``num_epochs`` epochs
+    (:func:`fedbayes.inference.sgd.epoch_cap`, up to ``trainer.max_steps`` steps): the samples
+    are a ring, epoch ``e``'s in row ``e mod num_epochs``, so they hold the last ``num_epochs``
+    epochs run (:func:`epoch_of_sample` tells which).
     """
     num_samples = trainer.num_epochs - skip_epochs
     if num_samples < 0:
@@ -159,6 +162,14 @@ def epoch_samples(
     return samples, last, training_info(loss_sum, trainer.num_epochs * spe)
 
 
+def epoch_of_sample(num_rows: int, done: jax.Array) -> jax.Array:
+    """The epoch whose sample row ``j`` of :func:`epoch_samples` holds after ``done`` epochs of a
+    converging client (the ring of the last ``num_rows``): ``done - 1 - ((done - 1 - j) mod
+    num_rows)``; negative for a row no epoch has filled."""
+    j = jnp.arange(num_rows)
+    return done - 1 - jnp.mod(done - 1 - j, num_rows)
+
+
 def _epochs_until_converged(key, params, data: ClientData, trainer: LocalTrainer, average: bool, penalty, spe):
     """:func:`epoch_samples` with the stopping rule of :func:`fedbayes.inference.run_sgd`
     (:func:`fedbayes.inference.sgd.epochs_until_converged`): one sample per epoch run."""
@@ -166,10 +177,11 @@ def _epochs_until_converged(key, params, data: ClientData, trainer: LocalTrainer
 
     def record(samples, e, p, iterate_sum):
         sample = jax.tree.map(lambda t: t / jnp.maximum(spe, 1).astype(t.dtype), iterate_sum) if average else p
-        return jax.tree.map(lambda buf, x: buf.at[e].set(x), samples, sample)
+        return jax.tree.map(lambda buf, x: buf.at[e % trainer.num_epochs].set(x), samples, sample)
 
     samples = jax.tree.map(lambda p: jnp.zeros((trainer.num_epochs, *jnp.shape(p)), jnp.result_type(p)), params)
     last, _, loss_sum, epochs, samples = epochs_until_converged(
-        params, trainer.optimizer.init(params), data, trainer, step_fn, samples, record, sum_iterates=average
-    )
+        params, trainer.optimizer.init(params), data, trainer, step_fn, samples, record, sum_iterates=average,
+        max_epochs=epoch_cap(trainer, data.num_examples),
+    )  # fmt: skip
     return samples, last, training_info(loss_sum, epochs * spe)

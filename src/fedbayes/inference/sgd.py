@@ -13,7 +13,8 @@ epoch ``e >= 2`` whose mean minibatch gradient (the sum of the epoch's minibatch
 steps: the full gradient for an epoch of one batch, and for many small steps nearly so, its
 noise averaged over the epoch) has a norm at most ``tol`` times the first epoch's,
 ``||g_bar_e|| <= tol ||g_bar_1||``, and after ``E`` epochs at most (the cap, laid out by the
-simulator). A criterion on the gradient and relative to the round's start is free of the
+simulator), or, in :func:`run_sgd`, after ``trainer.max_steps`` steps where ``E`` epochs are fewer
+(:func:`epoch_cap`: a small client's epoch is a step or two). A criterion on the gradient and relative to the round's start is free of the
 objective's scale: a tilted objective whose cavity term is large at the optimum (a small client
 under a precise cavity) changes by a small fraction of its value per step long before it
 settles, and a relative-objective rule stopped such clients after two steps. A client starts each
@@ -56,6 +57,8 @@ class LocalTrainer(NamedTuple):
       batch_size: minibatch size ``B``.
       tol: 0 runs exactly ``E`` epochs; ``> 0`` stops a client once an epoch's mean minibatch
         gradient is at most ``tol`` times the first epoch's in norm (the module docstring).
+      max_steps: with ``tol > 0``, a client whose ``E`` epochs are fewer steps than this may run
+        more epochs, up to this many steps (:func:`epoch_cap`); 0: ``E`` epochs at most.
     """
 
     loss_fn: LossFn
@@ -63,6 +66,17 @@ class LocalTrainer(NamedTuple):
     num_epochs: int
     batch_size: int
     tol: float = 0.0
+    max_steps: int = 0
+
+
+def epoch_cap(trainer: LocalTrainer, num_examples) -> jax.Array:
+    """The most epochs a client that runs until converged (``trainer.tol > 0``) may take:
+    ``max(E, ceil(max_steps / ceil(n_k / B)))``. A small client's epoch is one or two steps (its
+    whole data in one batch), and ``E`` of them stop it far from its local optimum; it gets up to
+    ``max_steps`` steps instead. Epochs past the ``E`` laid out reuse their shuffles in turn
+    (:func:`minibatch_step_fn`); for a client whose epoch is one batch the order does not matter."""
+    spe = jnp.maximum(steps_per_epoch(num_examples, trainer.batch_size), 1)
+    return jnp.maximum(jnp.asarray(trainer.num_epochs, jnp.int32), ((trainer.max_steps + spe - 1) // spe).astype(jnp.int32))
 
 
 def objective_fn(trainer: LocalTrainer, penalty: Callable | None = None):
@@ -202,7 +216,15 @@ class EpochTracker(NamedTuple):
 
 
 def epochs_until_converged(
-    params, opt_state, data: ClientData, trainer: LocalTrainer, step_fn: Callable, extra, extra_epoch: Callable, sum_iterates: bool = False
+    params,
+    opt_state,
+    data: ClientData,
+    trainer: LocalTrainer,
+    step_fn: Callable,
+    extra,
+    extra_epoch: Callable,
+    sum_iterates: bool = False,
+    max_epochs: jax.Array | int | None = None,
 ):
     """The loop of a client that stops once its objective settles (``trainer.tol > 0``): a
     ``while_loop`` over epochs (the client's own trip count; under ``vmap`` finished clients hold
@@ -211,10 +233,11 @@ def epochs_until_converged(
     ``step_fn(s, p, opt_state) -> (p, opt_state, grads, loss)`` takes step ``s``; ``extra`` is a
     per-epoch carry updated by ``extra_epoch(extra, e, p, epoch_carry)`` at each epoch's end
     (``epoch_carry`` the sum of the epoch's iterates with ``sum_iterates``, for averaging; else
-    zeros). Returns ``(p, opt_state,
-    loss_sum, epochs, extra)``.
+    zeros). ``max_epochs``: the cap (default ``trainer.num_epochs``; :func:`epoch_cap`). Returns
+    ``(p, opt_state, loss_sum, epochs, extra)``.
     """
     spe = steps_per_epoch(data.num_examples, trainer.batch_size)
+    cap = trainer.num_epochs if max_epochs is None else max_epochs
 
     def epoch(carry):
         e, p, opt_state, loss_sum, track, extra = carry
@@ -231,7 +254,7 @@ def epochs_until_converged(
 
     def cond(carry):
         e, _, _, _, track, _ = carry
-        return (e < trainer.num_epochs) & jnp.logical_not(track.done) & (spe > 0)
+        return (e < cap) & jnp.logical_not(track.done) & (spe > 0)
 
     init = (jnp.zeros((), jnp.int32), params, opt_state, jnp.zeros((), jnp.float32), EpochTracker.start(), extra)
     e, p, opt_state, loss_sum, _, extra = jax.lax.while_loop(cond, epoch, init)
@@ -240,12 +263,15 @@ def epochs_until_converged(
 
 def minibatch_step_fn(key, data: ClientData, trainer: LocalTrainer, penalty: Callable | None = None) -> Callable:
     """``step_fn(s, p, opt_state) -> (p, opt_state, grads, loss)``: local step ``s`` of the
-    optimizer on minibatch ``s`` with key ``fold_in(key, s)``, as :func:`epochs_until_converged`
-    takes it (the loops of :func:`run_sgd` and :func:`fedbayes.inference.epoch_samples`)."""
+    optimizer with key ``fold_in(key, s)`` on minibatch ``s`` of the ``E`` epochs laid out (step
+    ``s`` modulo their steps: the epochs past them that :func:`epoch_cap` allows reuse their
+    shuffles), as :func:`epochs_until_converged` takes it (the loops of :func:`run_sgd` and
+    :func:`fedbayes.inference.epoch_samples`)."""
     grad_fn = jax.grad(objective_fn(trainer, penalty), has_aux=True)
+    laid_out = jnp.maximum(trainer.num_epochs * steps_per_epoch(data.num_examples, trainer.batch_size), 1)
 
     def step_fn(s, p, opt_state):
-        x, y, m = get_batch(data, s, trainer.batch_size)
+        x, y, m = get_batch(data, s % laid_out, trainer.batch_size)
         grads, loss = grad_fn(p, jax.random.fold_in(key, s), x, y, m)
         updates, opt_state = trainer.optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, grads, loss
@@ -256,7 +282,9 @@ def minibatch_step_fn(key, data: ClientData, trainer: LocalTrainer, penalty: Cal
 def _run_until_converged(key, params, data: ClientData, trainer: LocalTrainer, penalty):
     """:func:`run_sgd` with the stopping rule (``trainer.tol > 0``)."""
     step_fn = minibatch_step_fn(key, data, trainer, penalty)
-    p, _, loss_sum, epochs, _ = epochs_until_converged(params, trainer.optimizer.init(params), data, trainer, step_fn, (), lambda extra, *_: extra)
+    p, _, loss_sum, epochs, _ = epochs_until_converged(
+        params, trainer.optimizer.init(params), data, trainer, step_fn, (), lambda extra, *_: extra, max_epochs=epoch_cap(trainer, data.num_examples)
+    )
     return p, training_info(loss_sum, epochs * steps_per_epoch(data.num_examples, trainer.batch_size))
 
 

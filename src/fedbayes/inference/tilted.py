@@ -70,7 +70,7 @@ from fedbayes.inference.base import CavityInference
 from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_norm
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import batch_diag_fisher, over_client_data
-from fedbayes.inference.iasg import epoch_samples
+from fedbayes.inference.iasg import epoch_of_sample, epoch_samples
 from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
 
 PyTree = Any
@@ -155,12 +155,13 @@ def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, tr
 
 def _tail_moments(samples: PyTree, done: jax.Array) -> tuple[PyTree, PyTree]:
     """Mean and unbiased variance of the second half of the ``done`` epochs' samples (epochs
-    ``floor(done / 2) .. done - 1``): a client that ran until its objective settled spent its
-    first epochs on the way to the tilted mode, and their iterates would pull the mean back
-    towards the start (Polyak-Ruppert averaging of the tail)."""
+    ``floor(done / 2) .. done - 1``, of those the ring of samples still holds: the last ``E``,
+    :func:`fedbayes.inference.iasg.epoch_of_sample`): a client that ran until its objective
+    settled spent its first epochs on the way to the tilted mode, and their iterates would pull
+    the mean back towards the start (Polyak-Ruppert averaging of the tail)."""
     num = jax.tree.leaves(samples)[0].shape[0]
-    e = jnp.arange(num)
-    w = ((e >= done // 2) & (e < done)).astype(jnp.float32)
+    e = epoch_of_sample(num, done)
+    w = ((e >= done // 2) & (e >= 0) & (e < done)).astype(jnp.float32)
     count = jnp.maximum(jnp.sum(w), 1.0)
 
     def moments(s):

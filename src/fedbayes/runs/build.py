@@ -333,10 +333,11 @@ def client_optimizer(config: RunConfig) -> optax.GradientTransformation:
 def local_trainer(config: RunConfig, loss) -> LocalTrainer:
     """The clients' :class:`~fedbayes.inference.LocalTrainer` from the ``[client]`` section: a fixed
     budget of ``client.epochs`` epochs (``client.stop = "epochs"``), or at most ``client.max_epochs``
-    epochs until the objective settles (``"converged"``, tolerance ``client.tol``)."""
+    epochs (``client.max_steps`` steps where those are fewer) until the objective settles
+    (``"converged"``, tolerance ``client.tol``)."""
     c = config.client
     if c.stop == "converged":
-        return LocalTrainer(loss, client_optimizer(config), c.max_epochs, c.batch_size, tol=c.tol)
+        return LocalTrainer(loss, client_optimizer(config), c.max_epochs, c.batch_size, tol=c.tol, max_steps=c.max_steps)
     return LocalTrainer(loss, client_optimizer(config), c.epochs, c.batch_size)
 
 
