@@ -13,8 +13,8 @@ epoch ``e >= 2`` whose mean minibatch gradient (the sum of the epoch's minibatch
 steps: the full gradient for an epoch of one batch, and for many small steps nearly so, its
 noise averaged over the epoch) has a norm at most ``tol`` times the first epoch's,
 ``||g_bar_e|| <= tol ||g_bar_1||``, and after ``E`` epochs at most (the cap, laid out by the
-simulator), or, in :func:`run_sgd`, after ``trainer.max_steps`` steps where ``E`` epochs are fewer
-(:func:`epoch_cap`: a small client's epoch is a step or two). A criterion on the gradient and relative to the round's start is free of the
+simulator), or after ``trainer.max_steps`` steps where ``E`` epochs are fewer (:func:`epoch_cap`:
+a small client's epoch is a step or two). A criterion on the gradient and relative to the round's start is free of the
 objective's scale: a tilted objective whose cavity term is large at the optimum (a small client
 under a precise cavity) changes by a small fraction of its value per step long before it
 settles, and a relative-objective rule stopped such clients after two steps. A client starts each
