@@ -18,6 +18,7 @@ from fedbayes.aggregators.variational import RULES, VARIANTS, aggregate, aggrega
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.algorithms.server_opt import make_server_optimizer
 from fedbayes.algorithms.vbnn import variational_objective, vbnn
+from fedbayes.data.batches import ClientData
 from fedbayes.evaluation.variational import predictive_log_probs, predictive_metrics
 from fedbayes.inference import LocalTrainer
 from fedbayes.models import init_params, make_model
@@ -616,3 +617,91 @@ def test_reference_code_accumulation_is_the_published_loop(rule):
         assert all(np.array_equal(u, v) for u, v in zip(x, y))
     with pytest.raises(ValueError, match="accumulation must be one of exact, reference_code"):
         aggregate("gaa", jnp.zeros((2, 1)), jnp.zeros((2, 1)), jnp.ones(2), accumulation="code")
+
+
+# ----- the log-variances' step ---------------------------------------------------------------------
+
+
+def _natural_problem(n=500.0, lam=1.0, s2=1.0):
+    """A per-example objective in the log-variances alone: a quadratic data term whose expected
+    curvature per example is ``h_j`` (``E_q[h theta^2 / 2]`` at mean 0) plus the KL share; its
+    optimum is ``sigma_j^2 = 1 / (1 / s2 + (n / lam) h_j)``."""
+    h = jnp.array([1e-4, 1e-3, 1e-2, 1e-1])
+
+    def f(u):
+        v = jnp.exp(u)
+        return 0.5 * jnp.sum(h * v) + lam * 0.5 * jnp.sum(v / s2 - 1.0 - u + jnp.log(s2)) / n
+
+    return f, 1.0 / (1.0 / s2 + (n / lam) * h)
+
+
+def test_natural_logvar_step_relaxes_every_variance_to_its_own_optimum():
+    from fedbayes.algorithms.vbnn import natural_logvar_step
+
+    f, target = _natural_problem()
+    opt = natural_logvar_step(0.1, 500.0)
+    u = jnp.log(jnp.array([1e-3, 10.0, 1e-3, 10.0]))
+    state = opt.init(u)
+    updates, state = opt.update(jax.grad(f)(u), state)
+    # one step: u - lr (sigma^2 P - 1), clipped to one unit (the starts at 10 are 10-500 times too wide)
+    want = -0.1 * (jnp.exp(u) / target - 1.0)
+    np.testing.assert_allclose(updates, jnp.clip(want, -1.0, 1.0), rtol=1e-5)
+    assert float(jnp.min(want)) < -1.0
+    for _ in range(300):
+        updates, state = opt.update(jax.grad(f)(u), state)
+        u = optax.apply_updates(u, updates)
+    np.testing.assert_allclose(jnp.exp(u), target, rtol=1e-4)  # optima 50 times apart, each reached
+
+
+def test_adam_moves_the_log_variances_in_lockstep():
+    """What the natural step replaces: Adam's normalised steps move every log-variance by the same
+    amount whatever its gradient, so variances whose optima differ 50-fold move together."""
+    f, target = _natural_problem()
+    assert float(target[0] / target[-1]) > 40
+    opt = optax.adam(1e-3)
+    u = jnp.full(4, jnp.log(1e-4))
+    state = opt.init(u)
+    for _ in range(20):
+        updates, state = opt.update(jax.grad(f)(u), state)
+        u = optax.apply_updates(u, updates)
+    moved = np.asarray(u - jnp.log(1e-4))
+    np.testing.assert_allclose(moved, moved[0], rtol=1e-3)
+
+
+def _one_client(hidden, logvar_optimizer):
+    model = make_model("mlp", 3, variational=True, hidden=hidden)
+    params = init_params(model, jax.random.key(0), (5,))
+    x = jax.random.normal(jax.random.key(2), (16, 5), jnp.float32)
+    y = (jnp.arange(16) % 3).astype(jnp.int32)
+    data = ClientData(x, y, jnp.arange(16, dtype=jnp.int32), jnp.zeros((), jnp.int32), jnp.asarray(16, jnp.int32))
+    trainer = LocalTrainer(None, optax.sgd(0.05), 2, 8)
+    algo = vbnn(trainer, apply_with_key(model), total_examples=160, logvar_optimizer=logvar_optimizer)
+    new, _, _ = algo.client_update(jax.random.key(3), params, None, data)
+    return new
+
+
+@pytest.mark.parametrize("hidden, resolved", [((), "natural"), ((4,), "adam")])
+def test_auto_logvar_step_is_natural_on_a_glm_and_adam_on_a_network(hidden, resolved):
+    auto = _one_client(hidden, "auto")
+    same = _one_client(hidden, resolved)
+    other = _one_client(hidden, "adam" if resolved == "natural" else "natural")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), auto, same)
+    assert not np.allclose(np.asarray(jax.tree.leaves(split_variational(auto)[1])[0]), np.asarray(jax.tree.leaves(split_variational(other)[1])[0]))
+
+
+def test_logvar_optimizer_settings():
+    from fedbayes.algorithms.registry import get
+    from fedbayes.config.schema import RunConfig
+
+    model = make_model("mlp", 3, variational=True, hidden=(4,))
+    trainer = LocalTrainer(None, optax.sgd(0.1), 1, 4)
+    with pytest.raises(ValueError, match="logvar_optimizer"):
+        vbnn(trainer, apply_with_key(model), total_examples=10, logvar_optimizer="sgd")
+    with pytest.raises(ValueError, match="logvar_optimizer"):
+        vbnn(trainer, apply_with_key(model), variant="paper", logvar_optimizer="natural")
+    cfg = RunConfig(algorithm={"name": "vbnn"}, model={"name": "mlp", "variational": True})
+    assert cfg.algorithm.logvar_optimizer == "auto"
+    with pytest.raises(ValueError, match="algorithm.logvar_optimizer"):
+        RunConfig(algorithm={"name": "vbnn", "variant": "paper", "logvar_optimizer": "natural"}, model={"name": "mlp", "variational": True})
+    # a run folder written before the setting trained its log-variances with Adam
+    assert get("vbnn").stored_meaning({"name": "vbnn", "variant": "bayes"}, {})["logvar_optimizer"] == "adam"

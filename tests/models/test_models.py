@@ -332,3 +332,7 @@ def test_a_network_has_hidden_layers_and_a_glm_has_not():
     for name, shape, hidden in (("logreg", (8, 8, 1), False), ("linear", (5,), False), ("mlp", (8, 8, 1), True), ("cnn", (8, 8, 1), True)):
         model = make_model(name, 10)
         assert has_hidden_layers(init_params(model, jax.random.key(0), shape)) is hidden, name
+    # a variational weight's mean and log-variance are one weight: the linear VBNN is a GLM
+    for hidden_sizes, hidden in (((), False), ((4,), True)):
+        model = make_model("mlp", 3, variational=True, hidden=hidden_sizes)
+        assert has_hidden_layers(init_params(model, jax.random.key(0), (5,))) is hidden, hidden_sizes

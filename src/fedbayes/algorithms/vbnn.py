@@ -35,11 +35,22 @@ variance round after round.
 [-30, 20] is never reached). Their gradient is small: the KL's is ``(sigma^2 / s^2 - 1) / (2N)``
 per weight and example (``8e-5`` for 6,000 examples), and the data term's scales with
 ``sigma^2``, so a client's SGD at the means' rate moves ``log sigma^2`` by ``1e-6`` per step. The
-``bayes`` variant therefore trains the log-variance leaves with their own Adam at ``logvar_lr``
-(default 1e-3; :func:`optax.multi_transform`), and the means and deterministic leaves with the
-client's optimizer; Adam's steps are of size ``logvar_lr`` whatever the gradient's scale, so
-``log sigma^2`` can move by O(1) within a few rounds, and its state starts afresh every round like
-the client optimizer's.
+``bayes`` variant therefore gives the log-variance leaves their own step (``logvar_optimizer``;
+:func:`optax.multi_transform`), the means and deterministic leaves the client's optimizer:
+
+* ``"natural"``: the natural-gradient step (:func:`natural_logvar_step`), which relaxes every
+  variance towards its own optimum ``1 / (1 / s^2 + (N / lambda) E_q[d^2 CE])`` at one rate, so
+  the variances follow the data's curvature weight by weight;
+* ``"adam"``: Adam at ``logvar_lr`` (1e-3), whose normalised steps move every log-variance of a
+  layer by about the same amount whatever its gradient (the variances move in lockstep);
+* ``"auto"`` (the default): natural on a generalised linear model, Adam on a network
+  (:func:`fedbayes.models.has_hidden_layers`). On a network the mean-field posterior that the
+  natural step reaches is over-pruned (Trippe and Turner 2018, "Overpruning in Variational
+  Bayesian Neural Networks"): most variances go to the prior's and the network underfits, so
+  the network's default keeps Adam's small steps near the layers' small initial variances
+  (docs/results/vbnn_natural.md has both measurements).
+
+Either step's state starts afresh every round like the client optimizer's.
 
 **The published code (``variant = "paper"``)**, for reproducing the paper's tables: log-variances
 drawn from ``N(-9, 0.001^2)`` at :meth:`server_init`, clamped to [-8, 8] in the forward pass and
@@ -66,6 +77,7 @@ from fedbayes.data.batches import get_batch, num_local_steps
 from fedbayes.hparams import HParams
 from fedbayes.inference.ivon import hessian_from_variance, ivon
 from fedbayes.inference.sgd import LocalTrainer, run_sgd, training_info
+from fedbayes.models import has_hidden_layers
 from fedbayes.models.variational import (
     LOGVAR_MIN,
     kl_to_prior,
@@ -80,6 +92,9 @@ from fedbayes.models.variational import (
 __all__ = [
     "CLIENT_METHODS",
     "DEFAULT_LOGVAR_LR",
+    "DEFAULT_NATURAL_LOGVAR_LR",
+    "LOGVAR_OPTIMIZERS",
+    "natural_logvar_step",
     "IVONClient",
     "ivon_init",
     "VBNNState",
@@ -90,8 +105,11 @@ __all__ = [
     "vbnn",
 ]
 
-DEFAULT_LOGVAR_LR = 1e-3
-CLIENT_METHODS = ("bbb", "ivon")  # Bayes-by-backprop with Adam on the log-variances; IVON
+DEFAULT_LOGVAR_LR = 1e-3  # Adam's rate on the log-variances
+DEFAULT_NATURAL_LOGVAR_LR = 0.1  # the natural-gradient step's rate (docs/results/vbnn_natural.md)
+NATURAL_LOGVAR_MAX_STEP = 1.0  # the most a log-variance moves in one natural step (a factor e)
+CLIENT_METHODS = ("bbb", "ivon")  # Bayes-by-backprop; IVON
+LOGVAR_OPTIMIZERS = ("auto", "natural", "adam")
 
 # ----- the client -------------------------------------------------------------------------------
 
@@ -275,6 +293,39 @@ def run_ivon(
     return new, training_info(loss_sum, total)
 
 
+def natural_logvar_step(lr: float, ess: float, max_step: float = NATURAL_LOGVAR_MAX_STEP) -> optax.GradientTransformation:
+    """The natural-gradient step on the log-variances of a mean-field Gaussian, as an optax
+    transformation of the per-example objective's gradient.
+
+    For ``q = N(m, diag(exp(u)))`` the Fisher information of ``q`` in the coordinates ``(m, u)``
+    is block diagonal, ``diag(1 / sigma^2)`` for the means and ``1/2`` for every log-variance
+    ``u_j`` (Amari 1998, "Natural Gradient Works Efficiently in Learning"; the Gaussian's
+    Fisher in these coordinates, e.g. Khan and Rue 2023, "The Bayesian Learning Rule", §3). The
+    client minimises ``f = mean CE + lambda KL(q || p) / N`` per example, ``ess / n`` times less
+    than the (tempered) negative ELBO ``F = ess E_q[mean CE] + KL(q || p)`` with ``ess = N /
+    lambda``, so the natural step on ``u`` is
+
+        u <- u - lr * 2 * ess * df/du = u - lr (sigma_j^2 P_j - 1),
+        P_j = 1 / s_j^2 + ess E_q[d^2 CE / d theta_j^2],
+
+    (the reparameterisation gradient ``dE_q[CE]/du_j = sigma_j^2 E_q[d^2 CE/d theta_j^2] / 2``,
+    Opper and Archambeau 2009), a relaxation of ``sigma_j^2`` towards its optimum ``1 / P_j`` at
+    rate ``lr`` that is the same for every weight. It is IVON's precision update (Shen et al.
+    2024, Algorithm 1, ``h <- beta2 h + (1 - beta2) h_hat`` with ``1 - beta2 = lr``) taken in the
+    log-variance coordinate, where it stays positive without IVON's correction term. Adam's
+    normalised step (``"adam"``) instead moves every log-variance by about its rate whatever the
+    gradient, so a layer's variances move in lockstep. Each step is clipped to ``[-max_step,
+    max_step]`` (a variance changes by at most a factor ``e^max_step``), a trust region for the
+    first steps from a start far from ``1 / P_j``, where ``sigma_j^2 P_j`` is large.
+
+    Args:
+        lr: the relaxation rate (in (0, 2) for a stable step on an exact gradient).
+        ess: ``N / lambda``, the federation's examples over the KL's weight.
+        max_step: the clip radius.
+    """
+    return optax.chain(optax.scale(-2.0 * lr * ess), optax.clip(max_step))
+
+
 # ----- the algorithm ----------------------------------------------------------------------------
 
 
@@ -299,6 +350,7 @@ def vbnn(
     kl_weight: float = 1.0,
     method: str = "bbb",
     ivon_settings: IVONClient | None = None,
+    logvar_optimizer: str = "auto",
 ) -> Algorithm:
     """Federated VBNN with one of the rules of :data:`RULES` (FVBA / FVBWA by the round's weights).
 
@@ -330,8 +382,9 @@ def vbnn(
         accumulation: ``"exact"`` or ``"reference_code"`` (``paper`` only; module docstring).
         variant: ``"bayes"`` (default) or ``"paper"`` (the published code; module docstring).
         total_examples: ``N = sum_k n_k`` of the federation (``bayes``: the clients' KL share).
-        logvar_lr: Adam's rate for the log-variance leaves; ``None``: :data:`DEFAULT_LOGVAR_LR`
-            in the ``bayes`` variant, the client's optimizer in the ``paper`` variant.
+        logvar_lr: the log-variance step's rate; ``None``: :data:`DEFAULT_NATURAL_LOGVAR_LR` for
+            the natural step, :data:`DEFAULT_LOGVAR_LR` for Adam (``bayes``), the client's
+            optimizer in the ``paper`` variant (a number there: Adam at that rate).
         kl_weight: ``lambda``, the KL term's weight (``bayes`` only): the client minimises
             ``-E_q log p(D_k | theta) + lambda (n_k / N) KL(q || p)``. 1 (default) is the
             variational posterior; below 1 a tempered ("cold") one, Wenzel et al. 2020, "How Good is
@@ -343,11 +396,15 @@ def vbnn(
             estimate; ``trainer.optimizer`` and ``logvar_lr`` are not used, the epochs and batch
             size are).
         ivon_settings: the IVON client's settings (``None``: :class:`IVONClient`'s defaults).
+        logvar_optimizer: the Bayes-by-backprop client's step on the log-variances (``bayes``):
+            ``"natural"``, ``"adam"`` or ``"auto"`` (natural on a generalised linear model, Adam
+            on a network; module docstring).
 
     Raises:
         ValueError: for an unknown aggregation or variant, a population below 1, a prior variance
             <= 0, ``bayes`` without ``total_examples``, ``logvar_lr <= 0``, ``kl_weight <= 0`` (or
-            not 1 in ``paper``) or ``reference_code`` outside ``paper``.
+            not 1 in ``paper``), ``reference_code`` outside ``paper``, or an unknown
+            ``logvar_optimizer`` (``natural`` outside ``bayes``).
     """
     if prior_variance != "fan_in" and (isinstance(prior_variance, str) or not prior_variance > 0):
         raise ValueError(f"prior_variance must be > 0 or 'fan_in', got {prior_variance!r}")
@@ -361,13 +418,25 @@ def vbnn(
     aggregator = variational_rule(aggregation, population, accumulation, variant)
     paper = variant == "paper"
     ivon_settings = IVONClient() if ivon_settings is None else ivon_settings
-    if logvar_lr is None and not paper:
-        logvar_lr = DEFAULT_LOGVAR_LR
     model_fn = (lambda p, k, x: apply_fn(paper_clamp(p), k, x)) if paper else apply_fn
-    optimizer = trainer.optimizer
-    if logvar_lr is not None:
-        optimizer = optax.multi_transform({"rest": trainer.optimizer, "logvar": optax.adam(logvar_lr)}, logvar_labels)
-    local = trainer._replace(loss_fn=variational_data_loss(model_fn), optimizer=optimizer)
+    if logvar_optimizer not in LOGVAR_OPTIMIZERS:
+        raise ValueError(f"logvar_optimizer must be one of {', '.join(LOGVAR_OPTIMIZERS)}, got {logvar_optimizer!r}")
+    if logvar_optimizer == "natural" and paper:
+        raise ValueError("logvar_optimizer: the natural step runs in the bayes variant (the paper variant's log-variances get no gradient)")
+
+    def local_trainer(params) -> LocalTrainer:
+        """The client's trainer for a model with these parameters (``"auto"`` reads its shape)."""
+        optimizer = trainer.optimizer
+        if not paper:
+            natural = logvar_optimizer == "natural" or (logvar_optimizer == "auto" and not has_hidden_layers(params))
+            if natural:
+                step = natural_logvar_step(DEFAULT_NATURAL_LOGVAR_LR if logvar_lr is None else logvar_lr, float(total_examples) / kl_weight)
+            else:
+                step = optax.adam(DEFAULT_LOGVAR_LR if logvar_lr is None else logvar_lr)
+            optimizer = optax.multi_transform({"rest": trainer.optimizer, "logvar": step}, logvar_labels)
+        elif logvar_lr is not None:
+            optimizer = optax.multi_transform({"rest": trainer.optimizer, "logvar": optax.adam(logvar_lr)}, logvar_labels)
+        return trainer._replace(loss_fn=variational_data_loss(model_fn), optimizer=optimizer)
 
     def penalty_fn(n_k):
         if paper:
@@ -391,7 +460,7 @@ def vbnn(
             )  # fmt: skip
             return new, client_state, info
         n = jnp.maximum(data.num_examples.astype(jnp.float32), 1.0)
-        new, info = run_sgd(key, params, data, local, penalty_fn(n))
+        new, info = run_sgd(key, params, data, local_trainer(params), penalty_fn(n))
         return new, client_state, info
 
     def server_update(key, state, aggregate):
@@ -433,12 +502,19 @@ class VBNNConfig(HParams):
         1.0, description="the prior N(0, prior_variance) per variational weight (> 0), or fan_in: N(0, 1 / fan_in)"
     )
     logvar_lr: float | None = Field(
-        None, gt=0, description="Adam's rate for the log-variances; unset: 0.001 in variant bayes, the client's optimizer in variant paper"
+        None,
+        gt=0,
+        description="the log-variances' step rate; unset: 0.1 for the natural step, 0.001 for adam (variant bayes), the client's optimizer in variant paper",
     )
     kl_weight: float = Field(1.0, gt=0, description="the KL's weight lambda (variant bayes): 1 the variational posterior, < 1 a tempered one")
     method: Literal[CLIENT_METHODS] = Field(  # type: ignore[valid-type]
         "bbb",
         description="the client: bbb (Bayes-by-backprop, Adam on the log-variances) or ivon (IVON's natural-gradient steps, Shen et al. 2024; variant bayes)",
+    )
+    logvar_optimizer: Literal[LOGVAR_OPTIMIZERS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="the bbb client's step on the log-variances (variant bayes): natural (every variance relaxes to its own optimum), "
+        "adam (the variances of a layer move in lockstep), or auto: natural on a generalised linear model, adam on a network",
     )
     ivon_lr: float = Field(IVONClient().lr, gt=0, description="ivon: the step size alpha")
     ivon_beta1: float = Field(IVONClient().beta1, ge=0, lt=1, description="ivon: the momentum's decay")
@@ -458,6 +534,8 @@ class VBNNConfig(HParams):
             raise ValueError(f"algorithm.prior_variance must be > 0 or 'fan_in', got {self.prior_variance!r}")
         if self.method == "ivon" and self.variant != "bayes":
             raise ValueError(f"algorithm.method: ivon runs in the bayes variant, got variant {self.variant!r}")
+        if self.logvar_optimizer == "natural" and self.variant != "bayes":
+            raise ValueError(f"algorithm.logvar_optimizer: natural runs in the bayes variant, got variant {self.variant!r}")
         if self.method == "ivon" and self.ivon_antithetic and self.ivon_samples % 2:
             raise ValueError(f"algorithm.ivon_samples must be even with ivon_antithetic, got {self.ivon_samples}")
         if self.accumulation != "exact" and self.variant != "paper":
@@ -473,15 +551,17 @@ def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     return vbnn(
         ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance,
         accumulation=hp.accumulation, variant=hp.variant, total_examples=ctx.federation.total_examples, logvar_lr=hp.logvar_lr,
-        kl_weight=hp.kl_weight, method=hp.method,
+        kl_weight=hp.kl_weight, method=hp.method, logvar_optimizer=hp.logvar_optimizer,
         ivon_settings=IVONClient(hp.ivon_lr, hp.ivon_beta1, hp.ivon_beta2, hp.ivon_hess_init, hp.ivon_samples, hp.ivon_antithetic, hp.ivon_clip),
     )  # fmt: skip
 
 
 def _stored_meaning(table: dict, stored: dict) -> dict:
-    """A config written before the variants ran the published code's (``variant = "paper"``)."""
+    """A config written before the variants ran the published code's (``variant = "paper"``); one
+    written before ``logvar_optimizer`` trained the log-variances with Adam."""
     del stored
     table.setdefault("variant", "paper")
+    table.setdefault("logvar_optimizer", "adam")
     return table
 
 

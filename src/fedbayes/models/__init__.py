@@ -20,7 +20,7 @@ from fedbayes.models.cnn import CNN
 from fedbayes.models.logreg import LinearRegression, LogisticRegression
 from fedbayes.models.mlp import ACTIVATIONS, MLP, activation_fn
 from fedbayes.models.papers import EmnistCNN, NextWordLSTM, ResNet18GN
-from fedbayes.models.variational import VariationalCNN, VariationalMLP
+from fedbayes.models.variational import VariationalCNN, VariationalMLP, is_variational, split_variational
 
 __all__ = [
     "ACTIVATIONS",
@@ -130,9 +130,12 @@ def init_params(model: nn.Module, key: jax.Array, feature_shape: Sequence[int]) 
 def has_hidden_layers(params: Any) -> bool:
     """Whether a model with parameters ``params`` is a network rather than a generalised linear
     model: more than one weight array (a parameter of rank 2 or more: a dense kernel, a
-    convolution's filters). A logistic or linear regression has one kernel and a bias; an MLP,
+    convolution's filters; a variational weight's mean and log-variance count once). A logistic or linear regression has one kernel and a bias; an MLP,
     a CNN or an LSTM has several. Methods whose good start differs between the two read it
     (:attr:`fedbayes.algorithms.base.BuildContext.hidden_layers`)."""
+    if is_variational(params):  # a variational weight's mean and log-variance are one weight
+        means, _, det = split_variational(params)
+        params = (means, det)
     return sum(1 for leaf in jax.tree.leaves(params) if jnp.ndim(leaf) >= 2) > 1
 
 
