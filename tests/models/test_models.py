@@ -336,3 +336,20 @@ def test_a_network_has_hidden_layers_and_a_glm_has_not():
     for hidden_sizes, hidden in (((), False), ((4,), True)):
         model = make_model("mlp", 3, variational=True, hidden=hidden_sizes)
         assert has_hidden_layers(init_params(model, jax.random.key(0), (5,))) is hidden, hidden_sizes
+
+
+def test_a_linear_softmax_starts_centred_over_its_classes():
+    """The logits' common shift, which no data determine, starts at its posterior mean (0): the
+    weights of each input sum to 0 over the classes; a network's output layer keeps its draws."""
+    from fedbayes.models.logreg import centred_over_classes
+
+    kernel = init_params(make_model("logreg", 4), jax.random.key(0), (6,))["dense"]["kernel"]
+    np.testing.assert_allclose(np.asarray(kernel).sum(axis=-1), 0.0, atol=1e-6)
+    assert float(np.std(np.asarray(kernel))) > 0.1  # still random, of the LeCun scale
+    linear_vbnn = init_params(make_model("mlp", 4, variational=True, hidden=()), jax.random.key(0), (6,))
+    np.testing.assert_allclose(np.asarray(linear_vbnn["output"]["kernel_mean"]).sum(axis=-1), 0.0, atol=1e-6)
+    network = init_params(make_model("mlp", 4, variational=True, hidden=(5,)), jax.random.key(0), (6,))
+    assert float(np.abs(np.asarray(network["output"]["kernel_mean"]).sum(axis=-1)).max()) > 1e-3
+    base = jax.nn.initializers.normal(1.0)
+    draw, centred = base(jax.random.key(1), (3, 2)), centred_over_classes(base)(jax.random.key(1), (3, 2))
+    np.testing.assert_allclose(centred, draw - draw.mean(axis=-1, keepdims=True), rtol=1e-6)

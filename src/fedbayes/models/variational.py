@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from fedbayes import gaussian
 from fedbayes.models.cnn import conv_features
+from fedbayes.models.logreg import centred_over_classes
 from fedbayes.models.mlp import activation_fn
 
 __all__ = [
@@ -107,16 +108,21 @@ class VariationalDense(nn.Module):
         features: output width.
         init_variance_ratio: the initial variance of every weight is ``init_variance_ratio /
             fan_in``, this fraction of the initial means' variance (module docstring).
+        centred: start the means centred over the outputs
+            (:func:`fedbayes.models.logreg.centred_over_classes`): the output layer of a linear
+            model, whose softmax cannot tell a shift common to every logit.
     """
 
     features: int
     init_variance_ratio: float = DEFAULT_INIT_VARIANCE_RATIO
+    centred: bool = False
 
     @nn.compact
     def __call__(self, a: jax.Array) -> jax.Array:
         fan_in = a.shape[-1]
         shape = (fan_in, self.features)
-        mean = self.param("kernel" + MEAN_SUFFIX, nn.initializers.variance_scaling(1.0, "fan_in", "normal"), shape, jnp.float32)
+        mean_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+        mean = self.param("kernel" + MEAN_SUFFIX, centred_over_classes(mean_init) if self.centred else mean_init, shape, jnp.float32)
 
         def logvar_init(key, shape, dtype=jnp.float32):
             del key  # a constant: the means break the symmetry
@@ -131,7 +137,9 @@ class VariationalDense(nn.Module):
 
 
 class VariationalMLP(nn.Module):
-    """:class:`~fedbayes.models.mlp.MLP` with every dense layer variational (same layer names)."""
+    """:class:`~fedbayes.models.mlp.MLP` with every dense layer variational (same layer names).
+    Without hidden layers (a linear model) the output layer's means start centred over the
+    classes, as :class:`~fedbayes.models.logreg.LogisticRegression`'s weights."""
 
     num_classes: int
     hidden: Sequence[int] = (200, 100)
@@ -142,7 +150,7 @@ class VariationalMLP(nn.Module):
         x = x.reshape((x.shape[0], -1))
         for i, width in enumerate(self.hidden):
             x = activation_fn(self.activation)(VariationalDense(width, name=f"hidden_{i}")(x))
-        return VariationalDense(self.num_classes, name="output")(x)
+        return VariationalDense(self.num_classes, name="output", centred=not self.hidden)(x)
 
 
 class VariationalCNN(nn.Module):
