@@ -1,4 +1,4 @@
-"""Personalised posteriors of the site methods (docs/algorithms.md §13.6): ``q_k ∝ q_g t_k^w`` in
+"""Personalised posteriors of the site methods (docs/algorithms.md §13.8): ``q_k ∝ q_g t_k^w`` in
 float64 algebra, its policy for an improper coordinate, and, on a conjugate model whose exact
 sites are the clients' likelihoods, PVI's and FedEP's hook give the posterior of the pooled data
 with the client's own data counted twice."""

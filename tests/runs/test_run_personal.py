@@ -81,7 +81,7 @@ def test_compare_personal_adds_the_columns_and_a_site_method_uses_its_sites(tmp_
     md = (out / "compare.md").read_text()
     assert "client acc" in md and "personal acc" in md
     site = json.loads((out / "fedlap_cov" / "personal.json").read_text())
-    assert site["personalisation"] == "site" and site["weight"] == 1.0 and "marginal" in site["predictives"]
+    assert site["personalisation"] == "site" and site["weight"] == 0.5 and "marginal" in site["predictives"]
     bad = runner.invoke(app, ["compare", str(p), "--out", str(tmp_path / "bad"), "--personal", "1.5"])
     assert bad.exit_code == 2 and "--personal" in bad.output
 

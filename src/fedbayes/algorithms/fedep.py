@@ -290,7 +290,7 @@ def _ep_algorithm(
         return posterior_moments(state, burn_in_rounds)
 
     def personal_posterior(state, cstate: ClientState, weight):
-        # q_g t_k^w (docs/algorithms.md §13.6); a site not yet initialised is uniform, so q_k = q_g
+        # q_g t_k^w (docs/algorithms.md §13.8); a site not yet initialised is uniform, so q_k = q_g
         mean, variance = personal_moments(state.q, cstate.site, weight, server_params(state))
         in_ep = state.round >= burn_in_rounds  # during burn-in q_g is the model (variance 0) and the sites are uniform
         return mean, jax.tree.map(lambda v: jnp.where(in_ep, v, 0.0), variance)

@@ -270,7 +270,7 @@ def fedlap_cov(
         return state.params, jax.tree.map(jnp.reciprocal, state.q.precision)
 
     def personal_posterior(state, site, weight):
-        return personal_moments(state.q, site, weight, state.params)  # q_g t_k^w (docs/algorithms.md §13.6); V_k >= 0 keeps it proper
+        return personal_moments(state.q, site, weight, state.params)  # q_g t_k^w (docs/algorithms.md §13.8); V_k >= 0 keeps it proper
 
     return Algorithm(
         name="fedlap_cov",

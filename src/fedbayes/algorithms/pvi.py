@@ -231,7 +231,7 @@ def pvi(
         return server_params(state), gaussian.variance(state.q)
 
     def personal_posterior(state, cstate: ClientState, weight):
-        return personal_moments(state.q, cstate.site, weight, server_params(state))  # q_g t_k^w (docs/algorithms.md §13.6)
+        return personal_moments(state.q, cstate.site, weight, server_params(state))  # q_g t_k^w (docs/algorithms.md §13.8)
 
     return Algorithm(
         name="pvi",

@@ -16,7 +16,7 @@ proper enough rejects the client's message; a global coordinate that an aggregat
 non-positive keeps its value.
 
 :func:`personalised` is client ``k``'s own posterior from the global and its site, ``q_k ∝ q_g t_k^w``
-(docs/algorithms.md §13.6), which each site method exposes as ``Algorithm.personal_posterior``.
+(docs/algorithms.md §13.8), which each site method exposes as ``Algorithm.personal_posterior``.
 
 :func:`burn_in_switch` is the "FedAvg for the first ``B`` rounds" switch that FedEP, FedSEP and
 FedPA share.

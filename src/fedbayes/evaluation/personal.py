@@ -1,6 +1,6 @@
 """Personalisation: each client's own model, scored on its own held-out examples.
 
-A client's personalised model comes from what its method leaves it (docs/algorithms.md §13.6):
+A client's personalised model comes from what its method leaves it (docs/algorithms.md §13.8):
 
 * a method whose clients keep a Gaussian site ``t_k`` (FedEP, PVI, FedLap-Cov) gives client ``k``
   the posterior ``q_k ∝ q_g t_k^w`` (``Algorithm.personal_posterior``,
