@@ -153,6 +153,7 @@ def test_the_reference_lists_the_evaluation_section_and_every_registered_method(
         "conformal_score",
         "personal_fraction",
         "personal_weight",
+        "personal_by",
         "personal_epochs",
     }
 

@@ -86,6 +86,16 @@ def test_compare_personal_adds_the_columns_and_a_site_method_uses_its_sites(tmp_
     assert bad.exit_code == 2 and "--personal" in bad.output
 
 
+def test_personal_by_fine_tune_fine_tunes_a_site_method_too():
+    cfg = validate(_with({"personal_fraction": 0.2, "personal_by": "fine_tune"}, algorithm={"name": "fedlap_cov"}))
+    exp = build_experiment(cfg)
+    state = exp.simulator.init(exp.params)
+    body = exp.personalise(state.server_state, state.client_states, 0)
+    assert body["personalisation"] == "fine_tune" and body["epochs"] == 1
+    point = body["predictives"]["point"]
+    assert point["personal"]["accuracy"]["mean"] != point["global"]["accuracy"]["mean"]  # the untrained model moved
+
+
 @pytest.mark.parametrize(
     "evaluation, top, field",
     [
@@ -93,6 +103,7 @@ def test_compare_personal_adds_the_columns_and_a_site_method_uses_its_sites(tmp_
         ({"personal_fraction": -0.1}, {}, "evaluation.personal_fraction"),
         ({"personal_fraction": 0.2, "personal_weight": -1}, {}, "evaluation.personal_weight"),
         ({"personal_fraction": 0.2, "personal_epochs": 0}, {}, "evaluation.personal_epochs"),
+        ({"personal_fraction": 0.2, "personal_by": "sites"}, {}, "evaluation.personal_by"),
         ({"personal_fraction": 0.9}, {}, "evaluation.personal_fraction"),  # with the validation split's 0.1 nothing is left
         ({"personal_fraction": 0.2}, {"data": {"dataset": "least_squares"}, "model": {"name": "linear"}}, "evaluation.personal_fraction"),
     ],

@@ -342,6 +342,11 @@ class EvaluationConfig(_Strict):
         "posterior is q_g t_k^weight (pFedBayes's 1 / zeta; 0 gives the global, 1 counts the client's own data twice; 0.5 measured best of "
         "0-4 on digits, docs/results/personalisation.md)",
     )
+    personal_by: Literal["auto", "fine_tune"] = Field(
+        "auto",
+        description="with personal_fraction: auto (a site method's posterior q_g t_k^weight, every other method fine-tuned) or fine_tune "
+        "(every method fine-tuned from its global point estimate: the control for the site methods)",
+    )
     personal_epochs: int = Field(
         1, ge=1, description="with personal_fraction, every other method: the epochs of local fine-tuning from the global model (the client optimizer)"
     )

@@ -4,7 +4,8 @@ Each client keeps ``evaluation.personal_fraction`` of its examples as its own te
 (:func:`fedbayes.runs.build.personal_split`; never trained on). After the last round every client
 with such examples gets its personalised model (:mod:`fedbayes.evaluation.personal`): the
 posterior ``q_k ∝ q_g t_k^w`` of a method whose clients keep a Gaussian site, read from the client
-store (``w = evaluation.personal_weight``), or else the global model fine-tuned for
+store (``w = evaluation.personal_weight``), or else (and for every method with
+``evaluation.personal_by = "fine_tune"``) the global model fine-tuned for
 ``evaluation.personal_epochs`` epochs of the client optimizer on the client's training examples.
 Both the global and the personalised model are scored on the client's own test examples; a method
 with a posterior is scored by its point predictive (the mean) and by its marginalised predictive
@@ -61,7 +62,7 @@ def build_personalisation(config, algorithm, model, dataset, federation, persona
       personal: each client's own test examples, indices into the training set.
     """
     e = config.evaluation
-    site = algorithm.personal_posterior is not None
+    site = algorithm.personal_posterior is not None and e.personal_by == "auto"
     point = make_probabilities(model.apply_fn, batch_size=config.eval_batch_size)
     marginal = None
     if algorithm.server_posterior is not None:
