@@ -66,8 +66,10 @@ __all__ = [
     "cohort_rng",
     "dropout_rng",
     "evaluation_key",
+    "fine_tune_rng",
     "params_key",
     "partition_rng",
+    "personal_rng",
     "sample_cohort",
     "sample_without_replacement",
     "server_init_key",
@@ -87,6 +89,7 @@ _CLIENT, _SERVER_INIT, _PARAMS, _EVALUATION, _SERVER_ROUND = 0, 2, 3, 5, 6
 # Tags of NumPy streams default_rng([seed, tag, ...]).
 _SUBSAMPLE, _PARTITION, _SIZES, _COHORT, _SHUFFLE = 1, 2, 7, 11, 12
 _VALIDATION, _DROPOUT, _ATTACKERS, _TEST_SPLIT, _CALIBRATION = 13, 14, 15, 16, 17
+_PERSONAL, _FINE_TUNE = 18, 19
 
 
 def _root(seed) -> jax.Array:
@@ -161,6 +164,18 @@ def validation_rng(seed: int, client_id: int) -> np.random.Generator:
 def calibration_rng(seed: int, client_id: int) -> np.random.Generator:
     """The generator that picks which of client ``client_id``'s examples it keeps for conformal calibration."""
     return np.random.default_rng([seed, _CALIBRATION, client_id])
+
+
+def personal_rng(seed: int, client_id: int) -> np.random.Generator:
+    """The generator that picks which of client ``client_id``'s examples it keeps as its own test
+    examples for personalisation (``evaluation.personal_fraction``)."""
+    return np.random.default_rng([seed, _PERSONAL, client_id])
+
+
+def fine_tune_rng(seed: int, client_id: int) -> np.random.Generator:
+    """The generator of client ``client_id``'s shuffles when it fine-tunes the final global model
+    for personalisation (:func:`fedbayes.evaluation.personal.fine_tune`)."""
+    return np.random.default_rng([seed, _FINE_TUNE, client_id])
 
 
 def dropout_rng(seed: int, round_idx: int) -> np.random.Generator:

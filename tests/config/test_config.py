@@ -151,6 +151,10 @@ def test_the_reference_lists_the_evaluation_section_and_every_registered_method(
         "conformal_alpha",
         "calibration_fraction",
         "conformal_score",
+        "personal_fraction",
+        "personal_weight",
+        "personal_by",
+        "personal_epochs",
     }
 
 

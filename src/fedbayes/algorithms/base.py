@@ -15,6 +15,11 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   zero and keeps its old state.
 * ``server_posterior(server_state) -> (mean, variance)`` (optional, Bayesian methods): the
   diagonal Gaussian ``q_g`` in moments, for marginalised predictions; ``None`` for point methods.
+* ``personal_posterior(server_state, client_state, weight) -> (mean, variance)`` (optional,
+  methods whose clients keep a Gaussian site): client ``k``'s personalised posterior
+  ``q_k ∝ q_g t_k^weight`` in moments (:func:`fedbayes.algorithms.sites.personalised`);
+  ``None``: the method's client state gives none, and personalisation fine-tunes the global model
+  on the client's data instead (:func:`fedbayes.evaluation.personal.fine_tune`).
 * ``after_rejected_round(server_state) -> server_state`` (optional): the server state after a
   round in which no message was accepted; ``None`` keeps it as it was (nothing was learned). A
   method with an adaptive damping shrinks it there
@@ -116,6 +121,7 @@ class Algorithm(NamedTuple):
     aggregator: aggregators.Aggregator = aggregators.weighted
     server_on_one_device: bool = False
     after_rejected_round: Any = None  # server_state -> server_state; None: kept
+    personal_posterior: Any = None  # (server_state, client_state, weight) -> (mean, variance); None: fine-tuning
 
 
 def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, client_update, server_update) -> Algorithm:

@@ -64,6 +64,7 @@ from fedbayes.algorithms.sites import (
     gaussian_message_ok,
     non_negative_to_roundoff,
     optimizer_step,
+    personal_moments,
     safe_mean,
     site_server_step,
 )
@@ -288,6 +289,12 @@ def _ep_algorithm(
     def server_posterior(state):
         return posterior_moments(state, burn_in_rounds)
 
+    def personal_posterior(state, cstate: ClientState, weight):
+        # q_g t_k^w (docs/algorithms.md §13.8); a site not yet initialised is uniform, so q_k = q_g
+        mean, variance = personal_moments(state.q, cstate.site, weight, server_params(state))
+        in_ep = state.round >= burn_in_rounds  # during burn-in q_g is the model (variance 0) and the sites are uniform
+        return mean, jax.tree.map(lambda v: jnp.where(in_ep, v, 0.0), variance)
+
     return Algorithm(
         name=name,
         server_init=server_init,
@@ -301,6 +308,7 @@ def _ep_algorithm(
         local_batch_size=trainer.batch_size,
         server_posterior=server_posterior,
         after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
+        personal_posterior=personal_posterior if stateful else None,  # FedSEP's clients keep no site
     )
 
 

@@ -61,7 +61,7 @@ from fedbayes import gaussian, tree
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
-from fedbayes.algorithms.sites import BROADCAST_LOSS_TAG, GaussianMessage, gaussian_message_ok
+from fedbayes.algorithms.sites import BROADCAST_LOSS_TAG, GaussianMessage, gaussian_message_ok, personal_moments
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
@@ -269,6 +269,9 @@ def fedlap_cov(
     def server_posterior(state):
         return state.params, jax.tree.map(jnp.reciprocal, state.q.precision)
 
+    def personal_posterior(state, site, weight):
+        return personal_moments(state.q, site, weight, state.params)  # q_g t_k^w (docs/algorithms.md §13.8); V_k >= 0 keeps it proper
+
     return Algorithm(
         name="fedlap_cov",
         server_init=lambda key, params: server_init(params, delta, damping=damping),
@@ -282,6 +285,7 @@ def fedlap_cov(
         local_batch_size=trainer.batch_size,
         server_posterior=server_posterior,
         after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
+        personal_posterior=personal_posterior,
     )
 
 

@@ -81,6 +81,7 @@ from fedbayes.algorithms.sites import (
     checked_cavity,
     damped_difference,
     gaussian_message_ok,
+    personal_moments,
     safe_mean,
     site_server_step,
 )
@@ -229,6 +230,9 @@ def pvi(
     def server_posterior(state):
         return server_params(state), gaussian.variance(state.q)
 
+    def personal_posterior(state, cstate: ClientState, weight):
+        return personal_moments(state.q, cstate.site, weight, server_params(state))  # q_g t_k^w (docs/algorithms.md §13.8)
+
     return Algorithm(
         name="pvi",
         server_init=server_init,
@@ -242,6 +246,7 @@ def pvi(
         local_batch_size=trainer.batch_size,
         server_posterior=server_posterior,
         after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
+        personal_posterior=personal_posterior,
     )
 
 

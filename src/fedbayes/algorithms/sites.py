@@ -15,6 +15,9 @@ Every step states its policy for an improper result (docs/style.md): a cavity or
 proper enough rejects the client's message; a global coordinate that an aggregated step would make
 non-positive keeps its value.
 
+:func:`personalised` is client ``k``'s own posterior from the global and its site, ``q_k ∝ q_g t_k^w``
+(docs/algorithms.md §13.8), which each site method exposes as ``Algorithm.personal_posterior``.
+
 :func:`burn_in_switch` is the "FedAvg for the first ``B`` rounds" switch that FedEP, FedSEP and
 FedPA share.
 """
@@ -47,6 +50,8 @@ __all__ = [
     "gaussian_message_ok",
     "guard_positive",
     "optimizer_step",
+    "personal_moments",
+    "personalised",
     "safe_mean",
     "site_server_step",
 ]
@@ -156,6 +161,41 @@ def site_server_step(optimizer: optax.GradientTransformation, q: DiagGaussian, o
     new_q, opt_state = optimizer_step(optimizer, q, opt_state, total)
     new_q, guarded = guard_positive(new_q, q)
     return new_q, opt_state, guarded
+
+
+def personalised(q: DiagGaussian, site: DiagGaussian, weight: float | jax.Array) -> tuple[DiagGaussian, jax.Array]:
+    """Client ``k``'s personalised posterior ``q_k ∝ q_g t_k^w``, the global times its own site
+    ``weight = w`` times more, and the number of coordinates kept at ``q_g``'s.
+
+    The site ``t_k`` stands in for the client's likelihood ``p(D_k | theta)`` (EP and PVI fit it so
+    that ``q_g = p_0 prod_j t_j``). pFedBayes (Zhang et al. 2022, "Personalized federated learning
+    via variational Bayesian inference", ICML) fits each client's own posterior by
+
+        q_k = argmin_q  E_q[-log p(D_k | theta)] + zeta KL(q || q_g),
+
+    whose minimiser over all densities is ``q_k ∝ q_g p(D_k | theta)^(1 / zeta)``; with the site for
+    the likelihood and ``w = 1 / zeta`` that is ``q_k ∝ q_g t_k^w``, in natural parameters
+
+        eta_k = eta_g + w eta_{t_k},     Lambda_k = Lambda_g + w Lambda_{t_k}.
+
+    ``w = 0`` is the global; ``w = 1`` (pFedBayes's ``zeta = 1``) counts the client's data twice,
+    once inside ``q_g`` and once more on its own, so ``q_k`` is the posterior of the pooled data
+    with ``D_k`` duplicated when the sites are exact (a conjugate model).
+
+    **Policy for an improper result** (a site may have negative precisions): a coordinate where
+    ``Lambda_k <= 0`` keeps ``q_g``'s natural parameters (:func:`guard_positive`).
+    """
+    return guard_positive(gaussian.product(q, gaussian.power(site, weight)), q)
+
+
+def personal_moments(q: DiagGaussian, site: DiagGaussian, weight: float | jax.Array, fallback: PyTree) -> tuple[PyTree, PyTree]:
+    """``(mean, variance)`` of :func:`personalised`; a coordinate without information
+    (``Lambda_k = 0``, so ``Lambda_g = 0`` too) takes ``fallback`` (the method's global point
+    estimate) as its mean and variance 0."""
+    q_k, _ = personalised(q, site, weight)
+    proper = jax.tree.map(lambda lam: lam > 0, q_k.precision)
+    variance = jax.tree.map(lambda ok, lam: jnp.where(ok, 1.0 / jnp.where(ok, lam, 1.0), 0.0), proper, q_k.precision)
+    return safe_mean(q_k, fallback), variance
 
 
 def burn_in_switch(burn_in_rounds: int, over: jax.Array, main: Callable, burn_in: Callable, *operands):

@@ -94,6 +94,14 @@ def compare(
             help="ALPHA: conformal prediction sets at coverage 1 - ALPHA for every variant (evaluation.conformal_alpha; each run's conformal.json): coverage and set-size columns",
         ),
     ] = None,
+    personal: Annotated[
+        Optional[float],
+        typer.Option(
+            "--personal",
+            help="FRACTION: every client keeps FRACTION of its examples as its own test set (evaluation.personal_fraction; each run's personal.json): "
+            "global against personalised accuracy columns over clients",
+        ),
+    ] = None,
 ):
     """Run several methods or configs and print one table and one overlaid plot.
 
@@ -105,7 +113,13 @@ def compare(
     --conformal ALPHA sets evaluation.conformal_alpha for every variant: each client keeps
     evaluation.calibration_fraction of its training examples for calibration, and after the last
     round each run's conformal.json holds the sets' coverage and size on the test set; the table
-    gets coverage and set-size columns."""
+    gets coverage and set-size columns.
+
+    --personal FRACTION sets evaluation.personal_fraction for every variant: each client keeps
+    FRACTION of its examples as its own test set, and after the last round each run's
+    personal.json scores the global model and the client's personalised one there (a site
+    method's q_g t_k^w, otherwise the global fine-tuned on the client's data); the table gets the
+    mean accuracy over clients of both and the worst 10% of clients' personalised accuracy."""
     from fedbayes.runs import compare as cmp
 
     if overwrite and resume:
@@ -114,6 +128,10 @@ def compare(
         if not 0 < conformal < 1:
             fail(f"error: --conformal: the miscoverage alpha must be in (0, 1), e.g. 0.1 for 90% sets; got {conformal}")
         set_ = [*(set_ or []), f"evaluation.conformal_alpha={conformal!r}"]
+    if personal is not None:
+        if not 0 < personal < 1:
+            fail(f"error: --personal: the fraction of each client's examples kept as its own test set must be in (0, 1), e.g. 0.2; got {personal}")
+        set_ = [*(set_ or []), f"evaluation.personal_fraction={personal!r}"]
     # a resumed comparison keeps each variant's earlier --set (comparison.toml), but for a variant run again
     remembered = {v: items for v, items in _or_fail(lambda: cmp.stored_overrides(out)).items() if v not in (rerun or ())} if resume else {}
     runs, overrides = _or_fail(lambda: cmp.load_comparison_with_overrides(configs, set_ or [], remembered))

@@ -43,6 +43,7 @@ def run(
     summary = run_one(ctx, cfg, out, logs=log)
     print_table(with_compile_seconds({cfg.name: summary}, {cfg.name: out}, ctx), curves={cfg.name: records(out)}, full=f"{out / run_folder.SUMMARY}")
     conformal = ", conformal.json" if cfg.evaluation.conformal_alpha is not None else ""
+    conformal += ", personal.json" if cfg.evaluation.personal_fraction > 0 else ""
     console.print(f"outputs in {out}/ (metrics.jsonl, summary.json{conformal}, model.npz, curves.png, checkpoints/)", highlight=False, soft_wrap=True)
 
 

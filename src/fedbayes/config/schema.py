@@ -328,6 +328,28 @@ class EvaluationConfig(_Strict):
     conformal_score: Literal[CONFORMAL_SCORES] = Field(  # type: ignore[valid-type]
         "lac", description="with conformal_alpha: the nonconformity score: lac (1 - p_y) or aps (the mass of the classes at least as likely as y)"
     )
+    personal_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="personalisation: the fraction of each client's training examples it keeps as its own test examples (never trained on); "
+        "after the last round each client's personalised model and the global one are scored there (personal.json); 0: off",
+    )
+    personal_weight: float = Field(
+        0.5,
+        ge=0,
+        description="with personal_fraction, a method whose clients keep a Gaussian site t_k (FedEP, PVI, FedLap-Cov): the personalised "
+        "posterior is q_g t_k^weight (pFedBayes's 1 / zeta; 0 gives the global, 1 counts the client's own data twice; 0.5 measured best of "
+        "0-4 on digits, docs/results/personalisation.md)",
+    )
+    personal_by: Literal["auto", "fine_tune"] = Field(
+        "auto",
+        description="with personal_fraction: auto (a site method's posterior q_g t_k^weight, every other method fine-tuned) or fine_tune "
+        "(every method fine-tuned from its global point estimate: the control for the site methods)",
+    )
+    personal_epochs: int = Field(
+        1, ge=1, description="with personal_fraction, every other method: the epochs of local fine-tuning from the global model (the client optimizer)"
+    )
 
 
 def _default_algorithm() -> HParams:
@@ -579,6 +601,23 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"evaluation.calibration_fraction: with data.validation_fraction = {self.data.validation_fraction} nothing is left to train on; "
                 f"their sum must be below 1; got {self.evaluation.calibration_fraction}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _personalisation_possible(self) -> RunConfig:
+        e = self.evaluation
+        if e.personal_fraction == 0:
+            return self
+        if self.data.dataset == "least_squares":
+            raise ValueError("evaluation.personal_fraction: personalisation here scores classifiers; least_squares is a regression; set it to 0")
+        if self.model.variational:
+            raise ValueError("evaluation.personal_fraction: personalisation here needs a deterministic model; model.variational = true; set it to 0")
+        held = self.data.validation_fraction + (e.calibration_fraction if e.conformal_alpha is not None else 0.0)
+        if held + e.personal_fraction >= 1:
+            raise ValueError(
+                f"evaluation.personal_fraction: with {held:g} of each client's examples held out already (data.validation_fraction, "
+                f"evaluation.calibration_fraction) nothing is left to train on; their sum must be below 1; got {e.personal_fraction}"
             )
         return self
 

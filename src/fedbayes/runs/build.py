@@ -79,6 +79,7 @@ __all__ = [
     "make_server_aggregator",
     "prepare_data",
     "prepare_split",
+    "personal_split",
     "prepare_splits",
     "split_clients",
 ]
@@ -223,18 +224,38 @@ class Splits(NamedTuple):
     parts: list[np.ndarray]  # each client's training examples
     validation: np.ndarray | None  # the validation split (data.validation_fraction), or None
     calibration: list[np.ndarray] | None  # each client's conformal calibration examples (evaluation.conformal_alpha), or None
+    personal: list[np.ndarray] | None = None  # each client's own test examples (evaluation.personal_fraction), or None
 
 
 def prepare_splits(config: RunConfig, given: Dataset | None = None, module=None) -> Splits:
     """:func:`prepare_split` plus each client's conformal calibration examples: with
     ``evaluation.conformal_alpha`` set, ``evaluation.calibration_fraction`` of what each client
     keeps after the validation split (so that split is the one a run without conformal sets
-    gets), drawn with :func:`fedbayes.protocol.calibration_rng` and never trained on."""
+    gets), drawn with :func:`fedbayes.protocol.calibration_rng` and never trained on; then each
+    client's own test examples for personalisation (:func:`personal_split`)."""
     dataset = load_data(config, given)
     check_model(config, dataset, module)
     parts, validation, calibration = client_splits(config, dataset)
+    parts, personal = personal_split(config, parts)
     dataset = standardize(dataset, parts, config.data.standardize, config.data.dataset)
-    return Splits(dataset, parts, validation, calibration)
+    return Splits(dataset, parts, validation, calibration, personal)
+
+
+def personal_split(config: RunConfig, parts: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Each client's training examples and its own test examples (``evaluation.personal_fraction``
+    of what it keeps after the validation and calibration splits, so those splits are the ones a
+    run without personalisation gets), drawn with :func:`fedbayes.protocol.personal_rng` and never
+    trained on; ``(parts, None)`` when the fraction is 0."""
+    fraction = config.evaluation.personal_fraction
+    if fraction == 0:
+        return parts, None
+    parts, personal = hold_out_per_client(parts, fraction, lambda k: protocol.personal_rng(config.seed, k))
+    if sum(map(len, personal)) == 0:
+        raise ConfigError(
+            f"config error: evaluation.personal_fraction: {fraction} of each client's examples holds out none "
+            f"({sum(map(len, parts))} training examples over {len(parts)} clients, every client keeping one); raise it, or set 0 for no personalisation"
+        )
+    return parts, personal
 
 
 def client_splits(config: RunConfig, dataset: Dataset) -> tuple[list[np.ndarray], np.ndarray | None, list[np.ndarray] | None]:
@@ -643,6 +664,8 @@ class Experiment:
     store_dir: str | Path | None = None  # the disk client store's folder when config.store_dir is unset
     calibration: list[np.ndarray] | None = None  # each client's conformal calibration examples (evaluation.conformal_alpha)
     predictive: Callable[[Any, int], dict] | None = None  # build_predictive's, with calibration
+    personal: list[np.ndarray] | None = None  # each client's own test examples (evaluation.personal_fraction)
+    personalise: Callable[[Any, Any, int], dict] | None = None  # (server state, client states, round) -> personal.json's body
 
     @functools.cached_property
     def simulator(self) -> Simulator:
@@ -673,7 +696,7 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None, dat
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset;
     ``data`` and ``module``: your dataset (``data.dataset = "arrays"``) and flax module
     (``model.name = "module"``) passed from Python."""
-    dataset, parts, validation, calibration = prepare_splits(config, data, module)
+    dataset, parts, validation, calibration, personal = prepare_splits(config, data, module)
     scenario, y_train = build_scenario(config, dataset, parts)
     federation = Federation(dataset.x_train, y_train, tuple(parts))
     spec = DataSpec.of(dataset)
@@ -686,5 +709,9 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None, dat
         held_out = None if validation is None else dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation], test_client_ids=None)
         predictive = build_predictive(config, algorithm, model, held_out, info.total_examples)
     exp = Experiment(config, dataset, federation, model.model, model.params, algorithm, aggregator, scenario, evaluate, validation, store_dir)
-    exp.calibration, exp.predictive = calibration, predictive
+    exp.calibration, exp.predictive, exp.personal = calibration, predictive, personal
+    if personal is not None:
+        from fedbayes.runs.personal import build_personalisation
+
+        exp.personalise = build_personalisation(config, algorithm, model, dataset, federation, personal)
     return exp

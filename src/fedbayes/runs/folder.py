@@ -12,6 +12,8 @@ run of a sweep) holds:
 * ``summary.json`` (:data:`SUMMARY`) and ``curves.png`` (:data:`CURVES`) at the end;
 * ``conformal.json`` (:data:`CONFORMAL`) at the end, with ``evaluation.conformal_alpha``
   (:mod:`fedbayes.runs.conformal`);
+* ``personal.json`` (:data:`PERSONAL`) at the end, with ``evaluation.personal_fraction``
+  (:mod:`fedbayes.runs.personal`);
 * ``resume_changes.jsonl`` (:data:`RESUME_CHANGES`): config changes accepted on resume;
 * ``client_store/`` (:data:`CLIENT_STORE`): the disk client store when ``store_dir`` is unset;
 * ``metrics.csv`` (:data:`METRICS_CSV`, ``--log csv``) and ``error.log`` (:data:`ERROR_LOG`).
@@ -82,6 +84,7 @@ CLIENTS = "clients.jsonl"
 MODEL = "model.npz"
 SUMMARY = "summary.json"
 CONFORMAL = "conformal.json"
+PERSONAL = "personal.json"
 CURVES = "curves.png"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_GLOB = "round_*.npz"

@@ -23,6 +23,7 @@
   the end;
 * ``summary.json`` and ``curves.png`` at the end; ``summary.json``'s ``warnings`` lists the run's
   warnings (a posterior too wide for the data; a run that ended before its fixed point);
+* ``personal.json`` at the end with ``evaluation.personal_fraction`` (:mod:`fedbayes.runs.personal`);
 * ``conformal.json`` at the end with ``evaluation.conformal_alpha`` (:mod:`fedbayes.runs.conformal`;
   its coverages and set sizes also go into ``summary.json``'s ``final``).
 
@@ -54,7 +55,7 @@ import numpy as np
 
 from fedbayes.aggregators.dp import epsilon as privacy_epsilon
 from fedbayes.algorithms import registry
-from fedbayes.config.schema import RunConfig, to_toml
+from fedbayes.config.schema import ConfigError, RunConfig, to_toml
 from fedbayes.errors import BadInputError
 from fedbayes.runs import folder, health, runlock
 from fedbayes.runs.build import Experiment, build_experiment
@@ -216,9 +217,9 @@ class RunRecorder:
         save_checkpoint(self.out / folder.CHECKPOINTS, state, meta, extra=extra)
         self.last_checkpoint = int(state.round)
 
-    def finish(self, algorithm, server_state, conformal: Callable[[Any], dict] | None = None) -> dict:
+    def finish(self, algorithm, server_state, conformal: Callable[[Any], dict] | None = None, personal: Callable[[], dict] | None = None) -> dict:
         """Writes ``model.npz``, ``summary.json`` and ``curves.png`` (and ``conformal.json`` from
-        ``conformal(server_state)``); returns the summary."""
+        ``conformal(server_state)``, ``personal.json`` from ``personal()``); returns the summary."""
         config, out = self.config, self.out
         summary = summarize(config, self.records, self.task)
         save_model(out / folder.MODEL, algorithm, server_state)
@@ -229,6 +230,13 @@ class RunRecorder:
             folder.write_json(out / folder.CONFORMAL, body)
             summary["final"].update(summary_fields(body))
             summary["conformal"] = {k: body[k] for k in ("alpha", "nominal", "bound", "score", "calibration_examples")}
+        if personal is not None:
+            from fedbayes.runs import personal as personal_json
+
+            body = personal()
+            folder.write_json(out / folder.PERSONAL, body)
+            summary["final"].update(personal_json.summary_fields(body))
+            summary["personal"] = {k: body[k] for k in ("personalisation", "fraction", "weight", "epochs", "clients") if k in body}
         warnings = [m for m in (self.learning.message, self.calibration.finish(), self.fixed_point.finish()) if m]
         if self.fixed_point.message:
             self.warn(f"warning: {self.fixed_point.message}")
@@ -306,6 +314,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
     check_store_dir(config, out)
     exp = build_experiment(config, store_dir=out / folder.CLIENT_STORE, data=data, module=module)
     runner = exp.simulator if rounds is None else rounds(exp)
+    if exp.personalise is not None and rounds is not None and runner.algorithm.personal_posterior is not None and config.evaluation.personal_by == "auto":
+        raise ConfigError("config error: evaluation.personal_by: a deployment's client sites stay on its nodes; personalise a site method in simulation, or set 'fine_tune'")
     ckpt = found[0] if found is not None else None
     if ckpt is None:
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
@@ -371,7 +381,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
                 clock, compiled = (time.perf_counter(), compiling.seconds) if quiet(r) else (ready, compiled_by_then)
     finally:
         reporter.stop()
-    return recorder.finish(runner.algorithm, state.server_state, _conformal(exp, int(state.round)))
+    personal = None if exp.personalise is None else (lambda: exp.personalise(state.server_state, state.client_states, int(state.round)))
+    return recorder.finish(runner.algorithm, state.server_state, _conformal(exp, int(state.round)), personal)
 
 
 def _conformal(exp: Experiment, round_idx: int) -> Callable[[Any], dict] | None:

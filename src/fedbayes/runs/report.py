@@ -4,7 +4,9 @@ A table never cuts a method name or a number. When the columns do not fit the wi
 columns are left out (least useful first, a footnote says which); when even the essential columns
 do not fit, every method is printed as a block of ``column: value`` lines instead. Marginalised
 columns ("marg.") appear only when some method has marginalised predictions, and the conformal
-sets' coverage and size only when some run has them; a regression run
+sets' coverage and size only when some run has them, and the personalisation columns (the global
+and the personalised model's mean accuracy over the clients' own test examples) only when some run
+has them; a regression run
 gets its own columns (MSE, RMSE). Swaroop et al. 2025 (ADMM and Bayes)'s curve summaries (the mean and max accuracy over
 rounds R-2..R, :mod:`fedbayes.runs.summaries`) appear when the summaries carry curves. A summary over
 several seeds (:func:`fedbayes.runs.summaries.aggregate`) shows each number as ``mean±std`` and a
@@ -219,6 +221,13 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
             cols += [Column("coverage", _final("coverage"), keep=1), Column("set size", _final("set_size", digits=2), keep=1), Column("cov. client min", _final("coverage_client_min"), keep=5)]
             if any("coverage_marg" in s.get("final", {}) for s in summaries.values()):
                 cols += [Column("cov. marg.", _final("coverage_marg"), keep=2), Column("set size marg.", _final("set_size_marg", digits=2), keep=2)]
+        if any("personal_accuracy" in s.get("final", {}) for s in summaries.values()):  # personalisation (fedbayes.runs.personal)
+            cols += [
+                Column("client acc", _final("client_accuracy"), keep=1),
+                Column("personal acc", _final("personal_accuracy"), keep=1),
+                Column("personal acc worst 10%", _final("personal_accuracy_worst10"), keep=2),
+                Column("personal NLL", _final("personal_nll"), keep=3),
+            ]
         if curves_known:
             cols += [Column("acc mean R-2..R", _curve("mean_last"), keep=5), Column("acc max R-2..R", _curve("max_last"), keep=7)]
         if any("epsilon" in s.get("final", {}) for s in summaries.values()):

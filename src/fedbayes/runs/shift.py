@@ -30,7 +30,7 @@ from fedbayes.config.schema import ConfigError, RunConfig, load_config
 from fedbayes.data import shift as shifts
 from fedbayes.errors import DataError
 from fedbayes.runs import folder, report
-from fedbayes.runs.build import DataSpec, build_evaluator, build_model, build_predictive, client_splits, load_data
+from fedbayes.runs.build import DataSpec, build_evaluator, build_model, build_predictive, client_splits, load_data, personal_split
 from fedbayes.runs.export import load_model
 from fedbayes.runs.strictjson import dumps_record
 
@@ -134,6 +134,7 @@ class _Run:
 
         if self.thresholds is None:
             parts, validation, calibration = client_splits(self.config, dataset)
+            parts, _ = personal_split(self.config, parts)
             held_out = None if validation is None else dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation])
             self.predictives = build_predictive(self.config, self.algorithm, self.model, held_out, int(sum(map(len, parts))))(None, self.round)
             self.thresholds = {s: conformal.calibrate(self.config, p, dataset.x_train, dataset.y_train, calibration) for s, p in self.predictives.items()}
