@@ -15,6 +15,16 @@ from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.sim.simulator import Simulator
 
+# One round on digits, 4 clients all sampled, with a validation split: the config the tests of a
+# run's held-out examples (conformal calibration, personalisation) start from.
+HELD_OUT_RUN = {
+    "rounds": 1,
+    "checkpoint_every": 0,
+    "data": {"dataset": "digits", "num_clients": 4, "partition": "dirichlet", "alpha": 0.5, "validation_fraction": 0.1},
+    "model": {"name": "logreg"},
+    "server": {"clients_per_round": 4},
+}
+
 # A small run on digits (a few seconds), for the CLI tests: format with rounds, top (top-level keys),
 # algorithm and extra (more [algorithm] keys).
 DIGITS_RUN = """

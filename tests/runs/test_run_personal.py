@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import HELD_OUT_RUN
 from typer.testing import CliRunner
 
 from fedbayes.cli import app
@@ -16,13 +17,7 @@ from fedbayes.runs.loop import run_experiment
 
 runner = CliRunner()
 
-BASE = {
-    "rounds": 1,
-    "checkpoint_every": 0,
-    "data": {"dataset": "digits", "num_clients": 4, "partition": "dirichlet", "alpha": 0.5, "validation_fraction": 0.1},
-    "model": {"name": "logreg"},
-    "server": {"clients_per_round": 4},
-}
+BASE = HELD_OUT_RUN
 
 
 def _with(evaluation: dict, **top) -> dict:
