@@ -44,7 +44,7 @@ def main() -> None:
             for state, _ in sim.rounds(state, cfg.rounds):
                 pass
             model = build_model(cfg, DataSpec.of(exp.dataset))
-            site = exp.algorithm.personal_posterior is not None and cfg.evaluation.personal_by == "auto"
+            site = exp.algorithm.personal_posterior is not None and cfg.evaluation.personal_by == "site"
             for value in WEIGHTS if site else EPOCHS:
                 key = "personal_weight" if site else "personal_epochs"
                 varied = cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={key: value})})

@@ -69,6 +69,7 @@ def test_compare_personal_adds_the_columns_and_a_site_method_uses_its_sites(tmp_
     p.write_text(
         '[base]\nrounds = 1\n[base.data]\ndataset = "digits"\nnum_clients = 3\n[base.model]\nname = "logreg"\n[base.server]\nclients_per_round = 3\n'
         '[variants.fedavg.algorithm]\nname = "fedavg"\n[variants.fedlap_cov.algorithm]\nname = "fedlap_cov"\n'
+        '[variants.fedlap_cov.evaluation]\npersonal_by = "site"\n'
     )
     out = tmp_path / "out"
     res = runner.invoke(app, ["compare", str(p), "--out", str(out), "--personal", "0.2"], env={"COLUMNS": "250"})
@@ -81,8 +82,9 @@ def test_compare_personal_adds_the_columns_and_a_site_method_uses_its_sites(tmp_
     assert bad.exit_code == 2 and "--personal" in bad.output
 
 
-def test_personal_by_fine_tune_fine_tunes_a_site_method_too():
-    cfg = validate(_with({"personal_fraction": 0.2, "personal_by": "fine_tune"}, algorithm={"name": "fedlap_cov"}))
+def test_a_site_method_is_fine_tuned_by_default():
+    cfg = validate(_with({"personal_fraction": 0.2}, algorithm={"name": "fedlap_cov"}))
+    assert cfg.evaluation.personal_by == "fine_tune"
     exp = build_experiment(cfg)
     state = exp.simulator.init(exp.params)
     body = exp.personalise(state.server_state, state.client_states, 0)

@@ -338,14 +338,15 @@ class EvaluationConfig(_Strict):
     personal_weight: float = Field(
         0.5,
         ge=0,
-        description="with personal_fraction, a method whose clients keep a Gaussian site t_k (FedEP, PVI, FedLap-Cov): the personalised "
+        description="with personal_by = site, a method whose clients keep a Gaussian site t_k (FedEP, PVI, FedLap-Cov): the personalised "
         "posterior is q_g t_k^weight (pFedBayes's 1 / zeta; 0 gives the global, 1 counts the client's own data twice; 0.5 measured best of "
         "0-4 on digits, docs/results/personalisation.md)",
     )
-    personal_by: Literal["auto", "fine_tune"] = Field(
-        "auto",
-        description="with personal_fraction: auto (a site method's posterior q_g t_k^weight, every other method fine-tuned) or fine_tune "
-        "(every method fine-tuned from its global point estimate: the control for the site methods)",
+    personal_by: Literal["fine_tune", "site"] = Field(
+        "fine_tune",
+        description="with personal_fraction: fine_tune (every method's global point estimate fine-tuned on the client's examples) or site "
+        "(a site method's posterior q_g t_k^weight, every other method fine-tuned); fine_tune is the default: on the main job's network the "
+        "site posterior fell below the global model (docs/results/personalisation.md)",
     )
     personal_epochs: int = Field(
         1, ge=1, description="with personal_fraction, every other method: the epochs of local fine-tuning from the global model (the client optimizer)"

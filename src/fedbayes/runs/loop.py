@@ -314,8 +314,8 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
     check_store_dir(config, out)
     exp = build_experiment(config, store_dir=out / folder.CLIENT_STORE, data=data, module=module)
     runner = exp.simulator if rounds is None else rounds(exp)
-    if exp.personalise is not None and rounds is not None and runner.algorithm.personal_posterior is not None and config.evaluation.personal_by == "auto":
-        raise ConfigError("config error: evaluation.personal_by: a deployment's client sites stay on its nodes; personalise a site method in simulation, or set 'fine_tune'")
+    if exp.personalise is not None and rounds is not None and runner.algorithm.personal_posterior is not None and config.evaluation.personal_by == "site":
+        raise ConfigError("config error: evaluation.personal_by: a deployment's client sites stay on its nodes; personalise a site method in simulation, or set 'fine_tune' (the default)")
     ckpt = found[0] if found is not None else None
     if ckpt is None:
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one

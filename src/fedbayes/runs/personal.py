@@ -2,11 +2,11 @@
 
 Each client keeps ``evaluation.personal_fraction`` of its examples as its own test set
 (:func:`fedbayes.runs.build.personal_split`; never trained on). After the last round every client
-with such examples gets its personalised model (:mod:`fedbayes.evaluation.personal`): the
-posterior ``q_k ∝ q_g t_k^w`` of a method whose clients keep a Gaussian site, read from the client
-store (``w = evaluation.personal_weight``), or else (and for every method with
-``evaluation.personal_by = "fine_tune"``) the global model fine-tuned for
-``evaluation.personal_epochs`` epochs of the client optimizer on the client's training examples.
+with such examples gets its personalised model (:mod:`fedbayes.evaluation.personal`): by default
+(``evaluation.personal_by = "fine_tune"``) the global model fine-tuned for
+``evaluation.personal_epochs`` epochs of the client optimizer on the client's training examples;
+with ``personal_by = "site"``, for a method whose clients keep a Gaussian site, the posterior
+``q_k ∝ q_g t_k^w`` read from the client store (``w = evaluation.personal_weight``).
 Both the global and the personalised model are scored on the client's own test examples; a method
 with a posterior is scored by its point predictive (the mean) and by its marginalised predictive
 (``evaluation.predictive`` with ``evaluation.marginal_samples`` draws of the same key for the global
@@ -62,7 +62,7 @@ def build_personalisation(config, algorithm, model, dataset, federation, persona
       personal: each client's own test examples, indices into the training set.
     """
     e = config.evaluation
-    site = algorithm.personal_posterior is not None and e.personal_by == "auto"
+    site = algorithm.personal_posterior is not None and e.personal_by == "site"
     point = make_probabilities(model.apply_fn, batch_size=config.eval_batch_size)
     marginal = None
     if algorithm.server_posterior is not None:
