@@ -193,8 +193,7 @@ def personal_moments(q: DiagGaussian, site: DiagGaussian, weight: float | jax.Ar
     (``Lambda_k = 0``, so ``Lambda_g = 0`` too) takes ``fallback`` (the method's global point
     estimate) as its mean and variance 0."""
     q_k, _ = personalised(q, site, weight)
-    proper = jax.tree.map(lambda lam: lam > 0, q_k.precision)
-    variance = jax.tree.map(lambda ok, lam: jnp.where(ok, 1.0 / jnp.where(ok, lam, 1.0), 0.0), proper, q_k.precision)
+    variance = jax.tree.map(lambda lam: jnp.where(lam > 0, 1.0 / jnp.where(lam > 0, lam, 1.0), 0.0), q_k.precision)
     return safe_mean(q_k, fallback), variance
 
 

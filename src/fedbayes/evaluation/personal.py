@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedbayes.data.batches import ClientData, size_class
-from fedbayes.evaluation.metrics import ece
+from fedbayes.evaluation.metrics import accuracy, ece, nll
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 __all__ = ["HIGHER_IS_BETTER", "WORST_FRACTION", "client_scores", "fine_tune", "fine_tune_order", "make_fine_tune", "over_clients"]
@@ -72,16 +72,15 @@ def fine_tune(key: jax.Array, params: Any, x: Any, y: Any, positions: np.ndarray
 
 def client_scores(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> dict[str, float]:
     """Accuracy, NLL (natural log; a probability of 0 counts as 1e-30) and ECE (``num_bins``
-    equal-width bins, :func:`fedbayes.evaluation.metrics.ece`) of ``probs [n, C]`` on ``labels``."""
-    probs = np.asarray(probs, dtype=np.float64)
-    labels = np.asarray(labels)
-    if len(labels) == 0:
+    equal-width bins) of ``probs [n, C]`` on ``labels``: :mod:`fedbayes.evaluation.metrics`'s."""
+    labels = jnp.asarray(labels)
+    if labels.shape[0] == 0:
         raise ValueError("no examples to score")
-    p_true = probs[np.arange(len(labels)), labels]
+    probs = jnp.asarray(probs, jnp.float32)
     return {
-        "accuracy": float(np.mean(np.argmax(probs, axis=1) == labels)),
-        "nll": float(np.mean(-np.log(np.maximum(p_true, _TINY)))),
-        "ece": float(ece(jnp.asarray(probs, jnp.float32), jnp.asarray(labels), num_bins=num_bins)),
+        "accuracy": float(accuracy(probs, labels)),
+        "nll": float(nll(probs, labels, eps=_TINY)),
+        "ece": float(ece(probs, labels, num_bins=num_bins)),
     }
 
 
