@@ -2,7 +2,7 @@
 
 The layers, bottom to top, as today's imports draw them (``LAYERS``):
 
-* the algebra (``typing``, ``gaussian``, ``tree``, ``hparams``, ``errors``): pure functions and types;
+* the algebra (``typing``, ``gaussian`` and its structured families, ``tree``, ``hparams``, ``errors``): pure functions and types;
 * the round protocol (keys and streams, cohorts, weights, the server step, the end of a round), the
   aggregation rules and the models, which stand side by side;
 * the data (its random streams come from the protocol);
@@ -29,7 +29,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fedbayes"
 
 # Bottom to top; the units of one layer may import each other.
 LAYERS = (
-    ("typing", "gaussian", "tree", "hparams", "errors"),
+    ("typing", "gaussian", "gaussian_full", "gaussian_lowrank", "tree", "hparams", "errors"),
     ("protocol", "round", "aggregators", "models"),
     ("data",),
     ("inference", "evaluation"),
