@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import logging
+import os
+import sys
 import time
 import types
 from pathlib import Path
@@ -95,11 +97,13 @@ def test_without_flowers_error_codes_no_node_is_taken_for_gone_and_the_chunk_siz
 
 
 def test_without_the_forked_pull_the_executor_pulls_with_flowers_own(monkeypatch):
-    """``executor-object-pulls`` missing: the task's input comes from Flower's ``pull_task_input``."""
+    """``executor-object-pulls`` missing: the task's input comes from Flower's ``pull_task_input``
+    (here a stand-in module that the wall's table names in its place)."""
     got = []
-    stock = internals.Symbol("builtins", "print", kind="")  # a stand-in found by the wall's own lookup
-    monkeypatch.setitem(internals.SYMBOLS, "run_clientapp.pull_task_input", stock)
-    monkeypatch.setattr("builtins.print", lambda client: got.append(client) or ("message", "context", "run", "fab"))
+    stand_in = types.ModuleType("flower_stand_in")
+    stand_in.pull_task_input = lambda client: got.append(client) or ("message", "context", "run", "fab")
+    monkeypatch.setitem(sys.modules, "flower_stand_in", stand_in)
+    monkeypatch.setitem(internals.SYMBOLS, "run_clientapp.pull_task_input", internals.Symbol("flower_stand_in", "pull_task_input", ("client",)))
     _gone(monkeypatch, "pull_and_inflate_object_from_tree")
     assert internals.pull_task_input("client") == ("message", "context", "run", "fab") and got == ["client"]
 
@@ -108,7 +112,8 @@ def test_without_the_runtime_api_names_the_executor_runs_flowers_own_superexec(m
     caplog.set_level(logging.WARNING)
     path = _gone(monkeypatch, "RuntimeHttpClient")
     ran = []
-    monkeypatch.setattr(executor.os, "execv", lambda exe, argv: ran.append(argv))
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # main sets the node's environment
+    monkeypatch.setattr(os, "execv", lambda exe, argv: ran.append(argv))
     secret_file = "/run/secret"
     assert executor.main(["--runtime-api-address", "10.0.0.2:9094", "--root-certificates", "ca.crt", "--superexec-auth-secret-file", secret_file]) == 0
     (argv,) = ran
