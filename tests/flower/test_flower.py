@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import tomli_w
@@ -24,7 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
 
 from fedbayes.config.schema import validate  # noqa: E402
 from fedbayes.flower.apps import train_reply  # noqa: E402
-from fedbayes.flower.codec import INLINE_BYTES, PACKED, MalformedMessage, decode, encode, leaf_names, pack, packed, put, take, unpack  # noqa: E402
+from fedbayes.flower.codec import INLINE_BYTES, packed, put, take, unpack  # noqa: E402
 from fedbayes.flower.rounds import FlowerRounds, Reply, Settings  # noqa: E402
 from fedbayes.runs.build import build_experiment  # noqa: E402
 from fedbayes.runs.checkpoint import latest_checkpoint, read_checkpoint  # noqa: E402
@@ -62,68 +61,7 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-# ----- codec -----------------------------------------------------------------------------------
-def test_codec_round_trip_keeps_names_shapes_dtypes_and_keys():
-    tree = {
-        "mean": {"Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}},
-        "count": jnp.int32(4),
-        "key": jax.random.key(7),
-        "flags": np.array([True, False]),
-    }
-    record = encode(tree)
-    assert list(record.keys()) == [PACKED]  # one Array for the whole tree: few objects in transit
-    assert set(unpack(record)) == set(leaf_names(tree)) == {"mean/Dense_0/kernel", "mean/Dense_0/bias", "count", "key#key", "flags"}
-    back = decode(record, tree)
-    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
-        else:
-            assert np.asarray(b).shape == np.shape(a) and np.asarray(b).dtype == np.asarray(a).dtype
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-
-
-@pytest.mark.parametrize(
-    "corrupt, words",
-    [
-        (lambda r: r.pop("b"), "missing array 'b'"),
-        (lambda r: r.__setitem__("c", np.zeros(1, np.float32)), "unexpected array 'c'"),
-        (lambda r: r.__setitem__("a", np.zeros((2, 3), np.float32)), "array 'a' has shape (2, 3), expected (3, 2)"),
-        (lambda r: r.__setitem__("a", np.zeros((3, 2), np.float64)), "array 'a' has dtype float64, expected float32"),
-    ],
-)
-def test_codec_rejects_a_record_that_does_not_match(corrupt, words):
-    template = {"a": np.zeros((3, 2), np.float32), "b": np.zeros((), np.int32)}
-    arrays = unpack(encode(template))
-    corrupt(arrays)
-    with pytest.raises(MalformedMessage, match=words.replace("(", r"\(").replace(")", r"\)")):
-        decode(pack(arrays), template)
-
-
-def test_codec_rejects_a_damaged_packed_buffer_in_one_line():
-    record = encode({"a": np.ones(3, np.float32)})
-    record[PACKED] = Array(record[PACKED].numpy()[:-7])
-    with pytest.raises(MalformedMessage, match="the packed arrays cannot be read"):
-        decode(record, {"a": np.zeros(3, np.float32)})
-
-
-def test_small_arrays_travel_inline_in_the_config_record_and_large_ones_as_a_packed_record():
-    small = {"a": np.arange(6, dtype=np.float32).reshape(3, 2)}
-    content = RecordDict({"meta": ConfigRecord({"n": 1})})
-    put(content, "reply", packed(small), "meta")
-    assert list(content.keys()) == ["meta"] and isinstance(content.config_records["meta"]["reply"], bytes)  # one object a hop
-    np.testing.assert_array_equal(take(content, "reply", "meta")["a"], small["a"])
-    large = {"a": np.zeros(INLINE_BYTES // 4 + 1, np.float32)}  # over Flower's chunk size
-    content = RecordDict({"meta": ConfigRecord({"n": 1})})
-    put(content, "reply", packed(large), "meta")
-    assert "reply" not in content.config_records["meta"] and list(content.array_records["reply"].keys()) == [PACKED]
-    assert take(content, "reply", "meta")["a"].shape == large["a"].shape
-    with pytest.raises(MalformedMessage, match="the message has no 'reply' arrays"):
-        take(RecordDict({"meta": ConfigRecord({"n": 1})}), "reply", "meta")
-    damaged = RecordDict({"meta": ConfigRecord({"reply": packed(small)[:-7]})})
-    with pytest.raises(MalformedMessage, match="the packed arrays cannot be read"):
-        take(damaged, "reply", "meta")
-
-
+# ----- the round's broadcast -----------------------------------------------------------------------
 def test_a_rounds_broadcast_is_inline_unless_its_copies_are_large():
     from fedbayes.flower.rounds import INLINE_ROUND_BYTES, broadcast_payload
 
@@ -343,7 +281,7 @@ def test_simulator_only_settings_are_refused_naming_the_field(fedep_experiment):
 
 
 # ----- real Flower processes ---------------------------------------------------------------------
-def _no_process_left(fed) -> None:
+def no_process_left(fed) -> None:
     import psutil
 
     fed.stop()
@@ -414,7 +352,7 @@ def test_real_federation_runs_equal_the_simulator_and_survive_a_restart(tmp_path
         run_experiment(validate(raw), tmp_path / "sim_admm")
         assert_same_server_state(tmp_path / "sim_admm", out)
     finally:
-        _no_process_left(fed)
+        no_process_left(fed)
 
 
 @pytest.mark.slow
@@ -445,7 +383,7 @@ def test_a_node_that_never_returns_is_counted_missing_after_the_reply_timeout(tm
         lines = {line["client"]: line for line in records(out / "clients.jsonl")}
         assert lines[1]["dropped"] is True and lines[0].get("dropped") is not True
     finally:
-        _no_process_left(fed)
+        no_process_left(fed)
 
 
 @pytest.mark.slow
@@ -469,7 +407,7 @@ def test_a_supernode_whose_key_is_not_registered_is_refused(tmp_path):
         assert [n["status"] for n in nodes] == ["online"], nodes  # only the registered node
         assert "SuperNode ID" in (fed.workdir / "node0.log").read_text()
     finally:
-        _no_process_left(fed)
+        no_process_left(fed)
 
 
 def test_resumed_run_and_nodes_without_memory_continue_from_the_state_folders(tmp_path):
@@ -557,7 +495,7 @@ def test_the_grid_transport_pulls_a_rounds_replies_after_half_the_last_rounds_wa
     grid = Grid()
     transport = GridTransport(grid, poll_interval=0.05, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
     # Flower's Message needs a run's identity; the transport only reads the kind back
-    transport._message = lambda content, node, kind, group: types.SimpleNamespace(metadata=types.SimpleNamespace(message_type=kind), content=content)
+    transport.message = lambda content, node, kind, group: types.SimpleNamespace(metadata=types.SimpleNamespace(message_type=kind), content=content)
     transport.wait_for_nodes(1, 10.0, 1)
     firsts = []
     for r in range(3):
@@ -599,7 +537,7 @@ def test_real_nodes_refuse_a_server_named_module_and_the_server_hears_it(tmp_pat
         importers = marker.read_text().splitlines()
         assert importers and all("serverapp" in line for line in importers), importers
     finally:
-        _no_process_left(fed)
+        no_process_left(fed)
 
 
 @pytest.mark.slow
@@ -672,4 +610,4 @@ def test_real_nodes_refuse_a_path_their_server_names_and_read_nothing(tmp_path):
         for n in fed.nodes:  # only the data prepared for them: nothing read from the server's file
             assert len(list((n.state_dir / "data").iterdir())) == 1
     finally:
-        _no_process_left(fed)
+        no_process_left(fed)

@@ -157,16 +157,14 @@ def _settings(rc):
 
 def run_server(grid, run_config) -> dict:
     """Runs (or resumes) the configured experiment over ``grid``; returns its summary."""
-    from flwr.superlink.grid import http_grid
-
     from fedbayes.config.schema import load_config
-    from fedbayes.flower.fastnode import short_object_pulls
+    from fedbayes.flower.internals import shorten_server_pulls
     from fedbayes.flower.rounds import FlowerRounds, GridTransport
     from fedbayes.runs.loop import run_experiment
 
     settings = _settings(run_config)
     config = load_config(str(run_config["config"]))
-    short_object_pulls(http_grid)  # the replies' objects: a short retry instead of Flower's 1 s (fastnode.short_object_pulls)
+    shorten_server_pulls()  # the replies' objects: a short retry instead of Flower's 1 s (internals.short_object_pulls)
     transport = GridTransport(grid, settings.poll_interval)
     times = Path(str(run_config["out"])) / TIMES_FILE
     return run_experiment(

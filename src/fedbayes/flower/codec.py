@@ -18,7 +18,7 @@ A message's arrays travel *inline* where they are small (:func:`put`, :func:`tak
 as three objects (the record, its ``Array`` and each 5 MB chunk), each one HTTP request on every
 hop, where a ``ConfigRecord`` is one object: a heavy-MLP round on loopback made 107 requests to
 the SuperLink, 73 of them for objects, and the SuperLink spends about 4 ms of CPU on each
-(2026-11-28). Above Flower's chunk size (:data:`INLINE_BYTES`) the arrays go as a packed
+(docs/results/flower.md). Above Flower's chunk size (:data:`INLINE_BYTES`) the arrays go as a packed
 ``ArrayRecord``, chunked as Flower intends.
 """
 
@@ -32,6 +32,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedbayes import tree as tree_lib
+from fedbayes.flower.internals import chunk_size
 from fedbayes.tree import KEY_SUFFIX
 
 __all__ = [
@@ -52,12 +53,9 @@ __all__ = [
 ]
 
 PACKED = "packed.npz"  # the one Array of a packed record
-# Flower splits an Array into chunks of this size (FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, 5 MB in flwr
-# 1.41 and 1.42): larger arrays stay in an ArrayRecord so that no single object exceeds it
-try:
-    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE as INLINE_BYTES
-except ImportError:  # pragma: no cover - another flwr layout
-    INLINE_BYTES = 5 * 1024 * 1024
+# Flower splits an Array into chunks of this size (5 MB in flwr 1.41 and 1.42, internals.chunk_size):
+# larger arrays stay in an ArrayRecord so that no single object exceeds it
+INLINE_BYTES = chunk_size()
 
 
 class MalformedMessage(ValueError):

@@ -417,7 +417,7 @@ class LocalFederation:
         """SIGKILLs node ``partition``'s warm executor (as a crash would)."""
         node = self.nodes[partition]
         if node.executor is not None:
-            _kill_tree([psutil.Process(node.executor.pid)], signal.SIGKILL)
+            kill_tree([psutil.Process(node.executor.pid)], signal.SIGKILL)
             node.executor.wait(timeout=10)
             node.executor = None
 
@@ -432,7 +432,7 @@ class LocalFederation:
         node = self.nodes[partition]
         self.kill_executor(partition)
         if node.process is not None:
-            _kill_tree([psutil.Process(node.process.pid)], signal.SIGKILL)
+            kill_tree([psutil.Process(node.process.pid)], signal.SIGKILL)
             node.process.wait(timeout=10)
             node.process = None
 
@@ -513,10 +513,10 @@ class LocalFederation:
     def stop(self) -> None:
         """Ends every process of the federation (SIGTERM, then SIGKILL after 5 s)."""
         procs = self.processes()
-        _kill_tree(procs, signal.SIGTERM)
+        kill_tree(procs, signal.SIGTERM)
         _, alive = psutil.wait_procs(procs, timeout=5)
         if alive:
-            _kill_tree(alive, signal.SIGKILL)
+            kill_tree(alive, signal.SIGKILL)
             psutil.wait_procs(alive, timeout=5)
         for p in [self.superlink, *(n.process for n in self.nodes), *(n.executor for n in self.nodes)]:
             if p is not None:
@@ -538,7 +538,7 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _kill_tree(procs, sig) -> None:
+def kill_tree(procs, sig) -> None:
     """Sends ``sig`` to the process groups of ``procs`` (never this process's own) and their descendants."""
     everyone = {}
     for p in procs:

@@ -9,7 +9,7 @@ starts next to it. This module is that process: ``python -m fedbayes.flower.exec
 starts one per node) polls the node as Flower's SuperExec does and runs each task of
 fedbayes's app *in this process*, with the same Runtime API calls as ``run_clientapp`` (Flower's
 own client code: ``RuntimeHttpClient``, ``push_message``, ``push_task_output``, the object
-pull), so the imports, each run's built client (:func:`fedbayes.flower.node.node_setup`) and its
+pull, all reached through :mod:`fedbayes.flower.internals`), so the imports, each run's built client (:func:`fedbayes.flower.node.node_setup`) and its
 compiled update stay warm across rounds and runs. A task of any other app goes to a fresh
 ``flwr-clientapp`` process, as Flower's own executor does (the first task of an app is pulled
 to learn whose it is: that one runs here, loaded by Flower's loader).
@@ -20,10 +20,10 @@ What differs from ``run_clientapp`` and why:
   Flower's 1 s doubling to 10 s: the SuperNode creates the task before it has pulled the
   message's objects from the SuperLink, so a fast executor asks for them early; and it waits
   for the message's root before it asks for the others
-  (:func:`fedbayes.flower.fastnode.short_object_pulls`, as the loopback SuperNode and the
+  (:func:`fedbayes.flower.internals.pull_task_input`, as the loopback SuperNode and the
   ServerApp pull). While the node pulls, every object of the message is unavailable: pulled
   concurrently and each retried on its own, a heavy-MLP round of three made 65 requests to the
-  nodes for their 21 objects (loopback, 2026-11-27); waiting for one first, 28-38 for 18;
+  nodes for their 21 objects (loopback, docs/results/flower.md); waiting for one first, 28-38 for 18;
 * the task heartbeat is stopped before the task output is pushed (a heartbeat for a finished
   task is refused), and a refused heartbeat is logged instead of raising SIGINT in a process
   that outlives the task;
@@ -34,13 +34,15 @@ What differs from ``run_clientapp`` and why:
 State across rounds is Flower's ``Context.state`` (pulled with every task, pushed back after
 it) and the node's state folder, as on the stock path, so a restarted executor or SuperNode
 continues where it was. Tested with flwr 1.41 and 1.42 (the Runtime API and the client code it
-calls are unchanged between them); :data:`FLWR_VERSIONS` is checked at start.
+calls are unchanged between them). At start the executor checks the private names it needs
+(:func:`fedbayes.flower.internals.available`): where one is missing (a later flwr), it says so
+and runs Flower's own SuperExec instead (``flower-superexec``, a fresh ``flwr-clientapp`` per
+task, :func:`stock_command`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -50,9 +52,9 @@ import threading
 import time
 from pathlib import Path
 
-from fedbayes.flower.fastnode import PULL_BACKOFF, Rhythm, short_object_pulls  # PULL_BACKOFF: initial, cap (seconds) for pulling a message's objects
+from fedbayes.flower import internals
+from fedbayes.flower.fastnode import Rhythm
 
-FLWR_VERSIONS = ("1.41.", "1.42.")  # the flwr releases this executor is tested with
 APP_REF = "fedbayes.flower.apps:clientapp"
 ACTIVE = 10.0  # seconds after a task during which the executor polls at its fast rate
 
@@ -71,15 +73,6 @@ def node_environment(state_dir: str | Path | None = None, env: dict | None = Non
     return out
 
 
-def check_flwr_version() -> str:
-    import flwr
-
-    version = flwr.__version__
-    if not version.startswith(FLWR_VERSIONS):
-        raise RuntimeError(f"fedbayes's warm executor is tested with flwr {' and '.join(v + 'x' for v in FLWR_VERSIONS)}; this is flwr {version}")
-    return version
-
-
 class _Stop:
     def __init__(self):
         self.event = threading.Event()
@@ -92,31 +85,14 @@ class Executor:
     """Polls one SuperNode's Runtime API for ClientApp tasks and runs them (module docstring)."""
 
     def __init__(self, address: str, *, insecure: bool = True, root_certificates: str | None = None, auth_secret: bytes | None = None):
-        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
-        from flwr.supercore.retry import make_simple_http_retry_invoker
-        from flwr.supercore.runtime import RuntimeHttpClient
-
         self.address, self.insecure, self.root_certificates = address, insecure, root_certificates
-        interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
-        if auth_secret:
-            interceptors.append(SuperExecAuthHttpInterceptor(master_secret=auth_secret, protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"})))
-        self.client = RuntimeHttpClient.from_server_address(
-            server_address=address,
-            insecure=insecure,
-            root_certificates=root_certificates,
-            interceptors=interceptors,
-            retry_invoker=make_simple_http_retry_invoker(),
-        )
+        self.client = internals.runtime_client(address, insecure=insecure, root_certificates=root_certificates, auth_secret=auth_secret)
         self.apps: dict[str, bool] = {}  # FAB hash -> is fedbayes's app
         self.children: list[subprocess.Popen] = []
 
     def acquire(self):
         """``(token, task)`` of the next ClientApp task, or None."""
-        from flwr.proto.runtime_pb2 import AcquireTaskRequest
-        from flwr.supercore.constant import TaskType
-
-        res = self.client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
-        return (res.token, res.task) if res.HasField("task") and res.token else None
+        return internals.acquire_task(self.client)
 
     def serve(self, poll: float = 0.05, idle_poll: float = 0.5, stop: threading.Event | None = None, max_tasks: int | None = None) -> int:
         """Runs tasks until ``stop`` is set (or ``max_tasks`` ran); returns the number run."""
@@ -148,79 +124,41 @@ class Executor:
         cmd += ["--insecure"] if self.insecure else (["--root-certificates", self.root_certificates] if self.root_certificates else [])
         return subprocess.Popen(cmd)
 
-    def _task_client(self, token: str):
-        from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
-        from flwr.supercore.retry import make_simple_http_retry_invoker
-        from flwr.supercore.runtime import RuntimeHttpClient
-
-        interceptors = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"), RuntimeTokenHttpInterceptor(token)]
-        return RuntimeHttpClient.from_server_address(
-            server_address=self.address,
-            insecure=self.insecure,
-            root_certificates=self.root_certificates,
-            interceptors=interceptors,
-            retry_invoker=make_simple_http_retry_invoker(),
-        )
-
     def run_task(self, token: str, task) -> None:
         """One task, as ``run_clientapp`` runs it, in this process."""
-        from flwr.app import Message
-        from flwr.app.error import Error
-        from flwr.common.constant import ErrorCode, SubStatus
-        from flwr.supercore.heartbeat import HeartbeatSender
-        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
-
-        try:
-            from flwr.supercore.inflatable.inflatable_object import no_object_id_recompute
-        except ImportError:  # pragma: no cover - a flwr without it recomputes, as before
-            no_object_id_recompute = contextlib.nullcontext
-
-        client = self._task_client(token)
-        heartbeat = HeartbeatSender(_heartbeat_fn(client))
-        heartbeat.start()
+        client = internals.runtime_client(self.address, insecure=self.insecure, root_certificates=self.root_certificates, token=token)
+        heartbeat = internals.heartbeat(client, lambda: log.warning("the node refused the task heartbeat (the task expired)"))
         message = reply = context = None
-        status, details = SubStatus.FAILED, "ClientApp task failed"
+        ok, details = False, "ClientApp task failed"
         try:
-            message, context, run, fab = pull_task_input(client)
+            message, context, run, fab = internals.pull_task_input(client)
             reply = self.handle(message, context, run, fab)
-            status, details = SubStatus.COMPLETED, ""
+            ok, details = True, ""
         except Exception as exc:  # the node answers with an Error, as run_clientapp does
             log.exception("ClientApp raised an exception")
             details = f"{type(exc)}:<'{exc}'>"
             if message is not None:
-                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
+                reply = internals.error_reply(message, details)
         finally:
             try:
                 if reply is not None and context is not None:
-                    # every object's id computed once: Flower recomputes an id (deflate and hash the
-                    # object) on every access outside this context, and a ConfigRecord carrying the
-                    # reply's arrays inline is deflated about six times in push_message otherwise
-                    with no_object_id_recompute():
-                        push_message(client, reply, context)
+                    internals.push_reply(client, reply, context)
             except Exception:
                 log.exception("failed to push the reply")
             heartbeat.stop()  # before the output: a heartbeat for a finished task is refused
-            push_task_output(client=client, context=context, sub_status=status, details=details)
+            internals.push_task_output(client, context, ok, details)
             client.close()
 
     def handle(self, message, context, run, fab):
         """The reply to ``message``: fedbayes's ClientApp here; another app's through Flower's loader."""
         if fab.hash_str not in self.apps:
-            from flwr.common.config import get_fab_config
-
-            components = get_fab_config(fab.content).get("tool", {}).get("flwr", {}).get("app", {}).get("components", {})
-            self.apps[fab.hash_str] = components.get("clientapp") == APP_REF
+            self.apps[fab.hash_str] = internals.fab_components(fab).get("clientapp") == APP_REF
         if self.apps[fab.hash_str]:
             from fedbayes.flower.apps import clientapp
 
             return clientapp(message=message, context=context)
-        from flwr.cli.install import install_from_fab
-        from flwr.clientapp.utils import get_load_client_app_fn
-
         log.info("another app (FAB %s): its first task here, by Flower's loader; its next ones in a fresh flwr-clientapp", fab.hash_str[:12])
-        install_from_fab(fab.content, skip_prompt=True)
-        load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
-        return load(run.fab_id, run.fab_version, fab.hash_str)(message=message, context=context)
+        return internals.load_client_app(run, fab)(message=message, context=context)
 
     def close(self) -> None:
         for p in self.children:
@@ -228,50 +166,12 @@ class Executor:
         self.client.close()
 
 
-def pull_task_input(client):
-    """``(message, context, run, fab)`` of the client's task: ``run_clientapp.pull_task_input``
-    of flwr (Apache-2.0, Flower Labs), with the short object-pull backoff (module docstring)."""
-    from flwr.app import Message
-    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
-    from flwr.proto.node_pb2 import Node
-    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
-    from flwr.supercore.inflatable import inflatable_utils
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf
-
-    short_object_pulls(inflatable_utils)  # the root first (once a process): what pull_and_inflate_object_from_tree calls
-
-    res = client.PullTaskInput(PullTaskInputRequest())
-    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
-    pulled = client.PullMessages(PullAppMessagesRequest())
-    if not pulled.messages_list:
-        raise RuntimeError("no message for this task from the Runtime API")
-    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
-    message = inflatable_utils.pull_and_inflate_object_from_tree(
-        tree,
-        make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
-        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
-        return_type=Message,
-        initial_backoff=PULL_BACKOFF[0],
-        backoff_cap=PULL_BACKOFF[1],
-    )
-    message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks its own id
-    return message, context, run, fab
-
-
-def _heartbeat_fn(client):
-    """Flower's task heartbeat, without its SIGINT on a refused heartbeat (the task is over)."""
-    import httpx
-    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
-
-    def beat() -> bool:
-        try:
-            if not client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success:
-                log.warning("the node refused the task heartbeat (the task expired)")
-        except httpx.TransportError:
-            return False
-        return True
-
-    return beat
+def stock_command(args: argparse.Namespace) -> list[str]:
+    """Flower's own SuperExec for the same node and options (the fallback where the warm
+    executor's private names are missing): a fresh ``flwr-clientapp`` per task."""
+    cmd = [str(Path(sys.executable).parent / "flower-superexec"), "--runtime-api-address", args.runtime_api_address]
+    cmd += ["--root-certificates", args.root_certificates] if args.root_certificates else ["--insecure"]
+    return cmd + (["--superexec-auth-secret-file", args.superexec_auth_secret_file] if args.superexec_auth_secret_file else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,16 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-tasks must be a positive integer; got {args.max_tasks}")
     os.environ.update(node_environment(args.state_dir))  # before JAX is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        version = check_flwr_version()
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    secret = None
-    if args.superexec_auth_secret_file:
-        from flwr.supercore.auth.superexec_secret import load_superexec_auth_secret
-
-        secret = load_superexec_auth_secret(args.superexec_auth_secret_file)
+    version = internals.flwr_version()
+    if not internals.available("warm-executor"):  # said once, naming the symbol
+        cmd = stock_command(args)
+        log.warning("running Flower's own SuperExec instead: %s", " ".join(cmd))
+        os.execv(cmd[0], cmd)
+        return 0  # execv returns only where a test stands in for it
+    secret = internals.load_auth_secret(args.superexec_auth_secret_file) if args.superexec_auth_secret_file else None
     import fedbayes.flower.apps  # noqa: F401  (the imports once, before the first task)
     import fedbayes.flower.node  # noqa: F401
 

@@ -184,6 +184,16 @@ def node_setup(config, client: int, state_dir: str | Path, spec: dict, source: d
 _SETUPS: OrderedDict = OrderedDict()
 
 
+def kept_setups() -> list[Setup]:
+    """The :class:`Setup`\\ s this process keeps built (:func:`node_setup`), least recently used first."""
+    return list(_SETUPS.values())
+
+
+def clear_setups() -> None:
+    """Forgets every kept :class:`Setup` (the next message of each run builds its own again)."""
+    _SETUPS.clear()
+
+
 def client_update(setup: Setup, seed: int, round_idx: int, client: int, message, client_state):
     """Client ``client``'s update in round ``round_idx`` on its own examples (in the order of its
     partition), with the simulator's key and epoch shuffles."""

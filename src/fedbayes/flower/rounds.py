@@ -226,7 +226,7 @@ class FlowerRounds:
         return self.algorithm.server_params(state.server_state)
 
     # ----- one round --------------------------------------------------------------------------
-    def _request(self, round_idx: int, client: int, base: int, broadcast: bytes | ArrayRecord) -> Callable[[], RecordDict]:
+    def request(self, round_idx: int, client: int, base: int, broadcast: bytes | ArrayRecord) -> Callable[[], RecordDict]:
         """The train message's content: the broadcast inline in its config record when ``broadcast``
         is bytes (one object a hop), else the round's one shared record (:func:`broadcast_payload`)."""
         meta = {"round": round_idx, "client": client, "base": base, "run": self.run_key, "config": self.config_text, "seed": self.seed, "spec": self.spec}
@@ -266,7 +266,7 @@ class FlowerRounds:
         broadcast_tree = self.algorithm.broadcast(state.server_state)
         broadcast = broadcast_payload(packed(to_arrays(broadcast_tree)), len(cohort))
         base = np.asarray(state.client_states["base"])
-        requests = {int(c): self._request(r, int(c), int(base[c]), broadcast) for c in cohort}
+        requests = {int(c): self.request(r, int(c), int(base[c]), broadcast) for c in cohort}
         started = time.monotonic()
         replies = self.transport.exchange(r, requests, s.reply_timeout)
         if self.times_file is not None:
@@ -357,9 +357,9 @@ def _at(tree_, path):
 # ----- the Flower transport ---------------------------------------------------------------------
 def _unavailable(reply) -> bool:
     """An error the SuperLink makes for a message whose node went away (not a ClientApp's)."""
-    from flwr.common.constant import ErrorCode
+    from fedbayes.flower.internals import unavailable_codes
 
-    return int(reply.error.code) in (ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE)
+    return int(reply.error.code) in unavailable_codes()
 
 
 class GridTransport:
@@ -384,7 +384,8 @@ class GridTransport:
         self.gone: set[int] = set()  # nodes the SuperLink reported unavailable: never asked again
         self.num_partitions: int | None = None
 
-    def _message(self, content: RecordDict, node_id: int, kind: str, group: str):
+    def message(self, content: RecordDict, node_id: int, kind: str, group: str):
+        """The Flower ``Message`` of ``content`` to node ``node_id`` (``kind``: its message type)."""
         from flwr.app import Message
 
         return Message(content, dst_node_id=node_id, message_type=kind, group_id=group)
@@ -394,7 +395,7 @@ class GridTransport:
         asked = set(self.queries.values()) | set(self.partition_of) | self.gone
         new = [n for n in nodes if n not in asked]
         if new:
-            ids = self.grid.push_messages([self._message(RecordDict({"q": ConfigRecord({})}), n, "query", "discover") for n in new])
+            ids = self.grid.push_messages([self.message(RecordDict({"q": ConfigRecord({})}), n, "query", "discover") for n in new])
             self.queries.update({mid: n for mid, n in zip(ids, new) if mid})
         if not self.queries:
             return
@@ -457,7 +458,7 @@ class GridTransport:
             pending = [c for c in requests if c not in replies]
             push = [(c, self.node_of[c]) for c in pending if c in self.node_of and sent.get(c) != self.node_of[c]]
             if push:
-                ids = self.grid.push_messages([self._message(requests[c](), n, "train", str(round_idx)) for c, n in push])
+                ids = self.grid.push_messages([self.message(requests[c](), n, "train", str(round_idx)) for c, n in push])
                 for (c, n), mid in zip(push, ids):
                     if mid:
                         owner[mid], sent[c] = (c, n), n
