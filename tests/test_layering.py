@@ -30,7 +30,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fedbayes"
 # Bottom to top; the units of one layer may import each other.
 LAYERS = (
     ("typing", "gaussian", "tree", "hparams", "errors"),
-    ("protocol", "round", "aggregators", "models"),
+    ("protocol", "aggregators", "models"),
     ("data",),
     ("inference", "evaluation"),
     ("algorithms",),
