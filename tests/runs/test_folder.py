@@ -96,24 +96,6 @@ def test_summaries_and_logs_are_strict_json(tmp_path):
         folder.append_jsonl(tmp_path / "x.jsonl", {"nll": float("nan")})
 
 
-def test_finished_needs_the_same_config_and_a_summary(tmp_path):
-    from fedbayes.config.schema import to_toml, validate
-
-    cfg = validate({"name": "x", "data": {"dataset": "digits", "num_clients": 3}, "algorithm": {"name": "fedavg"}, "server": {"clients_per_round": 3}})
-    run = tmp_path / "run"
-    assert folder.finished(cfg, run) is None  # nothing there
-    run.mkdir()
-    (run / folder.CONFIG).write_text(to_toml(cfg))
-    assert folder.finished(cfg, run) is None  # no summary yet: unfinished
-    folder.write_json(run / folder.SUMMARY, {"name": "x", "diverged": {"round": 3}})
-    assert folder.finished(cfg, run) == {"name": "x", "diverged": {"round": 3}}  # a diverged run is finished as it stands
-    assert folder.finished(cfg.model_copy(update={"seed": cfg.seed + 1}), run) is None  # another config
-    folder.write_json(run / folder.SUMMARY, {"name": "x"})
-    lines = []
-    assert folder.finished(cfg, run, lines.append) is None  # a summary without its final checkpoint: named, rebuilt by resuming
-    assert len(lines) == 1 and "final checkpoint (round 10) is missing" in lines[0]
-
-
 def test_load_run_imports_neither_the_simulator_nor_the_run_loop(tmp_path):
     """``fedbayes.load_run`` reads files: a fresh process that calls it has not imported the
     simulator, the builder or the loop."""
