@@ -310,6 +310,7 @@ def test_killed_run_with_a_disk_store_resumes_to_the_same_metrics(tmp_path):
         np.testing.assert_array_equal(np.fromfile(path, want.dtype).reshape(want.shape), want)
 
 
+@pytest.mark.benchmark  # the process's resident memory: a bound that holds on a quiet machine
 def test_peak_memory_grows_with_the_cohort_not_with_the_federation():
     """200 clients x 2 leaves x 262,144 float32 (400 MB on disk), cohorts of 10 (20 MB): the
     process's peak resident set grows by the cohort's rows, not by the store. The full-size
