@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import digits_federation, logreg_setup
+from helpers import DIGITS_RUN, digits_federation, logreg_setup
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -247,26 +247,7 @@ def test_checkpoints_record_the_store_prune_its_logs_and_roll_it_back(tmp_path):
         load_checkpoint(path, SimState(0, server, {"a": np.zeros((8, 2, 3), np.float32), "b": np.zeros((8, 5), np.int32)}))
 
 
-CONFIG = """
-name = "store_test"
-rounds = 5
-checkpoint_every = 2
-store = "{store}"
-[data]
-dataset = "digits"
-num_clients = 6
-partition = "dirichlet"
-alpha = 0.5
-[model]
-name = "logreg"
-[client]
-lr = 0.1
-batch_size = 16
-[server]
-clients_per_round = 3
-[algorithm]
-name = "admm"
-"""
+CONFIG = DIGITS_RUN.format(rounds=5, top='store = "{store}"', algorithm="admm", extra="")  # format it with the store
 
 
 def _strip(records):
