@@ -24,11 +24,10 @@ DEMO_ARGS ?=
 demo: env
 	BIN=$(BIN) scripts/demo $(DEMO_ARGS)
 
-# The suite on 2 workers, then the one test marked `alone` (a stopwatch against `seconds`) with
-# nothing beside it: another test's load on the other core moved its ratio by up to 11%.
+# The suite on 2 workers. The tests marked `benchmark` (bounds on wall-clock time and resident
+# memory) are left out; they run with nothing beside them: pytest -m benchmark --benchmarks
 test: env
-	$(BIN)/python -m pytest -q -n 2 -m "not alone"
-	$(BIN)/python -m pytest -q -m alone
+	$(BIN)/python -m pytest -q -n 2
 
 # The Flower adapter's tests, real SuperLink/SuperNode processes included, in a venv of their own:
 # flwr pins older typer, rich and protobuf than the main environment's (.ci/run runs this too).

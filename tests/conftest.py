@@ -46,6 +46,23 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.load_profile("ci")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--benchmarks", action="store_true", help="also run the tests marked benchmark (wall-clock and resident-memory assertions); run them alone, without -n"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``benchmark`` are deselected unless ``--benchmarks`` is given: their bounds on
+    time and memory hold on a quiet machine, not beside another worker's tests."""
+    if config.getoption("--benchmarks"):
+        return
+    chosen = [item for item in items if item.get_closest_marker("benchmark") is None]
+    if len(chosen) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("benchmark") is not None])
+        items[:] = chosen
+
+
 @pytest.fixture
 def key():
     return jax.random.key(0)

@@ -175,11 +175,3 @@ def test_message_templates_give_the_shapes_of_a_rounds_messages():
     assert spec(protocol.message_templates(algo, None, data, server_state=state, client_state=()).message) == spec(t.message)
     only = protocol.message_templates(algo, params)  # what a node decodes the broadcast against
     assert spec(only.broadcast) == spec(t.broadcast) and only.message is None and only.info is None
-
-
-def test_the_former_module_name_is_the_protocol():
-    """``fedbayes.round`` (the protocol's name before the layered folders) is the same module."""
-    import fedbayes.round
-    from fedbayes import round as old_name
-
-    assert fedbayes.round is protocol and old_name is protocol

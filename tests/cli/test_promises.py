@@ -107,14 +107,11 @@ def test_long_titles_wrap_at_spaces():
 
 
 def test_a_comparison_shows_the_fixed_point_in_its_table_not_as_a_warning():
-    from fedbayes.cli.comparing import _say_warnings
-    from fedbayes.runs.health import UNSETTLED
+    from fedbayes.runs.health import UNSETTLED, comparison_warnings
     from fedbayes.runs.report import columns, fixed_point_value
 
-    said: list[str] = []
     lines = [f"warning: fedep: {UNSETTLED}: over the last 10 rounds ...", "warning: checkpoint round 5 is damaged", f"warning: fedsep: {UNSETTLED}: ..."]
-    _say_warnings(lines, said.append)
-    assert said == ["warning: checkpoint round 5 is damaged"]
+    assert comparison_warnings(lines) == ["warning: checkpoint round 5 is damaged"]
     settled = {"settled": True, "mean_drift": 0.004, "var_drift": 0.01, "window": 10}
     moving = {"settled": False, "moved": ["mean", "var"], "mean_drift": 0.022, "var_drift": 0.071, "window": 10}
     assert fixed_point_value("a", {"fixed_point": settled}, []) == "yes"

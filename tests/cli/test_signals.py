@@ -4,6 +4,7 @@ exit 130 (or 0 when the run had already finished); the line says how to resume."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -133,26 +134,40 @@ def test_resume_of_a_deployed_run_goes_to_flower(tmp_path):
     assert res.exit_code == 2 and res.stderr.strip().startswith("error: fedbayes deploy needs Flower"), res.output
 
 
-def test_an_interrupt_that_python_could_only_drop_is_delivered_again(monkeypatch):
+def test_an_interrupt_that_python_could_only_drop_is_delivered_again():
     """Raised where C code runs Python code (the unraisable hook's case), the interrupt is not
-    printed and lost: the signal is re-armed DEFER_S later. Other unraisable exceptions go to the
-    previous hook."""
-    import types
+    printed and lost: the signal is re-armed DEFER_S later, and the alarm delivers it. Other
+    unraisable exceptions, and an interrupt once the command's line is out, go to the previous
+    hook. In a process of its own: the handlers and the hook are the process's."""
+    code = """if True:
+        import json, signal, sys, types
+        from fedbayes.cli import interrupts
 
-    from fedbayes.cli import interrupts
-
-    monkeypatch.setattr(interrupts, "_state", {"stopping": True, "command": False})
-    seen = []
-    interrupts._state["unraisable"] = seen.append
-    timers = []
-    monkeypatch.setattr(interrupts.signal, "setitimer", lambda which, seconds: timers.append((which, seconds)))
-    interrupts._unraisable(types.SimpleNamespace(exc_value=KeyboardInterrupt(), object="Path"))
-    assert interrupts._state["stopping"] is False and interrupts._state["deferred"] is True
-    assert timers == [(signal.ITIMER_REAL, interrupts.DEFER_S)] and seen == []
-    other = types.SimpleNamespace(exc_value=ValueError("x"), object="Path")
-    interrupts._unraisable(other)
-    assert seen == [other] and len(timers) == 1
-    interrupts._state.update(stopping=True, said=True)  # the line is out: the command is ending anyway
-    late = types.SimpleNamespace(exc_value=KeyboardInterrupt(), object="Path")
-    interrupts._unraisable(late)
-    assert seen == [other, late] and len(timers) == 1
+        previous, timers = [], []
+        sys.unraisablehook = previous.append
+        signal.setitimer = lambda which, seconds: timers.append([which, seconds])
+        interrupts.install()
+        out = {}
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            out["first"] = interrupts.stopping()
+        sys.unraisablehook(types.SimpleNamespace(exc_value=KeyboardInterrupt(), object="Path"))  # dropped by Python
+        out["rearmed"] = [interrupts.stopping(), timers == [[signal.ITIMER_REAL, interrupts.DEFER_S]], len(previous)]
+        try:
+            signal.raise_signal(signal.SIGALRM)  # the timer's alarm
+        except KeyboardInterrupt:
+            out["again"] = interrupts.stopping()
+        other = types.SimpleNamespace(exc_value=ValueError("x"), object="Path")
+        sys.unraisablehook(other)
+        out["other"] = [previous == [other], len(timers)]
+        interrupts.say_line("interrupted")  # the line is out: the command is ending anyway
+        late = types.SimpleNamespace(exc_value=KeyboardInterrupt(), object="Path")
+        sys.unraisablehook(late)
+        out["late"] = [previous == [other, late], len(timers)]
+        print(json.dumps(out))
+    """
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"first": True, "rearmed": [False, True, 0], "again": True, "other": [True, 1], "late": [True, 1]}

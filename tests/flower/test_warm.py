@@ -275,7 +275,7 @@ def test_warm_executors_with_their_own_data_equal_the_simulator_and_survive_a_re
     between rounds), and a new one, started after it left, takes rounds 2 and 3 from the node's
     queue: the node's state comes from Context.state and its state folder, and the final server
     state equals the simulator's; every round's times are in flower_times.jsonl; no process is
-    left (how long the warm handlers take: the ``timing`` test below). (The executor leaves at a known point
+    left (how long the warm handlers take: the ``benchmark`` test below). (The executor leaves at a known point
     so that the test is deterministic: an executor killed *during* a task makes Flower answer
     that task with an error, and the server rejects that client for the round.)"""
     from fedbayes.flower.deploy import LocalFederation
@@ -440,10 +440,10 @@ def test_another_apps_tasks_on_a_warm_node_run_through_flowers_loader_and_then_a
         no_process_left(fed)
 
 
-@pytest.mark.timing
+@pytest.mark.benchmark
 @pytest.mark.slow
 def test_warm_handlers_take_well_under_a_second_after_their_first_task(tmp_path):
-    """A stopwatch (``-m timing`` only): on 2 warm nodes over 3 rounds, only the first round's
+    """A stopwatch (``--benchmarks`` only): on 2 warm nodes over 3 rounds, only the first round's
     handlers import, build or compile (a second or more); the warm ones take well under a second."""
     from fedbayes.flower.deploy import LocalFederation
 

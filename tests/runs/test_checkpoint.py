@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from helpers import DIGITS_RUN
 
 from fedbayes.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from fedbayes.protocol import SimState
@@ -134,10 +135,7 @@ def test_a_run_resumed_from_a_checkpoint_of_the_first_format_ends_as_an_uninterr
 
     runner = CliRunner()
     cfg = tmp_path / "c.toml"
-    cfg.write_text(
-        'name = "first"\nrounds = 4\ncheckpoint_every = 2\n[data]\ndataset = "digits"\nnum_clients = 6\npartition = "dirichlet"\nalpha = 0.5\n'
-        '[model]\nname = "logreg"\n[client]\nlr = 0.1\nbatch_size = 16\n[server]\nclients_per_round = 3\n[algorithm]\nname = "feddyn"\n'
-    )
+    cfg.write_text(DIGITS_RUN.format(rounds=4, top="", algorithm="feddyn", extra=""))
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert runner.invoke(app, ["run", str(cfg), "--out", str(ref)]).exit_code == 0
     shutil.copytree(ref, out)

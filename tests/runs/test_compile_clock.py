@@ -19,7 +19,7 @@ def test_the_clock_counts_a_compilation_and_not_a_cached_call():
     assert first.seconds > 0 and again.seconds == 0
 
 
-@pytest.mark.alone  # a stopwatch: another test's load on the other core would move it
+@pytest.mark.benchmark  # a stopwatch: another test's load on the other core would move it
 def test_a_runs_seconds_leave_its_compilation_out(tmp_path):
     """The first round's programs compile inside its timed window; before, the first round's
     seconds were about half of all the compilation (1.6 s of 3.1 s here), now a round's compute."""

@@ -303,21 +303,20 @@ def test_a_store_that_could_not_be_created_leaves_nothing_behind(tmp_path, monke
     import fedbayes.sim.store as store_module
 
     template = {"site": np.ones((3, 4), np.float32)}
-    real = store_module._write_atomic
 
-    def full(path, data, durable):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full(src, dst, **kwargs):  # the store's metadata, its last file, put in place
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
 
-    monkeypatch.setattr(store_module, "_write_atomic", full)
-    with pytest.raises(OSError, match="No space left"):
-        store_module.DiskStore.create(tmp_path / "new", template, 5)
-    assert not (tmp_path / "new").exists()
-    (tmp_path / "kept").mkdir()
-    (tmp_path / "kept" / ".fedbayes_owner").write_text("x\n")
-    with pytest.raises(OSError, match="No space left"):
-        store_module.DiskStore.create(tmp_path / "kept", template, 5)
-    assert [p.name for p in (tmp_path / "kept").iterdir()] == [".fedbayes_owner"]
-    monkeypatch.setattr(store_module, "_write_atomic", real)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "replace", full)
+        with pytest.raises(OSError, match="No space left"):
+            store_module.DiskStore.create(tmp_path / "new", template, 5)
+        assert not (tmp_path / "new").exists()
+        (tmp_path / "kept").mkdir()
+        (tmp_path / "kept" / ".fedbayes_owner").write_text("x\n")
+        with pytest.raises(OSError, match="No space left"):
+            store_module.DiskStore.create(tmp_path / "kept", template, 5)
+        assert [p.name for p in (tmp_path / "kept").iterdir()] == [".fedbayes_owner"]
 
     def no_fallocate(fd, offset, size):
         raise OSError(errno.ENOSPC, "No space left on device")

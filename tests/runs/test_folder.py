@@ -3,9 +3,6 @@ strict JSON; reading a run folder loads neither the simulator nor the run loop."
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +10,6 @@ import pytest
 
 from fedbayes.runs import folder
 from fedbayes.runs.strictjson import loads_strict
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_file_names():
@@ -94,44 +89,3 @@ def test_summaries_and_logs_are_strict_json(tmp_path):
     assert [loads_strict(line)["round"] for line in (tmp_path / folder.RESUME_CHANGES).read_text().splitlines()] == [2, 4]
     with pytest.raises(ValueError):
         folder.append_jsonl(tmp_path / "x.jsonl", {"nll": float("nan")})
-
-
-def test_finished_needs_the_same_config_and_a_summary(tmp_path):
-    from fedbayes.config.schema import to_toml, validate
-
-    cfg = validate({"name": "x", "data": {"dataset": "digits", "num_clients": 3}, "algorithm": {"name": "fedavg"}, "server": {"clients_per_round": 3}})
-    run = tmp_path / "run"
-    assert folder.finished(cfg, run) is None  # nothing there
-    run.mkdir()
-    (run / folder.CONFIG).write_text(to_toml(cfg))
-    assert folder.finished(cfg, run) is None  # no summary yet: unfinished
-    folder.write_json(run / folder.SUMMARY, {"name": "x", "diverged": {"round": 3}})
-    assert folder.finished(cfg, run) == {"name": "x", "diverged": {"round": 3}}  # a diverged run is finished as it stands
-    assert folder.finished(cfg.model_copy(update={"seed": cfg.seed + 1}), run) is None  # another config
-    folder.write_json(run / folder.SUMMARY, {"name": "x"})
-    lines = []
-    assert folder.finished(cfg, run, lines.append) is None  # a summary without its final checkpoint: named, rebuilt by resuming
-    assert len(lines) == 1 and "final checkpoint (round 10) is missing" in lines[0]
-
-
-def test_load_run_imports_neither_the_simulator_nor_the_run_loop(tmp_path):
-    """``fedbayes.load_run`` reads files: a fresh process that calls it has not imported the
-    simulator, the builder or the loop."""
-    import fedbayes
-    from fedbayes.config.schema import to_toml, validate
-
-    cfg = validate({"name": "x", "data": {"dataset": "digits", "num_clients": 3}, "algorithm": {"name": "fedavg"}, "server": {"clients_per_round": 3}})
-    (tmp_path / folder.CONFIG).write_text(to_toml(cfg))
-    np.savez(tmp_path / folder.MODEL, **{"params/Dense_0/kernel": np.ones((2, 3), np.float32)})
-    folder.MetricsWriter(tmp_path / folder.METRICS).rewrite([{"round": 0, "accuracy": 0.5}])
-    config, params, metrics = fedbayes.load_run(tmp_path)
-    assert config == cfg and params["Dense_0"]["kernel"].shape == (2, 3) and metrics == [{"round": 0, "accuracy": 0.5}]
-    code = (
-        "import sys, fedbayes\n"
-        f"fedbayes.load_run({str(tmp_path)!r})\n"
-        "loaded = [m for m in ('fedbayes.sim.simulator', 'fedbayes.runs.build', 'fedbayes.runs.loop') if m in sys.modules]\n"
-        "print(loaded)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu"))
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]", res.stdout

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import fedbayes
 from fedbayes.cli import app
-from fedbayes.config.schema import RunConfig, validate
+from fedbayes.config.schema import RunConfig, read_stored, validate
 from fedbayes.runs.build import build_experiment
 from fedbayes.runs.export import flatten
 from fedbayes.runs.folder import read_metrics
@@ -189,7 +189,8 @@ def test_model_npz_loads_without_fedbayes_and_equals_the_server_parameters(tmp_p
         np.testing.assert_allclose(np.asarray(got[k], v.dtype), v, rtol=1e-6, atol=1e-7)
     # load_run: config, params (nested as the model takes them) and metrics; the params reproduce the final accuracy
     config, params, records = fedbayes.load_run(out)
-    assert config == cfg and records == read_metrics(out / "metrics.jsonl")
+    assert read_stored(out / "config.toml") == cfg and config.model_dump() == read_stored(out / "config.toml", method=False).model_dump()
+    assert config.algorithm.name == cfg.algorithm.name and records == read_metrics(out / "metrics.jsonl")
     assert exp.evaluate(state.server_state, state.round)["accuracy"] == pytest.approx(summary["final"]["accuracy"])
     logits = exp.model.apply({"params": params}, exp.dataset.x_test)
     assert float(np.mean(np.argmax(logits, -1) == exp.dataset.y_test)) == pytest.approx(summary["final"]["accuracy"], abs=1e-6)

@@ -6,8 +6,8 @@ that a round's compute dominates its fixed costs).
 The stopwatch round runs between the run's rounds (from the progress reporter, while the run
 evaluates and nothing of it is in flight), so each of the run's rounds is bracketed by two
 stopwatch rounds, the one just before it and the one just after, and compared with their mean:
-under a load that changes, the bracket follows it. `make test` runs this test on its own after
-the rest of the suite (marker ``alone``): beside another worker's tests the median ratio reached
+under a load that changes, the bracket follows it. It is a benchmark (marker ``benchmark``, left
+out of `make test`; run it on its own: ``pytest -m benchmark --benchmarks``): beside another worker's tests the median ratio reached
 1.11 in one CI run (2026-11-27), bursts of the other test landing in one of the pair and not the other. Each timed
 stopwatch round follows an untimed one, as each of the run's rounds follows a round: timed straight
 after an evaluation, a round ran 12-15% slower (the XLA threads idle, the caches cold), measured
@@ -66,7 +66,7 @@ class StopwatchReporter:
 
 
 @pytest.mark.slow  # 16 bracketed rounds of a deliberately slow model: 20-35 s on 2 loaded cores
-@pytest.mark.alone  # make test runs it with nothing beside it: beside another xdist worker's tests its median reached 1.11 (CI, 2026-11-27)
+@pytest.mark.benchmark  # a stopwatch: beside another xdist worker's tests its median reached 1.11 (CI, 2026-11-27)
 def test_seconds_is_the_rounds_compute_time_against_a_stopwatch(tmp_path):
     config = validate(SLOW)
     stopwatch = StopwatchReporter(config)

@@ -29,7 +29,7 @@ def _poisoned(alg: Algorithm, bad_size: int) -> Algorithm:
     return alg._replace(client_update=client_update)
 
 
-def _algorithm(name, trainer, k):
+def algorithm_named(name, trainer, k):
     if name == "fedavg":
         return fedavg(trainer, optax.sgd(1.0, momentum=0.9))
     if name == "feddyn":
@@ -41,7 +41,7 @@ def _leaves(tree):
     return [np.asarray(a) for a in jax.tree.leaves(tree)]
 
 
-def _assert_bitwise(a, b):
+def assert_bitwise(a, b):
     la, lb = _leaves(a), _leaves(b)
     assert len(la) == len(lb)
     for x, y in zip(la, lb):
@@ -66,15 +66,15 @@ def test_pipelined_and_device_store_equal_plain_loop(name, store, layout, per_ro
     for the write-back) and some do not (the next round is launched early)."""
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup(epochs=2, batch_size=16)
-    alg = _algorithm(name, trainer, fed.num_clients)
+    alg = algorithm_named(name, trainer, fed.num_clients)
     make = lambda store: Simulator(alg, fed, clients_per_round=per_round, seed=5, layout=layout, store=store, scenario=Scenario(dropout=0.2))  # noqa: E731
     ref, ref_infos = _loop(make("memory"), params, 5, donate=False)
     sim = make(store)
     got = list(sim.rounds(sim.init(params), 5))
     assert [s.round for s, _ in got] == [1, 2, 3, 4, 5]
     state = got[-1][0]
-    _assert_bitwise(state.server_state, ref.server_state)
-    _assert_bitwise(state.client_states, ref.client_states)
+    assert_bitwise(state.server_state, ref.server_state)
+    assert_bitwise(state.client_states, ref.client_states)
     for (_, info), want in zip(got, ref_infos):
         np.testing.assert_array_equal(info.cohort, want.cohort)
         np.testing.assert_array_equal(info.dropped, want.dropped)
@@ -84,7 +84,7 @@ def test_pipelined_and_device_store_equal_plain_loop(name, store, layout, per_ro
         assert info.server == want.server
     # The plain loop on the device store, donating, agrees too.
     dev, _ = _loop(make(store), params, 5, donate=True)
-    _assert_bitwise(dev.client_states, ref.client_states)
+    assert_bitwise(dev.client_states, ref.client_states)
 
 
 def test_early_launch_happens_only_when_allowed(monkeypatch):
@@ -101,7 +101,7 @@ def test_early_launch_happens_only_when_allowed(monkeypatch):
         monkeypatch.setattr(sim, "complete", lambda st, l, **kw: (events.append(("complete", l.prepared.round)), complete(st, l, **kw))[1])
         return sim
 
-    sim = spy(Simulator(_algorithm("admm", trainer, fed.num_clients), fed, clients_per_round=3, seed=5))
+    sim = spy(Simulator(algorithm_named("admm", trainer, fed.num_clients), fed, clients_per_round=3, seed=5))
     cohorts = [set(sim.sample_cohort(r).tolist()) for r in range(6)]
     list(sim.rounds(sim.init(params), 6))
     for r in range(5):
@@ -109,7 +109,7 @@ def test_early_launch_happens_only_when_allowed(monkeypatch):
         assert early == (not cohorts[r] & (cohorts[r + 1] | {0}))
     assert any(events.index(("launch", r + 1)) < events.index(("complete", r)) for r in range(5)), "no round was launched early: pick another seed"
     events.clear()
-    sim = spy(Simulator(_algorithm("fedavg", trainer, fed.num_clients), fed, clients_per_round=7, seed=5))
+    sim = spy(Simulator(algorithm_named("fedavg", trainer, fed.num_clients), fed, clients_per_round=7, seed=5))
     list(sim.rounds(sim.init(params), 4, keep=lambda r: r == 1))
     launched_early = [events.index(("launch", r + 1)) < events.index(("complete", r)) for r in range(3)]
     assert launched_early == [True, False, True]
@@ -119,7 +119,7 @@ def test_device_store_keeps_rejected_clients_and_kept_states_are_intact():
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup()
     k = fed.num_clients
-    alg = _poisoned(_algorithm("admm", trainer, k), SIZES[1])
+    alg = _poisoned(algorithm_named("admm", trainer, k), SIZES[1])
     ref, ref_infos = _loop(Simulator(alg, fed, clients_per_round=k, seed=0), params, 3, donate=False)
     assert all(info.rejected.tolist() == [1] for info in ref_infos)
     sim = Simulator(alg, fed, clients_per_round=k, seed=0, store="device")
@@ -127,7 +127,7 @@ def test_device_store_keeps_rejected_clients_and_kept_states_are_intact():
     for state, info in sim.rounds(sim.init(params), 3, keep=lambda r: r == 1):
         if state.round == 2:  # kept: the next round waits, so its store is still readable
             kept.append(_leaves(state.client_states))
-    _assert_bitwise(state.client_states, ref.client_states)
+    assert_bitwise(state.client_states, ref.client_states)
     np.testing.assert_array_equal(_leaves(ref.client_states)[0][1], _leaves(sim.init(params).client_states)[0][1])
     assert kept and all(np.isfinite(a).all() for a in kept[0])
 
@@ -135,7 +135,7 @@ def test_device_store_keeps_rejected_clients_and_kept_states_are_intact():
 def test_pipelined_fail_fast_raises_on_the_bad_round():
     fed = digits_federation(SIZES)
     _, params, trainer = logreg_setup()
-    alg = _poisoned(_algorithm("fedavg", trainer, fed.num_clients), SIZES[1])
+    alg = _poisoned(algorithm_named("fedavg", trainer, fed.num_clients), SIZES[1])
     sim = Simulator(alg, fed, clients_per_round=fed.num_clients, seed=0, fail_fast=True)
     seen = []
     with pytest.raises(RuntimeError, match=r"round 0: .*clients \[1\]"):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import digits_federation, logreg_setup
+from helpers import DIGITS_RUN, digits_federation, logreg_setup
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -247,26 +247,7 @@ def test_checkpoints_record_the_store_prune_its_logs_and_roll_it_back(tmp_path):
         load_checkpoint(path, SimState(0, server, {"a": np.zeros((8, 2, 3), np.float32), "b": np.zeros((8, 5), np.int32)}))
 
 
-CONFIG = """
-name = "store_test"
-rounds = 5
-checkpoint_every = 2
-store = "{store}"
-[data]
-dataset = "digits"
-num_clients = 6
-partition = "dirichlet"
-alpha = 0.5
-[model]
-name = "logreg"
-[client]
-lr = 0.1
-batch_size = 16
-[server]
-clients_per_round = 3
-[algorithm]
-name = "admm"
-"""
+CONFIG = DIGITS_RUN.format(rounds=5, top='store = "{store}"', algorithm="admm", extra="")  # format it with the store
 
 
 def _strip(records):
@@ -310,6 +291,7 @@ def test_killed_run_with_a_disk_store_resumes_to_the_same_metrics(tmp_path):
         np.testing.assert_array_equal(np.fromfile(path, want.dtype).reshape(want.shape), want)
 
 
+@pytest.mark.benchmark  # the process's resident memory: a bound that holds on a quiet machine
 def test_peak_memory_grows_with_the_cohort_not_with_the_federation():
     """200 clients x 2 leaves x 262,144 float32 (400 MB on disk), cohorts of 10 (20 MB): the
     process's peak resident set grows by the cohort's rows, not by the store. The full-size

@@ -46,8 +46,8 @@ def measure_paired(names: Sequence[str], settings: BenchSettings, rounds: int | 
     pipelined rounds (as run_experiment runs them) of every workload in turn, until each has run
     ``rounds`` (default: the first workload's :func:`steady_rounds`). Paired blocks saw the same
     machine state, so the ratio of their times is far less noisy than a ratio of separate
-    processes' medians (on the 2-core development VM a fresh process's throughput varies by up to
-    +-25%). A block waits for its last round, so workloads never overlap.
+    processes' medians (a fresh process's throughput varies from process to process:
+    docs/results/bench.md, "Repeatability"). A block waits for its last round, so workloads never overlap.
 
     Returns:
       ``{"round_s": {name: [seconds per round of each block]}, "examples": {name: [examples per

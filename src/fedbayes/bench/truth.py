@@ -9,8 +9,7 @@ No-U-Turn Sampler") in float64, target acceptance 0.9, with a **dense metric**: 
 the MAP ``theta*`` (a fixed dense mass matrix ``H``, the full Laplace approximation's precision),
 and a diagonal mass matrix is adapted on top of it in warm-up. NumPyro's own ``dense_mass=True`` is
 not used: with NumPyro 0.22 and JAX 0.10.2 its transitions never meet the U-turn criterion, so
-every one runs to the maximum tree depth (1,023 leapfrog steps on a 62-dimensional standard normal,
-against 15 with a diagonal mass matrix; measured 2026-11-25). The chains start at ``z ~ N(0, 4 I)``
+every one runs to the maximum tree depth (docs/results/posterior_quality.md, "Ground truth"). The chains start at ``z ~ N(0, 4 I)``
 (the MAP plus two Laplace standard deviations).
 Reported: the per-coordinate mean and variance of all draws ("NUTS-diag"), the largest split
 R-hat and the smallest effective sample size over the coordinates (``numpyro.diagnostics``), the

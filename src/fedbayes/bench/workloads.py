@@ -77,9 +77,8 @@ class BenchSettings:
 
 
 FULL = BenchSettings()
-# A smoke check: every workload compiles and runs a few rounds, one repeat (7 min 10 s on the
-# 2 cores on 2026-11-24, a machine 2.2x slower than the one that took 94 s on 2026-11-22 with 7
-# fewer workloads; compiles are most of it).
+# A smoke check: every workload compiles and runs a few rounds, one repeat; compiles are most of
+# its time (docs/results/bench.md, 2026-11-24, "pipelined rounds, the device store, device idle").
 QUICK = BenchSettings(rounds=2, limit_reps=3, repeats=1, relative_reps=3, cnn_per_client=128, idle_probes=2, own_limit_blocks=1)
 # The GPU record (``fedbayes bench gpu``, :data:`GPU_WORKLOADS`): one repeat, no paired processes
 # (each workload's own limit and its ratio to FedAvg come from its own process), kept short.

@@ -36,8 +36,8 @@ def enable_compilation_cache() -> str | None:
     """Turns on JAX's persistent compilation cache for CLI runs; returns its folder or None.
 
     Compiled rounds, evaluators and initialisers are reused across processes, which cuts a
-    repeated run's fixed start-up (about 7 s cold to under 3 s warm for FedAvg on Fashion-MNIST,
-    docs/results/bench.md). Folder: ``$FEDBAYES_CACHE``, else ``$XDG_CACHE_HOME/fedbayes/xla``,
+    repeated run's fixed start-up (docs/results/bench.md, "Start-up with the persistent
+    compilation cache"). Folder: ``$FEDBAYES_CACHE``, else ``$XDG_CACHE_HOME/fedbayes/xla``,
     else ``~/.cache/fedbayes/xla``; ``FEDBAYES_CACHE=off`` disables it. Capped at 2 GB (JAX
     evicts the least recently used entries).
     """

@@ -35,18 +35,6 @@ def _seeds_option(text: str) -> list[int]:
     return _or_fail(lambda: parse_seeds(text))
 
 
-def _say_warnings(lines: list[str], say) -> None:
-    """The runs' warnings after the table, except that a run ending before its fixed point
-    (:class:`fedbayes.runs.health.FixedPointCheck`) is not a warning in a comparison: the
-    comparison chose the round budget, and the table's "fixed point" column says, for every
-    method, whether its posterior had settled and how far it still drifted."""
-    from fedbayes.runs.health import UNSETTLED
-
-    for line in lines:
-        if f": {UNSETTLED}:" not in line:
-            say(line)
-
-
 def _print_reference(summaries, curves, reference, full: str) -> None:
     if reference is None:
         return
@@ -250,7 +238,10 @@ def _run_comparison(
             console.print(cmp.overrides_note(changed, list(shown)), highlight=False, soft_wrap=True, markup=False)
         _print_reference(result.summaries, result.curves, reference, full=f"{result.markdown}")
         console.print(f"table: {result.markdown}  plot: {result.plot}", highlight=False, soft_wrap=True)
-    _say_warnings(warned, lambda s: print(s, file=sys.stderr, flush=True))  # warnings on stderr, as a single run's
+    from fedbayes.runs.health import comparison_warnings
+
+    for line in comparison_warnings(warned):  # on stderr, as a single run's; not a run ending before its fixed point (the table says)
+        print(line, file=sys.stderr, flush=True)
     if result.shift is not None:
         say(f"shift table: {result.shift.markdown}  {result.shift.json}  plot: {result.shift.plot}")
     if result.diverged:

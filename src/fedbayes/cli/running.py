@@ -13,6 +13,7 @@ from fedbayes.cli.common import LOG_HELP, check_out, load, number_in, print_tabl
 from fedbayes.config.schema import parse_override
 from fedbayes.flower import INSTALL as _FLOWER_INSTALL  # the package's __init__ imports no flwr
 from fedbayes.runs import folder as run_folder
+from fedbayes.runs.resume import finished
 
 DEPLOYED = "flower"  # the folder `fedbayes deploy` adds to a run folder (fedbayes.flower.deploy.deploy_local)
 
@@ -140,7 +141,7 @@ def resume(
             fail(f"error: {out} holds nothing to resume (the run stopped before it wrote its config); start it again with fedbayes run CONFIG --out {out}")
         fail(f"error: {out} holds no {run_folder.CONFIG} or {run_folder.COMPARISON}; is it a fedbayes run folder?")
     cfg = load(cfg_path, set_ or [], stored=True)
-    done = run_folder.finished(cfg, out)
+    done = finished(cfg, out)
     if done is not None and not done.get("diverged"):
         console.print(f"{out}: finished earlier ({cfg.rounds} rounds, every file intact); nothing to resume", highlight=False, soft_wrap=True)
         return

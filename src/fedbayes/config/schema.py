@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from fedbayes.algorithms import registry
 from fedbayes.errors import BadInputError
@@ -357,9 +357,22 @@ def _default_algorithm() -> HParams:
     return registry.get("fedavg").hparams()
 
 
+class StoredAlgorithm(HParams):
+    """A stored config's ``[algorithm]`` table kept as stored, so that reading a run folder imports
+    no method (:func:`read_stored` with ``method=False``): ``name`` and every stored key as an
+    attribute, not checked against the method's settings (the run checked them when it wrote the
+    file). A config holding one skips the checks that need the method's traits too."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+
 def validate_algorithm(value: Any) -> HParams:
     """The ``[algorithm]`` table validated against the settings of the method its ``name`` names
     in the live registry; raises ``ValueError`` with one line naming the field."""
+    if isinstance(value, StoredAlgorithm):
+        return value  # kept as stored: read_stored(..., method=False)
     if isinstance(value, HParams):
         registry.get(value.name)  # a registered method
         return value
@@ -403,7 +416,7 @@ def _method_evaluation_defaults(data: Any) -> Any:
     plus a known prior, Laplace Redux's recipe, the prior precision by the marginal likelihood over
     the last layer (``"marglik"``, ``"last_layer"``; else ``"fixed"``, ``"all"``). An invalid
     ``[algorithm]`` is left to its own validator."""
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or isinstance(data.get("algorithm"), StoredAlgorithm):
         return data
     evaluation = data.get("evaluation", {})
     if isinstance(evaluation, EvaluationConfig):
@@ -431,7 +444,7 @@ def _method_local_budget(data: Any) -> Any:
     a budget), else the method's :attr:`~fedbayes.algorithms.base.AlgorithmSpec.local_budget`; and
     an unset ``client.max_steps`` with the method's
     :attr:`~fedbayes.algorithms.base.AlgorithmSpec.local_max_steps`."""
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or isinstance(data.get("algorithm"), StoredAlgorithm):
         return data
     client = data.get("client", {})
     if isinstance(client, ClientConfig):
@@ -453,12 +466,14 @@ def _method_local_budget(data: Any) -> Any:
     return data if filled == client else {**data, "client": filled}
 
 
-def stored_meaning(raw: Any) -> Any:
+def stored_meaning(raw: Any, method: bool = True) -> Any:
     """``raw``, a config as a run folder or a checkpoint stored it, with each key of
     :data:`STORED_EVALUATION_DEFAULTS` that it lacks set to what it meant when it was written (the
     behaviour of the versions before the key's default came to depend on the method), so that a
     resumed old run evaluates as it did; likewise ``data.standardize`` (off for your own data,
-    which was not scaled then). New runs record every key, and are returned as they are."""
+    which was not scaled then), and, with ``method``, the method's own keys (its
+    :attr:`~fedbayes.algorithms.base.AlgorithmSpec.stored_meaning`, which imports its module).
+    New runs record every key, and are returned as they are."""
     if not isinstance(raw, dict) or not isinstance(raw.get("evaluation", {}), dict):
         return raw
     algorithm = raw["algorithm"] if isinstance(raw.get("algorithm"), dict) else {}
@@ -474,7 +489,7 @@ def stored_meaning(raw: Any) -> Any:
     data = raw.get("data", {})
     if isinstance(data, dict) and "standardize" not in data:  # written before data.standardize: own data was not scaled
         out["data"] = {**data, "standardize": False if data.get("dataset") in STANDARDIZE_AUTO_DATASETS else "auto"}
-    if algorithm.get("name") in registry.names():  # the method's own keys (AlgorithmSpec.stored_meaning)
+    if method and algorithm.get("name") in registry.names():  # the method's own keys (AlgorithmSpec.stored_meaning)
         out["algorithm"] = registry.get(algorithm["name"]).stored_meaning(dict(algorithm), raw)
     return out
 
@@ -542,12 +557,13 @@ class RunConfig(_Strict):
                 "model.name: the least_squares dataset needs model 'linear', and 'linear' needs least_squares; "
                 f"got model {self.model.name!r} with dataset {self.data.dataset!r}"
             )
-        spec = self.spec
-        minimum, why = spec.min_local_epochs(self.algorithm)
-        field = "max_epochs" if self.client.stop == "converged" else "epochs"
-        if getattr(self.client, field) < minimum:
-            raise ValueError(f"client.{field}: {why}, so it needs {field} >= {minimum}; got {getattr(self.client, field)}")
-        if spec.exact_server and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
+        spec = None if isinstance(self.algorithm, StoredAlgorithm) else self.spec  # kept as stored: the run passed the method's checks
+        if spec is not None:
+            minimum, why = spec.min_local_epochs(self.algorithm)
+            field = "max_epochs" if self.client.stop == "converged" else "epochs"
+            if getattr(self.client, field) < minimum:
+                raise ValueError(f"client.{field}: {why}, so it needs {field} >= {minimum}; got {getattr(self.client, field)}")
+        if spec is not None and spec.exact_server and (self.server.optimizer != "sgd" or self.server.lr != 1.0):
             raise ValueError(
                 f"server.optimizer: {spec.name}'s server {spec.exact_server} and uses no server optimizer; "
                 f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
@@ -558,8 +574,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _privacy_and_robustness(self) -> RunConfig:
-        spec = self.spec
-        if spec.aggregator_policy != "wrappable":  # the method's own rule stays: no robust rule, cap or DP around it
+        spec = None if isinstance(self.algorithm, StoredAlgorithm) else self.spec
+        if spec is not None and spec.aggregator_policy != "wrappable":  # the method's own rule stays: no robust rule, cap or DP around it
             why = f"{spec.name} {spec.aggregator_note}"
             if self.server.aggregator != "mean":
                 raise ValueError(f"server.aggregator: {why}; allowed: mean; got {self.server.aggregator!r}")
@@ -581,7 +597,7 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _prior_precision_search_possible(self) -> RunConfig:
         search = self.evaluation.prior_precision
-        if search == "fixed":
+        if search == "fixed" or isinstance(self.algorithm, StoredAlgorithm):
             return self
         if self.spec.prior_precision_for(self.algorithm) is None:
             raise ValueError(
@@ -624,6 +640,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _variational_model_as_the_method_needs(self) -> RunConfig:
+        if isinstance(self.algorithm, StoredAlgorithm):
+            return self
         needed = self.spec.needs_variational_model
         if self.model.variational != needed:
             kind = "variational models (model.variational = true; mlp or cnn)" if needed else "deterministic models (model.variational = false)"
@@ -785,6 +803,27 @@ def read_toml(path: str | Path) -> dict:
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Reads, overrides and validates a run config."""
     return validate(apply_overrides(read_toml(path), list(overrides)))
+
+
+def read_stored(path: str | Path, method: bool = True) -> RunConfig:
+    """A run folder's ``config.toml`` read as it meant when written (:func:`stored_meaning`).
+    ``method=False``: without importing the method's module: ``[algorithm]`` is kept as stored
+    (:class:`StoredAlgorithm`) and the checks that need the method are left out (the run passed
+    them when it wrote the file); every other section is validated as usual.
+
+    Raises:
+      ConfigError: the file is missing, not TOML, or does not validate.
+    """
+    raw = stored_meaning(read_toml(path), method=method)
+    if not method:
+        try:
+            raw = _moved_evaluation_keys(raw)
+            raw = {**raw, "algorithm": StoredAlgorithm.model_validate(raw.get("algorithm", {"name": "fedavg"}))}
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, StoredAlgorithm, prefix="algorithm.")) from None
+        except ValueError as exc:
+            raise ConfigError(f"config error: {exc}") from None
+    return validate(raw)
 
 
 def to_toml(config: RunConfig) -> str:

@@ -32,6 +32,7 @@ from fedbayes.hparams import INT_MAX
 from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, deep_merge, read_reference, read_toml, same_config, validate
 from fedbayes.runs import folder, report
 from fedbayes.runs import summaries as sm
+from fedbayes.runs.resume import finished
 from fedbayes.runs.strictjson import dumps_record
 
 __all__ = [
@@ -429,7 +430,7 @@ def run_comparison(
     """
     out = Path(out)
     planned = jobs(runs, out, seeds)
-    done = {j: folder.finished(j.config, j.folder) if resume else None for j in planned}
+    done = {j: finished(j.config, j.folder) if resume else None for j in planned}
     todo = [j for j in planned if done[j] is None]
     label = (lambda j: f"variant {j.variant!r}") if seeds is None else (lambda j: f"variant {j.variant!r}, seed {j.seed}")
     check_data([(j, j.config) for j in todo], label)

@@ -2,8 +2,8 @@
 reports them (``jax.monitoring``'s duration events), summed while a :class:`CompileClock` listens.
 
 A run's ``seconds`` (``train s``) leave this time out: on a short run it is most of the wall time
-(a 10-round run on a small MLP: about 4 s of compilation against 0.1 s of training per round), and
-it does not grow with the rounds. The command line reports it apart.
+(docs/results/bench.md, "compilation against training in a short run"), and it does not grow
+with the rounds. The command line reports it apart.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ the parameters' tree paths joined by ``/`` under a prefix:
 * ``posterior_mean/<path>`` and ``posterior_variance/<path>``: the diagonal Gaussian posterior
   ``q_g`` of the Bayesian methods (FedEP, FedSEP, PVI), absent for the others.
 
-``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`,
-the parameters as the nested dict the model's ``apply`` takes, and the ``metrics.jsonl`` records.
+``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`
+(its ``[algorithm]`` table as stored), the parameters as the nested dict the model's ``apply`` takes,
+and the ``metrics.jsonl`` records.
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ def load_model(path: str | Path) -> dict[str, dict]:
 def load_run(run_dir: str | Path):
     """``(config, params, metrics)`` of a finished run folder.
 
-    Reads files only: it loads neither the simulator nor the run loop.
+    Reads files only: it loads neither the simulator nor the run loop, nor any method's module.
+    ``config.algorithm`` is the stored ``[algorithm]`` table (a
+    :class:`~fedbayes.config.schema.StoredAlgorithm`: its ``name`` and each stored setting as an
+    attribute), not validated against the method's settings;
+    ``fedbayes.config.schema.read_stored(DIR / "config.toml")`` reads the config with them validated
+    (importing the method's module).
 
     Example::
 
@@ -76,12 +82,12 @@ def load_run(run_dir: str | Path):
     Raises:
       FileNotFoundError: the folder holds no ``config.toml`` or no ``model.npz`` (an unfinished run).
     """
-    from fedbayes.config.schema import read_toml, stored_meaning, validate
+    from fedbayes.config.schema import read_stored
 
     run_dir = Path(run_dir)
     for name in (folder.CONFIG, folder.MODEL):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir} holds no {name}; is it a finished fedbayes run folder?")
-    config = validate(stored_meaning(read_toml(run_dir / folder.CONFIG)))  # as the run meant it (an older run's unset keys)
+    config = read_stored(run_dir / folder.CONFIG, method=False)  # as the run meant it (an older run's unset keys); no method imported
     params = load_model(run_dir / folder.MODEL)["params"]
     return config, params, folder.read_metrics(run_dir / folder.METRICS)

@@ -38,7 +38,7 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
 
@@ -68,7 +68,6 @@ __all__ = [
     "append_jsonl",
     "checkpoint_name",
     "damage",
-    "finished",
     "has_checkpoint",
     "read_metrics",
     "read_summary",
@@ -218,19 +217,3 @@ def read_summary(folder: str | Path) -> dict:
       OSError: there is none; ValueError: it is not JSON.
     """
     return json.loads((Path(folder) / SUMMARY).read_text())
-
-
-def finished(config: Any, folder: str | Path, warn: Callable[[str], None] | None = None) -> dict | None:
-    """The summary of a run already finished in ``folder`` with this very config (a
-    :class:`~fedbayes.config.schema.RunConfig`) whose files are all intact, else None (a damaged file
-    is named through ``warn``, default stderr: resuming the run rebuilds it);
-    :func:`fedbayes.runs.resume.finished_intact`."""
-    from fedbayes.runs.resume import finished_intact
-
-    return finished_intact(config, folder, warn if warn is not None else _stderr)
-
-
-def _stderr(line: str) -> None:
-    import sys
-
-    print(line, file=sys.stderr, flush=True)

@@ -54,6 +54,7 @@ __all__ = [
     "RejectionStreak",
     "calibration_advice",
     "calibration_after_round",
+    "comparison_warnings",
     "divergence_hint",
     "divergence_message",
     "learning_knobs",
@@ -321,6 +322,14 @@ def make_calibration_check(config: RunConfig) -> CalibrationCheck:
 # ----- fixed point -------------------------------------------------------------------------------
 
 UNSETTLED = "the run ended before its fixed point"  # the start of FixedPointCheck's message (a comparison sums these up)
+
+
+def comparison_warnings(lines: list[str]) -> list[str]:
+    """The runs' warning ``lines`` that a comparison says after its table: all but a run ending
+    before its fixed point (:class:`FixedPointCheck`), which is no warning there: the comparison
+    chose the round budget, and its table's "fixed point" column says, for every method, whether
+    its posterior had settled and how far it still drifted."""
+    return [line for line in lines if f": {UNSETTLED}:" not in line]
 
 FIXED_POINT_WINDOW = 10  # rounds over which the end of a run is judged (two halves)
 FIXED_POINT_MEAN_TOL = 0.01  # relative L2 drift of the mean between the window's halves

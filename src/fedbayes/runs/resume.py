@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from fedbayes.config.schema import ConfigError, RunConfig, resolved
 from fedbayes.errors import BadInputError
 from fedbayes.runs import folder
 
-__all__ = ["OWNER", "check_resume_config", "check_store_dir", "claim_store", "config_hash", "finished_intact", "record_changes"]
+__all__ = ["OWNER", "check_resume_config", "check_store_dir", "claim_store", "config_hash", "finished", "finished_intact", "record_changes"]
 
 OWNER = ".fedbayes_owner"  # in a store_dir of a disk client store: the run folder it belongs to
 
@@ -127,6 +128,17 @@ def claim_store(config: RunConfig, out: Path, resume: bool) -> Iterator[None]:
                 raise BadInputError(f"config error: store_dir: {store} holds the client store of the run in {owner}; give this run a store_dir of its own")
         folder.write_atomic(store / OWNER, me + "\n")
         yield
+
+
+def finished(config: RunConfig, out: str | Path, warn: Callable[[str], None] | None = None) -> dict | None:
+    """The summary of a run already finished in ``out`` with this very config whose files are all
+    intact, else None (:func:`finished_intact`; a damaged file is named through ``warn``, default
+    stderr: resuming the run rebuilds it)."""
+    return finished_intact(config, out, warn if warn is not None else _stderr)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def finished_intact(config: RunConfig, out: str | Path, warn=None) -> dict | None:

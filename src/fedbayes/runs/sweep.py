@@ -38,6 +38,7 @@ from fedbayes.config.schema import ConfigError, RunConfig, read_toml, same_confi
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report, summaries
 from fedbayes.runs.compare import check_data, check_seeds, toml_text
+from fedbayes.runs.resume import finished
 from fedbayes.runs.strictjson import dumps_record
 
 SELECT_ON = ("validation", "test")
@@ -300,9 +301,6 @@ def selection_label(select_on: str, cells: Sequence[Cell], seeds: Sequence[int] 
 
 
 # ----- running ----------------------------------------------------------------------------------
-
-
-finished = run_folder.finished  # the summary of a run already finished with this very config, else None
 
 
 def conflicts(cells: Sequence[Cell], seeds_of: Callable[[Cell], Sequence[int]], out: Path) -> list[Path]:

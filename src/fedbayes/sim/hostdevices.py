@@ -6,11 +6,10 @@ after another (docs/design.md, "Using every core"). XLA reads ``XLA_FLAGS`` once
 user already put in ``XLA_FLAGS`` is kept (the user chose the layout).
 
 Each device keeps XLA's default threading. Single-threaded devices (``SINGLE_THREAD_FLAGS``, as
-the compute limit's pinned processes use) were measured and rejected on the 2-core development
-machine (docs/results/bench.md, "Threads per device"): unequal client sizes (Dirichlet 0.5) lost
-7% (alternating fresh processes, medians 274k vs 296k examples/s: a device that finishes its
-clients early no longer lends its core to the other through Eigen's pool), IID rounds gained
-nothing clear in a full bench run, and evaluation split over single-threaded devices was slower.
+the compute limit's pinned processes use) were measured and rejected (docs/results/bench.md,
+"Threads per device"): with unequal client sizes a device that finishes its clients early no
+longer lends its core to the other through Eigen's pool, IID rounds gained nothing clear, and
+evaluation split over single-threaded devices was slower.
 """
 
 from __future__ import annotations

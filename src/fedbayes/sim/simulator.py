@@ -68,9 +68,9 @@ from fedbayes.sim.store import DeviceStore, DiskStore, MemoryStore, as_store
 log = logging.getLogger(__name__)
 
 # XLA:CPU (jax 0.10) hands dots and reductions to YNNPACK by default. Its reductions over a short
-# axis ran about 40x slower than XLA's own loops on the development machine (the mean over FedEP's
-# 3 SG-MCMC samples, [3, 784, 200]: 6.2 ms against 0.14 ms), about 10 ms per FedEP client and
-# round; the round keeps YNNPACK for dots only (docs/results/bench.md, "Where time goes").
+# axis (the mean over FedEP's SG-MCMC samples) are far slower than XLA's own loops, so the round
+# keeps YNNPACK for dots only (docs/results/bench.md, "A slow XLA:CPU reduction, and the fix in
+# the round").
 _CPU_ROUND_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
@@ -357,7 +357,7 @@ class Simulator:
         # Both layouts split the cohort by hand (shard_map). Under a vmap over the whole sharded
         # cohort, every client loop's stopping test became an all-reduce across the devices, and
         # XLA:CPU, running a collective that did not wait for the loops beside them on as few
-        # threads as devices, deadlocked (aborted after 40 s, seen on 2 cores). Here each device
+        # threads as devices, deadlocked (docs/design.md, "Using every core"). Here each device
         # loops over its own clients only, until its own longest client is done.
         # check_vma=False: with it, gradients w.r.t. the replicated broadcast would be summed
         # over devices and clients would no longer be independent (docs/design.md).
@@ -400,11 +400,9 @@ class Simulator:
         Split over the devices as the cohort is, a server step that is a loop of small steps
         (FedLap-Func's 500 Adam steps over the cohort's memory points) ends every step in a
         cross-device reduction, each device waiting for the other; one device alone, in a program
-        of its own, uses both cores through XLA's intra-op threads. Measured 2026-11-28 on the
-        2-core machine (``benchmarks/round_pieces.py fedlap_func_100``): the round took 0.77 s
-        with the server split, 0.53 s with it apart; the server step alone on one device 0.33 s,
-        the clients 0.14-0.15 s. (Inside the round's program the
-        first device alone gets one core: XLA does not split the operations of a program of
+        of its own, uses every core through XLA's intra-op threads, and the round is faster
+        (docs/results/bench.md, "FedLap-Func's server on one device"). (Inside the round's program
+        the first device alone gets one core: XLA does not split the operations of a program of
         several devices over threads.)"""
         new, ok, info = protocol.server_step(server_key, self.algorithm, server_state, messages, weights, self.aggregator)
         return protocol.keep_unless_accepted(ok, new, server_state, self.algorithm), info
@@ -458,7 +456,8 @@ class Simulator:
         """The states of the clients in slots ``ids`` on the devices, sharded by slot.
 
         From a memory store each device's block is gathered straight from the stacked host arrays
-        (one copy, no assembled cohort array in between: about 0.4 ms less per 7 MB leaf here).
+        (one copy, no assembled cohort array in between; docs/results/bench.md, "What changed, and
+        what each change measured").
         """
         if isinstance(store, MemoryStore):
 

@@ -20,7 +20,7 @@ exceeds the chain's mixing time ``1 / (lr lambda_min(A))``). With ``C = tau A`` 
 approximately draws from the client posterior ``N(mu, A^{-1})``: the noise level is
 calibrated to the sampler, ``tau = temperature * steps_per_sample``. (With finite ``K`` the
 averages are under-dispersed by about ``1 / (K lr lambda_min)`` in slow directions and mildly
-correlated; ``tests/toys/test_toys.py`` measures ~30% on the 2-D toy.) This is the noise of a
+correlated; docs/results/toys.md gives their size on the 2-D toy, which ``tests/toys/test_toys.py`` checks.) This is the noise of a
 client holding ``n = K B`` examples, sampled with one IASG sample per epoch of ``K`` minibatch
 steps of size ``B`` (TFF's ``fed_pa_schedule``; docs/algorithms.md §6.3). The ``"exact"`` sampler instead draws
 from ``N(mu, A^{-1})`` directly (the FedPA code's ``ExactQuadraticSampler``).
@@ -33,7 +33,7 @@ Deltas (pseudo-gradients, docs/algorithms.md §0 sign convention):
 * FedPA: ``Sigma_l^{-1} (theta - mean(samples))`` with the shrinkage covariance of Al-Shedivat et al. 2021 (FedPA)
   Thm. 3 (:func:`fedbayes.algorithms.fedpa.dense_shrinkage_delta`, equal to the DP of
   :func:`~fedbayes.algorithms.fedpa.shrinkage_delta` to 1e-10; the dense form is used because
-  the DP's unrolled loop compiles in O(l^2) time, about a minute at ``l = 100``, and ``d <= 101``
+  the DP's unrolled loop compiles in O(l^2) time, docs/results/toys.md, and ``d <= 101``
   here).
 
 **One batched solve per compiled program.** With jaxlib 0.10.2 on a 2-core CPU, an XLA program
