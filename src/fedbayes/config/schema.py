@@ -89,13 +89,10 @@ def _exclusive_keys(record: HParams, section: str, chosen: str, what: str, specs
 
 
 class DataConfig(_Strict):
-    """Which data, how much of it, and how it is split over clients.
-
-    ``dataset`` and ``partition`` name entries of the dataset and partition registries
-    (:mod:`fedbayes.data.registry`, :mod:`fedbayes.data.partitions`); the keys a dataset or a
-    partition reads alone (its spec's ``settings``) sit flat in this table and are validated
-    through its settings record. A dataset registered from Python brings its own keys.
-    """
+    """Which data, how much of it, and how it is split over clients. The dataset and the partition
+    are names in the dataset and partition registries; the keys only one of them reads sit flat in
+    this table and are validated through its settings (a dataset or partition registered from
+    Python brings its own keys)."""
 
     model_config = ConfigDict(extra="allow")  # a registered dataset's or partition's own keys (checked in _own_settings)
     section: ClassVar[str] = "data."
@@ -201,12 +198,8 @@ class DataConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """The flax model.
-
-    ``name`` names an entry of the model registry (:mod:`fedbayes.models.registry`); the keys a
-    model reads alone (its spec's ``settings``) sit flat in this table and are validated through
-    its settings record. A model registered from Python brings its own keys.
-    """
+    """The flax model: a name in the model registry; the keys only that model reads sit flat in this
+    table and are validated through its settings (a model registered from Python brings its own keys)."""
 
     model_config = ConfigDict(extra="allow")  # a registered model's own keys (checked in _own_settings)
     section: ClassVar[str] = "model."
