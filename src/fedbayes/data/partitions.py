@@ -5,7 +5,7 @@ A spec holds the name used in configs (``[data] partition = ...``), the
 :class:`~fedbayes.data.registry.DataSettings` record of the ``[data]`` keys only it reads, its
 function ``split(labels, num_clients, rng, client_ids=None, **params) -> list of index arrays``
 and whether it needs the data's own client ids. A partition added with :func:`register` runs from
-a config file like a built-in one, and the conformance suite (``tests/data/test_conformance.py``)
+a config file like a built-in one, and the conformance suite (``tests/data/test_dataset_conformance.py``)
 splits every registered dataset with every partition that applies.
 """
 

@@ -9,7 +9,7 @@ command, which reports which datasets this machine can load.
 
 A dataset added with :func:`register` validates and runs from a config file like a built-in one
 (its own keys sit flat in ``[data]``), and the conformance suite
-(``tests/data/test_conformance.py``) checks every registered dataset against its traits.
+(``tests/data/test_dataset_conformance.py``) checks every registered dataset against its traits.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ builder ``build(settings, num_classes, variational) -> flax module`` and its tra
 is built for, whether it needs image input or takes token ids, whether it has a variational
 version. The run's checks of a model against the data (``fedbayes.runs.build.check_model``) read
 these traits, never the model's name. A model added with :func:`register` runs from a config file
-like a built-in one, and the conformance suite (``tests/models/test_conformance.py``) builds
+like a built-in one, and the conformance suite (``tests/models/test_model_conformance.py``) builds
 every registered model on data of a matching shape and checks that a mismatched one is refused.
 """
 
@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-import flax.linen as nn
+if TYPE_CHECKING:
+    import flax.linen as nn
+
 from pydantic import Field
 
 from fedbayes.hparams import HParams
-from fedbayes.models import TASKS, make_model
-from fedbayes.models.mlp import ACTIVATIONS
+from fedbayes.models.tasks import ACTIVATIONS, TASKS
 
 __all__ = ["ModelSettings", "ModelSpec", "builtin_specs", "get", "names", "register", "setting", "specs", "unregister"]
 
@@ -114,6 +115,13 @@ class ModuleSettings(ModelSettings):
 
     module: str | None = Field(None, description="your own flax module: 'package.module:Class' or 'path/to/file.py:Class' (sets name = 'module')")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="module: its keyword arguments (num_classes is set from the data unless given)")
+
+
+def make_model(name: str, num_classes: int, **kwargs) -> nn.Module:
+    """:func:`fedbayes.models.make_model`, loaded when a model is first built."""
+    from fedbayes.models.core import make_model as make
+
+    return make(name, num_classes, **kwargs)
 
 
 def _plain(name: str) -> Callable[[Any, int, bool], nn.Module]:

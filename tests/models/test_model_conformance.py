@@ -102,3 +102,10 @@ def test_models_without_a_variational_version_are_refused_in_one_line():
         if not spec.variational:
             with pytest.raises(ConfigError, match=rf"^config error: model.variational: only .* have a variational version; got '{spec.name}'$"):
                 validate({"model": {"name": spec.name, "variational": True}, "algorithm": {"name": "vbnn"}})
+
+
+def test_the_registry_s_activation_names_are_the_mlp_s():
+    from fedbayes.models.mlp import ACTIVATIONS
+    from fedbayes.models.tasks import ACTIVATIONS as NAMES
+
+    assert NAMES == tuple(ACTIVATIONS)
