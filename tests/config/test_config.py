@@ -16,7 +16,7 @@ BAD = [
     ({"algorithm": {"name": "feddyn", "rho": 1}}, "algorithm.rho: unknown key; allowed keys here: name, alpha, weight_decay"),
     ({"algorithm": {"name": "nope"}}, "algorithm.name: unknown algorithm 'nope'; allowed: fedavg, fedprox, feddyn, admm"),
     ({"rounds": "ten"}, "rounds: Input should be a valid integer"),
-    ({"data": {"partition": "zzz"}}, "data.partition: Input should be 'iid', 'dirichlet', 'two_level_dirichlet', 'shards' or 'natural'"),
+    ({"data": {"partition": "zzz"}}, "data.partition: unknown partition 'zzz'; allowed: iid, dirichlet, two_level_dirichlet, shards, natural"),
     ({"client": {"momentum": 1.0}}, "client.momentum: Input should be less than 1"),
     ({"model": {"name": "linear"}}, "model.name: the least_squares dataset needs model 'linear'"),
     ({"data": {"partition": "natural"}}, "data.partition: 'natural' needs a dataset with client ids"),

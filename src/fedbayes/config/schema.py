@@ -23,20 +23,21 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from fedbayes.algorithms import registry
+from fedbayes.data import partitions as partition_registry
+from fedbayes.data import registry as data_registry
 from fedbayes.errors import BadInputError
 from fedbayes.hparams import HParams
+from fedbayes.models import registry as model_registry
 
-DATASETS = (
-    "fashion_mnist", "mnist", "digits", "breast_cancer", "leaf", "synthetic_leaf", "least_squares",
-    "emnist", "fed_cifar100", "cifar100", "cifar10", "stackoverflow_nwp", "stackoverflow_lr", "files", "arrays",
-)  # fmt: skip
-NATURAL_DATASETS = (
-    "leaf", "synthetic_leaf", "least_squares", "emnist", "fed_cifar100", "cifar100", "stackoverflow_nwp", "stackoverflow_lr", "files", "arrays",
-)  # fmt: skip
-USER_DATA_KEYS = ("path", "test_path", "label", "client_column")  # data.dataset = "files" only (fedbayes.data.user)
-PARTITIONS = ("iid", "dirichlet", "two_level_dirichlet", "shards", "natural")
-MODELS = ("logreg", "mlp", "cnn", "linear", "emnist_cnn", "resnet18_gn", "lstm_nwp", "module")
-VARIATIONAL_MODELS = ("mlp", "cnn")
+# The data and model keys are validated against the live dataset, partition and model registries
+# (fedbayes.data.registry, fedbayes.data.partitions, fedbayes.models.registry): these tuples are the
+# built-in names, kept for readers of the config module.
+DATASETS = data_registry.names()
+NATURAL_DATASETS = tuple(s.name for s in data_registry.builtin_specs() if s.federated != "never")
+USER_DATA_KEYS = data_registry.get("files").exclusive  # data.dataset = "files" only (fedbayes.data.user)
+PARTITIONS = partition_registry.names()
+MODELS = model_registry.names()
+VARIATIONAL_MODELS = tuple(s.name for s in model_registry.builtin_specs() if s.variational)
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 PREDICTIVES = ("sample", "linearised")  # fedbayes.evaluation.evaluators.PREDICTIVES (a test keeps them equal)
 CONFORMAL_SCORES = ("lac", "aps")  # fedbayes.evaluation.conformal.SCORES (a test keeps them equal)
@@ -52,16 +53,59 @@ STANDARDIZE_AUTO_DATASETS = ("files", "arrays")  # fedbayes.data.standardize.USE
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
 
 
-class DataConfig(_Strict):
-    """Which data, how much of it, and how it is split over clients."""
+def _own_settings(record: HParams, section: str, common: tuple[str, ...], owners: list[tuple[str, Any]]) -> None:
+    """Validates the keys of ``record`` (a ``[data]`` or ``[model]`` table) that the specs it
+    names (``owners``: ``(what, spec)``) read, through each spec's settings record: a key none of
+    them reads, outside the section's common keys, is an unknown key; an unset key of a spec's
+    own settings takes its default (so the resolved config writes it out)."""
+    extra = record.__pydantic_extra__ if record.__pydantic_extra__ is not None else {}
+    own = [k for _, spec in owners for k in spec.setting_keys if k not in common]
+    for key in extra:
+        if key not in own:
+            raise ValueError(f"{section}{key}: unknown key; allowed keys here: {', '.join(dict.fromkeys([*common, *own]))}")
+    for _, spec in owners:
+        if spec.settings is None:
+            continue
+        given = {k: (extra[k] if k in extra else getattr(record, k)) for k in spec.setting_keys if k in extra or k in common}
+        try:
+            values = spec.settings.model_validate(given)
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, spec.settings, prefix=section).removeprefix("config error: ")) from None
+        extra.update({k: getattr(values, k) for k in spec.setting_keys if k not in common})
 
+
+def _exclusive_keys(record: HParams, section: str, chosen: str, what: str, specs, message) -> None:
+    """A key that another spec than the chosen one declares its own (``exclusive``) must keep its
+    default; ``message(key, owner)`` is the error's text after the key."""
+    fields = type(record).model_fields
+    for spec in specs:
+        if spec.name == chosen:
+            continue
+        for key in spec.exclusive:
+            default = fields[key].get_default(call_default_factory=True) if key in fields else None
+            value = getattr(record, key, default)
+            if value != default:
+                raise ValueError(f"{section}{key}: {message(key, spec.name, value)}")
+
+
+class DataConfig(_Strict):
+    """Which data, how much of it, and how it is split over clients. The dataset and the partition
+    are names in the dataset and partition registries; the keys only one of them reads sit flat in
+    this table and are validated through its settings (a dataset or partition registered from
+    Python brings its own keys)."""
+
+    model_config = ConfigDict(extra="allow")  # a registered dataset's or partition's own keys (checked in _own_settings)
     section: ClassVar[str] = "data."
 
-    dataset: Literal[DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
+    dataset: str = Field("fashion_mnist", description="a name of the dataset registry (`fedbayes datasets` lists them): " + ", ".join(DATASETS))
     data_dir: str | None = None
     fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (Swaroop et al. 2025 (ADMM and Bayes) uses 0.1 for FMNIST)")
     num_clients: int = Field(10, ge=1)
-    partition: Literal[PARTITIONS] = "iid"  # type: ignore[valid-type]
+    partition: str | None = Field(
+        None,
+        description="a name of the partition registry: " + ", ".join(PARTITIONS) + "; unset: natural where the dataset comes federated "
+        "(its own client ids: leaf, synthetic_leaf, least_squares, emnist, fed_cifar100, cifar100, stackoverflow_*, files with a client_column), else iid",
+    )
     alpha: float = Field(0.5, gt=0, description="Dirichlet label-skew concentration (partition = dirichlet)")
     alpha1: float = Field(1.0, gt=0, description="two-level Dirichlet: client-size concentration")
     alpha2: float = Field(0.5, gt=0, description="two-level Dirichlet: class-mix concentration")
@@ -86,17 +130,52 @@ class DataConfig(_Strict):
     label: str | None = Field(None, description="files: the label column (a .npz: the label array); default 'label' (a .npz: 'y')")
     client_column: str | None = Field(None, description="files: the column (a .npz: the array) of client ids, the natural partition (partition = natural)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _registered_names(cls, data: Any) -> Any:
+        """The dataset must be registered; an unset partition is natural where the dataset comes
+        federated (:meth:`~fedbayes.data.registry.DatasetSpec.comes_federated`), else iid."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("dataset", "fashion_mnist")
+        if not isinstance(name, str) or name not in data_registry.names():
+            raise ValueError(f"data.dataset: unknown dataset {name!r}; allowed: {', '.join(data_registry.names())}")
+        partition = data.get("partition")
+        if partition is None:
+            return {**data, "partition": "natural" if data_registry.get(name).comes_federated(data) else "iid"}
+        if not isinstance(partition, str) or partition not in partition_registry.names():
+            raise ValueError(f"data.partition: unknown partition {partition!r}; allowed: {', '.join(partition_registry.names())}")
+        return data
+
     @model_validator(mode="after")
     def _user_data(self) -> DataConfig:
-        if self.dataset == "files" and self.path is None:
-            raise ValueError("data.path: dataset 'files' reads your own file; set data.path (.npz, .npy, .csv or .parquet)")
-        if self.dataset != "files":
-            given = [k for k in USER_DATA_KEYS if getattr(self, k) is not None]
-            if given:
-                raise ValueError(f"data.{given[0]}: only dataset 'files' reads it; got dataset {self.dataset!r}")
-        if self.partition == "natural" and self.dataset == "files" and self.client_column is None:
-            raise ValueError("data.partition: 'natural' needs the client column of your data; set data.client_column")
+        spec, part = self.spec, self.partition_spec
+        _own_settings(self, "data.", tuple(type(self).model_fields), [("dataset", spec), ("partition", part)])
+        _exclusive_keys(
+            self,
+            "data.",
+            self.dataset,
+            "dataset",
+            data_registry.specs(),
+            lambda key, owner, value: f"only dataset {owner!r} reads it; got dataset {self.dataset!r}",
+        )
+        if part.needs_client_ids:
+            if spec.federated == "never":
+                allowed = ", ".join(s.name for s in data_registry.specs() if s.federated != "never")
+                raise ValueError(f"data.partition: {part.name!r} needs a dataset with client ids ({allowed}); got {self.dataset!r}")
+            if spec.client_ids_setting is not None and getattr(self, spec.client_ids_setting) is None:
+                raise ValueError(f"data.partition: {part.name!r} needs the client column of your data; set data.{spec.client_ids_setting}")
         return self
+
+    @property
+    def spec(self) -> data_registry.DatasetSpec:
+        """The :class:`~fedbayes.data.registry.DatasetSpec` of ``dataset`` (its loader and traits)."""
+        return data_registry.get(self.dataset)
+
+    @property
+    def partition_spec(self) -> partition_registry.PartitionSpec:
+        """The :class:`~fedbayes.data.partitions.PartitionSpec` of ``partition``."""
+        return partition_registry.get(self.partition)
 
     validation_fraction: float = Field(
         0.0,
@@ -112,17 +191,20 @@ class DataConfig(_Strict):
     @field_validator("standardize")
     @classmethod
     def _scalable(cls, value: bool | str, info) -> bool | str:
-        if value and info.data.get("dataset") == "stackoverflow_nwp":
-            raise ValueError("data.standardize: stackoverflow_nwp's inputs are word ids, not features to scale; leave it unset or false")
+        name = info.data.get("dataset")
+        if value and name in data_registry.names() and data_registry.get(name).tokens:
+            raise ValueError(f"data.standardize: {name}'s inputs are word ids, not features to scale; leave it unset or false")
         return value
 
 
 class ModelConfig(_Strict):
-    """The flax model."""
+    """The flax model: a name in the model registry; the keys only that model reads sit flat in this
+    table and are validated through its settings (a model registered from Python brings its own keys)."""
 
+    model_config = ConfigDict(extra="allow")  # a registered model's own keys (checked in _own_settings)
     section: ClassVar[str] = "model."
 
-    name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
+    name: str = Field("mlp", description="a name of the model registry: " + ", ".join(MODELS))
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = (200, 100)
     activation: Literal[ACTIVATIONS] = Field("relu", description="mlp hidden-layer nonlinearity (the FedLap authors' code uses sigmoid)")  # type: ignore[valid-type]
     width: int | None = Field(None, ge=1, description="resnet18_gn: first-stage channels (64); lstm_nwp: LSTM units (670)")
@@ -140,14 +222,23 @@ class ModelConfig(_Strict):
     @classmethod
     def _module_names_itself(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("module") is not None and "name" not in data:
-            return {**data, "name": "module"}
+            data = {**data, "name": "module"}
+        if isinstance(data, dict):
+            name = data.get("name", "mlp")
+            if not isinstance(name, str) or name not in model_registry.names():
+                raise ValueError(f"model.name: unknown model {name!r}; allowed: {', '.join(model_registry.names())}")
         return data
+
+    @property
+    def spec(self) -> model_registry.ModelSpec:
+        """The :class:`~fedbayes.models.registry.ModelSpec` of ``name`` (its builder and traits)."""
+        return model_registry.get(self.name)
 
     @model_validator(mode="after")
     def _own_module(self) -> ModelConfig:
-        if self.module is not None and self.name != "module":
+        if self.module is not None and not self.spec.imported:
             raise ValueError(f"model.name: model.module gives your own model; leave name unset or set it to 'module'; got {self.name!r}")
-        if self.kwargs and self.name != "module":
+        if self.kwargs and not self.spec.imported:
             raise ValueError(f"model.kwargs: only your own model (model.module) takes keyword arguments; got model {self.name!r}")
         if self.module is not None:
             from fedbayes.models.imported import make_module
@@ -157,10 +248,15 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _variational_models(self) -> ModelConfig:
-        if self.variational and self.name not in VARIATIONAL_MODELS:
-            raise ValueError(f"model.variational: only {', '.join(VARIATIONAL_MODELS)} have a variational version; got {self.name!r}")
-        if self.activation != "relu" and self.name != "mlp":
-            raise ValueError(f"model.activation: only the mlp has a choice of activation; got {self.activation!r} with model {self.name!r}")
+        spec = self.spec
+        if self.variational and not spec.variational:
+            allowed = ", ".join(s.name for s in model_registry.specs() if s.variational)
+            raise ValueError(f"model.variational: only {allowed} have a variational version; got {self.name!r}")
+        _exclusive_keys(
+            self, "model.", self.name, "model", model_registry.specs(),
+            lambda key, owner, value: f"only the {owner} has a choice of {key}; got {value!r} with model {self.name!r}",
+        )  # fmt: skip
+        _own_settings(self, "model.", tuple(type(self).model_fields), [("model", spec)])
         return self
 
 
@@ -551,10 +647,12 @@ class RunConfig(_Strict):
     def _consistent(self) -> RunConfig:
         if self.server.clients_per_round > self.data.num_clients:
             raise ValueError(f"server.clients_per_round: must be <= data.num_clients ({self.data.num_clients}); got {self.server.clients_per_round}")
-        regression = self.data.dataset == "least_squares"
-        if regression != (self.model.name == "linear"):
+        data, model = self.data.spec, self.model.spec
+        if (data.task == "regression" and "regression" not in model.tasks) or (model.tasks == ("regression",) and data.task != "regression"):
+            datasets = " or ".join(s.name for s in data_registry.specs() if s.task == "regression")
+            models = " or ".join(repr(s.name) for s in model_registry.specs() if s.tasks == ("regression",))
             raise ValueError(
-                "model.name: the least_squares dataset needs model 'linear', and 'linear' needs least_squares; "
+                f"model.name: the {datasets} dataset needs model {models}, and {models} needs {datasets}; "
                 f"got model {self.model.name!r} with dataset {self.data.dataset!r}"
             )
         spec = None if isinstance(self.algorithm, StoredAlgorithm) else self.spec  # kept as stored: the run passed the method's checks
@@ -568,8 +666,6 @@ class RunConfig(_Strict):
                 f"server.optimizer: {spec.name}'s server {spec.exact_server} and uses no server optimizer; "
                 f"leave server.optimizer = 'sgd' and server.lr = 1; got {self.server.optimizer!r} with lr {self.server.lr}"
             )
-        if self.data.partition == "natural" and self.data.dataset not in NATURAL_DATASETS:
-            raise ValueError(f"data.partition: 'natural' needs a dataset with client ids ({', '.join(NATURAL_DATASETS)}); got {self.data.dataset!r}")
         return self
 
     @model_validator(mode="after")
@@ -590,7 +686,7 @@ class RunConfig(_Strict):
                 raise ValueError(
                     f"server.aggregator: the DP noise is calibrated to a sum of clipped messages; allowed with privacy: mean, norm_bound; got {self.server.aggregator!r}"
                 )
-        if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.dataset == "least_squares":
+        if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.spec.task == "regression":
             raise ValueError("attack.kind: label_flip needs a classification dataset; allowed here: scaled, sign_flip, nan")
         return self
 
@@ -612,8 +708,10 @@ class RunConfig(_Strict):
     def _conformal_possible(self) -> RunConfig:
         if self.evaluation.conformal_alpha is None:
             return self
-        if self.data.dataset == "least_squares":
-            raise ValueError("evaluation.conformal_alpha: conformal prediction sets here are for classification; least_squares is a regression; unset it")
+        if self.data.spec.task == "regression":
+            raise ValueError(
+                f"evaluation.conformal_alpha: conformal prediction sets here are for classification; {self.data.dataset} is a regression; unset it"
+            )
         if self.data.validation_fraction + self.evaluation.calibration_fraction >= 1:
             raise ValueError(
                 f"evaluation.calibration_fraction: with data.validation_fraction = {self.data.validation_fraction} nothing is left to train on; "
@@ -626,8 +724,8 @@ class RunConfig(_Strict):
         e = self.evaluation
         if e.personal_fraction == 0:
             return self
-        if self.data.dataset == "least_squares":
-            raise ValueError("evaluation.personal_fraction: personalisation here scores classifiers; least_squares is a regression; set it to 0")
+        if self.data.spec.task == "regression":
+            raise ValueError(f"evaluation.personal_fraction: personalisation here scores classifiers; {self.data.dataset} is a regression; set it to 0")
         if self.model.variational:
             raise ValueError("evaluation.personal_fraction: personalisation here needs a deterministic model; model.variational = true; set it to 0")
         held = self.data.validation_fraction + (e.calibration_fraction if e.conformal_alpha is not None else 0.0)

@@ -41,7 +41,7 @@ from fedbayes import protocol
 from fedbayes import tree as tree_lib
 from fedbayes.algorithms import registry
 from fedbayes.config.schema import ConfigError, RunConfig
-from fedbayes.data import load_dataset, natural, partition
+from fedbayes.data import load_dataset
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
 from fedbayes.data.federation import Federation
 from fedbayes.data.holdout import hold_out, hold_out_per_client
@@ -50,7 +50,8 @@ from fedbayes.errors import DataError
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
 from fedbayes.evaluation.prior_precision import make_prior_precision_search
 from fedbayes.inference.sgd import LocalTrainer
-from fedbayes.models import has_hidden_layers, init_params, loss_fn, make_model
+from fedbayes.models import has_hidden_layers, init_params, loss_fn
+from fedbayes.models import registry as model_registry
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs import limits
 from fedbayes.sim import scenario as attacks
@@ -94,27 +95,16 @@ def load_data(config: RunConfig, given: Dataset | None = None) -> Dataset:
     """Loads the configured dataset (generated ones get their own parameters); ``given``: the
     dataset of ``data.dataset = "arrays"``, passed from Python (:func:`fedbayes.run_experiment`)."""
     d = config.data
-    if (d.dataset == "arrays") != (given is not None):
+    if d.spec.from_python != (given is not None):
         if given is None:
-            raise ConfigError("config error: data.dataset: 'arrays' are given from Python: run_experiment(config, out, data=...)")
+            raise ConfigError(f"config error: data.dataset: {d.dataset!r} are given from Python: run_experiment(config, out, data=...)")
         raise ConfigError(f"config error: data.dataset: data passed to run_experiment needs data.dataset = 'arrays'; got {d.dataset!r}")
     if given is not None:
         check_dataset(given, given.name)
         return given.subsample(d.fraction, protocol.subsample_rng(config.seed)) if d.fraction < 1.0 else given
-    params: dict[str, Any] = {}
-    if d.dataset == "files":
-        params = dict(path=d.path, test_path=d.test_path, label=d.label, client_column=d.client_column, test_fraction=d.test_fraction)
-        if d.num_classes is not None:
-            params["num_classes"] = d.num_classes
-    elif d.dataset == "synthetic_leaf":
-        params = dict(num_clients=d.num_clients, alpha=d.synthetic_alpha, beta=d.synthetic_beta, dim=d.dim)
-    elif d.dataset == "least_squares":
-        params = dict(num_clients=d.num_clients, dim=d.dim)
+    params: dict[str, Any] = dict(d.spec.loader_params(d))
     if d.fraction < 1.0:
         params["fraction"] = d.fraction
-    if d.dataset == "leaf" and d.num_classes is not None:
-        params["num_classes"] = d.num_classes
-    params.update(_benchmark_params(d))
     try:
         return load_dataset(d.dataset, data_dir=d.data_dir, seed=config.seed, **params)
     except (DatasetNotFoundError, DataError):
@@ -123,82 +113,75 @@ def load_data(config: RunConfig, given: Dataset | None = None) -> Dataset:
         raise ConfigError(f"config error: data: {exc}") from None
 
 
-def _benchmark_params(d) -> dict[str, Any]:
-    """The federated benchmarks' own loader parameters (fedbayes.data.tff, .stackoverflow, .cifar)."""
-    if d.dataset == "emnist":
-        return {"only_digits": d.only_digits}
-    if d.dataset == "cifar100":
-        return {"num_clients": d.num_clients, "test_clients": d.test_clients}
-    if d.dataset.startswith("stackoverflow_"):
-        own = {"max_len": d.max_len} if d.dataset == "stackoverflow_nwp" else {"num_tags": d.num_tags}
-        return {"vocab_size": d.vocab_size, "max_clients": d.max_clients, "max_posts": d.max_posts, "test_examples": d.test_examples, **own}
-    return {}
-
-
-# A benchmark model and the task it is built for (fedbayes.models.papers).
-_MODEL_TASKS = {"emnist_cnn": "classification", "resnet18_gn": "classification", "lstm_nwp": "next_word"}
-
-
 def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
-    """Partitions the training set over clients with a generator seeded by ``config.seed``."""
+    """Partitions the training set over clients with a generator seeded by ``config.seed``, by
+    the partition the config names (:mod:`fedbayes.data.partitions`)."""
     d = config.data
+    spec = d.partition_spec
     rng = protocol.partition_rng(config.seed)
-    params: dict[str, Any] = {}
-    if d.partition == "dirichlet":
-        params = {"alpha": d.alpha}
-    elif d.partition == "two_level_dirichlet":
-        params = {"alpha1": d.alpha1, "alpha2": d.alpha2}
-    elif d.partition == "shards":
-        params = {"classes_per_client": d.classes_per_client}
-    elif d.partition == "natural":
+    if spec.needs_client_ids:
         if dataset.client_ids is None:
-            raise ConfigError(f"config error: data.partition: 'natural' needs client ids; {dataset.name} has none (pass client_ids, or choose iid or dirichlet)")
-        parts = natural(dataset.client_ids)
+            raise ConfigError(
+                f"config error: data.partition: {spec.name!r} needs client ids; {dataset.name} has none (pass client_ids, or choose iid or dirichlet)"
+            )
+        try:
+            parts = spec.split(dataset.y_train, d.num_clients, rng, client_ids=dataset.client_ids, **spec.params(d))
+        except ValueError as exc:
+            raise ConfigError(f"config error: data.partition ({d.partition}, {dataset.num_train} examples): {exc}") from None
         if len(parts) != d.num_clients:
-            raise ConfigError(f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients}")
+            raise ConfigError(
+                f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients} "
+                f"(set data.num_clients = {len(parts)})"
+            )
         return parts
     try:
-        return partition(d.partition, dataset.y_train, d.num_clients, rng, **params)
+        return spec.split(dataset.y_train, d.num_clients, rng, **spec.params(d))
     except ValueError as exc:  # PartitionError included
         raise ConfigError(f"config error: data.partition ({d.partition}, data.num_clients = {d.num_clients}, {dataset.num_train} examples): {exc}") from None
 
 
 def check_model(config: RunConfig, dataset: Dataset, module=None) -> None:
-    """Rejects model/data pairs that cannot work, naming the field (before any training); your own
-    model (``model.module``, or ``module`` passed from Python) must have only parameters and give
-    one logit per class (:func:`fedbayes.models.imported.check_module`)."""
+    """Rejects model/data pairs that cannot work, naming the field (before any training), from
+    the model's traits (:class:`~fedbayes.models.registry.ModelSpec`: its tasks, image input,
+    token ids); your own model (``model.module``, or ``module`` passed from Python) must have
+    only parameters and give one logit per class (:func:`fedbayes.models.imported.check_module`)."""
     name = config.model.name
-    if dataset.task == "next_word" and name != "lstm_nwp":
-        raise ConfigError(f"config error: model.name: {dataset.name!r} is next-word prediction (token sequences); allowed: lstm_nwp; got {name!r}")
-    if dataset.task == "multilabel" and name not in ("logreg", "mlp"):
-        raise ConfigError(f"config error: model.name: {dataset.name!r} is multi-label tag prediction on bag-of-words features; allowed: logreg, mlp; got {name!r}")
-    if name in _MODEL_TASKS and dataset.task != _MODEL_TASKS[name]:
-        raise ConfigError(f"config error: model.name: {name!r} is built for {_MODEL_TASKS[name]} data; {dataset.name!r} is a {dataset.task} task")
-    if name in ("emnist_cnn", "resnet18_gn") and len(dataset.feature_shape) not in (2, 3):
-        raise ConfigError(f"config error: model.name: {name!r} needs image data [H, W] or [H, W, C]; {dataset.name!r} has features of shape {dataset.feature_shape}")
-    if name == "lstm_nwp":
+    spec = config.model.spec
+    if dataset.task not in spec.tasks:
+        allowed = ", ".join(s.name for s in model_registry.specs() if dataset.task in s.tasks)
+        if dataset.task == "next_word":
+            raise ConfigError(f"config error: model.name: {dataset.name!r} is next-word prediction (token sequences); allowed: {allowed}; got {name!r}")
+        if dataset.task == "multilabel":
+            raise ConfigError(
+                f"config error: model.name: {dataset.name!r} is multi-label tag prediction on bag-of-words features; allowed: {allowed}; got {name!r}"
+            )
+        raise ConfigError(f"config error: model.name: {name!r} is built for {', '.join(spec.tasks)} data; {dataset.name!r} is a {dataset.task} task")
+    if spec.image and len(dataset.feature_shape) not in (2, 3):
+        allowed = ", ".join(s.name for s in model_registry.builtin_specs() if dataset.task in s.tasks and not (s.image or s.tokens or s.imported))
+        raise ConfigError(
+            f"config error: model.name: {name!r} needs image data [H, W] or [H, W, C]; {dataset.name!r} has features of shape "
+            f"{dataset.feature_shape}" + (f"; allowed here: {allowed}" if allowed else "")
+        )
+    if spec.tokens:
         return
     if not np.issubdtype(dataset.x_train.dtype, np.floating):
         raise ConfigError(
             f"config error: data.dataset: {dataset.name!r} holds token ids (text, shape {dataset.feature_shape}); "
             "no fedbayes model takes text yet; allowed here: image or tabular data"
         )
-    if config.model.name == "module" and module is None and config.model.module is None:
-        raise ConfigError("config error: model.name: 'module' is your own flax module: set model.module, or pass it from Python: run_experiment(config, out, model=...)")
-    if config.model.name != "module" and module is not None:
-        raise ConfigError(f"config error: model.name: a model passed to run_experiment needs model.name = 'module'; got {config.model.name!r}")
-    if config.model.name == "module":
+    if spec.imported and module is None and config.model.module is None:
+        raise ConfigError(
+            f"config error: model.name: {name!r} is your own flax module: set model.module, or pass it from Python: run_experiment(config, out, model=...)"
+        )
+    if not spec.imported and module is not None:
+        raise ConfigError(f"config error: model.name: a model passed to run_experiment needs model.name = 'module'; got {name!r}")
+    if spec.imported:
         from fedbayes.models.imported import check_module
 
         try:
             check_module(_module(config, dataset.num_classes, module), dataset.feature_shape, dataset.num_classes)
         except ValueError as exc:
             raise ConfigError(f"config error: {exc}") from None
-    if config.model.name == "cnn" and len(dataset.feature_shape) not in (2, 3):
-        raise ConfigError(
-            f"config error: model.name: 'cnn' needs image data [H, W] or [H, W, C]; {dataset.name!r} has features of shape "
-            f"{dataset.feature_shape}; allowed here: logreg, mlp"
-        )
 
 
 def prepare_data(config: RunConfig, given: Dataset | None = None, module=None) -> tuple[Dataset, list[np.ndarray]]:
@@ -284,7 +267,9 @@ def _calibration_split(config: RunConfig, dataset: Dataset, parts: list[np.ndarr
 
     e = config.evaluation
     if dataset.task != "classification":
-        raise ConfigError(f"config error: evaluation.conformal_alpha: conformal sets here are for classification; {dataset.name!r} is a {dataset.task} task; unset it")
+        raise ConfigError(
+            f"config error: evaluation.conformal_alpha: conformal sets here are for classification; {dataset.name!r} is a {dataset.task} task; unset it"
+        )
     parts, calibration = hold_out_per_client(parts, e.calibration_fraction, lambda k: protocol.calibration_rng(config.seed, k))
     total = sum(map(len, calibration))
     if conformal_rank(total, e.conformal_alpha) > total:
@@ -363,20 +348,12 @@ def local_trainer(config: RunConfig, loss) -> LocalTrainer:
 
 
 def _module(config: RunConfig, num_classes: int, module=None):
-    """The flax module: ``module`` (passed from Python), your own from ``model.module``, or a built-in one by name."""
+    """The flax module: ``module`` (passed from Python), or the one the model registry builds
+    from the ``[model]`` config (:attr:`~fedbayes.models.registry.ModelSpec.build`)."""
     if module is not None:
         return module
     m = config.model
-    if m.name == "module":
-        from fedbayes.models.imported import make_module
-
-        return make_module(m.module, m.kwargs, num_classes)
-    kwargs = {"hidden": tuple(m.hidden), "activation": m.activation} if m.name == "mlp" else {}
-    if m.name == "resnet18_gn" and m.width is not None:
-        kwargs["width"] = m.width
-    if m.name == "lstm_nwp":
-        kwargs.update({k: v for k, v in (("hidden", m.width), ("embed_dim", m.embed_dim)) if v is not None})
-    return make_model(m.name, num_classes, variational=m.variational, **kwargs)
+    return m.spec.build(m, num_classes, m.variational)
 
 
 def build_model(config: RunConfig, spec: DataSpec, module=None) -> ModelParts:
@@ -620,7 +597,9 @@ def build_predictive(
             def predict(x, stream):
                 size = config.eval_batch_size
                 stream_key = jax.random.fold_in(key, 2 + stream)  # not the evaluation's key: other draws
-                return np.concatenate([np.asarray(passes(params, jax.random.fold_in(stream_key, b), jnp.asarray(x[i : i + size]))) for b, i in enumerate(range(0, len(x), size))])
+                return np.concatenate(
+                    [np.asarray(passes(params, jax.random.fold_in(stream_key, b), jnp.asarray(x[i : i + size]))) for b, i in enumerate(range(0, len(x), size))]
+                )
 
             return {"": predict}
 
@@ -706,7 +685,11 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None, dat
     evaluate = build_evaluator(config, algorithm, dataset, model, validation, info)
     predictive = None
     if calibration is not None:
-        held_out = None if validation is None else dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation], test_client_ids=None)
+        held_out = (
+            None
+            if validation is None
+            else dataclasses.replace(dataset, x_test=dataset.x_train[validation], y_test=dataset.y_train[validation], test_client_ids=None)
+        )
         predictive = build_predictive(config, algorithm, model, held_out, info.total_examples)
     exp = Experiment(config, dataset, federation, model.model, model.params, algorithm, aggregator, scenario, evaluate, validation, store_dir)
     exp.calibration, exp.predictive, exp.personal = calibration, predictive, personal
