@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from helpers import DIGITS_RUN
 
-from fedbayes.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from fedbayes.protocol import SimState
+from fedbayes.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
 
 def _state(r, v=1.0):

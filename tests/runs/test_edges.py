@@ -4,20 +4,20 @@ variant's files."""
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import DIGITS_RUN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from fedbayes.cli import app
 from fedbayes.runs import folder, health
-from helpers import DIGITS_RUN
 
 runner = CliRunner()
 

@@ -110,7 +110,7 @@ def test_an_interrupted_run_on_own_data_resumes_to_the_same_metrics(tmp_path, cs
     assert strip(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == strip(read_metrics(tmp_path / "whole" / "metrics.jsonl"))
 
 
-BATCHNORM = '''
+BATCHNORM = """
 import flax.linen as nn
 
 class Net(nn.Module):
@@ -121,7 +121,7 @@ class Net(nn.Module):
     def __call__(self, x):
         x = nn.BatchNorm(use_running_average=False)(x.reshape((x.shape[0], -1)))
         return nn.Dense(self.num_classes)(x)
-'''
+"""
 
 
 def test_a_batchnorm_model_is_refused_with_one_line_before_any_work(tmp_path, csv):
@@ -166,7 +166,13 @@ def test_python_arrays_and_a_module_run_resume_and_refuse_a_used_folder(tmp_path
     x, y = load_digits(return_X_y=True)
     data = {"x": x[:200] / 16.0, "y": y[:200], "client_ids": np.arange(200) % 4}
     config = validate(
-        {"rounds": 3, "data": {"dataset": "arrays", "num_clients": 4, "partition": "natural"}, "model": {"name": "module"}, "client": {"lr": 0.3}, "server": {"clients_per_round": 2}}
+        {
+            "rounds": 3,
+            "data": {"dataset": "arrays", "num_clients": 4, "partition": "natural"},
+            "model": {"name": "module"},
+            "client": {"lr": 0.3},
+            "server": {"clients_per_round": 2},
+        }
     )
     quiet = PlainReporter(lambda line: None)
     summary = run_experiment(config, tmp_path / "run", data=data, model=Tiny(num_classes=10), reporter=quiet)

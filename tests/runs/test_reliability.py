@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import DIGITS_RUN as CFG
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -27,12 +28,11 @@ from fedbayes.data.dataset import DatasetNotFoundError
 from fedbayes.data.idx import read_idx
 from fedbayes.data.registry import load_dataset
 from fedbayes.errors import DataError, exit_code_for
+from fedbayes.protocol import SimState
 from fedbayes.runs import runlock
 from fedbayes.runs.checkpoint import CheckpointError, find_resume_checkpoint, list_checkpoints, read_checkpoint, save_checkpoint
 from fedbayes.runs.folder import read_metrics
 from fedbayes.runs.strictjson import dumps_record, loads_strict, restore_record
-from fedbayes.protocol import SimState
-from helpers import DIGITS_RUN as CFG
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()

@@ -384,7 +384,9 @@ def test_compare_over_seeds_reports_mean_and_std_and_resumes(tmp_path):
 
 def test_same_config_reads_older_files_by_this_versions_schema(tmp_path):
     # what an older version's run evaluated: the sampled predictive at the method's own prior
-    cfg = validate({"algorithm": {"name": "fedlap_cov", "delta": 0.5}, "evaluation": {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}})
+    cfg = validate(
+        {"algorithm": {"name": "fedlap_cov", "delta": 0.5}, "evaluation": {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}}
+    )
     path = tmp_path / "config.toml"
     path.write_text(to_toml(cfg))
     assert same_config(path, cfg)

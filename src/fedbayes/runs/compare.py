@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fedbayes.algorithms import registry
-from fedbayes.hparams import INT_MAX
 from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, deep_merge, read_reference, read_toml, same_config, validate
+from fedbayes.hparams import INT_MAX
 from fedbayes.runs import folder, report
 from fedbayes.runs import summaries as sm
 from fedbayes.runs.resume import finished
@@ -371,7 +371,10 @@ def applicable_reference(reference, runs: Mapping[str, RunConfig]):
         return None, f"no paper table: the [reference] numbers ({reference.source}) are for {reference.dataset}; this comparison runs on {', '.join(other)}"
     lengths = sorted({c.rounds for c in runs.values()} - {reference.rounds}) if reference.rounds is not None else []
     if lengths:
-        return None, f"no paper table: the [reference] numbers ({reference.source}) are after {reference.rounds} rounds; this comparison runs {', '.join(map(str, lengths))}"
+        return (
+            None,
+            f"no paper table: the [reference] numbers ({reference.source}) are after {reference.rounds} rounds; this comparison runs {', '.join(map(str, lengths))}",
+        )
     return reference, None
 
 
@@ -476,7 +479,12 @@ def run_comparison(
         means = {name: sm.mean_curves([by_seed[name][s] for s in seeds if not results[name][s].get("diverged")]) for name in runs}
         records = {n: m for n, (m, _) in means.items()}
         plot = plot_curves(
-            out / folder.COMPARE_PLOT, records, title=f"{title}, mean ± std over seeds {list(seeds)}", task=task, bands={n: sd for n, (_, sd) in means.items()}, bayesian=bayesian
+            out / folder.COMPARE_PLOT,
+            records,
+            title=f"{title}, mean ± std over seeds {list(seeds)}",
+            task=task,
+            bands={n: sd for n, (_, sd) in means.items()},
+            bayesian=bayesian,
         )
         note = f"\nMean±std over seeds {list(seeds)} (sample standard deviation); curve summaries as Swaroop et al. 2025 (ADMM and Bayes) report them.\n"
         md = _marked_markdown(summaries, threshold, records, overrides) + note + reference_markdown(summaries, records, reference)

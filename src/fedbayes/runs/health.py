@@ -331,6 +331,7 @@ def comparison_warnings(lines: list[str]) -> list[str]:
     its posterior had settled and how far it still drifted."""
     return [line for line in lines if f": {UNSETTLED}:" not in line]
 
+
 FIXED_POINT_WINDOW = 10  # rounds over which the end of a run is judged (two halves)
 FIXED_POINT_MEAN_TOL = 0.01  # relative L2 drift of the mean between the window's halves
 FIXED_POINT_VAR_TOL = 0.05  # drift of the variances' mean log between the window's halves

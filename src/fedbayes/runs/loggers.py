@@ -285,14 +285,18 @@ class ClientLog:
                 r = None
             if not isinstance(r, int) or isinstance(r, bool) or r < last:
                 if last < done:
-                    raise RunFolderError(f"{self.path}: line {i + 1} is damaged and the checkpoint (round {done}) holds no copy of it; start the run again with --overwrite")
+                    raise RunFolderError(
+                        f"{self.path}: line {i + 1} is damaged and the checkpoint (round {done}) holds no copy of it; start the run again with --overwrite"
+                    )
                 break
             if r > done:
                 break
             kept.append(line + "\n")
             last = r
         if last < done:
-            raise RunFolderError(f"{self.path}: holds rounds up to {last}, the checkpoint is at round {done} and holds no copy; start the run again with --overwrite")
+            raise RunFolderError(
+                f"{self.path}: holds rounds up to {last}, the checkpoint is at round {done} and holds no copy; start the run again with --overwrite"
+            )
         return "".join(kept)
 
     def write(self, info: Any, round_idx: int) -> None:

@@ -284,7 +284,9 @@ def run_experiment(
     """
     out = Path(out_dir)
     if not (resume or overwrite) and out.is_dir() and any(p.name != runlock.LOCK_NAME for p in out.iterdir()):
-        raise BadInputError(f"error: {out} is not empty (an earlier run?); pass overwrite=True to replace it, resume=True to continue it, or choose another folder")
+        raise BadInputError(
+            f"error: {out} is not empty (an earlier run?); pass overwrite=True to replace it, resume=True to continue it, or choose another folder"
+        )
     given = _given_dataset(config, data)
     with runlock.hold(out_dir), claim_store(config, out, resume):
         return _run_experiment(config, out, resume, reporter or PlainReporter(), tuple(accept_changes), warn or _stderr, rounds, given, model)
@@ -315,7 +317,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
     exp = build_experiment(config, store_dir=out / folder.CLIENT_STORE, data=data, module=module)
     runner = exp.simulator if rounds is None else rounds(exp)
     if exp.personalise is not None and rounds is not None and runner.algorithm.personal_posterior is not None and config.evaluation.personal_by == "site":
-        raise ConfigError("config error: evaluation.personal_by: a deployment's client sites stay on its nodes; personalise a site method in simulation, or set 'fine_tune' (the default)")
+        raise ConfigError(
+            "config error: evaluation.personal_by: a deployment's client sites stay on its nodes; personalise a site method in simulation, or set 'fine_tune' (the default)"
+        )
     ckpt = found[0] if found is not None else None
     if ckpt is None:
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # before a new disk client store replaces the old one
@@ -348,6 +352,7 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
     recorder.metrics.rewrite(records)
     client_log.restart(state.round, meta.get("extra", {}).get("clients") if ckpt is not None else None, warn)
     recorder.start(lambda: exp.evaluate(state.server_state, 0), counters, state.round)
+
     def evaluates(r: int) -> bool:
         return r % config.eval_every == 0 or r == config.rounds
 

@@ -103,7 +103,11 @@ def panel_limits(
 
 def legend_title(point: bool, bayesian: bool, marginal: bool) -> str:
     """What the line styles mean, for the families drawn."""
-    parts = [("solid: point methods", point), ("dashed: Bayesian methods (their posterior mean)", bayesian), ("dotted: averaged over the posterior (marg.)", marginal)]
+    parts = [
+        ("solid: point methods", point),
+        ("dashed: Bayesian methods (their posterior mean)", bayesian),
+        ("dotted: averaged over the posterior (marg.)", marginal),
+    ]
     return "; ".join(text for text, drawn in parts if drawn)
 
 

@@ -176,7 +176,14 @@ def _epsilon(name, s, recs):
 
 
 # (header, metric, keep) of a multi-label run (fedbayes.evaluation.multilabel)
-_MULTILABEL_COLUMNS = (("precision", "precision", 0), ("recall", "recall", 2), ("recall@5", "recall_at_5", 0), ("micro-F1", "micro_f1", 0), ("macro-F1", "macro_f1", 0), ("loss", "loss", 3))
+_MULTILABEL_COLUMNS = (
+    ("precision", "precision", 0),
+    ("recall", "recall", 2),
+    ("recall@5", "recall_at_5", 0),
+    ("micro-F1", "micro_f1", 0),
+    ("macro-F1", "macro_f1", 0),
+    ("loss", "loss", 3),
+)
 
 
 def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Column]:
@@ -218,7 +225,11 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
                 Column("ECE marg. (%)", _final("ece_marg", pct=True), keep=2),
             ]
         if any("coverage" in s.get("final", {}) for s in summaries.values()):  # conformal sets (fedbayes.runs.conformal)
-            cols += [Column("coverage", _final("coverage"), keep=1), Column("set size", _final("set_size", digits=2), keep=1), Column("cov. client min", _final("coverage_client_min"), keep=5)]
+            cols += [
+                Column("coverage", _final("coverage"), keep=1),
+                Column("set size", _final("set_size", digits=2), keep=1),
+                Column("cov. client min", _final("coverage_client_min"), keep=5),
+            ]
             if any("coverage_marg" in s.get("final", {}) for s in summaries.values()):
                 cols += [Column("cov. marg.", _final("coverage_marg"), keep=2), Column("set size marg.", _final("set_size_marg", digits=2), keep=2)]
         if any("personal_accuracy" in s.get("final", {}) for s in summaries.values()):  # personalisation (fedbayes.runs.personal)
@@ -320,9 +331,7 @@ def render(
     return render_rows(cols, cells(summaries, cols, curves), width=width, title=title, full=full)
 
 
-def render_rows(
-    cols: Sequence[Column], rows: Sequence[Sequence[str]], *, width: int | None = None, title: str | None = None, full: str = "--json"
-) -> str:
+def render_rows(cols: Sequence[Column], rows: Sequence[Sequence[str]], *, width: int | None = None, title: str | None = None, full: str = "--json") -> str:
     """Any table of cells as plain text no wider than ``width``, by the rules of :func:`render`
     (optional columns left out by rank, else one block per row); the first column names the row.
     ``full`` says where the columns left out can be read (an option or a file that exists)."""
