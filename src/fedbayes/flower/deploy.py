@@ -42,9 +42,8 @@ CONNECTION = "local"
 # Environment of every Flower process: the SuperExecs poll for tasks every 50 ms instead of 1 s.
 FAST_POLL = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.05"}
 # ... but the SuperLink's: it only starts a run's ServerApp, and every poll is a request the
-# SuperLink serves (about 4 ms of its CPU) through every round: 13 of its 145 requests in a heavy
-# round at 50 ms, 0-4 at 0.25 s (2026-11-27), 3 of 81 in a 0.76 s round at 0.25 s, under 1 at 1 s
-# (2026-11-28). A run starts up to 1 s later.
+# SuperLink serves through every round (counts per round in docs/results/flower.md). A run starts
+# up to 1 s later.
 SUPERLINK_POLL = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "1.0"}
 QUIET = {"FLWR_TELEMETRY_ENABLED": "0"}  # no telemetry requests from a deployment's processes
 EXECUTORS = ("warm", "stock")  # a warm fedbayes executor per node, or Flower's process per message

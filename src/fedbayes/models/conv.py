@@ -1,15 +1,14 @@
 """Convolutions as patch extraction plus one dot, for XLA:CPU inside loops.
 
-Why (measured 2026-11-23 on the 2-core development machine, Ozer et al. 2022 (VBNN aggregation)'s CNN on 28x28x1, batch
-64, 19 SGD steps, ``benchmarks/cnn_round.py`` and docs/design.md "Using every core"): XLA:CPU runs a
-``lax.conv_general_dilated`` step called from Python through Eigen's fast convolution, but inside
-a ``while`` loop (``lax.fori_loop``, the simulator's per-client loop) the weight-gradient
-convolutions come out of layout assignment with non-canonical dimension labels
-(``f01b_i01o->01bf``) and fall back to XLA's naive loop emitter: 3.5-4x slower per step,
-whatever the YNNPACK fusion option. Written as shifted slices of the padded input concatenated
-into patches ``[batch, H, W, kh*kw*C]`` times the kernel reshaped to ``[kh*kw*C, F]``, the
-forward pass is one dot and the backward pass is a dot plus pads and adds, which run at full
-speed inside loops (and vmap into batched dots). The patch matrix is kh*kw times the input
+Why (docs/results/vbnn.md, "Convolutions inside the round", with ``benchmarks/cnn_round.py``; docs/design.md
+"Using every core"): XLA:CPU runs a ``lax.conv_general_dilated`` step called from Python through
+Eigen's fast convolution, but inside a ``while`` loop (``lax.fori_loop``, the simulator's
+per-client loop) the weight-gradient convolutions come out of layout assignment with
+non-canonical dimension labels (``f01b_i01o->01bf``) and fall back to XLA's naive loop emitter,
+several times slower per step whatever the YNNPACK fusion option. Written as shifted slices of the
+padded input concatenated into patches ``[batch, H, W, kh*kw*C]`` times the kernel reshaped to
+``[kh*kw*C, F]``, the forward pass is one dot and the backward pass is a dot plus pads and adds,
+which run at full speed inside loops (and vmap into batched dots). The patch matrix is kh*kw times the input
 (conv_1 of the CNN on Fashion-MNIST: 64 x 14 x 14 x 150 floats, 7.5 MB per batch).
 
 :class:`PatchConv` has the parameters of ``flax.linen.Conv`` (``kernel [kh, kw, C, F]`` and
