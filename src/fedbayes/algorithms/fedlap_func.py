@@ -230,8 +230,7 @@ def fedlap_func(
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
         aggregator=aggregators.Rule(aggregate),
         # server_steps Adam steps: on one device, no reduction per step; with tau = 0 (or no steps)
         # the server problem is FedLap's and stays in the round's program, FedLap's bit for bit

@@ -257,8 +257,7 @@ def fedpa(
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
     )
 
 

@@ -478,8 +478,7 @@ def vbnn(
         server_update=server_update,
         server_params=(lambda state: paper_clamp(state.params)) if paper else (lambda state: state.params),
         message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
         aggregator=aggregator,
     )
 
