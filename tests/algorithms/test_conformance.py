@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -30,7 +31,7 @@ from fedbayes.models import init_params, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs.build import build_experiment
 from fedbayes.runs.checkpoint import load_checkpoint, save_checkpoint
-from fedbayes.sim.simulator import Simulator
+from fedbayes.sim.simulator import Simulator, client_data_template
 
 SIZES = (37, 90, 213, 11, 150)
 
@@ -182,6 +183,25 @@ def test_info_outputs_and_a_fixed_cohort_shape_compiles_the_round_once(name):
     for _ in range(2):
         state, _ = sim.run_round(state)
     assert sim.num_compiled_rounds() == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_server_info_is_a_typed_named_tuple_of_scalars(name):
+    """As blackjax's kernels: a method's server update returns one NamedTuple type (``...Info``) of
+    scalar arrays, whose fields the round records as its server metrics."""
+    sim, params = _simulator(name)
+    alg, fed = sim.algorithm, digits_federation(SIZES)
+    data = client_data_template(fed.x.shape[1:], fed.x.dtype, fed.y.dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size, y_shape=fed.y.shape[1:])
+    message = protocol.message_templates(alg, params, data).message
+    state = jax.eval_shape(alg.server_init, jax.random.key(0), params)
+    messages = jax.tree.map(lambda s: jax.ShapeDtypeStruct((3, *s.shape), s.dtype), message)
+
+    def update(state, messages, weights):
+        return alg.server_update(jax.random.key(1), state, alg.aggregator(jax.random.key(0), messages, weights))
+
+    _, info = jax.eval_shape(update, state, messages, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert isinstance(info, tuple) and type(info).__name__.endswith("Info"), type(info)
+    assert all(leaf.shape == () for leaf in jax.tree.leaves(info))
 
 
 def _config(name: str):
