@@ -29,7 +29,8 @@ changes, no server optimizer):
   client's site moves a fraction of the way to its target whatever the cohort, so partial
   participation stays convergent (docs/results/posterior_defaults.md). The local solver must be
   unbiased: plain SGD reaches the fixed point, while Adam (restarted every round, sign-like steps)
-  settles where the median of the minibatch gradients vanishes, 1.0 from the MAP at ``rho = 0.5``.
+  settles where the median of the minibatch gradients vanishes, away from the MAP
+  (docs/results/posterior_defaults.md).
 
 * **Positivity.** ``V_k`` is a convex combination of ``V_k >= 0`` and the GGN ``H_k >= 0``, so it
   stays non-negative exactly, and ``S_g >= delta``. The server keeps ``S_g`` at least ``delta``

@@ -39,8 +39,8 @@ ones, so it stays positive; with a larger ``rho`` a site can turn improper and t
 
 **The client optimiser** must be unbiased: with plain SGD the local step reaches the tilted
 mean-field optimum and PVI the exact mean-field VI optimum; Adam, restarted every round with
-sign-like steps on noisy label-skewed minibatches, settles at a biased point (0.27-0.5 from the
-optimum's mean on breast cancer, variances 1.6-1.8x, not improved by more rounds).
+sign-like steps on noisy label-skewed minibatches, settles at a biased point that more rounds do
+not move (docs/results/posterior_defaults.md).
 
 **Robustness** (docs/style.md: every improper result has a policy). A client whose cavity is not
 proper flags its message (PVI's "skip the client"). ``message_ok`` also rejects a message with
