@@ -40,6 +40,13 @@ the aggregated optimizer step still leave a coordinate of ``Lambda_g`` non-posit
 overshoot), that coordinate keeps its old value.
 
 Clients of FedSEP keep no state; clients of FedEP keep their site and their site-optimizer state.
+
+The steps are pure functions at the top of this module, composed by the thin factories
+:func:`fedep` and :func:`fedsep` (blackjax's split): step 1 is :func:`fedep_cavity` (with
+:func:`first_site`) or :func:`fedsep_cavity`, steps 2-3 :func:`tilted_step`, step 4 :func:`site_step`;
+:func:`fedep_client_step` and :func:`fedsep_client_step` chain them; the server is
+:func:`server_step` (:func:`burn_in_client_step` and :func:`burn_in_server_step` during burn-in),
+each returning a typed :class:`FedEPInfo`.
 """
 
 from __future__ import annotations

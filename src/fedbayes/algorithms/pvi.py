@@ -60,6 +60,10 @@ State: the server keeps ``q_g`` (2d floats) and the server optimizer's state; a 
 (2d floats). Messages: ``q_g`` down (with ``init_mean="model"`` also the local mean's start, d
 floats: the model's initial parameters in round 1, the global's mean afterwards), ``Delta_k`` up
 (2d floats and a flag; with the adaptive damping also the client's loss at the broadcast, 1 float).
+
+The steps are pure functions at the top of this module, composed by the thin factory :func:`pvi`:
+:func:`cavity` (step 1), the local step (2), :func:`site_update` (3), chained by
+:func:`client_step`; :func:`server_step` returns a typed :class:`PVIInfo`.
 """
 
 from __future__ import annotations
