@@ -235,3 +235,14 @@ def test_registry_lists_the_builtin_methods_and_rejects_duplicates():
         registry.register(registry.get("fedavg"))
     with pytest.raises(ValueError, match="unknown algorithm 'nope'; allowed: fedavg"):
         registry.get("nope")
+
+
+def test_an_algorithm_without_its_trainer_fails_at_construction():
+    """The local schedule has no default (one epoch of batch 1 would train silently): a method that
+    forgets ``trainer`` fails when it builds its ``Algorithm``; given it, the schedule is the trainer's."""
+    fns = dict(server_init=None, broadcast=None, client_init=None, client_update=None, server_update=None, server_params=None, message_ok=None)
+    with pytest.raises(TypeError, match="trainer"):
+        Algorithm(name="forgetful", **fns)
+    _, _, trainer = logreg_setup(epochs=3, batch_size=7)
+    alg = Algorithm(name="scheduled", **fns, trainer=trainer)
+    assert (alg.local_epochs, alg.local_batch_size) == (3, 7)
