@@ -252,6 +252,7 @@ def server_step(key: jax.Array, algorithm, server_state, messages: PyTree, weigh
     extra = {"reference": algorithm.broadcast(server_state)} if rule.needs_reference else {}
     aggregate = rule(jax.random.fold_in(key, 0), messages, jnp.where(ok, weights, 0.0), **extra)
     new_state, info = algorithm.server_update(jax.random.fold_in(key, 1), server_state, aggregate)
+    info = info._asdict() if hasattr(info, "_asdict") else info  # a method's typed info (a NamedTuple) as the round's dict
     return new_state, ok, {**info, "num_accepted": jnp.sum(ok.astype(jnp.int32))}
 
 

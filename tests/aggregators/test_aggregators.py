@@ -18,6 +18,7 @@ from fedbayes.aggregators.robust import RobustAggregator
 from fedbayes.aggregators.variational import RULES, variational_rule
 from fedbayes.algorithms.base import Algorithm, finite_message, stateless_client_init
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.inference.sgd import LocalTrainer
 
 
 def _messages(seed=0, m=5):
@@ -80,8 +81,7 @@ def _point_algorithm():
         server_update=lambda key, state, aggregate: (jax.tree.map(jnp.add, state, aggregate.mean), {}),
         server_params=lambda state: state,
         message_ok=finite_message,
-        local_epochs=1,
-        local_batch_size=1,
+        trainer=LocalTrainer(loss_fn=None, optimizer=None, num_epochs=1, batch_size=1),
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -30,7 +31,7 @@ from fedbayes.models import init_params, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs.build import build_experiment
 from fedbayes.runs.checkpoint import load_checkpoint, save_checkpoint
-from fedbayes.sim.simulator import Simulator
+from fedbayes.sim.simulator import Simulator, client_data_template
 
 SIZES = (37, 90, 213, 11, 150)
 
@@ -184,6 +185,25 @@ def test_info_outputs_and_a_fixed_cohort_shape_compiles_the_round_once(name):
     assert sim.num_compiled_rounds() == 1
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_server_info_is_a_typed_named_tuple_of_scalars(name):
+    """As blackjax's kernels: a method's server update returns one NamedTuple type (``...Info``) of
+    scalar arrays, whose fields the round records as its server metrics."""
+    sim, params = _simulator(name)
+    alg, fed = sim.algorithm, digits_federation(SIZES)
+    data = client_data_template(fed.x.shape[1:], fed.x.dtype, fed.y.dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size, y_shape=fed.y.shape[1:])
+    message = protocol.message_templates(alg, params, data).message
+    state = jax.eval_shape(alg.server_init, jax.random.key(0), params)
+    messages = jax.tree.map(lambda s: jax.ShapeDtypeStruct((3, *s.shape), s.dtype), message)
+
+    def update(state, messages, weights):
+        return alg.server_update(jax.random.key(1), state, alg.aggregator(jax.random.key(0), messages, weights))
+
+    _, info = jax.eval_shape(update, state, messages, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert isinstance(info, tuple) and type(info).__name__.endswith("Info"), type(info)
+    assert all(leaf.shape == () for leaf in jax.tree.leaves(info))
+
+
 def _config(name: str):
     """A small digits run of ``name`` with its default settings, as a config file would give it."""
     spec = registry.get(name)
@@ -215,3 +235,14 @@ def test_registry_lists_the_builtin_methods_and_rejects_duplicates():
         registry.register(registry.get("fedavg"))
     with pytest.raises(ValueError, match="unknown algorithm 'nope'; allowed: fedavg"):
         registry.get("nope")
+
+
+def test_an_algorithm_without_its_trainer_fails_at_construction():
+    """The local schedule has no default (one epoch of batch 1 would train silently): a method that
+    forgets ``trainer`` fails when it builds its ``Algorithm``; given it, the schedule is the trainer's."""
+    fns = dict(server_init=None, broadcast=None, client_init=None, client_update=None, server_update=None, server_params=None, message_ok=None)
+    with pytest.raises(TypeError, match="trainer"):
+        Algorithm(name="forgetful", **fns)
+    _, _, trainer = logreg_setup(epochs=3, batch_size=7)
+    alg = Algorithm(name="scheduled", **fns, trainer=trainer)
+    assert (alg.local_epochs, alg.local_batch_size) == (3, 7)

@@ -11,7 +11,28 @@ import pytest
 from helpers import digits_federation, logreg_setup
 
 from fedbayes import gaussian
-from fedbayes.algorithms.fedep import fedep, fedsep
+from fedbayes.aggregators import Aggregate
+from fedbayes.algorithms import damping as damping_policy
+from fedbayes.algorithms.fedep import (
+    Broadcast,
+    ClientState,
+    EPStart,
+    FedEPInfo,
+    ServerState,
+    burn_in_server_step,
+    ep_start,
+    fedep,
+    fedep_cavity,
+    fedsep,
+    fedsep_cavity,
+    first_site,
+    model_q,
+    prior_like,
+    server_step,
+    site_step,
+    tilted_step,
+)
+from fedbayes.algorithms.sites import GaussianMessage
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.federation import Federation
 from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator
@@ -393,3 +414,129 @@ def test_config_fedep_and_fedsep():
         validate({"algorithm": {"name": "fedep", "sep_power": "one_over_k"}})
     with pytest.raises(ConfigError, match=r"algorithm.damping"):
         validate({"algorithm": {"name": "fedep", "damping": 0.0}})
+
+
+# ----- the kernels on numbers worked by hand ----------------------------------------------------------
+# Two coordinates, prior p_0 = (0, 1) (delta = 1), q_g = (eta, Lambda) = ((2, -4), (5, 9)): the
+# likelihood part q_g / p_0 is ((2, -4), (4, 8)). Powers of 1/4 and 3/4 are exact in binary.
+
+Q = DiagGaussian(precision_mean=jnp.array([2.0, -4.0]), precision=jnp.array([5.0, 9.0]))
+PRIOR = prior_like(jnp.zeros(2), 1.0)
+
+
+def _broadcast(q=Q, anchor=None, damping=1.0):
+    return Broadcast(q, jnp.ones((), jnp.bool_), anchor, damping)
+
+
+def _start(uniform=False, keeps_anchor=False, alpha_cov=0.5, prior_precision=1.0, total=8.0):
+    return EPStart(uniform, alpha_cov, prior_precision, total, keeps_anchor)
+
+
+def test_fedsep_cavity_takes_the_power_of_the_likelihoods_not_of_the_prior():
+    """``p_0 (q_g / p_0)^(3/4)`` = ((1.5, -3), (1 + 3, 1 + 6))."""
+    cavity = fedsep_cavity(Q, PRIOR, 0.75)
+    np.testing.assert_array_equal(np.asarray(cavity.precision_mean), [1.5, -3.0])
+    np.testing.assert_array_equal(np.asarray(cavity.precision), [4.0, 7.0])
+
+
+def test_a_first_site_is_its_share_of_the_likelihoods_and_site_times_cavity_is_the_global():
+    """Share 1/4: site ((0.5, -1), (1, 2)), cavity p_0 (q_g / p_0)^(3/4) = ((1.5, -3), (4, 7)); their
+    product is ``q_g`` exactly. Uniform init: a flat site and the cavity ``q_g``."""
+    site, cavity = first_site(_broadcast(), PRIOR, jnp.float32(0.25), jnp.float32(0.75), _start(), exact_late_sites=False)
+    np.testing.assert_array_equal(np.asarray(site.precision_mean), [0.5, -1.0])
+    np.testing.assert_array_equal(np.asarray(site.precision), [1.0, 2.0])
+    both = gaussian.product(site, cavity)
+    np.testing.assert_array_equal(np.asarray(both.precision_mean), np.asarray(Q.precision_mean))
+    np.testing.assert_array_equal(np.asarray(both.precision), np.asarray(Q.precision))
+    site, cavity = first_site(_broadcast(), PRIOR, jnp.float32(0.25), jnp.float32(0.75), _start(uniform=True), exact_late_sites=False)
+    np.testing.assert_array_equal(np.asarray(site.precision), 0.0)
+    np.testing.assert_array_equal(np.asarray(cavity.precision), np.asarray(Q.precision))
+
+
+def test_a_late_first_site_takes_its_share_of_the_ep_start():
+    """``exact_late_sites``: the share of the EP start's likelihoods, whatever ``q_g`` is now. The
+    start from theta = (1, -2) with alpha_cov N = 0.5 * 8 = 4 and delta = 1 is Lambda = 5,
+    eta = (5, -10): likelihoods ((5, -10), (4, 4)); a quarter of them is ((1.25, -2.5), (1, 1))."""
+    theta = jnp.array([1.0, -2.0])
+    start = _start(keeps_anchor=True)
+    q0, anchor = ep_start(theta, start)
+    np.testing.assert_array_equal(np.asarray(q0.precision), [5.0, 5.0])
+    np.testing.assert_array_equal(np.asarray(q0.precision_mean), [5.0, -10.0])
+    assert anchor is theta
+    site, cavity = first_site(_broadcast(anchor=theta), PRIOR, jnp.float32(0.25), jnp.float32(0.75), start, exact_late_sites=True)
+    np.testing.assert_array_equal(np.asarray(site.precision_mean), [1.25, -2.5])
+    np.testing.assert_array_equal(np.asarray(site.precision), [1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(cavity.precision), [4.0, 8.0])  # q_g / site
+
+
+def test_fedep_cavity_divides_an_initialised_site_out_of_the_global():
+    site = DiagGaussian(precision_mean=jnp.array([1.0, 1.0]), precision=jnp.array([2.0, 3.0]))
+    cstate = ClientState(site, (), jnp.ones((), jnp.bool_))
+    got_site, cavity = fedep_cavity(_broadcast(), cstate, PRIOR, jnp.float32(0.25), jnp.float32(0.75), _start(), False)
+    np.testing.assert_array_equal(np.asarray(got_site.precision), [2.0, 3.0])
+    np.testing.assert_array_equal(np.asarray(cavity.precision_mean), [1.0, -5.0])
+    np.testing.assert_array_equal(np.asarray(cavity.precision), [3.0, 6.0])
+
+
+def test_the_tilted_step_sends_the_damped_difference_of_the_exact_tilted():
+    """With exact inference (cavity times a Gaussian likelihood ((1, 1), (2, 2))) the step is
+    ``delta (cavity * likelihood - q_g)`` = 0.5 (((2.5, -2), (6, 9)) - ((2, -4), (5, 9))); a
+    negative cavity precision flags the message."""
+    likelihood = DiagGaussian(precision_mean=jnp.array([1.0, 1.0]), precision=jnp.array([2.0, 2.0]))
+
+    def exact(key, start, cavity, data):
+        return gaussian.product(cavity, likelihood), {}
+
+    cavity = DiagGaussian(precision_mean=jnp.array([1.5, -3.0]), precision=jnp.array([4.0, 7.0]))
+    step, ok, loss, _ = tilted_step(jax.random.key(0), _broadcast(damping=0.5), cavity, None, exact, None, uniform=False, adaptive=False, delta_clip=None)
+    np.testing.assert_array_equal(np.asarray(step.precision_mean), [0.25, 1.0])  # 0.5 ((2.5, -2) - (2, -4))
+    np.testing.assert_array_equal(np.asarray(step.precision), [0.5, 0.0])
+    assert bool(ok) and loss is None
+    bad = DiagGaussian(precision_mean=cavity.precision_mean, precision=jnp.array([-1.0, 7.0]))
+    _, ok, _, _ = tilted_step(jax.random.key(0), _broadcast(), bad, None, exact, None, uniform=False, adaptive=False, delta_clip=None)
+    assert not bool(ok)
+
+
+def test_the_site_step_adds_the_update_and_flags_an_improper_site():
+    site = DiagGaussian(precision_mean=jnp.array([1.0, 1.0]), precision=jnp.array([2.0, 3.0]))
+    opt = optax.sgd(1.0)
+    step = DiagGaussian(precision_mean=jnp.array([0.5, -1.0]), precision=jnp.array([1.0, -1.0]))
+    new, proper = site_step(site, opt.init(site), step, Q, opt)
+    np.testing.assert_array_equal(np.asarray(new.site.precision_mean), [1.5, 0.0])
+    np.testing.assert_array_equal(np.asarray(new.site.precision), [3.0, 2.0])
+    assert bool(new.initialized) and bool(proper)
+    _, proper = site_step(site, opt.init(site), DiagGaussian(precision_mean=step.precision_mean, precision=jnp.array([1.0, -4.0])), Q, opt)
+    assert not bool(proper)  # 3 - 4 = -1, far below round-off of Lambda_g = 9
+
+
+def test_the_server_step_adds_the_total_and_keeps_a_coordinate_it_would_make_improper():
+    """``q_g + total`` with ``sgd(1)``; the second precision would be 9 - 10 < 0, so that coordinate
+    keeps its old value and the info counts it, with the damping the clients used."""
+    opt = optax.sgd(1.0)
+    policy = damping_policy.fixed(0.5)
+    state = ServerState(Q, opt.init(jnp.zeros(2)), opt.init(Q), jnp.zeros((), jnp.int32), None, policy.init(jnp.zeros(2)))
+    total = DiagGaussian(precision_mean=jnp.array([1.0, 1.0]), precision=jnp.array([1.0, -10.0]))
+    aggregate = Aggregate(mean=GaussianMessage(total, jnp.ones((), jnp.bool_)), total=GaussianMessage(total, jnp.ones((), jnp.bool_)), count=jnp.ones(()))
+    new, info = server_step(state, aggregate, opt, policy)
+    np.testing.assert_array_equal(np.asarray(new.q.precision_mean), [3.0, -4.0])
+    np.testing.assert_array_equal(np.asarray(new.q.precision), [6.0, 9.0])
+    assert isinstance(info, FedEPInfo) and int(info.precision_guarded) == 1 and float(info.damping) == 0.5
+    assert int(new.round) == 1
+
+
+def test_the_last_burn_in_round_starts_ep_at_the_model():
+    """After the last burn-in round ``q_g`` is :func:`ep_start` of the FedAvg model: theta = (1, -2)
+    minus the mean delta (0, -1) is (1, -1), so ``Lambda = 5``, ``eta = (5, -5)``; before it, ``(theta, 1)``."""
+    opt = optax.sgd(1.0)
+    policy = damping_policy.fixed(0.5)
+    theta = jnp.array([1.0, -2.0])
+    state = ServerState(model_q(theta), opt.init(theta), opt.init(model_q(theta)), jnp.zeros((), jnp.int32), None, policy.init(theta))
+    delta = DiagGaussian(precision_mean=jnp.array([0.0, -1.0]), precision=jnp.zeros(2))
+    aggregate = Aggregate(mean=GaussianMessage(delta, jnp.ones((), jnp.bool_)), total=GaussianMessage(delta, jnp.ones((), jnp.bool_)), count=jnp.ones(()))
+    done, info = burn_in_server_step(state, aggregate, opt, _start(), burn_in_rounds=1)
+    np.testing.assert_array_equal(np.asarray(done.q.precision), [5.0, 5.0])
+    np.testing.assert_array_equal(np.asarray(done.q.precision_mean), [5.0, -5.0])
+    assert int(info.precision_guarded) == 0
+    early, _ = burn_in_server_step(state, aggregate, opt, _start(), burn_in_rounds=2)
+    np.testing.assert_array_equal(np.asarray(early.q.precision_mean), [1.0, -1.0])
+    np.testing.assert_array_equal(np.asarray(early.q.precision), [1.0, 1.0])

@@ -15,7 +15,11 @@ from helpers import digits_federation, logreg_setup, single_client_data
 from typer.testing import CliRunner
 
 from fedbayes import gaussian, protocol
-from fedbayes.algorithms.pvi import pvi
+from fedbayes.aggregators import Aggregate
+from fedbayes.algorithms import damping as damping_policy
+from fedbayes.algorithms.pvi import Broadcast, ClientState, PVIInfo, cavity, client_step, pvi, server_step, site_update
+from fedbayes.algorithms.pvi import broadcast as pvi_broadcast
+from fedbayes.algorithms.pvi import server_init as pvi_server_init
 from fedbayes.algorithms.sites import GaussianMessage
 from fedbayes.cli import app
 from fedbayes.config.schema import ConfigError, validate
@@ -24,7 +28,6 @@ from fedbayes.data.federation import Federation
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.sgd import training_info
-from fedbayes.inference.vi import VariationalParams, kl_to_cavity, reparameterised_vi, std_of, to_gaussian, var_of
 from fedbayes.runs.export import load_model
 from fedbayes.runs.folder import read_metrics
 from fedbayes.sim.simulator import Simulator
@@ -226,38 +229,6 @@ def test_one_client_with_damping_one_is_global_vi():
         np.testing.assert_allclose(s, np.asarray(g) - delta, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("parameterisation", ["log", "softplus"])
-def test_reparameterised_local_step_finds_the_mean_field_optimum(parameterisation):
-    """On a linear-Gaussian client (loss 0.5 (x^T theta - y)^2, so A = X^T X, b = X^T y) with a
-    diagonal cavity, the local step's result approaches the exact mean-field optimum of the tilted
-    objective: mean (Lambda_c + A)^{-1} (eta_c + b), precision Lambda_c + diag(A). This pins the
-    objective's scale (mean loss + KL / n_k)."""
-    rng = np.random.default_rng(2)
-    n = 40
-    x = rng.normal(size=(n, DIM)).astype(np.float32) * np.array([1.0, 0.5, 0.3], np.float32)
-    y = (x @ np.array([1.0, -2.0, 0.5]) + 0.3 * rng.normal(size=n)).astype(np.float32)
-
-    def loss(theta, key, xb, yb, m):
-        per = 0.5 * jnp.square(xb @ theta - yb)
-        return jnp.sum(per * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-    trainer = LocalTrainer(loss, optax.adam(optax.cosine_decay_schedule(0.05, 300)), 300, n)  # decay: converge, not hover
-    fed = Federation(x, y, (np.arange(n),))
-    sim = Simulator(pvi(trainer, optax.sgd(1.0), prior_precision=1.0, damping=1.0), fed, clients_per_round=1, seed=0)
-    data = single_client_data(sim, 0, 0)
-    cavity = DiagGaussian(precision_mean=jnp.array([0.5, -1.0, 0.0]), precision=jnp.array([2.0, 1.0, 4.0]))
-    fit = jax.jit(reparameterised_vi(trainer, samples=16, parameterisation=parameterisation))
-    q, info = fit(jax.random.key(0), cavity, cavity, data)
-    a = x.T.astype(np.float64) @ x
-    prec = np.diag(np.asarray(cavity.precision)) + a
-    want_mean = np.linalg.solve(prec, np.asarray(cavity.precision_mean) + x.T @ y)
-    mean, lam = _moments(q)
-    # Monte-Carlo gradients (16 samples): 0.03 absolute on the mean, 8% on the precision
-    np.testing.assert_allclose(mean, want_mean, atol=0.03)
-    np.testing.assert_allclose(lam, np.diag(prec), rtol=0.08)
-    assert int(info["steps"]) == 300 and float(info["loss"]) > 0
-
-
 # ----- validity ---------------------------------------------------------------------------------------
 
 
@@ -405,148 +376,81 @@ def test_cli_run_writes_metrics_and_the_posterior(tmp_path):
     assert json.loads((out / "summary.json").read_text())["final"]["accuracy"] == recs[-1]["accuracy"]
 
 
-# ----- the local reparameterisation ---------------------------------------------------------------------
+# ----- the kernels on numbers worked by hand ----------------------------------------------------------
+# q_g = ((2, -4), (5, 9)), a site ((1, 1), (2, 3)), a client likelihood ((1, 1), (2, 2)).
+
+Q = DiagGaussian(precision_mean=jnp.array([2.0, -4.0]), precision=jnp.array([5.0, 9.0]))
+SITE = DiagGaussian(precision_mean=jnp.array([1.0, 1.0]), precision=jnp.array([2.0, 3.0]))
+LIKELIHOOD = DiagGaussian(precision_mean=jnp.array([1.0, 1.0]), precision=jnp.array([2.0, 2.0]))
 
 
-def _vp(params, std, key=None):
-    from fedbayes.inference.vi import VariationalParams
-
-    raw = jax.tree.map(lambda p: jnp.full_like(p, np.log(std)), params)
-    if key is not None:  # distinct stds per coordinate
-        keys = optax.tree.split_key_like(key, params)
-        raw = jax.tree.map(lambda k, r: r + 0.5 * jax.random.normal(k, r.shape), keys, raw)
-    return VariationalParams(params, raw)
+def _exact_tilted(key, start, cavity, data):
+    return gaussian.product(cavity, LIKELIHOOD), training_info(jnp.zeros(()), 0)
 
 
-def test_local_reparameterisation_is_unbiased_for_the_expected_loss_and_has_lower_variance():
-    """A linear model (one flax Dense) under squared error has E_q[loss] in closed form:
-    0.5 ((x M + m - y)^2 + x^2 S^2 + s^2) per example. Both estimators' Monte-Carlo means match it;
-    the local one (independent draws per example) has the smaller spread (about half)."""
-    from fedbayes.inference.vi import expected_loss, std_of
-    from fedbayes.models import init_params, loss_fn, make_model
-
-    model = make_model("linear", 1)
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)
-    y = jnp.asarray(rng.normal(size=16), jnp.float32)
-    mask = jnp.ones(16).at[-3:].set(0.0)  # padding counts nowhere
-    params = init_params(model, jax.random.key(1), (4,))
-    vp = _vp(params, 0.3, jax.random.key(2))
-    lf = loss_fn(model, "regression")
-    std = std_of(vp, "log")
-    z = model.apply({"params": params}, x)
-    var = jnp.square(x) @ jnp.square(std["dense"]["kernel"])[:, 0] + jnp.square(std["dense"]["bias"][0])
-    want = float(jnp.sum(mask * 0.5 * (jnp.square(z - y) + var)) / jnp.sum(mask))
-    keys = jax.random.split(jax.random.key(3), 20000)
-    draws = {}
-    for est in ("weights", "local"):
-        f = expected_loss(lf, samples=1, parameterisation="log", estimator=est)
-        draws[est] = np.asarray(jax.jit(jax.vmap(lambda k: f(vp, k, x, y, mask)))(keys))  # noqa: B023
-        se = draws[est].std() / np.sqrt(len(keys))
-        assert abs(draws[est].mean() - want) < 4 * se, (est, draws[est].mean(), want, se)
-    assert draws["local"].std() < 0.7 * draws["weights"].std()  # about half here
-    with pytest.raises(ValueError, match="estimator must be one of weights, local"):
-        expected_loss(lf, samples=1, parameterisation="log", estimator="flipout")
+def test_the_cavity_divides_the_site_out_and_must_be_proper():
+    cav, ok = cavity(Q, SITE)
+    np.testing.assert_array_equal(np.asarray(cav.precision_mean), [1.0, -5.0])
+    np.testing.assert_array_equal(np.asarray(cav.precision), [3.0, 6.0])
+    assert bool(ok)
+    heavy = DiagGaussian(precision_mean=SITE.precision_mean, precision=jnp.array([5.0, 3.0]))  # a zero cavity precision
+    assert not bool(cavity(Q, heavy)[1])
 
 
-def test_local_reparameterisation_on_an_mlp_matches_weight_draws_in_expectation():
-    """No closed form through a ReLU, but both estimators are unbiased for the same E_q[loss] and
-    its gradient: their Monte-Carlo means agree. With every std at zero both are the plain loss."""
-    from fedbayes.inference.vi import expected_loss
-    from fedbayes.models import init_params, loss_fn, make_model
-
-    model = make_model("mlp", 3, hidden=(8,))
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(12, 5)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 3, 12), jnp.int32)
-    mask = jnp.ones(12)
-    params = init_params(model, jax.random.key(4), (5,))
-    lf = loss_fn(model, "classification")
-    vp = _vp(params, 0.4, jax.random.key(5))
-    keys = jax.random.split(jax.random.key(6), 8000)
-    est = {}
-    for name in ("weights", "local"):
-        f = expected_loss(lf, samples=2, parameterisation="log", estimator=name)
-        vals, grads = jax.jit(jax.vmap(lambda k: jax.value_and_grad(f)(vp, k, x, y, mask)))(keys)  # noqa: B023
-        est[name] = (np.asarray(vals), np.concatenate([np.asarray(g).reshape(len(keys), -1) for g in jax.tree.leaves(grads.mean)], axis=1))
-    (vw, gw), (vl, gl) = est["weights"], est["local"]
-    se = np.sqrt(vw.var() / len(vw) + vl.var() / len(vl))
-    assert abs(vw.mean() - vl.mean()) < 4 * se
-    gse = np.sqrt(gw.var(axis=0) / len(gw) + gl.var(axis=0) / len(gl))
-    assert np.mean(np.abs(gw.mean(0) - gl.mean(0)) < 4 * gse + 1e-6) > 0.98  # every coordinate, up to a few 4-sigma misses
-    exact = float(lf(params, None, x, y, mask))
-    tiny = _vp(params, 1e-30)
-    for name in ("weights", "local"):
-        f = expected_loss(lf, samples=1, parameterisation="log", estimator=name)
-        np.testing.assert_allclose(float(f(tiny, jax.random.key(0), x, y, mask)), exact, rtol=1e-6)
+def test_the_site_update_is_the_damped_difference_and_the_site_times_it():
+    """rho = 0.5, q_k = ((3, -3), (7, 9)): Delta = 0.5 (q_k - q_g) = ((0.5, 0.5), (1, 0)); the site
+    becomes ((1.5, 1.5), (3, 3))."""
+    q_k = DiagGaussian(precision_mean=jnp.array([3.0, -3.0]), precision=jnp.array([7.0, 9.0]))
+    step, site = site_update(SITE, q_k, Q, 0.5)
+    np.testing.assert_array_equal(np.asarray(step.precision_mean), [0.5, 0.5])
+    np.testing.assert_array_equal(np.asarray(step.precision), [1.0, 0.0])
+    np.testing.assert_array_equal(np.asarray(site.precision_mean), [1.5, 1.5])
+    np.testing.assert_array_equal(np.asarray(site.precision), [3.0, 3.0])
 
 
-@pytest.mark.parametrize("estimator", ["weights", "local"])
-def test_local_estimator_finds_the_mean_field_optimum_of_a_flax_linear_model(estimator):
-    """The local step on a flax linear regression (kernel and bias: under ``estimator="local"`` all
-    of it is drawn in output space) reaches the exact mean-field optimum of its tilted objective
-    with either estimator."""
-    from fedbayes.models import init_params, loss_fn, make_model
-
-    rng = np.random.default_rng(2)
-    n = 40
-    x = (rng.normal(size=(n, DIM)) * np.array([1.0, 0.5, 0.3])).astype(np.float32)
-    y = (x @ np.array([1.0, -2.0, 0.5]) + 0.7 + 0.3 * rng.normal(size=n)).astype(np.float32)
-    model = make_model("linear", 1)
-    params = init_params(model, jax.random.key(0), (DIM,))
-    # The bias's std starts 9x above its optimum and moves slowest: 2000 steps.
-    trainer = LocalTrainer(loss_fn(model, "regression"), optax.adam(optax.cosine_decay_schedule(0.05, 2000)), 2000, n)
-    fed = Federation(x, y, (np.arange(n),))
-    sim = Simulator(pvi(trainer, optax.sgd(1.0), prior_precision=1.0, damping=1.0, estimator=estimator), fed, clients_per_round=1, seed=0)
-    data = single_client_data(sim, 0, 0)
-    lam_c = {"dense": {"kernel": jnp.array([[2.0], [1.0], [4.0]]), "bias": jnp.array([0.5])}}
-    eta_c = {"dense": {"kernel": jnp.array([[0.5], [-1.0], [0.0]]), "bias": jnp.array([0.2])}}
-    assert jax.tree.structure(lam_c) == jax.tree.structure(params)
-    cavity = DiagGaussian(precision_mean=eta_c, precision=lam_c)
-    fit = jax.jit(reparameterised_vi(trainer, samples=16, parameterisation="log", estimator=estimator))
-    q, info = fit(jax.random.key(0), cavity, cavity, data)
-    xt = np.concatenate([x, np.ones((n, 1), np.float32)], axis=1).astype(np.float64)  # (kernel, bias)
-    lam = np.concatenate([np.asarray(lam_c["dense"]["kernel"])[:, 0], np.asarray(lam_c["dense"]["bias"])])
-    eta = np.concatenate([np.asarray(eta_c["dense"]["kernel"])[:, 0], np.asarray(eta_c["dense"]["bias"])])
-    prec = np.diag(lam) + xt.T @ xt
-    want_mean = np.linalg.solve(prec, eta + xt.T @ y)
-    got_lam = np.concatenate([np.asarray(q.precision["dense"]["kernel"])[:, 0], np.asarray(q.precision["dense"]["bias"])])
-    got_mean = np.concatenate([np.asarray(q.precision_mean["dense"]["kernel"])[:, 0], np.asarray(q.precision_mean["dense"]["bias"])]) / got_lam
-    np.testing.assert_allclose(got_mean, want_mean, atol=0.03)
-    np.testing.assert_allclose(got_lam, np.diag(prec), rtol=0.08)
-    assert int(info["steps"]) == 2000
+def test_an_undamped_client_step_with_exact_inference_makes_the_site_the_likelihood():
+    """With rho = 1 and exact local inference the new site is the client's likelihood (PVI's fixed
+    point in one step, Ashman et al. 2022 Eq. 5-6), and the message is ``q_k - q_g``."""
+    message = Broadcast(Q, None, 1.0)
+    msg, new, _ = client_step(jax.random.key(0), message, ClientState(SITE), None, _exact_tilted, _null_trainer(), adaptive=False)
+    np.testing.assert_array_equal(np.asarray(new.site.precision_mean), np.asarray(LIKELIHOOD.precision_mean))
+    np.testing.assert_array_equal(np.asarray(new.site.precision), np.asarray(LIKELIHOOD.precision))
+    np.testing.assert_array_equal(np.asarray(msg.difference.precision), [0.0, -1.0])  # (3 + 2) - 5, (6 + 2) - 9
+    assert bool(msg.ok) and msg.loss is None
 
 
-@pytest.mark.parametrize("squared_std", [False, True])
-@pytest.mark.parametrize("parameterisation", ["log", "softplus"])
-def test_the_kl_penalty_in_q_s_own_parameters_equals_the_natural_parameter_kl(parameterisation, squared_std):
-    """``kl_to_cavity`` (the local step's penalty) against ``gaussian.kl`` through the natural
-    parameters: the same value and gradient, across scales of the standard deviations and cavities."""
-    rng = np.random.default_rng(3)
-    for spread in (0.1, 1.0, 3.0):
-        mean = {"k": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=4), jnp.float32)}
-        raw = jax.tree.map(lambda m: jnp.asarray(spread * rng.normal(size=m.shape) - 1.0, jnp.float32), mean)
-        vp = VariationalParams(mean, raw)
-        cavity = gaussian.from_moments(
-            jax.tree.map(lambda m: m + jnp.asarray(rng.normal(size=m.shape), jnp.float32), mean),
-            jax.tree.map(lambda m: jnp.asarray(np.exp(spread * rng.normal(size=m.shape)), jnp.float32), mean),
-        )
-        fast = kl_to_cavity(cavity, parameterisation, squared_std=squared_std)
-        slow = lambda v: gaussian.kl(to_gaussian(v, parameterisation), cavity)  # noqa: E731
-        np.testing.assert_allclose(float(fast(vp)), float(slow(vp)), rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(jax.grad(fast)(vp)), jax.tree.leaves(jax.grad(slow)(vp))):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-        assert float(kl_to_cavity(to_gaussian(vp, parameterisation), parameterisation)(vp)) == pytest.approx(0.0, abs=1e-4)  # KL(q || q) = 0
+def test_a_client_step_that_would_make_its_site_improper_is_flagged_only_when_asked():
+    """Undamped with exact inference the new site is the likelihood, here of precision -3 in its
+    second coordinate: an improper site, flagged only under ``allow_improper_sites=False``."""
+
+    def shrinking(key, start, cavity, data):
+        return gaussian.product(cavity, DiagGaussian(precision_mean=jnp.zeros(2), precision=jnp.array([2.0, -3.0]))), training_info(jnp.zeros(()), 0)
+
+    message = Broadcast(Q, None, 1.0)
+    for allow in (True, False):
+        msg, _, _ = client_step(jax.random.key(0), message, ClientState(SITE), None, shrinking, _null_trainer(), adaptive=False, allow_improper_sites=allow)
+        assert bool(msg.ok) == allow
 
 
-@pytest.mark.parametrize("parameterisation", ["log", "softplus"])
-def test_the_variances_are_the_squared_standard_deviations(parameterisation):
-    """``var_of`` (``exp(2 raw)`` under the log parameterisation, what the local estimator, the KL
-    penalty and ``to_gaussian`` read) is ``std_of`` squared, value and gradient, from tiny to large
-    standard deviations."""
-    raw = {"k": jnp.linspace(-12.0, 4.0, 33, dtype=jnp.float32)}
-    vp = VariationalParams({"k": jnp.zeros(33, jnp.float32)}, raw)
-    np.testing.assert_allclose(np.asarray(var_of(vp, parameterisation)["k"]), np.square(np.asarray(std_of(vp, parameterisation)["k"])), rtol=1e-6)
-    fast = jax.grad(lambda r: jnp.sum(var_of(VariationalParams(vp.mean, r), parameterisation)["k"]))(raw)["k"]
-    slow = jax.grad(lambda r: jnp.sum(jnp.square(std_of(VariationalParams(vp.mean, r), parameterisation)["k"])))(raw)["k"]
-    np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), rtol=1e-5)
+def test_the_server_step_adds_the_total_guards_positivity_and_reports_it():
+    opt = optax.sgd(1.0)
+    policy = damping_policy.fixed(0.25)
+    state = pvi_server_init(jnp.zeros(2), opt, 1.0, policy, anchored=False)._replace(q=Q, opt_state=opt.init(Q))
+    total = DiagGaussian(precision_mean=jnp.array([1.0, 1.0]), precision=jnp.array([1.0, -10.0]))
+    aggregate = Aggregate(mean=GaussianMessage(total, jnp.ones((), jnp.bool_)), total=GaussianMessage(total, jnp.ones((), jnp.bool_)), count=jnp.ones(()))
+    new, info = server_step(state, aggregate, opt, policy)
+    np.testing.assert_array_equal(np.asarray(new.q.precision_mean), [3.0, -4.0])
+    np.testing.assert_array_equal(np.asarray(new.q.precision), [6.0, 9.0])  # 9 - 10 < 0: kept
+    assert isinstance(info, PVIInfo) and int(info.precision_guarded) == 1 and float(info.damping) == 0.25
+
+
+def test_the_server_starts_at_the_prior_and_the_anchored_broadcast_starts_at_the_model():
+    opt = optax.sgd(1.0)
+    params = jnp.array([0.5, -0.5])
+    state = pvi_server_init(params, opt, 2.0, damping_policy.fixed(0.5), anchored=True)
+    np.testing.assert_array_equal(np.asarray(state.q.precision), [2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(state.q.precision_mean), [0.0, 0.0])
+    np.testing.assert_array_equal(np.asarray(pvi_broadcast(state, anchored=True).start), np.asarray(params))  # round 1: the model
+    later = state._replace(round=jnp.ones((), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(pvi_broadcast(later, anchored=True).start), [0.0, 0.0])  # then q_g's mean
+    assert pvi_broadcast(state, anchored=False).start is None

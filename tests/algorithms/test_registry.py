@@ -161,7 +161,8 @@ def _imported_after(code: str) -> set[str]:
 def test_validating_a_config_imports_only_the_named_method():
     loaded = _imported_after("from fedbayes.config.schema import validate\nvalidate({'algorithm': {'name': 'fedprox'}})")
     methods = {m.rsplit(".", 1)[1] for m in loaded if m.startswith("fedbayes.algorithms.") and not m.rsplit(".", 1)[1].startswith("_")}
-    assert methods == {"base", "registry", "server_opt", "fedavg", "fedprox"}, methods  # fedprox is built on fedavg
+    # fedavg: the config's default method; point: the local-delta client FedProx shares with FedAvg
+    assert methods == {"base", "registry", "server_opt", "fedavg", "point", "fedprox"}, methods
     assert not any(m.startswith(("fedbayes.sim", "fedbayes.runs", "flax")) for m in loaded)
     assert {m for m in loaded if m.startswith("fedbayes.models")} <= {
         "fedbayes.models",

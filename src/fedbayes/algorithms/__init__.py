@@ -2,7 +2,9 @@
 
 One module per method (``fedbayes.algorithms.fedavg``, ``...fedep`` with FedEP and FedSEP, ...),
 each declaring its factory, its settings and its ``SPEC``; :mod:`fedbayes.algorithms.registry`
-finds them by name. ``from fedbayes.algorithms import fedlap`` is the module (its factory is
+finds them by name. No method's module imports another's: what methods share lives in modules of
+its own (``base``, ``sites``, ``damping``, ``server_opt``, ``laplace_sites``, ``point``,
+``fedlap_memory``). ``from fedbayes.algorithms import fedlap`` is the module (its factory is
 ``fedlap.fedlap``). The package imports nothing until a name is used, so that reading a config
 imports only the method it names.
 """

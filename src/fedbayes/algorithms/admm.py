@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 import optax
 from pydantic import Field
 
-from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, point_estimate_algorithm
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, NoInfo, point_estimate_algorithm
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -82,7 +82,7 @@ def admm(
         target = optax.tree.scale(rho / (num_clients * rho + delta), consensus_sum)
         pseudo_grad = optax.tree.sub(state.params, target)
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, pseudo_grad)
-        return ServerState(params, consensus_sum, opt_state), {}
+        return ServerState(params, consensus_sum, opt_state), NoInfo()
 
     return point_estimate_algorithm(
         "admm",

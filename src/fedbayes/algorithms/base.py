@@ -25,9 +25,12 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   method with an adaptive damping shrinks it there
   (:func:`fedbayes.algorithms.damping.adaptive`), since a refused step was too large.
 * ``aggregator``: the method's own aggregation rule (default :func:`fedbayes.aggregators.weighted`).
-* ``local_epochs``, ``local_batch_size``: how many shuffled passes over its data a client makes
-  and with which minibatch size; the simulator lays out that many epochs per client
-  (:mod:`fedbayes.data.batches`) and knows each client's step count ``E * ceil(n_k / B)``.
+* ``trainer``: the clients' local schedule (:class:`LocalSchedule`: a
+  :class:`~fedbayes.inference.sgd.LocalTrainer` is one), required, so that a method cannot fall back
+  to a schedule of its own. ``local_epochs`` and ``local_batch_size`` read it: how many shuffled
+  passes over its data a client makes and with which minibatch size; the simulator lays out that
+  many epochs per client (:mod:`fedbayes.data.batches`) and knows each client's step count
+  ``E * ceil(n_k / B)``.
 * ``server_on_one_device``: the server step is a long sequential computation (FedLap-Func's
   Adam steps over the cohort's memory points): the simulator runs its aggregation and update as
   a program of its own on its first device, after the round's program has validated the
@@ -35,9 +38,12 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   (:meth:`fedbayes.sim.simulator.Simulator.server_program`). Numbers are the same up to the
   order of floating-point sums; such a method's rounds are not fused.
 
-``info`` outputs are dicts of scalar arrays with a fixed structure per algorithm (as blackjax's
-kernels return ``(state, info)``): the client's mean training loss and step count
-(:func:`fedbayes.inference.sgd.training_info`), the server's counts. The round protocol (:func:`fedbayes.protocol.server_step`) adds validation and aggregation;
+``info`` outputs have a fixed structure per algorithm (as blackjax's kernels return ``(state,
+info)``): a client's is a dict of its mean training loss and step count
+(:func:`fedbayes.inference.sgd.training_info`); a server's is a typed ``NamedTuple`` of scalar
+arrays, one type per method (e.g. :class:`~fedbayes.algorithms.fedep.FedEPInfo`; :class:`NoInfo`
+for a method with nothing to report), whose fields become the round's server metrics. The round
+protocol (:func:`fedbayes.protocol.server_step`) adds validation and aggregation;
 the simulator runs ``client_update`` for a cohort inside one ``jit``, a deployment calls the same
 functions one client at a time.
 """
@@ -71,6 +77,8 @@ __all__ = [
     "ClientUpdateFn",
     "FederationInfo",
     "Info",
+    "LocalSchedule",
+    "NoInfo",
     "PriorPrecision",
     "ServerUpdateFn",
     "as_stored",
@@ -93,7 +101,7 @@ class ClientUpdateFn(Protocol):
 
 
 class ServerUpdateFn(Protocol):
-    def __call__(self, key: jax.Array, server_state: PyTree, aggregate: Aggregate) -> tuple[PyTree, Info]: ...
+    def __call__(self, key: jax.Array, server_state: PyTree, aggregate: Aggregate) -> tuple[PyTree, NamedTuple]: ...
 
 
 class MessageOkFn(Protocol):
@@ -102,6 +110,21 @@ class MessageOkFn(Protocol):
 
 class PosteriorFn(Protocol):
     def __call__(self, server_state: PyTree) -> tuple[PyTree, PyTree]: ...
+
+
+class LocalSchedule(Protocol):
+    """A client's local schedule: ``num_epochs`` shuffled passes in minibatches of ``batch_size``
+    (a :class:`~fedbayes.inference.sgd.LocalTrainer` is one)."""
+
+    @property
+    def num_epochs(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+
+class NoInfo(NamedTuple):
+    """The server info of a method that reports nothing beyond the round's counts."""
 
 
 class Algorithm(NamedTuple):
@@ -115,13 +138,22 @@ class Algorithm(NamedTuple):
     server_update: ServerUpdateFn
     server_params: Any  # server_state -> params
     message_ok: MessageOkFn
-    local_epochs: int = 1
-    local_batch_size: int = 1
+    trainer: LocalSchedule  # required: the simulator lays out this schedule
     server_posterior: PosteriorFn | None = None
     aggregator: aggregators.Aggregator = aggregators.weighted
     server_on_one_device: bool = False
     after_rejected_round: Any = None  # server_state -> server_state; None: kept
     personal_posterior: Any = None  # (server_state, client_state, weight) -> (mean, variance); None: fine-tuning
+
+    @property
+    def local_epochs(self) -> int:
+        """``E``: the shuffled passes over its data a client makes (``trainer.num_epochs``)."""
+        return self.trainer.num_epochs
+
+    @property
+    def local_batch_size(self) -> int:
+        """``B``: the client's minibatch size (``trainer.batch_size``)."""
+        return self.trainer.batch_size
 
 
 def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, client_update, server_update) -> Algorithm:
@@ -137,8 +169,7 @@ def point_estimate_algorithm(name: str, trainer, *, server_init, client_init, cl
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
     )
 
 

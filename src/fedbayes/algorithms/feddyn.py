@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple
 import optax
 from pydantic import Field
 
-from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, point_estimate_algorithm
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, NoInfo, point_estimate_algorithm
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer, run_sgd
@@ -76,7 +76,7 @@ def feddyn(
         # theta^{t-1} - theta^t = mean g_k + h / alpha (uniform mean over the cohort)
         pseudo_grad = optax.tree.add_scale(aggregate.uniform_mean(), 1.0 / alpha, h)
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, pseudo_grad)
-        return ServerState(params, h, opt_state), {}
+        return ServerState(params, h, opt_state), NoInfo()
 
     return point_estimate_algorithm(
         "feddyn",

@@ -40,6 +40,13 @@ the aggregated optimizer step still leave a coordinate of ``Lambda_g`` non-posit
 overshoot), that coordinate keeps its old value.
 
 Clients of FedSEP keep no state; clients of FedEP keep their site and their site-optimizer state.
+
+The steps are pure functions at the top of this module, composed by the thin factories
+:func:`fedep` and :func:`fedsep` (blackjax's split): step 1 is :func:`fedep_cavity` (with
+:func:`first_site`) or :func:`fedsep_cavity`, steps 2-3 :func:`tilted_step`, step 4 :func:`site_step`;
+:func:`fedep_client_step` and :func:`fedsep_client_step` chain them; the server is
+:func:`server_step` (:func:`burn_in_client_step` and :func:`burn_in_server_step` during burn-in),
+each returning a typed :class:`FedEPInfo`.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import optax
 from pydantic import Field, model_validator
 
 from fedbayes import gaussian
+from fedbayes.aggregators import Aggregate
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
@@ -68,6 +76,7 @@ from fedbayes.algorithms.sites import (
     safe_mean,
     site_server_step,
 )
+from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
@@ -83,14 +92,33 @@ __all__ = [
     "PAPER_SETTINGS",
     "PRESETS",
     "SEP_POWERS",
+    "Broadcast",
     "ClientState",
     "EPConfig",
+    "EPStart",
     "FedEPConfig",
+    "FedEPInfo",
     "FedSEPConfig",
     "ServerState",
+    "broadcast",
+    "burn_in_client_step",
+    "burn_in_server_step",
+    "ep_start",
     "fedep",
+    "fedep_cavity",
+    "fedep_client_step",
     "fedsep",
+    "fedsep_cavity",
+    "fedsep_client_step",
+    "first_site",
+    "model_q",
+    "personal_posterior",
     "posterior_moments",
+    "prior_like",
+    "server_init",
+    "server_step",
+    "site_step",
+    "tilted_step",
 ]
 
 
@@ -134,182 +162,236 @@ class ClientState(NamedTuple):
     initialized: jax.Array
 
 
-def _ep_algorithm(
-    name: str,
-    trainer: LocalTrainer,
-    server_optimizer: optax.GradientTransformation,
+class FedEPInfo(NamedTuple):
+    """The server step's info (FedEP and FedSEP).
+
+    Attributes:
+      precision_guarded: coordinates of ``Lambda_g`` that kept their old value
+        (:func:`~fedbayes.algorithms.sites.guard_positive`; 0 in burn-in rounds).
+      damping: the damping ``delta`` this round's clients used.
+    """
+
+    precision_guarded: jax.Array
+    damping: jax.Array | float
+
+
+class EPStart(NamedTuple):
+    """Where EP starts (docs/algorithms.md §7.3), static.
+
+    Attributes:
+      uniform: ``init="uniform"``: uniform global and sites times the prior; else the benchmark
+        start ``q_g = N(theta, 1 / (alpha_cov N))`` times the prior.
+      alpha_cov: per-example precision of the benchmark start.
+      prior_precision: ``delta`` of the prior ``p_0 = N(0, 1 / delta)`` (0: none).
+      total_examples: ``N``.
+      keeps_anchor: the broadcast carries the EP start's model (``init="uniform"``, or FedEP's
+        ``exact_late_sites``).
+    """
+
+    uniform: bool
+    alpha_cov: float
+    prior_precision: float
+    total_examples: float
+    keeps_anchor: bool
+
+
+def prior_like(theta: PyTree, prior_precision: float) -> DiagGaussian:
+    """The prior ``p_0 = N(0, 1 / delta)`` in natural parameters, ``(0, delta)``."""
+    return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=optax.tree.full_like(theta, prior_precision))
+
+
+def model_q(theta: PyTree) -> DiagGaussian:
+    """The burn-in model as ``q_g = (theta, 1)``, so that ``mean(q_g) = theta``."""
+    return DiagGaussian(precision_mean=theta, precision=optax.tree.ones_like(theta))
+
+
+def ep_start(theta: PyTree, start: EPStart) -> tuple[DiagGaussian, PyTree]:
+    """``q_g`` at the start of EP from the model ``theta`` and the anchor the broadcast carries:
+    ``(0, delta)`` with anchor ``theta`` (uniform), or ``Lambda_g = alpha_cov N + delta``,
+    ``eta_g = Lambda_g theta`` (benchmark; docs/algorithms.md §7.3)."""
+    if start.uniform:
+        lam = optax.tree.full_like(theta, start.prior_precision)
+        return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=lam), theta
+    lam = optax.tree.full_like(theta, start.alpha_cov * start.total_examples + start.prior_precision)
+    return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, theta), precision=lam), (theta if start.keeps_anchor else None)
+
+
+# ----- the cavities -------------------------------------------------------------------------------
+
+
+def first_site(message: Broadcast, prior: DiagGaussian, share: jax.Array, rest: jax.Array, start: EPStart, exact_late_sites: bool):
+    """``(site, cavity)`` of a FedEP client sampled for the first time: uniform (``init="uniform"``),
+    else its share ``(q / p_0)^(n_k / N)`` of the likelihoods, with ``q`` the EP start's global
+    (``exact_late_sites``: ``q_g = p_0 prod_k q_k`` stays exact for a client first sampled late) or
+    the current ``q_g`` (the paper's; the cavity is then ``p_0 (q_g / p_0)^(1 - n_k/N)``, bitwise
+    the paper's ``q_g^(1 - n_k/N)`` without a prior). The prior stays one factor of ``q_g``."""
+    q = message.q
+    if start.uniform:
+        return gaussian.uniform_like(q.precision), q
+    if exact_late_sites:
+        site = gaussian.power(gaussian.quotient(ep_start(message.anchor, start)[0], prior), share)
+        return site, gaussian.quotient(q, site)
+    likelihoods = gaussian.quotient(q, prior)
+    return gaussian.power(likelihoods, share), gaussian.product(prior, gaussian.power(likelihoods, rest))
+
+
+def fedep_cavity(message: Broadcast, cstate: ClientState, prior: DiagGaussian, share, rest, start: EPStart, exact_late_sites: bool):
+    """FedEP's ``(site, cavity)``: ``(t_k, q_g / t_k)`` for an initialised site, else
+    :func:`first_site` (Guo et al. 2023 (FedEP) Alg. 1)."""
+    q = message.q
+    # lax.cond, not a select: a client run on its own (the sequential layout) computes only the
+    # branch it takes; under vmap this is a select again.
+    return jax.lax.cond(
+        cstate.initialized, lambda: (cstate.site, gaussian.quotient(q, cstate.site)), lambda: first_site(message, prior, share, rest, start, exact_late_sites)
+    )
+
+
+def fedsep_cavity(q: DiagGaussian, prior: DiagGaussian, power) -> DiagGaussian:
+    """FedSEP's cavity ``p_0 (q_g / p_0)^power``: the power acts on the shared site ``f^K``, not on
+    the prior (Guo et al. 2023 (FedEP) Sec. 2.2.4), ``power`` = ``1 - n_k/N`` or ``1 - 1/K``."""
+    return gaussian.product(prior, gaussian.power(gaussian.quotient(q, prior), power))
+
+
+# ----- the client steps ---------------------------------------------------------------------------
+
+
+def burn_in_client_step(key: jax.Array, message: Broadcast, data: ClientData, trainer: LocalTrainer, adaptive: bool):
+    """A burn-in round's client: FedAvg from ``theta = eta_g`` (``Lambda_g = 1``); the message is
+    ``(theta - theta_k, 0)``. Returns ``(message, info)``."""
+    theta = message.q.precision_mean  # Lambda = 1 during burn-in
+    last, info = run_sgd(key, theta, data, trainer)
+    step = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
+    return GaussianMessage(step, jnp.ones((), jnp.bool_), jnp.zeros((), jnp.float32) if adaptive else None), info
+
+
+def tilted_step(
+    key: jax.Array,
+    message: Broadcast,
+    cavity: DiagGaussian,
+    data: ClientData,
     inference: CavityInference,
+    trainer: LocalTrainer,
     *,
-    stateful: bool,
-    total_examples: int,
-    num_clients: int,
-    damping: float | damping_policy.Damping,
-    alpha_cov: float,
-    site_optimizer: optax.GradientTransformation | None,
-    burn_in_rounds: int,
-    init: str,
-    prior_precision: float,
+    uniform: bool,
+    adaptive: bool,
     delta_clip: float | None,
-    sep_power: str,
+):
+    """Steps 2-3 of an EP round: the tilted approximation ``q^_{\\k}`` of ``p(D_k | theta) q_{-k}``
+    started at ``mean(q_g)`` (the anchor where ``Lambda_g = 0`` under ``init="uniform"``) and the
+    damped update ``delta clip(q^_{\\k} / q_g)`` (:func:`~fedbayes.algorithms.sites.damped_difference`).
+
+    Returns ``(step, cavity_ok, loss, info)``: ``cavity_ok`` whether the cavity was proper enough
+    (:func:`~fedbayes.algorithms.sites.checked_cavity`), ``loss`` the client's loss at the broadcast
+    for the adaptive damping (``None`` for a fixed one).
+    """
+    q = message.q
+    cavity, cavity_ok = checked_cavity(cavity, q)
+    start = safe_mean(q, message.anchor if uniform else q.precision_mean)
+    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), start, data, trainer) if adaptive else None
+    tilted, info = inference(key, start, cavity, data)
+    return damped_difference(tilted, q, message.damping, delta_clip), cavity_ok, fit, info
+
+
+def site_step(site: DiagGaussian, opt_state, step: DiagGaussian, q: DiagGaussian, site_optimizer: optax.GradientTransformation):
+    """Step 4 (FedEP): ``(eta_k, Lambda_k) <- (eta_k, Lambda_k) + ClientOpt(delta Delta_k)``. Returns
+    ``(client_state, proper)``, ``proper`` false where a site precision turned negative beyond
+    round-off (:func:`~fedbayes.algorithms.sites.non_negative_to_roundoff`): a zero is a flat factor,
+    not an improper one."""
+    new_site, opt_state = optimizer_step(site_optimizer, site, opt_state, step)
+    return ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), non_negative_to_roundoff(new_site.precision, q.precision)
+
+
+def fedep_client_step(
+    key: jax.Array,
+    message: Broadcast,
+    cstate: ClientState,
+    data: ClientData,
+    inference: CavityInference,
+    trainer: LocalTrainer,
+    *,
+    start: EPStart,
+    site_optimizer: optax.GradientTransformation,
+    adaptive: bool,
+    delta_clip: float | None = None,
     allow_improper_sites: bool = False,
     exact_late_sites: bool = False,
-) -> Algorithm:
-    if init not in INITS:
-        raise ValueError(f"{name}: init must be one of {', '.join(INITS)}; got {init!r}")
-    if sep_power not in SEP_POWERS:
-        raise ValueError(f"{name}: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
-    if not isinstance(damping, damping_policy.Damping):
-        if not damping > 0:
-            raise ValueError(f"{name}: damping must be > 0; got {damping}")
-        damping = damping_policy.fixed(damping)
-    if init == "benchmark" and not (alpha_cov > 0 or prior_precision > 0):
-        raise ValueError(
-            f"{name}: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 or prior_precision > 0; got {alpha_cov}"
-        )
-    if prior_precision < 0:
-        raise ValueError(f"{name}: prior_precision must be >= 0; got {prior_precision}")
-    if burn_in_rounds < 0:
-        raise ValueError(f"{name}: burn_in_rounds must be >= 0; got {burn_in_rounds}")
-    if delta_clip is not None and not delta_clip > 0:
-        raise ValueError(f"{name}: delta_clip must be > 0 (or None); got {delta_clip}")
-    site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
-    total = float(total_examples)
-    uniform = init == "uniform"
-    keeps_anchor = uniform or (exact_late_sites and stateful)  # the broadcast carries the EP start's model
+):
+    """One FedEP client in an EP round: :func:`fedep_cavity`, :func:`tilted_step`, :func:`site_step`.
+    Returns ``(message, client_state, info)``."""
+    n = data.num_examples.astype(jnp.float32)
+    total = start.total_examples
+    prior = prior_like(message.q.precision_mean, start.prior_precision)
+    share, rest = n / total, (total - n) / total  # rest is exactly 0 when one client holds all the data
+    site, cavity = fedep_cavity(message, cstate, prior, share, rest, start, exact_late_sites)
+    step, cavity_ok, fit, info = tilted_step(key, message, cavity, data, inference, trainer, uniform=start.uniform, adaptive=adaptive, delta_clip=delta_clip)
+    new_state, proper = site_step(site, cstate.opt_state, step, message.q, site_optimizer)
+    return GaussianMessage(step, cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, proper), fit), new_state, info
 
-    def prior_like(theta) -> DiagGaussian:
-        return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=optax.tree.full_like(theta, prior_precision))
 
-    def ep_start(theta) -> tuple[DiagGaussian, PyTree]:
-        """``q_g`` at the start of EP from the model ``theta`` (docs/algorithms.md §7.3), and the anchor."""
-        if uniform:
-            lam = optax.tree.full_like(theta, prior_precision)
-            return DiagGaussian(precision_mean=optax.tree.zeros_like(theta), precision=lam), theta
-        lam = optax.tree.full_like(theta, alpha_cov * total + prior_precision)
-        return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, theta), precision=lam), (theta if keeps_anchor else None)
-
-    def model_q(theta) -> DiagGaussian:
-        return DiagGaussian(precision_mean=theta, precision=optax.tree.ones_like(theta))
-
-    def server_init(key, params):
-        del key
-        if burn_in_rounds > 0:
-            q, anchor = model_q(params), (params if keeps_anchor else None)
-        else:
-            q, anchor = ep_start(params)
-        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, damping.init(params))
-
-    def broadcast(state):
-        return Broadcast(state.q, state.round >= burn_in_rounds, state.anchor, state.damping.value)
-
-    def client_init(params):
-        if not stateful:
-            return stateless_client_init(params)
-        site = gaussian.uniform_like(params)
-        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_))
-
-    def client_update(key, message: Broadcast, cstate, data):
-        q = message.q
-        n = data.num_examples.astype(jnp.float32)
-        prior = prior_like(q.precision_mean)
-
-        def burn_in():
-            theta = q.precision_mean  # Lambda = 1 during burn-in
-            last, info = run_sgd(key, theta, data, trainer)
-            step = DiagGaussian(precision_mean=optax.tree.sub(theta, last), precision=optax.tree.zeros_like(theta))
-            return GaussianMessage(step, jnp.ones((), jnp.bool_), jnp.zeros((), jnp.float32) if damping.adaptive else None), cstate, info
-
-        def ep_round():
-            share = n / total
-            rest = (total - n) / total  # exactly 0 when one client holds all the data
-            if stateful:
-
-                def fresh():
-                    if uniform:
-                        return gaussian.uniform_like(q.precision), q
-                    # the site's share of q_g / p_0: the prior stays one factor of q_g, not K sites' shares.
-                    # exact_late_sites: the share of the EP start's q_g, the factor q_g has held for this
-                    # client since then, so q_g = p_0 prod_k q_k stays exact for a client first sampled late.
-                    if exact_late_sites:
-                        site = gaussian.power(gaussian.quotient(ep_start(message.anchor)[0], prior), share)
-                        return site, gaussian.quotient(q, site)
-                    # p_0 (q_g / p_0)^rest: without a prior, bitwise the power q_g^rest of the paper's code
-                    likelihoods = gaussian.quotient(q, prior)
-                    return gaussian.power(likelihoods, share), gaussian.product(prior, gaussian.power(likelihoods, rest))
-
-                # lax.cond, not a select: a client run on its own (the sequential layout) computes
-                # only the branch it takes; under vmap this is a select again.
-                site, cavity = jax.lax.cond(cstate.initialized, lambda: (cstate.site, gaussian.quotient(q, cstate.site)), fresh)
-            else:
-                frac = rest if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
-                # p_0 (q_g / p_0)^frac: the power acts on the shared site f^K, not on the prior
-                cavity = gaussian.product(prior, gaussian.power(gaussian.quotient(q, prior), frac))
-            cavity, cavity_ok = checked_cavity(cavity, q)
-            start = safe_mean(q, message.anchor if uniform else q.precision_mean)
-            # the adaptive damping's signal (a forward pass over the client's data); a fixed one needs none
-            fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), start, data, trainer) if damping.adaptive else None
-            tilted, info = inference(key, start, cavity, data)
-            step = damped_difference(tilted, q, message.damping, delta_clip)
-            if not stateful:
-                return GaussianMessage(step, cavity_ok, fit), cstate, info
-            new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
-            # a zero site precision is a flat factor (no information there), not an improper one
-            ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, non_negative_to_roundoff(new_site.precision, q.precision))
-            return GaussianMessage(step, ok, fit), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
-
-        return burn_in_switch(burn_in_rounds, message.ep, ep_round, burn_in)
-
-    def fedavg_server(state, aggregate):
-        g = aggregate.mean.difference.precision_mean
-        theta, fopt = apply_server_optimizer(server_optimizer, state.q.precision_mean, state.fedavg_opt_state, g)
-        done = state.round + 1 >= burn_in_rounds
-        q_ep, _ = ep_start(theta)
-        q = jax.tree.map(lambda a, b: jnp.where(done, a, b), q_ep, model_q(theta))
-        anchor = theta if keeps_anchor else None
-        info = {"precision_guarded": jnp.zeros((), jnp.int32), "damping": state.damping.value}
-        return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor, state.damping), info
-
-    def ep_server(state, aggregate):
-        q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
-        info = {"precision_guarded": guarded, "damping": state.damping.value}  # the damping this round's clients used
-        return ServerState(
-            q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q, aggregate.mean.loss)
-        ), info
-
-    def server_update(key, state, aggregate):
-        del key
-        return burn_in_switch(burn_in_rounds, state.round >= burn_in_rounds, ep_server, fedavg_server, state, aggregate)
-
-    def message_ok(state, message):
-        return gaussian_message_ok(message, state.q)
-
-    def server_params(state):
-        return safe_mean(state.q, state.q.precision_mean)
-
-    def server_posterior(state):
-        return posterior_moments(state, burn_in_rounds)
-
-    def personal_posterior(state, cstate: ClientState, weight):
-        # q_g t_k^w (docs/algorithms.md §13.8); a site not yet initialised is uniform, so q_k = q_g
-        mean, variance = personal_moments(state.q, cstate.site, weight, server_params(state))
-        in_ep = state.round >= burn_in_rounds  # during burn-in q_g is the model (variance 0) and the sites are uniform
-        return mean, jax.tree.map(lambda v: jnp.where(in_ep, v, 0.0), variance)
-
-    return Algorithm(
-        name=name,
-        server_init=server_init,
-        broadcast=broadcast,
-        client_init=client_init,
-        client_update=client_update,
-        server_update=server_update,
-        server_params=server_params,
-        message_ok=message_ok,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
-        server_posterior=server_posterior,
-        after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
-        personal_posterior=personal_posterior if stateful else None,  # FedSEP's clients keep no site
+def fedsep_client_step(
+    key: jax.Array,
+    message: Broadcast,
+    data: ClientData,
+    inference: CavityInference,
+    trainer: LocalTrainer,
+    *,
+    start: EPStart,
+    num_clients: int,
+    sep_power: str,
+    adaptive: bool,
+    delta_clip: float | None = None,
+):
+    """One FedSEP client in an EP round: :func:`fedsep_cavity` with the power ``1 - n_k/N``
+    (``sep_power="data_fraction"``) or ``1 - 1/K`` (``"one_over_k"``), then :func:`tilted_step`.
+    Returns ``(message, info)``."""
+    n = data.num_examples.astype(jnp.float32)
+    total = start.total_examples
+    prior = prior_like(message.q.precision_mean, start.prior_precision)
+    power = (total - n) / total if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
+    step, cavity_ok, fit, info = tilted_step(
+        key, message, fedsep_cavity(message.q, prior, power), data, inference, trainer, uniform=start.uniform, adaptive=adaptive, delta_clip=delta_clip
     )
+    return GaussianMessage(step, cavity_ok, fit), info
+
+
+# ----- the server ---------------------------------------------------------------------------------
+
+
+def server_init(params: PyTree, server_optimizer, damping: damping_policy.Damping, start: EPStart, burn_in_rounds: int) -> ServerState:
+    """``q_g = (theta, 1)`` before a burn-in, else :func:`ep_start`; both optimizers' states fresh."""
+    if burn_in_rounds > 0:
+        q, anchor = model_q(params), (params if start.keeps_anchor else None)
+    else:
+        q, anchor = ep_start(params, start)
+    return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, damping.init(params))
+
+
+def broadcast(state: ServerState, burn_in_rounds: int) -> Broadcast:
+    return Broadcast(state.q, state.round >= burn_in_rounds, state.anchor, state.damping.value)
+
+
+def burn_in_server_step(state: ServerState, aggregate: Aggregate, server_optimizer, start: EPStart, burn_in_rounds: int) -> tuple[ServerState, FedEPInfo]:
+    """A burn-in round's server: FedAvg on ``theta`` with the server optimizer; after the last one,
+    ``q_g`` becomes :func:`ep_start` of the model and the natural-parameter optimizer starts fresh."""
+    g = aggregate.mean.difference.precision_mean
+    theta, fopt = apply_server_optimizer(server_optimizer, state.q.precision_mean, state.fedavg_opt_state, g)
+    done = state.round + 1 >= burn_in_rounds
+    q_ep, _ = ep_start(theta, start)
+    q = jax.tree.map(lambda a, b: jnp.where(done, a, b), q_ep, model_q(theta))
+    anchor = theta if start.keeps_anchor else None
+    info = FedEPInfo(precision_guarded=jnp.zeros((), jnp.int32), damping=state.damping.value)
+    return ServerState(q, fopt, server_optimizer.init(q), state.round + 1, anchor, state.damping), info
+
+
+def server_step(state: ServerState, aggregate: Aggregate, server_optimizer, damping: damping_policy.Damping) -> tuple[ServerState, FedEPInfo]:
+    """An EP round's server: ``(eta_g, Lambda_g) <- (eta_g, Lambda_g) + ServerOpt(sum_k delta Delta_k)``
+    with the positivity guard (:func:`~fedbayes.algorithms.sites.site_server_step`; Guo et al. 2023
+    (FedEP) Sec. 2.2.3), and the damping's rule."""
+    q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
+    info = FedEPInfo(precision_guarded=guarded, damping=state.damping.value)  # the damping this round's clients used
+    return ServerState(
+        q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q, aggregate.mean.loss)
+    ), info
 
 
 def posterior_moments(state: ServerState, burn_in_rounds: int) -> tuple[PyTree, PyTree]:
@@ -320,6 +402,69 @@ def posterior_moments(state: ServerState, burn_in_rounds: int) -> tuple[PyTree, 
     mean = safe_mean(q, q.precision_mean)
     var = jax.tree.map(lambda lam: jnp.where(jnp.logical_and(in_ep, lam > 0), 1.0 / jnp.where(lam > 0, lam, 1.0), 0.0), q.precision)
     return mean, var
+
+
+def personal_posterior(state: ServerState, cstate: ClientState, weight, burn_in_rounds: int) -> tuple[PyTree, PyTree]:
+    """Client ``k``'s ``q_g t_k^w`` in moments (docs/algorithms.md §13.8); a site not yet initialised
+    is uniform, so ``q_k = q_g``; during burn-in ``q_g`` is the model (variance 0)."""
+    mean, variance = personal_moments(state.q, cstate.site, weight, safe_mean(state.q, state.q.precision_mean))
+    in_ep = state.round >= burn_in_rounds
+    return mean, jax.tree.map(lambda v: jnp.where(in_ep, v, 0.0), variance)
+
+
+# ----- the two methods ----------------------------------------------------------------------------
+
+
+def _as_policy(damping: float | damping_policy.Damping) -> damping_policy.Damping:
+    return damping if isinstance(damping, damping_policy.Damping) else damping_policy.fixed(damping)
+
+
+def _ep_algorithm(
+    name: str,
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    damping: damping_policy.Damping,
+    start: EPStart,
+    burn_in_rounds: int,
+    client_init,
+    ep_client,
+    personal=None,
+) -> Algorithm:
+    """The :class:`Algorithm` around a method's EP-round client ``ep_client(key, message, cstate,
+    data) -> (message, cstate, info)``: burn-in switch, server steps, posteriors."""
+
+    def client_update(key, message: Broadcast, cstate, data):
+        def burn_in():
+            msg, info = burn_in_client_step(key, message, data, trainer, damping.adaptive)
+            return msg, cstate, info
+
+        return burn_in_switch(burn_in_rounds, message.ep, lambda: ep_client(key, message, cstate, data), burn_in)
+
+    def server_update(key, state, aggregate):
+        del key
+        return burn_in_switch(
+            burn_in_rounds,
+            state.round >= burn_in_rounds,
+            lambda s, a: server_step(s, a, server_optimizer, damping),
+            lambda s, a: burn_in_server_step(s, a, server_optimizer, start, burn_in_rounds),
+            state,
+            aggregate,
+        )
+
+    return Algorithm(
+        name=name,
+        server_init=lambda key, params: server_init(params, server_optimizer, damping, start, burn_in_rounds),
+        broadcast=lambda state: broadcast(state, burn_in_rounds),
+        client_init=client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: safe_mean(state.q, state.q.precision_mean),
+        message_ok=lambda state, message: gaussian_message_ok(message, state.q),
+        trainer=trainer,
+        server_posterior=lambda state: posterior_moments(state, burn_in_rounds),
+        after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
+        personal_posterior=personal,
+    )
 
 
 def fedep(
@@ -339,7 +484,9 @@ def fedep(
     allow_improper_sites: bool = False,
     exact_late_sites: bool = False,
 ) -> Algorithm:
-    """Stateful FedEP (Guo et al. 2023 (FedEP) Alg. 1; docs/algorithms.md §7.1-7.7).
+    """Stateful FedEP (Guo et al. 2023 (FedEP) Alg. 1; docs/algorithms.md §7.1-7.7): :func:`fedep_client_step`,
+    :func:`server_step`, after ``burn_in_rounds`` of :func:`burn_in_client_step` and :func:`burn_in_server_step`.
+    The settings' ranges are :class:`FedEPConfig`'s.
 
     Args:
       trainer: local training of the burn-in rounds and of the SG-MCMC step.
@@ -367,14 +514,28 @@ def fedep(
         its site at its share of the EP start's ``q_g / p_0`` (the broadcast then carries the EP
         start's model, ``d`` more floats), so ``q_g = p_0 prod_k q_k`` holds exactly under partial
         participation; ``False`` (the paper preset) takes the share of the current ``q_g``, which
-        leaves ``q_g`` short of that share's precision (variances 3-4x too wide at 3 of 10 clients
-        on breast cancer, docs/results/posterior_defaults.md).
+        leaves ``q_g`` short of that share's precision (docs/results/posterior_defaults.md).
     """
+    if init not in INITS:
+        raise ValueError(f"fedep: init must be one of {', '.join(INITS)}; got {init!r}")
+    policy = _as_policy(damping)
+    site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
+    uniform = init == "uniform"
+    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform or exact_late_sites)
+
+    def client_init(params):
+        site = gaussian.uniform_like(params)
+        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_))
+
+    def ep_client(key, message, cstate, data):
+        return fedep_client_step(
+            key, message, cstate, data, inference, trainer, start=start, site_optimizer=site_optimizer, adaptive=policy.adaptive,
+            delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
+        )  # fmt: skip
+
     return _ep_algorithm(
-        "fedep", trainer, server_optimizer, inference, stateful=True, total_examples=total_examples, num_clients=num_clients,
-        damping=damping, alpha_cov=alpha_cov, site_optimizer=site_optimizer, burn_in_rounds=burn_in_rounds, init=init,
-        prior_precision=prior_precision, delta_clip=delta_clip, sep_power="data_fraction", allow_improper_sites=allow_improper_sites,
-        exact_late_sites=exact_late_sites,
+        "fedep", trainer, server_optimizer, policy, start, burn_in_rounds, client_init, ep_client,
+        personal=lambda state, cstate, weight: personal_posterior(state, cstate, weight, burn_in_rounds),
     )  # fmt: skip
 
 
@@ -395,12 +556,25 @@ def fedsep(
 ) -> Algorithm:
     """Stateless FedSEP (Guo et al. 2023 (FedEP) Sec. 2.2.4; docs/algorithms.md §7.9): ``q_g ∝ p_0 f^K`` with one shared average
     site, so the cavity is ``q_g^{1 - n_k/N}`` (``sep_power="data_fraction"``, the reference code)
-    or ``q_g^{1 - 1/K}`` (``"one_over_k"``, textbook SEP). Arguments as :func:`fedep`."""
-    return _ep_algorithm(
-        "fedsep", trainer, server_optimizer, inference, stateful=False, total_examples=total_examples, num_clients=num_clients,
-        damping=damping, alpha_cov=alpha_cov, site_optimizer=None, burn_in_rounds=burn_in_rounds, init=init,
-        prior_precision=prior_precision, delta_clip=delta_clip, sep_power=sep_power,
-    )  # fmt: skip
+    or ``q_g^{1 - 1/K}`` (``"one_over_k"``, textbook SEP): :func:`fedsep_client_step` and
+    :func:`server_step`. Arguments as :func:`fedep`; the settings' ranges are :class:`FedSEPConfig`'s.
+    FedSEP's clients keep no state, so it has no personal posterior."""
+    if init not in INITS:
+        raise ValueError(f"fedsep: init must be one of {', '.join(INITS)}; got {init!r}")
+    if sep_power not in SEP_POWERS:
+        raise ValueError(f"fedsep: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
+    policy = _as_policy(damping)
+    uniform = init == "uniform"
+    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform)
+
+    def ep_client(key, message, cstate, data):
+        msg, info = fedsep_client_step(
+            key, message, data, inference, trainer, start=start, num_clients=num_clients, sep_power=sep_power, adaptive=policy.adaptive,
+            delta_clip=delta_clip,
+        )  # fmt: skip
+        return msg, cstate, info
+
+    return _ep_algorithm("fedsep", trainer, server_optimizer, policy, start, burn_in_rounds, stateless_client_init, ep_client)
 
 
 PRESETS = ("posterior", "paper")

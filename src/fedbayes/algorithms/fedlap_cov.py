@@ -29,7 +29,8 @@ changes, no server optimizer):
   client's site moves a fraction of the way to its target whatever the cohort, so partial
   participation stays convergent (docs/results/posterior_defaults.md). The local solver must be
   unbiased: plain SGD reaches the fixed point, while Adam (restarted every round, sign-like steps)
-  settles where the median of the minibatch gradients vanishes, 1.0 from the MAP at ``rho = 0.5``.
+  settles where the median of the minibatch gradients vanishes, away from the MAP
+  (docs/results/posterior_defaults.md).
 
 * **Positivity.** ``V_k`` is a convex combination of ``V_k >= 0`` and the GGN ``H_k >= 0``, so it
   stays non-negative exactly, and ``S_g >= delta``. The server keeps ``S_g`` at least ``delta``
@@ -60,14 +61,15 @@ from pydantic import Field
 from fedbayes import gaussian, tree
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
-from fedbayes.algorithms.fedlap import LocalSolver, check_settings, per_example, training_start
+from fedbayes.algorithms.laplace_sites import check_settings, training_start
 from fedbayes.algorithms.sites import BROADCAST_LOSS_TAG, GaussianMessage, gaussian_message_ok, personal_moments
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
+from fedbayes.inference.base import LocalSolver
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import data_curvature
-from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
+from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, per_example, run_sgd
 
 PyTree = Any
 DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_defaults.md)
@@ -80,6 +82,7 @@ __all__ = [
     "Broadcast",
     "Curvature",
     "FedLapCovConfig",
+    "FedLapCovInfo",
     "PrecisionOps",
     "ServerState",
     "client_step",
@@ -142,6 +145,16 @@ class Broadcast(NamedTuple):
     precision: PyTree
     start: optax.Params
     damping: jax.Array | float = 1.0
+
+
+class FedLapCovInfo(NamedTuple):
+    """The server step's info.
+
+    Attributes:
+      damping: the site damping ``rho`` this round's clients used.
+    """
+
+    damping: jax.Array | float
 
 
 def site_terms(w, message: Broadcast, site: DiagGaussian, ops: PrecisionOps = DIAGONAL) -> jax.Array:
@@ -260,7 +273,7 @@ def fedlap_cov(
 
     def server_update(key, state, aggregate):
         del key
-        return server_step(state, aggregate.total.difference, delta, damping=damping, loss=aggregate.mean.loss), {"damping": state.damping.value}
+        return server_step(state, aggregate.total.difference, delta, damping=damping, loss=aggregate.mean.loss), FedLapCovInfo(state.damping.value)
 
     def message_ok(state, message):
         # No positivity check: the server floors S_g at delta (server_step), it never keeps an old value.
@@ -281,8 +294,7 @@ def fedlap_cov(
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=message_ok,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
         server_posterior=server_posterior,
         after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
         personal_posterior=personal_posterior,

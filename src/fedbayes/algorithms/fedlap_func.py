@@ -72,7 +72,7 @@ from pydantic import Field
 
 from fedbayes import aggregators
 from fedbayes.aggregators import Aggregate
-from fedbayes.algorithms import fedlap as lap
+from fedbayes.algorithms import laplace_sites as lap
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message
 from fedbayes.algorithms.fedlap_memory import Memory, empty_memory, function_space_loss, memory_inputs, optimise_global, select_memory, soft_labels
 from fedbayes.hparams import HParams
@@ -80,7 +80,7 @@ from fedbayes.inference.sgd import LocalTrainer, run_sgd
 
 PyTree = Any
 
-__all__ = ["Broadcast", "ClientState", "FedLapFuncConfig", "Message", "ServerState", "fedlap_func"]
+__all__ = ["Broadcast", "ClientState", "FedLapFuncConfig", "FedLapFuncInfo", "Message", "ServerState", "fedlap_func"]
 
 
 class ServerState(NamedTuple):
@@ -92,14 +92,14 @@ class ServerState(NamedTuple):
         evaluated and exported).
     """
 
-    lap: Any  # fedlap.ServerState
+    lap: Any  # laplace_sites.ServerState
     params: optax.Params
 
 
 class Broadcast(NamedTuple):
     """FedLap's broadcast (anchor ``w_g`` and where training starts) and the round index."""
 
-    lap: Any  # fedlap.Broadcast
+    lap: Any  # laplace_sites.Broadcast
     round: jax.Array
 
 
@@ -117,6 +117,20 @@ class Message(NamedTuple):
 
     site_change: optax.Params
     memory: Memory
+
+
+class FedLapFuncInfo(NamedTuple):
+    """The server step's info.
+
+    Attributes:
+      server_prox: the prox term ``delta/2 ||w_g - s||^2`` at the optimised global.
+      server_fn_loss: the function-space loss over the cohort's memory points there.
+      memory_points: the cohort's memory points with positive weight.
+    """
+
+    server_prox: jax.Array
+    server_fn_loss: jax.Array
+    memory_points: jax.Array
 
 
 def fedlap_func(
@@ -219,7 +233,7 @@ def fedlap_func(
             soft_labels=memory.soft_labels.reshape((-1, memory.soft_labels.shape[-1])),
         )
         w_g, info = optimise_global(apply_fn, new_lap.params, flat, delta=delta, tau=tau, steps=server_steps, lr=server_lr)
-        return ServerState(new_lap, w_g), {**info, "memory_points": jnp.sum((flat.weights > 0).astype(jnp.int32))}
+        return ServerState(new_lap, w_g), FedLapFuncInfo(**info, memory_points=jnp.sum((flat.weights > 0).astype(jnp.int32)))
 
     return Algorithm(
         name="fedlap_func",
@@ -230,8 +244,7 @@ def fedlap_func(
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
         aggregator=aggregators.Rule(aggregate),
         # server_steps Adam steps: on one device, no reduction per step; with tau = 0 (or no steps)
         # the server problem is FedLap's and stays in the round's program, FedLap's bit for bit

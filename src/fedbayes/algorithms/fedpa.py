@@ -30,7 +30,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field, field_validator
 
-from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, finite_message, stateless_client_init
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, NoInfo, burn_in_setting, finite_message, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.algorithms.sites import burn_in_switch
 from fedbayes.hparams import HParams
@@ -246,7 +246,7 @@ def fedpa(
     def server_update(key, state, aggregate):
         del key
         params, opt_state = apply_server_optimizer(server_optimizer, state.params, state.opt_state, aggregate.mean)
-        return ServerState(params, opt_state, state.round + 1), {}
+        return ServerState(params, opt_state, state.round + 1), NoInfo()
 
     return Algorithm(
         name="fedpa",
@@ -257,8 +257,7 @@ def fedpa(
         server_update=server_update,
         server_params=lambda state: state.params,
         message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
     )
 
 

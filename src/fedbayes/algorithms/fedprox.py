@@ -14,7 +14,7 @@ import optax
 from pydantic import Field
 
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext
-from fedbayes.algorithms.fedavg import local_delta_algorithm
+from fedbayes.algorithms.point import local_delta_algorithm
 from fedbayes.hparams import HParams
 from fedbayes.inference.sgd import LocalTrainer
 

@@ -39,8 +39,8 @@ ones, so it stays positive; with a larger ``rho`` a site can turn improper and t
 
 **The client optimiser** must be unbiased: with plain SGD the local step reaches the tilted
 mean-field optimum and PVI the exact mean-field VI optimum; Adam, restarted every round with
-sign-like steps on noisy label-skewed minibatches, settles at a biased point (0.27-0.5 from the
-optimum's mean on breast cancer, variances 1.6-1.8x, not improved by more rounds).
+sign-like steps on noisy label-skewed minibatches, settles at a biased point that more rounds do
+not move (docs/results/posterior_defaults.md).
 
 **Robustness** (docs/style.md: every improper result has a policy). A client whose cavity is not
 proper flags its message (PVI's "skip the client"). ``message_ok`` also rejects a message with
@@ -60,6 +60,10 @@ State: the server keeps ``q_g`` (2d floats) and the server optimizer's state; a 
 (2d floats). Messages: ``q_g`` down (with ``init_mean="model"`` also the local mean's start, d
 floats: the model's initial parameters in round 1, the global's mean afterwards), ``Delta_k`` up
 (2d floats and a flag; with the adaptive damping also the client's loss at the broadcast, 1 float).
+
+The steps are pure functions at the top of this module, composed by the thin factory :func:`pvi`:
+:func:`cavity` (step 1), the local step (2), :func:`site_update` (3), chained by
+:func:`client_step`; :func:`server_step` returns a typed :class:`PVIInfo`.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ import optax
 from pydantic import Field
 
 from fedbayes import gaussian
+from fedbayes.aggregators import Aggregate
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.sites import (
@@ -85,6 +90,7 @@ from fedbayes.algorithms.sites import (
     safe_mean,
     site_server_step,
 )
+from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
@@ -104,10 +110,21 @@ __all__ = [
     "Broadcast",
     "ClientState",
     "PVIConfig",
+    "PVIInfo",
     "ServerState",
+    "broadcast",
     "build",
+    "cavity",
+    "client_step",
     "local_start",
+    "personal_posterior",
     "pvi",
+    "server_init",
+    "server_params",
+    "server_posterior",
+    "server_step",
+    "site_update",
+    "start_of",
 ]
 
 
@@ -141,6 +158,105 @@ class ClientState(NamedTuple):
     site: DiagGaussian
 
 
+class PVIInfo(NamedTuple):
+    """The server step's info.
+
+    Attributes:
+      precision_guarded: coordinates of ``Lambda_g`` that kept their old value
+        (:func:`~fedbayes.algorithms.sites.guard_positive`).
+      damping: the damping ``rho`` this round's clients used.
+    """
+
+    precision_guarded: jax.Array
+    damping: jax.Array | float
+
+
+def server_init(params: PyTree, server_optimizer, prior_precision: float, damping: damping_policy.Damping, anchored: bool) -> ServerState:
+    """``q_g = p = N(0, 1/delta)`` (every site uniform), and with ``anchored`` (``init_mean="model"``)
+    the model's initial parameters."""
+    lam = optax.tree.full_like(params, prior_precision)
+    q = DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=lam)
+    return ServerState(q, server_optimizer.init(q), jnp.zeros((), jnp.int32), params if anchored else None, damping.init(params))
+
+
+def server_params(state: ServerState) -> PyTree:
+    """The mean of ``q_g`` (0 where ``Lambda_g = 0``)."""
+    return safe_mean(state.q, optax.tree.zeros_like(state.q.precision_mean))
+
+
+def broadcast(state: ServerState, anchored: bool) -> Broadcast:
+    """``q_g``, the damping and, with ``anchored``, the local mean's start: the model's initial
+    parameters in the first round, the mean of ``q_g`` afterwards."""
+    if not anchored:
+        return Broadcast(state.q, None, state.damping.value)
+    first = state.round == 0
+    return Broadcast(state.q, jax.tree.map(lambda a, m: jnp.where(first, a, m), state.anchor, server_params(state)), state.damping.value)
+
+
+def cavity(q: DiagGaussian, site: DiagGaussian) -> tuple[DiagGaussian, jax.Array]:
+    """Step 1: ``q_{\\k} = q_g / t_k`` and whether it is proper (the KL to it needs every precision
+    > 0; :func:`~fedbayes.algorithms.sites.checked_cavity` first clamps round-off)."""
+    c, ok = checked_cavity(gaussian.quotient(q, site), q)
+    return c, jnp.logical_and(ok, all_positive(c.precision))
+
+
+def start_of(message: Broadcast) -> DiagGaussian:
+    """Where the local step starts: ``q_g``, or ``q_g``'s precisions about the broadcast start."""
+    q = message.q
+    return q if message.start is None else DiagGaussian(jax.tree.map(jnp.multiply, q.precision, message.start), q.precision)
+
+
+def site_update(site: DiagGaussian, q_k: DiagGaussian, q: DiagGaussian, damping: float | jax.Array) -> tuple[DiagGaussian, DiagGaussian]:
+    """Step 3: ``Delta_k = rho (lambda_{q_k} - lambda_{q_g})`` and ``t_k <- t_k Delta_k`` (Swaroop et al.
+    2025 (ADMM and Bayes) Eq. 6). Returns ``(Delta_k, new_site)``."""
+    step = damped_difference(q_k, q, damping)
+    return step, gaussian.product(site, step)
+
+
+def client_step(
+    key: jax.Array,
+    message: Broadcast,
+    cstate: ClientState,
+    data: ClientData,
+    local: CavityInference,
+    trainer: LocalTrainer,
+    *,
+    adaptive: bool,
+    allow_improper_sites: bool = True,
+):
+    """One PVI client round: :func:`cavity`, the local posterior ``q_k = local(key, start, cavity,
+    data)`` (Ashman et al. 2022 Eq. 5), :func:`site_update`. Returns ``(message, client_state,
+    info)``; the message is flagged when the cavity is improper or, unless ``allow_improper_sites``,
+    the new site is."""
+    q = message.q
+    cav, ok = cavity(q, cstate.site)
+    start = start_of(message)
+    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), gaussian.mean(start), data, trainer) if adaptive else None
+    q_k, info = local(key, start, cav, data)
+    step, site = site_update(cstate.site, q_k, q, message.damping)
+    if not allow_improper_sites:
+        ok = jnp.logical_and(ok, all_positive(site.precision))
+    return GaussianMessage(step, ok, fit), ClientState(site), info
+
+
+def server_step(state: ServerState, aggregate: Aggregate, server_optimizer, damping: damping_policy.Damping) -> tuple[ServerState, PVIInfo]:
+    """``lambda_{q_g} <- lambda_{q_g} + ServerOpt(sum_k Delta_k)`` over the accepted clients with the
+    positivity guard (:func:`~fedbayes.algorithms.sites.site_server_step`), and the damping's rule."""
+    q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
+    info = PVIInfo(precision_guarded=guarded, damping=state.damping.value)  # the damping this round's clients used
+    return ServerState(q, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q, aggregate.mean.loss)), info
+
+
+def server_posterior(state: ServerState) -> tuple[PyTree, PyTree]:
+    """``(mean, variance)`` of ``q_g`` (docs/algorithms.md §13.1)."""
+    return server_params(state), gaussian.variance(state.q)
+
+
+def personal_posterior(state: ServerState, cstate: ClientState, weight) -> tuple[PyTree, PyTree]:
+    """Client ``k``'s ``q_g t_k^w`` in moments (docs/algorithms.md §13.8)."""
+    return personal_moments(state.q, cstate.site, weight, server_params(state))
+
+
 def pvi(
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
@@ -155,7 +271,8 @@ def pvi(
     local: CavityInference | None = None,
     estimator: str = "local",
 ) -> Algorithm:
-    """Synchronous mean-field Gaussian PVI (module docstring; docs/algorithms.md §8).
+    """Synchronous mean-field Gaussian PVI (module docstring; docs/algorithms.md §8): :func:`client_step`
+    and :func:`server_step`. The settings' ranges are :class:`PVIConfig`'s.
 
     Args:
       trainer: the client's loss, optax optimizer (Adam in Ashman et al.), epochs and batch size.
@@ -172,80 +289,34 @@ def pvi(
         ``start`` is a Gaussian (tests plug in exact Gaussian inference).
 
     Raises:
-      ValueError: for ``prior_precision <= 0``, ``damping`` outside (0, 1], an unknown
-        ``init_mean`` or a bad local-step setting.
+      ValueError: for an unknown ``init_mean``, a fixed ``damping <= 0`` or a bad local-step setting.
     """
-    if not prior_precision > 0:
-        raise ValueError(f"pvi: prior_precision (delta) must be > 0; got {prior_precision}")
-    if not isinstance(damping, damping_policy.Damping):
-        if not 0 < damping <= 1:
-            raise ValueError(f"pvi: damping (rho) must be in (0, 1]; got {damping}")
-        damping = damping_policy.fixed(damping)
     if init_mean not in INIT_MEANS:
         raise ValueError(f"pvi: init_mean must be one of {', '.join(INIT_MEANS)}; got {init_mean!r}")
+    policy = damping if isinstance(damping, damping_policy.Damping) else damping_policy.fixed(damping)
     if local is None:
         local = reparameterised_vi(trainer, samples=samples, parameterisation=parameterisation, init_std=init_std, estimator=estimator)
     anchored = init_mean == "model"
 
-    def server_init(key, params):
-        del key
-        lam = optax.tree.full_like(params, prior_precision)
-        q = DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=lam)
-        return ServerState(q, server_optimizer.init(q), jnp.zeros((), jnp.int32), params if anchored else None, damping.init(params))
-
-    def server_params(state):
-        return safe_mean(state.q, optax.tree.zeros_like(state.q.precision_mean))
-
-    def broadcast(state):
-        if not anchored:
-            return Broadcast(state.q, None, state.damping.value)
-        first = state.round == 0
-        return Broadcast(state.q, jax.tree.map(lambda a, m: jnp.where(first, a, m), state.anchor, server_params(state)), state.damping.value)
-
-    def client_init(params):
-        return ClientState(gaussian.uniform_like(params))
-
     def client_update(key, message: Broadcast, cstate: ClientState, data):
-        q = message.q
-        cavity, ok = checked_cavity(gaussian.quotient(q, cstate.site), q)
-        ok = jnp.logical_and(ok, all_positive(cavity.precision))  # the KL needs a proper cavity
-        start = q if message.start is None else DiagGaussian(jax.tree.map(jnp.multiply, q.precision, message.start), q.precision)
-        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), gaussian.mean(start), data, trainer) if damping.adaptive else None
-        q_k, info = local(key, start, cavity, data)
-        step = damped_difference(q_k, q, message.damping)
-        site = gaussian.product(cstate.site, step)
-        if not allow_improper_sites:
-            ok = jnp.logical_and(ok, all_positive(site.precision))
-        return GaussianMessage(step, ok, fit), ClientState(site), info
+        return client_step(key, message, cstate, data, local, trainer, adaptive=policy.adaptive, allow_improper_sites=allow_improper_sites)
 
     def server_update(key, state, aggregate):
         del key
-        q, opt_state, guarded = site_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
-        info = {"precision_guarded": guarded, "damping": state.damping.value}  # the damping this round's clients used
-        return ServerState(q, opt_state, state.round + 1, state.anchor, damping.update(state.damping, state.q, q, aggregate.mean.loss)), info
-
-    def message_ok(state, message):
-        return gaussian_message_ok(message, state.q)
-
-    def server_posterior(state):
-        return server_params(state), gaussian.variance(state.q)
-
-    def personal_posterior(state, cstate: ClientState, weight):
-        return personal_moments(state.q, cstate.site, weight, server_params(state))  # q_g t_k^w (docs/algorithms.md §13.8)
+        return server_step(state, aggregate, server_optimizer, policy)
 
     return Algorithm(
         name="pvi",
-        server_init=server_init,
-        broadcast=broadcast,
-        client_init=client_init,
+        server_init=lambda key, params: server_init(params, server_optimizer, prior_precision, policy, anchored),
+        broadcast=lambda state: broadcast(state, anchored),
+        client_init=lambda params: ClientState(gaussian.uniform_like(params)),
         client_update=client_update,
         server_update=server_update,
         server_params=server_params,
-        message_ok=message_ok,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        message_ok=lambda state, message: gaussian_message_ok(message, state.q),
+        trainer=trainer,
         server_posterior=server_posterior,
-        after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
+        after_rejected_round=lambda state: state._replace(damping=policy.rejected(state.damping)),
         personal_posterior=personal_posterior,
     )
 

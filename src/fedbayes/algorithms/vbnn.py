@@ -72,7 +72,7 @@ import optax
 from pydantic import Field, model_validator
 
 from fedbayes.aggregators.variational import ACCUMULATIONS, RULES, VARIANTS, variational_rule
-from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, finite_message, stateless_client_init
+from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, NoInfo, finite_message, stateless_client_init
 from fedbayes.data.batches import get_batch, num_local_steps
 from fedbayes.hparams import HParams
 from fedbayes.inference.ivon import hessian_from_variance, ivon
@@ -467,7 +467,7 @@ def vbnn(
         del key  # PPA's draws use the aggregator's key
         any_accepted = aggregate.count > 0  # none accepted: keep the old parameters
         params = jax.tree.map(lambda n, o: jnp.where(any_accepted, n, o), aggregate.mean, state.params)
-        return VBNNState(params=params, round=state.round + 1), {}
+        return VBNNState(params=params, round=state.round + 1), NoInfo()
 
     return Algorithm(
         name="vbnn",
@@ -478,8 +478,7 @@ def vbnn(
         server_update=server_update,
         server_params=(lambda state: paper_clamp(state.params)) if paper else (lambda state: state.params),
         message_ok=finite_message,
-        local_epochs=trainer.num_epochs,
-        local_batch_size=trainer.batch_size,
+        trainer=trainer,
         aggregator=aggregator,
     )
 

@@ -13,6 +13,10 @@ parameters of the sampler's first iterate for FedEP's tilted methods
 (:func:`fedbayes.inference.tilted.make_tilted_inference`), the Gaussian whose mean and standard
 deviations the variational parameters start from for PVI's
 (:func:`fedbayes.inference.vi.reparameterised_vi`).
+
+A dual method (FedLap, FedLap-Cov, FedLap-Func) asks instead for a point: the minimiser of its
+client's mean loss plus a penalty, by a :class:`LocalSolver` (:func:`fedbayes.inference.sgd.run_sgd`,
+or an exact solver in tests).
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ import jax
 from fedbayes.typing import Info, PyTree
 
 if TYPE_CHECKING:  # annotations only: importing fedbayes.inference stays light (no flax)
+    from collections.abc import Callable
+
     from fedbayes.data.batches import ClientData
     from fedbayes.gaussian import DiagGaussian
+    from fedbayes.inference.sgd import LocalTrainer
 
-__all__ = ["CavityInference", "Info"]
+__all__ = ["CavityInference", "Info", "LocalSolver"]
 
 
 class CavityInference(Protocol):
@@ -36,3 +43,13 @@ class CavityInference(Protocol):
     info: ``loss`` and the like)."""
 
     def __call__(self, key: jax.Array, start: PyTree, cavity: DiagGaussian, data: ClientData) -> tuple[DiagGaussian, Info]: ...
+
+
+class LocalSolver(Protocol):
+    """``(key, start, data, trainer, penalty) -> (params, info)``: the client's parameters after
+    minimising ``trainer``'s mean loss plus ``penalty(params)`` (``None``: nothing added) from
+    ``start``, and its training info; :func:`fedbayes.inference.sgd.run_sgd` is one."""
+
+    def __call__(
+        self, key: jax.Array, start: PyTree, data: ClientData, trainer: LocalTrainer, penalty: Callable[[PyTree], jax.Array] | None = None
+    ) -> tuple[PyTree, Info]: ...

@@ -293,3 +293,9 @@ def training_info(loss_sum: jax.Array, steps: jax.Array) -> dict[str, jax.Array]
     steps = jnp.asarray(steps, jnp.int32)
     mean = loss_sum / jnp.maximum(steps, 1).astype(jnp.float32)
     return {"loss": mean.astype(jnp.float32), "steps": steps}
+
+
+def per_example(total: jax.Array, num_examples) -> jax.Array:
+    """``total / n_k`` (``n_k`` at least 1): a sum-loss-scale term on the trainer's mean-loss scale."""
+    n = jnp.maximum(jnp.asarray(num_examples), 1)
+    return total / n.astype(total.dtype)

@@ -24,8 +24,9 @@ lambda_wd)``):
   ``theta ~ N(mu^, 1 / (n_k s^ + Lambda_p))``; ``L_k = n_k s^ + lambda_wd n_k``. By default ``s^`` is the
   bias-corrected average ``(s_t - beta^t s_0) / (1 - beta^t)`` (``t`` the minibatches averaged; Adam's
   correction, Kingma and Ba 2015): the paper's uncorrected ``s_t`` (``ngvi_bias_correction = False``)
-  starts at ``s_0 = 0`` and on a client with 10-60 minibatches a round reaches only 10-45% of the
-  Fisher at ``beta = 0.99``, i.e. variances 1.5x too wide on breast cancer. The mean stays ``mu^``
+  starts at ``s_0 = 0`` and stays a fraction ``1 - beta^t`` of the Fisher on a client with few
+  minibatches, so its variances are too wide (docs/algorithms.md, "NGVI's bias correction";
+  docs/results/posterior_defaults.md). The mean stays ``mu^``
   (the reference runs use ``mu_learning_rate = 0``).
 
 The Fisher of L and V comes from :mod:`fedbayes.inference.curvature` (one sampled label per

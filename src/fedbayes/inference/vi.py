@@ -71,8 +71,8 @@ def _raw_std(std: jax.Array, parameterisation: str) -> jax.Array:
 def _var(raw: jax.Array, parameterisation: str) -> jax.Array:
     """``std^2`` from ``raw_std``: ``exp(2 raw)`` under the log parameterisation, one ``exp`` whose
     derivative is itself times 2. With the local estimator's variances and the KL penalty both in
-    this form, PVI's local step took 13% less time on one CPU core than with ``square(exp(raw))``
-    (paired in one process, docs/results/bench.md, 2026-11-28)."""
+    this form, PVI's local step is faster than with ``square(exp(raw))`` (docs/results/bench.md,
+    "PVI's variances as exp(2 raw_std)")."""
     return jnp.exp(2.0 * raw) if parameterisation == "log" else jnp.square(jax.nn.softplus(raw))
 
 
@@ -231,8 +231,7 @@ def kl_to_cavity(cavity: DiagGaussian, parameterisation: str, *, squared_std: bo
     local steps, and ``log v = 2 raw_std`` read directly under the log parameterisation. Through
     the natural parameters, every step's gradient went through ``1 / std^2``, ``eta / Lambda``
     and a log per coordinate of both trees; this is one ``exp`` per coordinate (its gradient:
-    ``L (mu - m)`` and ``L v - 1``): about 10% less time per PVI round on the CPU, paired in one
-    process (docs/results/bench.md).
+    ``L (mu - m)`` and ``L v - 1``): a faster PVI round (docs/results/bench.md).
 
     ``v`` is computed as the estimator computes it, so that XLA shares the ``exp`` between the
     penalty and the data term: ``exp(2 raw_std)`` (:func:`var_of`, the local estimator's form) by
