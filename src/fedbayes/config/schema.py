@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 from fedbayes.algorithms import registry
 from fedbayes.data import partitions as partition_registry
 from fedbayes.data import registry as data_registry
+from fedbayes.data.standardize import is_user_data
 from fedbayes.errors import BadInputError
 from fedbayes.hparams import HParams
 from fedbayes.models import registry as model_registry
@@ -47,7 +48,6 @@ EVALUATION_KEYS = ("marginal_samples", "predictive")  # under [algorithm] before
 # What a stored config (a run folder's config.toml, a checkpoint) meant when it lacks a key whose
 # default now depends on the method: the behaviour of the versions that wrote it (resolved()).
 STORED_EVALUATION_DEFAULTS = {"predictive": "sample", "prior_precision": "fixed", "subset_of_weights": "all"}
-STANDARDIZE_AUTO_DATASETS = ("files", "arrays")  # fedbayes.data.standardize.USER_DATASETS: where data.standardize = "auto" may scale
 
 
 _Strict = HParams  # finite floats, no booleans for numbers, unknown keys rejected (fedbayes.hparams)
@@ -185,7 +185,7 @@ class DataConfig(_Strict):
     )
     standardize: bool | Literal["auto"] = Field(
         "auto",
-        description="centre and scale each feature by its mean and standard deviation over the clients' training examples (from per-client sums, fedbayes.data.standardize); auto: on for files and arrays whose features' magnitudes differ by more than 100 times",
+        description="centre and scale each feature by its mean and standard deviation over the clients' training examples (from per-client sums, fedbayes.data.standardize); auto: on for your own data (files, arrays: a dataset with the user_data trait) whose features' magnitudes differ by more than 100 times",
     )
 
     @field_validator("standardize")
@@ -584,7 +584,7 @@ def stored_meaning(raw: Any, method: bool = True) -> Any:
         out["client"] = {**out.get("client", raw["client"]), "max_steps": 0}
     data = raw.get("data", {})
     if isinstance(data, dict) and "standardize" not in data:  # written before data.standardize: own data was not scaled
-        out["data"] = {**data, "standardize": False if data.get("dataset") in STANDARDIZE_AUTO_DATASETS else "auto"}
+        out["data"] = {**data, "standardize": False if is_user_data(data.get("dataset")) else "auto"}
     if method and algorithm.get("name") in registry.names():  # the method's own keys (AlgorithmSpec.stored_meaning)
         out["algorithm"] = registry.get(algorithm["name"]).stored_meaning(dict(algorithm), raw)
     return out

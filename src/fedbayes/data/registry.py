@@ -3,7 +3,9 @@
 A spec holds the name used in configs (``[data] dataset = ...``), its loader and its locate
 function, the :class:`~fedbayes.hparams.HParams` record of the config keys only it reads
 (``settings``), how those keys become the loader's parameters, and its traits: whether it comes
-federated (natural client ids), whether its examples are images, its task. ``load_dataset(name,
+federated (natural client ids), whether its examples are images, its task, whether it is read
+from files, generated from the seed or the user's own data. The rest of the package reads these
+traits, never a dataset's name. ``load_dataset(name,
 ...)`` is what configs and the CLI call; ``dataset_status()`` backs the ``fedbayes datasets``
 command, which reports which datasets this machine can load.
 
@@ -77,6 +79,12 @@ class DatasetSpec:
       tokens: the inputs are token ids (text), not features to scale.
       file_based: read from files in ``data_dir`` (a data error names the folder).
       from_python: given from Python (``run_experiment(config, out, data=...)``), never loaded.
+      generated: made on demand from the run's seed, not read: the seed decides its examples, the
+        test set's included.
+      user_data: the user's own data, whose scale fedbayes does not know: ``data.standardize =
+        "auto"`` scales it where its features' magnitudes differ by more than
+        :data:`fedbayes.data.standardize.SCALE_RATIO`, and a Flower node gives it only from its own
+        data file.
       exclusive: keys of ``settings`` that a config naming another dataset must leave unset.
     """
 
@@ -95,6 +103,8 @@ class DatasetSpec:
     tokens: bool = False
     file_based: bool = False
     from_python: bool = False
+    generated: bool = False
+    user_data: bool = False
     exclusive: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -357,6 +367,7 @@ DATASETS: dict[str, DatasetSpec] = {
         settings=SyntheticLeafSettings,
         config_params=lambda d: dict(num_clients=d.num_clients, alpha=d.synthetic_alpha, beta=d.synthetic_beta, dim=d.dim),
         federated="always",
+        generated=True,
     ),
     "least_squares": DatasetSpec(
         name="least_squares",
@@ -369,6 +380,7 @@ DATASETS: dict[str, DatasetSpec] = {
         config_params=lambda d: dict(num_clients=d.num_clients, dim=d.dim),
         federated="always",
         task="regression",
+        generated=True,
     ),
     "emnist": DatasetSpec(
         name="emnist",
@@ -451,6 +463,7 @@ DATASETS: dict[str, DatasetSpec] = {
         client_ids_setting="client_column",
         image=None,
         file_based=True,
+        user_data=True,
         exclusive=("path", "test_path", "label", "client_column"),
     ),
 }
@@ -465,6 +478,7 @@ ARRAYS = DatasetSpec(
     image=None,
     task=None,
     from_python=True,
+    user_data=True,
 )
 # Datasets read from files in data_dir: a data error names the folder.
 FILE_BASED = tuple(name for name, spec in DATASETS.items() if spec.file_based and name != "files")

@@ -10,9 +10,10 @@ of squares of each feature) and the server adds them (:func:`combine`); with the
 largest magnitude, which decides the default. The test split and the
 validation split are scaled by the same statistics; neither contributes to them.
 
-``data.standardize = "auto"`` (the default) is on for your own data (``files``, ``arrays``) whose
-features' magnitudes differ by more than :data:`SCALE_RATIO` (:func:`scale_ratio`), off otherwise:
-the built-in datasets come scaled by their loaders.
+``data.standardize = "auto"`` (the default) is on for your own data (a dataset whose spec has the
+``user_data`` trait: ``files``, ``arrays``, or one you register with it) whose features' magnitudes
+differ by more than :data:`SCALE_RATIO` (:func:`scale_ratio`), off otherwise: the built-in datasets
+come scaled by their loaders.
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedbayes.data import registry
 from fedbayes.data.dataset import Dataset
 
-__all__ = ["SCALE_RATIO", "USER_DATASETS", "Moments", "client_moments", "combine", "scale_ratio", "should_standardize", "standardize"]
+__all__ = ["SCALE_RATIO", "Moments", "client_moments", "combine", "is_user_data", "scale_ratio", "should_standardize", "standardize"]
 
 SCALE_RATIO = 100.0  # features whose largest magnitudes differ by more than this are standardised by default
-USER_DATASETS = ("files", "arrays")  # where data.standardize unset may switch it on
+
+
+def is_user_data(dataset: str) -> bool:
+    """Whether the registered dataset ``dataset`` is the user's own data (its spec's ``user_data``
+    trait), where ``data.standardize = "auto"`` may switch scaling on; an unknown name is not."""
+    return dataset in registry.names() and registry.get(dataset).user_data
 
 
 class Moments(NamedTuple):
@@ -78,7 +85,7 @@ def should_standardize(setting: bool | str, dataset: str, moments: Sequence[Mome
     magnitudes differ by more than :data:`SCALE_RATIO`."""
     if setting != "auto":
         return bool(setting)
-    return dataset in USER_DATASETS and scale_ratio(moments) > SCALE_RATIO
+    return is_user_data(dataset) and scale_ratio(moments) > SCALE_RATIO
 
 
 def standardize(data: Dataset, parts: Sequence[np.ndarray], setting: bool | str = True, dataset: str = "files") -> Dataset:

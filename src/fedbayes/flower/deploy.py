@@ -593,6 +593,7 @@ def deploy_local(
     ClientApp process per message).
     """
     from fedbayes.config.schema import to_toml
+    from fedbayes.data import registry as data_registry
     from fedbayes.flower.apps import _settings
     from fedbayes.flower.rounds import check_deployable
 
@@ -610,7 +611,8 @@ def deploy_local(
     own = {"model-modules": config.model.module} if config.model.module is not None else {}
     for node in federation.nodes:
         node.data = dict(own) or None
-    if prepare or config.data.dataset == "files":  # each node's own data file, named in its node config (else every node loads the dataset itself)
+    # each node's own data file (your own data: the user_data trait), named in its node config (else every node loads the dataset itself)
+    if prepare or data_registry.get(config.data.dataset).user_data:
         from fedbayes.flower.node import write_client_file
         from fedbayes.runs.build import build_experiment
 

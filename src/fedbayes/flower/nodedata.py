@@ -22,8 +22,8 @@ node's examples (:func:`check_examples`). It never says *where* a node's data is
 it runs: :func:`accept_run_config` refuses, in one line and before the config is validated (which
 would import a user module) or any file is read, a config naming a path (``data.data_dir``,
 ``data.path``, ``data.test_path``, ``store_dir``), another dataset than the node's ``dataset``,
-your-own-data datasets (``files``, ``arrays``) on a node without a ``data-file``, and a
-``model.module`` the node's ``model-modules`` does not name. The refusal is the ClientApp's error,
+your own data (a dataset whose spec has the ``user_data`` trait: ``files``, ``arrays``) on a node
+without a ``data-file``, and a ``model.module`` the node's ``model-modules`` does not name. The refusal is the ClientApp's error,
 which the server logs and counts as a rejected reply.
 """
 
@@ -37,7 +37,6 @@ import numpy as np
 
 KEYS = ("data-file", "dataset", "data-dir", "label-column", "model-modules")
 SERVER_PATHS = (("data", "data_dir"), ("data", "path"), ("data", "test_path"), (None, "store_dir"))  # a server may name none of these
-OWN_DATA = ("files", "arrays")  # datasets that only a data-file of the node can give
 
 
 class NodeDataError(ValueError):
@@ -72,9 +71,10 @@ def accept_run_config(raw: dict, source: dict[str, str]) -> dict:
     """The server's raw (unvalidated) run config as this node runs it, or :class:`NodeDataError`.
 
     Refuses a path the server names (:data:`SERVER_PATHS`; ``data.path`` may only be the node's
-    own ``data-file``), another dataset than the node's, ``files``/``arrays`` data on a node
-    without a ``data-file``, and a ``model.module`` outside the node's ``model-modules``. For
-    ``files`` data, ``data.path`` becomes the node's ``data-file``. Nothing is read or imported.
+    own ``data-file``), another dataset than the node's, your own data (a dataset with the
+    ``user_data`` trait: ``files``, ``arrays``) on a node without a ``data-file``, and a
+    ``model.module`` outside the node's ``model-modules``. For a dataset that reads ``data.path``
+    (``files``), ``data.path`` becomes the node's ``data-file``. Nothing is read or imported.
     """
     own = source.get("data-file")
     sections = {None: raw, **{k: v for k, v in raw.items() if isinstance(v, dict)}}
@@ -89,7 +89,10 @@ def accept_run_config(raw: dict, source: dict[str, str]) -> dict:
     dataset = data.get("dataset", "fashion_mnist")
     if "dataset" in source and source["dataset"] != dataset:
         raise NodeDataError(f"this node holds dataset {source['dataset']!r}; the run is configured for {dataset!r}")
-    if dataset in OWN_DATA and own is None:
+    from fedbayes.data import registry as data_registry  # here: it imports jax, which a node's first check need not
+
+    spec = data_registry.get(dataset) if isinstance(dataset, str) and dataset in data_registry.names() else None
+    if spec is not None and spec.user_data and own is None:
         raise NodeDataError(
             f"this node refuses the run's data.dataset = {dataset!r}: that is data a node holds itself, and this node has no data-file in its configuration"
         )
@@ -98,7 +101,7 @@ def accept_run_config(raw: dict, source: dict[str, str]) -> dict:
         raise NodeDataError(
             f"this node refuses the run's model.module = {module!r}: a node imports only a model module its own configuration names (node config model-modules; it names {allowed_modules(source) or 'none'})"
         )
-    if dataset == "files":
+    if spec is not None and "path" in spec.setting_keys:
         return {**raw, "data": {**data, "path": own}}
     return raw
 

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedbayes.config.schema import ConfigError, RunConfig, load_config
+from fedbayes.data import registry as data_registry
 from fedbayes.data import shift as shifts
 from fedbayes.errors import DataError
 from fedbayes.runs import folder, report
@@ -59,7 +60,8 @@ CONFORMAL_METRICS = ("coverage", "set_size", "coverage_marg", "set_size_marg")  
 
 def _data_key(config: RunConfig) -> tuple:
     """What decides the test set: the dataset and where it is read from (a fraction subsamples
-    only the training set)."""
+    only the training set), and the seed of a dataset generated from it (its spec's ``generated``
+    trait)."""
     d = config.data
     return (
         d.dataset,
@@ -69,7 +71,7 @@ def _data_key(config: RunConfig) -> tuple:
         d.dim,
         d.synthetic_alpha,
         d.synthetic_beta,
-        config.seed if d.dataset in ("synthetic_leaf", "least_squares") else None,
+        config.seed if data_registry.get(d.dataset).generated else None,
     )
 
 
