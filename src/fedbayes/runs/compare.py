@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from fedbayes.algorithms import registry
 from fedbayes.config.schema import ConfigError, RunConfig, apply_overrides, deep_merge, read_reference, read_toml, same_config, validate
+from fedbayes.data import registry as data_registry
 from fedbayes.hparams import INT_MAX
 from fedbayes.runs import folder, report
 from fedbayes.runs import summaries as sm
@@ -46,6 +47,7 @@ __all__ = [
     "file_reference",
     "file_seeds",
     "file_shift",
+    "is_regression",
     "jobs",
     "load_comparison",
     "load_comparison_with_overrides",
@@ -329,6 +331,12 @@ def bayesian_variants(runs: Mapping[str, RunConfig]) -> set[str]:
     return {name for name, config in runs.items() if registry.get(config.algorithm.name).bayesian}
 
 
+def is_regression(config: RunConfig) -> bool:
+    """Whether the run's dataset is a regression (its spec's ``task`` trait): its metrics are the
+    squared error's, not accuracy's."""
+    return data_registry.get(config.data.dataset).task == "regression"
+
+
 def describe(name: str, runs: Mapping[str, RunConfig]) -> str:
     """What a comparison runs, for its plot's title: its name, the number of methods, the data (a
     file of your own by its name), the clients (and how many train each round, when not all) and
@@ -339,7 +347,7 @@ def describe(name: str, runs: Mapping[str, RunConfig]) -> str:
         return ", ".join(map(str, sorted(set(values))))
 
     def data(c: RunConfig) -> str:
-        source = Path(c.data.path).name if c.data.dataset == "files" and c.data.path else c.data.dataset
+        source = Path(c.data.path).name if data_registry.get(c.data.dataset).file_based and c.data.path else c.data.dataset
         return source + (f" ({c.data.fraction:.0%})" if c.data.fraction < 1 else "")
 
     configs = list(runs.values())
@@ -461,7 +469,7 @@ def run_comparison(
         say(f"== {j.label} ({j.config.algorithm.name}, server {j.config.server.optimizer})")
         results.setdefault(j.variant, {})[j.seed] = run_one(j.config, j.folder, resume and folder.has_checkpoint(j.folder))
     curves = {j: folder.read_metrics(j.folder / folder.METRICS) for j in planned}
-    task = "regression" if any(c.data.dataset == "least_squares" for c in runs.values()) else "classification"
+    task = "regression" if any(is_regression(c) for c in runs.values()) else "classification"
     from fedbayes.runs.plotting import plot_curves
 
     bayesian = bayesian_variants(runs)

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 from fedbayes.config.schema import ConfigError, RunConfig, read_toml, same_config, validate
 from fedbayes.runs import folder as run_folder
 from fedbayes.runs import report, summaries
-from fedbayes.runs.compare import check_data, check_seeds, toml_text
+from fedbayes.runs.compare import check_data, check_seeds, is_regression, toml_text
 from fedbayes.runs.resume import finished
 from fedbayes.runs.strictjson import dumps_record
 
@@ -433,7 +433,7 @@ def tables(cells: Sequence[Cell], agg, *, select_on: str, threshold: float, seed
     """Both tables, as text columns and as JSON (see the module docstring for the selection)."""
     best = best_cells(cells, agg, select_on)
     keys = list(dict.fromkeys(a.key for a in axes))
-    regression = bool(cells) and all(c.config.data.dataset == "least_squares" for c in cells)
+    regression = bool(cells) and all(is_regression(c.config) for c in cells)
     rows = _rows(cells, agg, best)
     label = selection_label(select_on, cells, seeds)
     all_cols = _columns(keys, select_on, threshold, regression, best_marker=True)
