@@ -16,9 +16,11 @@ import os
 from typing import Any
 
 from fedbayes.config.schema import ConfigError, RunConfig
+from fedbayes.data import registry as data_registry
 from fedbayes.errors import one_line
+from fedbayes.models import registry as model_registry
 
-__all__ = ["check_model", "format_bytes", "out_of_memory_line", "physical_memory", "size_settings"]
+__all__ = ["check_model", "format_bytes", "model_sizes", "out_of_memory_line", "physical_memory", "reads", "size_settings"]
 
 BYTES_PER_PARAMETER = 4  # float32
 LARGE = 4096  # a size setting at least this large is named when a run runs out of memory
@@ -40,16 +42,34 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-# Data settings that only some datasets read (their defaults are large): named only for those.
-_ONLY_FOR = {
-    "data.vocab_size": "stackoverflow_", "data.num_tags": "stackoverflow_lr", "data.max_len": "stackoverflow_nwp",
-    "data.max_clients": "stackoverflow_", "data.max_posts": "stackoverflow_", "data.test_examples": "stackoverflow_",
-}  # fmt: skip
+def reads(config: RunConfig, key: str) -> bool:
+    """Whether the run reads the setting ``key`` (``section.name``): a ``[data]`` key that is some
+    registered dataset's own (a key of its spec's ``settings``) is read only by the datasets whose
+    settings hold it, and likewise a ``[model]`` key by the models; every other key is read."""
+    section, _, name = key.partition(".")
+    registry, own = {"data": (data_registry, config.data.dataset), "model": (model_registry, config.model.name)}.get(section, (None, None))
+    if registry is None or not any(name in spec.setting_keys for spec in registry.specs()):
+        return True
+    return name in registry.get(own).setting_keys
+
+
+def model_sizes(config: RunConfig) -> list[tuple[str, Any]]:
+    """``(key, value)`` of the run's model's own settings that give its size: the keys of its
+    spec's ``settings`` that hold an integer or a list of integers (an MLP's ``model.hidden``, a
+    ResNet's ``model.width`` when set)."""
+    sizes = []
+    for name in model_registry.get(config.model.name).setting_keys:
+        value = getattr(config.model, name, None)
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+            sizes.append((f"model.{name}", list(value) if isinstance(value, (list, tuple)) else value))
+    return sizes
 
 
 def size_settings(config: RunConfig) -> list[str]:
     """``key = value`` for the config's integer settings of at least :data:`LARGE` (model widths,
-    a method's counts, batch sizes), largest first; else the model's widths and the batch size."""
+    a method's counts, batch sizes) that the run reads (:func:`reads`), largest first; else the
+    model's sizes (:func:`model_sizes`) and the batch size."""
     flat: list[tuple[str, Any]] = []
 
     def walk(prefix: str, d: dict) -> None:
@@ -60,12 +80,10 @@ def size_settings(config: RunConfig) -> list[str]:
                 flat.append((prefix + k, v))
 
     walk("", config.model_dump(mode="json"))
-    dataset = config.data.dataset
-    applies = lambda k: dataset.startswith(_ONLY_FOR.get(k, ""))  # noqa: E731
-    ints = [(k, v) for k, v in flat if k not in ("seed", "rounds") and applies(k) and _largest(v) >= LARGE]
+    ints = [(k, v) for k, v in flat if k not in ("seed", "rounds") and reads(config, k) and _largest(v) >= LARGE]
     ints.sort(key=lambda kv: -_largest(kv[1]))
     if not ints:
-        ints = [("model.hidden", list(config.model.hidden)), ("client.batch_size", config.client.batch_size)]
+        ints = [*model_sizes(config), ("client.batch_size", config.client.batch_size)]
     return [f"{k} = {v}" for k, v in ints]
 
 
@@ -88,7 +106,7 @@ def check_model(config: RunConfig, count_parameters) -> None:
     n = int(count_parameters())
     need = n * BYTES_PER_PARAMETER * (1 + 2 * config.server.clients_per_round)
     if need > have:
-        settings = "model.hidden" if config.model.name == "mlp" else "model.name"
+        settings = ", ".join(k for k, _ in model_sizes(config)) or "model.name"
         raise ConfigError(
             f"config error: {settings}: the model has {n:,} parameters; with {config.server.clients_per_round} clients a round the run needs "
             f"at least {format_bytes(need)} of memory, this machine has {format_bytes(have)}; choose a smaller model"
