@@ -23,8 +23,8 @@ it runs: :func:`accept_run_config` refuses, in one line and before the config is
 would import a user module) or any file is read, a config naming a path (``data.data_dir``,
 ``data.path``, ``data.test_path``, ``store_dir``), another dataset than the node's ``dataset``,
 your own data (a dataset whose spec has the ``user_data`` trait: ``files``, ``arrays``) on a node
-without a ``data-file``, and a ``model.module`` the node's ``model-modules`` does not name. The refusal is the ClientApp's error,
-which the server logs and counts as a rejected reply.
+without a ``data-file``, and a ``model.module`` the node's ``model-modules`` does not name. The
+refusal is the ClientApp's error, which the server logs and counts as a rejected reply.
 """
 
 from __future__ import annotations
