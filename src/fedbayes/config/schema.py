@@ -35,7 +35,7 @@ from fedbayes.models import registry as model_registry
 # built-in names, kept for readers of the config module.
 DATASETS = data_registry.names()
 NATURAL_DATASETS = tuple(s.name for s in data_registry.builtin_specs() if s.federated != "never")
-USER_DATA_KEYS = data_registry.get("files").exclusive  # data.dataset = "files" only (fedbayes.data.user)
+USER_DATA_KEYS = tuple(k for s in data_registry.builtin_specs() if s.user_data for k in s.exclusive)  # your own data's keys only (fedbayes.data.user)
 PARTITIONS = partition_registry.names()
 MODELS = model_registry.names()
 VARIATIONAL_MODELS = tuple(s.name for s in model_registry.builtin_specs() if s.variational)
