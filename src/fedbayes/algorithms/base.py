@@ -221,6 +221,8 @@ class BuildContext(NamedTuple):
       hidden_layers: the model is a network, not a generalised linear model
         (:func:`fedbayes.models.has_hidden_layers`), for methods whose default start differs
         between the two (PVI's local step).
+      num_params: the model's scalar parameters, for methods whose messages grow with it faster
+        than linearly (FedEP's dense precisions); ``None``: not known.
     """
 
     trainer: LocalTrainer
@@ -232,6 +234,7 @@ class BuildContext(NamedTuple):
     keyed_apply_fn: KeyedApplyFn | None = None
     feature_spec: jax.ShapeDtypeStruct | None = None
     hidden_layers: bool = False
+    num_params: int | None = None
 
 
 class BuildFn(Protocol):
@@ -379,6 +382,9 @@ class AlgorithmSpec:
         resumes and evaluates as it ran. A stored config holds every default that was not ``None``,
         so a key the method records is absent only in a config written before the key existed.
         The default keeps the table as it is.
+      settings_aggregator_policy: ``hparams -> (policy, note)`` where the settings narrow
+        :attr:`aggregator_policy` (FedEP's dense messages), ``None`` where they do not; read with
+        :meth:`aggregator_policy_for`.
     """
 
     name: str
@@ -402,6 +408,7 @@ class AlgorithmSpec:
     local_budget: str | Callable[[Any], str] = "epochs"
     local_max_steps: int = 200
     stored_meaning: Callable[[dict, dict], dict] = as_stored
+    settings_aggregator_policy: Callable[[Any], tuple[AggregatorPolicy, str] | None] | None = None
 
     def __post_init__(self):
         if not (isinstance(self.hparams, type) and issubclass(self.hparams, HParams)):
@@ -416,6 +423,12 @@ class AlgorithmSpec:
     def predictive_for(self, hparams: Any) -> str:
         """:attr:`default_predictive` for these settings."""
         return self.default_predictive if isinstance(self.default_predictive, str) else self.default_predictive(hparams)
+
+    def aggregator_policy_for(self, hparams: Any) -> tuple[AggregatorPolicy, str]:
+        """``(policy, note)`` for these settings: :attr:`settings_aggregator_policy`'s where it gives
+        one, else :attr:`aggregator_policy` and :attr:`aggregator_note`."""
+        narrowed = None if self.settings_aggregator_policy is None else self.settings_aggregator_policy(hparams)
+        return narrowed if narrowed is not None else (self.aggregator_policy, self.aggregator_note)
 
     def local_budget_for(self, hparams: Any) -> str:
         """:attr:`local_budget` for these settings."""
