@@ -590,21 +590,38 @@ def fedsep(
 # ----- full covariance (docs/algorithms.md §7, "Full-covariance messages") ----------------------
 
 
-def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e-5) -> jax.Array:
-    """Whether a dense precision is positive semi-definite up to float round-off: ``precision + eps I``
-    has a Cholesky factor, ``eps = rtol max_i |reference_ii|`` (the global's scale, from which sites
-    and cavities are differences), the dense counterpart of
-    :func:`~fedbayes.algorithms.sites.non_negative_to_roundoff`. A zero matrix (a flat factor) passes."""
-    eps = rtol * jnp.max(jnp.abs(jnp.diagonal(reference)))
+# Every Cholesky factor of the dense path runs one matrix at a time, also under vmap (the server's
+# message check, the vmap layout's clients): XLA:CPU's batched LAPACK call waited for threads that a
+# second host device held in the round's collective, and the round hung (2 host devices, 10 clients).
+@jax.custom_batching.sequential_vmap
+def _psd_shifted(precision: jax.Array, eps: jax.Array) -> jax.Array:
     shifted = precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype)
     chol = jnp.linalg.cholesky(0.5 * (shifted + shifted.T))
     return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
 
 
+@jax.custom_batching.sequential_vmap
+def _proper(q: FullGaussian) -> jax.Array:
+    return gaussian_full.is_proper(q)
+
+
+@jax.custom_batching.sequential_vmap
+def _mean_and_proper(q: FullGaussian):
+    return gaussian_full.mean(q), gaussian_full.is_proper(q)
+
+
+def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e-5) -> jax.Array:
+    """Whether a dense precision is positive semi-definite up to float round-off: ``precision + eps I``
+    has a Cholesky factor, ``eps = rtol max_i |reference_ii|`` (the global's scale, from which sites
+    and cavities are differences), the dense counterpart of
+    :func:`~fedbayes.algorithms.sites.non_negative_to_roundoff`. A zero matrix (a flat factor) passes."""
+    return _psd_shifted(precision, (rtol * jnp.max(jnp.abs(jnp.diagonal(reference)))).astype(precision.dtype))
+
+
 def _full_mean_or(q: FullGaussian, fallback: PyTree) -> PyTree:
     """``mean(q)`` where ``q`` is proper, else ``fallback`` (the dense :func:`~fedbayes.algorithms.sites.safe_mean`)."""
-    proper = gaussian_full.is_proper(q)
-    return jax.tree.map(lambda m, f: jnp.where(proper, m, f), gaussian_full.mean(q), fallback)
+    mean, proper = _mean_and_proper(q)
+    return jax.tree.map(lambda m, f: jnp.where(proper, m, f), mean, fallback)
 
 
 def _full_first_site(message: Broadcast, prior: DiagGaussian, share, rest, start: EPStart, exact_late_sites: bool):
@@ -671,7 +688,7 @@ def full_message_ok(message: GaussianMessage, q: FullGaussian) -> jax.Array:
     """The server's test of a dense message: finite, flagged valid by its client, and ``q_g`` plus
     the message proper (a Cholesky factor exists; :func:`~fedbayes.gaussian_full.is_proper`)."""
     ok = jnp.logical_and(tree.all_finite(message.difference), message.ok)
-    return jnp.logical_and(ok, gaussian_full.is_proper(gaussian_full.product(q, message.difference)))
+    return jnp.logical_and(ok, _proper(gaussian_full.product(q, message.difference)))
 
 
 def full_server_step(state: ServerState, aggregate: Aggregate, server_optimizer, damping: damping_policy.Damping) -> tuple[ServerState, FedEPInfo]:
