@@ -17,6 +17,7 @@ from fedbayes.inference import LocalTrainer
 from fedbayes.inference.curvature import batch_full_ggn, diag_ggn
 from fedbayes.inference.tilted import TiltedSettings, make_full_laplace_inference
 from fedbayes.models import init_params, loss_fn, make_model
+from fedbayes.runs.export import save_model
 from fedbayes.sim.simulator import Simulator
 
 NUM_CLIENTS, PER_CLIENT, FEATURES, CLASSES = 3, 50, 5, 2
@@ -75,7 +76,7 @@ def _run(rounds, damping=0.5, **kw):
     return fed, model, params, algo, state
 
 
-def test_the_fixed_point_is_the_central_full_laplace():
+def test_the_fixed_point_is_the_central_full_laplace(tmp_path):
     fed, model, params, algo, state = _run(30)
     map_flat, hessian = _central_laplace(model, params, fed.x, fed.y)
     mean, variance = algo.server_posterior(state.server_state)
@@ -84,6 +85,10 @@ def test_the_fixed_point_is_the_central_full_laplace():
     cov = np.linalg.inv(hessian)
     np.testing.assert_allclose(np.asarray(gaussian_full.covariance(q)), cov, rtol=1e-3, atol=1e-4 * np.max(np.abs(cov)))  # float32
     np.testing.assert_allclose(ravel_pytree(variance)[0], np.diag(cov), rtol=1e-3)  # float32
+    # model.npz: the mean, the marginal variances and the dense precision
+    with np.load(save_model(tmp_path / "model.npz", algo, state.server_state)) as z:
+        np.testing.assert_array_equal(z["posterior_precision"], np.asarray(q.precision))
+        np.testing.assert_array_equal(z["posterior_variance/dense/kernel"], np.asarray(variance["dense"]["kernel"]))
 
 
 def test_the_dense_ggn_has_the_diagonal_ggn_on_its_diagonal():

@@ -783,6 +783,7 @@ def fedep_full(
         server_posterior=full_posterior_moments,
         after_rejected_round=lambda state: state._replace(damping=policy.rejected(state.damping)),
         personal_posterior=full_personal_posterior,
+        server_precision=lambda state: state.q.precision,
     )
 
 
