@@ -48,7 +48,15 @@ def _build_half_step(hp: HalfStepConfig, ctx: BuildContext) -> Algorithm:
 
 
 HALF_STEP = AlgorithmSpec("half_step", HalfStepConfig, _build_half_step, "test method")
-NAMES = (*registry.names(), HALF_STEP.name)
+# A method's setting that changes what its states and messages are runs the suite as a variant of its own:
+# "<name>+<label>" -> (name, settings).
+VARIANTS = {"fedep+full": ("fedep", {"covariance": "full"})}
+NAMES = (*registry.names(), HALF_STEP.name, *VARIANTS)
+
+
+def _method(name: str) -> tuple[str, dict]:
+    """``(registered name, settings)`` of a suite entry (a method, or a variant of one)."""
+    return VARIANTS.get(name, (name, {}))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,6 +71,7 @@ def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm
     fed = digits_federation(SIZES)
     model, params, trainer = logreg_setup(epochs=2, batch_size=16)
     keyed = None
+    name, settings = _method(name)
     spec = registry.get(name)
     if spec.needs_variational_model:
         model = make_model("mlp", 10, variational=True, hidden=(8,))
@@ -73,7 +82,7 @@ def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm
         apply_fn=lambda p, x: model.apply({"params": p}, x), keyed_apply_fn=keyed,
         feature_spec=jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype),
     )  # fmt: skip
-    alg = algorithm or spec.build(spec.hparams(name=name), ctx)
+    alg = algorithm or spec.build(spec.hparams(name=name, **settings), ctx)
     return Simulator(alg, fed, clients_per_round=clients_per_round, seed=3, layout=layout), params
 
 
@@ -205,12 +214,13 @@ def test_the_server_info_is_a_typed_named_tuple_of_scalars(name):
 
 
 def _config(name: str):
-    """A small digits run of ``name`` with its default settings, as a config file would give it."""
+    """A small digits run of ``name`` with its default settings (a variant's own), as a config file would give it."""
+    name, settings = _method(name)
     spec = registry.get(name)
     model = {"name": "mlp", "hidden": [8], "variational": True} if spec.needs_variational_model else {"name": "logreg"}
     epochs = max(2, spec.min_local_epochs(spec.hparams(name=name))[0])
     return validate({
-        "name": name, "rounds": 1, "algorithm": {"name": name}, "model": model, "evaluation": {"marginal_samples": 2},
+        "name": name, "rounds": 1, "algorithm": {"name": name, **settings}, "model": model, "evaluation": {"marginal_samples": 2},
         "data": {"dataset": "digits", "num_clients": len(SIZES)}, "server": {"clients_per_round": 3},
         "client": {"epochs": epochs, "batch_size": 16},
     })  # fmt: skip
@@ -220,7 +230,7 @@ def _config(name: str):
 def test_the_method_builds_and_runs_from_a_config(name):
     exp = build_experiment(_config(name))
     sim = exp.simulator
-    assert sim.algorithm.name == name
+    assert sim.algorithm.name == _method(name)[0]
     state, info = sim.run_round(sim.init(exp.params))
     assert len(info.rejected) == 0 and tree.all_finite(state.server_state)
     metrics = exp.evaluate(state.server_state, 1)

@@ -15,6 +15,9 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   zero and keeps its old state.
 * ``server_posterior(server_state) -> (mean, variance)`` (optional, Bayesian methods): the
   diagonal Gaussian ``q_g`` in moments, for marginalised predictions; ``None`` for point methods.
+* ``server_precision(server_state) -> [D, D]`` (optional, methods whose ``q_g`` has a dense
+  precision: FedEP with ``covariance = "full"``): that precision over the raveled parameters
+  (:func:`jax.flatten_util.ravel_pytree` order), exported as ``model.npz``'s ``posterior_precision``.
 * ``personal_posterior(server_state, client_state, weight) -> (mean, variance)`` (optional,
   methods whose clients keep a Gaussian site): client ``k``'s personalised posterior
   ``q_k ∝ q_g t_k^weight`` in moments (:func:`fedbayes.algorithms.sites.personalised`);
@@ -144,6 +147,7 @@ class Algorithm(NamedTuple):
     server_on_one_device: bool = False
     after_rejected_round: Any = None  # server_state -> server_state; None: kept
     personal_posterior: Any = None  # (server_state, client_state, weight) -> (mean, variance); None: fine-tuning
+    server_precision: Any = None  # server_state -> the [D, D] dense precision of q_g (ravel order); None: not dense
 
     @property
     def local_epochs(self) -> int:
@@ -221,6 +225,8 @@ class BuildContext(NamedTuple):
       hidden_layers: the model is a network, not a generalised linear model
         (:func:`fedbayes.models.has_hidden_layers`), for methods whose default start differs
         between the two (PVI's local step).
+      num_params: the model's scalar parameters, for methods whose messages grow with it faster
+        than linearly (FedEP's dense precisions); ``None``: not known.
     """
 
     trainer: LocalTrainer
@@ -232,6 +238,7 @@ class BuildContext(NamedTuple):
     keyed_apply_fn: KeyedApplyFn | None = None
     feature_spec: jax.ShapeDtypeStruct | None = None
     hidden_layers: bool = False
+    num_params: int | None = None
 
 
 class BuildFn(Protocol):
@@ -379,6 +386,9 @@ class AlgorithmSpec:
         resumes and evaluates as it ran. A stored config holds every default that was not ``None``,
         so a key the method records is absent only in a config written before the key existed.
         The default keeps the table as it is.
+      settings_aggregator_policy: ``hparams -> (policy, note)`` where the settings narrow
+        :attr:`aggregator_policy` (FedEP's dense messages), ``None`` where they do not; read with
+        :meth:`aggregator_policy_for`.
     """
 
     name: str
@@ -402,6 +412,7 @@ class AlgorithmSpec:
     local_budget: str | Callable[[Any], str] = "epochs"
     local_max_steps: int = 200
     stored_meaning: Callable[[dict, dict], dict] = as_stored
+    settings_aggregator_policy: Callable[[Any], tuple[AggregatorPolicy, str] | None] | None = None
 
     def __post_init__(self):
         if not (isinstance(self.hparams, type) and issubclass(self.hparams, HParams)):
@@ -416,6 +427,12 @@ class AlgorithmSpec:
     def predictive_for(self, hparams: Any) -> str:
         """:attr:`default_predictive` for these settings."""
         return self.default_predictive if isinstance(self.default_predictive, str) else self.default_predictive(hparams)
+
+    def aggregator_policy_for(self, hparams: Any) -> tuple[AggregatorPolicy, str]:
+        """``(policy, note)`` for these settings: :attr:`settings_aggregator_policy`'s where it gives
+        one, else :attr:`aggregator_policy` and :attr:`aggregator_note`."""
+        narrowed = None if self.settings_aggregator_policy is None else self.settings_aggregator_policy(hparams)
+        return narrowed if narrowed is not None else (self.aggregator_policy, self.aggregator_note)
 
     def local_budget_for(self, hparams: Any) -> str:
         """:attr:`local_budget` for these settings."""

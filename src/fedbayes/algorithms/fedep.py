@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field, model_validator
 
-from fedbayes import gaussian
+from fedbayes import gaussian, gaussian_full, tree
 from fedbayes.aggregators import Aggregate
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, stateless_client_init
@@ -68,6 +68,7 @@ from fedbayes.algorithms.sites import (
     GaussianMessage,
     burn_in_switch,
     checked_cavity,
+    clip_joint_norm,
     damped_difference,
     gaussian_message_ok,
     non_negative_to_roundoff,
@@ -78,16 +79,21 @@ from fedbayes.algorithms.sites import (
 )
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_full import FullGaussian
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
-from fedbayes.inference.tilted import METHODS, TiltedSettings, make_tilted_inference
+from fedbayes.inference.tilted import METHODS, TiltedSettings, make_full_laplace_inference, make_tilted_inference
 
 PyTree = Any
 INITS = ("benchmark", "uniform")
+COVARIANCES = ("diagonal", "full")
+MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family is for GLMs and small heads
 SEP_POWERS = ("data_fraction", "one_over_k")
 
 __all__ = [
+    "COVARIANCES",
     "DEFAULT_DAMPING",
+    "MAX_FULL_PARAMS",
     "INITS",
     "PAPER_SETTINGS",
     "PRESETS",
@@ -107,6 +113,10 @@ __all__ = [
     "fedep",
     "fedep_cavity",
     "fedep_client_step",
+    "fedep_full",
+    "full_client_step",
+    "full_posterior_moments",
+    "full_server_step",
     "fedsep",
     "fedsep_cavity",
     "fedsep_client_step",
@@ -577,6 +587,206 @@ def fedsep(
     return _ep_algorithm("fedsep", trainer, server_optimizer, policy, start, burn_in_rounds, stateless_client_init, ep_client)
 
 
+# ----- full covariance (docs/algorithms.md §7, "Full-covariance messages") ----------------------
+
+
+# Every Cholesky factor of the dense path runs one matrix at a time, also under vmap (the server's
+# message check, the vmap layout's clients): XLA:CPU's batched LAPACK call waited for threads that a
+# second host device held in the round's collective, and the round hung (2 host devices, 10 clients).
+@jax.custom_batching.sequential_vmap
+def _psd_shifted(precision: jax.Array, eps: jax.Array) -> jax.Array:
+    shifted = precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype)
+    chol = jnp.linalg.cholesky(0.5 * (shifted + shifted.T))
+    return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
+
+
+@jax.custom_batching.sequential_vmap
+def _proper(q: FullGaussian) -> jax.Array:
+    return gaussian_full.is_proper(q)
+
+
+@jax.custom_batching.sequential_vmap
+def _mean_and_proper(q: FullGaussian):
+    return gaussian_full.mean(q), gaussian_full.is_proper(q)
+
+
+def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e-5) -> jax.Array:
+    """Whether a dense precision is positive semi-definite up to float round-off: ``precision + eps I``
+    has a Cholesky factor, ``eps = rtol max_i |reference_ii|`` (the global's scale, from which sites
+    and cavities are differences), the dense counterpart of
+    :func:`~fedbayes.algorithms.sites.non_negative_to_roundoff`. A zero matrix (a flat factor) passes."""
+    return _psd_shifted(precision, (rtol * jnp.max(jnp.abs(jnp.diagonal(reference)))).astype(precision.dtype))
+
+
+def _full_mean_or(q: FullGaussian, fallback: PyTree) -> PyTree:
+    """``mean(q)`` where ``q`` is proper, else ``fallback`` (the dense :func:`~fedbayes.algorithms.sites.safe_mean`)."""
+    mean, proper = _mean_and_proper(q)
+    return jax.tree.map(lambda m, f: jnp.where(proper, m, f), mean, fallback)
+
+
+def _full_first_site(message: Broadcast, prior: DiagGaussian, share, rest, start: EPStart, exact_late_sites: bool):
+    """:func:`first_site` in the dense family (the same factors, promoted by :func:`~fedbayes.gaussian_full.to_full`)."""
+    q = message.q
+    if start.uniform:
+        return gaussian_full.uniform_like(q.precision_mean), q
+    if exact_late_sites:
+        site = gaussian_full.power(gaussian_full.quotient(ep_start(message.anchor, start)[0], prior), share)
+        return site, gaussian_full.quotient(q, site)
+    likelihoods = gaussian_full.quotient(q, prior)
+    return gaussian_full.power(likelihoods, share), gaussian_full.product(prior, gaussian_full.power(likelihoods, rest))
+
+
+def full_client_step(
+    key: jax.Array,
+    message: Broadcast,
+    cstate: ClientState,
+    data: ClientData,
+    inference,
+    trainer: LocalTrainer,
+    *,
+    start: EPStart,
+    site_optimizer: optax.GradientTransformation,
+    adaptive: bool,
+    delta_clip: float | None = None,
+    allow_improper_sites: bool = False,
+    exact_late_sites: bool = False,
+):
+    """One FedEP client with dense sites (Guo et al. 2023 (FedEP) Alg. 1; Vehtari et al. 2020, "EP as
+    a way of life", Sec. 3): the cavity ``q_{-k} = q_g / t_k`` (a full quotient; :func:`_full_first_site`
+    for a site not yet initialised), the tilted approximation ``q^ = inference(cavity)``
+    (:func:`~fedbayes.inference.tilted.make_full_laplace_inference`), the damped message
+    ``delta clip(q^ / q_g)`` and the site update ``t_k <- t_k + ClientOpt(delta (q^ / q_g))``, which with
+    plain SGD at lr 1 is ``t_k^(1 - delta) (q^ / q_{-k})^delta`` (natural parameters, as
+    :func:`~fedbayes.gaussian_full.damp`). Returns ``(message, client_state, info)``.
+
+    Policy for an improper result, as the diagonal path's: a cavity that is not positive
+    semi-definite to round-off (:func:`psd_to_roundoff`) flags the message, and so does (unless
+    ``allow_improper_sites``) a new site that is not; the server then gives it weight zero and the
+    client keeps its old site."""
+    n = data.num_examples.astype(jnp.float32)
+    total = start.total_examples
+    q = message.q
+    prior = prior_like(q.precision_mean, start.prior_precision)
+    share, rest = n / total, (total - n) / total
+    site, cavity = jax.lax.cond(
+        cstate.initialized,
+        lambda: (cstate.site, gaussian_full.quotient(q, cstate.site)),
+        lambda: _full_first_site(message, prior, share, rest, start, exact_late_sites),
+    )
+    cavity_ok = tree.all_finite(cavity) & psd_to_roundoff(cavity.precision, q.precision)
+    begin = _full_mean_or(q, message.anchor if start.uniform else q.precision_mean)
+    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
+    tilted, info = inference(key, begin, cavity, data)
+    step = optax.tree.scale(message.damping, clip_joint_norm(gaussian_full.difference(tilted, q), delta_clip))
+    new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
+    proper = psd_to_roundoff(new_site.precision, q.precision)
+    ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, proper)
+    return GaussianMessage(step, ok, fit), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
+
+
+def full_message_ok(message: GaussianMessage, q: FullGaussian) -> jax.Array:
+    """The server's test of a dense message: finite, flagged valid by its client, and ``q_g`` plus
+    the message proper (a Cholesky factor exists; :func:`~fedbayes.gaussian_full.is_proper`)."""
+    ok = jnp.logical_and(tree.all_finite(message.difference), message.ok)
+    return jnp.logical_and(ok, _proper(gaussian_full.product(q, message.difference)))
+
+
+def full_server_step(state: ServerState, aggregate: Aggregate, server_optimizer, damping: damping_policy.Damping) -> tuple[ServerState, FedEPInfo]:
+    """The server with dense sites: ``(eta_g, Lambda_g) <- (eta_g, Lambda_g) + ServerOpt(sum_k delta
+    Delta_k)`` (with plain SGD at lr 1 the exact product ``q_g = p_0 prod_k t_k``, a sum of natural
+    parameters); a step that leaves ``Lambda_g`` not positive definite (a momentum overshoot) keeps
+    the old ``q_g`` whole, and ``precision_guarded`` counts all ``D`` coordinates then. The damping's
+    rule watches the mean (of the moment-matched diagonal, :func:`~fedbayes.gaussian_full.project_to_diag`)."""
+    new_q, opt_state = optimizer_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
+    proper = gaussian_full.is_proper(new_q)
+    q = jax.tree.map(lambda a, b: jnp.where(proper, a, b), new_q, state.q)
+    guarded = jnp.where(proper, 0, state.q.precision.shape[0]).astype(jnp.int32)
+    info = FedEPInfo(precision_guarded=guarded, damping=state.damping.value)
+    moved = damping.update(state.damping, gaussian_full.project_to_diag(state.q), gaussian_full.project_to_diag(q), aggregate.mean.loss)
+    return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, moved), info
+
+
+def full_posterior_moments(state: ServerState) -> tuple[PyTree, PyTree]:
+    """``(mean, marginal variances)`` of a dense ``q_g``: ``Lambda^{-1} eta`` and ``diag(Lambda^{-1})``
+    (:func:`~fedbayes.gaussian_full.mean`, :func:`~fedbayes.gaussian_full.variance`)."""
+    return gaussian_full.mean(state.q), gaussian_full.variance(state.q)
+
+
+def full_personal_posterior(state: ServerState, cstate: ClientState, weight) -> tuple[PyTree, PyTree]:
+    """Client ``k``'s ``q_g t_k^w`` in moments (docs/algorithms.md §13.8) with dense factors; where
+    that product is not proper, ``q_g``'s moments (the dense policy of
+    :func:`~fedbayes.algorithms.sites.personalised`)."""
+    q_k = gaussian_full.product(state.q, gaussian_full.power(cstate.site, weight))
+    q_k = jax.tree.map(lambda a, b: jnp.where(gaussian_full.is_proper(q_k), a, b), q_k, state.q)
+    return gaussian_full.mean(q_k), gaussian_full.variance(q_k)
+
+
+def fedep_full(
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    inference,
+    *,
+    total_examples: int,
+    num_clients: int,
+    damping: float | damping_policy.Damping,
+    alpha_cov: float,
+    site_optimizer: optax.GradientTransformation | None = None,
+    init: str = "benchmark",
+    prior_precision: float = 0.0,
+    delta_clip: float | None = None,
+    allow_improper_sites: bool = False,
+    exact_late_sites: bool = False,
+) -> Algorithm:
+    """FedEP with dense (full-covariance) sites, cavity, tilted approximations and global
+    (:class:`~fedbayes.gaussian_full.FullGaussian`; docs/algorithms.md §7, "Full-covariance
+    messages"): :func:`full_client_step` and :func:`full_server_step`, arguments as :func:`fedep`
+    (no burn-in rounds). ``inference`` maps a dense cavity to a dense tilted approximation
+    (:func:`~fedbayes.inference.tilted.make_full_laplace_inference`)."""
+    del num_clients
+    if init not in INITS:
+        raise ValueError(f"fedep: init must be one of {', '.join(INITS)}; got {init!r}")
+    policy = _as_policy(damping)
+    site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
+    uniform = init == "uniform"
+    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform or exact_late_sites)
+
+    def server_init_full(key, params):
+        del key
+        q, anchor = ep_start(params, start)
+        q = gaussian_full.to_full(q)
+        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, policy.init(params))
+
+    def client_init(params):
+        site = gaussian_full.uniform_like(params)
+        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_))
+
+    def client_update(key, message, cstate, data):
+        return full_client_step(
+            key, message, cstate, data, inference, trainer, start=start, site_optimizer=site_optimizer, adaptive=policy.adaptive,
+            delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
+        )  # fmt: skip
+
+    def server_update(key, state, aggregate):
+        del key
+        return full_server_step(state, aggregate, server_optimizer, policy)
+
+    return Algorithm(
+        name="fedep",
+        server_init=server_init_full,
+        broadcast=lambda state: broadcast(state, 0),
+        client_init=client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: gaussian_full.mean(state.q),
+        message_ok=lambda state, message: full_message_ok(message, state.q),
+        trainer=trainer,
+        server_posterior=full_posterior_moments,
+        after_rejected_round=lambda state: state._replace(damping=policy.rejected(state.damping)),
+        personal_posterior=full_personal_posterior,
+        server_precision=lambda state: state.q.precision,
+    )
+
+
 PRESETS = ("posterior", "paper")
 # The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
 # fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
@@ -624,6 +834,13 @@ class EPConfig(TiltedSettings):
         ge=0,
         description="delta of the prior p0 = N(0, 1/delta), one factor of q_g (default 1: N(0, 1)); weight_decay adds lambda_wd n_k per client on top",
     )
+    covariance: Literal[COVARIANCES] = Field(  # type: ignore[valid-type]
+        "diagonal",
+        description="the Gaussian family of the sites, cavities, tilted approximations and q_g: diagonal (default) or full, a dense [D, D] "
+        f"precision over all D parameters (cavity q_g / t_k and product exact in the family; the laplace method with the dense GGN; "
+        f"for models up to {MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'; FedEP only, laplace method only, no burn-in, "
+        "no robust aggregation or privacy)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -647,6 +864,10 @@ class EPConfig(TiltedSettings):
                 "algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 "
                 "or prior_precision > 0; set one of them, or init = 'uniform'"
             )
+        if self.covariance == "full" and self.method != "laplace":
+            raise ValueError(f"algorithm.covariance: 'full' takes the laplace method (a dense GGN at the tilted mode); got method {self.method!r}")
+        if self.covariance == "full" and self.burn_in_rounds > 0:
+            raise ValueError(f"algorithm.covariance: 'full' runs EP from the first round; set burn_in_rounds = 0; got {self.burn_in_rounds}")
         if self.method in ("identity", "mcmc") and not self.alpha_cov > 0:
             raise ValueError(
                 f"algorithm.initial_precision: the {self.method} method's precision is alpha_cov = scale * (initial_precision + weight_decay) "
@@ -676,6 +897,14 @@ class FedSEPConfig(EPConfig):
     name: Literal["fedsep"]
     sep_power: Literal[SEP_POWERS] = Field("data_fraction", description="cavity power: 1 - n_k/N or 1 - 1/K")  # type: ignore[valid-type]
 
+    @model_validator(mode="after")
+    def _diagonal_only(self):
+        if self.covariance != "diagonal":
+            raise ValueError(
+                f"algorithm.covariance: fedsep's shared site is diagonal; full-covariance sites are FedEP's (name = 'fedep'); got {self.covariance!r}"
+            )
+        return self
+
 
 def _common(hp: EPConfig, ctx: BuildContext) -> dict:
     inference = make_tilted_inference(hp.method, ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
@@ -687,9 +916,26 @@ def _common(hp: EPConfig, ctx: BuildContext) -> dict:
 
 
 def build_fedep(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
+    if hp.covariance == "full":
+        return _build_fedep_full(hp, ctx)
     return fedep(
         ctx.trainer, ctx.server_optimizer, allow_improper_sites=hp.improper_sites == "allow", exact_late_sites=hp.preset == "posterior", **_common(hp, ctx)
     )
+
+
+def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
+    if ctx.num_params is not None and ctx.num_params > MAX_FULL_PARAMS:
+        raise ValueError(
+            f"algorithm.covariance: 'full' keeps a dense [D, D] precision per site and message, for models up to {MAX_FULL_PARAMS} parameters; "
+            f"this model has {ctx.num_params}; use covariance = 'diagonal' or a smaller model (model.name = 'logreg')"
+        )
+    inference = make_full_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
+    return fedep_full(
+        ctx.trainer, ctx.server_optimizer, inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
+        damping=damping_policy.from_setting(hp.default_damping(ctx.clients_per_round)), alpha_cov=hp.alpha_cov, init=hp.init,
+        prior_precision=hp.prior_precision, delta_clip=hp.delta_clip, allow_improper_sites=hp.improper_sites == "allow",
+        exact_late_sites=hp.preset == "posterior",
+    )  # fmt: skip
 
 
 def build_fedsep(hp: FedSEPConfig, ctx: BuildContext) -> Algorithm:
@@ -729,7 +975,14 @@ _EP_TRAITS = dict(
     ),
     divergence_hint="the tilted precisions of FedEP's laplace/ngvi methods",
     default_predictive=lambda hp: "sample" if hp.method == "mcmc" else "linearised",  # mcmc: moments of samples; else a Gaussian about the mean
-    posterior_prior_precision=lambda hp: (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") else None,  # + sum_k scale F_k
+    # + sum_k scale F_k; a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there
+    posterior_prior_precision=lambda hp: (
+        (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") and hp.covariance == "diagonal" else None
+    ),
+    # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
+    settings_aggregator_policy=lambda hp: (
+        ("own", "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines") if hp.covariance == "full" else None
+    ),
     stored_meaning=_stored_meaning,
 )
 FEDEP = AlgorithmSpec("fedep", FedEPConfig, build_fedep, "expectation propagation with stateful Gaussian sites", **_EP_TRAITS)

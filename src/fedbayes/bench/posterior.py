@@ -19,6 +19,8 @@ own family's centralised optimum, and the run stops once
 
 * ``diag_laplace``, ``N(theta*, 1 / diag H)``: FedEP/FedSEP with Laplace clients and
   FedLap-Cov (diagonal Laplace/GGN sites);
+* ``laplace``, ``N(theta*, H^{-1})`` (its marginals): FedEP with Laplace clients and
+  ``covariance = "full"`` (dense sites, docs/algorithms.md §7, "Full-covariance messages");
 * ``ngvi``, ``N(theta*, 1 / P)`` with ``P = lambda + E_{N(theta*, 1/P)}[diag GGN]``: FedEP/FedSEP
   with NGVI clients, whose precision is the Fisher averaged over the approximation itself
   (:func:`~fedbayes.evaluation.reference.expected_fisher_laplace`);
@@ -82,7 +84,7 @@ __all__ = [
 PRIOR_PRECISION = 1.0  # lambda: the prior N(0, I / lambda) on every parameter
 MEAN_TOLERANCE = 0.05  # the bar: relative L2 of the mean to the family optimum ...
 VARIANCE_BAND = (0.8, 1.25)  # ... and the median variance ratio to it
-FAMILIES = ("diag_laplace", "ngvi", "mfvi", "map")
+FAMILIES = ("diag_laplace", "laplace", "ngvi", "mfvi", "map")
 LOGREG = {"name": "logreg"}
 LINEAR_VARIATIONAL = {"name": "mlp", "hidden": [], "variational": True}
 
@@ -157,6 +159,7 @@ def _ep_methods(name: str, label: str) -> list[Method]:
 METHODS: tuple[Method, ...] = (
     *_ep_methods("fedep", "FedEP"),
     *_ep_methods("fedsep", "FedSEP"),
+    Method("fedep_laplace_full", "FedEP (laplace, covariance full)", {"name": "fedep", "method": "laplace", "covariance": "full"}, "laplace"),
     Method("pvi", "PVI", {"name": "pvi"}, "mfvi"),
     Method("fedlap_cov", "FedLap-Cov", {"name": "fedlap_cov"}, "diag_laplace"),
     Method("vbnn", "VBNN (linear, kernel only)", {"name": "vbnn"}, "mfvi", model=dict(LINEAR_VARIATIONAL), kernel_only=True),
@@ -324,7 +327,13 @@ def _row_stats(label, mean, var, nuts, apply_fn, x_test, y_test, kernel_only=Fal
 def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log) -> dict:
     raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
     exp = build_experiment(validate(raw))
-    family_mean, family_var = {"diag_laplace": refs.diag_laplace, "ngvi": refs.ngvi, "mfvi": refs.mfvi, "map": (refs.map, None)}[method.family]
+    family_mean, family_var = {
+        "diag_laplace": refs.diag_laplace,
+        "laplace": refs.laplace_marginals,
+        "ngvi": refs.ngvi,
+        "mfvi": refs.mfvi,
+        "map": (refs.map, None),
+    }[method.family]
     sim = exp.simulator
     state = sim.init(exp.params)
     seconds, first_round_s, trajectory, reached_at, comparison, rejected, steps = 0.0, None, [], None, None, 0, []
@@ -542,7 +551,7 @@ def _ratio(r: list | None) -> str:
     return "-" if not r else f"{r[0]:.3g} [{r[1]:.2g}, {r[2]:.2g}]"
 
 
-FAMILY_NAMES = {"diag_laplace": "diag. Laplace", "ngvi": "NGVI fixed point", "mfvi": "MFVI", "map": "MAP (mean only)"}
+FAMILY_NAMES = {"diag_laplace": "diag. Laplace", "laplace": "full Laplace (marginals)", "ngvi": "NGVI fixed point", "mfvi": "MFVI", "map": "MAP (mean only)"}
 
 
 def _row_md(row: dict) -> str:

@@ -671,8 +671,9 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _privacy_and_robustness(self) -> RunConfig:
         spec = None if isinstance(self.algorithm, StoredAlgorithm) else self.spec
-        if spec is not None and spec.aggregator_policy != "wrappable":  # the method's own rule stays: no robust rule, cap or DP around it
-            why = f"{spec.name} {spec.aggregator_note}"
+        policy, note = spec.aggregator_policy_for(self.algorithm) if spec is not None else ("wrappable", "")
+        if policy != "wrappable":  # the method's own rule stays: no robust rule, cap or DP around it
+            why = f"{spec.name} {note}"
             if self.server.aggregator != "mean":
                 raise ValueError(f"server.aggregator: {why}; allowed: mean; got {self.server.aggregator!r}")
             if self.server.max_precision_share is not None:

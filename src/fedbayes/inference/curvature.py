@@ -72,6 +72,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
 from fedbayes.models.layers import find_layers, layer_of
@@ -87,7 +88,9 @@ __all__ = [
     "batch_diag_empirical_fisher",
     "batch_diag_fisher",
     "batch_diag_ggn",
+    "batch_full_ggn",
     "data_curvature",
+    "data_full_ggn",
     "diag_empirical_fisher",
     "diag_fisher",
     "diag_ggn",
@@ -392,3 +395,60 @@ def data_curvature(apply_fn: ApplyFn, *, task: str = "classification", batch_siz
         return over_client_data(data, batch_size, body, optax.tree.zeros_like(params))
 
     return curvature
+
+
+def _output_hessian(task: str, out: jax.Array) -> jax.Array:
+    """``H_n``, ``[B, C, C]``: the Hessian of the loss in the outputs (softmax cross-entropy
+    ``diag(p) - p p^T``; the multilabel mean of sigmoid cross-entropies ``diag(p (1 - p)) / C``;
+    squared error ``I``)."""
+    if task == "classification":
+        p = jax.nn.softmax(out, axis=-1)
+        return jax.vmap(jnp.diag)(p) - p[:, :, None] * p[:, None, :]
+    if task == "multilabel":
+        p = jax.nn.sigmoid(out)
+        return jax.vmap(jnp.diag)(p * (1.0 - p) / out.shape[-1])
+    return jnp.broadcast_to(jnp.eye(out.shape[-1], dtype=out.dtype), out.shape + out.shape[-1:])
+
+
+def batch_full_ggn(apply_fn: ApplyFn, params: PyTree, x: jax.Array, mask: jax.Array, *, task: str = "classification") -> jax.Array:
+    """The dense GGN ``sum_n m_n J_n^T H_n J_n`` of one batch, ``[D, D]`` over the raveled parameters.
+
+    ``J_n`` (``[C, D]``) is the Jacobian of example ``n``'s outputs in the parameters in
+    :func:`jax.flatten_util.ravel_pytree` order (``jax.jacrev``, ``vmap`` over the batch) and
+    ``H_n`` the output Hessian (softmax cross-entropy ``diag(p) - p p^T``, Martens 2020, "New
+    insights and perspectives on the natural gradient method", Sec. 8; squared error ``I``). Memory
+    ``B C D`` for the Jacobians and ``D^2`` for the sum: for models of a few thousand parameters
+    (the full-covariance FedEP client; its diagonal is :func:`batch_diag_ggn`).
+
+    Args:
+      apply_fn: ``(params, x) -> outputs`` (``[B, C]``, or ``[B]`` for a scalar regression).
+      params: where the GGN is evaluated.
+      x: ``[B, ...]`` features.
+      mask: ``[B]``, 1 for a real example, 0 for padding (a weight ``w`` counts the example ``w`` times).
+      task: ``"classification"``, ``"regression"`` or ``"multilabel"``.
+    """
+    if task not in TASKS:
+        raise ValueError(f"curvature: task {task!r} has no curvature here (a likelihood over sequences); allowed: {', '.join(TASKS)}")
+    flat, unravel = ravel_pytree(params)
+
+    def outputs(theta, xn):
+        out = apply_fn(unravel(theta), xn[None])[0]
+        return jnp.reshape(out, (-1,))
+
+    jac = jax.vmap(jax.jacrev(outputs), in_axes=(None, 0))(flat, x)  # [B, C, D]
+    out = jax.lax.stop_gradient(jax.vmap(outputs, in_axes=(None, 0))(flat, x))  # [B, C]
+    hess = _output_hessian(task, out) * jnp.clip(mask, 0.0, None).astype(out.dtype)[:, None, None]
+    return jnp.einsum("bcd,bce,bef->df", jac, hess, jac)
+
+
+def data_full_ggn(apply_fn: ApplyFn, params: PyTree, data: ClientData, *, batch_size: int, task: str = "classification") -> jax.Array:
+    """The dense GGN ``[D, D]`` of a client's sum loss at ``params``: one pass over its examples
+    (the first laid-out epoch) in minibatches of ``batch_size``, the batches of
+    :func:`data_curvature` (:func:`over_client_data`, :func:`batch_full_ggn`)."""
+    d = ravel_pytree(params)[0].size
+
+    def body(total, step, batch):
+        x, _, mask = batch
+        return total + batch_full_ggn(apply_fn, params, x, mask, task=task).astype(total.dtype)
+
+    return over_client_data(data, batch_size, body, jnp.zeros((d, d), ravel_pytree(params)[0].dtype))

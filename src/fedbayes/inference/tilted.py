@@ -62,22 +62,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 from pydantic import Field
 
 from fedbayes.data.batches import ClientData, steps_per_epoch
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_full import FullGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_norm
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
-from fedbayes.inference.curvature import batch_diag_fisher, over_client_data
+from fedbayes.inference.curvature import batch_diag_fisher, data_full_ggn, over_client_data
 from fedbayes.inference.iasg import epoch_of_sample, epoch_samples
 from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
 
 PyTree = Any
 METHODS = ("identity", "mcmc", "laplace", "ngvi")
 
-__all__ = ["METHODS", "TiltedSettings", "make_tilted_inference", "sgmcmc_moments"]
+__all__ = ["METHODS", "TiltedSettings", "make_full_laplace_inference", "make_tilted_inference", "sgmcmc_moments"]
 
 
 class TiltedSettings(HParams):
@@ -144,6 +146,11 @@ def sgmcmc_moments(key, start: PyTree, prior: DiagGaussian, data: ClientData, tr
         lin = optax.tree.vdot(prior.precision_mean, theta)
         return inv_n * (0.5 * quad - lin)
 
+    return _penalised_moments(key, start, penalty, data, trainer)
+
+
+def _penalised_moments(key, start: PyTree, penalty, data: ClientData, trainer: LocalTrainer) -> tuple[PyTree, PyTree, dict]:
+    """:func:`sgmcmc_moments` on the client's mean loss plus any ``penalty(theta)``."""
     samples, _, info = epoch_samples(key, start, data, trainer, skip_epochs=0, average=False, penalty=penalty)
     num = trainer.num_epochs
     if trainer.tol > 0:
@@ -275,5 +282,55 @@ def make_tilted_inference(
             sv = ngvi_precision(key_f, mu, prior, data, n)
             lam = jax.tree.map(lambda lc, v: lc + s.scale * (n * v + s.weight_decay * n), cavity.precision, sv)
         return DiagGaussian(precision_mean=jax.tree.map(jnp.multiply, lam, mu), precision=lam), info
+
+    return infer
+
+
+def make_full_laplace_inference(trainer: LocalTrainer, settings: TiltedSettings = TiltedSettings(), *, apply_fn: ApplyFn, task: str = "classification"):
+    """The laplace method with a dense precision: ``infer(key, start, cavity, data) -> (FullGaussian, info)``
+    for a :class:`~fedbayes.gaussian_full.FullGaussian` cavity ``(eta_c, Lambda_c)`` (Guo et al.
+    2023 (FedEP) Sec. 2.2.2 with the full-covariance family of Vehtari et al. 2020, "Expectation
+    propagation as a way of life", Sec. 3-4; docs/algorithms.md §7, "Full-covariance messages").
+
+    The tilted prior is the cavity plus weight decay, ``Lambda_p = Lambda_c + lambda_wd n_k I``. The
+    mode is found by the same local optimisation as the diagonal method's (:func:`sgmcmc_moments`'s
+    mean of the end-of-epoch iterates, from ``start``) on
+
+        F_k(theta) = (1/n_k) [ l_k(theta) + theta^T Lambda_p theta / 2 - eta_c^T theta ]
+
+    (``theta`` raveled), its step scaled per coordinate by the Gershgorin bound ``sum_j
+    |Lambda_p,ij|`` of the quadratic's curvature (:func:`fedbayes.inference.sgd.stiff_step_control`:
+    a diagonal preconditioner, the mode unchanged). At the mode ``mu^`` the tilted precision is
+
+        Lambda^ = Lambda_c + c (GGN_k(mu^) + lambda_wd n_k I),   eta^ = Lambda^ mu^,
+
+    with ``GGN_k = sum_n J_n^T H_n J_n`` the dense generalised Gauss-Newton of the client's sum loss
+    over one pass of its data (:func:`fedbayes.inference.curvature.data_full_ggn`) and ``c`` the
+    local-precision scale (1 by default: the likelihood's).
+    """
+    s = settings
+    if task not in CURVATURE_TASKS:
+        raise ValueError(
+            f"the laplace method needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {task!r}"
+        )
+
+    def infer(key, start, cavity: FullGaussian, data: ClientData) -> tuple[FullGaussian, dict]:
+        n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
+        eta_c, unravel = ravel_pytree(cavity.precision_mean)
+        eye = jnp.eye(eta_c.size, dtype=cavity.precision.dtype)
+        lam_p = cavity.precision + (s.weight_decay * n).astype(eye.dtype) * eye
+        inv_n = 1.0 / n
+
+        def penalty(theta):
+            flat, _ = ravel_pytree(theta)
+            return inv_n * (0.5 * flat @ (lam_p @ flat) - eta_c @ flat)
+
+        bound = unravel(jnp.sum(jnp.abs(lam_p), axis=1))
+        key_mc, _ = jax.random.split(key)
+        mu, _, info = _penalised_moments(key_mc, start, penalty, data, stiff_step_control(trainer, bound, data.num_examples, s.step_cap))
+        ggn = data_full_ggn(apply_fn, mu, data, batch_size=trainer.batch_size, task=task)
+        lam = cavity.precision + s.scale * (ggn.astype(eye.dtype) + (s.weight_decay * n).astype(eye.dtype) * eye)
+        lam = 0.5 * (lam + lam.T)
+        return FullGaussian(precision_mean=unravel(lam @ ravel_pytree(mu)[0]), precision=lam), info
 
     return infer

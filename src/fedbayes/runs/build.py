@@ -388,6 +388,7 @@ def build_context(config: RunConfig, spec: DataSpec, federation: registry.Federa
         keyed_apply_fn=model.keyed_apply_fn,
         feature_spec=jax.ShapeDtypeStruct(tuple(spec.feature_shape), spec.x_dtype),
         hidden_layers=has_hidden_layers(model.params),
+        num_params=tree_lib.num_params(model.params),
     )
 
 

@@ -6,7 +6,10 @@ the parameters' tree paths joined by ``/`` under a prefix:
 * ``params/<path>``: the server's point estimate (what the metrics evaluate), e.g.
   ``params/Dense_0/kernel``;
 * ``posterior_mean/<path>`` and ``posterior_variance/<path>``: the diagonal Gaussian posterior
-  ``q_g`` of the Bayesian methods (FedEP, FedSEP, PVI), absent for the others.
+  ``q_g`` of the Bayesian methods (FedEP, FedSEP, PVI), absent for the others (a dense ``q_g``:
+  its mean and marginal variances);
+* ``posterior_precision``: a dense ``q_g``'s ``[D, D]`` precision over the parameters raveled in
+  :func:`jax.flatten_util.ravel_pytree` order (FedEP with ``covariance = "full"``), absent otherwise.
 
 ``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`
 (its ``[algorithm]`` table as stored), the parameters as the nested dict the model's ``apply`` takes,
@@ -53,6 +56,8 @@ def save_model(path: str | Path, algorithm, server_state) -> Path:
         mean, variance = algorithm.server_posterior(server_state)
         arrays.update(flatten(mean, "posterior_mean"))
         arrays.update(flatten(variance, "posterior_variance"))
+    if getattr(algorithm, "server_precision", None) is not None:
+        arrays["posterior_precision"] = np.asarray(algorithm.server_precision(server_state))
     return folder.write_atomic(path, lambda f: np.savez(f, **arrays))
 
 
