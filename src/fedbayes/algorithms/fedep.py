@@ -229,20 +229,22 @@ def ep_start(theta: PyTree, start: EPStart) -> tuple[DiagGaussian, PyTree]:
 # ----- the cavities -------------------------------------------------------------------------------
 
 
-def first_site(message: Broadcast, prior: DiagGaussian, share: jax.Array, rest: jax.Array, start: EPStart, exact_late_sites: bool):
+def first_site(message: Broadcast, prior: DiagGaussian, share: jax.Array, rest: jax.Array, start: EPStart, exact_late_sites: bool, family=gaussian):
     """``(site, cavity)`` of a FedEP client sampled for the first time: uniform (``init="uniform"``),
     else its share ``(q / p_0)^(n_k / N)`` of the likelihoods, with ``q`` the EP start's global
     (``exact_late_sites``: ``q_g = p_0 prod_k q_k`` stays exact for a client first sampled late) or
     the current ``q_g`` (the paper's; the cavity is then ``p_0 (q_g / p_0)^(1 - n_k/N)``, bitwise
-    the paper's ``q_g^(1 - n_k/N)`` without a prior). The prior stays one factor of ``q_g``."""
+    the paper's ``q_g^(1 - n_k/N)`` without a prior). The prior stays one factor of ``q_g``.
+    ``family``: the algebra of the factors, :mod:`fedbayes.gaussian` or the dense
+    :mod:`fedbayes.gaussian_full` (which promotes the diagonal prior and EP start exactly)."""
     q = message.q
     if start.uniform:
-        return gaussian.uniform_like(q.precision), q
+        return family.uniform_like(q.precision_mean), q
     if exact_late_sites:
-        site = gaussian.power(gaussian.quotient(ep_start(message.anchor, start)[0], prior), share)
-        return site, gaussian.quotient(q, site)
-    likelihoods = gaussian.quotient(q, prior)
-    return gaussian.power(likelihoods, share), gaussian.product(prior, gaussian.power(likelihoods, rest))
+        site = family.power(family.quotient(ep_start(message.anchor, start)[0], prior), share)
+        return site, family.quotient(q, site)
+    likelihoods = family.quotient(q, prior)
+    return family.power(likelihoods, share), family.product(prior, family.power(likelihoods, rest))
 
 
 def fedep_cavity(message: Broadcast, cstate: ClientState, prior: DiagGaussian, share, rest, start: EPStart, exact_late_sites: bool):
@@ -477,6 +479,34 @@ def _ep_algorithm(
     )
 
 
+def _stateful_setup(init, damping, server_optimizer, site_optimizer, alpha_cov, prior_precision, total_examples, exact_late_sites):
+    """The damping policy, the site optimizer (default: the server's, Guo et al. 2023 (FedEP) Table 7)
+    and the EP start of a stateful FedEP, diagonal or dense."""
+    if init not in INITS:
+        raise ValueError(f"fedep: init must be one of {', '.join(INITS)}; got {init!r}")
+    site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
+    uniform = init == "uniform"
+    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform or exact_late_sites)
+    return _as_policy(damping), site_optimizer, start
+
+
+def _stateful_client(uniform_like, client_step, inference, trainer, start, site_optimizer, policy, **step_settings):
+    """``(client_init, client_update)`` of a stateful FedEP client: its site starts uniform
+    (``uniform_like`` of the family) and ``client_step`` (:func:`fedep_client_step` or
+    :func:`full_client_step`) updates it."""
+
+    def client_init(params):
+        site = uniform_like(params)
+        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_))
+
+    def client_update(key, message, cstate, data):
+        return client_step(
+            key, message, cstate, data, inference, trainer, start=start, site_optimizer=site_optimizer, adaptive=policy.adaptive, **step_settings
+        )
+
+    return client_init, client_update
+
+
 def fedep(
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
@@ -526,22 +556,13 @@ def fedep(
         participation; ``False`` (the paper preset) takes the share of the current ``q_g``, which
         leaves ``q_g`` short of that share's precision (docs/results/posterior_defaults.md).
     """
-    if init not in INITS:
-        raise ValueError(f"fedep: init must be one of {', '.join(INITS)}; got {init!r}")
-    policy = _as_policy(damping)
-    site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
-    uniform = init == "uniform"
-    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform or exact_late_sites)
-
-    def client_init(params):
-        site = gaussian.uniform_like(params)
-        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_))
-
-    def ep_client(key, message, cstate, data):
-        return fedep_client_step(
-            key, message, cstate, data, inference, trainer, start=start, site_optimizer=site_optimizer, adaptive=policy.adaptive,
-            delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
-        )  # fmt: skip
+    policy, site_optimizer, start = _stateful_setup(
+        init, damping, server_optimizer, site_optimizer, alpha_cov, prior_precision, total_examples, exact_late_sites
+    )
+    client_init, ep_client = _stateful_client(
+        gaussian.uniform_like, fedep_client_step, inference, trainer, start, site_optimizer, policy,
+        delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
+    )  # fmt: skip
 
     return _ep_algorithm(
         "fedep", trainer, server_optimizer, policy, start, burn_in_rounds, client_init, ep_client,
@@ -624,18 +645,6 @@ def _full_mean_or(q: FullGaussian, fallback: PyTree) -> PyTree:
     return jax.tree.map(lambda m, f: jnp.where(proper, m, f), mean, fallback)
 
 
-def _full_first_site(message: Broadcast, prior: DiagGaussian, share, rest, start: EPStart, exact_late_sites: bool):
-    """:func:`first_site` in the dense family (the same factors, promoted by :func:`~fedbayes.gaussian_full.to_full`)."""
-    q = message.q
-    if start.uniform:
-        return gaussian_full.uniform_like(q.precision_mean), q
-    if exact_late_sites:
-        site = gaussian_full.power(gaussian_full.quotient(ep_start(message.anchor, start)[0], prior), share)
-        return site, gaussian_full.quotient(q, site)
-    likelihoods = gaussian_full.quotient(q, prior)
-    return gaussian_full.power(likelihoods, share), gaussian_full.product(prior, gaussian_full.power(likelihoods, rest))
-
-
 def full_client_step(
     key: jax.Array,
     message: Broadcast,
@@ -671,7 +680,7 @@ def full_client_step(
     site, cavity = jax.lax.cond(
         cstate.initialized,
         lambda: (cstate.site, gaussian_full.quotient(q, cstate.site)),
-        lambda: _full_first_site(message, prior, share, rest, start, exact_late_sites),
+        lambda: first_site(message, prior, share, rest, start, exact_late_sites, family=gaussian_full),
     )
     cavity_ok = tree.all_finite(cavity) & psd_to_roundoff(cavity.precision, q.precision)
     begin = _full_mean_or(q, message.anchor if start.uniform else q.precision_mean)
@@ -743,12 +752,9 @@ def fedep_full(
     (no burn-in rounds). ``inference`` maps a dense cavity to a dense tilted approximation
     (:func:`~fedbayes.inference.tilted.make_full_laplace_inference`)."""
     del num_clients
-    if init not in INITS:
-        raise ValueError(f"fedep: init must be one of {', '.join(INITS)}; got {init!r}")
-    policy = _as_policy(damping)
-    site_optimizer = site_optimizer if site_optimizer is not None else server_optimizer
-    uniform = init == "uniform"
-    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform or exact_late_sites)
+    policy, site_optimizer, start = _stateful_setup(
+        init, damping, server_optimizer, site_optimizer, alpha_cov, prior_precision, total_examples, exact_late_sites
+    )
 
     def server_init_full(key, params):
         del key
@@ -756,15 +762,10 @@ def fedep_full(
         q = gaussian_full.to_full(q)
         return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, policy.init(params))
 
-    def client_init(params):
-        site = gaussian_full.uniform_like(params)
-        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_))
-
-    def client_update(key, message, cstate, data):
-        return full_client_step(
-            key, message, cstate, data, inference, trainer, start=start, site_optimizer=site_optimizer, adaptive=policy.adaptive,
-            delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
-        )  # fmt: skip
+    client_init, client_update = _stateful_client(
+        gaussian_full.uniform_like, full_client_step, inference, trainer, start, site_optimizer, policy,
+        delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
+    )  # fmt: skip
 
     def server_update(key, state, aggregate):
         del key

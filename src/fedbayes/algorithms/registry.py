@@ -22,6 +22,7 @@ import importlib
 
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, FederationInfo
 from fedbayes.hparams import HParams
+from fedbayes.registries import Registry
 
 __all__ = ["AlgorithmSpec", "BuildContext", "FederationInfo", "build", "builtin_specs", "get", "names", "register", "specs", "unregister"]
 
@@ -42,19 +43,17 @@ _BUILTIN: dict[str, str] = {
     "fedlap_func": "fedbayes.algorithms.fedlap_func",
 }
 
-_loaded: dict[str, AlgorithmSpec] = {}  # built-in specs imported so far
-_registered: dict[str, AlgorithmSpec] = {}  # added by register()
+
+def _import_spec(name: str) -> AlgorithmSpec:
+    """The built-in spec of ``name`` from its module's SPECS (the registry calls this once per name)."""
+    module = importlib.import_module(_BUILTIN[name])
+    found = [s for s in module.SPECS if s.name == name]
+    if len(found) != 1:
+        raise RuntimeError(f"{_BUILTIN[name]}.SPECS must declare algorithm {name!r} exactly once")
+    return found[0]
 
 
-def _builtin(name: str) -> AlgorithmSpec:
-    spec = _loaded.get(name)
-    if spec is None:
-        module = importlib.import_module(_BUILTIN[name])
-        found = [s for s in module.SPECS if s.name == name]
-        if len(found) != 1:
-            raise RuntimeError(f"{_BUILTIN[name]}.SPECS must declare algorithm {name!r} exactly once")
-        spec = _loaded[name] = found[0]
-    return spec
+_REGISTRY = Registry("algorithm", AlgorithmSpec, _BUILTIN, _import_spec)
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
@@ -63,12 +62,7 @@ def register(spec: AlgorithmSpec) -> AlgorithmSpec:
     Raises:
       ValueError: the name is taken, or ``spec`` is not an :class:`AlgorithmSpec`.
     """
-    if not isinstance(spec, AlgorithmSpec):
-        raise ValueError(f"register: expected an AlgorithmSpec; got {type(spec).__name__}")
-    if spec.name in _BUILTIN or spec.name in _registered:
-        raise ValueError(f"algorithm {spec.name!r} is already registered")
-    _registered[spec.name] = spec
-    return spec
+    return _REGISTRY.register(spec)
 
 
 def unregister(name: str) -> None:
@@ -77,34 +71,28 @@ def unregister(name: str) -> None:
     Raises:
       ValueError: ``name`` is built in (built-in methods stay).
     """
-    if name in _BUILTIN:
-        raise ValueError(f"algorithm {name!r} is built in and cannot be removed")
-    _registered.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def get(name: str) -> AlgorithmSpec:
     """The entry of ``name`` (its module imported on first use); an unknown name raises
     ``ValueError`` listing the known ones."""
-    if name in _registered:
-        return _registered[name]
-    if name in _BUILTIN:
-        return _builtin(name)
-    raise ValueError(f"unknown algorithm {name!r}; allowed: {', '.join(names())}")
+    return _REGISTRY.get(name)
 
 
 def names() -> tuple[str, ...]:
     """Every registered name, built-in ones first (imports no method)."""
-    return (*_BUILTIN, *_registered)
+    return _REGISTRY.names()
 
 
 def specs() -> tuple[AlgorithmSpec, ...]:
     """Every registered spec (imports every method's module)."""
-    return tuple(get(name) for name in names())
+    return _REGISTRY.specs()
 
 
 def builtin_specs() -> tuple[AlgorithmSpec, ...]:
     """The methods that ship with fedbayes."""
-    return tuple(_builtin(name) for name in _BUILTIN)
+    return _REGISTRY.builtin_specs()
 
 
 def build(hparams: HParams, ctx: BuildContext) -> Algorithm:

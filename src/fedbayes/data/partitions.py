@@ -21,6 +21,7 @@ from pydantic import Field
 from fedbayes.data.partition import natural, partition
 from fedbayes.data.registry import DataSettings, setting
 from fedbayes.hparams import HParams
+from fedbayes.registries import Registry
 
 __all__ = ["PartitionSpec", "builtin_specs", "get", "names", "register", "specs", "unregister"]
 
@@ -109,7 +110,9 @@ _BUILTIN: dict[str, PartitionSpec] = {
         PartitionSpec("natural", "one client per client id of the data (LEAF users, generated clients, a client column)", _natural, needs_client_ids=True),
     )
 }
-_registered: dict[str, PartitionSpec] = {}  # added by register()
+
+
+_REGISTRY = Registry.of("partition", PartitionSpec, _BUILTIN)
 
 
 def register(spec: PartitionSpec) -> PartitionSpec:
@@ -119,12 +122,7 @@ def register(spec: PartitionSpec) -> PartitionSpec:
     Raises:
       ValueError: the name is taken, or ``spec`` is not a :class:`PartitionSpec`.
     """
-    if not isinstance(spec, PartitionSpec):
-        raise ValueError(f"register: expected a PartitionSpec; got {type(spec).__name__}")
-    if spec.name in _BUILTIN or spec.name in _registered:
-        raise ValueError(f"partition {spec.name!r} is already registered")
-    _registered[spec.name] = spec
-    return spec
+    return _REGISTRY.register(spec)
 
 
 def unregister(name: str) -> None:
@@ -133,30 +131,24 @@ def unregister(name: str) -> None:
     Raises:
       ValueError: ``name`` is built in (built-in partitions stay).
     """
-    if name in _BUILTIN:
-        raise ValueError(f"partition {name!r} is built in and cannot be removed")
-    _registered.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def get(name: str) -> PartitionSpec:
     """The spec of ``name``; an unknown name raises ``ValueError`` listing the known ones."""
-    if name in _registered:
-        return _registered[name]
-    if name in _BUILTIN:
-        return _BUILTIN[name]
-    raise ValueError(f"unknown partition {name!r}; allowed: {', '.join(names())}")
+    return _REGISTRY.get(name)
 
 
 def names() -> tuple[str, ...]:
     """Every registered name, built-in ones first."""
-    return (*_BUILTIN, *_registered)
+    return _REGISTRY.names()
 
 
 def specs() -> tuple[PartitionSpec, ...]:
     """Every registered spec."""
-    return tuple(get(name) for name in names())
+    return _REGISTRY.specs()
 
 
 def builtin_specs() -> tuple[PartitionSpec, ...]:
     """The partitions that ship with fedbayes."""
-    return tuple(_BUILTIN.values())
+    return _REGISTRY.builtin_specs()

@@ -33,6 +33,7 @@ from fedbayes.data.dataset import TASKS, Dataset, DatasetNotFoundError, check_da
 from fedbayes.data.partition import PartitionError
 from fedbayes.errors import DataError, FedbayesError
 from fedbayes.hparams import HParams
+from fedbayes.registries import Registry
 
 __all__ = [
     "ARRAYS", "DATASETS", "DatasetInfo", "DatasetSpec", "DataSettings", "builtin_specs", "check_traits", "dataset_status", "get", "load_dataset", "names", "register",
@@ -483,7 +484,9 @@ ARRAYS = DatasetSpec(
 # Datasets read from files in data_dir: a data error names the folder.
 FILE_BASED = tuple(name for name, spec in DATASETS.items() if spec.file_based and name != "files")
 _BUILTIN: dict[str, DatasetSpec] = {**DATASETS, ARRAYS.name: ARRAYS}
-_registered: dict[str, DatasetSpec] = {}  # added by register()
+
+
+_REGISTRY = Registry.of("dataset", DatasetSpec, _BUILTIN)
 
 
 def register(spec: DatasetSpec) -> DatasetSpec:
@@ -493,12 +496,7 @@ def register(spec: DatasetSpec) -> DatasetSpec:
     Raises:
       ValueError: the name is taken, or ``spec`` is not a :class:`DatasetSpec`.
     """
-    if not isinstance(spec, DatasetSpec):
-        raise ValueError(f"register: expected a DatasetSpec; got {type(spec).__name__}")
-    if spec.name in _BUILTIN or spec.name in _registered:
-        raise ValueError(f"dataset {spec.name!r} is already registered")
-    _registered[spec.name] = spec
-    return spec
+    return _REGISTRY.register(spec)
 
 
 def unregister(name: str) -> None:
@@ -507,33 +505,27 @@ def unregister(name: str) -> None:
     Raises:
       ValueError: ``name`` is built in (built-in datasets stay).
     """
-    if name in _BUILTIN:
-        raise ValueError(f"dataset {name!r} is built in and cannot be removed")
-    _registered.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def get(name: str) -> DatasetSpec:
     """The spec of ``name``; an unknown name raises ``ValueError`` listing the known ones."""
-    if name in _registered:
-        return _registered[name]
-    if name in _BUILTIN:
-        return _BUILTIN[name]
-    raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(names())}")
+    return _REGISTRY.get(name)
 
 
 def names() -> tuple[str, ...]:
     """Every registered name, built-in ones first."""
-    return (*_BUILTIN, *_registered)
+    return _REGISTRY.names()
 
 
 def specs() -> tuple[DatasetSpec, ...]:
     """Every registered spec."""
-    return tuple(get(name) for name in names())
+    return _REGISTRY.specs()
 
 
 def builtin_specs() -> tuple[DatasetSpec, ...]:
     """The datasets that ship with fedbayes."""
-    return tuple(_BUILTIN.values())
+    return _REGISTRY.builtin_specs()
 
 
 # FEDBAYES_NO_SYSTEM_DATA=1 hides the system-wide dataset folders (Debian's /usr/share/datasets),

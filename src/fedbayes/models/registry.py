@@ -23,6 +23,7 @@ from pydantic import Field
 
 from fedbayes.hparams import HParams
 from fedbayes.models.tasks import ACTIVATIONS, TASKS
+from fedbayes.registries import Registry
 
 __all__ = ["ModelSettings", "ModelSpec", "builtin_specs", "get", "names", "register", "setting", "specs", "unregister"]
 
@@ -161,7 +162,9 @@ _BUILTIN: dict[str, ModelSpec] = {
         ModelSpec("module", "your own flax module (model.module, or passed from Python)", _module, ModuleSettings, imported=True),
     )
 }
-_registered: dict[str, ModelSpec] = {}  # added by register()
+
+
+_REGISTRY = Registry.of("model", ModelSpec, _BUILTIN)
 
 
 def register(spec: ModelSpec) -> ModelSpec:
@@ -171,12 +174,7 @@ def register(spec: ModelSpec) -> ModelSpec:
     Raises:
       ValueError: the name is taken, or ``spec`` is not a :class:`ModelSpec`.
     """
-    if not isinstance(spec, ModelSpec):
-        raise ValueError(f"register: expected a ModelSpec; got {type(spec).__name__}")
-    if spec.name in _BUILTIN or spec.name in _registered:
-        raise ValueError(f"model {spec.name!r} is already registered")
-    _registered[spec.name] = spec
-    return spec
+    return _REGISTRY.register(spec)
 
 
 def unregister(name: str) -> None:
@@ -185,30 +183,24 @@ def unregister(name: str) -> None:
     Raises:
       ValueError: ``name`` is built in (built-in models stay).
     """
-    if name in _BUILTIN:
-        raise ValueError(f"model {name!r} is built in and cannot be removed")
-    _registered.pop(name, None)
+    _REGISTRY.unregister(name)
 
 
 def get(name: str) -> ModelSpec:
     """The spec of ``name``; an unknown name raises ``ValueError`` listing the known ones."""
-    if name in _registered:
-        return _registered[name]
-    if name in _BUILTIN:
-        return _BUILTIN[name]
-    raise ValueError(f"unknown model {name!r}; allowed: {', '.join(names())}")
+    return _REGISTRY.get(name)
 
 
 def names() -> tuple[str, ...]:
     """Every registered name, built-in ones first."""
-    return (*_BUILTIN, *_registered)
+    return _REGISTRY.names()
 
 
 def specs() -> tuple[ModelSpec, ...]:
     """Every registered spec."""
-    return tuple(get(name) for name in names())
+    return _REGISTRY.specs()
 
 
 def builtin_specs() -> tuple[ModelSpec, ...]:
     """The models that ship with fedbayes."""
-    return tuple(_BUILTIN.values())
+    return _REGISTRY.builtin_specs()
