@@ -35,6 +35,7 @@ from fedbayes.gaussian import DiagGaussian, IsoGaussian
 
 __all__ = [
     "FullGaussian",
+    "cholesky",
     "covariance",
     "damp",
     "difference",
@@ -126,7 +127,7 @@ def from_moments(mean: PyTree, cov: jax.Array) -> FullGaussian:
     cov = jnp.asarray(cov, dtype=flat.dtype)
     if cov.shape != (flat.size, flat.size):
         raise ValueError(f"cov must be [{flat.size}, {flat.size}] for {flat.size} parameters; got {cov.shape}")
-    chol = jnp.linalg.cholesky(cov)
+    chol = cholesky(cov)
     eye = jnp.eye(flat.size, dtype=flat.dtype)
     inv_chol = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
     precision = inv_chol.T @ inv_chol
@@ -134,9 +135,18 @@ def from_moments(mean: PyTree, cov: jax.Array) -> FullGaussian:
     return FullGaussian(precision_mean=unravel(precision @ flat), precision=precision)
 
 
+# One matrix at a time also under vmap (a cohort's clients): XLA:CPU's batched LAPACK call waited
+# for threads that a second host device held in the round's collective, and the round hung.
+@jax.custom_batching.sequential_vmap
+def cholesky(matrix: jax.Array) -> jax.Array:
+    """The lower Cholesky factor of ``(matrix + matrix^T) / 2`` (symmetrised first: sums of messages
+    drift from symmetry by rounding); NaN where the matrix is not positive definite. Under ``vmap``
+    the matrices are factored one at a time."""
+    return jnp.linalg.cholesky(0.5 * (matrix + matrix.T))
+
+
 def _cholesky(g: FullGaussian) -> jax.Array:
-    # Symmetrised first: sums of messages drift from symmetry by rounding.
-    return jnp.linalg.cholesky(0.5 * (g.precision + g.precision.T))
+    return cholesky(g.precision)
 
 
 def _solve(chol: jax.Array, b: jax.Array) -> jax.Array:

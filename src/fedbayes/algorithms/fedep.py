@@ -611,24 +611,9 @@ def fedsep(
 # ----- full covariance (docs/algorithms.md §7, "Full-covariance messages") ----------------------
 
 
-# Every Cholesky factor of the dense path runs one matrix at a time, also under vmap (the server's
-# message check, the vmap layout's clients): XLA:CPU's batched LAPACK call waited for threads that a
-# second host device held in the round's collective, and the round hung (2 host devices, 10 clients).
-@jax.custom_batching.sequential_vmap
 def _psd_shifted(precision: jax.Array, eps: jax.Array) -> jax.Array:
-    shifted = precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype)
-    chol = jnp.linalg.cholesky(0.5 * (shifted + shifted.T))
+    chol = gaussian_full.cholesky(precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype))
     return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
-
-
-@jax.custom_batching.sequential_vmap
-def _proper(q: FullGaussian) -> jax.Array:
-    return gaussian_full.is_proper(q)
-
-
-@jax.custom_batching.sequential_vmap
-def _mean_and_proper(q: FullGaussian):
-    return gaussian_full.mean(q), gaussian_full.is_proper(q)
 
 
 def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e-5) -> jax.Array:
@@ -641,7 +626,7 @@ def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e
 
 def _full_mean_or(q: FullGaussian, fallback: PyTree) -> PyTree:
     """``mean(q)`` where ``q`` is proper, else ``fallback`` (the dense :func:`~fedbayes.algorithms.sites.safe_mean`)."""
-    mean, proper = _mean_and_proper(q)
+    mean, proper = gaussian_full.mean(q), gaussian_full.is_proper(q)
     return jax.tree.map(lambda m, f: jnp.where(proper, m, f), mean, fallback)
 
 
@@ -661,7 +646,7 @@ def full_client_step(
     exact_late_sites: bool = False,
 ):
     """One FedEP client with dense sites (Guo et al. 2023 (FedEP) Alg. 1; Vehtari et al. 2020, "EP as
-    a way of life", Sec. 3): the cavity ``q_{-k} = q_g / t_k`` (a full quotient; :func:`_full_first_site`
+    a way of life", Sec. 3): the cavity ``q_{-k} = q_g / t_k`` (a full quotient; :func:`first_site`
     for a site not yet initialised), the tilted approximation ``q^ = inference(cavity)``
     (:func:`~fedbayes.inference.tilted.make_full_laplace_inference`), the damped message
     ``delta clip(q^ / q_g)`` and the site update ``t_k <- t_k + ClientOpt(delta (q^ / q_g))``, which with
@@ -697,7 +682,7 @@ def full_message_ok(message: GaussianMessage, q: FullGaussian) -> jax.Array:
     """The server's test of a dense message: finite, flagged valid by its client, and ``q_g`` plus
     the message proper (a Cholesky factor exists; :func:`~fedbayes.gaussian_full.is_proper`)."""
     ok = jnp.logical_and(tree.all_finite(message.difference), message.ok)
-    return jnp.logical_and(ok, _proper(gaussian_full.product(q, message.difference)))
+    return jnp.logical_and(ok, gaussian_full.is_proper(gaussian_full.product(q, message.difference)))
 
 
 def full_server_step(state: ServerState, aggregate: Aggregate, server_optimizer, damping: damping_policy.Damping) -> tuple[ServerState, FedEPInfo]:
