@@ -81,6 +81,7 @@ from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_full import FullGaussian
 from fedbayes.inference.base import CavityInference
+from fedbayes.inference.nuts import make_full_nuts_inference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
 from fedbayes.inference.tilted import METHODS, TiltedSettings, make_full_laplace_inference, make_tilted_inference
 
@@ -805,7 +806,8 @@ class EPConfig(TiltedSettings):
     method: Literal[METHODS] = Field(  # type: ignore[valid-type]
         "laplace",
         description="client tilted inference: laplace (L, default) or ngvi (V) give a posterior; identity (I) and mcmc (M) "
-        "give a variance set by alpha_cov = scale * (initial_precision + weight_decay), a hyperparameter, not the data",
+        "give a variance set by alpha_cov = scale * (initial_precision + weight_decay), a hyperparameter, not the data; "
+        "nuts matches the tilted mean and covariance by NUTS (FedEP with covariance = 'full'; small models)",
     )
     damping: Annotated[float, Field(gt=0, le=1)] | Literal["adaptive"] | None = Field(
         None,
@@ -850,8 +852,15 @@ class EPConfig(TiltedSettings):
                 "algorithm.weight_decay: the benchmark initialisation needs alpha_cov = scale * (initial_precision + weight_decay) > 0 "
                 "or prior_precision > 0; set one of them, or init = 'uniform'"
             )
-        if self.covariance == "full" and self.method != "laplace":
-            raise ValueError(f"algorithm.covariance: 'full' takes the laplace method (a dense GGN at the tilted mode); got method {self.method!r}")
+        if self.method == "nuts" and self.covariance != "full":
+            raise ValueError(
+                "algorithm.method: nuts matches the tilted moments with dense sites; set covariance = 'full' (FedEP; models up to "
+                f"{MAX_FULL_PARAMS} parameters)"
+            )
+        if self.covariance == "full" and self.method not in ("laplace", "nuts"):
+            raise ValueError(
+                f"algorithm.covariance: 'full' takes the laplace method (a dense GGN at the tilted mode) or nuts (moments by NUTS); got method {self.method!r}"
+            )
         if self.covariance == "full" and self.burn_in_rounds > 0:
             raise ValueError(f"algorithm.covariance: 'full' runs EP from the first round; set burn_in_rounds = 0; got {self.burn_in_rounds}")
         if self.method in ("identity", "mcmc") and not self.alpha_cov > 0:
@@ -873,8 +882,19 @@ class FedEPConfig(EPConfig):
 
     name: Literal["fedep"]
     improper_sites: Literal["reject", "allow"] = Field(
-        "reject", description="a message whose site precision turns non-positive: reject it, or allow it (EP factors may be improper)"
+        "reject",
+        description="a message whose site precision turns non-positive: reject it, or allow it (EP factors may be improper); "
+        "unset: allow for the nuts method (a site estimated from draws is indefinite where the client's data say little), reject otherwise",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nuts_sites_may_be_improper(cls, data):
+        # the draws' covariance has sampling noise: along directions its data barely inform, a
+        # site (tilted precision minus cavity) is as often slightly negative as positive
+        if isinstance(data, dict) and data.get("method") == "nuts" and "improper_sites" not in data:
+            return {**data, "improper_sites": "allow"}
+        return data
 
 
 class FedSEPConfig(EPConfig):
@@ -915,7 +935,10 @@ def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
             f"algorithm.covariance: 'full' keeps a dense [D, D] precision per site and message, for models up to {MAX_FULL_PARAMS} parameters; "
             f"this model has {ctx.num_params}; use covariance = 'diagonal' or a smaller model (model.name = 'logreg')"
         )
-    inference = make_full_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
+    if hp.method == "nuts":
+        inference = make_full_nuts_inference(ctx.trainer, hp, max_examples=max(ctx.federation.client_sizes))
+    else:
+        inference = make_full_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     return fedep_full(
         ctx.trainer, ctx.server_optimizer, inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
         damping=damping_policy.from_setting(hp.default_damping(ctx.clients_per_round)), alpha_cov=hp.alpha_cov, init=hp.init,

@@ -84,7 +84,7 @@ __all__ = [
 PRIOR_PRECISION = 1.0  # lambda: the prior N(0, I / lambda) on every parameter
 MEAN_TOLERANCE = 0.05  # the bar: relative L2 of the mean to the family optimum ...
 VARIANCE_BAND = (0.8, 1.25)  # ... and the median variance ratio to it
-FAMILIES = ("diag_laplace", "laplace", "ngvi", "mfvi", "map")
+FAMILIES = ("diag_laplace", "laplace", "ngvi", "mfvi", "map", "truth")  # truth: NUTS's own moments (a moment-matching method's target)
 LOGREG = {"name": "logreg"}
 LINEAR_VARIATIONAL = {"name": "mlp", "hidden": [], "variational": True}
 
@@ -160,6 +160,12 @@ METHODS: tuple[Method, ...] = (
     *_ep_methods("fedep", "FedEP"),
     *_ep_methods("fedsep", "FedSEP"),
     Method("fedep_laplace_full", "FedEP (laplace, covariance full)", {"name": "fedep", "method": "laplace", "covariance": "full"}, "laplace"),
+    Method(
+        "fedep_nuts_full",
+        "FedEP (nuts, covariance full)",
+        {"name": "fedep", "method": "nuts", "covariance": "full"},
+        "truth",
+    ),
     Method("pvi", "PVI", {"name": "pvi"}, "mfvi"),
     Method("fedlap_cov", "FedLap-Cov", {"name": "fedlap_cov"}, "diag_laplace"),
     Method("vbnn", "VBNN (linear, kernel only)", {"name": "vbnn"}, "mfvi", model=dict(LINEAR_VARIATIONAL), kernel_only=True),
@@ -333,6 +339,7 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         "ngvi": refs.ngvi,
         "mfvi": refs.mfvi,
         "map": (refs.map, None),
+        "truth": (nuts.mean, nuts.variance),
     }[method.family]
     sim = exp.simulator
     state = sim.init(exp.params)

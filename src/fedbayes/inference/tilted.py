@@ -77,9 +77,11 @@ from fedbayes.inference.iasg import epoch_of_sample, epoch_samples
 from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
 
 PyTree = Any
-METHODS = ("identity", "mcmc", "laplace", "ngvi")
+METHODS = ("identity", "mcmc", "laplace", "ngvi", "nuts")
+# the methods of the diagonal family (nuts matches moments in the dense one: fedbayes.inference.nuts)
+DIAGONAL_METHODS = ("identity", "mcmc", "laplace", "ngvi")
 
-__all__ = ["METHODS", "TiltedSettings", "make_full_laplace_inference", "make_tilted_inference", "sgmcmc_moments"]
+__all__ = ["DIAGONAL_METHODS", "METHODS", "TiltedSettings", "make_full_laplace_inference", "make_tilted_inference", "sgmcmc_moments"]
 
 
 class TiltedSettings(HParams):
@@ -118,6 +120,10 @@ class TiltedSettings(HParams):
     )
     fisher_max_batches: int = Field(0, ge=0, description="laplace/ngvi: stop the Fisher passes after this many minibatches (0: all)")
     step_cap: float = Field(1.0, description="SG-MCMC step bound lr * h_i <= step_cap on the tilted prior's curvature (<= 0: off)")
+    nuts_warmup: int = Field(500, ge=10, description="nuts method: warm-up transitions (step size and diagonal metric adaptation) per client and round")
+    nuts_draws: int = Field(1000, ge=3, description="nuts method: kept draws per client and round; the precision estimate needs more than D + 2")
+    nuts_target_accept: float = Field(0.9, gt=0, lt=1, description="nuts method: the warm-up's target acceptance probability")
+    nuts_max_doublings: int = Field(10, ge=1, le=15, description="nuts method: the largest tree depth (at most 2^depth gradients per draw)")
 
     @property
     def alpha_cov(self) -> float:
@@ -201,8 +207,8 @@ def make_tilted_inference(
       task: how labels are sampled for the Fisher (``laplace`` and ``ngvi`` need one of
         :data:`fedbayes.inference.curvature.TASKS`; ``identity`` and ``mcmc`` take any task).
     """
-    if method not in METHODS:
-        raise ValueError(f"tilted inference method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method not in DIAGONAL_METHODS:
+        raise ValueError(f"tilted inference method must be one of {', '.join(DIAGONAL_METHODS)} (nuts takes covariance = 'full'); got {method!r}")
     if method in ("laplace", "ngvi") and apply_fn is None:
         raise ValueError(f"the {method} method needs the model's apply_fn")
     if method == "mcmc" and trainer.num_epochs < 2:

@@ -230,7 +230,9 @@ class ClientLog:
 
     Each line holds ``round``, ``client``, ``examples`` (the client's training examples),
     ``rejected`` (whether the server refused its message), ``loss`` (its mean minibatch training
-    loss this round) and ``steps`` (its local steps), from the round's
+    loss this round) and ``steps`` (its local steps), plus ``acceptance`` and ``divergences`` for
+    a sampling client (FedEP's nuts method: the mean acceptance probability of its kept draws and
+    its divergent transitions), from the round's
     :attr:`fedbayes.sim.simulator.RoundInfo.clients`.
 
     The log also keeps the text written so far (:meth:`saved`, zlib-compressed), which each
@@ -309,6 +311,8 @@ class ClientLog:
             loss = float(c["loss"][i])
             line["loss"] = loss if math.isfinite(loss) else None  # strict JSON: no bare NaN
             line["steps"] = int(c["steps"][i])
+            if "acceptance" in c:  # a sampling client (FedEP's nuts method): its sampler's health
+                line.update(acceptance=float(c["acceptance"][i]), divergences=int(c["divergences"][i]))
             if "dropped" in c and (c["dropped"][i] or c["late"][i]):  # failed this round: sent nothing, was not rejected
                 line.update(rejected=False, dropped=bool(c["dropped"][i]), late=bool(c["late"][i]))
             lines.append(json.dumps(line) + "\n")
