@@ -53,7 +53,7 @@ def main(grid: Grid, context: Context) -> None:
 
     config = load_config(str(context.run_config["config"]))
     exp = build_experiment(config)
-    k = config.data.num_clients
+    k = exp.federation.num_clients
     strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=k, min_evaluate_nodes=0, min_available_nodes=k)
     t0 = time.perf_counter()
     result = strategy.start(grid=grid, initial_arrays=encode(exp.params), num_rounds=config.rounds, train_config=ConfigRecord(data_spec(exp)))

@@ -109,7 +109,7 @@ def federation(work: Path, exp, executor: str, count_requests: Path | None = Non
     if count_requests is not None:  # the SuperLink logs its requests (benchmarks/flower_requests)
         path.insert(0, str(HERE / "flower_requests"))
         env["FEDBAYES_COUNT_REQUESTS"] = str(count_requests)
-    fed = LocalFederation(work, exp.config.data.num_clients, executor=executor, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, path))})
+    fed = LocalFederation(work, exp.federation.num_clients, executor=executor, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, path))})
     for n in fed.nodes:
         n.data = {"data-file": str(write_client_file(exp, n.partition, n.state_dir.parent / "data.npz"))}
     return fed

@@ -325,3 +325,50 @@ def test_the_config_and_the_evaluation_agree_on_conformal_scores():
 
     assert schema.CONFORMAL_SCORES == SCORES
     assert validate({}).evaluation.conformal_alpha is None  # off unless asked
+
+
+def test_the_data_table_takes_each_key_from_the_one_spec_settings_that_declares_it():
+    from fedbayes.config.schema import DataConfig
+    from fedbayes.data import partitions
+    from fedbayes.data import registry as datasets
+
+    declared = datasets.settings_fields([*partitions.builtin_specs(), *datasets.builtin_specs()])  # raises on a key declared twice
+    fields = DataConfig.model_fields
+    assert set(fields) - set(declared) == {"dataset", "data_dir", "fraction", "num_clients", "partition", "validation_fraction", "standardize"}
+    for key, own in declared.items():
+        flat = fields[key]
+        assert (flat.annotation, flat.default, flat.metadata, flat.description) == (own.annotation, own.default, own.metadata, own.description), key
+    for spec in [*partitions.builtin_specs(), *datasets.builtin_specs()]:
+        for key in spec.setting_keys:  # a key several specs read is one field, the same in each
+            assert spec.settings.model_fields[key].description == declared[key].description
+
+
+@pytest.mark.parametrize(
+    "data,clients",
+    [
+        ({}, 10),
+        ({"dataset": "digits", "partition": "dirichlet"}, 10),
+        ({"dataset": "files", "path": "x.csv"}, 10),  # no client column: nothing to count
+        ({"dataset": "synthetic_leaf"}, 10),  # generated: it makes as many clients as asked for
+        ({"dataset": "cifar100"}, 10),
+        ({"dataset": "leaf"}, None),  # the data's own, counted when it is loaded
+        ({"dataset": "emnist", "partition": "iid"}, None),
+        ({"dataset": "stackoverflow_lr"}, None),
+        ({"dataset": "files", "path": "x.csv", "client_column": "c"}, None),
+        ({"dataset": "arrays", "partition": "natural"}, None),
+        ({"dataset": "leaf", "num_clients": 7}, 7),
+    ],
+)
+def test_an_unset_num_clients_is_ten_unless_the_data_brings_its_own_clients(data, clients):
+    config = validate({"data": data, "server": {"clients_per_round": 2}})
+    assert config.data.num_clients == clients
+    if clients is None:  # written out without it, read back the same
+        assert "num_clients" not in to_toml(config) and validate(config.model_dump(mode="json")) == config
+
+
+def test_the_reference_says_what_an_unset_num_clients_means():
+    from fedbayes.config.reference import select
+
+    (section,) = select("data")
+    (key,) = [k for k in section.keys if k.name == "num_clients"]
+    assert key.default == "none" and "unset: the data's own number of clients" in key.meaning and "else 10" in key.meaning

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbayes.config.schema import DataConfig
+from fedbayes.config.schema import DataConfig, RunConfig, brings_clients
 from fedbayes.data import partitions, writers
 from fedbayes.data import registry as datasets
 from fedbayes.data.registry import check_traits, load_dataset
+from fedbayes.runs.build import load_data, split_clients
 
 IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -133,3 +134,17 @@ def test_a_built_in_spec_s_keys_sit_flat_in_the_data_table_with_the_same_default
         own = spec.settings.model_fields[key]
         assert own.get_default(call_default_factory=True) == fields[key].get_default(call_default_factory=True), key
         assert own.description == fields[key].description, key
+
+
+@pytest.mark.parametrize("spec", [s for s in datasets.builtin_specs() if not s.from_python], ids=lambda s: s.name)
+def test_an_unset_num_clients_is_the_number_of_clients_the_data_brings(spec, tmp_path):
+    params = SOURCES[spec.name](tmp_path / spec.name, np.random.default_rng(0))
+    data = {k: str(v) if isinstance(v, Path) else v for k, v in params.items() if k != "num_clients"}
+    model = {"name": "linear"} if spec.task == "regression" else {}
+    config = RunConfig.model_validate({"data": {"dataset": spec.name, **data}, "model": model, "server": {"clients_per_round": 2}})
+    dataset = load_data(config)
+    parts = split_clients(config, dataset)
+    if brings_clients(spec, config.data.partition_spec, config.data):
+        assert config.data.num_clients is None and len(parts) == len(np.unique(dataset.client_ids)) >= 2
+    else:
+        assert config.data.num_clients == 10 and len(parts) == 10

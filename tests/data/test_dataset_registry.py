@@ -16,7 +16,7 @@ from fedbayes.data import partitions
 from fedbayes.data import registry as datasets
 from fedbayes.data.dataset import Dataset
 from fedbayes.data.partitions import PartitionSpec
-from fedbayes.data.registry import DatasetSpec, DataSettings
+from fedbayes.data.registry import ClassCountSettings, DatasetSpec, DataSettings, settings_fields
 
 
 # ----- a dataset and a partition, added from a test file ------------------------------------------
@@ -245,3 +245,23 @@ def test_a_registered_partition_splits_as_its_function_says(by_label):
     assert len(parts) == 5 and sum(map(len, parts)) == dataset.num_train
     for k, part in enumerate(parts):
         assert set(((dataset.y_train[part] + 2) % 5).tolist()) == {k}
+
+
+def test_a_key_two_settings_classes_declare_is_refused_and_a_shared_base_is_one_key():
+    class Mine(DataSettings):
+        num_classes: int | None = Field(None, ge=1, description="mine: another meaning")
+
+    class Shared(ClassCountSettings):
+        noise: float = Field(0.5, gt=0)
+
+    def spec(name, settings):
+        return DatasetSpec(name, "d", "h", loader=lambda d, s: None, locate=lambda d: (True, ""), settings=settings)
+
+    leaf = datasets.get("leaf")
+    assert list(settings_fields([leaf, spec("shared", Shared)])) == ["num_classes", "noise"]
+    with pytest.raises(ValueError, match="data.num_classes: declared by both ClassCountSettings and .*Mine"):
+        settings_fields([leaf, spec("mine", Mine)])
+
+
+def test_a_dataset_that_takes_num_clients_makes_its_clients():
+    assert [s.name for s in datasets.builtin_specs() if s.makes_clients] == ["synthetic_leaf", "least_squares", "cifar100"]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "flower" / "breast_cancer_fedavg.toml"
 NO_FLWR = "import sys; sys.modules['flwr'] = None\n"  # `import flwr` now raises ImportError
@@ -73,3 +75,15 @@ def test_the_printed_connection_is_added_once_and_keeps_the_users_own(tmp_path):
     assert config["superlink"]["default"] == "mine" and config["superlink"]["mine"]["insecure"] is True
     assert [k for k in config["superlink"] if k != "default"] == ["mine", "local"] and written.count("[superlink.local]") == 1
     assert config["superlink"]["local"]["address"] == "10.0.0.1:9092"
+
+
+def test_the_printed_commands_need_the_number_of_clients(tmp_path):
+    """A node per client is started before any data is read: the data's own number of clients
+    (``data.num_clients`` unset) cannot be counted where the commands are printed."""
+    from fedbayes.config.schema import validate
+    from fedbayes.errors import BadInputError
+    from fedbayes.flower.deploy import print_commands
+
+    config = validate({"data": {"dataset": "leaf"}, "server": {"clients_per_round": 2}})
+    with pytest.raises(BadInputError, match=r"^config error: data.num_clients: the commands start one SuperNode per client before any data is read"):
+        print_commands(CONFIG, config, tmp_path / "out", "10.0.0.1", 9092)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fedbayes.config.schema import ConfigError
+from fedbayes.config.schema import ConfigError, validate
 from fedbayes.runs import compare as cmp
 
 COMPARISON = """
@@ -99,3 +99,5 @@ def test_the_plots_title_says_what_was_run(tmp_path):
     assert cmp.describe("c", runs) == "c: 2 methods, digits, 3 clients, 2 rounds"
     runs = cmp.load_comparison([_file(tmp_path, COMPARISON)], ["data.num_clients=6", "data.fraction=0.5", "fedprox.rounds=4"])
     assert cmp.describe("c", runs) == "c: 2 methods, digits (50%), 6 clients (3 per round), 2, 4 rounds"
+    leaf = validate({"data": {"dataset": "leaf"}, "server": {"clients_per_round": 2}})
+    assert cmp.describe("c", {"leaf": leaf}) == "c: 1 method, leaf, the data's own clients (2 per round), 10 rounds"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, create_model, field_validator, model_validator
 
 from fedbayes.algorithms import registry
 from fedbayes.data import partitions as partition_registry
@@ -88,11 +88,36 @@ def _exclusive_keys(record: HParams, section: str, chosen: str, what: str, specs
                 raise ValueError(f"{section}{key}: {message(key, spec.name, value)}")
 
 
-class DataConfig(_Strict):
-    """Which data, how much of it, and how it is split over clients. The dataset and the partition
-    are names in the dataset and partition registries; the keys only one of them reads sit flat in
-    this table and are validated through its settings (a dataset or partition registered from
-    Python brings its own keys)."""
+DEFAULT_NUM_CLIENTS = 10  # data.num_clients of data that brings no clients of its own
+
+
+def brings_clients(spec: data_registry.DatasetSpec, partition: partition_registry.PartitionSpec, data: Any) -> bool:
+    """Whether the data, as ``data`` configures it, brings its own clients, whose number an unset
+    ``data.num_clients`` takes: a dataset that comes federated or a partition by the data's client
+    ids, unless the dataset makes as many clients as it is asked for (a generated federation)."""
+    return not spec.makes_clients and (spec.comes_federated(data) or partition.needs_client_ids)
+
+
+# The order `fedbayes config data` has always listed the built-in datasets' and partitions' keys in,
+# and config.toml writes them in; a key a built-in spec adds later follows them. Each key is
+# declared once, in its spec's settings (fedbayes.data.registry, fedbayes.data.partitions).
+_LISTED_DATA_KEYS = (
+    "alpha", "alpha1", "alpha2", "classes_per_client", "synthetic_alpha", "synthetic_beta", "dim", "num_classes", "only_digits",
+    "vocab_size", "num_tags", "max_len", "max_clients", "max_posts", "test_examples", "test_clients", "path", "test_path",
+    "test_fraction", "label", "client_column",
+)  # fmt: skip
+
+
+def _spec_fields() -> dict[str, Any]:
+    """The built-in partitions' and datasets' own keys, as pydantic field definitions: the flat
+    keys of ``[data]`` (:func:`fedbayes.data.registry.settings_fields`)."""
+    fields = data_registry.settings_fields([*partition_registry.builtin_specs(), *data_registry.builtin_specs()])
+    order = sorted(fields, key=lambda k: _LISTED_DATA_KEYS.index(k) if k in _LISTED_DATA_KEYS else len(_LISTED_DATA_KEYS))
+    return {key: (fields[key].annotation, copy.copy(fields[key])) for key in order}
+
+
+class _DataChoice(_Strict):
+    """The keys of ``[data]`` before the specs' own: which dataset, how much, how many clients, which partition."""
 
     model_config = ConfigDict(extra="allow")  # a registered dataset's or partition's own keys (checked in _own_settings)
     section: ClassVar[str] = "data."
@@ -100,51 +125,52 @@ class DataConfig(_Strict):
     dataset: str = Field("fashion_mnist", description="a name of the dataset registry (`fedbayes datasets` lists them): " + ", ".join(DATASETS))
     data_dir: str | None = None
     fraction: float = Field(1.0, gt=0, le=1, description="random fraction of the training set (Swaroop et al. 2025 (ADMM and Bayes) uses 0.1 for FMNIST)")
-    num_clients: int = Field(10, ge=1)
+    num_clients: int | None = Field(
+        None,
+        ge=1,
+        description=f"the number of clients; unset: the data's own number of clients where the data brings its clients (a dataset that comes "
+        f"federated: leaf, emnist, fed_cifar100, stackoverflow_*, files with a client_column; or partition = natural), else {DEFAULT_NUM_CLIENTS} "
+        "(the generated federations, synthetic_leaf, least_squares and cifar100's Pachinko split, make this many)",
+    )
     partition: str | None = Field(
         None,
         description="a name of the partition registry: " + ", ".join(PARTITIONS) + "; unset: natural where the dataset comes federated "
         "(its own client ids: leaf, synthetic_leaf, least_squares, emnist, fed_cifar100, cifar100, stackoverflow_*, files with a client_column), else iid",
     )
-    alpha: float = Field(0.5, gt=0, description="Dirichlet label-skew concentration (partition = dirichlet)")
-    alpha1: float = Field(1.0, gt=0, description="two-level Dirichlet: client-size concentration")
-    alpha2: float = Field(0.5, gt=0, description="two-level Dirichlet: class-mix concentration")
-    classes_per_client: int = Field(2, ge=1, description="shards partition")
-    synthetic_alpha: float = Field(1.0, ge=0, description="synthetic_leaf: model heterogeneity")
-    synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
-    dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
-    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels), files, arrays: the declared number of classes; default from the labels")
-    # The federated benchmarks' datasets (fedbayes.data.tff, .stackoverflow, .cifar).
-    only_digits: bool = Field(False, description="emnist: TFF's digits-only files (10 classes) instead of the 62 classes")
-    vocab_size: int = Field(10_000, ge=1, description="stackoverflow_*: the most frequent words kept")
-    num_tags: int = Field(500, ge=1, description="stackoverflow_lr: the most frequent tags kept")
-    max_len: int = Field(20, ge=1, description="stackoverflow_nwp: words per sequence")
-    max_clients: int | None = Field(None, ge=1, description="stackoverflow_*: read only the first train users (all when unset)")
-    max_posts: int | None = Field(None, ge=1, description="stackoverflow_*: the first posts of each user (Al-Shedivat et al. 2021, NWP: 128); all when unset")
-    test_examples: int | None = Field(None, ge=1, description="stackoverflow_*: a random subsample of the test posts (Guo et al. 2023: 10000)")
-    test_clients: int = Field(100, ge=1, description="cifar100 (Python batches): test clients of the Pachinko split")
-    # Your own data (dataset = "files"; fedbayes.data.user): .npz, .npy, .csv or .parquet.
-    path: str | None = Field(None, description="files: the data file (.npz, .npy, .csv, .parquet); relative paths from the current folder")
-    test_path: str | None = Field(None, description="files: the test file, same layout; unset: test_fraction of each client's rows is held out")
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="files, arrays: the share held out for testing when there is no test file")
-    label: str | None = Field(None, description="files: the label column (a .npz: the label array); default 'label' (a .npz: 'y')")
-    client_column: str | None = Field(None, description="files: the column (a .npz: the array) of client ids, the natural partition (partition = natural)")
+
+
+# The specs' own keys, declared in their settings (DataSettings records), sit flat between them.
+_DataKeys = create_model("_DataKeys", __base__=_DataChoice, __module__=__name__, **_spec_fields())
+
+
+class DataConfig(_DataKeys):
+    """Which data, how much of it, and how it is split over clients. The dataset and the partition
+    are names in the dataset and partition registries; the keys only one of them reads sit flat in
+    this table and are validated through its settings (a dataset or partition registered from
+    Python brings its own keys)."""
 
     @model_validator(mode="before")
     @classmethod
     def _registered_names(cls, data: Any) -> Any:
         """The dataset must be registered; an unset partition is natural where the dataset comes
-        federated (:meth:`~fedbayes.data.registry.DatasetSpec.comes_federated`), else iid."""
+        federated (:meth:`~fedbayes.data.registry.DatasetSpec.comes_federated`), else iid; an unset
+        ``num_clients`` stays unset where the data brings its clients (:func:`brings_clients`:
+        the federation takes their number, :func:`fedbayes.runs.build.split_clients`), else it
+        is :data:`DEFAULT_NUM_CLIENTS`."""
         if not isinstance(data, dict):
             return data
         name = data.get("dataset", "fashion_mnist")
         if not isinstance(name, str) or name not in data_registry.names():
             raise ValueError(f"data.dataset: unknown dataset {name!r}; allowed: {', '.join(data_registry.names())}")
+        spec = data_registry.get(name)
         partition = data.get("partition")
         if partition is None:
-            return {**data, "partition": "natural" if data_registry.get(name).comes_federated(data) else "iid"}
-        if not isinstance(partition, str) or partition not in partition_registry.names():
+            partition = "natural" if spec.comes_federated(data) else "iid"
+            data = {**data, "partition": partition}
+        elif not isinstance(partition, str) or partition not in partition_registry.names():
             raise ValueError(f"data.partition: unknown partition {partition!r}; allowed: {', '.join(partition_registry.names())}")
+        if data.get("num_clients") is None and not brings_clients(spec, partition_registry.get(partition), data):
+            data = {**data, "num_clients": DEFAULT_NUM_CLIENTS}
         return data
 
     @model_validator(mode="after")
@@ -645,7 +671,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.server.clients_per_round > self.data.num_clients:
+        if self.data.num_clients is not None and self.server.clients_per_round > self.data.num_clients:
             raise ValueError(f"server.clients_per_round: must be <= data.num_clients ({self.data.num_clients}); got {self.server.clients_per_round}")
         data, model = self.data.spec, self.model.spec
         if (data.task == "regression" and "regression" not in model.tasks) or (model.tasks == ("regression",) and data.task != "regression"):

@@ -17,6 +17,7 @@ A dataset added with :func:`register` validates and runs from a config file like
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import zipfile
 import zlib
@@ -26,6 +27,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
+from pydantic.fields import FieldInfo
 
 from fedbayes import protocol
 from fedbayes.data import cifar, idx, leaf, sklearn_data, stackoverflow, synthetic, tff, user
@@ -37,7 +39,7 @@ from fedbayes.registries import Registry
 
 __all__ = [
     "ARRAYS", "DATASETS", "DatasetInfo", "DatasetSpec", "DataSettings", "builtin_specs", "check_traits", "dataset_status", "get", "load_dataset", "names", "register",
-    "setting", "specs", "unregister",
+    "setting", "settings_fields", "specs", "unregister",
 ]  # fmt: skip
 
 FEDERATED = ("always", "optional", "never")
@@ -132,6 +134,13 @@ class DatasetSpec:
             return self.config_params(data)
         return {key: setting(data, key) for key in self.setting_keys}
 
+    @property
+    def makes_clients(self) -> bool:
+        """Its loader takes ``num_clients`` (one of its ``params``): it makes as many clients as
+        the config asks for (a generated federation, a split of its own), so the data has no
+        number of clients of its own."""
+        return "num_clients" in self.params
+
     def comes_federated(self, data: Any) -> bool:
         """Whether the data, as ``data`` configures it, comes with natural client ids known before
         loading: the natural partition is then the default."""
@@ -141,6 +150,32 @@ class DatasetSpec:
 
 
 DatasetInfo = DatasetSpec  # the earlier name
+
+
+def _declared_in(settings: type[HParams], key: str) -> type:
+    """The class of ``settings``' bases (itself included) that declares ``key``."""
+    return next(c for c in settings.__mro__ if key in inspect.get_annotations(c))
+
+
+def settings_fields(specs) -> dict[str, FieldInfo]:
+    """The ``[data]`` keys that the settings of ``specs`` (dataset or partition specs) declare,
+    each once, in the specs' order: ``key -> field`` (its type, default, bounds, description).
+
+    Raises:
+      ValueError: two settings classes declare the same key (a key several specs read is
+        declared once, in a base class their settings share, so that it means one thing).
+    """
+    fields: dict[str, FieldInfo] = {}
+    owners: dict[str, type] = {}
+    for spec in specs:
+        for key, field in (spec.settings.model_fields if spec.settings is not None else {}).items():
+            owner = _declared_in(spec.settings, key)
+            if owners.setdefault(key, owner) is not owner:
+                raise ValueError(
+                    f"data.{key}: declared by both {owners[key].__qualname__} and {owner.__qualname__}; declare it once, in a base class both settings share"
+                )
+            fields.setdefault(key, field)
+    return fields
 
 
 def _always(detail: str):
@@ -235,10 +270,23 @@ def _load_files(data_dir, seed, path=None, test_path=None, label=None, client_co
     )  # fmt: skip
 
 
-# ----- the built-in datasets' own settings (each key also sits, flat and documented, in the config's DataConfig) -----
+# ----- the built-in datasets' own settings: each key is declared once, here (a key several datasets
+# read, in a base class their settings share); the config's DataConfig takes its fields from them.
 
 
-class FilesSettings(DataSettings):
+class ClassCountSettings(DataSettings):
+    """The declared number of classes, of data whose labels may not show every class."""
+
+    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels), files, arrays: the declared number of classes; default from the labels")
+
+
+class DimSettings(DataSettings):
+    """The feature dimension of a generated problem."""
+
+    dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
+
+
+class FilesSettings(ClassCountSettings):
     """Your own data (``dataset = "files"``; :mod:`fedbayes.data.user`): .npz, .npy, .csv or .parquet."""
 
     path: str | None = Field(None, description="files: the data file (.npz, .npy, .csv, .parquet); relative paths from the current folder")
@@ -246,7 +294,6 @@ class FilesSettings(DataSettings):
     label: str | None = Field(None, description="files: the label column (a .npz: the label array); default 'label' (a .npz: 'y')")
     client_column: str | None = Field(None, description="files: the column (a .npz: the array) of client ids, the natural partition (partition = natural)")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="files, arrays: the share held out for testing when there is no test file")
-    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels), files, arrays: the declared number of classes; default from the labels")
 
     @model_validator(mode="after")
     def _path_given(self) -> FilesSettings:
@@ -255,24 +302,19 @@ class FilesSettings(DataSettings):
         return self
 
 
-class LeafSettings(DataSettings):
+class LeafSettings(ClassCountSettings):
     """A LEAF folder."""
 
-    num_classes: int | None = Field(None, ge=1, description="leaf (numeric labels), files, arrays: the declared number of classes; default from the labels")
 
-
-class SyntheticLeafSettings(DataSettings):
+class SyntheticLeafSettings(DimSettings):
     """Synthetic(alpha, beta) of Li et al. 2020 (FedProx); ``data.num_clients`` clients are generated."""
 
     synthetic_alpha: float = Field(1.0, ge=0, description="synthetic_leaf: model heterogeneity")
     synthetic_beta: float = Field(1.0, ge=0, description="synthetic_leaf: feature heterogeneity")
-    dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
 
 
-class LeastSquaresSettings(DataSettings):
+class LeastSquaresSettings(DimSettings):
     """Federated least squares (FedPA App. A); ``data.num_clients`` clients are generated."""
-
-    dim: int = Field(60, ge=1, description="synthetic problems: feature dimension")
 
 
 class EmnistSettings(DataSettings):

@@ -243,6 +243,11 @@ def print_commands(
     certificates and keys on each machine) and ``state_root`` are there so that a test can run the
     printed commands on one machine."""
     k = config.data.num_clients
+    if k is None:  # the data is on the nodes: its clients cannot be counted here
+        raise BadInputError(
+            f"config error: data.num_clients: the commands start one SuperNode per client before any data is read; "
+            f"set data.num_clients (the number of clients of the {config.data.dataset} data)"
+        )
     q = shlex.quote
     node_ports = node_ports or [9094] * k
     f = lambda name: f"{files}/{name}"  # noqa: E731
@@ -568,6 +573,18 @@ def _error_for(status: dict) -> FedbayesError:
     return cls(str(status.get("error") or "the run failed"))
 
 
+def _num_clients(config, exp) -> int:
+    """The nodes to start: ``data.num_clients``, or where it is unset (data that brings its own
+    clients) the number the built experiment ``exp`` has, else the number the data splits into."""
+    if config.data.num_clients is not None:
+        return config.data.num_clients
+    if exp is not None:
+        return exp.federation.num_clients
+    from fedbayes.runs.build import prepare_data
+
+    return len(prepare_data(config)[1])
+
+
 def deploy_local(
     config,
     out: str | Path,
@@ -606,17 +623,20 @@ def deploy_local(
     work.mkdir(parents=True, exist_ok=True)
     config_file = work / run_folder.CONFIG
     config_file.write_text(to_toml(config))
-    federation = LocalFederation(work, config.data.num_clients, tls=tls, executor=executor)
+    # each node's own data file (your own data: the user_data trait), named in its node config (else every node loads the dataset itself)
+    exp = None
+    if prepare or data_registry.get(config.data.dataset).user_data:
+        from fedbayes.runs.build import build_experiment
+
+        exp = build_experiment(config, store_dir=work / "unused_store")
+    federation = LocalFederation(work, _num_clients(config, exp), tls=tls, executor=executor)
     # this launcher configures both sides: a user model module is the nodes' own too (nodedata.accept_run_config)
     own = {"model-modules": config.model.module} if config.model.module is not None else {}
     for node in federation.nodes:
         node.data = dict(own) or None
-    # each node's own data file (your own data: the user_data trait), named in its node config (else every node loads the dataset itself)
-    if prepare or data_registry.get(config.data.dataset).user_data:
+    if exp is not None:
         from fedbayes.flower.node import write_client_file
-        from fedbayes.runs.build import build_experiment
 
-        exp = build_experiment(config, store_dir=work / "unused_store")
         for node in federation.nodes:
             node.data = {"data-file": str(write_client_file(exp, node.partition, node.state_dir.parent / "data.npz")), **own}
     seen = 0

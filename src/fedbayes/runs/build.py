@@ -115,29 +115,46 @@ def load_data(config: RunConfig, given: Dataset | None = None) -> Dataset:
 
 def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
     """Partitions the training set over clients with a generator seeded by ``config.seed``, by
-    the partition the config names (:mod:`fedbayes.data.partitions`)."""
+    the partition the config names (:mod:`fedbayes.data.partitions`): ``data.num_clients``
+    clients, or, where it is unset (data that brings its own clients), one per client id of the
+    data."""
     d = config.data
     spec = d.partition_spec
     rng = protocol.partition_rng(config.seed)
+    if spec.needs_client_ids and dataset.client_ids is None:
+        raise ConfigError(
+            f"config error: data.partition: {spec.name!r} needs client ids; {dataset.name} has none (pass client_ids, or choose iid or dirichlet)"
+        )
+    k = d.num_clients if d.num_clients is not None else _own_clients(config, dataset)
     if spec.needs_client_ids:
-        if dataset.client_ids is None:
-            raise ConfigError(
-                f"config error: data.partition: {spec.name!r} needs client ids; {dataset.name} has none (pass client_ids, or choose iid or dirichlet)"
-            )
         try:
-            parts = spec.split(dataset.y_train, d.num_clients, rng, client_ids=dataset.client_ids, **spec.params(d))
+            parts = spec.split(dataset.y_train, k, rng, client_ids=dataset.client_ids, **spec.params(d))
         except ValueError as exc:
             raise ConfigError(f"config error: data.partition ({d.partition}, {dataset.num_train} examples): {exc}") from None
-        if len(parts) != d.num_clients:
+        if len(parts) != k:
             raise ConfigError(
-                f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {d.num_clients} "
+                f"config error: data.num_clients: the {dataset.name} data has {len(parts)} clients in its natural partition; got {k} "
                 f"(set data.num_clients = {len(parts)})"
             )
         return parts
     try:
-        return spec.split(dataset.y_train, d.num_clients, rng, **spec.params(d))
+        return spec.split(dataset.y_train, k, rng, **spec.params(d))
     except ValueError as exc:  # PartitionError included
-        raise ConfigError(f"config error: data.partition ({d.partition}, data.num_clients = {d.num_clients}, {dataset.num_train} examples): {exc}") from None
+        raise ConfigError(f"config error: data.partition ({d.partition}, data.num_clients = {k}, {dataset.num_train} examples): {exc}") from None
+
+
+def _own_clients(config: RunConfig, dataset: Dataset) -> int:
+    """The number of clients of data that brings its own (``data.num_clients`` unset): its
+    distinct client ids; the cohort must fit in it."""
+    if dataset.client_ids is None:
+        raise ConfigError(f"config error: data.num_clients: the {dataset.name} data has no client ids to count; set data.num_clients")
+    k = len(np.unique(dataset.client_ids))
+    if config.server.clients_per_round > k:
+        raise ConfigError(
+            f"config error: server.clients_per_round: must be <= data.num_clients ({k}, the {dataset.name} data's clients); "
+            f"got {config.server.clients_per_round}"
+        )
+    return k
 
 
 def check_model(config: RunConfig, dataset: Dataset, module=None) -> None:

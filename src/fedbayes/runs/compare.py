@@ -350,10 +350,15 @@ def describe(name: str, runs: Mapping[str, RunConfig]) -> str:
         source = Path(c.data.path).name if data_registry.get(c.data.dataset).file_based and c.data.path else c.data.dataset
         return source + (f" ({c.data.fraction:.0%})" if c.data.fraction < 1 else "")
 
+    def per_round(c: RunConfig) -> int | None:  # None: every client (a cohort of the data's own clients may be all of them)
+        k = c.data.num_clients
+        return c.server.clients_per_round if k is None or c.server.clients_per_round < k else None
+
     configs = list(runs.values())
-    clients = f"{each(c.data.num_clients for c in configs)} clients"
-    if any(c.server.clients_per_round < c.data.num_clients for c in configs):
-        clients += f" ({each(min(c.server.clients_per_round, c.data.num_clients) for c in configs)} per round)"
+    counts = [c.data.num_clients for c in configs]
+    clients = ", ".join([*map(str, sorted({k for k in counts if k is not None})), *(["the data's own"] if None in counts else [])]) + " clients"
+    if any(per_round(c) is not None for c in configs):
+        clients += f" ({each(per_round(c) or c.data.num_clients for c in configs)} per round)"
     methods = f"{len(runs)} method{'s' if len(runs) > 1 else ''}"
     return f"{name}: {methods}, {each(data(c) for c in configs)}, {clients}, {each(c.rounds for c in configs)} rounds"
 
