@@ -123,6 +123,13 @@ class DataConfig(_Strict):
     max_posts: int | None = Field(None, ge=1, description="stackoverflow_*: the first posts of each user (Al-Shedivat et al. 2021, NWP: 128); all when unset")
     test_examples: int | None = Field(None, ge=1, description="stackoverflow_*: a random subsample of the test posts (Guo et al. 2023: 10000)")
     test_clients: int = Field(100, ge=1, description="cifar100 (Python batches): test clients of the Pachinko split")
+    on_demand: bool = Field(
+        False,
+        description="stackoverflow_*: read each sampled user's posts from the HDF5 file when its round comes (the next round's cohort in the "
+        "background), never the whole training set: memory does not grow with the number of users (all 342,477 run); the same results as reading it all",
+    )
+    cache_clients: int = Field(64, ge=1, description="with on_demand: at most this many users' examples held in memory (least recently used dropped)")
+    cache_bytes: int | None = Field(None, ge=1, description="with on_demand: at most this many bytes of users' examples held (unset: cache_clients alone bounds it)")
     # Your own data (dataset = "files"; fedbayes.data.user): .npz, .npy, .csv or .parquet.
     path: str | None = Field(None, description="files: the data file (.npz, .npy, .csv, .parquet); relative paths from the current folder")
     test_path: str | None = Field(None, description="files: the test file, same layout; unset: test_fraction of each client's rows is held out")
@@ -165,6 +172,23 @@ class DataConfig(_Strict):
                 raise ValueError(f"data.partition: {part.name!r} needs a dataset with client ids ({allowed}); got {self.dataset!r}")
             if spec.client_ids_setting is not None and getattr(self, spec.client_ids_setting) is None:
                 raise ValueError(f"data.partition: {part.name!r} needs the client column of your data; set data.{spec.client_ids_setting}")
+        return self
+
+    @model_validator(mode="after")
+    def _on_demand_possible(self) -> DataConfig:
+        if not self.on_demand:
+            return self
+        if self.spec.open_on_demand is None:
+            allowed = ", ".join(s.name for s in data_registry.specs() if s.open_on_demand is not None)
+            raise ValueError(f"data.on_demand: {self.dataset!r} is read into memory; on-demand reading is for {allowed}")
+        if self.partition != "natural":
+            raise ValueError(f"data.partition: on_demand reads the users of the file as the clients (natural); got {self.partition!r}")
+        if self.validation_fraction > 0:
+            raise ValueError("data.validation_fraction: with on_demand no training example is held out (the users are read only when sampled); set 0")
+        if self.fraction < 1:
+            raise ValueError("data.fraction: with on_demand every user's posts are used (data.max_clients and data.max_posts cut them); set 1")
+        if self.standardize is True:
+            raise ValueError("data.standardize: with on_demand no pass over all the training data is made; leave it unset or false")
         return self
 
     @property
@@ -687,6 +711,13 @@ class RunConfig(_Strict):
                 raise ValueError(
                     f"server.aggregator: the DP noise is calibrated to a sum of clipped messages; allowed with privacy: mean, norm_bound; got {self.server.aggregator!r}"
                 )
+        if self.data.on_demand:
+            if self.attack.fraction > 0 and self.attack.kind == "label_flip":
+                raise ValueError("attack.kind: label_flip changes the training labels, which data.on_demand never holds; allowed: scaled, sign_flip, nan, huge_precision")
+            if self.evaluation.conformal_alpha is not None:
+                raise ValueError("evaluation.conformal_alpha: conformal calibration holds out training examples, which data.on_demand never holds; unset it")
+            if self.evaluation.personal_fraction > 0:
+                raise ValueError("evaluation.personal_fraction: personalisation holds out training examples, which data.on_demand never holds; set 0")
         if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.spec.task == "regression":
             raise ValueError("attack.kind: label_flip needs a classification dataset; allowed here: scaled, sign_flip, nan")
         return self
