@@ -129,7 +129,9 @@ class DataConfig(_Strict):
         "background), never the whole training set: memory does not grow with the number of users (all 342,477 run); the same results as reading it all",
     )
     cache_clients: int = Field(64, ge=1, description="with on_demand: at most this many users' examples held in memory (least recently used dropped)")
-    cache_bytes: int | None = Field(None, ge=1, description="with on_demand: at most this many bytes of users' examples held (unset: cache_clients alone bounds it)")
+    cache_bytes: int | None = Field(
+        None, ge=1, description="with on_demand: at most this many bytes of users' examples held (unset: cache_clients alone bounds it)"
+    )
     # Your own data (dataset = "files"; fedbayes.data.user): .npz, .npy, .csv or .parquet.
     path: str | None = Field(None, description="files: the data file (.npz, .npy, .csv, .parquet); relative paths from the current folder")
     test_path: str | None = Field(None, description="files: the test file, same layout; unset: test_fraction of each client's rows is held out")
@@ -713,7 +715,9 @@ class RunConfig(_Strict):
                 )
         if self.data.on_demand:
             if self.attack.fraction > 0 and self.attack.kind == "label_flip":
-                raise ValueError("attack.kind: label_flip changes the training labels, which data.on_demand never holds; allowed: scaled, sign_flip, nan, huge_precision")
+                raise ValueError(
+                    "attack.kind: label_flip changes the training labels, which data.on_demand never holds; allowed: scaled, sign_flip, nan, huge_precision"
+                )
             if self.evaluation.conformal_alpha is not None:
                 raise ValueError("evaluation.conformal_alpha: conformal calibration holds out training examples, which data.on_demand never holds; unset it")
             if self.evaluation.personal_fraction > 0:
