@@ -104,7 +104,9 @@ def measure_one(folder: Path, work: Path, paper: str, variant: str, users: int, 
     cfg.write_text(_toml(config))
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), FEDBAYES_CACHE="off")
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "fedbayes.cli", "run", str(cfg), "--out", str(out), "--overwrite"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "fedbayes.cli", "run", str(cfg), "--out", str(out), "--overwrite"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start

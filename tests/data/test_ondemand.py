@@ -57,7 +57,9 @@ def _strip(records):
 def test_each_client_and_the_test_split_are_the_in_memory_loaders(tmp_path, task):
     data = _files(tmp_path)
     name = "stackoverflow_lr" if task == "multilabel" else "stackoverflow_nwp"
-    params = {"vocab_size": 30, "max_clients": 10, "max_posts": 5, "test_examples": 9, "seed": 3} | ({"num_tags": 8} if task == "multilabel" else {"max_len": 6})
+    params = {"vocab_size": 30, "max_clients": 10, "max_posts": 5, "test_examples": 9, "seed": 3} | (
+        {"num_tags": 8} if task == "multilabel" else {"max_len": 6}
+    )
     memory = load_dataset(name, data, **params)
     dataset, federation = open_stackoverflow(data, task, cache_clients=3, **params)
     assert federation.num_clients == 10 and dataset.num_train == 0
