@@ -14,7 +14,10 @@ files, as TFF's hold more). Posts are drawn from a pool of random posts over tho
 FedSEP (``fedep_stackoverflow_lr.toml``, ``fedsep_i``, burn-in cut to one round so rounds 2 and 3
 are FedSEP's own) for ``--rounds`` rounds, evaluated at the start and the end, with every user
 (``--users``) and with the first ``--small`` users (``data.max_clients``), the same cohort size
-(10): the round's time (``seconds`` of ``metrics.jsonl``: training only, compilation excluded),
+(10): the round's time (``seconds`` of ``metrics.jsonl``: training only, compilation and
+evaluation excluded), the cohort's posts and local steps (``clients.jsonl``; a step is one batch
+of 100 posts, or fewer, through the 5.0M-parameter model, so ``ms_per_step`` compares rounds of
+different cohorts),
 the process's wall time and its peak resident set (``ru_maxrss`` of the child, from ``wait4``).
 ``open_s`` is reading every training user's number of posts from the file (the only work that
 grows with the users; done once per run).
@@ -94,7 +97,7 @@ def _toml(config: dict) -> str:
 def measure_one(folder: Path, work: Path, paper: str, variant: str, users: int, total_users: int, rounds: int) -> dict:
     """One ``fedbayes run`` in a fresh process: its rounds' seconds, wall time and peak RSS."""
     config = _merged(paper, variant)
-    config.update(rounds=rounds, checkpoint_every=0, eval_every=rounds, name=f"{variant}_{users}")
+    config.update(rounds=rounds, checkpoint_every=0, eval_every=1, name=f"{variant}_{users}")
     config["data"].update(data_dir=str(folder), num_clients=users, on_demand=True)
     if users < total_users:
         config["data"]["max_clients"] = users
@@ -115,11 +118,19 @@ def measure_one(folder: Path, work: Path, paper: str, variant: str, users: int, 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     seconds = [r["seconds"] for r in records]
     per_round = np.diff(seconds).round(3).tolist()
+    posts, steps = [0] * rounds, [0] * rounds
+    for line in (out / "clients.jsonl").read_text().splitlines():
+        c = json.loads(line)
+        posts[c["round"] - 1] += c["examples"]
+        steps[c["round"] - 1] += c["steps"]
     last = records[-1]
     return {
         "method": variant,
         "users": users,
         "round_s": per_round,
+        "cohort_posts": posts,
+        "cohort_steps": steps,
+        "ms_per_step": [round(1e3 * s / k, 1) for s, k in zip(per_round, steps)],
         "wall_s": round(wall, 1),
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
         "micro_f1": last.get("micro_f1"),

@@ -130,7 +130,9 @@ class DataConfig(_Strict):
     )
     cache_clients: int = Field(64, ge=1, description="with on_demand: at most this many users' examples held in memory (least recently used dropped)")
     cache_bytes: int | None = Field(
-        None, ge=1, description="with on_demand: at most this many bytes of users' examples held (unset: cache_clients alone bounds it)"
+        2**30,
+        ge=1,
+        description="with on_demand: at most this many bytes of users' examples held (default 1 GiB; a larger user is read, not kept); none: cache_clients alone bounds it",
     )
     # Your own data (dataset = "files"; fedbayes.data.user): .npz, .npy, .csv or .parquet.
     path: str | None = Field(None, description="files: the data file (.npz, .npy, .csv, .parquet); relative paths from the current folder")

@@ -269,7 +269,7 @@ def open_stackoverflow(
     test_examples: int | None = None,
     seed: int = 0,
     cache_clients: int = 64,
-    cache_bytes: int | None = None,
+    cache_bytes: int | None = 2**30,
 ) -> tuple[Dataset, GeneratedFederation]:
     """StackOverflow as :func:`load_stackoverflow` reads it, with the training users read on
     demand (:class:`~fedbayes.data.ondemand.OnDemandClients`): ``(dataset, federation)``, the
