@@ -125,6 +125,15 @@ def client_sizes(path: Path, features: tuple[str, ...], limit: int | None = None
         sizes = np.zeros(len(names), np.int64)
         first = features[0]
         for i, name in enumerate(names):
+            try:  # h5py's low-level open: half the time of examples[name][first] (one lookup, no objects)
+                shape = h5py.h5d.open(examples.id, f"{name}/{first}".encode()).shape
+            except Exception:  # missing or not a dataset: the checks below name what is wrong
+                shape = ()
+            if len(shape):
+                sizes[i] = shape[0]
+                if sizes[i] == 0:
+                    raise DataError(f"{path}: client {name!r} holds no examples")
+                continue
             try:
                 group = examples[name]
                 data = group.get(first) if isinstance(group, h5py.Group) else None
