@@ -56,6 +56,11 @@ def _strip(records):
 @pytest.mark.parametrize("task", ["multilabel", "next_word"])
 def test_each_client_and_the_test_split_are_the_in_memory_loaders(tmp_path, task):
     data = _files(tmp_path)
+    import h5py
+
+    with h5py.File(data / "stackoverflow_test.h5", "r+") as f:  # a test user without posts
+        for k in ("tokens", "title", "tags"):
+            f.create_dataset(f"examples/00000004b/{k}", shape=(0,), dtype=h5py.string_dtype())
     name = "stackoverflow_lr" if task == "multilabel" else "stackoverflow_nwp"
     params = {"vocab_size": 30, "max_clients": 10, "max_posts": 5, "test_examples": 9, "seed": 3} | (
         {"num_tags": 8} if task == "multilabel" else {"max_len": 6}
@@ -154,7 +159,7 @@ def _numbers_for_posts(path: Path, user: str) -> None:
         f["examples"][user]["tokens"] = np.arange(float(n))
 
 
-@pytest.mark.parametrize("how", ["numbers", "missing", "garbage", "lengths"])
+@pytest.mark.parametrize("how", ["numbers", "missing", "garbage", "lengths", "empty"])
 def test_a_damaged_file_exits_3_in_one_line(tmp_path, how):
     data = _files(tmp_path / "data")
     train = data / "stackoverflow_train.h5"
@@ -166,6 +171,11 @@ def test_a_damaged_file_exits_3_in_one_line(tmp_path, how):
     elif how == "missing":
         with h5py.File(train, "r+") as f:
             del f["examples"]["00000003"]["tokens"]
+    elif how == "empty":  # a user without posts cannot take a step
+        with h5py.File(train, "r+") as f:
+            for k in ("tokens", "title", "tags"):
+                del f["examples"]["00000007"][k]
+                f.create_dataset(f"examples/00000007/{k}", shape=(0,), dtype=h5py.string_dtype())
     elif how == "garbage":
         train.write_bytes(b"\x89HDF\r\n\x1a\n" + os.urandom(600))
     else:

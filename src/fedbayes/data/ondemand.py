@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fedbayes.data.tff import client_sizes, read_client
+from fedbayes.errors import DataError
 
 __all__ = ["ClientCache", "OnDemandClients"]
 
@@ -146,6 +147,8 @@ class OnDemandClients:
     ):
         self.path, self.features, self.transform, self.max_examples = Path(path), features, transform, max_examples
         self.names, sizes = client_sizes(self.path, features, limit)
+        if not sizes.all():  # a client takes at least one step: the simulator needs an example
+            raise DataError(f"{self.path}: client {self.names[np.argmin(sizes)].decode()!r} holds no examples")
         self.sizes = sizes if max_examples is None else np.minimum(sizes, max_examples)
         self.cache = ClientCache(self._read, max_clients, max_bytes)
         self._file = None

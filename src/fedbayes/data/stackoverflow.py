@@ -320,6 +320,8 @@ def _test_split(path: Path, task: str, words, tags, max_len: int, train_names: n
     names, sizes = client_sizes(path, _features(task))
     ends = np.cumsum(sizes)
     total = int(ends[-1])
+    if total == 0:
+        raise DataError(f"{path}: holds no posts")
     keep = _test_sample(total, test_examples, seed) if test_examples is not None and test_examples < total else np.arange(total)
     at = np.minimum(np.searchsorted(train_names, names), len(train_names) - 1)
     known = train_names[at] == names

@@ -116,7 +116,7 @@ def client_sizes(path: Path, features: tuple[str, ...], limit: int | None = None
     read from the file's metadata (no example is read).
 
     Raises:
-      DataError: as :func:`read_clients`, or a client without ``features[0]`` or without examples.
+      DataError: as :func:`read_clients`, or a client without ``features[0]``, or no client.
     """
     h5py = _h5py()
     with _open(h5py, path) as f:
@@ -131,8 +131,6 @@ def client_sizes(path: Path, features: tuple[str, ...], limit: int | None = None
                 shape = ()
             if len(shape):
                 sizes[i] = shape[0]
-                if sizes[i] == 0:
-                    raise DataError(f"{path}: client {name!r} holds no examples")
                 continue
             try:
                 group = examples[name]
@@ -144,8 +142,6 @@ def client_sizes(path: Path, features: tuple[str, ...], limit: int | None = None
                 if isinstance(err, DataError):
                     raise
                 raise DataError(f"{path}: client {name!r}: damaged ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
-            if sizes[i] == 0:
-                raise DataError(f"{path}: client {name!r} holds no examples")
     if not len(names):
         raise DataError(f"{path}: holds no clients")
     return np.array([n.encode() for n in names], dtype=bytes), sizes
