@@ -193,6 +193,23 @@ class DataConfig(_DataKeys):
                 raise ValueError(f"data.partition: {part.name!r} needs the client column of your data; set data.{spec.client_ids_setting}")
         return self
 
+    @model_validator(mode="after")
+    def _on_demand_possible(self) -> DataConfig:
+        if not self.on_demand:
+            return self
+        if self.spec.open_on_demand is None:
+            allowed = ", ".join(s.name for s in data_registry.specs() if s.open_on_demand is not None)
+            raise ValueError(f"data.on_demand: {self.dataset!r} is read into memory; on-demand reading is for {allowed}")
+        if self.partition != "natural":
+            raise ValueError(f"data.partition: on_demand reads the users of the file as the clients (natural); got {self.partition!r}")
+        if self.validation_fraction > 0:
+            raise ValueError("data.validation_fraction: with on_demand no training example is held out (the users are read only when sampled); set 0")
+        if self.fraction < 1:
+            raise ValueError("data.fraction: with on_demand every user's posts are used (data.max_clients and data.max_posts cut them); set 1")
+        if self.standardize is True:
+            raise ValueError("data.standardize: with on_demand no pass over all the training data is made; leave it unset or false")
+        return self
+
     @property
     def spec(self) -> data_registry.DatasetSpec:
         """The :class:`~fedbayes.data.registry.DatasetSpec` of ``dataset`` (its loader and traits)."""
@@ -203,6 +220,17 @@ class DataConfig(_DataKeys):
         """The :class:`~fedbayes.data.partitions.PartitionSpec` of ``partition``."""
         return partition_registry.get(self.partition)
 
+    on_demand: bool = Field(
+        False,
+        description="stackoverflow_*: read each sampled user's posts from the HDF5 file when its round comes (the next round's cohort in the "
+        "background), never the whole training set: memory does not grow with the number of users (all 342,477 run); the same results as reading it all",
+    )
+    cache_clients: int = Field(64, ge=1, description="with on_demand: at most this many users' examples held in memory (least recently used dropped)")
+    cache_bytes: int | None = Field(
+        2**30,
+        ge=1,
+        description="with on_demand: at most this many bytes of users' examples held (default 1 GiB; a larger user is read, not kept); none: cache_clients alone bounds it",
+    )
     validation_fraction: float = Field(
         0.0,
         ge=0,
@@ -713,6 +741,15 @@ class RunConfig(_Strict):
                 raise ValueError(
                     f"server.aggregator: the DP noise is calibrated to a sum of clipped messages; allowed with privacy: mean, norm_bound; got {self.server.aggregator!r}"
                 )
+        if self.data.on_demand:
+            if self.attack.fraction > 0 and self.attack.kind == "label_flip":
+                raise ValueError(
+                    "attack.kind: label_flip changes the training labels, which data.on_demand never holds; allowed: scaled, sign_flip, nan, huge_precision"
+                )
+            if self.evaluation.conformal_alpha is not None:
+                raise ValueError("evaluation.conformal_alpha: conformal calibration holds out training examples, which data.on_demand never holds; unset it")
+            if self.evaluation.personal_fraction > 0:
+                raise ValueError("evaluation.personal_fraction: personalisation holds out training examples, which data.on_demand never holds; set 0")
         if self.attack.fraction > 0 and self.attack.kind == "label_flip" and self.data.spec.task == "regression":
             raise ValueError("attack.kind: label_flip needs a classification dataset; allowed here: scaled, sign_flip, nan")
         return self

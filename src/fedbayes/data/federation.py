@@ -2,9 +2,10 @@
 
 * :class:`Federation`: pooled arrays plus each client's indices into them (a real dataset split
   by a partitioner); the simulator puts the pooled arrays on the devices once.
-* :class:`GeneratedFederation`: client sizes plus a function that generates a client's data from
-  its id, for federations too large to materialise (StackOverflow-scale: 342,477 clients); the
-  simulator generates each round's cohort on demand.
+* :class:`GeneratedFederation`: client sizes plus a function that generates (or reads from a file,
+  :mod:`fedbayes.data.ondemand`) a client's data from its id, for federations too large to
+  materialise (StackOverflow-scale: 342,477 clients); the simulator gets each round's cohort on
+  demand and asks for the next round's ahead of time.
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ class GeneratedFederation:
 
     Attributes:
       sizes: ``[K]`` client sizes, known up front.
-      client_data: ``client_id -> (x [n_k, ...], y [n_k])``, deterministic in the id.
+      client_data: ``client_id -> (x [n_k, ...], y [n_k, ...])``, deterministic in the id.
       feature_shape, x_dtype, y_dtype: what ``client_data`` returns.
+      y_shape: one example's target shape (``()`` for labels; a row for multi-label and
+        next-word targets).
+      prefetch: ``client ids -> None``: start getting these clients ready (the simulator calls it
+        with the next round's cohort); ``None``: nothing to prepare.
+      source: what reads or makes the clients (e.g. an
+        :class:`~fedbayes.data.ondemand.OnDemandClients`, whose cache can be inspected); ``None``.
     """
 
     sizes: np.ndarray
@@ -51,6 +58,9 @@ class GeneratedFederation:
     feature_shape: tuple[int, ...]
     x_dtype: Any = np.float32
     y_dtype: Any = np.int32
+    y_shape: tuple[int, ...] = ()
+    prefetch: Callable[[np.ndarray], None] | None = None
+    source: Any = None
 
     @property
     def num_clients(self) -> int:

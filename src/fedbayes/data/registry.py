@@ -89,6 +89,10 @@ class DatasetSpec:
         :data:`fedbayes.data.standardize.SCALE_RATIO`, and a Flower node gives it only from its own
         data file.
       exclusive: keys of ``settings`` that a config naming another dataset must leave unset.
+      open_on_demand: ``(data_dir, seed, cache_clients, cache_bytes, **params) -> (dataset,
+        federation)``: the dataset's test split and a
+        :class:`~fedbayes.data.federation.GeneratedFederation` reading the training clients from
+        the files when sampled (``data.on_demand``); ``None``: read into memory only.
     """
 
     name: str
@@ -109,6 +113,7 @@ class DatasetSpec:
     generated: bool = False
     user_data: bool = False
     exclusive: tuple[str, ...] = ()
+    open_on_demand: Callable[..., tuple[Dataset, Any]] | None = None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -259,6 +264,13 @@ def _load_stackoverflow(task):
         return stackoverflow.load_stackoverflow(_so_folder(data_dir), task, seed=seed, **params)
 
     return load
+
+
+def _open_stackoverflow(task):
+    def open_(data_dir, seed, cache_clients, cache_bytes, **params):
+        return stackoverflow.open_stackoverflow(_so_folder(data_dir), task, seed=seed, cache_clients=cache_clients, cache_bytes=cache_bytes, **params)
+
+    return open_
 
 
 def _load_files(data_dir, seed, path=None, test_path=None, label=None, client_column=None, test_fraction=0.2, num_classes=None):
@@ -474,6 +486,7 @@ DATASETS: dict[str, DatasetSpec] = {
         description="TFF's StackOverflow, next-word prediction: 10k words + 4 special tokens, sequences of 20; one client per user",
         how_to_get=tff.tff_instructions("stackoverflow"),
         loader=_load_stackoverflow("next_word"),
+        open_on_demand=_open_stackoverflow("next_word"),
         locate=_locate_so_nwp,
         params=(*_SO_PARAMS, "max_len"),
         settings=StackOverflowNWPSettings,
@@ -487,6 +500,7 @@ DATASETS: dict[str, DatasetSpec] = {
         description="TFF's StackOverflow, tag prediction: bag of 10k words -> 500 tags, multi-label; one client per user",
         how_to_get=tff.tff_instructions("stackoverflow"),
         loader=_load_stackoverflow("multilabel"),
+        open_on_demand=_open_stackoverflow("multilabel"),
         locate=_locate_so_lr,
         params=(*_SO_PARAMS, "num_tags"),
         settings=StackOverflowLRSettings,

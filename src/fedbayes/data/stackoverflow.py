@@ -21,7 +21,8 @@ denominator and are dropped: TFF's mean of one-hots without the OOV column), ove
 frequent tags (others dropped).
 
 A user is a client. The full training set (342,477 users, 135M posts) does not fit in memory as
-these arrays; ``max_clients`` keeps the first users in name order.
+these arrays: :func:`load_stackoverflow` reads the first ``max_clients`` users in name order;
+:func:`open_stackoverflow` reads every user's posts on demand, only for the users sampled.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from fedbayes.data.dataset import Dataset
-from fedbayes.data.tff import read_clients, tff_file
+from fedbayes.data.federation import GeneratedFederation
+from fedbayes.data.ondemand import OnDemandClients
+from fedbayes.data.tff import client_sizes, read_client, read_clients, tff_file
 from fedbayes.errors import DataError
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "VOCAB_SIZE",
     "bag_of_words",
     "load_stackoverflow",
+    "open_stackoverflow",
     "read_tag_counts",
     "read_word_counts",
     "special_ids",
@@ -157,15 +161,27 @@ def _texts(path: Path, client: str, feature: str, values) -> list[str]:
     return out
 
 
-def _rows(path: Path, task: str, words: dict[str, int], tags: dict[str, int], max_len: int, limit: int | None, max_posts: int | None = None):
-    features = ("tokens",) if task == "next_word" else ("tokens", "title", "tags")
-    xs, ys, names = [], [], []
-    for name, a in read_clients(path, features, limit):
-        a = {k: _texts(path, name, k, v[:max_posts]) for k, v in a.items()}
+def _features(task: str) -> tuple[str, ...]:
+    return ("tokens",) if task == "next_word" else ("tokens", "title", "tags")
+
+
+def _examples(path: Path, task: str, words: dict[str, int], tags: dict[str, int], max_len: int):
+    """``(client name, {feature: array}) -> (x, y)``: one user's posts as the task's examples."""
+
+    def transform(name: str, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        a = {k: _texts(path, name, k, v) for k, v in arrays.items()}
         if task == "next_word":
-            x, y = token_sequences(a["tokens"], words, max_len)
-        else:
-            x, y = bag_of_words(a["tokens"], a["title"], words), tag_targets(a["tags"], tags)
+            return token_sequences(a["tokens"], words, max_len)
+        return bag_of_words(a["tokens"], a["title"], words), tag_targets(a["tags"], tags)
+
+    return transform
+
+
+def _rows(path: Path, task: str, words: dict[str, int], tags: dict[str, int], max_len: int, limit: int | None, max_posts: int | None = None):
+    transform = _examples(path, task, words, tags, max_len)
+    xs, ys, names = [], [], []
+    for name, a in read_clients(path, _features(task), limit):
+        x, y = transform(name, {k: v[:max_posts] for k, v in a.items()})
         xs.append(x)
         ys.append(y)
         names.append(name)
@@ -201,11 +217,7 @@ def load_stackoverflow(
     Raises:
       DatasetNotFoundError: a file is missing (named). DataError: a file is damaged (named).
     """
-    if task not in ("next_word", "multilabel"):
-        raise ValueError(f"StackOverflow task must be next_word or multilabel, got {task!r}")
-    train_path, test_path = tff_file(folder, "stackoverflow_train.h5"), tff_file(folder, "stackoverflow_test.h5")
-    words = {w: i + 1 for i, w in enumerate(read_word_counts(tff_file(folder, "stackoverflow.word_count"), vocab_size))}
-    tags = {} if task == "next_word" else {t: i for i, t in enumerate(read_tag_counts(tff_file(folder, "stackoverflow.tag_count"), num_tags))}
+    train_path, test_path, words, tags = _vocabularies(folder, task, vocab_size, num_tags)
     xs, ys, names = _rows(train_path, task, words, tags, max_len, max_clients, max_posts)
     txs, tys, tnames = _rows(test_path, task, words, tags, max_len, None)
     ids = {n: i for i, n in enumerate(names)}
@@ -214,7 +226,7 @@ def load_stackoverflow(
     x_test, y_test = np.concatenate(txs), np.concatenate(tys)
     test_ids = np.concatenate([np.full(len(y), ids[n], np.int64) for n, y in zip(tnames, tys)])
     if test_examples is not None and test_examples < len(y_test):
-        keep = np.sort(np.random.default_rng([seed, 29]).choice(len(y_test), test_examples, replace=False))
+        keep = _test_sample(len(y_test), test_examples, seed)
         x_test, y_test, test_ids = x_test[keep], y_test[keep], test_ids[keep]
     return Dataset(
         name=f"stackoverflow_{'nwp' if task == 'next_word' else 'lr'}",
@@ -227,3 +239,102 @@ def load_stackoverflow(
         client_ids=np.concatenate([np.full(len(y), ids[n], np.int64) for n, y in zip(names, ys)]),
         test_client_ids=test_ids,
     )
+
+
+def _vocabularies(folder, task: str, vocab_size: int, num_tags: int):
+    """The two ``.h5`` paths and the word (and tag) ids, from TFF's count files, which are read
+    line by line (words) or as one small JSON object (tags): no post is read to count them."""
+    if task not in ("next_word", "multilabel"):
+        raise ValueError(f"StackOverflow task must be next_word or multilabel, got {task!r}")
+    train_path, test_path = tff_file(folder, "stackoverflow_train.h5"), tff_file(folder, "stackoverflow_test.h5")
+    words = {w: i + 1 for i, w in enumerate(read_word_counts(tff_file(folder, "stackoverflow.word_count"), vocab_size))}
+    tags = {} if task == "next_word" else {t: i for i, t in enumerate(read_tag_counts(tff_file(folder, "stackoverflow.tag_count"), num_tags))}
+    return train_path, test_path, words, tags
+
+
+def _test_sample(total: int, test_examples: int, seed: int) -> np.ndarray:
+    """The test posts kept (sorted positions in the test file's posts, in name order)."""
+    return np.sort(np.random.default_rng([seed, 29]).choice(total, test_examples, replace=False))
+
+
+def open_stackoverflow(
+    folder: str | os.PathLike,
+    task: str,
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    num_tags: int = NUM_TAGS,
+    max_len: int = MAX_LEN,
+    max_clients: int | None = None,
+    max_posts: int | None = None,
+    test_examples: int | None = None,
+    seed: int = 0,
+    cache_clients: int = 64,
+    cache_bytes: int | None = 2**30,
+) -> tuple[Dataset, GeneratedFederation]:
+    """StackOverflow as :func:`load_stackoverflow` reads it, with the training users read on
+    demand (:class:`~fedbayes.data.ondemand.OnDemandClients`): ``(dataset, federation)``, the
+    dataset holding the test split only (no training rows) and the federation each sampled
+    user's examples, the same arrays :func:`load_stackoverflow` gives that user.
+
+    Memory: per training user its name and number of posts; the test split reads only the users
+    holding one of the ``test_examples`` posts drawn (the same draw as :func:`load_stackoverflow`),
+    and of them only those posts. ``cache_clients`` and ``cache_bytes`` bound the users held
+    (:class:`~fedbayes.data.ondemand.ClientCache`).
+    """
+    train_path, test_path, words, tags = _vocabularies(folder, task, vocab_size, num_tags)
+    transform = _examples(train_path, task, words, tags, max_len)
+    clients = OnDemandClients(
+        train_path, _features(task), transform, limit=max_clients, max_examples=max_posts, max_clients=cache_clients, max_bytes=cache_bytes
+    )
+    x_test, y_test, test_ids = _test_split(test_path, task, words, tags, max_len, clients.names, test_examples, seed)
+    x_shape, dtype = ((max_len,), np.int32) if task == "next_word" else ((len(words),), np.float32)
+    y_shape = (max_len,) if task == "next_word" else (len(tags),)
+    dataset = Dataset(
+        name=f"stackoverflow_{'nwp' if task == 'next_word' else 'lr'}",
+        x_train=np.zeros((0, *x_shape), dtype),
+        y_train=np.zeros((0, *y_shape), y_test.dtype),
+        x_test=x_test,
+        y_test=y_test,
+        num_classes=vocab_size + 4 if task == "next_word" else num_tags,
+        task=task,
+        client_ids=np.zeros(0, np.int64),
+        test_client_ids=test_ids,
+    )
+    federation = GeneratedFederation(
+        sizes=clients.sizes,
+        client_data=clients.client_data,
+        feature_shape=x_shape,
+        x_dtype=dtype,
+        y_dtype=y_test.dtype,
+        y_shape=y_shape,
+        prefetch=clients.prefetch,
+        source=clients,
+    )
+    return dataset, federation
+
+
+def _test_split(path: Path, task: str, words, tags, max_len: int, train_names: np.ndarray, test_examples: int | None, seed: int):
+    """``(x, y, client ids)`` of the test posts :func:`load_stackoverflow` keeps, reading only the
+    users that hold them. Client ids: a train user's, else new ids after the train users in
+    name order (as :func:`load_stackoverflow` numbers them)."""
+    names, sizes = client_sizes(path, _features(task))
+    ends = np.cumsum(sizes)
+    total = int(ends[-1])
+    if total == 0:
+        raise DataError(f"{path}: holds no posts")
+    keep = _test_sample(total, test_examples, seed) if test_examples is not None and test_examples < total else np.arange(total)
+    at = np.minimum(np.searchsorted(train_names, names), len(train_names) - 1)
+    known = train_names[at] == names
+    ids = np.where(known, at, len(train_names) + np.cumsum(~known) - 1)
+    owner = np.searchsorted(ends, keep, side="right")
+    transform = _examples(path, task, words, tags, max_len)
+    xs, ys, cids = [], [], []
+    for user in np.unique(owner):
+        rows = keep[owner == user] - (ends[user] - sizes[user])
+        name = names[user].decode()
+        arrays = read_client(path, name, _features(task), rows=int(rows[-1]) + 1)
+        x, y = transform(name, {k: v[rows] for k, v in arrays.items()})
+        xs.append(x)
+        ys.append(y)
+        cids.append(np.full(len(rows), ids[user], np.int64))
+    return np.concatenate(xs), np.concatenate(ys), np.concatenate(cids)

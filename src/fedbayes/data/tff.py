@@ -26,7 +26,18 @@ import numpy as np
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError
 from fedbayes.errors import DataError
 
-__all__ = ["TFF_INSTRUCTIONS", "TFF_URL", "client_checker", "tff_instructions", "load_fed_cifar100", "load_fed_emnist", "read_clients", "tff_file"]
+__all__ = [
+    "TFF_INSTRUCTIONS",
+    "TFF_URL",
+    "client_checker",
+    "client_sizes",
+    "load_fed_cifar100",
+    "load_fed_emnist",
+    "read_client",
+    "read_clients",
+    "tff_file",
+    "tff_instructions",
+]
 
 TFF_URL = "https://storage.googleapis.com/tff-datasets-public/"  # where tff.simulation.datasets fetches its archives
 
@@ -73,25 +84,87 @@ def read_clients(path: Path, features: tuple[str, ...], limit: int | None = None
         or has features of different lengths (the message names the file and the client).
     """
     h5py = _h5py()
-    try:
-        f = h5py.File(path, "r")
-    except OSError as err:
-        raise DataError(f"{path}: not a readable HDF5 file ({' '.join(str(err).split())[:160]})") from None
-    with f:
-        try:
-            examples = f.get("examples")
-            if not isinstance(examples, h5py.Group):
-                raise DataError(f"{path}: no '/examples' group (TFF's layout: /examples/<client>/<feature>)")
-            names = sorted(examples)
-        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
-            if isinstance(err, DataError):
-                raise
-            raise DataError(f"{path}: damaged HDF5 file ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
+    with _open(h5py, path) as f:
+        examples, names = _examples(h5py, path, f)
         for name in names[:limit]:
             yield name, _client(h5py, path, examples, name, features)
 
 
-def _client(h5py, path: Path, examples, name: str, features: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _open(h5py, path: Path):
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        raise DataError(f"{path}: not a readable HDF5 file ({' '.join(str(err).split())[:160]})") from None
+
+
+def _examples(h5py, path: Path, f) -> tuple:
+    """The ``/examples`` group and its client names, sorted."""
+    try:
+        examples = f.get("examples")
+        if not isinstance(examples, h5py.Group):
+            raise DataError(f"{path}: no '/examples' group (TFF's layout: /examples/<client>/<feature>)")
+        return examples, sorted(examples)
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"{path}: damaged HDF5 file ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
+
+
+def client_sizes(path: Path, features: tuple[str, ...], limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(names, sizes)`` of the first ``limit`` clients (all when None) of a TFF file in sorted
+    name order: names as UTF-8 byte strings, sizes as the length of each client's first feature,
+    read from the file's metadata (no example is read).
+
+    Raises:
+      DataError: as :func:`read_clients`, or a client without ``features[0]``, or no client.
+    """
+    h5py = _h5py()
+    with _open(h5py, path) as f:
+        examples, names = _examples(h5py, path, f)
+        names = names[:limit]
+        sizes = np.zeros(len(names), np.int64)
+        first = features[0]
+        for i, name in enumerate(names):
+            try:  # h5py's low-level open: half the time of examples[name][first] (one lookup, no objects)
+                shape = h5py.h5d.open(examples.id, f"{name}/{first}".encode()).shape
+            except Exception:  # missing or not a dataset: the checks below name what is wrong
+                shape = ()
+            if len(shape):
+                sizes[i] = shape[0]
+                continue
+            try:
+                group = examples[name]
+                data = group.get(first) if isinstance(group, h5py.Group) else None
+                if not isinstance(data, h5py.Dataset) or data.ndim == 0:
+                    raise DataError(f"{path}: client {name!r} has no {first} (TFF's layout: /examples/<client>/<feature>, one value per example)")
+                sizes[i] = data.shape[0]
+            except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
+                if isinstance(err, DataError):
+                    raise
+                raise DataError(f"{path}: client {name!r}: damaged ({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
+    if not len(names):
+        raise DataError(f"{path}: holds no clients")
+    return np.array([n.encode() for n in names], dtype=bytes), sizes
+
+
+def read_client(path: Path, name: str, features: tuple[str, ...], *, rows: int | None = None, handle=None) -> dict[str, np.ndarray]:
+    """One client's feature arrays (its first ``rows`` examples; all when None), checked as
+    :func:`read_clients` checks them; ``handle``: the file already open (else opened here)."""
+    h5py = _h5py()
+    if handle is not None:
+        return _client(h5py, path, _examples_group(h5py, path, handle), name, features, rows)
+    with _open(h5py, path) as f:
+        return _client(h5py, path, _examples_group(h5py, path, f), name, features, rows)
+
+
+def _examples_group(h5py, path: Path, f):
+    examples = f.get("examples")
+    if not isinstance(examples, h5py.Group):
+        raise DataError(f"{path}: no '/examples' group (TFF's layout: /examples/<client>/<feature>)")
+    return examples
+
+
+def _client(h5py, path: Path, examples, name: str, features: tuple[str, ...], rows: int | None = None) -> dict[str, np.ndarray]:
     """One client's feature arrays, checked (see :func:`read_clients`)."""
     try:
         group = examples[name]
@@ -100,7 +173,7 @@ def _client(h5py, path: Path, examples, name: str, features: tuple[str, ...]) ->
         missing = [k for k in features if not isinstance(group.get(k), h5py.Dataset)]
         if missing:
             raise DataError(f"{path}: client {name!r} has no {', '.join(missing)} (it holds {sorted(group)})")
-        arrays = {k: group[k][()] for k in features}
+        arrays = {k: group[k][()] if rows is None or group[k].ndim == 0 else group[k][:rows] for k in features}
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as err:
         if isinstance(err, DataError):
             raise

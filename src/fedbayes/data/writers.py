@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -18,16 +19,17 @@ import numpy as np
 __all__ = ["write_cifar_python", "write_fed_cifar100", "write_fed_emnist", "write_stackoverflow", "write_tff"]
 
 
-def write_tff(path: str | os.PathLike, clients: dict[str, dict[str, np.ndarray]]) -> Path:
+def write_tff(path: str | os.PathLike, clients: Mapping[str, dict[str, np.ndarray]] | Iterable[tuple[str, dict[str, np.ndarray]]]) -> Path:
     """Writes ``/examples/<client>/<feature>`` datasets (TFF's layout); byte-string features as
-    variable-length strings."""
+    variable-length strings. ``clients``: a mapping, or ``(name, features)`` pairs (a generator
+    writes a file larger than memory, one client at a time)."""
     import h5py
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with h5py.File(path, "w") as f:
         examples = f.create_group("examples")
-        for name, features in clients.items():
+        for name, features in clients.items() if isinstance(clients, Mapping) else clients:
             group = examples.create_group(name)
             for key, value in features.items():
                 value = np.asarray(value)

@@ -45,7 +45,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedbayes import protocol, tree
-from fedbayes.config.schema import to_toml
+from fedbayes.config.schema import ConfigError, to_toml
 from fedbayes.errors import BadInputError, FedbayesError
 from fedbayes.flower.codec import INLINE_BYTES, MalformedMessage, decode, pack, packed, put, take, to_arrays
 from fedbayes.flower.fastnode import Rhythm
@@ -114,6 +114,8 @@ def data_spec(exp) -> dict:
     it builds the run's algorithm from: the data's shapes, classes, task and dtypes, and every
     client's example count (the algorithm's ``FederationInfo``)."""
     d, fed = exp.dataset, exp.federation
+    if exp.config.data.on_demand:
+        raise ConfigError("config error: data.on_demand: a Flower deployment hands each node its users' examples from memory; unset it (simulation only)")
     return {
         "num_classes": int(d.num_classes),
         "feature_shape": [int(n) for n in d.feature_shape],

@@ -43,7 +43,7 @@ from fedbayes.algorithms import registry
 from fedbayes.config.schema import ConfigError, RunConfig
 from fedbayes.data import load_dataset
 from fedbayes.data.dataset import Dataset, DatasetNotFoundError, check_dataset
-from fedbayes.data.federation import Federation
+from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederation
 from fedbayes.data.holdout import hold_out, hold_out_per_client
 from fedbayes.data.standardize import standardize
 from fedbayes.errors import DataError
@@ -77,6 +77,7 @@ __all__ = [
     "client_optimizer",
     "client_splits",
     "load_data",
+    "load_on_demand",
     "make_server_aggregator",
     "prepare_data",
     "prepare_split",
@@ -111,6 +112,27 @@ def load_data(config: RunConfig, given: Dataset | None = None) -> Dataset:
         raise
     except ValueError as exc:
         raise ConfigError(f"config error: data: {exc}") from None
+
+
+def load_on_demand(config: RunConfig) -> tuple[Dataset, GeneratedFederation]:
+    """``data.on_demand``: the dataset's test split (no training rows) and its training clients
+    as a federation that reads each sampled client from the files
+    (:mod:`fedbayes.data.ondemand`); the same clients, examples and numbering as the in-memory
+    natural partition. The config has already refused what needs the training set in memory
+    (a validation split, calibration, personalisation, flipped labels, standardisation)."""
+    d = config.data
+    try:
+        dataset, federation = d.spec.open_on_demand(d.data_dir, config.seed, d.cache_clients, d.cache_bytes, **d.spec.loader_params(d))
+    except (DatasetNotFoundError, DataError):
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"config error: data: {exc}") from None
+    if federation.num_clients != d.num_clients:
+        raise ConfigError(
+            f"config error: data.num_clients: the {dataset.name} data has {federation.num_clients} clients in its natural partition; got {d.num_clients} "
+            f"(set data.num_clients = {federation.num_clients})"
+        )
+    return dataset, federation
 
 
 def split_clients(config: RunConfig, dataset: Dataset) -> list[np.ndarray]:
@@ -225,6 +247,7 @@ class Splits(NamedTuple):
     validation: np.ndarray | None  # the validation split (data.validation_fraction), or None
     calibration: list[np.ndarray] | None  # each client's conformal calibration examples (evaluation.conformal_alpha), or None
     personal: list[np.ndarray] | None = None  # each client's own test examples (evaluation.personal_fraction), or None
+    federation: GeneratedFederation | None = None  # data.on_demand: the clients, read when sampled (parts is then empty)
 
 
 def prepare_splits(config: RunConfig, given: Dataset | None = None, module=None) -> Splits:
@@ -233,6 +256,10 @@ def prepare_splits(config: RunConfig, given: Dataset | None = None, module=None)
     keeps after the validation split (so that split is the one a run without conformal sets
     gets), drawn with :func:`fedbayes.protocol.calibration_rng` and never trained on; then each
     client's own test examples for personalisation (:func:`personal_split`)."""
+    if config.data.on_demand:
+        dataset, federation = load_on_demand(config)
+        check_model(config, dataset, module)
+        return Splits(dataset, [], None, None, None, federation)
     dataset = load_data(config, given)
     check_model(config, dataset, module)
     parts, validation, calibration = client_splits(config, dataset)
@@ -650,7 +677,7 @@ class Experiment:
 
     config: RunConfig
     dataset: Dataset
-    federation: Federation  # the clients' training examples (labels flipped for label_flip attackers)
+    federation: AnyFederation  # the clients' training examples (labels flipped for label_flip attackers); read on demand with data.on_demand
     model: Any  # the flax module
     params: Any  # its initial parameters
     algorithm: algs.Algorithm
@@ -693,9 +720,13 @@ def build_experiment(config: RunConfig, store_dir: str | Path | None = None, dat
     """Builds everything; ``store_dir`` is the disk client store's folder when ``config.store_dir`` is unset;
     ``data`` and ``module``: your dataset (``data.dataset = "arrays"``) and flax module
     (``model.name = "module"``) passed from Python."""
-    dataset, parts, validation, calibration, personal = prepare_splits(config, data, module)
-    scenario, y_train = build_scenario(config, dataset, parts)
-    federation = Federation(dataset.x_train, y_train, tuple(parts))
+    dataset, parts, validation, calibration, personal, on_demand = prepare_splits(config, data, module)
+    if on_demand is not None:  # label_flip is refused with on_demand: only the clients' number matters
+        scenario, _ = build_scenario(config, dataset, range(on_demand.num_clients))
+        federation = on_demand
+    else:
+        scenario, y_train = build_scenario(config, dataset, parts)
+        federation = Federation(dataset.x_train, y_train, tuple(parts))
     spec = DataSpec.of(dataset)
     model = build_model(config, spec, module)
     info = registry.FederationInfo.from_sizes(federation.sizes)

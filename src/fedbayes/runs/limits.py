@@ -45,7 +45,10 @@ def format_bytes(n: float) -> str:
 def reads(config: RunConfig, key: str) -> bool:
     """Whether the run reads the setting ``key`` (``section.name``): a ``[data]`` key that is some
     registered dataset's own (a key of its spec's ``settings``) is read only by the datasets whose
-    settings hold it, and likewise a ``[model]`` key by the models; every other key is read."""
+    settings hold it, and likewise a ``[model]`` key by the models; the on-demand cache's bounds
+    only with ``data.on_demand``; every other key is read."""
+    if key in ("data.cache_clients", "data.cache_bytes"):
+        return config.data.on_demand
     section, _, name = key.partition(".")
     registry, own = {"data": (data_registry, config.data.dataset), "model": (model_registry, config.model.name)}.get(section, (None, None))
     if registry is None or not any(name in spec.setting_keys for spec in registry.specs()):

@@ -8,7 +8,8 @@ One round (docs/design.md, "One round, as data flows"):
    order buffer of positions (:mod:`fedbayes.data.batches`: no per-client padding, the buffer's
    tail padded to a size class, under 20%); positions index the training set, which sits on every
    device once, or, for an on-demand federation (:class:`GeneratedFederation`), the cohort's
-   freshly generated data. Gather the cohort's client states from the host store.
+   freshly generated (or read, :mod:`fedbayes.data.ondemand`) data; the next round's cohort is
+   then handed to the federation's ``prefetch``, to be read while this round trains. Gather the cohort's client states from the host store.
 3. **Broadcast** the server message.
 4. **Client update**, in one ``jit``, in one of two layouts behind one interface:
 
@@ -312,7 +313,7 @@ class Simulator:
             used += len(y)
         total = size_class(used)
         x = np.zeros((total, *fed.feature_shape), fed.x_dtype)
-        y = np.zeros((total,), fed.y_dtype)
+        y = np.zeros((total, *fed.y_shape), fed.y_dtype)
         x[:used] = np.concatenate(xs)
         y[:used] = np.concatenate(ys)
         x, y = jax.device_put((x, y), self.replicated)
@@ -440,7 +441,7 @@ class Simulator:
             else:
                 feature_shape, x_dtype, y_dtype = self.x.shape[1:], self.x.dtype, self.y.dtype
             alg = self.algorithm
-            y_shape = () if self.generated else self.y.shape[1:]
+            y_shape = fed.y_shape if self.generated else self.y.shape[1:]
             data = client_data_template(feature_shape, x_dtype, y_dtype, epochs=alg.local_epochs, batch_size=alg.local_batch_size, y_shape=y_shape)
             t = protocol.message_templates(alg, None, data, server_state=state.server_state, client_state=as_store(state.client_states).row_spec())
             self._message_bytes = (tree.tree_bytes(t.broadcast), tree.tree_bytes(t.message))
@@ -516,6 +517,9 @@ class Simulator:
         # A failed client runs as a padding slot: no data, weight zero, its state not written back.
         slots = np.where(np.isin(all_slots, failed_ids), -1, all_slots) if len(failed_ids) else all_slots
         x, y, order, offsets, num_examples, weights, padding = self.gather(round_idx, slots)
+        if self.generated and self.federation.prefetch is not None:
+            # the next cohort is known from the keys alone: read it while this round trains
+            self.federation.prefetch(self.sample_cohort(round_idx + 1))
         real = slots >= 0
         safe = np.where(real, slots, 0)
         # One batched transfer of the per-slot inputs (and the order buffer, replicated).
