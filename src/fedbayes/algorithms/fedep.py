@@ -779,6 +779,10 @@ PRESETS = ("posterior", "paper")
 # fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
 PAPER_SETTINGS = {"method": "identity", "scale": 500.0, "clip_ratio": 2.0, "weight_decay": 1e-4, "prior_precision": 0.0, "ngvi_bias_correction": False}
 DEFAULT_DAMPING = 0.5  # the posterior preset's fixed delta before the adaptive damping (a stored config's unset damping)
+# The nuts method's default: a fixed, small delta. Its sites carry the draws' noise, which the
+# adaptive rule reads as jitter about a fixed point and leaves alone (it settled at 0.39 there);
+# a small step averages that noise over about 2 / delta rounds (docs/results/posterior_full.md).
+NUTS_DAMPING = 0.1
 
 
 class EPConfig(TiltedSettings):
@@ -807,12 +811,13 @@ class EPConfig(TiltedSettings):
         "laplace",
         description="client tilted inference: laplace (L, default) or ngvi (V) give a posterior; identity (I) and mcmc (M) "
         "give a variance set by alpha_cov = scale * (initial_precision + weight_decay), a hyperparameter, not the data; "
-        "nuts matches the tilted mean and covariance by NUTS (FedEP with covariance = 'full'; small models)",
+        "nuts matches the tilted mean by NUTS, its precision the curvature averaged over the draws (FedEP with covariance = 'full'; small models)",
     )
     damping: Annotated[float, Field(gt=0, le=1)] | Literal["adaptive"] | None = Field(
         None,
         description="delta: adaptive (preset posterior: starts at 0.5, grown while the global posterior contracts, shrunk when it swings back "
-        "or grows; docs/algorithms.md §7.8) or a fixed value in (0, 1]; default adaptive, or 1 / clients_per_round (preset paper)",
+        "or grows; docs/algorithms.md §7.8) or a fixed value in (0, 1]; default adaptive, 0.1 for the nuts method (its sites carry the draws' "
+        "noise, which a small step averages), or 1 / clients_per_round (preset paper)",
     )
     delta_clip: float | None = Field(None, gt=0, description="joint global-norm clip G of each client's update")
     burn_in_rounds: int = Field(0, ge=0, description="FedAvg rounds before EP")
@@ -842,7 +847,7 @@ class EPConfig(TiltedSettings):
         if preset == "paper":
             data = {**PAPER_SETTINGS, **data}
         else:
-            data = {"damping": damping_policy.ADAPTIVE, **data}
+            data = {"damping": NUTS_DAMPING if data.get("method") == "nuts" else damping_policy.ADAPTIVE, **data}
         return data
 
     @model_validator(mode="after")
@@ -854,12 +859,11 @@ class EPConfig(TiltedSettings):
             )
         if self.method == "nuts" and self.covariance != "full":
             raise ValueError(
-                "algorithm.method: nuts matches the tilted moments with dense sites; set covariance = 'full' (FedEP; models up to "
-                f"{MAX_FULL_PARAMS} parameters)"
+                f"algorithm.method: nuts matches the tilted mean with dense sites; set covariance = 'full' (FedEP; models up to {MAX_FULL_PARAMS} parameters)"
             )
         if self.covariance == "full" and self.method not in ("laplace", "nuts"):
             raise ValueError(
-                f"algorithm.covariance: 'full' takes the laplace method (a dense GGN at the tilted mode) or nuts (moments by NUTS); got method {self.method!r}"
+                f"algorithm.covariance: 'full' takes the laplace method (a dense GGN at the tilted mode) or nuts (the tilted mean by NUTS); got method {self.method!r}"
             )
         if self.covariance == "full" and self.burn_in_rounds > 0:
             raise ValueError(f"algorithm.covariance: 'full' runs EP from the first round; set burn_in_rounds = 0; got {self.burn_in_rounds}")
@@ -882,19 +886,8 @@ class FedEPConfig(EPConfig):
 
     name: Literal["fedep"]
     improper_sites: Literal["reject", "allow"] = Field(
-        "reject",
-        description="a message whose site precision turns non-positive: reject it, or allow it (EP factors may be improper); "
-        "unset: allow for the nuts method (a site estimated from draws is indefinite where the client's data say little), reject otherwise",
+        "reject", description="a message whose site precision turns non-positive: reject it, or allow it (EP factors may be improper)"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nuts_sites_may_be_improper(cls, data):
-        # the draws' covariance has sampling noise: along directions its data barely inform, a
-        # site (tilted precision minus cavity) is as often slightly negative as positive
-        if isinstance(data, dict) and data.get("method") == "nuts" and "improper_sites" not in data:
-            return {**data, "improper_sites": "allow"}
-        return data
 
 
 class FedSEPConfig(EPConfig):
@@ -936,7 +929,7 @@ def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
             f"this model has {ctx.num_params}; use covariance = 'diagonal' or a smaller model (model.name = 'logreg')"
         )
     if hp.method == "nuts":
-        inference = make_full_nuts_inference(ctx.trainer, hp, max_examples=max(ctx.federation.client_sizes))
+        inference = make_full_nuts_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task, max_examples=max(ctx.federation.client_sizes))
     else:
         inference = make_full_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     return fedep_full(

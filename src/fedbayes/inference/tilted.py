@@ -121,7 +121,10 @@ class TiltedSettings(HParams):
     fisher_max_batches: int = Field(0, ge=0, description="laplace/ngvi: stop the Fisher passes after this many minibatches (0: all)")
     step_cap: float = Field(1.0, description="SG-MCMC step bound lr * h_i <= step_cap on the tilted prior's curvature (<= 0: off)")
     nuts_warmup: int = Field(500, ge=10, description="nuts method: warm-up transitions (step size and diagonal metric adaptation) per client and round")
-    nuts_draws: int = Field(1000, ge=3, description="nuts method: kept draws per client and round; the precision estimate needs more than D + 2")
+    nuts_draws: int = Field(1000, ge=1, description="nuts method: kept draws per client and round (their mean is the tilted mean)")
+    nuts_curvature_draws: int = Field(
+        20, ge=1, description="nuts method: the draws (evenly spaced) at which the likelihood's curvature is averaged for the tilted precision"
+    )
     nuts_target_accept: float = Field(0.9, gt=0, lt=1, description="nuts method: the warm-up's target acceptance probability")
     nuts_max_doublings: int = Field(10, ge=1, le=15, description="nuts method: the largest tree depth (at most 2^depth gradients per draw)")
 
