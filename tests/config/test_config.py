@@ -334,7 +334,18 @@ def test_the_data_table_takes_each_key_from_the_one_spec_settings_that_declares_
 
     declared = datasets.settings_fields([*partitions.builtin_specs(), *datasets.builtin_specs()])  # raises on a key declared twice
     fields = DataConfig.model_fields
-    assert set(fields) - set(declared) == {"dataset", "data_dir", "fraction", "num_clients", "partition", "validation_fraction", "standardize", "on_demand", "cache_clients", "cache_bytes"}
+    assert set(fields) - set(declared) == {
+        "dataset",
+        "data_dir",
+        "fraction",
+        "num_clients",
+        "partition",
+        "validation_fraction",
+        "standardize",
+        "on_demand",
+        "cache_clients",
+        "cache_bytes",
+    }
     for key, own in declared.items():
         flat = fields[key]
         assert (flat.annotation, flat.default, flat.metadata, flat.description) == (own.annotation, own.default, own.metadata, own.description), key
