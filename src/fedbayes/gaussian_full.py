@@ -41,6 +41,7 @@ __all__ = [
     "difference",
     "entropy",
     "from_moments",
+    "from_scale_tril",
     "is_proper",
     "kl",
     "log_prob",
@@ -52,6 +53,7 @@ __all__ = [
     "project_to_diag",
     "quotient",
     "sample",
+    "scale_tril",
     "to_full",
     "uniform_like",
     "variance",
@@ -133,6 +135,30 @@ def from_moments(mean: PyTree, cov: jax.Array) -> FullGaussian:
     precision = inv_chol.T @ inv_chol
     precision = 0.5 * (precision + precision.T)
     return FullGaussian(precision_mean=unravel(precision @ flat), precision=precision)
+
+
+def from_scale_tril(mean: PyTree, scale: jax.Array) -> FullGaussian:
+    """Builds a dense Gaussian from its mean and a lower-triangular factor of its covariance,
+    Sigma = C C^T (the parameterisation of full-covariance VI): Lambda = C^{-T} C^{-1}, eta = Lambda mu.
+
+    Args:
+      mean: mu, a pytree of floating arrays.
+      scale: C, ``[D, D]`` lower triangular with a positive diagonal, in ravel order.
+    """
+    flat, unravel = ravel_pytree(mean)
+    scale = jnp.asarray(scale, dtype=flat.dtype)
+    if scale.shape != (flat.size, flat.size):
+        raise ValueError(f"scale must be [{flat.size}, {flat.size}] for {flat.size} parameters; got {scale.shape}")
+    inv = jax.scipy.linalg.solve_triangular(scale, jnp.eye(flat.size, dtype=flat.dtype), lower=True)
+    precision = inv.T @ inv
+    precision = 0.5 * (precision + precision.T)
+    return FullGaussian(precision_mean=unravel(precision @ flat), precision=precision)
+
+
+def scale_tril(g: Any) -> jax.Array:
+    """C, the lower Cholesky factor of the covariance Sigma = Lambda^{-1} = C C^T (the inverse of
+    :func:`from_scale_tril`); ``[D, D]``, for a proper ``g``."""
+    return cholesky(covariance(g))
 
 
 # One matrix at a time also under vmap (a cohort's clients): XLA:CPU's batched LAPACK call waited
