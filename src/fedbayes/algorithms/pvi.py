@@ -61,7 +61,7 @@ State: the server keeps ``q_g`` (2d floats) and the server optimizer's state; a 
 floats: the model's initial parameters in round 1, the global's mean afterwards), ``Delta_k`` up
 (2d floats and a flag; with the adaptive damping also the client's loss at the broadcast, 1 float).
 
-**Full covariance** (``covariance = "full"``; docs/algorithms.md §8.4): the sites, cavity, local
+**Full covariance** (``covariance = "full"``; docs/algorithms.md §8.5): the sites, cavity, local
 posterior and ``q_g`` are dense Gaussians (:class:`~fedbayes.gaussian_full.FullGaussian`, a
 ``[D, D]`` precision over the raveled parameters). The local step is full-covariance VI
 (:func:`fedbayes.inference.vi_full.full_covariance_vi`: ``q_k = N(m, C C^T)`` with a Cholesky
@@ -284,7 +284,7 @@ def personal_posterior(state: ServerState, cstate: ClientState, weight) -> tuple
     return personal_moments(state.q, cstate.site, weight, server_params(state))
 
 
-# ----- full covariance (docs/algorithms.md §8.4) ------------------------------------------------------
+# ----- full covariance (docs/algorithms.md §8.5) ------------------------------------------------------
 
 
 def full_server_init(params: PyTree, server_optimizer, prior_precision: float, damping: damping_policy.Damping, anchored: bool) -> ServerState:

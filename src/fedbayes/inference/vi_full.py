@@ -14,7 +14,7 @@ approximation revisited", Neural Computation 21(3)) with the Cholesky parameteri
 Titsias & Lázaro-Gredilla 2014 ("Doubly stochastic variational Bayes for non-conjugate
 inference", ICML). At its optimum the precision is the cavity's plus the expected Hessian of the
 loss, ``Lambda_q = Lambda_c + E_q[nabla^2 l_k]`` (Opper & Archambeau 2009, Eq. 12), which this
-stochastic gradient reaches without forming that Hessian. docs/algorithms.md §8.4.
+stochastic gradient reaches without forming that Hessian. docs/algorithms.md §8.5.
 
 The parameters are the mean ``m`` (a pytree) and an unconstrained ``[D, D]`` matrix whose strict
 lower triangle is ``C``'s and whose diagonal gives ``C_ii = exp(s_ii)`` (``"log"``) or
@@ -121,7 +121,7 @@ def expected_loss_full(loss_fn, *, samples: int, parameterisation: str):
 def full_covariance_vi(
     trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None, step_cap: float = 1.0
 ) -> CavityInference:
-    """PVI's local step with a dense Gaussian (module docstring; docs/algorithms.md §8.4): per
+    """PVI's local step with a dense Gaussian (module docstring; docs/algorithms.md §8.5): per
     minibatch (mean-loss scale, the objective divided by ``n_k``)
 
         F(q) = (1/S) sum_s mean_batch l(m + C eps_s) + KL(q || cavity) / n_k,
