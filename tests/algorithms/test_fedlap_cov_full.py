@@ -5,10 +5,10 @@ with SGD clients the fixed point is the central full Laplace; the config and its
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.flatten_util import ravel_pytree
 from least_squares import DIM, Problem, flat_params, newton_solver, run_rounds
 
 from fedbayes import gaussian_full
@@ -63,9 +63,7 @@ def test_logistic_clients_reach_the_central_full_laplace():
     fed, model, params = _problem()
     apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     trainer = LocalTrainer(loss_fn(model, "classification"), optax.sgd(0.2), 200, PER_CLIENT)
-    alg = fedlap_cov(
-        trainer, lambda p, d: data_full_ggn(apply, p, d, batch_size=PER_CLIENT), delta=1.0, damping=damping_policy.adaptive(), covariance="full"
-    )
+    alg = fedlap_cov(trainer, lambda p, d: data_full_ggn(apply, p, d, batch_size=PER_CLIENT), delta=1.0, damping=damping_policy.adaptive(), covariance="full")
     sim = Simulator(alg, fed, clients_per_round=NUM_CLIENTS, seed=0)
     state = sim.init(params)
     for _ in range(30):
@@ -73,7 +71,7 @@ def test_logistic_clients_reach_the_central_full_laplace():
         assert len(info.rejected) == 0
     map_flat, hessian = _central_laplace(model, params, fed.x, fed.y)
     q = state.server_state.q
-    np.testing.assert_allclose(jax.flatten_util.ravel_pytree(alg.server_params(state.server_state))[0], map_flat, atol=1e-3)
+    np.testing.assert_allclose(ravel_pytree(alg.server_params(state.server_state))[0], map_flat, atol=1e-3)
     cov = np.linalg.inv(hessian)
     np.testing.assert_allclose(np.asarray(gaussian_full.covariance(q)), cov, rtol=1e-2, atol=1e-3 * np.max(np.abs(cov)))  # float32 clients
 

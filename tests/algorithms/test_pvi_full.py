@@ -4,12 +4,10 @@ client against the central optimum of the same objective on a logistic regressio
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.flatten_util import ravel_pytree
 
 from fedbayes import gaussian_full
 from fedbayes.algorithms.pvi import pvi

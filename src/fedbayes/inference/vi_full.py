@@ -175,4 +175,3 @@ def full_covariance_vi(
         return to_full_gaussian(vp, parameterisation), info
 
     return fit
-
