@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from fedbayes import gaussian_full
-from fedbayes.algorithms.pvi import pvi
+from fedbayes.algorithms.pvi import FULL_SAMPLES, default_samples, pvi
 from fedbayes.algorithms.sites import MAX_FULL_PARAMS
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.federation import Federation
@@ -84,8 +84,12 @@ def test_several_clients_reach_the_exact_product():
 
 
 def test_full_covariance_is_a_pvi_setting():
-    assert validate({"algorithm": {"name": "pvi", "covariance": "full"}}).algorithm.covariance == "full"
-    assert validate({"algorithm": {"name": "pvi"}}).algorithm.covariance == "diagonal"
+    full = validate({"algorithm": {"name": "pvi", "covariance": "full"}}).algorithm
+    diagonal = validate({"algorithm": {"name": "pvi"}}).algorithm
+    assert full.covariance == "full" and diagonal.covariance == "diagonal"
+    # more draws per step by default for the dense client (its message's precision is biased by the noise)
+    assert (default_samples(full), default_samples(diagonal), FULL_SAMPLES) == (8, 1, 8)
+    assert default_samples(validate({"algorithm": {"name": "pvi", "covariance": "full", "samples": 2}}).algorithm) == 2
     for extra, field in (
         ({"server": {"aggregator": "median"}}, "server.aggregator: pvi with covariance = 'full'"),
         ({"privacy": {"clip": 1.0}, "server": {"weighting": "uniform"}}, "privacy.clip: pvi with covariance = 'full'"),
