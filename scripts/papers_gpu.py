@@ -195,7 +195,13 @@ def main() -> int:
             cmd += ["--per-round", str(args.per_round)] if args.per_round else []
             try:
                 left = max(args.budget - (time.perf_counter() - start), 0.0) + 60.0
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))})
+                proc = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    timeout=left,
+                    env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))},
+                )
             except subprocess.TimeoutExpired:
                 rows.append({"config": config, "variant": variant, "error": f"stopped after {left:.0f} s (the budget)"})
                 continue

@@ -41,6 +41,7 @@ __all__ = [
     "difference",
     "entropy",
     "from_moments",
+    "from_scale_tril",
     "is_proper",
     "kl",
     "log_prob",
@@ -52,6 +53,7 @@ __all__ = [
     "project_to_diag",
     "quotient",
     "sample",
+    "scale_tril",
     "to_full",
     "uniform_like",
     "variance",
@@ -129,10 +131,34 @@ def from_moments(mean: PyTree, cov: jax.Array) -> FullGaussian:
         raise ValueError(f"cov must be [{flat.size}, {flat.size}] for {flat.size} parameters; got {cov.shape}")
     chol = cholesky(cov)
     eye = jnp.eye(flat.size, dtype=flat.dtype)
-    inv_chol = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+    inv_chol = _lower_solve(chol, eye)
     precision = inv_chol.T @ inv_chol
     precision = 0.5 * (precision + precision.T)
     return FullGaussian(precision_mean=unravel(precision @ flat), precision=precision)
+
+
+def from_scale_tril(mean: PyTree, scale: jax.Array) -> FullGaussian:
+    """Builds a dense Gaussian from its mean and a lower-triangular factor of its covariance,
+    Sigma = C C^T (the parameterisation of full-covariance VI): Lambda = C^{-T} C^{-1}, eta = Lambda mu.
+
+    Args:
+      mean: mu, a pytree of floating arrays.
+      scale: C, ``[D, D]`` lower triangular with a positive diagonal, in ravel order.
+    """
+    flat, unravel = ravel_pytree(mean)
+    scale = jnp.asarray(scale, dtype=flat.dtype)
+    if scale.shape != (flat.size, flat.size):
+        raise ValueError(f"scale must be [{flat.size}, {flat.size}] for {flat.size} parameters; got {scale.shape}")
+    inv = _lower_solve(scale, jnp.eye(flat.size, dtype=flat.dtype))
+    precision = inv.T @ inv
+    precision = 0.5 * (precision + precision.T)
+    return FullGaussian(precision_mean=unravel(precision @ flat), precision=precision)
+
+
+def scale_tril(g: Any) -> jax.Array:
+    """C, the lower Cholesky factor of the covariance Sigma = Lambda^{-1} = C C^T (the inverse of
+    :func:`from_scale_tril`); ``[D, D]``, for a proper ``g``."""
+    return cholesky(covariance(g))
 
 
 # One matrix at a time also under vmap (a cohort's clients): XLA:CPU's batched LAPACK call waited
@@ -149,8 +175,22 @@ def _cholesky(g: FullGaussian) -> jax.Array:
     return cholesky(g.precision)
 
 
+# The triangular solves too: a batched LAPACK call under vmap is what hung (as cholesky's).
+@jax.custom_batching.sequential_vmap
+def _lower_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
+    """L^{-1} b for a lower-triangular L."""
+    return jax.scipy.linalg.solve_triangular(chol, b, lower=True)
+
+
+@jax.custom_batching.sequential_vmap
+def _lower_t_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
+    """L^{-T} b for a lower-triangular L."""
+    return jax.scipy.linalg.solve_triangular(chol, b, lower=True, trans="T")
+
+
 def _solve(chol: jax.Array, b: jax.Array) -> jax.Array:
-    return jax.scipy.linalg.cho_solve((chol, True), b)
+    """(L L^T)^{-1} b."""
+    return _lower_t_solve(chol, _lower_solve(chol, b))
 
 
 def mean(g: FullGaussian) -> PyTree:
@@ -178,7 +218,7 @@ def variance(g: FullGaussian) -> PyTree:
     _, unravel = ravel_pytree(g.precision_mean)
     chol = _cholesky(g)
     eye = jnp.eye(chol.shape[0], dtype=chol.dtype)
-    inv_chol = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+    inv_chol = _lower_solve(chol, eye)
     return unravel(jnp.sum(jnp.square(inv_chol), axis=0))
 
 
@@ -261,7 +301,7 @@ def sample(key: jax.Array, g: Any, num_samples: int | None = None) -> PyTree:
     loc = _solve(chol, eta)
     count = 1 if num_samples is None else num_samples
     eps = jax.random.normal(key, (eta.size, count), dtype=eta.dtype)
-    draws = loc[:, None] + jax.scipy.linalg.solve_triangular(chol, eps, lower=True, trans="T")
+    draws = loc[:, None] + _lower_t_solve(chol, eps)
     if num_samples is None:
         return unravel(draws[:, 0])
     return jax.vmap(unravel)(draws.T)
@@ -294,7 +334,7 @@ def kl(p: Any, q: Any) -> jax.Array:
     eta_p, _ = ravel_pytree(p.precision_mean)
     eta_q, _ = ravel_pytree(q.precision_mean)
     chol_p, chol_q = _cholesky(p), _cholesky(q)
-    trace = jnp.sum(jnp.square(jax.scipy.linalg.solve_triangular(chol_p, chol_q, lower=True)))
+    trace = jnp.sum(jnp.square(_lower_solve(chol_p, chol_q)))
     diff = _solve(chol_p, eta_p) - _solve(chol_q, eta_q)
     quad = jnp.sum(jnp.square(chol_q.T @ diff))
     return 0.5 * (trace - eta_p.size + quad + _log_det_precision(chol_p) - _log_det_precision(chol_q))
@@ -326,5 +366,5 @@ def predictive_variance(g: Any, jacobian: jax.Array) -> jax.Array:
       ``[K, K]``, computed as (L^{-1} J^T)^T (L^{-1} J^T) with Lambda = L L^T.
     """
     g = _promote(g)
-    half = jax.scipy.linalg.solve_triangular(_cholesky(g), jnp.asarray(jacobian).T, lower=True)
+    half = _lower_solve(_cholesky(g), jnp.asarray(jacobian).T)
     return half.T @ half

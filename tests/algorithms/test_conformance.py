@@ -50,8 +50,16 @@ def _build_half_step(hp: HalfStepConfig, ctx: BuildContext) -> Algorithm:
 HALF_STEP = AlgorithmSpec("half_step", HalfStepConfig, _build_half_step, "test method")
 # A method's setting that changes what its states and messages are runs the suite as a variant of its own:
 # "<name>+<label>" -> (name, settings).
-VARIANTS = {"fedep+full": ("fedep", {"covariance": "full"})}
+VARIANTS = {
+    "fedep+full": ("fedep", {"covariance": "full"}),
+    "pvi+full": ("pvi", {"covariance": "full"}),
+    "fedlap_cov+full": ("fedlap_cov", {"covariance": "full"}),
+}
 NAMES = (*registry.names(), HALF_STEP.name, *VARIANTS)
+# PVI's dense message inverts its Cholesky factor in float32: a rounding difference between two
+# compilations of the same client grows by that factor's condition number (digits' constant pixels
+# keep the prior's variance beside well-determined weights)
+COHORT_TOLERANCE = {"pvi+full": 1e-4}
 
 
 def _method(name: str) -> tuple[str, dict]:
@@ -107,9 +115,10 @@ def test_cohort_equals_a_plain_per_client_loop(name, layout):
         np.testing.assert_array_equal(info.cohort, cohort)
         assert ref_ok.all() and len(info.rejected) == 0
         # 1e-5: the sequential layout sums on two devices (reassociation, docs/design.md)
-        _close(state.server_state, ref_server)
+        tol = COHORT_TOLERANCE.get(name, 1e-5)
+        _close(state.server_state, ref_server, tol)
         for cid, ref in zip(cohort, ref_states):
-            _close(jax.tree.map(lambda s: s[cid], state.client_states), ref)
+            _close(jax.tree.map(lambda s: s[cid], state.client_states), ref, tol)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -42,7 +42,9 @@ def test_the_table_has_the_reference_and_method_rows(bench):
     assert problem["num_train"] == 60 and problem["num_features"] == 3 and problem["num_params"] == 8
     assert len(problem["client_sizes"]) == 3 and sum(problem["client_sizes"]) == 60
     keys = [row["key"] for row in problem["rows"]]
-    assert keys == ["nuts", "central_map", "central_laplace_marginals", "central_diag_laplace", "central_mfvi", "central_ngvi", "fedep_laplace"]
+    assert keys == [
+        "nuts", "central_map", "central_laplace_marginals", "central_diag_laplace", "central_mfvi", "central_full_vi", "central_ngvi", "fedep_laplace",
+    ]  # fmt: skip
     method = problem["rows"][-1]
     assert method["family"] == "diag_laplace" and 1 <= method["rounds"] <= 3
     assert [t["round"] for t in method["trajectory"]] == list(range(1, method["rounds"] + 1))
@@ -51,7 +53,7 @@ def test_the_table_has_the_reference_and_method_rows(bench):
     assert table.count("| FedEP (laplace) |") == 1 and "### tiny" in table
     header = next(line for line in table.splitlines() if line.startswith("| method"))
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
-    assert len(rows) == 7 and all(row.count("|") == header.count("|") for row in rows)
+    assert len(rows) == 8 and all(row.count("|") == header.count("|") for row in rows)
     assert json.loads((out / "posterior_quality.json").read_text()) == json.loads(json.dumps(result, default=float))
 
 
@@ -145,3 +147,15 @@ def test_keep_going_runs_every_round_and_says_how_far_the_method_strays_after_th
     # a row cached under the usual rule is not taken for a run past the bar, nor the other way round
     again = posterior.run_posterior_bench(out, dataclasses.replace(settings, stop_at_bar=True), ["tiny"], ["pvi"], extra_problems={"tiny": TINY})
     assert "after_bar" not in again["problems"][0]["rows"][-1] and again["problems"][0]["rows"][-1]["rounds"] == reached
+
+
+def test_a_dense_posterior_row_is_predicted_with_its_full_covariance(tmp_path):
+    result = posterior.run_posterior_bench(tmp_path, SETTINGS, ["tiny"], ["fedlap_cov_full", "pvi_full"], extra_problems={"tiny": TINY})
+    rows = {row["key"]: row for row in result["problems"][0]["rows"]}
+    assert rows["central_full_vi"]["vs_nuts"]["mean_rel_l2"] < 0.1  # 8 parameters, 60 examples: full VI is nearly exact
+    for key, family in (("fedlap_cov_full", "laplace"), ("pvi_full", "full_vi")):
+        row = rows[key]
+        assert "error" not in row and row["family"] == family and row["rounds"] >= 1
+        # the full predictive and the marginal-only one are both reported, and they differ
+        assert set(row["predictive_marginals"]) == set(row["predictive"]) == {"accuracy", "nll", "ece"}
+        assert row["predictive"]["nll"] != row["predictive_marginals"]["nll"]

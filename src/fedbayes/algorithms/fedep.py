@@ -61,6 +61,7 @@ from pydantic import Field, model_validator
 from fedbayes import gaussian, gaussian_full, tree
 from fedbayes.aggregators import Aggregate
 from fedbayes.algorithms import damping as damping_policy
+from fedbayes.algorithms import sites
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, burn_in_setting, stateless_client_init
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.algorithms.sites import (
@@ -70,16 +71,19 @@ from fedbayes.algorithms.sites import (
     checked_cavity,
     clip_joint_norm,
     damped_difference,
+    full_message_ok,
+    full_personal_moments,
+    full_safe_mean,
     gaussian_message_ok,
     non_negative_to_roundoff,
     optimizer_step,
     personal_moments,
+    psd_to_roundoff,
     safe_mean,
     site_server_step,
 )
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
-from fedbayes.gaussian_full import FullGaussian
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.nuts import make_full_nuts_inference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
@@ -88,7 +92,7 @@ from fedbayes.inference.tilted import METHODS, TiltedSettings, make_full_laplace
 PyTree = Any
 INITS = ("benchmark", "uniform")
 COVARIANCES = ("diagonal", "full")
-MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family is for GLMs and small heads
+MAX_FULL_PARAMS = sites.MAX_FULL_PARAMS
 SEP_POWERS = ("data_fraction", "one_over_k")
 
 __all__ = [
@@ -612,25 +616,6 @@ def fedsep(
 # ----- full covariance (docs/algorithms.md §7, "Full-covariance messages") ----------------------
 
 
-def _psd_shifted(precision: jax.Array, eps: jax.Array) -> jax.Array:
-    chol = gaussian_full.cholesky(precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype))
-    return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
-
-
-def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e-5) -> jax.Array:
-    """Whether a dense precision is positive semi-definite up to float round-off: ``precision + eps I``
-    has a Cholesky factor, ``eps = rtol max_i |reference_ii|`` (the global's scale, from which sites
-    and cavities are differences), the dense counterpart of
-    :func:`~fedbayes.algorithms.sites.non_negative_to_roundoff`. A zero matrix (a flat factor) passes."""
-    return _psd_shifted(precision, (rtol * jnp.max(jnp.abs(jnp.diagonal(reference)))).astype(precision.dtype))
-
-
-def _full_mean_or(q: FullGaussian, fallback: PyTree) -> PyTree:
-    """``mean(q)`` where ``q`` is proper, else ``fallback`` (the dense :func:`~fedbayes.algorithms.sites.safe_mean`)."""
-    mean, proper = gaussian_full.mean(q), gaussian_full.is_proper(q)
-    return jax.tree.map(lambda m, f: jnp.where(proper, m, f), mean, fallback)
-
-
 def full_client_step(
     key: jax.Array,
     message: Broadcast,
@@ -655,7 +640,7 @@ def full_client_step(
     :func:`~fedbayes.gaussian_full.damp`). Returns ``(message, client_state, info)``.
 
     Policy for an improper result, as the diagonal path's: a cavity that is not positive
-    semi-definite to round-off (:func:`psd_to_roundoff`) flags the message, and so does (unless
+    semi-definite to round-off (:func:`~fedbayes.algorithms.sites.psd_to_roundoff`) flags the message, and so does (unless
     ``allow_improper_sites``) a new site that is not; the server then gives it weight zero and the
     client keeps its old site."""
     n = data.num_examples.astype(jnp.float32)
@@ -669,7 +654,7 @@ def full_client_step(
         lambda: first_site(message, prior, share, rest, start, exact_late_sites, family=gaussian_full),
     )
     cavity_ok = tree.all_finite(cavity) & psd_to_roundoff(cavity.precision, q.precision)
-    begin = _full_mean_or(q, message.anchor if start.uniform else q.precision_mean)
+    begin = full_safe_mean(q, message.anchor if start.uniform else q.precision_mean)
     fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
     tilted, info = inference(key, begin, cavity, data)
     step = optax.tree.scale(message.damping, clip_joint_norm(gaussian_full.difference(tilted, q), delta_clip))
@@ -679,23 +664,13 @@ def full_client_step(
     return GaussianMessage(step, ok, fit), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_)), info
 
 
-def full_message_ok(message: GaussianMessage, q: FullGaussian) -> jax.Array:
-    """The server's test of a dense message: finite, flagged valid by its client, and ``q_g`` plus
-    the message proper (a Cholesky factor exists; :func:`~fedbayes.gaussian_full.is_proper`)."""
-    ok = jnp.logical_and(tree.all_finite(message.difference), message.ok)
-    return jnp.logical_and(ok, gaussian_full.is_proper(gaussian_full.product(q, message.difference)))
-
-
 def full_server_step(state: ServerState, aggregate: Aggregate, server_optimizer, damping: damping_policy.Damping) -> tuple[ServerState, FedEPInfo]:
     """The server with dense sites: ``(eta_g, Lambda_g) <- (eta_g, Lambda_g) + ServerOpt(sum_k delta
     Delta_k)`` (with plain SGD at lr 1 the exact product ``q_g = p_0 prod_k t_k``, a sum of natural
     parameters); a step that leaves ``Lambda_g`` not positive definite (a momentum overshoot) keeps
     the old ``q_g`` whole, and ``precision_guarded`` counts all ``D`` coordinates then. The damping's
     rule watches the mean (of the moment-matched diagonal, :func:`~fedbayes.gaussian_full.project_to_diag`)."""
-    new_q, opt_state = optimizer_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
-    proper = gaussian_full.is_proper(new_q)
-    q = jax.tree.map(lambda a, b: jnp.where(proper, a, b), new_q, state.q)
-    guarded = jnp.where(proper, 0, state.q.precision.shape[0]).astype(jnp.int32)
+    q, opt_state, guarded = sites.full_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
     info = FedEPInfo(precision_guarded=guarded, damping=state.damping.value)
     moved = damping.update(state.damping, gaussian_full.project_to_diag(state.q), gaussian_full.project_to_diag(q), aggregate.mean.loss)
     return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, moved), info
@@ -708,12 +683,9 @@ def full_posterior_moments(state: ServerState) -> tuple[PyTree, PyTree]:
 
 
 def full_personal_posterior(state: ServerState, cstate: ClientState, weight) -> tuple[PyTree, PyTree]:
-    """Client ``k``'s ``q_g t_k^w`` in moments (docs/algorithms.md §13.8) with dense factors; where
-    that product is not proper, ``q_g``'s moments (the dense policy of
-    :func:`~fedbayes.algorithms.sites.personalised`)."""
-    q_k = gaussian_full.product(state.q, gaussian_full.power(cstate.site, weight))
-    q_k = jax.tree.map(lambda a, b: jnp.where(gaussian_full.is_proper(q_k), a, b), q_k, state.q)
-    return gaussian_full.mean(q_k), gaussian_full.variance(q_k)
+    """Client ``k``'s ``q_g t_k^w`` in moments (docs/algorithms.md §13.8) with dense factors
+    (:func:`~fedbayes.algorithms.sites.full_personal_moments`)."""
+    return full_personal_moments(state.q, cstate.site, weight)
 
 
 def fedep_full(
@@ -830,8 +802,8 @@ class EPConfig(TiltedSettings):
     covariance: Literal[COVARIANCES] = Field(  # type: ignore[valid-type]
         "diagonal",
         description="the Gaussian family of the sites, cavities, tilted approximations and q_g: diagonal (default) or full, a dense [D, D] "
-        f"precision over all D parameters (cavity q_g / t_k and product exact in the family; the laplace method with the dense GGN; "
-        f"for models up to {MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'; FedEP only, laplace method only, no burn-in, "
+        f"precision over all D parameters (cavity q_g / t_k and product exact in the family; the laplace method with the dense GGN, or nuts; "
+        f"for models up to {MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'; FedEP only, laplace or nuts method, no burn-in, "
         "no robust aggregation or privacy)",
     )
 
@@ -923,11 +895,7 @@ def build_fedep(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
 
 
 def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
-    if ctx.num_params is not None and ctx.num_params > MAX_FULL_PARAMS:
-        raise ValueError(
-            f"algorithm.covariance: 'full' keeps a dense [D, D] precision per site and message, for models up to {MAX_FULL_PARAMS} parameters; "
-            f"this model has {ctx.num_params}; use covariance = 'diagonal' or a smaller model (model.name = 'logreg')"
-        )
+    sites.check_full_size(ctx.num_params)
     if hp.method == "nuts":
         inference = make_full_nuts_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task, max_examples=max(ctx.federation.client_sizes))
     else:
@@ -982,9 +950,7 @@ _EP_TRAITS = dict(
         (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") and hp.covariance == "diagonal" else None
     ),
     # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
-    settings_aggregator_policy=lambda hp: (
-        ("own", "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines") if hp.covariance == "full" else None
-    ),
+    settings_aggregator_policy=lambda hp: ("own", sites.FULL_AGGREGATOR_NOTE) if hp.covariance == "full" else None,
     stored_meaning=_stored_meaning,
 )
 FEDEP = AlgorithmSpec("fedep", FedEPConfig, build_fedep, "expectation propagation with stateful Gaussian sites", **_EP_TRAITS)

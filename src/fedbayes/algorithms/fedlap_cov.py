@@ -44,8 +44,20 @@ changes, no server optimizer):
 * ``server_posterior`` is ``(w_g, 1 / S_g)`` (marginalised predictions, ``model.npz``).
 
 The update functions take :class:`PrecisionOps`, how a precision acts on a parameter vector:
-:data:`DIAGONAL` for the algorithm; a dense-matrix version (the tests') gives the full-covariance
-method of the paper from the same functions.
+:data:`DIAGONAL` for the diagonal algorithm, :data:`DENSE` for ``covariance = "full"``.
+
+**Full covariance** (``covariance = "full"``; docs/algorithms.md §10.1): the same update with
+``V_k``, ``S_g`` and ``S_k`` dense ``[D, D]`` matrices over the raveled parameters
+(:class:`~fedbayes.gaussian_full.FullGaussian` sites and global) and ``H_k`` the client's dense GGN
+(:func:`fedbayes.inference.curvature.data_full_ggn`), the paper's full-covariance FedLap-Cov
+(Swaroop et al. 2025, Sec. 3.3 states the method for any precision structure). ``V_k`` stays a
+convex combination of PSD matrices, so ``S_g - delta I`` is PSD and the server's product is exact in
+the dense family (no floor is needed); ``w_g = S_g^{-1} eta_g`` is a Cholesky solve. Its
+fixed point is still the MAP, and ``S_g`` there is the dense GGN Laplace precision
+``delta I + sum_k GGN_k(w*)``: the full Laplace posterior (for a GLM with its canonical link the
+GGN is the Hessian). A client whose GGN is not finite or has a negative diagonal entry flags its
+message. For models of at most :data:`~fedbayes.algorithms.sites.MAX_FULL_PARAMS` parameters; no
+robust aggregation or privacy.
 """
 
 from __future__ import annotations
@@ -56,27 +68,33 @@ from typing import Annotated, Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 from pydantic import Field
 
-from fedbayes import gaussian, tree
+from fedbayes import gaussian, gaussian_full, tree
 from fedbayes.algorithms import damping as damping_policy
+from fedbayes.algorithms import sites
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
 from fedbayes.algorithms.laplace_sites import check_settings, training_start
-from fedbayes.algorithms.sites import BROADCAST_LOSS_TAG, GaussianMessage, gaussian_message_ok, personal_moments
+from fedbayes.algorithms.sites import BROADCAST_LOSS_TAG, GaussianMessage, full_personal_moments, gaussian_message_ok, personal_moments
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_full import FullGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import LocalSolver
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
-from fedbayes.inference.curvature import data_curvature
+from fedbayes.inference.curvature import data_curvature, data_full_ggn
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, per_example, run_sgd
 
 PyTree = Any
 DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_defaults.md)
 Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
 INIT_PRECISIONS = ("delta", "zero")
+COVARIANCES = ("diagonal", "full")
 
 __all__ = [
+    "COVARIANCES",
+    "DENSE",
     "DIAGONAL",
     "INIT_PRECISIONS",
     "Broadcast",
@@ -102,12 +120,20 @@ class PrecisionOps(NamedTuple):
       scaled_identity: ``(params, c) -> c I`` as a precision for ``params``.
       at_least: ``(precision, c) -> precision`` raised to at least ``c I`` where that is cheap
         (coordinatewise for a diagonal); the identity otherwise.
+      make: ``(eta, precision) -> Gaussian`` of the family (:class:`~fedbayes.gaussian.DiagGaussian`
+        or :class:`~fedbayes.gaussian_full.FullGaussian`).
+      family: the family's algebra (:mod:`fedbayes.gaussian` or :mod:`fedbayes.gaussian_full`).
+      to_diag: a Gaussian of the family as a diagonal one, for the damping's rule (the
+        moment-matched diagonal of a dense one).
     """
 
     matvec: Callable
     solve: Callable
     scaled_identity: Callable
     at_least: Callable
+    make: Callable = DiagGaussian
+    family: Any = gaussian
+    to_diag: Callable = lambda g: g
 
 
 DIAGONAL = PrecisionOps(
@@ -115,6 +141,32 @@ DIAGONAL = PrecisionOps(
     solve=lambda p, x: jax.tree.map(jnp.divide, x, p),
     scaled_identity=optax.tree.full_like,
     at_least=lambda p, c: jax.tree.map(lambda s: jnp.maximum(s, jnp.asarray(c, s.dtype)), p),
+)
+
+
+def _dense_matvec(p: jax.Array, x: PyTree) -> PyTree:
+    flat, unravel = ravel_pytree(x)
+    return unravel(p @ flat.astype(p.dtype))
+
+
+def _dense_solve(p: jax.Array, x: PyTree) -> PyTree:
+    flat, unravel = ravel_pytree(x)
+    return unravel(jax.scipy.linalg.cho_solve((gaussian_full.cholesky(p), True), flat.astype(p.dtype)))  # on the server: never batched
+
+
+def _dense_identity(params: PyTree, c: float) -> jax.Array:
+    flat, _ = ravel_pytree(params)
+    return c * jnp.eye(flat.size, dtype=flat.dtype)
+
+
+DENSE = PrecisionOps(
+    matvec=_dense_matvec,
+    solve=_dense_solve,  # a Cholesky solve (S_g is positive definite: delta I plus PSD sites)
+    scaled_identity=_dense_identity,
+    at_least=lambda p, c: p,  # S_g - delta I is a sum of PSD matrices: nothing to floor
+    make=FullGaussian,
+    family=gaussian_full,
+    to_diag=gaussian_full.project_to_diag,
 )
 
 
@@ -176,8 +228,8 @@ def site_update(site: DiagGaussian, w_k, message: Broadcast, curvature: PyTree, 
     s_g = message.precision
     s_k = optax.tree.sub(optax.tree.add(curvature, s_g), site.precision)
     change = optax.tree.sub(ops.matvec(s_k, w_k), ops.matvec(s_g, message.anchor))
-    target = DiagGaussian(precision_mean=optax.tree.add(site.precision_mean, change), precision=curvature)
-    return gaussian.damp(site, target, damping)
+    target = ops.make(optax.tree.add(site.precision_mean, change), curvature)
+    return ops.family.damp(site, target, damping)
 
 
 def client_step(
@@ -204,7 +256,7 @@ def client_step(
 
 def server_init(params, delta: float, ops: PrecisionOps = DIAGONAL, damping: damping_policy.Damping | None = None) -> ServerState:
     """``q_g = p_0 = N(0, I / delta)``, ``w_g = 0``, and the damping's state (``None``: fixed at 0.5)."""
-    q = DiagGaussian(precision_mean=optax.tree.zeros_like(params), precision=ops.scaled_identity(params, delta))
+    q = ops.make(optax.tree.zeros_like(params), ops.scaled_identity(params, delta))
     damping = damping if damping is not None else damping_policy.fixed(DEFAULT_RHO)
     return ServerState(optax.tree.zeros_like(params), q, params, jnp.zeros((), jnp.int32), damping.init(params))
 
@@ -227,14 +279,20 @@ def server_step(
     """``q_g <- q_g prod_k (t_k^new / t_k)`` over the accepted clients, ``S_g`` kept at least
     ``delta``, and ``w_g = S_g^{-1} eta_g``; the damping's rule sees the change and the cohort's
     loss at the broadcast (``damping=None``: kept)."""
-    q = gaussian.product(state.q, site_change_total)
-    q = DiagGaussian(precision_mean=q.precision_mean, precision=ops.at_least(q.precision, delta))
-    rule = damping.update(state.damping, state.q, q, loss) if damping is not None else state.damping
+    q = ops.family.product(state.q, site_change_total)
+    q = ops.make(q.precision_mean, ops.at_least(q.precision, delta))
+    rule = damping.update(state.damping, ops.to_diag(state.q), ops.to_diag(q), loss) if damping is not None else state.damping
     return ServerState(ops.solve(q.precision, q.precision_mean), q, state.init, state.round + 1, rule)
 
 
 def _valid_curvature(h) -> jax.Array:
     return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.stack([jnp.all(x >= 0) for x in jax.tree.leaves(h)])))
+
+
+def _valid_dense_curvature(h: jax.Array) -> jax.Array:
+    """A dense GGN: finite with a non-negative diagonal (it is PSD by construction; off-diagonal
+    entries may be negative)."""
+    return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.diagonal(h) >= 0))
 
 
 def fedlap_cov(
@@ -245,18 +303,21 @@ def fedlap_cov(
     damping: float | damping_policy.Damping,
     init_precision: str = "delta",
     solver: LocalSolver = run_sgd,
+    covariance: str = "diagonal",
 ) -> Algorithm:
-    """FedLap-Cov (docs/algorithms.md §10) with diagonal precisions.
+    """FedLap-Cov (docs/algorithms.md §10) with diagonal precisions, or dense ones (``covariance = "full"``).
 
     Args:
       trainer: local training (mean loss, optimizer, epochs, batch size).
-      curvature: ``(params, data) -> diagonal curvature of the client's sum loss`` (PSD), e.g.
-        :func:`fedbayes.inference.curvature.data_curvature`.
+      curvature: ``(params, data) -> curvature of the client's sum loss`` (PSD): diagonal, e.g.
+        :func:`fedbayes.inference.curvature.data_curvature`, or with ``covariance = "full"`` the
+        dense ``[D, D]`` matrix, e.g. :func:`fedbayes.inference.curvature.data_full_ggn`.
       delta: prior precision (sum-loss scale), > 0.
       damping: site damping ``rho``, a fixed value in (0, 1] or a policy
         (:func:`fedbayes.algorithms.damping.adaptive`).
       init_precision: ``"delta"`` or ``"zero"``, the ``S_g`` clients use in round 1.
       solver: the local solver, ``run_sgd`` by default (tests pass an exact one).
+      covariance: ``"diagonal"`` or ``"full"`` (:data:`DENSE` precisions; module docstring).
     """
     if not isinstance(damping, damping_policy.Damping):
         check_settings("fedlap_cov", delta, damping)
@@ -265,31 +326,40 @@ def fedlap_cov(
         check_settings("fedlap_cov", delta, 1.0)
     if init_precision not in INIT_PRECISIONS:
         raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
+    if covariance not in COVARIANCES:
+        raise ValueError(f"fedlap_cov: covariance must be one of {', '.join(COVARIANCES)}; got {covariance!r}")
+    dense = covariance == "full"
+    ops = DENSE if dense else DIAGONAL
+    valid = _valid_dense_curvature if dense else _valid_curvature
 
     def client_update(key, message: Broadcast, site, data):
         fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer) if damping.adaptive else None
-        _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=message.damping, curvature=curvature, solver=solver)
-        return GaussianMessage(gaussian.difference(new_site, site), _valid_curvature(h_k), fit), new_site, info
+        _, h_k, new_site, info = client_step(key, message, site, data, trainer, damping=message.damping, curvature=curvature, ops=ops, solver=solver)
+        return GaussianMessage(ops.family.difference(new_site, site), valid(h_k), fit), new_site, info
 
     def server_update(key, state, aggregate):
         del key
-        return server_step(state, aggregate.total.difference, delta, damping=damping, loss=aggregate.mean.loss), FedLapCovInfo(state.damping.value)
+        return server_step(state, aggregate.total.difference, delta, ops, damping=damping, loss=aggregate.mean.loss), FedLapCovInfo(state.damping.value)
 
     def message_ok(state, message):
         # No positivity check: the server floors S_g at delta (server_step), it never keeps an old value.
         return gaussian_message_ok(message)
 
     def server_posterior(state):
+        if dense:
+            return state.params, gaussian_full.variance(state.q)
         return state.params, jax.tree.map(jnp.reciprocal, state.q.precision)
 
     def personal_posterior(state, site, weight):
+        if dense:
+            return full_personal_moments(state.q, site, weight)
         return personal_moments(state.q, site, weight, state.params)  # q_g t_k^w (docs/algorithms.md §13.8); V_k >= 0 keeps it proper
 
     return Algorithm(
         name="fedlap_cov",
-        server_init=lambda key, params: server_init(params, delta, damping=damping),
+        server_init=lambda key, params: server_init(params, delta, ops, damping=damping),
         broadcast=lambda state: broadcast(state, init_precision),
-        client_init=gaussian.uniform_like,
+        client_init=ops.family.uniform_like,
         client_update=client_update,
         server_update=server_update,
         server_params=lambda state: state.params,
@@ -298,6 +368,7 @@ def fedlap_cov(
         server_posterior=server_posterior,
         after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
         personal_posterior=personal_posterior,
+        server_precision=(lambda state: state.q.precision) if dense else None,
     )
 
 
@@ -314,6 +385,12 @@ class FedLapCovConfig(HParams):
     init_precision: Literal[INIT_PRECISIONS] = Field(  # type: ignore[valid-type]
         "delta", description="S_g the clients use in round 1: delta (PVI's) or zero (the authors' code)"
     )
+    covariance: Literal[COVARIANCES] = Field(  # type: ignore[valid-type]
+        "diagonal",
+        description="the precision of the sites and q_g: diagonal (default, the diagonal GGN) or full, a dense [D, D] GGN over all D "
+        f"parameters (the full Laplace at the fixed point; for models up to {sites.MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'; "
+        "no robust aggregation or privacy)",
+    )
 
 
 def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
@@ -323,8 +400,18 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
         raise ValueError(
             f"fedlap_cov: needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {ctx.task!r}"
         )
-    curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
-    return fedlap_cov(ctx.trainer, curvature, delta=hp.delta, damping=damping_policy.from_setting(hp.rho), init_precision=hp.init_precision)
+    if hp.covariance == "full":
+        sites.check_full_size(ctx.num_params)
+        apply_fn, task, batch_size = ctx.apply_fn, ctx.task, ctx.trainer.batch_size
+
+        def curvature(params, data):
+            return data_full_ggn(apply_fn, params, data, batch_size=batch_size, task=task)
+
+    else:
+        curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
+    return fedlap_cov(
+        ctx.trainer, curvature, delta=hp.delta, damping=damping_policy.from_setting(hp.rho), init_precision=hp.init_precision, covariance=hp.covariance
+    )
 
 
 def _stored_meaning(table: dict, stored: dict) -> dict:
@@ -342,7 +429,10 @@ SPEC = AlgorithmSpec(
         "to predict with a narrower posterior, choose its prior precision on held-out data (evaluation.prior_precision = \"validation\", "
         "data.validation_fraction > 0), or train with a larger algorithm.delta, the prior precision (docs/algorithms.md §10)"
     ),
-    default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta, local_budget="converged",  # S_g = delta + sum_k V_k: diagonal-GGN Laplace
+    # S_g = delta + sum_k V_k: diagonal-GGN Laplace; a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there
+    default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta if hp.covariance == "diagonal" else None, local_budget="converged",
     stored_meaning=_stored_meaning,
+    # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
+    settings_aggregator_policy=lambda hp: ("own", sites.FULL_AGGREGATOR_NOTE) if hp.covariance == "full" else None,
 )  # fmt: skip
 SPECS = (SPEC,)

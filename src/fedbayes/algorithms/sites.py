@@ -18,6 +18,11 @@ non-positive keeps its value.
 :func:`personalised` is client ``k``'s own posterior from the global and its site, ``q_k ∝ q_g t_k^w``
 (docs/algorithms.md §13.8), which each site method exposes as ``Algorithm.personal_posterior``.
 
+With ``covariance = "full"`` (FedEP, PVI, FedLap-Cov) the factors are dense
+(:class:`~fedbayes.gaussian_full.FullGaussian`); :func:`psd_to_roundoff`, :func:`full_safe_mean`,
+:func:`full_message_ok`, :func:`full_server_step` and :func:`full_personal_moments` are the
+dense counterparts of the diagonal checks, guard and personalisation.
+
 :func:`burn_in_switch` is the "FedAvg for the first ``B`` rounds" switch that FedEP, FedSEP and
 FedPA share.
 """
@@ -31,27 +36,36 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedbayes import gaussian, tree
+from fedbayes import gaussian, gaussian_full, tree
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_full import FullGaussian
 
 PyTree = Any
 
 __all__ = [
     "BROADCAST_LOSS_TAG",
+    "FULL_AGGREGATOR_NOTE",
+    "MAX_FULL_PARAMS",
     "GaussianMessage",
     "all_positive",
     "all_non_negative",
     "non_negative_to_roundoff",
     "burn_in_switch",
+    "check_full_size",
     "checked_cavity",
     "clip_joint_norm",
     "damped_difference",
+    "full_message_ok",
+    "full_personal_moments",
+    "full_safe_mean",
+    "full_server_step",
     "gaussian_message_ok",
     "guard_positive",
     "optimizer_step",
     "personal_moments",
     "personalised",
+    "psd_to_roundoff",
     "safe_mean",
     "site_server_step",
 ]
@@ -208,3 +222,61 @@ def burn_in_switch(burn_in_rounds: int, over: jax.Array, main: Callable, burn_in
     if burn_in_rounds == 0:
         return main(*operands)
     return jax.lax.cond(over, main, burn_in, *operands)
+
+
+# ----- dense (full-covariance) factors ------------------------------------------------------------
+
+MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family is for GLMs and small heads
+FULL_AGGREGATOR_NOTE = "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines"
+
+
+def check_full_size(num_params: int | None) -> None:
+    """Raises ValueError (one line naming ``algorithm.covariance``) for a model of more than
+    :data:`MAX_FULL_PARAMS` parameters: a dense site, message and global are ``[D, D]``."""
+    if num_params is not None and num_params > MAX_FULL_PARAMS:
+        raise ValueError(
+            f"algorithm.covariance: 'full' keeps a dense [D, D] precision per site and message, for models up to {MAX_FULL_PARAMS} parameters; "
+            f"this model has {num_params}; use covariance = 'diagonal' or a smaller model (model.name = 'logreg')"
+        )
+
+
+def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e-5) -> jax.Array:
+    """Whether a dense precision is positive semi-definite up to float round-off: ``precision + eps I``
+    has a Cholesky factor, ``eps = rtol max_i |reference_ii|`` (the global's scale, from which sites
+    and cavities are differences), the dense counterpart of :func:`non_negative_to_roundoff`. A
+    zero matrix (a flat factor) passes."""
+    eps = (rtol * jnp.max(jnp.abs(jnp.diagonal(reference)))).astype(precision.dtype)
+    chol = gaussian_full.cholesky(precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype))
+    return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
+
+
+def full_safe_mean(q: FullGaussian, fallback: PyTree) -> PyTree:
+    """``mean(q)`` where ``q`` is proper, else ``fallback`` (the dense :func:`safe_mean`)."""
+    mean, proper = gaussian_full.mean(q), gaussian_full.is_proper(q)
+    return jax.tree.map(lambda m, f: jnp.where(proper, m, f), mean, fallback)
+
+
+def full_message_ok(message: GaussianMessage, q: FullGaussian) -> jax.Array:
+    """The server's test of a dense message: finite, flagged valid by its client, and ``q_g`` plus
+    the message proper (a Cholesky factor exists; :func:`~fedbayes.gaussian_full.is_proper`)."""
+    ok = jnp.logical_and(tree.all_finite(message.difference), message.ok)
+    return jnp.logical_and(ok, gaussian_full.is_proper(gaussian_full.product(q, message.difference)))
+
+
+def full_server_step(optimizer: optax.GradientTransformation, q: FullGaussian, opt_state, total: FullGaussian):
+    """The dense :func:`site_server_step`: ``q_g <- q_g + ServerOpt(sum_k Delta_k)`` (with
+    ``optax.sgd(1)`` the exact product of the accepted factors into ``q_g``); a step that leaves
+    ``Lambda_g`` not positive definite (a momentum overshoot) keeps the old ``q_g`` whole. Returns
+    ``(q, opt_state, guarded)``, ``guarded`` all ``D`` coordinates then, else 0."""
+    new_q, opt_state = optimizer_step(optimizer, q, opt_state, total)
+    proper = gaussian_full.is_proper(new_q)
+    kept = jax.tree.map(lambda a, b: jnp.where(proper, a, b), new_q, q)
+    return kept, opt_state, jnp.where(proper, 0, q.precision.shape[0]).astype(jnp.int32)
+
+
+def full_personal_moments(q: FullGaussian, site: FullGaussian, weight: float | jax.Array) -> tuple[PyTree, PyTree]:
+    """``(mean, marginal variances)`` of client ``k``'s ``q_g t_k^w`` with dense factors
+    (:func:`personalised`'s product); where that product is not proper, ``q_g``'s moments."""
+    q_k = gaussian_full.product(q, gaussian_full.power(site, weight))
+    q_k = jax.tree.map(lambda a, b: jnp.where(gaussian_full.is_proper(q_k), a, b), q_k, q)
+    return gaussian_full.mean(q_k), gaussian_full.variance(q_k)

@@ -19,12 +19,14 @@ own family's centralised optimum, and the run stops once
 
 * ``diag_laplace``, ``N(theta*, 1 / diag H)``: FedEP/FedSEP with Laplace clients and
   FedLap-Cov (diagonal Laplace/GGN sites);
-* ``laplace``, ``N(theta*, H^{-1})`` (its marginals): FedEP with Laplace clients and
-  ``covariance = "full"`` (dense sites, docs/algorithms.md §7, "Full-covariance messages");
+* ``laplace``, ``N(theta*, H^{-1})`` (its marginals): FedEP with Laplace clients and FedLap-Cov,
+  both with ``covariance = "full"`` (dense sites, docs/algorithms.md §7.12, §10.1);
 * ``ngvi``, ``N(theta*, 1 / P)`` with ``P = lambda + E_{N(theta*, 1/P)}[diag GGN]``: FedEP/FedSEP
   with NGVI clients, whose precision is the Fisher averaged over the approximation itself
   (:func:`~fedbayes.evaluation.reference.expected_fisher_laplace`);
 * ``mfvi``, the exact mean-field Gaussian VI optimum: PVI and the variational BNN;
+* ``full_vi``, the full-covariance Gaussian VI optimum (its marginals,
+  :func:`~fedbayes.evaluation.reference.full_covariance_vi`): PVI with ``covariance = "full"``;
 * ``map``, the MAP (means only): FedEP/FedSEP with identity or mcmc clients, whose variance is
   set by their ``scale`` hyperparameter and not by the data, and FedAvg (a point).
 
@@ -32,7 +34,8 @@ Ground truth: NUTS (:mod:`fedbayes.bench.truth`). Reported per method (a row): t
 relative L2 distance and the variance ratios (median [min, max] over coordinates) to NUTS and to
 the family optimum, ``KL(NUTS-diag || q)`` summed over the coordinates, the exact test accuracy,
 NLL and ECE of ``q``'s predictive (Gauss-Hermite on the logit difference,
-:func:`~fedbayes.evaluation.reference.affine_predictive_metrics`), the rounds to reach the bar and
+:func:`~fedbayes.evaluation.reference.affine_predictive_metrics`; a method with a dense posterior,
+``Algorithm.server_precision``, with its full covariance), the rounds to reach the bar and
 the compute seconds to get there (every round blocked on its results; the first round's compile
 included), plus the central references' own rows against NUTS.
 
@@ -59,6 +62,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from fedbayes.bench.truth import NUTSSettings, nuts_reference
 from fedbayes.config.schema import validate
@@ -84,7 +88,7 @@ __all__ = [
 PRIOR_PRECISION = 1.0  # lambda: the prior N(0, I / lambda) on every parameter
 MEAN_TOLERANCE = 0.05  # the bar: relative L2 of the mean to the family optimum ...
 VARIANCE_BAND = (0.8, 1.25)  # ... and the median variance ratio to it
-FAMILIES = ("diag_laplace", "laplace", "ngvi", "mfvi", "map", "truth")  # truth: NUTS's own moments (a moment-matching method's target)
+FAMILIES = ("diag_laplace", "laplace", "ngvi", "mfvi", "full_vi", "map", "truth")  # truth: NUTS's own moments (a moment-matching method's target)
 LOGREG = {"name": "logreg"}
 LINEAR_VARIATIONAL = {"name": "mlp", "hidden": [], "variational": True}
 
@@ -167,7 +171,9 @@ METHODS: tuple[Method, ...] = (
         "truth",
     ),
     Method("pvi", "PVI", {"name": "pvi"}, "mfvi"),
+    Method("pvi_full", "PVI (covariance full)", {"name": "pvi", "covariance": "full"}, "full_vi"),
     Method("fedlap_cov", "FedLap-Cov", {"name": "fedlap_cov"}, "diag_laplace"),
+    Method("fedlap_cov_full", "FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}, "laplace"),
     Method("vbnn", "VBNN (linear, kernel only)", {"name": "vbnn"}, "mfvi", model=dict(LINEAR_VARIATIONAL), kernel_only=True),
     Method("fedavg", "FedAvg (point)", {"name": "fedavg"}, "map"),
 )
@@ -320,14 +326,25 @@ def _reached(family: str, comparison: dict) -> bool:
     return low <= comparison["var_ratio"][0] <= high
 
 
-def _row_stats(label, mean, var, nuts, apply_fn, x_test, y_test, kernel_only=False) -> dict:
+def _row_stats(label, mean, var, nuts, apply_fn, x_test, y_test, kernel_only=False, covariance=None) -> dict:
+    """A row's distances to NUTS and its predictive's metrics; ``covariance``: a dense posterior's
+    ``[P, P]`` covariance, whose predictive keeps the correlations (else the marginals')."""
     vs_nuts = _compare(mean, var, nuts.mean, nuts.variance, kernel_only)
     pick = _kernel if kernel_only else (lambda t: t)
     row = {"label": label, "vs_nuts": vs_nuts}
     if var is not None:
         row["kl_nuts_q"] = kl_diag(pick(nuts.mean), pick(nuts.variance), pick(mean), pick(var))
-    row["predictive"] = affine_predictive_metrics(apply_fn, mean, var, x_test, y_test)
+    row["predictive"] = affine_predictive_metrics(apply_fn, mean, None if covariance is not None else var, x_test, y_test, covariance=covariance)
     return row
+
+
+def _dense_covariance(exp, server_state) -> np.ndarray | None:
+    """The ``[P, P]`` covariance of a dense posterior (``Algorithm.server_precision``), in float64; else None."""
+    if exp.algorithm.server_precision is None:
+        return None
+    precision = np.asarray(exp.algorithm.server_precision(server_state), np.float64)
+    cov = np.linalg.inv(0.5 * (precision + precision.T))
+    return 0.5 * (cov + cov.T)
 
 
 def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log) -> dict:
@@ -338,6 +355,7 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         "laplace": refs.laplace_marginals,
         "ngvi": refs.ngvi,
         "mfvi": refs.mfvi,
+        "full_vi": (refs.full_vi[0], _marginals(refs.full_vi)),
         "map": (refs.map, None),
         "truth": (nuts.mean, nuts.variance),
     }[method.family]
@@ -368,7 +386,10 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
             reached_at = r
             if settings.stop_at_bar:
                 break
-    row = _row_stats(method.label, mean, var, nuts, apply_fn, dataset.x_test, dataset.y_test, method.kernel_only)
+    covariance = _dense_covariance(exp, state.server_state)
+    row = _row_stats(method.label, mean, var, nuts, apply_fn, dataset.x_test, dataset.y_test, method.kernel_only, covariance=covariance)
+    if covariance is not None:
+        row["predictive_marginals"] = affine_predictive_metrics(apply_fn, mean, var, dataset.x_test, dataset.y_test)  # the old, marginal-only predictive
     row.update(
         key=method.key,
         family=method.family,
@@ -390,6 +411,13 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         + f", {seconds:.1f} s"
     )
     return row
+
+
+def _marginals(mean_cov) -> Any:
+    """The marginal variances of a ``(mean, [P, P] covariance)`` pair, shaped like the mean."""
+    mean, cov = mean_cov
+    _, unravel = ravel_pytree(mean)
+    return unravel(jnp.asarray(np.diag(cov), jnp.float32))
 
 
 def _after_bar(trajectory: list[dict], reached_at: int, family: str) -> dict:
@@ -441,6 +469,13 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
         ("central_laplace_marginals", "central Laplace, full covariance (marginals; predictive with the full covariance)", *refs.laplace_marginals, None),
         ("central_diag_laplace", "central Laplace, diagonal precision 1/diag(H)", *refs.diag_laplace, "diag_laplace"),
         ("central_mfvi", "central mean-field VI (exact optimum)", *refs.mfvi, "mfvi"),
+        (
+            "central_full_vi",
+            "central full-covariance VI (optimum; marginals; predictive with the full covariance)",
+            refs.full_vi[0],
+            _marginals(refs.full_vi),
+            None,
+        ),
         ("central_ngvi", "central NGVI fixed point (Fisher averaged over q, at the MAP)", *refs.ngvi, "ngvi"),
     )
     for key, label, mean, var, family in central:
@@ -448,6 +483,8 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
         if key == "central_laplace_marginals":  # its predictive keeps the correlations: the full Laplace's
             cov = laplace_covariance(negative_log_joint(model.apply_fn, x, y, PRIOR_PRECISION), refs.map)
             row["predictive"] = affine_predictive_metrics(model.apply_fn, mean, None, dataset.x_test, dataset.y_test, covariance=cov)
+        if key == "central_full_vi":
+            row["predictive"] = affine_predictive_metrics(model.apply_fn, mean, None, dataset.x_test, dataset.y_test, covariance=refs.full_vi[1])
         row.update(key=key, family=family, vs_family={"mean_rel_l2": 0.0, **({"var_ratio": [1.0, 1.0, 1.0]} if var is not None else {})} if family else None)
         rows.append(row)
     rule = _stopping_rule(settings)
@@ -558,7 +595,14 @@ def _ratio(r: list | None) -> str:
     return "-" if not r else f"{r[0]:.3g} [{r[1]:.2g}, {r[2]:.2g}]"
 
 
-FAMILY_NAMES = {"diag_laplace": "diag. Laplace", "laplace": "full Laplace (marginals)", "ngvi": "NGVI fixed point", "mfvi": "MFVI", "map": "MAP (mean only)"}
+FAMILY_NAMES = {
+    "diag_laplace": "diag. Laplace",
+    "laplace": "full Laplace (marginals)",
+    "ngvi": "NGVI fixed point",
+    "mfvi": "MFVI",
+    "full_vi": "full-covariance VI (marginals)",
+    "map": "MAP (mean only)",
+}
 
 
 def _row_md(row: dict) -> str:

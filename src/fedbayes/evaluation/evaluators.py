@@ -2,6 +2,11 @@
 
 The test set is put on the device once, padded to whole batches with a mask, and evaluated in one
 compiled function that accumulates summable statistics over batches (docs/algorithms.md §13.1).
+
+The marginalised prediction draws weights from the posterior: from its marginal variances (a
+pytree like the mean: a diagonal Gaussian), or, for a posterior with a dense precision
+(``covariance = "full"``), from the full Gaussian (:func:`dense_spread`): its draws keep the
+weights' correlations, which the marginals alone drop.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedbayes import gaussian_full
 from fedbayes.evaluation import metrics, multilabel, next_word
+from fedbayes.gaussian_full import FullGaussian
 
 
 def make_evaluator(
@@ -88,6 +95,15 @@ PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
 SUBSETS = ("all", "last_layer")  # restrict_to_subset's choices
 
 
+def dense_spread(mean, precision: jax.Array) -> FullGaussian:
+    """The spread of a dense posterior ``N(mean, Lambda^{-1})`` about its mean, as the marginalised
+    prediction takes it in place of the marginal variances: the zero-mean
+    :class:`~fedbayes.gaussian_full.FullGaussian` with precision ``Lambda`` (``[D, D]``, ravel order
+    of ``mean``), from which ``theta_s - mean = L^{-T} eps_s`` is drawn
+    (:func:`fedbayes.gaussian_full.sample`)."""
+    return FullGaussian(precision_mean=optax.tree.zeros_like(mean), precision=jnp.asarray(precision))
+
+
 def restrict_to_subset(variance, subset: str):
     """The posterior's variance over the weights the marginalised prediction draws: ``"all"``, or
     ``"last_layer"``: the last top-level entry of the parameter tree (the output layer of
@@ -100,6 +116,11 @@ def restrict_to_subset(variance, subset: str):
         raise ValueError(f"subset_of_weights must be one of {', '.join(SUBSETS)}; got {subset!r}")
     if subset == "all":
         return variance
+    if isinstance(variance, FullGaussian):
+        raise ValueError(
+            "evaluation.subset_of_weights: 'last_layer' keeps the last layer's marginal variances; a dense posterior (covariance = 'full') "
+            "is drawn over all its weights: use 'all'"
+        )
     if not isinstance(variance, dict) or not variance:
         raise ValueError(f"subset_of_weights 'last_layer' needs parameters as a dict of layers; got {type(variance).__name__}")
     last = list(variance)[-1]
@@ -136,7 +157,7 @@ def make_marginal_evaluator(
     predictive: str = "sample",
 ) -> Callable[..., dict[str, float]]:
     """Returns ``evaluate(key, mean, variance) -> {metric: float}``: the marginalised prediction
-    (:func:`marginal_metrics`, compiled)."""
+    (:func:`marginal_metrics`, compiled; ``variance`` the marginal variances or a :func:`dense_spread`)."""
     _check_marginal(num_samples, predictive)
     data = _batches(x, y, batch_size)  # an argument, not a constant (as make_evaluator's)
     run = jax.jit(lambda key, mean, variance, data: _marginal_stats(apply_fn, key, mean, variance, data, num_samples, num_bins, predictive))
@@ -166,6 +187,11 @@ def marginal_metrics(
     ECE of the averaged probabilities. The same ``theta_s`` serve every test batch, and the same
     ``eps_s`` (from ``key``) serve every variance: a search over the variance compares the
     candidates on common random numbers (:mod:`fedbayes.evaluation.prior_precision`).
+
+    ``variance`` may instead be a :func:`dense_spread` (a posterior with a dense precision
+    ``Lambda``): then ``theta_s = mean + L^{-T} eps_s`` with ``Lambda = L L^T``, draws from the full
+    Gaussian (:func:`fedbayes.gaussian_full.sample`), whose predictive keeps the correlations: for
+    a linear model the logit's variance is ``x^T Sigma x``, not ``sum_j x_j^2 Sigma_jj``.
 
     ``predictive`` says what ``f_s`` is:
 
@@ -210,7 +236,11 @@ def _marginal_stats(apply_fn, key, mean, variance, data, num_samples: int, num_b
 
 
 def _weight_steps(key, mean, variance, num_samples: int):
-    """``theta_s - mean = sqrt(variance) * eps_s``, ``[S, ...]`` per leaf: the same draws for every batch."""
+    """``theta_s - mean = sqrt(variance) * eps_s``, ``[S, ...]`` per leaf: the same draws for every
+    batch; for a :func:`dense_spread`, draws of the zero-mean full Gaussian."""
+    if isinstance(variance, FullGaussian):
+        draws = gaussian_full.sample(key, variance, num_samples)
+        return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
     keys = optax.tree.split_key_like(key, mean)
     return jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)
 

@@ -3,8 +3,8 @@
 Point estimates (:mod:`~fedbayes.inference.sgd`, :mod:`~fedbayes.inference.iasg`) and the
 approximations of a tilted distribution that share one protocol,
 :class:`~fedbayes.inference.base.CavityInference` ``(key, start, cavity, data) -> (q, info)``:
-FedEP's four methods (:mod:`~fedbayes.inference.tilted`) and mean-field variational inference
-(:mod:`~fedbayes.inference.vi`). Diagonal curvature and the one pass over a client's data are
+FedEP's four methods (:mod:`~fedbayes.inference.tilted`), mean-field variational inference
+(:mod:`~fedbayes.inference.vi`) and its full-covariance counterpart (:mod:`~fedbayes.inference.vi_full`). Diagonal curvature and the one pass over a client's data are
 :mod:`~fedbayes.inference.curvature`'s.
 """
 

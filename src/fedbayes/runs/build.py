@@ -47,7 +47,7 @@ from fedbayes.data.federation import AnyFederation, Federation, GeneratedFederat
 from fedbayes.data.holdout import hold_out, hold_out_per_client
 from fedbayes.data.standardize import standardize
 from fedbayes.errors import DataError
-from fedbayes.evaluation.evaluators import make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
+from fedbayes.evaluation.evaluators import dense_spread, make_evaluator, make_marginal_evaluator, marginal_metrics, restrict_to_subset
 from fedbayes.evaluation.prior_precision import make_prior_precision_search
 from fedbayes.inference.sgd import LocalTrainer
 from fedbayes.models import has_hidden_layers, init_params, loss_fn
@@ -577,6 +577,9 @@ def _evaluated_posterior(config: RunConfig, algorithm: algs.Algorithm, tune):
 
     def posterior(server_state, round_idx: int):
         mean, variance = algorithm.server_posterior(server_state)
+        dense = getattr(algorithm, "server_precision", None)
+        if dense is not None:  # a dense posterior: draws from the full Gaussian, not its marginals
+            variance = dense_spread(mean, dense(server_state))
         variance = restrict_to_subset(variance, e.subset_of_weights)
         key = protocol.evaluation_key(config.seed, round_idx)
         chosen = None

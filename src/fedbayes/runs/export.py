@@ -9,7 +9,8 @@ the parameters' tree paths joined by ``/`` under a prefix:
   ``q_g`` of the Bayesian methods (FedEP, FedSEP, PVI), absent for the others (a dense ``q_g``:
   its mean and marginal variances);
 * ``posterior_precision``: a dense ``q_g``'s ``[D, D]`` precision over the parameters raveled in
-  :func:`jax.flatten_util.ravel_pytree` order (FedEP with ``covariance = "full"``), absent otherwise.
+  :func:`jax.flatten_util.ravel_pytree` order (FedEP, PVI and FedLap-Cov with ``covariance = "full"``),
+  absent otherwise.
 
 ``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`
 (its ``[algorithm]`` table as stored), the parameters as the nested dict the model's ``apply`` takes,
@@ -62,10 +63,14 @@ def save_model(path: str | Path, algorithm, server_state) -> Path:
 
 
 def load_model(path: str | Path) -> dict[str, dict]:
-    """``{"params": ..., "posterior_mean": ..., "posterior_variance": ...}`` (the last two when present)."""
+    """``{"params": ..., "posterior_mean": ..., "posterior_variance": ..., "posterior_precision": ...}``
+    (the posterior's when present; ``posterior_precision`` the dense ``[D, D]`` array)."""
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
-    return {p: unflatten(arrays, p) for p in PREFIXES if any(k.startswith(p + "/") for k in arrays)}
+    out = {p: unflatten(arrays, p) for p in PREFIXES if any(k.startswith(p + "/") for k in arrays)}
+    if "posterior_precision" in arrays:
+        out["posterior_precision"] = arrays["posterior_precision"]
+    return out
 
 
 def load_run(run_dir: str | Path):

@@ -115,6 +115,7 @@ class _Run:
         self.algorithm = types.SimpleNamespace(
             server_params=lambda state: params,
             server_posterior=None if posterior is None else (lambda state: posterior),
+            server_precision=(lambda state: saved["posterior_precision"]) if "posterior_precision" in saved else None,  # a dense posterior's draws
         )
         records = folder.read_metrics(self.folder / folder.METRICS)
         self.round = int(records[-1]["round"]) if records else self.config.rounds  # the key of the last evaluation

@@ -1,0 +1,115 @@
+"""PVI with full-covariance (dense) sites: on a linear-Gaussian model, where full-covariance VI is
+exact, one client reaches the exact posterior and several clients the exact product; the dense
+client against the central optimum of the same objective on a logistic regression; the refusals."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedbayes import gaussian_full
+from fedbayes.algorithms.pvi import FULL_SAMPLES, default_samples, pvi
+from fedbayes.algorithms.sites import MAX_FULL_PARAMS
+from fedbayes.config.schema import ConfigError, validate
+from fedbayes.data.federation import Federation
+from fedbayes.inference import LocalTrainer
+from fedbayes.runs.export import save_model
+from fedbayes.sim.simulator import Simulator
+
+DIM = 3
+
+
+def _gaussian_problem(num_clients, seed=0):
+    """Client k holds one 'example', its Gaussian likelihood exp(-theta^T A_k theta / 2 + b_k^T theta)
+    with a dense A_k (correlated parameters): the loss is quadratic, so the tilted distribution is
+    Gaussian and full-covariance VI is exact."""
+    rng = np.random.default_rng(seed)
+    a_mats, b_vecs = [], []
+    for _ in range(num_clients):
+        m = rng.normal(size=(DIM, DIM))
+        a_mats.append(m @ m.T + 0.5 * np.eye(DIM))
+        b_vecs.append(rng.normal(size=DIM))
+    x = np.concatenate([np.asarray(b_vecs), np.asarray(a_mats).reshape(num_clients, -1)], axis=1).astype(np.float32)
+    fed = Federation(x, np.zeros(num_clients, np.int32), tuple(np.array([k]) for k in range(num_clients)))
+    return fed, np.asarray(a_mats), np.asarray(b_vecs)
+
+
+def _quadratic_loss(theta, key, x, y, mask):
+    del key, y
+    b, a = x[:, :DIM], x[:, DIM:].reshape(-1, DIM, DIM)
+    per = 0.5 * jnp.einsum("i,nij,j->n", theta, a, theta) - b @ theta
+    return jnp.sum(mask * per) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _trainer(steps=3000, lr=0.05):
+    # a decaying step: the last iterate of the stochastic reparameterisation gradient settles
+    return LocalTrainer(_quadratic_loss, optax.sgd(optax.exponential_decay(lr, steps, 0.01)), steps, 1)
+
+
+def _exact(a_mats, b_vecs, delta):
+    prec = delta * np.eye(DIM) + a_mats.sum(0)
+    return np.linalg.solve(prec, b_vecs.sum(0)), np.linalg.inv(prec)
+
+
+def _run(num_clients, rounds, rho, delta=0.7, samples=16):
+    fed, a_mats, b_vecs = _gaussian_problem(num_clients)
+    algo = pvi(_trainer(), optax.sgd(1.0), prior_precision=delta, damping=rho, samples=samples, covariance="full")
+    sim = Simulator(algo, fed, clients_per_round=num_clients, seed=0)
+    state = sim.init(jnp.zeros(DIM, jnp.float32))
+    for _ in range(rounds):
+        state, info = sim.run_round(state)
+        assert len(info.rejected) == 0
+    return algo, state, _exact(a_mats, b_vecs, delta)
+
+
+def test_one_client_is_the_exact_posterior_of_a_linear_gaussian_model(tmp_path):
+    # one client, rho = 1: cavity = prior, q_g = the local full-covariance VI optimum, here exact
+    algo, state, (mean, cov) = _run(1, 1, rho=1.0)
+    q = state.server_state.q
+    np.testing.assert_allclose(np.asarray(gaussian_full.mean(q)), mean, atol=0.02)
+    np.testing.assert_allclose(np.asarray(gaussian_full.covariance(q)), cov, atol=0.03 * np.abs(cov).max())
+    assert np.abs(cov - np.diag(np.diag(cov))).max() > 0.1 * np.abs(cov).max()  # the correlations are there to get
+    with np.load(save_model(tmp_path / "model.npz", algo, state.server_state)) as z:
+        np.testing.assert_array_equal(z["posterior_precision"], np.asarray(q.precision))
+
+
+def test_several_clients_reach_the_exact_product():
+    # PVI's fixed point with exact local steps is the posterior; damped 0.5, 3 clients
+    _, state, (mean, cov) = _run(3, 12, rho=0.5)
+    q = state.server_state.q
+    np.testing.assert_allclose(np.asarray(gaussian_full.mean(q)), mean, atol=0.02)
+    np.testing.assert_allclose(np.asarray(gaussian_full.covariance(q)), cov, atol=0.05 * np.abs(cov).max())
+
+
+def test_full_covariance_is_a_pvi_setting():
+    full = validate({"algorithm": {"name": "pvi", "covariance": "full"}}).algorithm
+    diagonal = validate({"algorithm": {"name": "pvi"}}).algorithm
+    assert full.covariance == "full" and diagonal.covariance == "diagonal"
+    # more draws per step by default for the dense client (its message's precision is biased by the noise)
+    assert (default_samples(full), default_samples(diagonal), FULL_SAMPLES) == (8, 1, 8)
+    assert default_samples(validate({"algorithm": {"name": "pvi", "covariance": "full", "samples": 2}}).algorithm) == 2
+    for extra, field in (
+        ({"server": {"aggregator": "median"}}, "server.aggregator: pvi with covariance = 'full'"),
+        ({"privacy": {"clip": 1.0}, "server": {"weighting": "uniform"}}, "privacy.clip: pvi with covariance = 'full'"),
+    ):
+        with pytest.raises(ConfigError, match=field) as err:
+            validate({"algorithm": {"name": "pvi", "covariance": "full"}, **extra})
+        assert "\n" not in str(err.value)
+
+
+def test_a_model_over_the_bound_is_refused_before_the_run():
+    from fedbayes.runs.build import build_experiment
+
+    cfg = validate(
+        {
+            "algorithm": {"name": "pvi", "covariance": "full"},
+            "data": {"dataset": "digits", "num_clients": 2},
+            "server": {"clients_per_round": 2},
+            "model": {"name": "mlp"},
+        }
+    )
+    with pytest.raises(ConfigError, match=rf"algorithm.covariance: 'full' .* up to {MAX_FULL_PARAMS} parameters; this model has \d+") as err:
+        build_experiment(cfg)
+    assert "\n" not in str(err.value)
