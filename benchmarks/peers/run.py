@@ -18,8 +18,8 @@ configuration runs once, fedbayes first):
 * Flower (``run_simulation``, Ray backend): ``client_resources.num_cpus`` 1 and <cores>
   (one Ray actor per core, each one torch thread; or one actor with all cores' threads).
 
-The two configurations with several torch threads in one process (pfl's and Flower's) ran about
-40 times slower than their one-thread ones on the shared 2-core machine (OpenMP's threads wait
+The two configurations with several torch threads in one process (pfl's and Flower's) ran 7 to 30
+times slower than their one-thread ones on the shared 2-core machine (OpenMP's threads wait
 for each other at every operation while other processes hold the cores): they run on the
 10-of-100 workload only, for ``--slow-rounds`` rounds.
 
