@@ -59,3 +59,23 @@ def test_burn_in_switch_runs_burn_in_then_the_main_branch(burn_in_rounds):
         )
 
     assert [float(at(r)) for r in range(4)] == [(1.0 if r >= burn_in_rounds else -1.0) for r in range(4)]
+
+
+@pytest.mark.parametrize("name", ["fedep", "pvi", "fedlap_cov"])
+def test_a_model_over_the_dense_bound_is_refused_before_the_run(name):
+    """Every method with dense messages refuses, in one line, a model whose [D, D] precision would
+    pass the bound (:func:`fedbayes.algorithms.sites.check_full_size`)."""
+    from fedbayes.config.schema import ConfigError, validate
+    from fedbayes.runs.build import build_experiment
+
+    cfg = validate(
+        {
+            "algorithm": {"name": name, "covariance": "full"},
+            "data": {"dataset": "digits", "num_clients": 2},
+            "server": {"clients_per_round": 2},
+            "model": {"name": "mlp"},
+        }
+    )
+    with pytest.raises(ConfigError, match=rf"algorithm.covariance: 'full' .* up to {sites.MAX_FULL_PARAMS} parameters; this model has \d+") as err:
+        build_experiment(cfg)
+    assert "\n" not in str(err.value)

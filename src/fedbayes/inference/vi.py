@@ -38,6 +38,7 @@ __all__ = [
     "ESTIMATORS",
     "PARAMETERISATIONS",
     "VariationalParams",
+    "check_local_settings",
     "draw_weights",
     "expected_loss",
     "kl_to_cavity",
@@ -251,6 +252,17 @@ def kl_to_cavity(cavity: DiagGaussian, parameterisation: str, *, squared_std: bo
     return kl
 
 
+def check_local_settings(samples: int, parameterisation: str, init_std: float | None) -> None:
+    """The local VI step's settings shared by the diagonal and dense clients: at least one weight
+    draw per step, a known parameterisation, a positive starting standard deviation (or none)."""
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1, got {samples}")
+    if parameterisation not in PARAMETERISATIONS:
+        raise ValueError(f"parameterisation must be one of {', '.join(PARAMETERISATIONS)}, got {parameterisation!r}")
+    if init_std is not None and not init_std > 0:
+        raise ValueError(f"init_std must be > 0 (or None), got {init_std}")
+
+
 def reparameterised_vi(
     trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None, estimator: str = "local"
 ) -> CavityInference:
@@ -285,12 +297,7 @@ def reparameterised_vi(
     Raises:
       ValueError: for ``samples < 1``, an unknown parameterisation or estimator, or ``init_std <= 0``.
     """
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1, got {samples}")
-    if parameterisation not in PARAMETERISATIONS:
-        raise ValueError(f"parameterisation must be one of {', '.join(PARAMETERISATIONS)}, got {parameterisation!r}")
-    if init_std is not None and not init_std > 0:
-        raise ValueError(f"init_std must be > 0 (or None), got {init_std}")
+    check_local_settings(samples, parameterisation, init_std)
     local = trainer._replace(loss_fn=expected_loss(trainer.loss_fn, samples=samples, parameterisation=parameterisation, estimator=estimator))
 
     def fit(key, start: DiagGaussian, cavity: DiagGaussian, data: ClientData):

@@ -38,7 +38,7 @@ from fedbayes.gaussian_full import FullGaussian
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.iasg import epoch_of_sample, epoch_samples
 from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
-from fedbayes.inference.vi import PARAMETERISATIONS
+from fedbayes.inference.vi import check_local_settings
 
 PyTree = Any
 
@@ -167,12 +167,7 @@ def full_covariance_vi(
     Raises:
       ValueError: for ``samples < 1``, an unknown parameterisation or ``init_std <= 0``.
     """
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1, got {samples}")
-    if parameterisation not in PARAMETERISATIONS:
-        raise ValueError(f"parameterisation must be one of {', '.join(PARAMETERISATIONS)}, got {parameterisation!r}")
-    if init_std is not None and not init_std > 0:
-        raise ValueError(f"init_std must be > 0 (or None), got {init_std}")
+    check_local_settings(samples, parameterisation, init_std)
     local = trainer._replace(loss_fn=expected_loss_full(trainer.loss_fn, samples=samples, parameterisation=parameterisation))
 
     def fit(key, start: FullGaussian, cavity: FullGaussian, data: ClientData):
