@@ -32,9 +32,9 @@ The site update, damping and cavity are FedEP's dense ones
 (:func:`fedbayes.algorithms.fedep.full_client_step`). At a fixed point every tilted mean equals the
 global mean and ``Lambda_g = p_0 + c sum_k E_{p~_k}[GGN_k]``.
 
-**Geometry.** The sampler runs in whitened coordinates ``z = L^T (theta - m_p)`` with ``L L^T =
-Lambda_p`` the tilted prior's precision (the cavity plus weight decay) and ``m_p`` its mean, so
-``-log q_{-k}`` is ``|z|^2 / 2``: with many clients the cavity holds most of the data and the
+**Geometry.** The sampler runs in whitened coordinates ``theta = m_p + C z`` with ``C C^T =
+Lambda_p^{-1}``, ``Lambda_p`` the tilted prior's precision (the cavity plus weight decay) and ``m_p``
+its mean, so ``-log q_{-k}`` is ``|z|^2 / 2``: with many clients the cavity holds most of the data and the
 tilted distribution is nearly standard normal in ``z``; the softmax's unidentified directions are
 pinned by the cavity. (The NUTS reference of ``fedbayes bench posterior`` whitens by the MAP's
 Hessian for the same reason.)
@@ -54,8 +54,9 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from fedbayes import gaussian_full
 from fedbayes.data.batches import ClientData
-from fedbayes.gaussian_full import FullGaussian, cholesky
+from fedbayes.gaussian_full import FullGaussian
 from fedbayes.inference.clipping import ApplyFn
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import batch_full_ggn
@@ -110,13 +111,16 @@ def make_full_nuts_inference(trainer: LocalTrainer, settings: Any, *, apply_fn: 
         d = eta_c.size
         eye = jnp.eye(d, dtype=cavity.precision.dtype)
         lam_p = cavity.precision + (s.weight_decay * n).astype(eye.dtype) * eye
-        chol = cholesky(0.5 * (lam_p + lam_p.T))  # L L^T = Lambda_p
-        m_p = jax.scipy.linalg.cho_solve((chol, True), eta_c)
+        tilted_prior = FullGaussian(precision_mean=cavity.precision_mean, precision=0.5 * (lam_p + lam_p.T))
+        m_p = ravel_pytree(gaussian_full.mean(tilted_prior))[0]
+        # C C^T = Lambda_p^{-1}: theta = m_p + C z makes the tilted prior N(0, I) in z. Factored by
+        # gaussian_full (one matrix at a time under vmap); the sampler then differentiates matmuls only.
+        scale = gaussian_full.scale_tril(tilted_prior)
         x, y, mask = client_examples(data, max_examples)
         count = jnp.sum(mask)
 
         def to_theta(z):
-            return m_p + jax.scipy.linalg.solve_triangular(chol.T, z, lower=False)  # theta = m_p + L^{-T} z
+            return m_p + scale @ z
 
         def nll(theta_flat):
             return trainer.loss_fn(unravel(theta_flat), key, x, y, mask) * count
@@ -125,7 +129,7 @@ def make_full_nuts_inference(trainer: LocalTrainer, settings: Any, *, apply_fn: 
             return -s.scale * nll(to_theta(z)) - 0.5 * z @ z
 
         key_warm, key_draw = jax.random.split(key)
-        z0 = chol.T @ (ravel_pytree(start)[0].astype(m_p.dtype) - m_p)
+        z0 = scale.T @ (tilted_prior.precision @ (ravel_pytree(start)[0].astype(m_p.dtype) - m_p))  # C^{-1} = C^T Lambda_p
         warmup = blackjax.window_adaptation(
             blackjax.nuts, logdensity, target_acceptance_rate=s.nuts_target_accept, max_num_doublings=s.nuts_max_doublings,
             adaptation_info_fn=get_filter_adapt_info_fn(),
