@@ -256,8 +256,9 @@ def hmc_predictive(
 # ----- the methods' rows --------------------------------------------------------------------------
 
 
-def config(key: str, rounds: int, num_train: int) -> dict:
-    """The run config of method ``key`` at its defaults with the prior ``N(0, I)`` matched."""
+def config(key: str, rounds: int, num_train: int, num_samples: int) -> dict:
+    """The run config of method ``key`` at its defaults with the prior ``N(0, I)`` matched and
+    ``num_samples`` draws (or stochastic passes) in its marginalised prediction."""
     _, algorithm = METHODS[key]
     model = {**MODEL, "variational": True} if algorithm["name"] == "vbnn" else dict(MODEL)
     raw: dict[str, Any] = {
@@ -270,68 +271,81 @@ def config(key: str, rounds: int, num_train: int) -> dict:
         "algorithm": dict(algorithm),
         "client": {},
         "server": {"clients_per_round": DATA["num_clients"]},
+        "evaluation": {"marginal_samples": num_samples},
     }
     for section, values in PRIOR_MATCH[algorithm["name"]](PRIOR_PRECISION, num_train, algorithm).items():
         raw.setdefault(section, {}).update(values)
     return raw
 
 
-def _predictive(exp, state, x_test, num_samples: int, seed: int) -> tuple[np.ndarray, str]:
-    """The method's own predictive probabilities on ``x_test`` and how they were made."""
-    from fedbayes.evaluation.evaluators import dense_spread, make_marginal_probabilities, make_probabilities
+def predictives(exp, state, rounds: int, num_train: int, x_test) -> dict[str, tuple[np.ndarray, str]]:
+    """A method's predictive probabilities on ``x_test``, ``name -> (probabilities, how)``:
+
+    * ``"run"``: the predictive whose metrics a run reports (:func:`fedbayes.runs.build.build_predictive`:
+      the marginalised one of a method with a posterior, with the run's resolved ``[evaluation]``
+      settings, e.g. the linearised network over the last layer at a marglik prior precision for a
+      Laplace/GGN posterior; a variational model's stochastic passes; FedAvg's point predictive);
+    * ``"posterior"`` (a method with a posterior ``q_g``): ``q_g`` itself, all weights drawn
+      (its dense precision where it has one) at the method's prior, the network at the drawn weights.
+    """
+    from fedbayes.evaluation.evaluators import dense_spread, make_marginal_probabilities
+    from fedbayes.runs.build import build_predictive
 
     parts = build_model(exp.config, DataSpec.of(exp.dataset))
-    alg, server = exp.algorithm, state.server_state
+    alg, server, e = exp.algorithm, state.server_state, exp.config.evaluation
     x_test = np.asarray(x_test, np.float32)
-    key = jax.random.key(seed)
-    if exp.config.model.variational:  # the variational model's own stochastic forward passes
-        params = alg.server_params(server)
-        keys = jax.random.split(key, num_samples)
-        run = jax.jit(lambda xs: jnp.mean(jax.vmap(lambda k: jax.nn.softmax(parts.keyed_apply_fn(params, k, xs), axis=-1))(keys), axis=0))
-        return np.asarray(run(x_test)), f"{num_samples} stochastic forward passes"
-    if alg.server_posterior is None:
-        return np.asarray(make_probabilities(parts.apply_fn)(alg.server_params(server), x_test)), "point"
-    mean, var = alg.server_posterior(server)
-    probs = make_marginal_probabilities(parts.apply_fn, num_samples=num_samples)
-    if alg.server_precision is not None:
-        return np.asarray(probs(key, mean, dense_spread(mean, alg.server_precision(server)), x_test)), f"{num_samples} draws, dense precision"
-    return np.asarray(probs(key, mean, var, x_test)), f"{num_samples} draws, marginal variances"
+    made = build_predictive(exp.config, alg, parts, None, num_train)(server, rounds)
+    if "_marg" in made:
+        how = f"{e.marginal_samples} draws; predictive {e.predictive}, weights {e.subset_of_weights}, prior precision {e.prior_precision}"
+        out = {"run": (np.asarray(made["_marg"](x_test, 0)), how)}
+    elif exp.config.model.variational:
+        out = {"run": (np.asarray(made[""](x_test, 0)), f"{e.marginal_samples} stochastic forward passes")}
+    else:
+        out = {"run": (np.asarray(made[""](x_test, 0)), "point")}
+    if alg.server_posterior is not None:
+        mean, var = alg.server_posterior(server)
+        how = "marginal variances"
+        if alg.server_precision is not None:
+            var, how = dense_spread(mean, alg.server_precision(server)), "dense precision"
+        probs = make_marginal_probabilities(parts.apply_fn, num_samples=e.marginal_samples)(jax.random.key(0), mean, var, x_test)
+        out["posterior"] = (np.asarray(probs), f"{e.marginal_samples} draws, all weights, {how}, sampled network")
+    return out
 
 
 def run_method(key: str, rounds: int, num_train: int, x_test, num_samples: int, log) -> dict:
     """One method's row: ``rounds`` rounds, then its predictive probabilities on ``x_test``."""
-    raw = config(key, rounds, num_train)
+    raw = config(key, rounds, num_train, num_samples)
     exp = build_experiment(validate(raw))
     sim = exp.simulator
     state = sim.init(exp.params)
     start = time.perf_counter()
     rejected = 0
-    for _ in range(rounds):
+    for r in range(1, rounds + 1):
         state, info = sim.run_round(state, donate=True)
         rejected += len(info.rejected)
+        if r % 10 == 0:
+            log(f"    {key}: round {r}, {time.perf_counter() - start:.0f} s")
     jax.block_until_ready(state.server_state)
     seconds = time.perf_counter() - start
-    probs, how = _predictive(exp, state, x_test, num_samples, seed=0)
-    if not np.all(np.isfinite(probs)):
+    made = predictives(exp, state, rounds, num_train, x_test)
+    if not all(np.all(np.isfinite(p)) for p, _ in made.values()):
         raise FloatingPointError("the predictive is not finite")
     log(f"  {METHODS[key][0]}: {rounds} rounds, {seconds:.0f} s")
-    return {
-        "key": key,
-        "label": METHODS[key][0],
-        "rounds": rounds,
-        "seconds": round(seconds, 1),
-        "rejected_messages": rejected,
-        "predictive_from": how,
-        "probs": probs.tolist(),
-    }
+    row = {"key": key, "label": METHODS[key][0], "rounds": rounds, "seconds": round(seconds, 1), "rejected_messages": rejected}
+    row["predictives"] = {name: {"how": how, "probs": p.tolist()} for name, (p, how) in made.items()}
+    return row
 
 
-def method_rows(out: Path, rounds: int, methods: list[str], num_train: int, x_test, num_samples: int, log) -> list[dict]:
-    """Every method's row (its predictive probabilities), each cached in ``out/rows/<key>.json``."""
+def method_rows(
+    out: Path, rounds: int, methods: list[str], num_train: int, x_test, num_samples: int, log, rounds_of: dict[str, int] | None = None
+) -> list[dict]:
+    """Every method's row (its predictive probabilities), each cached in ``out/rows/<key>.json``;
+    ``rounds_of``: another number of rounds for some methods."""
     rows = []
     for key in methods:
+        rounds_here = (rounds_of or {}).get(key, rounds)
         cache = out / "rows" / f"{key}.json"
-        stamp = {"config": config(key, rounds, num_train), "samples": num_samples}
+        stamp = {"config": config(key, rounds_here, num_train, num_samples)}
         if cache.is_file():
             cached = json.loads(cache.read_text())
             if cached.get("stamp") == stamp:
@@ -339,7 +353,7 @@ def method_rows(out: Path, rounds: int, methods: list[str], num_train: int, x_te
                 rows.append(cached)
                 continue
         try:
-            row = run_method(key, rounds, num_train, x_test, num_samples, log)
+            row = run_method(key, rounds_here, num_train, x_test, num_samples, log)
         except Exception as exc:  # a method that does not build or run is a row that says why
             row = {"key": key, "label": METHODS[key][0], "error": f"{type(exc).__name__}: {exc}"}
             log(f"  {row['label']}: {row['error']}")
@@ -351,7 +365,9 @@ def method_rows(out: Path, rounds: int, methods: list[str], num_train: int, x_te
 
 
 def central_rows(apply_fn, params0, x, y, x_test, num_samples: int) -> list[dict]:
-    """The MAP (Newton in float64 from the runs' initial parameters) and the full Laplace at it."""
+    """The MAP (Newton in float64 from the runs' initial parameters) and the full Laplace at it, its
+    predictive from the sampled network (as the runs' default) and from the network linearised at
+    the MAP (:func:`fedbayes.evaluation.evaluators.marginal_metrics`)."""
     from fedbayes.evaluation.evaluators import dense_spread, make_marginal_probabilities, make_probabilities
     from fedbayes.evaluation.reference import map_estimate
 
@@ -359,36 +375,37 @@ def central_rows(apply_fn, params0, x, y, x_test, num_samples: int) -> list[dict
     theta = map_estimate(loss, params0, max_steps=200)
     x_test = np.asarray(x_test, np.float32)
     rows = [
-        {
-            "key": "central_map",
-            "label": "central MAP (point)",
-            "predictive_from": "point",
-            "probs": np.asarray(make_probabilities(apply_fn)(theta, x_test)).tolist(),
-        }
+        {"key": "central_map", "label": "central MAP", "predictives": {"run": {"how": "point", "probs": make_probabilities(apply_fn)(theta, x_test).tolist()}}}
     ]
     cov = laplace_covariance(loss, theta)
     precision = np.linalg.inv(0.5 * (cov + cov.T))
     spread = dense_spread(theta, jnp.asarray(precision, jnp.float32))
-    probs = make_marginal_probabilities(apply_fn, num_samples=num_samples)(jax.random.key(0), theta, spread, x_test)
-    rows.append(
-        {
-            "key": "central_laplace_full",
-            "label": "central Laplace at the MAP, full covariance",
-            "predictive_from": f"{num_samples} draws, dense precision",
-            "probs": np.asarray(probs).tolist(),
-        }
-    )
+    laplace = {}
+    for name, predictive in (("posterior", "sample"), ("linearised", "linearised")):
+        probs = make_marginal_probabilities(apply_fn, num_samples=num_samples, predictive=predictive)(jax.random.key(0), theta, spread, x_test)
+        how = f"{num_samples} draws, all weights, dense precision, " + ("network linearised at the MAP" if predictive == "linearised" else "sampled network")
+        laplace[name] = {"how": how, "probs": np.asarray(probs).tolist()}
+    rows.append({"key": "central_laplace_full", "label": "central Laplace at the MAP, full covariance", "predictives": laplace})
     return rows
 
 
 def setup() -> tuple[Any, Any, Any]:
     """The data set, the client split and the model, exactly as the runs see them."""
-    probe = validate(config("fedavg", 1, 1))
+    probe = validate(config("fedavg", 1, 1, 1))
     dataset, parts, _ = prepare_split(probe)
     return dataset, parts, build_model(probe, DataSpec.of(dataset))
 
 
-def run(out: Path, rounds: int, settings: HMCSettings, methods: list[str], num_samples: int, log=print, rows_only: bool = False) -> dict | None:
+def run(
+    out: Path,
+    rounds: int,
+    settings: HMCSettings,
+    methods: list[str],
+    num_samples: int,
+    log=print,
+    rows_only: bool = False,
+    rounds_of: dict[str, int] | None = None,
+) -> dict | None:
     """HMC, the central rows and every method's row (each cached); writes ``bnn_truth.json`` and
     ``.md``. ``rows_only``: only the methods' rows (no HMC, no table), e.g. beside a running HMC."""
     out.mkdir(parents=True, exist_ok=True)
@@ -396,27 +413,35 @@ def run(out: Path, rounds: int, settings: HMCSettings, methods: list[str], num_s
     x, y, x_test, y_test = dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test
     log(f"{dataset.num_train} train / {len(y_test)} test, client sizes {[len(p) for p in parts]}")
     if rows_only:
-        method_rows(out, rounds, methods, dataset.num_train, x_test, num_samples, log)
+        method_rows(out, rounds, methods, dataset.num_train, x_test, num_samples, log, rounds_of)
         return None
     chain_probs, hmc = hmc_predictive(model.apply_fn, model.params, x, y, x_test, PRIOR_PRECISION, settings=settings, cache_dir=out, model=MODEL, log=log)
     reference = chain_probs.mean(axis=0)
     rows = [{"key": "hmc", "label": "HMC (reference)", **compare(reference, reference, y_test)}]
     rows += [{"key": f"hmc_chain_{i}", "label": f"HMC chain {i} alone", **compare(c, reference, y_test)} for i, c in enumerate(chain_probs)]
     central = out / "rows" / "central.json"
-    stamp = {"samples": num_samples, "model": MODEL}
+    stamp = {"samples": num_samples, "model": MODEL, "predictives": ["posterior", "linearised"]}
     if central.is_file() and json.loads(central.read_text()).get("stamp") == stamp:
         central_list = json.loads(central.read_text())["rows"]
     else:
         central_list = central_rows(model.apply_fn, model.params, x, y, x_test, num_samples)
         central.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(central, json.dumps({"stamp": stamp, "rows": central_list}) + "\n")
-    for row in central_list + method_rows(out, rounds, methods, dataset.num_train, x_test, num_samples, log):
-        shown = {k: v for k, v in row.items() if k not in ("probs", "stamp")}
-        if "probs" in row:
-            shown.update(compare(np.asarray(row["probs"]), reference, y_test))
+    for row in central_list + method_rows(out, rounds, methods, dataset.num_train, x_test, num_samples, log, rounds_of):
+        shown = {k: v for k, v in row.items() if k not in ("predictives", "stamp")}
+        if "predictives" in row:
+            shown["predictives"] = {n: {"how": p["how"], **compare(np.asarray(p["probs"]), reference, y_test)} for n, p in row["predictives"].items()}
         rows.append(shown)
     result = {
-        "setup": {"model": MODEL, "data": DATA, "prior": "N(0, I)", "rounds": rounds, "samples": num_samples, "num_train": int(dataset.num_train)},
+        "setup": {
+            "model": MODEL,
+            "data": DATA,
+            "prior": "N(0, I)",
+            "rounds": rounds,
+            "rounds_of": rounds_of or {},
+            "samples": num_samples,
+            "num_train": int(dataset.num_train),
+        },
         "hmc": hmc,
         "rows": rows,
     }
@@ -426,19 +451,30 @@ def run(out: Path, rounds: int, settings: HMCSettings, methods: list[str], num_s
 
 
 def markdown(result: dict) -> str:
-    """The rows as a markdown table."""
+    """The rows as a markdown table, one line per predictive of a method."""
     lines = [
-        "| method | agreement with HMC | TV to HMC | acc | NLL | ECE % | seconds | predictive |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | rounds | predictive | agreement with HMC | TV to HMC | acc | NLL | ECE % | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['label']} | not run: {r['error'][:160]} | - | - | - | - | - | - |")
-            continue
         seconds = f"{r['seconds']:.0f}" if "seconds" in r else "-"
-        lines.append(
-            f"| {r['label']} | {r['agreement']:.3f} | {r['tv']:.4f} | {r['accuracy']:.4f} | {r['nll']:.4f} | {100 * r['ece']:.2f} | {seconds} | {r.get('predictive_from', '-')} |"
-        )
+        if "error" in r:
+            lines.append(f"| {r['label']} | - | not run: {r['error'][:160]} | - | - | - | - | - | - |")
+            continue
+        for name, p in r.get("predictives", {"-": {"how": "", **r}}).items():
+            what = f"{name}: {p['how']}" if p["how"] else "-"
+            cells = [
+                r["label"],
+                str(r.get("rounds", "-")),
+                what,
+                f"{p['agreement']:.3f}",
+                f"{p['tv']:.4f}",
+                f"{p['accuracy']:.4f}",
+                f"{p['nll']:.4f}",
+                f"{100 * p['ece']:.2f}",
+                seconds,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -450,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chains", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--draws", type=int, default=1000)
+    parser.add_argument("--rounds-of", action="append", default=[], metavar="KEY=R", help="another number of rounds for one method (repeatable)")
     parser.add_argument("--rows-only", action="store_true", help="only the methods' rows (no HMC, no table)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}; empty: HMC only")
     args = parser.parse_args(argv)
@@ -462,8 +499,15 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"--{name}: must be >= 1; got {getattr(args, name)}", file=sys.stderr)
             return 2
+    rounds_of = {}
+    for item in args.rounds_of:
+        name, _, value = item.partition("=")
+        if name not in METHODS or not value.isdigit() or int(value) < 1:
+            print(f"--rounds-of: expected KEY=R with KEY one of {', '.join(METHODS)} and R >= 1; got {item!r}", file=sys.stderr)
+            return 2
+        rounds_of[name] = int(value)
     settings = HMCSettings(chains=args.chains, warmup=args.warmup, draws=args.draws)
-    result = run(args.out, args.rounds, settings, methods, args.samples, log=lambda s: print(s, flush=True), rows_only=args.rows_only)
+    result = run(args.out, args.rounds, settings, methods, args.samples, log=lambda s: print(s, flush=True), rows_only=args.rows_only, rounds_of=rounds_of)
     if result is not None:
         print(markdown(result))
     return 0
