@@ -85,3 +85,18 @@ def test_hmc_is_cached_under_its_fingerprint_which_changes_with_the_settings_and
     assert bnn.fingerprint(x, y, x[:5], params0, 1.0, other, {}) != diag["fingerprint"]
     assert bnn.fingerprint(x, y, x[:4], params0, 1.0, settings, {}) != diag["fingerprint"]
     assert bnn.fingerprint(x, y, x[:5], params0, 1.0, settings, {}) == diag["fingerprint"]
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--rounds-of", "nope=3"], "--rounds-of"),
+        (["--rounds-of", "pvi=0"], "--rounds-of"),
+        (["--methods", "pvi,nope"], "--methods"),
+        (["--draws", "0"], "--draws"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_naming_the_option(bnn, argv, field, capsys, tmp_path):
+    assert bnn.main(["--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(field) and "\n" not in err
