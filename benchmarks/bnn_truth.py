@@ -27,17 +27,17 @@ each chain's own predictive's agreement and TV with the pooled one. Cached as ``
 
 Rows: each method built from a config through :func:`fedbayes.runs.build.build_experiment`, as
 ``fedbayes run`` builds it, at its defaults (only ``name`` and ``covariance`` set, the prior matched
-by :data:`fedbayes.bench.posterior.PRIOR_MATCH`), every client in every round, for ``--rounds``
-rounds; its predictive is the runs' marginalised prediction
-(:func:`fedbayes.evaluation.evaluators.make_marginal_probabilities`, ``predictive = "sample"``,
-``--samples`` draws of the weights): the marginal variances of a diagonal posterior, the dense
-precision (``Algorithm.server_precision``) of a full one, the variational weights' forward-pass
-variances for the VBNN; FedAvg's is its point predictive. Central references: the MAP (Newton from
-the benchmark's MAP start) and the full Laplace at it. Rows are cached in ``<out>/rows/``.
+by :data:`fedbayes.bench.posterior.PRIOR_MATCH`, ``--samples`` draws in the marginalised
+prediction), every client in every round, for ``--rounds`` rounds (``--rounds-of KEY=R``: another
+number for one method); two predictives (:func:`predictives`): the one whose metrics a run reports,
+with the run's resolved ``[evaluation]`` settings, and the posterior ``q_g`` itself, all weights
+drawn, the network at each draw. Central references: the MAP (Newton from the runs' initial
+parameters) and the full Laplace at it, sampled and linearised. Rows are cached in ``<out>/rows/``
+(each method's predictive probabilities), so the table is rebuilt from them at no cost.
 
 Run (from the repository root)::
 
-    PYTHONPATH=src python benchmarks/bnn_truth.py --out runs/bnn_truth
+    PYTHONPATH=src python benchmarks/bnn_truth.py --out runs/bnn_truth --rounds 100 --rounds-of fedep_nuts_full=20
 
 Results: docs/results/posterior_quality.md, "A small Bayesian neural network against HMC".
 """
