@@ -15,7 +15,7 @@ from fedbayes import gaussian
 from fedbayes.data.batches import CLIENT_AXES, ClientData, layout_orders
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.base import CavityInference
-from fedbayes.inference.tilted import METHODS, TiltedSettings, make_tilted_inference
+from fedbayes.inference.tilted import DIAGONAL_METHODS, TiltedSettings, make_tilted_inference
 from fedbayes.inference.vi import ESTIMATORS, reparameterised_vi
 
 EPOCHS, BATCH = 2, 16
@@ -35,7 +35,7 @@ def _methods() -> dict[str, tuple[CavityInference, str]]:
     model, _, trainer = logreg_setup(lr=0.05, epochs=EPOCHS, batch_size=BATCH)
     apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     settings = TiltedSettings(scale=50.0, weight_decay=1e-3, laplace_epochs=1, ngvi_epochs=1, ngvi_samples=1)
-    out = {f"tilted_{m}": (make_tilted_inference(m, trainer, settings, apply_fn=apply_fn), "point") for m in METHODS}
+    out = {f"tilted_{m}": (make_tilted_inference(m, trainer, settings, apply_fn=apply_fn), "point") for m in DIAGONAL_METHODS}
     vi_trainer = trainer._replace(optimizer=optax.adam(1e-2))
     out.update({f"vi_{e}": (reparameterised_vi(vi_trainer, samples=2, init_std=0.1, estimator=e), "gaussian") for e in ESTIMATORS})
     return out
