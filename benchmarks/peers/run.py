@@ -31,7 +31,7 @@ paired by repeat: median [min, max] of the per-repeat ratios.
 
 The peers are not dependencies of fedbayes: install them in an environment of their own, e.g.
 
-    python3 -m venv /work/venv-peers && /work/venv-peers/bin/pip install torch==2.13.0 pfl==0.6.0 "flwr[simulation]==1.42.*"
+    python3 -m venv .venv-peers && .venv-peers/bin/pip install torch==2.13.0 pfl==0.6.0 "flwr[simulation]==1.42.*"
 
 and pass its interpreter to ``--pfl-python`` and ``--flower-python``. When either is missing or
 cannot import its framework, the script says so in one line and exits 0, measuring nothing.

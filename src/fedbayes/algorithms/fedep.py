@@ -752,7 +752,7 @@ PRESETS = ("posterior", "paper")
 PAPER_SETTINGS = {"method": "identity", "scale": 500.0, "clip_ratio": 2.0, "weight_decay": 1e-4, "prior_precision": 0.0, "ngvi_bias_correction": False}
 DEFAULT_DAMPING = 0.5  # the posterior preset's fixed delta before the adaptive damping (a stored config's unset damping)
 # The nuts method's default: a fixed, small delta. Its sites carry the draws' noise, which the
-# adaptive rule reads as jitter about a fixed point and leaves alone (it settled at 0.39 there);
+# adaptive rule reads as jitter about a fixed point and leaves alone;
 # a small step averages that noise over about 2 / delta rounds (docs/results/posterior_full.md).
 NUTS_DAMPING = 0.1
 

@@ -513,8 +513,8 @@ class PVIConfig(HParams):
 def default_samples(hp: PVIConfig) -> int:
     """``samples`` if set, else 1, or :data:`FULL_SAMPLES` with ``covariance = "full"``: the dense
     message's precision ``(C C^T)^{-1}`` is convex in the noise of the local step's Cholesky factor,
-    and on breast cancer one draw per step left the variances at 0.36x the optimum's after 300
-    rounds, eight draws reached 0.95x (docs/results/posterior_full.md)."""
+    and with one draw per step the variances stayed far below the optimum's, where eight draws
+    reach it (docs/results/posterior_full.md)."""
     if hp.samples is not None:
         return hp.samples
     return FULL_SAMPLES if hp.covariance == "full" else 1

@@ -25,7 +25,7 @@ inverse of the draws' covariance is not used: a site is the small difference ``L
 Lambda_{-k}`` of two large precisions, so a relative error ``e`` in ``Lambda~`` (the sampling
 noise and autocorrelation of a thousand draws) becomes an error of ``e Lambda_g`` in every site, and
 ``K e Lambda_g`` in ``q_g``: on the posterior benchmark's breast-cancer problem with ten clients it
-left the variances at 0.45 of the truth's (docs/results/posterior_full.md). The curvature average is
+left the variances far too narrow (docs/results/posterior_full.md). The curvature average is
 a site's own size, positive semi-definite, and its noise is the site's.
 
 The site update, damping and cavity are FedEP's dense ones

@@ -146,7 +146,7 @@ def full_covariance_vi(
     iterate: the message's precision ``(C C^T)^{-1}`` is convex in the noise of ``C``, so a noisy
     last iterate overstates it on average, and in the poorly determined directions of a
     correlated posterior that bias compounded over the rounds (the variances shrank round after
-    round, to 0.16x the optimum's by round 300 on breast cancer; docs/results/posterior_full.md).
+    round; docs/results/posterior_full.md).
     Memory: one averaged copy of ``(m, raw_scale)`` per local epoch. The KL's curvature in ``m`` and in
     each column of ``C`` is ``Lambda_c / n_k``, known before the first step: the step is capped per
     row by its Gershgorin bound ``sum_j |Lambda_c,ij| / n_k`` (:func:`~fedbayes.inference.sgd.stiff_step_control`,
