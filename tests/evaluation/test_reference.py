@@ -267,3 +267,36 @@ def test_expected_fisher_laplace_is_the_fixed_point_of_the_curvature_averaged_ov
     draws = np.asarray(flat, np.float64) + rng.normal(size=(4000, flat.size)) * np.sqrt(v)
     curvature = np.mean([np.diag(_closed_form_hessian(unravel(jnp.asarray(d, jnp.float32)), x, y)) for d in draws], axis=0)
     np.testing.assert_allclose(1.0 / v, curvature, rtol=0.03)  # the helper's Hessian includes the prior LAMBDA I
+
+
+def test_full_covariance_vi_converges_where_the_unit_step_swings(monkeypatch):
+    """Digits 3 vs 8, standardised (the posterior benchmark's problem): the undamped
+    natural-gradient iteration swings without converging (MIN_VI_STEP = 1 keeps every step at 1);
+    the damped one reaches the ELBO's stationary point."""
+    from fedbayes.data.sklearn_data import load_digits
+    from fedbayes.evaluation import reference
+
+    d = load_digits()
+    pick = np.isin(d.y_train, (3, 8))
+    x = d.x_train[pick].reshape(int(pick.sum()), -1).astype(np.float64)
+    keep = x.std(axis=0) > 0
+    x = ((x[:, keep] - x.mean(axis=0)[keep]) / x.std(axis=0)[keep]).astype(np.float32)
+    y = (d.y_train[pick] == 8).astype(np.int32)
+    model = make_model("logreg", 2)
+    params0 = jax.tree.map(jnp.zeros_like, init_params(model, jax.random.key(0), (x.shape[1],)))
+    apply_fn = lambda p, xs: model.apply({"params": p}, xs)  # noqa: E731
+    with monkeypatch.context() as m:
+        m.setattr(reference, "MIN_VI_STEP", 1.0)
+        with pytest.raises(ValueError, match="did not converge"):
+            full_covariance_vi(apply_fn, params0, x, y, 1.0, max_steps=200)
+    mean, cov = full_covariance_vi(apply_fn, params0, x, y, 1.0)
+    affine = affine_logit_difference(apply_fn, params0, x)
+    with jax.enable_x64(True):
+        a, c = jnp.asarray(affine.a), jnp.asarray(affine.c)
+        mu, sd = a @ jnp.asarray(flat64(mean)) + c, jnp.sqrt(jnp.sum((a @ jnp.asarray(cov)) * a, axis=1))
+        t, w = np.polynomial.hermite.hermgauss(80)
+        g = mu[:, None] + sd[:, None] * jnp.asarray(np.sqrt(2.0) * t)[None, :]
+        s = 2.0 * jnp.asarray(y, jnp.float64)[:, None] - 1.0
+        residual = jnp.sum(jnp.asarray(w / np.sqrt(np.pi))[None, :] * s * jax.nn.sigmoid(-s * g), axis=-1)
+        grad = np.asarray(a.T @ residual - jnp.asarray(flat64(mean)))  # the mean's stationarity condition
+    assert np.max(np.abs(grad)) < 1e-3 * np.max(np.abs(np.asarray(a.T @ residual)))

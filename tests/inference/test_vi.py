@@ -229,3 +229,34 @@ def test_the_variances_are_the_squared_standard_deviations(parameterisation):
     fast = jax.grad(lambda r: jnp.sum(var_of(VariationalParams(vp.mean, r), parameterisation)["k"]))(raw)["k"]
     slow = jax.grad(lambda r: jnp.sum(jnp.square(std_of(VariationalParams(vp.mean, r), parameterisation)["k"])))(raw)["k"]
     np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), rtol=1e-5)
+
+
+def test_a_stiff_cavity_on_a_small_client_reaches_the_optimum_where_plain_sgd_diverges():
+    """A cavity that has gathered the other clients' sites is stiff for a client of few examples:
+    with plain SGD at lr 0.1, ``lr Lambda_c / n = 0.1 * 1000 / 8 = 12.5 > 2`` in one coordinate,
+    and the local step blows up there (step_cap 0). The default stiff-step control reaches the
+    exact mean-field optimum of the same tilted objective in every coordinate."""
+    rng = np.random.default_rng(3)
+    n = 8
+    x = rng.normal(size=(n, DIM)).astype(np.float32)
+    y = (x @ np.array([1.0, -1.0, 0.5]) + 0.3 * rng.normal(size=n)).astype(np.float32)
+
+    def loss(theta, key, xb, yb, m):
+        per = 0.5 * jnp.square(xb @ theta - yb)
+        return jnp.sum(per * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+    trainer = LocalTrainer(loss, optax.sgd(0.1), 600, n)
+    fed = Federation(x, y, (np.arange(n),))
+    sim = Simulator(pvi(trainer, optax.sgd(1.0), prior_precision=1.0, damping=1.0), fed, clients_per_round=1, seed=0)
+    data = single_client_data(sim, 0, 0)
+    cavity = DiagGaussian(precision_mean=jnp.array([0.5, -1.0, 300.0]), precision=jnp.array([2.0, 1.0, 1000.0]))
+    plain, _ = jax.jit(reparameterised_vi(trainer, samples=16, estimator="weights", step_cap=0.0))(jax.random.key(0), cavity, cavity, data)
+    mean, _ = _moments(plain)
+    assert not np.all(np.isfinite(mean)) or np.max(np.abs(mean)) > 1e3
+    q, _ = jax.jit(reparameterised_vi(trainer, samples=16, estimator="weights"))(jax.random.key(0), cavity, cavity, data)
+    a = x.T.astype(np.float64) @ x
+    prec = np.diag(np.asarray(cavity.precision)) + a
+    want_mean = np.linalg.solve(prec, np.asarray(cavity.precision_mean) + x.T @ y)
+    mean, lam = _moments(q)
+    np.testing.assert_allclose(mean, want_mean, atol=0.03)
+    np.testing.assert_allclose(lam, np.diag(prec), rtol=0.1)

@@ -27,7 +27,7 @@ from fedbayes import gaussian
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.base import CavityInference
-from fedbayes.inference.sgd import LocalTrainer, run_sgd
+from fedbayes.inference.sgd import LocalTrainer, run_sgd, stiff_step_control
 from fedbayes.models.layers import find_layers, layer_of
 
 PyTree = Any
@@ -264,7 +264,13 @@ def check_local_settings(samples: int, parameterisation: str, init_std: float | 
 
 
 def reparameterised_vi(
-    trainer: LocalTrainer, *, samples: int = 1, parameterisation: str = "log", init_std: float | None = None, estimator: str = "local"
+    trainer: LocalTrainer,
+    *,
+    samples: int = 1,
+    parameterisation: str = "log",
+    init_std: float | None = None,
+    estimator: str = "local",
+    step_cap: float = 1.0,
 ) -> CavityInference:
     """The local step of mean-field Gaussian PVI (docs/algorithms.md §8.2): Bayes-by-backprop on the
     tilted objective, per minibatch (mean-loss scale, i.e. the objective divided by ``n_k``)
@@ -287,6 +293,13 @@ def reparameterised_vi(
       estimator: ``"local"`` (the default, as PVI's config: :func:`local_reparameterisation`, the
         same objective with the dense layers' outputs drawn per example) or ``"weights"`` (one
         weight draw per minibatch and sample, Bayes-by-backprop).
+      step_cap: the cap of the stiff-step control (``<= 0``: none). The KL term's curvature is
+        known before the first step: ``Lambda_c / n_k`` in the mean and ``2 Lambda_c v_0 / n_k`` in
+        the log standard deviation at the start ``v_0``. A cavity that has gathered the other
+        clients' sites is stiff for a small client (``lr Lambda_c / n_k > 2``), and plain SGD
+        diverges there (docs/algorithms.md §8.2); the control scales the step in those coordinates
+        only (:func:`~fedbayes.inference.sgd.stiff_step_control`: the local optimum is unchanged,
+        and every other coordinate steps as plain SGD).
 
     Returns:
       ``fit(key, start, cavity, data) -> (q_k, info)`` (a :class:`~fedbayes.inference.base.CavityInference`
@@ -312,7 +325,9 @@ def reparameterised_vi(
         def penalty(vp):
             return (kl(vp) / n).astype(jnp.float32)
 
-        vp, info = run_sgd(key, vp0, data, local, penalty)
+        lam = gaussian.to_diag(cavity).precision
+        stiffness = VariationalParams(lam, jax.tree.map(lambda c, s: 2.0 * c * jnp.square(s), lam, std0))
+        vp, info = run_sgd(key, vp0, data, stiff_step_control(local, stiffness, data.num_examples, step_cap), penalty)
         return to_gaussian(vp, parameterisation), info
 
     return fit
