@@ -4,6 +4,9 @@ with only its name set, against NUTS and its family's central optimum, 300 round
 
     PYTHONPATH=src python benchmarks/posterior_unseen.py --out runs/posterior_unseen
 
+With ``--method fedep_laplace_full`` (and ``fedlap_cov_full``, ``pvi_full``) the dense-covariance
+rows run instead (docs/results/posterior_full.md).
+
 Problems (none of them is in ``fedbayes.bench.posterior.PROBLEMS``, where the defaults were
 measured):
 
@@ -25,6 +28,8 @@ import numpy as np
 from fedbayes.bench.posterior import FULL, Problem, run_posterior_bench, write_leaf
 
 METHODS = ("fedep_laplace", "fedep_ngvi", "fedsep_laplace", "fedsep_ngvi", "pvi", "fedlap_cov", "vbnn")
+# the dense-covariance rows (algorithm.covariance = "full"), run when named with --method
+FULL_METHODS = ("fedep_laplace_full", "fedlap_cov_full", "pvi_full")
 
 
 def _write_wine(folder: Path) -> None:
@@ -69,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/posterior_unseen")
     ap.add_argument("--problem", action="append", default=None, choices=list(PROBLEMS))
-    ap.add_argument("--method", action="append", default=None, choices=list(METHODS))
+    ap.add_argument("--method", action="append", default=None, choices=list(METHODS + FULL_METHODS))
     ap.add_argument("--max-rounds", type=int, default=300)
     ap.add_argument("--client", default="{}", help="[client] settings for every method as JSON (default: the methods' defaults)")
     args = ap.parse_args()

@@ -247,3 +247,34 @@ def test_fedlap_cov_settings_are_checked():
         fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, damping=0.5, init_precision="one")
     with pytest.raises(ValueError, match="fedlap_cov: rho"):
         fedlap_cov(LocalTrainer(None, optax.sgd(0.1), 1, 1), lambda p, d: p, delta=1.0, damping=2.0)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_local_step_is_stable_under_a_stiff_cavity_and_reaches_the_exact_local_optimum(dense, monkeypatch):
+    """A client of 5 examples under a cavity of precision 1000 in one coordinate (diagonal) or with a
+    common direction of eigenvalue 450 (dense, correlated): plain SGD at lr 1 has ``lr S / n >> 2`` and
+    blows up (the control off: STEP_CAP = 0); with the control (the default) 500 steps reach the
+    exact minimiser of the same objective (one Newton step on the quadratic)."""
+    from fedbayes.algorithms import fedlap_cov as module
+    from fedbayes.algorithms.fedlap_cov import DENSE
+
+    with jax.enable_x64(True):
+        prob = Problem()
+        data = prob.datas[2]
+        trainer = prob.trainer._replace(optimizer=optax.sgd(1.0), num_epochs=500)
+        flat, unravel = jax.flatten_util.ravel_pytree(prob.params)
+        if dense:
+            ops, precision = DENSE, 100.0 * jnp.ones((flat.size, flat.size)) + 50.0 * jnp.eye(flat.size)
+        else:
+            ops, precision = DIAGONAL, unravel(jnp.asarray([1000.0, 1.0, 1.0, 1.0]))
+        site = ops.family.uniform_like(prob.params)
+        message = Broadcast(anchor=prob.params, precision=precision, start=prob.params, damping=1.0)
+        curvature = lambda w, d: site.precision  # noqa: E731  (the curvature does not enter the local solve)
+        args = dict(damping=1.0, curvature=curvature, ops=ops)
+        exact, _, _, _ = cov_client_step(jax.random.key(0), message, site, data, trainer, solver=newton_solver, **args)
+        controlled, _, _, _ = cov_client_step(jax.random.key(0), message, site, data, trainer, **args)
+        np.testing.assert_allclose(flat_params(controlled), flat_params(exact), rtol=1e-4, atol=1e-6)
+        monkeypatch.setattr(module, "STEP_CAP", 0.0)
+        plain, _, _, _ = cov_client_step(jax.random.key(0), message, site, data, trainer, **args)
+        w = flat_params(plain)
+        assert not np.all(np.isfinite(w)) or np.max(np.abs(w)) > 1e6

@@ -84,10 +84,12 @@ from fedbayes.hparams import HParams
 from fedbayes.inference.base import LocalSolver
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import data_curvature, data_full_ggn
-from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, per_example, run_sgd
+from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, per_example, run_sgd, stiff_step_control
 
 PyTree = Any
 DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_defaults.md)
+# the local step control's cap on lr times the penalty's curvature (client_step)
+STEP_CAP = 1.0
 Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
 INIT_PRECISIONS = ("delta", "zero")
 COVARIANCES = ("diagonal", "full")
@@ -125,6 +127,10 @@ class PrecisionOps(NamedTuple):
       family: the family's algebra (:mod:`fedbayes.gaussian` or :mod:`fedbayes.gaussian_full`).
       to_diag: a Gaussian of the family as a diagonal one, for the damping's rule (the
         moment-matched diagonal of a dense one).
+      row_bound: ``(precision, params) -> bound`` shaped like ``params``: per coordinate, a bound
+        on the curvature of the quadratic ``x^T precision x / 2`` (the absolute value of a diagonal;
+        a dense matrix's Gershgorin row sums ``sum_j |P_ij|``), for the local step's control
+        (:func:`~fedbayes.inference.sgd.stiff_step_control`).
     """
 
     matvec: Callable
@@ -134,6 +140,7 @@ class PrecisionOps(NamedTuple):
     make: Callable = DiagGaussian
     family: Any = gaussian
     to_diag: Callable = lambda g: g
+    row_bound: Callable = lambda p, params: jax.tree.map(jnp.abs, p)
 
 
 DIAGONAL = PrecisionOps(
@@ -154,6 +161,11 @@ def _dense_solve(p: jax.Array, x: PyTree) -> PyTree:
     return unravel(jax.scipy.linalg.cho_solve((gaussian_full.cholesky(p), True), flat.astype(p.dtype)))  # on the server: never batched
 
 
+def _dense_row_bound(p: jax.Array, params: PyTree) -> PyTree:
+    flat, unravel = ravel_pytree(params)
+    return unravel(jnp.sum(jnp.abs(p), axis=1).astype(flat.dtype))
+
+
 def _dense_identity(params: PyTree, c: float) -> jax.Array:
     flat, _ = ravel_pytree(params)
     return c * jnp.eye(flat.size, dtype=flat.dtype)
@@ -167,6 +179,7 @@ DENSE = PrecisionOps(
     make=FullGaussian,
     family=gaussian_full,
     to_diag=gaussian_full.project_to_diag,
+    row_bound=_dense_row_bound,
 )
 
 
@@ -244,12 +257,21 @@ def client_step(
     ops: PrecisionOps = DIAGONAL,
     solver: LocalSolver = run_sgd,
 ):
-    """One FedLap-Cov client round. Returns ``(w_k, H_k, new_site, info)``."""
+    """One FedLap-Cov client round. Returns ``(w_k, H_k, new_site, info)``.
+
+    The penalty's curvature, ``(S_g - V_k) / n_k`` (the cavity's precision per example), is known
+    before the first step; where the client optimizer's step would be unstable on it (a small client
+    under a cavity of many sites: ``lr (S_g - V_k) / n_k > 2``, which a dense ``S_g`` of correlated
+    features reaches first, through its largest eigenvalue), the step is scaled down coordinate by
+    coordinate (:func:`~fedbayes.inference.sgd.stiff_step_control` with ``ops.row_bound``; the
+    local optimum is unchanged, every other coordinate steps as the optimizer does)."""
 
     def penalty(w):
         return per_example(site_terms(w, message, site, ops), data.num_examples)
 
-    w_k, info = solver(key, message.start, data, trainer, penalty)
+    cavity_precision = jax.tree.map(jnp.subtract, message.precision, site.precision)
+    controlled = stiff_step_control(trainer, ops.row_bound(cavity_precision, message.start), data.num_examples, STEP_CAP)
+    w_k, info = solver(key, message.start, data, controlled, penalty)
     h_k = curvature(w_k, data)
     return w_k, h_k, site_update(site, w_k, message, h_k, damping, ops), info
 
