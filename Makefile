@@ -26,11 +26,12 @@ demo: env
 
 # The suite on 2 workers. The tests marked `benchmark` (bounds on wall-clock time and resident
 # memory) are left out; they run with nothing beside them: pytest -m benchmark --benchmarks
-# A test whose worker process dies (a fatal signal inside a native library: XLA's CPU runtime once
-# killed a worker in CI, in a test that passed 37 times alone and in full suites before and after)
-# runs once more in a fresh worker (pytest-rerunfailures' crash recovery: --reruns 1); an ordinary
-# failure is never rerun (--only-rerun with a pattern that matches no error). The summary counts
-# the reruns ("1 rerun"), and a test that crashes twice fails.
+# A test whose worker process dies runs once more in a fresh worker (pytest-rerunfailures' crash
+# recovery: --reruns 1); an ordinary failure is never rerun (--only-rerun with a pattern that matches
+# no error). The summary counts the reruns ("1 rerun"), and a test that crashes twice fails. Why:
+# XLA's CPU runtime segfaulted in deserialize_executable, loading a round's program from the
+# persistent compilation cache (conftest.py), twice in about five full runs of the suite, and never
+# in 37 runs of the same test alone.
 PYTEST_CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 test: env
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_CRASH_RERUN)

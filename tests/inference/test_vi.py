@@ -52,6 +52,25 @@ def test_the_variational_parameters_as_a_gaussian():
 # ----- the local step and its estimators -----------------------------------------------------------------
 
 
+def _squared_loss(theta, key, xb, yb, m):
+    per = 0.5 * jnp.square(xb @ theta - yb)
+    return jnp.sum(per * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def _one_client(x, y, trainer):
+    """A one-client federation of ``(x, y)`` and that client's data, laid out for ``trainer``."""
+    fed = Federation(x, y, (np.arange(len(y)),))
+    sim = Simulator(pvi(trainer, optax.sgd(1.0), prior_precision=1.0, damping=1.0), fed, clients_per_round=1, seed=0)
+    return single_client_data(sim, 0, 0)
+
+
+def _exact_optimum(x, y, cavity):
+    """The mean-field optimum of the linear-Gaussian tilted objective: mean (Lambda_c + A)^{-1}
+    (eta_c + b), precision Lambda_c + diag(A), with A = X^T X and b = X^T y."""
+    prec = np.diag(np.asarray(cavity.precision)) + x.T.astype(np.float64) @ x
+    return np.linalg.solve(prec, np.asarray(cavity.precision_mean) + x.T @ y), np.diag(prec)
+
+
 @pytest.mark.parametrize("parameterisation", ["log", "softplus"])
 def test_reparameterised_local_step_finds_the_mean_field_optimum(parameterisation):
     """On a linear-Gaussian client (loss 0.5 (x^T theta - y)^2, so A = X^T X, b = X^T y) with a
@@ -62,25 +81,16 @@ def test_reparameterised_local_step_finds_the_mean_field_optimum(parameterisatio
     n = 40
     x = rng.normal(size=(n, DIM)).astype(np.float32) * np.array([1.0, 0.5, 0.3], np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5]) + 0.3 * rng.normal(size=n)).astype(np.float32)
-
-    def loss(theta, key, xb, yb, m):
-        per = 0.5 * jnp.square(xb @ theta - yb)
-        return jnp.sum(per * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-    trainer = LocalTrainer(loss, optax.adam(optax.cosine_decay_schedule(0.05, 300)), 300, n)  # decay: converge, not hover
-    fed = Federation(x, y, (np.arange(n),))
-    sim = Simulator(pvi(trainer, optax.sgd(1.0), prior_precision=1.0, damping=1.0), fed, clients_per_round=1, seed=0)
-    data = single_client_data(sim, 0, 0)
+    trainer = LocalTrainer(_squared_loss, optax.adam(optax.cosine_decay_schedule(0.05, 300)), 300, n)  # decay: converge, not hover
+    data = _one_client(x, y, trainer)
     cavity = DiagGaussian(precision_mean=jnp.array([0.5, -1.0, 0.0]), precision=jnp.array([2.0, 1.0, 4.0]))
     fit = jax.jit(reparameterised_vi(trainer, samples=16, parameterisation=parameterisation))
     q, info = fit(jax.random.key(0), cavity, cavity, data)
-    a = x.T.astype(np.float64) @ x
-    prec = np.diag(np.asarray(cavity.precision)) + a
-    want_mean = np.linalg.solve(prec, np.asarray(cavity.precision_mean) + x.T @ y)
+    want_mean, want_precision = _exact_optimum(x, y, cavity)
     mean, lam = _moments(q)
     # Monte-Carlo gradients (16 samples): 0.03 absolute on the mean, 8% on the precision
     np.testing.assert_allclose(mean, want_mean, atol=0.03)
-    np.testing.assert_allclose(lam, np.diag(prec), rtol=0.08)
+    np.testing.assert_allclose(lam, want_precision, rtol=0.08)
     assert int(info["steps"]) == 300 and float(info["loss"]) > 0
 
 
@@ -240,23 +250,14 @@ def test_a_stiff_cavity_on_a_small_client_reaches_the_optimum_where_plain_sgd_di
     n = 8
     x = rng.normal(size=(n, DIM)).astype(np.float32)
     y = (x @ np.array([1.0, -1.0, 0.5]) + 0.3 * rng.normal(size=n)).astype(np.float32)
-
-    def loss(theta, key, xb, yb, m):
-        per = 0.5 * jnp.square(xb @ theta - yb)
-        return jnp.sum(per * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-    trainer = LocalTrainer(loss, optax.sgd(0.1), 600, n)
-    fed = Federation(x, y, (np.arange(n),))
-    sim = Simulator(pvi(trainer, optax.sgd(1.0), prior_precision=1.0, damping=1.0), fed, clients_per_round=1, seed=0)
-    data = single_client_data(sim, 0, 0)
+    trainer = LocalTrainer(_squared_loss, optax.sgd(0.1), 600, n)
+    data = _one_client(x, y, trainer)
     cavity = DiagGaussian(precision_mean=jnp.array([0.5, -1.0, 300.0]), precision=jnp.array([2.0, 1.0, 1000.0]))
     plain, _ = jax.jit(reparameterised_vi(trainer, samples=16, estimator="weights", step_cap=0.0))(jax.random.key(0), cavity, cavity, data)
     mean, _ = _moments(plain)
     assert not np.all(np.isfinite(mean)) or np.max(np.abs(mean)) > 1e3
     q, _ = jax.jit(reparameterised_vi(trainer, samples=16, estimator="weights"))(jax.random.key(0), cavity, cavity, data)
-    a = x.T.astype(np.float64) @ x
-    prec = np.diag(np.asarray(cavity.precision)) + a
-    want_mean = np.linalg.solve(prec, np.asarray(cavity.precision_mean) + x.T @ y)
+    want_mean, want_precision = _exact_optimum(x, y, cavity)
     mean, lam = _moments(q)
     np.testing.assert_allclose(mean, want_mean, atol=0.03)
-    np.testing.assert_allclose(lam, np.diag(prec), rtol=0.1)
+    np.testing.assert_allclose(lam, want_precision, rtol=0.1)
