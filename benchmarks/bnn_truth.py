@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import sys
 import time
@@ -59,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from fedbayes.bench import truth
 from fedbayes.bench.posterior import PRIOR_MATCH
 from fedbayes.config.schema import validate
 from fedbayes.evaluation.metrics import classification_metrics
@@ -134,15 +134,9 @@ class HMCSettings:
 
 
 def fingerprint(x, y, x_test, params0, prior_precision: float, settings: HMCSettings, model: dict) -> str:
-    """A hash of the data, the parameter shapes, the prior, the model section and the settings."""
-    h = hashlib.sha256()
-    for a in (x, y, x_test):
-        a = np.ascontiguousarray(a)
-        h.update(str((a.dtype, a.shape)).encode())
-        h.update(a.tobytes())
-    shapes = [(str(p), tuple(np.shape(leaf))) for p, leaf in jax.tree_util.tree_leaves_with_path(params0)]
-    h.update(json.dumps([repr(prior_precision), dataclasses.asdict(settings), repr(shapes), model], sort_keys=True).encode())
-    return h.hexdigest()
+    """A hash of the data, the parameter shapes, the prior, the model section and the settings
+    (:func:`fedbayes.bench.truth.fingerprint`)."""
+    return truth.fingerprint((x, y, x_test), prior_precision, settings, params0, model)
 
 
 def _local_maps(loss, flat0: jax.Array, starts: jax.Array, steps: int) -> jax.Array:

@@ -40,7 +40,7 @@ from fedbayes.evaluation.metrics import classification_metrics
 from fedbayes.evaluation.reference import affine_logit_difference, map_estimate, negative_log_joint
 from fedbayes.runs.folder import write_atomic
 
-__all__ = ["NUTSSettings", "NUTSResult", "nuts_reference"]
+__all__ = ["NUTSSettings", "NUTSResult", "fingerprint", "nuts_reference"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +63,17 @@ class NUTSResult:
     diagnostics: dict[str, Any]
 
 
-def _fingerprint(x, y, x_test, y_test, prior_precision: float, settings: NUTSSettings, params0) -> str:
+def fingerprint(arrays, prior_precision: float, settings, params0, *extra) -> str:
+    """A hash of a ground truth's inputs: the ``arrays`` (dtype, shape and bytes, in order), the
+    prior, the sampler's ``settings`` (a dataclass), the parameters' shapes and any ``extra``
+    JSON-able items; a cache is reused only under the same hash."""
     h = hashlib.sha256()
-    for a in (x, y, x_test, y_test):
+    for a in arrays:
         a = np.ascontiguousarray(a)
         h.update(str((a.dtype, a.shape)).encode())
         h.update(a.tobytes())
     shapes = [(str(p), tuple(np.shape(leaf))) for p, leaf in jax.tree_util.tree_leaves_with_path(params0)]
-    h.update(json.dumps([repr(prior_precision), dataclasses.asdict(settings), repr(shapes)], sort_keys=True).encode())
+    h.update(json.dumps([repr(prior_precision), dataclasses.asdict(settings), repr(shapes), *extra], sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -116,10 +119,10 @@ def nuts_reference(
         ImportError: NumPyro is not installed (the message names the extra).
     """
     flat0, unravel = ravel_pytree(params0)
-    fingerprint = _fingerprint(x, y, x_test, y_test, prior_precision, settings, params0)
+    key = fingerprint((x, y, x_test, y_test), prior_precision, settings, params0)
     folder = Path(cache_dir) if cache_dir is not None else None
     if folder is not None:
-        cached = _read_cache(folder, fingerprint, unravel)
+        cached = _read_cache(folder, key, unravel)
         if cached is not None:
             log(f"NUTS: cached in {folder}")
             return cached
@@ -184,5 +187,5 @@ def nuts_reference(
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(folder / "nuts.npz", lambda f: np.savez(f, mean=mean, variance=var))
-        write_atomic(folder / "nuts.json", json.dumps({"fingerprint": fingerprint, "diagnostics": diagnostics}, indent=2) + "\n")
+        write_atomic(folder / "nuts.json", json.dumps({"fingerprint": key, "diagnostics": diagnostics}, indent=2) + "\n")
     return NUTSResult(mean_tree, var_tree, diagnostics)
