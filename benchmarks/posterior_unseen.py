@@ -76,9 +76,10 @@ def main() -> None:
     ap.add_argument("--problem", action="append", default=None, choices=list(PROBLEMS))
     ap.add_argument("--method", action="append", default=None, choices=list(METHODS + FULL_METHODS))
     ap.add_argument("--max-rounds", type=int, default=300)
+    ap.add_argument("--keep-going", action="store_true", help="run every method to the last round, recording where it met the bar")
     ap.add_argument("--client", default="{}", help="[client] settings for every method as JSON (default: the methods' defaults)")
     args = ap.parse_args()
-    settings = dataclasses.replace(FULL, max_rounds=args.max_rounds, client=json.loads(args.client))
+    settings = dataclasses.replace(FULL, max_rounds=args.max_rounds, client=json.loads(args.client), stop_at_bar=not args.keep_going)
     run_posterior_bench(args.out, settings, args.problem or list(PROBLEMS), args.method or list(METHODS), extra_problems=PROBLEMS, log=print)
 
 

@@ -1,6 +1,6 @@
 """PVI with full-covariance (dense) sites: on a linear-Gaussian model, where full-covariance VI is
-exact, one client reaches the exact posterior and several clients the exact product; the dense
-client against the central optimum of the same objective on a logistic regression; the refusals."""
+exact, one client reaches the exact posterior and several clients the exact product, with the
+Cholesky client and with the natural-gradient one (the default from a config); the refusals."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fedbayes.algorithms.pvi import FULL_SAMPLES, default_samples, pvi
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.federation import Federation
 from fedbayes.inference import LocalTrainer
+from fedbayes.inference.vi_full import natural_full_vi
 from fedbayes.runs.export import save_model
 from fedbayes.sim.simulator import Simulator
 
@@ -82,6 +83,32 @@ def test_several_clients_reach_the_exact_product():
     np.testing.assert_allclose(np.asarray(gaussian_full.covariance(q)), cov, atol=0.05 * np.abs(cov).max())
 
 
+def test_the_natural_client_reaches_the_exact_product_of_a_linear_regression():
+    """Squared error on a linear model with Gaussian noise: the posterior is Gaussian, and with its
+    antithetic draws the natural client's local step is exact, so damped PVI goes to the product."""
+    rng = np.random.default_rng(4)
+    sizes, delta = (9, 4, 15), 0.7
+    x = rng.normal(size=(sum(sizes), DIM)).astype(np.float32)
+    x[:, 1] += 0.9 * x[:, 0]  # correlated weights
+    y = (x @ rng.normal(size=DIM) + 0.5 * rng.normal(size=len(x))).astype(np.float32)
+    bounds = np.cumsum((0,) + sizes)
+    fed = Federation(x, y, tuple(np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)))
+    apply = lambda p, xs: xs @ p  # noqa: E731
+    loss = lambda p, key, xs, ys, mask: 0.5 * jnp.sum(mask * (apply(p, xs) - ys) ** 2) / jnp.maximum(jnp.sum(mask), 1.0)  # noqa: E731
+    trainer = LocalTrainer(loss, optax.sgd(0.0), 1, 8)
+    local = natural_full_vi(trainer, apply_fn=apply, task="regression", samples=2, steps=4, step_size=1.0)
+    algo = pvi(trainer, optax.sgd(1.0), prior_precision=delta, damping=0.5, covariance="full", local=local)
+    sim = Simulator(algo, fed, clients_per_round=len(sizes), seed=0)
+    state = sim.init(jnp.zeros(DIM, jnp.float32))
+    for _ in range(25):
+        state, info = sim.run_round(state)
+        assert len(info.rejected) == 0
+    q = state.server_state.q
+    prec = delta * np.eye(DIM) + x.T.astype(np.float64) @ x
+    np.testing.assert_allclose(np.asarray(q.precision), prec, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(gaussian_full.mean(q)), np.linalg.solve(prec, x.T @ y), rtol=1e-3, atol=1e-4)
+
+
 def test_full_covariance_is_a_pvi_setting():
     full = validate({"algorithm": {"name": "pvi", "covariance": "full"}}).algorithm
     diagonal = validate({"algorithm": {"name": "pvi"}}).algorithm
@@ -89,6 +116,16 @@ def test_full_covariance_is_a_pvi_setting():
     # more draws per step by default for the dense client (its message's precision is biased by the noise)
     assert (default_samples(full), default_samples(diagonal), FULL_SAMPLES) == (8, 1, 8)
     assert default_samples(validate({"algorithm": {"name": "pvi", "covariance": "full", "samples": 2}}).algorithm) == 2
+    # the natural-gradient client by default; a run stored before the setting existed keeps the Cholesky one
+    assert full.full_vi == "natural"
+    assert validate({"algorithm": {"name": "pvi", "covariance": "full", "full_vi": "cholesky"}}).algorithm.full_vi == "cholesky"
+    from fedbayes.config.schema import stored_meaning
+
+    old = {"algorithm": {"name": "pvi", "covariance": "full", "rho": "adaptive", "estimator": "local", "init_std": "auto", "init_mean": "auto"}}
+    assert validate(stored_meaning(old)).algorithm.full_vi == "cholesky"
+    assert validate(stored_meaning({"algorithm": {**old["algorithm"], "full_vi": "natural"}})).algorithm.full_vi == "natural"
+    with pytest.raises(ConfigError, match="algorithm.full_vi: .*set covariance = 'full'"):
+        validate({"algorithm": {"name": "pvi", "full_vi": "cholesky"}})
     for extra, field in (
         ({"server": {"aggregator": "median"}}, "server.aggregator: pvi with covariance = 'full'"),
         ({"privacy": {"clip": 1.0}, "server": {"weighting": "uniform"}}, "privacy.clip: pvi with covariance = 'full'"),

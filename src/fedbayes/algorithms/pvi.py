@@ -87,7 +87,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fedbayes import gaussian, gaussian_full, tree
 from fedbayes.aggregators import Aggregate
@@ -116,11 +116,12 @@ from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss
 from fedbayes.inference.vi import ESTIMATORS, PARAMETERISATIONS, reparameterised_vi
-from fedbayes.inference.vi_full import full_covariance_vi
+from fedbayes.inference.vi_full import full_covariance_vi, natural_full_vi
 
 PyTree = Any
 INIT_MEANS = ("global", "model")
 COVARIANCES = ("diagonal", "full")
+FULL_VIS = ("natural", "cholesky")
 FULL_SAMPLES = 8  # the draws per step of the dense local VI by default (docs/results/posterior_full.md)
 AUTO = "auto"
 NETWORK_INIT_STD = 0.03  # the local std's start on a network under "auto" (docs/algorithms.md §8.2)
@@ -508,6 +509,19 @@ class PVIConfig(HParams):
         f"[D, D] precision over all D parameters with full-covariance local VI (weights drawn per minibatch; for models up to "
         f"{sites.MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'; no robust aggregation or privacy)",
     )
+    full_vi: Literal[FULL_VIS] = Field(  # type: ignore[valid-type]
+        "natural",
+        description="the local VI with covariance = 'full': natural (the default: natural-gradient steps whose precision is the cavity's plus "
+        "the expected Gauss-Newton matrix under q) or cholesky (reparameterised gradients of a Cholesky factor)",
+    )
+
+    @model_validator(mode="after")
+    def _full_vi_needs_full(self):
+        if self.full_vi != "natural" and self.covariance != "full":
+            raise ValueError(
+                f"algorithm.full_vi: {self.full_vi!r} is a dense local VI; set covariance = 'full' or drop full_vi; got covariance {self.covariance!r}"
+            )
+        return self
 
 
 def default_samples(hp: PVIConfig) -> int:
@@ -535,13 +549,16 @@ def local_start(init_mean: str, init_std: float | str, hidden_layers: bool) -> t
 
 
 def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
+    local = None
     if hp.covariance == "full":
         sites.check_full_size(ctx.num_params)
+        if hp.full_vi == "natural":
+            local = natural_full_vi(ctx.trainer, apply_fn=ctx.apply_fn, task=ctx.task, samples=default_samples(hp))
     init_mean, init_std = local_start(hp.init_mean, hp.init_std, ctx.hidden_layers)
     return pvi(
         ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=damping_policy.from_setting(hp.rho),
         samples=default_samples(hp), parameterisation=hp.parameterisation, init_std=init_std, init_mean=init_mean,
-        allow_improper_sites=hp.improper_sites == "allow", estimator=hp.estimator, covariance=hp.covariance,
+        allow_improper_sites=hp.improper_sites == "allow", estimator=hp.estimator, covariance=hp.covariance, local=local,
     )  # fmt: skip
 
 
@@ -555,6 +572,8 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
     # before "auto" (2026-11-28): no init_std meant the global's, and init_mean was always written
     table.setdefault("init_std", "global")
     table.setdefault("init_mean", "global")
+    if table.get("covariance") == "full":  # before full_vi (2026-11-29) the dense local VI was the Cholesky one
+        table.setdefault("full_vi", "cholesky")
     return table
 
 
