@@ -328,6 +328,12 @@ class Runner(Protocol):
         """The model parameters the server state stands for (what is evaluated and exported)."""
         ...
 
+    def message_bytes(self, state: SimState) -> tuple[int, int]:
+        """``(down, up)``: the bytes of one broadcast and of one client's message
+        (:func:`fedbayes.tree.tree_bytes` of their templates); a round's ``bytes_up`` is ``up``
+        times the messages it received."""
+        ...
+
 
 def rejected_round_state(algorithm, server_state: PyTree) -> PyTree:
     """The server state after a round with no accepted message: ``server_state`` itself, or what

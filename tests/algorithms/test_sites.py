@@ -3,6 +3,8 @@ difference, the server step with its positivity guard, and the burn-in switch.""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,3 +81,8 @@ def test_a_model_over_the_dense_bound_is_refused_before_the_run(name):
     with pytest.raises(ConfigError, match=rf"algorithm.covariance: 'full' .* up to {sites.MAX_FULL_PARAMS} parameters; this model has \d+") as err:
         build_experiment(cfg)
     assert "\n" not in str(err.value)
+    # it states the message's size at this model's D, the bound's, and the diagonal one's
+    d = int(re.search(r"this model has (\d+),", str(err.value)).group(1))
+    sizes = [int(b.replace(",", "")) for b in re.findall(r"\(([\d,]+) bytes\)", str(err.value))]
+    assert sizes == [4 * (d + d * d), 4 * (sites.MAX_FULL_PARAMS + sites.MAX_FULL_PARAMS**2), 8 * d]
+    assert f"{4 * (d + d * d) / 1e6:.1f} MB" in str(err.value) and "against the bound's 100.0 MB" in str(err.value)

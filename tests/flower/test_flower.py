@@ -267,6 +267,11 @@ def test_in_process_rounds_equal_the_simulator_for_a_stateful_method(tmp_path, a
     run_experiment(cfg, tmp_path / "flower", rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
     assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-6)
     assert records(tmp_path / "flower" / "metrics.jsonl")[-1]["dropped"] == 0
+    # one message's bytes, as each runner counts them: the simulator's from its template, the
+    # deployment's from the replies' decoding spec; 2 rounds of 3 replies each
+    sim_summary, flower_summary = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("sim", "flower"))
+    assert flower_summary["message_bytes"] == sim_summary["message_bytes"]
+    assert flower_summary["final"]["bytes_up"] == 6 * flower_summary["message_bytes"]["up"]
     assert len(seen) == 6 and set(seen) == {(arrays == "records",) * 2}
 
 

@@ -1,10 +1,19 @@
 """Result tables fit the width and never cut a method name or a number."""
 
+import json
 import re
 
+import jax
 import pytest
+from helpers import single_client_data
 
-from fedbayes.runs import report
+from fedbayes import protocol, tree
+from fedbayes.algorithms import sites
+from fedbayes.config.schema import validate
+from fedbayes.runs import folder, report
+from fedbayes.runs.build import build_experiment
+from fedbayes.runs.loop import run_experiment
+from fedbayes.runs.summaries import aggregate
 
 NAMES = [
     "fedavg",
@@ -140,3 +149,41 @@ def test_a_markdown_report_as_text_fits_and_says_what_its_tables_left_out():
     assert "a problem" in text and text.count("word") == 40
     assert all(f"method_{k}" in text and f"{k}.000" in text for k in range(3))
     assert "left out to fit 60 columns: column number 11" in " ".join(text.split()) and "posterior_quality.md" in text
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (999, "999 B"), (1000, "1 kB"), (5205, "5.21 kB"), (999_499, "999 kB"), (999_500, "1 MB"), (1_692_605, "1.69 MB"), (2_500_000_000, "2.5 GB")],
+)
+def test_bytes_text(n, text):
+    assert report.bytes_text(n) == text
+
+
+@pytest.mark.parametrize("covariance", ["diagonal", "full"])
+def test_up_per_message_is_the_bytes_of_a_message_the_algorithm_builds(covariance, tmp_path):
+    """``summary.json``'s ``message_bytes.up`` and the table's "up per message" are the bytes of a
+    real FedEP message (one client, round 0, on digits' logistic regression, D = 650): its
+    difference is ``2 D`` float32 numbers (diagonal) or ``D + D^2`` (full); the run's ``bytes_up``
+    is that times the messages sent (2 rounds of 3 clients)."""
+    cfg = validate({
+        "name": covariance, "rounds": 2, "checkpoint_every": 0, "algorithm": {"name": "fedep", "covariance": covariance},
+        "data": {"dataset": "digits", "num_clients": 4}, "model": {"name": "logreg"}, "server": {"clients_per_round": 3},
+        "client": {"epochs": 1, "batch_size": 32}, "evaluation": {"marginal_samples": 2},
+    })  # fmt: skip
+    run_experiment(cfg, tmp_path)
+    summary = json.loads((tmp_path / folder.SUMMARY).read_text())
+    exp = build_experiment(cfg)
+    sim, alg = exp.simulator, exp.simulator.algorithm
+    state = sim.init(exp.params)
+    message, _, _ = jax.jit(alg.client_update)(
+        protocol.client_key(sim.seed, 0, 0), alg.broadcast(state.server_state), jax.tree.map(lambda a: a[0], state.client_states), single_client_data(sim, 0, 0)
+    )
+    up = tree.tree_bytes(message)
+    assert tree.tree_bytes(message.difference) == sites.natural_bytes(650, covariance) == {"diagonal": 5200, "full": 1_692_600}[covariance]
+    assert summary["message_bytes"]["up"] == up and summary["message_bytes"]["down"] == tree.tree_bytes(alg.broadcast(state.server_state))
+    assert summary["final"]["bytes_up"] == 2 * 3 * up
+    for shown in ({covariance: summary}, {covariance: aggregate(covariance, {0: summary}, {0: []})}):  # one run, and over seeds
+        cols = report.columns(shown)
+        cell = dict(zip([c.header for c in cols], report.cells(shown, cols)[0]))["up per message"]
+        assert cell == report.bytes_text(up) == {"diagonal": "5.21 kB", "full": "1.69 MB"}[covariance]
+    assert "up per message" not in [c.header for c in report.columns(_summaries())]  # runs recorded before the field: no column

@@ -62,6 +62,7 @@ __all__ = [
     "full_server_step",
     "gaussian_message_ok",
     "guard_positive",
+    "natural_bytes",
     "optimizer_step",
     "personal_moments",
     "personalised",
@@ -228,15 +229,32 @@ def burn_in_switch(burn_in_rounds: int, over: jax.Array, main: Callable, burn_in
 
 MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family is for GLMs and small heads
 FULL_AGGREGATOR_NOTE = "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines"
+FLOAT32_BYTES = 4
+
+
+def natural_bytes(num_params: int, covariance: str) -> int:
+    """The bytes of a float32 Gaussian over ``D = num_params`` parameters in natural parameters,
+    what a site method's message difference holds: ``2 D`` numbers (``eta``, the diagonal
+    precision) for ``"diagonal"``, ``D + D^2`` (``eta``, the dense precision) for ``"full"``. The
+    message adds its few scalars (validity flag, loss)."""
+    d = int(num_params)
+    return FLOAT32_BYTES * (d + d * d if covariance == "full" else 2 * d)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:.1f} MB ({num_bytes:,} bytes)"
 
 
 def check_full_size(num_params: int | None) -> None:
-    """Raises ValueError (one line naming ``algorithm.covariance``) for a model of more than
-    :data:`MAX_FULL_PARAMS` parameters: a dense site, message and global are ``[D, D]``."""
+    """Raises ValueError (one line naming ``algorithm.covariance`` and the message sizes) for a
+    model of more than :data:`MAX_FULL_PARAMS` parameters: a dense site, message and global are
+    ``[D, D]``, and each client's message would exceed the bound's :func:`natural_bytes`."""
     if num_params is not None and num_params > MAX_FULL_PARAMS:
         raise ValueError(
             f"algorithm.covariance: 'full' keeps a dense [D, D] precision per site and message, for models up to {MAX_FULL_PARAMS} parameters; "
-            f"this model has {num_params}; use covariance = 'diagonal' or a smaller model (model.name = 'logreg')"
+            f"this model has {num_params}, whose messages would be {_size(natural_bytes(num_params, 'full'))} each (D + D^2 float32 numbers) "
+            f"against the bound's {_size(natural_bytes(MAX_FULL_PARAMS, 'full'))}; use covariance = 'diagonal', "
+            f"whose messages are {_size(natural_bytes(num_params, 'diagonal'))}, or a smaller model (model.name = 'logreg')"
         )
 
 

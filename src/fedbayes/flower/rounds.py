@@ -227,6 +227,10 @@ class FlowerRounds:
     def server_params(self, state: SimState):
         return self.algorithm.server_params(state.server_state)
 
+    def message_bytes(self, state: SimState) -> tuple[int, int]:
+        """``(down, up)`` bytes of one broadcast and of one reply's message (what a round counts)."""
+        return tree.tree_bytes(jax.eval_shape(self.algorithm.broadcast, state.server_state)), tree.tree_bytes(self.message_spec)
+
     # ----- one round --------------------------------------------------------------------------
     def request(self, round_idx: int, client: int, base: int, broadcast: bytes | ArrayRecord) -> Callable[[], RecordDict]:
         """The train message's content: the broadcast inline in its config record when ``broadcast``

@@ -22,7 +22,10 @@
 * ``checkpoints/round_NNNNNN.npz``: atomic checkpoints every ``checkpoint_every`` rounds and at
   the end;
 * ``summary.json`` and ``curves.png`` at the end; ``summary.json``'s ``warnings`` lists the run's
-  warnings (a posterior too wide for the data; a run that ended before its fixed point);
+  warnings (a posterior too wide for the data; a run that ended before its fixed point), and its
+  ``message_bytes`` the bytes of one client's message (``up``: what each client uploads per round;
+  ``bytes_up`` is it times the messages received) and of one broadcast (``down``), the runner's
+  ``message_bytes``;
 * ``personal.json`` at the end with ``evaluation.personal_fraction`` (:mod:`fedbayes.runs.personal`);
 * ``conformal.json`` at the end with ``evaluation.conformal_alpha`` (:mod:`fedbayes.runs.conformal`;
   its coverages and set sizes also go into ``summary.json``'s ``final``).
@@ -112,6 +115,7 @@ class RunRecorder:
         last_checkpoint: int | None,
         runner=None,
         client_log: ClientLog | None = None,
+        message_bytes: tuple[int, int] | None = None,
     ):
         self.config, self.out, self.reporter, self.warn = config, out, reporter, warn
         runner = runner if runner is not None else exp.simulator
@@ -129,6 +133,7 @@ class RunRecorder:
         self.fixed_point = health.FixedPointCheck(config.name, config.rounds)
         self.rejections = health.RejectionStreak(config.server.max_rejected_rounds)
         self.client_log = client_log  # its text so far goes into each checkpoint
+        self.message_bytes = None if message_bytes is None else {"up": int(message_bytes[1]), "down": int(message_bytes[0])}
         self.meta = {"name": config.name, "config": config.model_dump(mode="json"), "config_hash": config_hash(config)}
 
     def is_checkpoint_round(self, r: int) -> bool:
@@ -182,7 +187,7 @@ class RunRecorder:
             message = health.divergence_message(config, e.round, bad, self.out, self.last_checkpoint)
             metric = health.STOPPED_LEARNING if bad == self.stop_reason else bad
             if config.server.on_divergence == "stop":
-                summary = {**summarize(config, self.records, self.task), "diverged": {"round": e.round, "metric": metric, "checkpoint": self.last_checkpoint}}
+                summary = {**self.summary(), "diverged": {"round": e.round, "metric": metric, "checkpoint": self.last_checkpoint}}
                 folder.write_json(self.out / folder.SUMMARY, summary)
                 raise health.Diverged(message, e.round, metric, self.last_checkpoint)
             self.warn(f"warning: {message}")
@@ -207,6 +212,14 @@ class RunRecorder:
         simulator or runner state, whose ``server_state`` is read)."""
         self.fixed_point.observe(round_idx, health.posterior_snapshot(self.algorithm, state.server_state, self.server_params(state)))
 
+    def summary(self) -> dict:
+        """``summary.json`` of the records so far (:func:`fedbayes.runs.summaries.summarize`) with
+        the run's ``message_bytes``."""
+        summary = summarize(self.config, self.records, self.task)
+        if self.message_bytes is not None:
+            summary["message_bytes"] = self.message_bytes
+        return summary
+
     def checkpoint(self, state, counters: dict) -> None:
         """Saves ``state`` with the run's metadata, counters and every record so far (strict JSON)."""
         strict = [json.loads(dumps_record(x)) for x in self.records]
@@ -221,7 +234,7 @@ class RunRecorder:
         """Writes ``model.npz``, ``summary.json`` and ``curves.png`` (and ``conformal.json`` from
         ``conformal(server_state)``, ``personal.json`` from ``personal()``); returns the summary."""
         config, out = self.config, self.out
-        summary = summarize(config, self.records, self.task)
+        summary = self.summary()
         save_model(out / folder.MODEL, algorithm, server_state)
         if conformal is not None:
             from fedbayes.runs.conformal import summary_fields
@@ -340,7 +353,9 @@ def _run_experiment(config: RunConfig, out: Path, resume: bool, reporter: Report
             (out / stale).unlink(missing_ok=True)
     folder.write_atomic(out / folder.CONFIG, to_toml(config))
     client_log = ClientLog(out / folder.CLIENTS, exp.federation.sizes)
-    recorder = RunRecorder(config, out, exp, reporter, warn, records, int(state.round) if ckpt is not None else None, runner, client_log)
+    recorder = RunRecorder(
+        config, out, exp, reporter, warn, records, int(state.round) if ckpt is not None else None, runner, client_log, runner.message_bytes(state)
+    )
     if ckpt is not None:
         recorder.resume(state, meta)
         kept = "".join(dumps_record(r) + "\n" for r in records)

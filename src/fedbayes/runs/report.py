@@ -167,6 +167,27 @@ def _mb_up(name, s, recs):
     return f"{(_mean(f.get('bytes_up_total', f.get('bytes_up', 0))) or 0) / 1e6:.1f}"
 
 
+def bytes_text(n: int) -> str:
+    """A byte count for a cell: whole bytes under 1 kB, else three significant digits in kB, MB or
+    GB (powers of 1000, as "MB up (total)")."""
+    if n < 1000:
+        return f"{n} B"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6)):
+        if n < 999.5 * scale:  # what rounds to 1000 kB is 1 MB
+            return f"{n / scale:.3g} {unit}"
+    return f"{n / 1e9:.3g} GB"
+
+
+def message_value(name, s, recs):
+    """The "up per message" cell: the bytes of one client's message, what each client uploads per
+    round (``summary.json``'s ``message_bytes``, from the run's message template; "—" for a run
+    recorded before the field existed). A site method's structure sets it: its natural-parameter
+    difference is ``2 D`` float32 numbers with ``covariance = "diagonal"``, ``D + D^2`` with
+    ``"full"``, beside a few scalars (the validity flag, the loss)."""
+    up = (s.get("message_bytes") or {}).get("up")
+    return "—" if up is None else bytes_text(int(up))
+
+
 def _epsilon(name, s, recs):
     final = s.get("final", {})
     if "epsilon" not in final:
@@ -252,6 +273,9 @@ def columns(summaries: Mapping[str, dict], threshold: float = 0.8) -> list[Colum
     cols.append(Column("train s (total)", seconds_value, keep=6))
     if any("compile_seconds" in s for s in summaries.values()):
         cols.append(Column("compile s", compile_value, keep=8))
+    if any("message_bytes" in s for s in summaries.values()):
+        # one message's size tells the structures apart (diagonal vs full); kept longer than the totals
+        cols.append(Column("up per message", message_value, keep=7))
     cols.append(Column("MB up (total)", _mb_up, keep=8))
     return cols
 

@@ -151,7 +151,7 @@ def aggregate(name: str, runs: Mapping[int, dict], curves: Mapping[int, Sequence
       A summary shaped like a run's, every number replaced by :func:`mean_std` over the seeds
       that did not diverge: ``final`` (each final metric), ``best_accuracy``, ``curve`` (mean and
       max over ``R-2..R``, rounds to ``threshold``) and ``val_curve`` when the runs have a
-      validation split; plus ``seeds``, ``diverged_seeds`` (seed -> where it diverged), ``runs``
+      validation split; plus ``message_bytes`` (the first seed's: a seed changes no shape), ``seeds``, ``diverged_seeds`` (seed -> where it diverged), ``runs``
       (the per-seed summaries) and ``diverged`` (the first seed's record) when every seed diverged.
     """
     seeds = sorted(runs)
@@ -159,7 +159,7 @@ def aggregate(name: str, runs: Mapping[int, dict], curves: Mapping[int, Sequence
     ok = [s for s in seeds if not runs[s].get("diverged")]
     out: dict[str, Any] = {
         "name": name,
-        **{k: first[k] for k in ("algorithm", "server_optimizer", "rounds") if k in first},
+        **{k: first[k] for k in ("algorithm", "server_optimizer", "rounds", "message_bytes") if k in first},
         "seeds": seeds,
         "diverged_seeds": {str(s): runs[s]["diverged"] for s in seeds if runs[s].get("diverged")},
     }
