@@ -162,3 +162,19 @@ def test_jit_and_shapes_checked():
         F.mean(F.FullGaussian(g.precision_mean, jnp.eye(5)))
     with pytest.raises(TypeError, match="FullGaussian"):
         F.to_full("not a gaussian")
+
+
+@given(st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_cholesky_solves_against_numpy_and_under_vmap(d, seed):
+    rng = np.random.default_rng(seed)
+    with jax.enable_x64(True):
+        mats = np.stack([_spd(rng, d) for _ in range(3)])
+        b = rng.normal(size=(3, d))
+        chol = jax.vmap(F.cholesky)(jnp.asarray(mats))
+        solved = jax.vmap(F.cholesky_solve)(chol, jnp.asarray(b))
+        drawn = jax.vmap(F.lower_transpose_solve)(chol, jnp.asarray(b))
+        for k in range(3):
+            lower = np.linalg.cholesky(mats[k])
+            np.testing.assert_allclose(np.asarray(solved[k]), np.linalg.solve(mats[k], b[k]), rtol=1e-8, atol=1e-10)
+            np.testing.assert_allclose(np.asarray(drawn[k]), np.linalg.solve(lower.T, b[k]), rtol=1e-8, atol=1e-10)
+            np.testing.assert_allclose(np.asarray(F.cholesky_solve(chol[k], jnp.asarray(b[k]))), np.asarray(solved[k]), rtol=1e-12)

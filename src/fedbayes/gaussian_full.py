@@ -36,6 +36,7 @@ from fedbayes.gaussian import DiagGaussian, IsoGaussian
 __all__ = [
     "FullGaussian",
     "cholesky",
+    "cholesky_solve",
     "covariance",
     "damp",
     "difference",
@@ -45,6 +46,7 @@ __all__ = [
     "is_proper",
     "kl",
     "log_prob",
+    "lower_transpose_solve",
     "mean",
     "num_params",
     "power",
@@ -191,6 +193,18 @@ def _lower_t_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
 def _solve(chol: jax.Array, b: jax.Array) -> jax.Array:
     """(L L^T)^{-1} b."""
     return _lower_t_solve(chol, _lower_solve(chol, b))
+
+
+def cholesky_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
+    """``(L L^T)^{-1} b`` for the lower Cholesky factor ``L`` of :func:`cholesky`: two triangular
+    solves, one matrix at a time under ``vmap`` (as :func:`cholesky`)."""
+    return _solve(chol, b)
+
+
+def lower_transpose_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
+    """``L^{-T} b`` for a lower-triangular ``L``, one matrix at a time under ``vmap``: with ``L`` the
+    Cholesky factor of a precision and ``b ~ N(0, I)``, a draw of ``N(0, (L L^T)^{-1})``."""
+    return _lower_t_solve(chol, b)
 
 
 def mean(g: FullGaussian) -> PyTree:

@@ -52,7 +52,9 @@ HALF_STEP = AlgorithmSpec("half_step", HalfStepConfig, _build_half_step, "test m
 # "<name>+<label>" -> (name, settings).
 VARIANTS = {
     "fedep+full": ("fedep", {"covariance": "full"}),
-    "pvi+full": ("pvi", {"covariance": "full", "samples": 1}),  # one draw per step: the suite checks the protocol, not the posterior
+    # one draw (pair) and a few iterations of the natural client: the suite checks the protocol, not the posterior
+    "pvi+full": ("pvi", {"covariance": "full", "samples": 1, "natural_steps": 4}),
+    "fedep+ngvi_full": ("fedep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedlap_cov+full": ("fedlap_cov", {"covariance": "full"}),
     # the sampler at its smallest (10 warm-up transitions, 4 draws, trees of at most 8 steps): the
     # defaults (500 and 1000, trees of up to 1024 steps) are for a posterior; the suite checks the protocol
@@ -198,6 +200,8 @@ def _steps(name: str, sizes: np.ndarray) -> np.ndarray:
     settings = _method(name)[1]
     if settings.get("method") == "nuts":  # fedbayes.inference.nuts: warm-up plus kept draws
         return np.full(len(sizes), settings["nuts_warmup"] + settings["nuts_draws"])
+    if settings.get("covariance") == "full" and (settings.get("method") == "ngvi" or _method(name)[0] == "pvi"):
+        return np.full(len(sizes), settings["natural_steps"])  # fedbayes.inference.vi_full.natural_full_vi: its iterations
     return 2 * -(-sizes // 16)
 
 
@@ -209,8 +213,8 @@ def test_info_outputs_and_a_fixed_cohort_shape_compiles_the_round_once(name):
     assert set(c) >= {"client", "num_examples", "accepted", "loss", "steps"}
     np.testing.assert_array_equal(c["client"], info.cohort)
     np.testing.assert_array_equal(c["num_examples"], np.asarray(SIZES)[info.cohort])
-    # every client took E * ceil(n_k / B) steps (E = 2, B = 16), or the sampler's transitions (warm-up
-    # and draws, whatever the client's size), and reports a finite, positive loss
+    # every client took E * ceil(n_k / B) steps (E = 2, B = 16), the sampler's transitions (warm-up
+    # and draws) or the natural-gradient iterations, whatever its size, and reports a finite, positive loss
     np.testing.assert_array_equal(c["steps"], _steps(name, np.asarray(SIZES)[info.cohort]))
     assert np.all(np.isfinite(c["loss"])) and np.all(c["loss"] > 0)
     assert info.server["num_accepted"] == len(info.cohort)

@@ -1,4 +1,5 @@
-"""FedEP with full-covariance (dense precision) sites: the fixed point is the central Laplace."""
+"""FedEP with full-covariance (dense precision) sites: with the laplace method the fixed point is the
+central full Laplace, with the ngvi method the central full-covariance VI optimum."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from fedbayes import gaussian_full
 from fedbayes.algorithms.fedep import fedep_full
 from fedbayes.config.schema import ConfigError, validate
 from fedbayes.data.federation import Federation
+from fedbayes.evaluation.reference import full_covariance_vi as central_full_vi
 from fedbayes.inference import LocalTrainer
 from fedbayes.inference.curvature import batch_full_ggn, diag_ggn
-from fedbayes.inference.tilted import TiltedSettings, make_full_laplace_inference
+from fedbayes.inference.tilted import TiltedSettings, make_full_laplace_inference, make_full_ngvi_inference
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.runs.export import save_model
 from fedbayes.sim.simulator import Simulator
@@ -60,10 +62,11 @@ def _central_laplace(model, params, x, y):
         return np.asarray(theta), np.asarray(jax.hessian(nlj)(theta))
 
 
-def _run(rounds, damping=0.5, **kw):
+def _run(rounds, damping=0.5, method="laplace", **kw):
     fed, model, params = _problem()
     trainer = LocalTrainer(loss_fn(model, "classification"), optax.sgd(0.5), 50, PER_CLIENT)
-    inference = make_full_laplace_inference(trainer, TiltedSettings(), apply_fn=lambda p, x: model.apply({"params": p}, x))
+    make = make_full_laplace_inference if method == "laplace" else make_full_ngvi_inference
+    inference = make(trainer, TiltedSettings(), apply_fn=lambda p, x: model.apply({"params": p}, x))
     algo = fedep_full(
         trainer, optax.sgd(1.0), inference, total_examples=NUM_CLIENTS * PER_CLIENT, num_clients=NUM_CLIENTS, damping=damping, alpha_cov=0.0,
         prior_precision=PRIOR, exact_late_sites=True, **kw,
@@ -91,6 +94,19 @@ def test_the_fixed_point_is_the_central_full_laplace(tmp_path):
         np.testing.assert_array_equal(z["posterior_variance/dense/kernel"], np.asarray(variance["dense"]["kernel"]))
 
 
+def test_the_ngvi_fixed_point_is_the_central_full_covariance_vi():
+    # damped 0.2: the sites' draw noise averages over about ten rounds
+    fed, model, params, algo, state = _run(40, damping=0.2, method="ngvi")
+    mean, cov = central_full_vi(lambda p, x: model.apply({"params": p}, x), params, fed.x, fed.y, PRIOR)
+    q = state.server_state.q
+    err = ravel_pytree(gaussian_full.mean(q))[0] - ravel_pytree(mean)[0]
+    assert np.linalg.norm(err) < 0.01 * np.linalg.norm(ravel_pytree(mean)[0])
+    np.testing.assert_allclose(np.asarray(gaussian_full.covariance(q)), cov, atol=0.005 * np.max(np.abs(cov)))
+    # the VI optimum's mean is not the MAP (the Laplace family's): the test tells them apart
+    map_flat, _ = _central_laplace(model, params, fed.x, fed.y)
+    assert np.linalg.norm(map_flat - ravel_pytree(mean)[0]) > 3 * np.linalg.norm(err)
+
+
 def test_the_dense_ggn_has_the_diagonal_ggn_on_its_diagonal():
     fed, model, params = _problem()
     apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
@@ -109,7 +125,11 @@ def test_full_covariance_is_a_fedep_laplace_setting():
     assert validate({"algorithm": {"name": "fedep"}}).algorithm.covariance == "diagonal"
     for algorithm, field in (
         ({"name": "fedep", "covariance": "full", "method": "identity"}, "algorithm.covariance: 'full' takes the laplace method"),
-        ({"name": "fedep", "covariance": "full", "method": "ngvi"}, "algorithm.covariance: 'full' takes the laplace method"),
+        ({"name": "fedep", "covariance": "full", "method": "mcmc"}, "algorithm.covariance: 'full' takes the laplace method"),
+        ({"name": "fedep", "covariance": "full", "method": "ngvi", "ngvi_beta": 0.9}, "algorithm.ngvi_beta: the ngvi method with covariance = 'full'"),
+        ({"name": "fedep", "covariance": "full", "method": "ngvi", "scale": 2.0}, "algorithm.scale: the ngvi method with covariance = 'full'"),
+        ({"name": "fedep", "covariance": "full", "natural_steps": 8}, "algorithm.natural_steps: sets the iterations of the ngvi method"),
+        ({"name": "fedsep", "method": "ngvi", "natural_steps": 8}, "algorithm.natural_steps: sets the iterations of the ngvi method"),
         ({"name": "fedep", "covariance": "full", "burn_in_rounds": 2}, "algorithm.covariance: 'full' runs EP from the first round"),
         ({"name": "fedsep", "covariance": "full"}, "algorithm.covariance: fedsep's shared site is diagonal"),
     ):

@@ -126,6 +126,10 @@ def test_full_covariance_is_a_pvi_setting():
     assert validate(stored_meaning({"algorithm": {**old["algorithm"], "full_vi": "natural"}})).algorithm.full_vi == "natural"
     with pytest.raises(ConfigError, match="algorithm.full_vi: .*set covariance = 'full'"):
         validate({"algorithm": {"name": "pvi", "full_vi": "cholesky"}})
+    assert validate({"algorithm": {"name": "pvi", "covariance": "full", "natural_steps": 8}}).algorithm.natural_steps == 8
+    for algorithm in ({"name": "pvi", "natural_steps": 8}, {"name": "pvi", "covariance": "full", "full_vi": "cholesky", "natural_steps": 8}):
+        with pytest.raises(ConfigError, match="algorithm.natural_steps: .*needs covariance = 'full' and full_vi = 'natural'"):
+            validate({"algorithm": algorithm})
     for extra, field in (
         ({"server": {"aggregator": "median"}}, "server.aggregator: pvi with covariance = 'full'"),
         ({"privacy": {"clip": 1.0}, "server": {"weighting": "uniform"}}, "privacy.clip: pvi with covariance = 'full'"),

@@ -87,7 +87,8 @@ from fedbayes.gaussian import DiagGaussian
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.nuts import make_full_nuts_inference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
-from fedbayes.inference.tilted import METHODS, TiltedSettings, make_full_laplace_inference, make_tilted_inference
+from fedbayes.inference.tilted import METHODS, TiltedSettings, make_full_laplace_inference, make_full_ngvi_inference, make_tilted_inference
+from fedbayes.inference.vi_full import NATURAL_STEPS
 
 PyTree = Any
 INITS = ("benchmark", "uniform")
@@ -755,6 +756,8 @@ DEFAULT_DAMPING = 0.5  # the posterior preset's fixed delta before the adaptive 
 # adaptive rule reads as jitter about a fixed point and leaves alone;
 # a small step averages that noise over about 2 / delta rounds (docs/results/posterior_full.md).
 NUTS_DAMPING = 0.1
+# the diagonal NGVI's settings, which the dense ngvi method (natural-gradient VI) does not take: their defaults
+FULL_NGVI_FIXED = {"scale": 1.0, "ngvi_epochs": 5, "ngvi_beta": 0.99, "ngvi_bias_correction": True}
 
 
 class EPConfig(TiltedSettings):
@@ -783,7 +786,8 @@ class EPConfig(TiltedSettings):
         "laplace",
         description="client tilted inference: laplace (L, default) or ngvi (V) give a posterior; identity (I) and mcmc (M) "
         "give a variance set by alpha_cov = scale * (initial_precision + weight_decay), a hyperparameter, not the data; "
-        "nuts matches the tilted mean by NUTS, its precision the curvature averaged over the draws (FedEP with covariance = 'full'; small models)",
+        "nuts matches the tilted mean by NUTS, its precision the curvature averaged over the draws (FedEP with covariance = 'full'; small models); "
+        "with covariance = 'full', laplace takes the dense GGN and ngvi is full-covariance natural-gradient VI",
     )
     damping: Annotated[float, Field(gt=0, le=1)] | Literal["adaptive"] | None = Field(
         None,
@@ -833,10 +837,24 @@ class EPConfig(TiltedSettings):
             raise ValueError(
                 f"algorithm.method: nuts matches the tilted mean with dense sites; set covariance = 'full' (FedEP; models up to {MAX_FULL_PARAMS} parameters)"
             )
-        if self.covariance == "full" and self.method not in ("laplace", "nuts"):
+        if self.covariance == "full" and self.method not in ("laplace", "ngvi", "nuts"):
             raise ValueError(
-                f"algorithm.covariance: 'full' takes the laplace method (a dense GGN at the tilted mode) or nuts (the tilted mean by NUTS); got method {self.method!r}"
+                "algorithm.covariance: 'full' takes the laplace method (a dense GGN at the tilted mode), ngvi (full-covariance natural-gradient VI) "
+                f"or nuts (the tilted mean by NUTS); got method {self.method!r}"
             )
+        if self.natural_steps != NATURAL_STEPS and not (self.covariance == "full" and self.method == "ngvi"):
+            raise ValueError(
+                f"algorithm.natural_steps: sets the iterations of the ngvi method with covariance = 'full'; got method {self.method!r}, "
+                f"covariance {self.covariance!r}"
+            )
+        if self.covariance == "full" and self.method == "ngvi":
+            changed = [f for f in FULL_NGVI_FIXED if getattr(self, f) != FULL_NGVI_FIXED[f]]
+            if changed:
+                raise ValueError(
+                    f"algorithm.{changed[0]}: the ngvi method with covariance = 'full' is natural-gradient VI with its own iterations and draws "
+                    f"(docs/algorithms.md §7.12) and the likelihood's scale; leave {', '.join(changed)} at "
+                    + ", ".join(f"{f} = {FULL_NGVI_FIXED[f]}" for f in changed)
+                )
         if self.covariance == "full" and self.burn_in_rounds > 0:
             raise ValueError(f"algorithm.covariance: 'full' runs EP from the first round; set burn_in_rounds = 0; got {self.burn_in_rounds}")
         if self.method in ("identity", "mcmc") and not self.alpha_cov > 0:
@@ -898,6 +916,8 @@ def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
     sites.check_full_size(ctx.num_params)
     if hp.method == "nuts":
         inference = make_full_nuts_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task, max_examples=max(ctx.federation.client_sizes))
+    elif hp.method == "ngvi":
+        inference = make_full_ngvi_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     else:
         inference = make_full_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
     return fedep_full(

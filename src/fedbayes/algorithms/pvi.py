@@ -116,7 +116,7 @@ from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss
 from fedbayes.inference.vi import ESTIMATORS, PARAMETERISATIONS, reparameterised_vi
-from fedbayes.inference.vi_full import full_covariance_vi, natural_full_vi
+from fedbayes.inference.vi_full import NATURAL_STEPS, full_covariance_vi, natural_full_vi
 
 PyTree = Any
 INIT_MEANS = ("global", "model")
@@ -515,11 +515,20 @@ class PVIConfig(HParams):
         "the expected Gauss-Newton matrix under q) or cholesky (reparameterised gradients of a Cholesky factor)",
     )
 
+    natural_steps: int = Field(
+        NATURAL_STEPS, ge=2, description="natural-gradient iterations per client and round of the natural dense client (each a pass per draw)"
+    )
+
     @model_validator(mode="after")
     def _full_vi_needs_full(self):
         if self.full_vi != "natural" and self.covariance != "full":
             raise ValueError(
                 f"algorithm.full_vi: {self.full_vi!r} is a dense local VI; set covariance = 'full' or drop full_vi; got covariance {self.covariance!r}"
+            )
+        if self.natural_steps != NATURAL_STEPS and (self.covariance != "full" or self.full_vi != "natural"):
+            raise ValueError(
+                f"algorithm.natural_steps: sets the natural dense client's iterations; it needs covariance = 'full' and full_vi = 'natural'; "
+                f"got covariance {self.covariance!r}, full_vi {self.full_vi!r}"
             )
         return self
 
@@ -553,7 +562,7 @@ def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
     if hp.covariance == "full":
         sites.check_full_size(ctx.num_params)
         if hp.full_vi == "natural":
-            local = natural_full_vi(ctx.trainer, apply_fn=ctx.apply_fn, task=ctx.task, samples=default_samples(hp))
+            local = natural_full_vi(ctx.trainer, apply_fn=ctx.apply_fn, task=ctx.task, samples=default_samples(hp), steps=hp.natural_steps)
     init_mean, init_std = local_start(hp.init_mean, hp.init_std, ctx.hidden_layers)
     return pvi(
         ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=damping_policy.from_setting(hp.rho),
