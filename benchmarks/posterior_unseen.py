@@ -4,7 +4,7 @@ with only its name set, against NUTS and its family's central optimum, 300 round
 
     PYTHONPATH=src python benchmarks/posterior_unseen.py --out runs/posterior_unseen
 
-With ``--method fedep_laplace_full`` (and ``fedep_ngvi_full``, ``fedlap_cov_full``, ``pvi_full``) the dense-covariance
+With ``--method fedep_laplace_full`` (and the other ``*_full`` methods of ``FULL_METHODS``) the dense-covariance
 rows run instead (docs/results/posterior_full.md).
 
 Problems (none of them is in ``fedbayes.bench.posterior.PROBLEMS``, where the defaults were
@@ -29,7 +29,7 @@ from fedbayes.bench.posterior import FULL, Problem, run_posterior_bench, write_l
 
 METHODS = ("fedep_laplace", "fedep_ngvi", "fedsep_laplace", "fedsep_ngvi", "pvi", "fedlap_cov", "vbnn")
 # the dense-covariance rows (algorithm.covariance = "full"), run when named with --method
-FULL_METHODS = ("fedep_laplace_full", "fedep_ngvi_full", "fedlap_cov_full", "pvi_full")
+FULL_METHODS = ("fedep_laplace_full", "fedep_ngvi_full", "fedsep_ngvi_full", "fedlap_cov_full", "pvi_full")
 
 
 def _write_wine(folder: Path) -> None:

@@ -55,6 +55,7 @@ VARIANTS = {
     # one draw (pair) and a few iterations of the natural client: the suite checks the protocol, not the posterior
     "pvi+full": ("pvi", {"covariance": "full", "samples": 1, "natural_steps": 4}),
     "fedep+ngvi_full": ("fedep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
+    "fedsep+ngvi_full": ("fedsep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedlap_cov+full": ("fedlap_cov", {"covariance": "full"}),
     # the sampler at its smallest (10 warm-up transitions, 4 draws, trees of at most 8 steps): the
     # defaults (500 and 1000, trees of up to 1024 steps) are for a posterior; the suite checks the protocol

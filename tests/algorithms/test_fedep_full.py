@@ -123,6 +123,7 @@ def test_full_covariance_is_a_fedep_laplace_setting():
     cfg = validate({"algorithm": {"name": "fedep", "covariance": "full"}})
     assert cfg.algorithm.covariance == "full" and cfg.evaluation.prior_precision == "fixed"
     assert validate({"algorithm": {"name": "fedep"}}).algorithm.covariance == "diagonal"
+    assert validate({"algorithm": {"name": "fedsep", "covariance": "full", "method": "ngvi"}}).algorithm.covariance == "full"
     for algorithm, field in (
         ({"name": "fedep", "covariance": "full", "method": "identity"}, "algorithm.covariance: 'full' takes the laplace method"),
         ({"name": "fedep", "covariance": "full", "method": "mcmc"}, "algorithm.covariance: 'full' takes the laplace method"),
@@ -131,7 +132,7 @@ def test_full_covariance_is_a_fedep_laplace_setting():
         ({"name": "fedep", "covariance": "full", "natural_steps": 8}, "algorithm.natural_steps: sets the iterations of the ngvi method"),
         ({"name": "fedsep", "method": "ngvi", "natural_steps": 8}, "algorithm.natural_steps: sets the iterations of the ngvi method"),
         ({"name": "fedep", "covariance": "full", "burn_in_rounds": 2}, "algorithm.covariance: 'full' runs EP from the first round"),
-        ({"name": "fedsep", "covariance": "full"}, "algorithm.covariance: fedsep's shared site is diagonal"),
+        ({"name": "fedsep", "covariance": "full"}, "algorithm.method: fedsep with covariance = 'full' takes the ngvi or nuts method"),
     ):
         with pytest.raises(ConfigError, match=field) as err:
             validate({"algorithm": algorithm})

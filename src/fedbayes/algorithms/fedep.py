@@ -120,6 +120,8 @@ __all__ = [
     "fedep_cavity",
     "fedep_client_step",
     "fedep_full",
+    "fedsep_full",
+    "fedsep_full_client_step",
     "full_client_step",
     "full_posterior_moments",
     "full_server_step",
@@ -747,6 +749,96 @@ def fedep_full(
     )
 
 
+def fedsep_full_client_step(
+    key: jax.Array,
+    message: Broadcast,
+    data: ClientData,
+    inference,
+    trainer: LocalTrainer,
+    *,
+    start: EPStart,
+    num_clients: int,
+    sep_power: str,
+    adaptive: bool,
+    delta_clip: float | None = None,
+):
+    """One FedSEP client with a dense global (Guo et al. 2023 (FedEP) Sec. 2.2.4 in the
+    full-covariance family): the cavity ``p_0 (q_g / p_0)^power`` (:func:`fedsep_cavity`'s, dense),
+    the tilted approximation ``q^ = inference(cavity)`` and the damped message ``delta clip(q^ / q_g)``,
+    as :func:`full_client_step` but stateless. A cavity that is not positive semi-definite to
+    round-off flags the message. Returns ``(message, info)``."""
+    n = data.num_examples.astype(jnp.float32)
+    total = start.total_examples
+    q = message.q
+    prior = prior_like(q.precision_mean, start.prior_precision)
+    power = (total - n) / total if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
+    cavity = gaussian_full.product(prior, gaussian_full.power(gaussian_full.quotient(q, prior), power))
+    cavity_ok = tree.all_finite(cavity) & psd_to_roundoff(cavity.precision, q.precision)
+    begin = full_safe_mean(q, message.anchor if start.uniform else q.precision_mean)
+    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
+    tilted, info = inference(key, begin, cavity, data)
+    step = optax.tree.scale(message.damping, clip_joint_norm(gaussian_full.difference(tilted, q), delta_clip))
+    return GaussianMessage(step, cavity_ok, fit), info
+
+
+def fedsep_full(
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    inference,
+    *,
+    total_examples: int,
+    num_clients: int,
+    damping: float | damping_policy.Damping,
+    alpha_cov: float,
+    init: str = "benchmark",
+    prior_precision: float = 0.0,
+    delta_clip: float | None = None,
+    sep_power: str = "data_fraction",
+) -> Algorithm:
+    """FedSEP with a dense global and shared site (docs/algorithms.md §7.12): :func:`fedsep_full_client_step`
+    and :func:`full_server_step`, arguments as :func:`fedsep` (no burn-in rounds); ``inference`` as
+    :func:`fedep_full`'s. Its clients keep no state, so it has no personal posterior."""
+    if init not in INITS:
+        raise ValueError(f"fedsep: init must be one of {', '.join(INITS)}; got {init!r}")
+    if sep_power not in SEP_POWERS:
+        raise ValueError(f"fedsep: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
+    policy = _as_policy(damping)
+    uniform = init == "uniform"
+    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform)
+
+    def server_init_full(key, params):
+        del key
+        q, anchor = ep_start(params, start)
+        q = gaussian_full.to_full(q)
+        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, policy.init(params))
+
+    def client_update(key, message, cstate, data):
+        msg, info = fedsep_full_client_step(
+            key, message, data, inference, trainer, start=start, num_clients=num_clients, sep_power=sep_power, adaptive=policy.adaptive,
+            delta_clip=delta_clip,
+        )  # fmt: skip
+        return msg, cstate, info
+
+    def server_update(key, state, aggregate):
+        del key
+        return full_server_step(state, aggregate, server_optimizer, policy)
+
+    return Algorithm(
+        name="fedsep",
+        server_init=server_init_full,
+        broadcast=lambda state: broadcast(state, 0),
+        client_init=stateless_client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: gaussian_full.mean(state.q),
+        message_ok=lambda state, message: full_message_ok(message, state.q),
+        trainer=trainer,
+        server_posterior=full_posterior_moments,
+        after_rejected_round=lambda state: state._replace(damping=policy.rejected(state.damping)),
+        server_precision=lambda state: state.q.precision,
+    )
+
+
 PRESETS = ("posterior", "paper")
 # The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
 # fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
@@ -887,10 +979,11 @@ class FedSEPConfig(EPConfig):
     sep_power: Literal[SEP_POWERS] = Field("data_fraction", description="cavity power: 1 - n_k/N or 1 - 1/K")  # type: ignore[valid-type]
 
     @model_validator(mode="after")
-    def _diagonal_only(self):
-        if self.covariance != "diagonal":
+    def _dense_needs_moments(self):
+        if self.covariance == "full" and self.method == "laplace":
             raise ValueError(
-                f"algorithm.covariance: fedsep's shared site is diagonal; full-covariance sites are FedEP's (name = 'fedep'); got {self.covariance!r}"
+                "algorithm.method: fedsep with covariance = 'full' takes the ngvi or nuts method; with laplace its shared site's fixed point "
+                "is far from the full Laplace (docs/results/posterior_full.md); or use name = 'fedep'"
             )
         return self
 
@@ -912,14 +1005,18 @@ def build_fedep(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
     )
 
 
-def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
+def _full_inference(hp: EPConfig, ctx: BuildContext):
+    """The dense tilted inference of ``hp.method`` (laplace, ngvi or nuts), after the size check."""
     sites.check_full_size(ctx.num_params)
     if hp.method == "nuts":
-        inference = make_full_nuts_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task, max_examples=max(ctx.federation.client_sizes))
-    elif hp.method == "ngvi":
-        inference = make_full_ngvi_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
-    else:
-        inference = make_full_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
+        return make_full_nuts_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task, max_examples=max(ctx.federation.client_sizes))
+    if hp.method == "ngvi":
+        return make_full_ngvi_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
+    return make_full_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task)
+
+
+def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
+    inference = _full_inference(hp, ctx)
     return fedep_full(
         ctx.trainer, ctx.server_optimizer, inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
         damping=damping_policy.from_setting(hp.default_damping(ctx.clients_per_round)), alpha_cov=hp.alpha_cov, init=hp.init,
@@ -929,6 +1026,12 @@ def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
 
 
 def build_fedsep(hp: FedSEPConfig, ctx: BuildContext) -> Algorithm:
+    if hp.covariance == "full":
+        return fedsep_full(
+            ctx.trainer, ctx.server_optimizer, _full_inference(hp, ctx), total_examples=ctx.federation.total_examples,
+            num_clients=ctx.federation.num_clients, damping=damping_policy.from_setting(hp.default_damping(ctx.clients_per_round)),
+            alpha_cov=hp.alpha_cov, init=hp.init, prior_precision=hp.prior_precision, delta_clip=hp.delta_clip, sep_power=hp.sep_power,
+        )  # fmt: skip
     return fedsep(ctx.trainer, ctx.server_optimizer, sep_power=hp.sep_power, **_common(hp, ctx))
 
 

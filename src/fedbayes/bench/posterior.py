@@ -165,6 +165,7 @@ METHODS: tuple[Method, ...] = (
     *_ep_methods("fedsep", "FedSEP"),
     Method("fedep_laplace_full", "FedEP (laplace, covariance full)", {"name": "fedep", "method": "laplace", "covariance": "full"}, "laplace"),
     Method("fedep_ngvi_full", "FedEP (ngvi, covariance full)", {"name": "fedep", "method": "ngvi", "covariance": "full"}, "full_vi"),
+    Method("fedsep_ngvi_full", "FedSEP (ngvi, covariance full)", {"name": "fedsep", "method": "ngvi", "covariance": "full"}, "full_vi"),
     Method(
         "fedep_nuts_full",
         "FedEP (nuts, covariance full)",
