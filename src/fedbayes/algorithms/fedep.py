@@ -122,6 +122,7 @@ __all__ = [
     "fedep_full",
     "fedsep_full",
     "fedsep_full_client_step",
+    "full_tilted_step",
     "full_client_step",
     "full_posterior_moments",
     "full_server_step",
@@ -578,6 +579,18 @@ def fedep(
     )  # fmt: skip
 
 
+def _sep_setup(init, sep_power, damping, alpha_cov, prior_precision, total_examples):
+    """The damping policy and EP start of FedSEP, diagonal or dense, after checking its settings."""
+    if init not in INITS:
+        raise ValueError(f"fedsep: init must be one of {', '.join(INITS)}; got {init!r}")
+    if sep_power not in SEP_POWERS:
+        raise ValueError(f"fedsep: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
+    policy = _as_policy(damping)
+    uniform = init == "uniform"
+    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform)
+    return policy, start
+
+
 def fedsep(
     trainer: LocalTrainer,
     server_optimizer: optax.GradientTransformation,
@@ -598,13 +611,7 @@ def fedsep(
     or ``q_g^{1 - 1/K}`` (``"one_over_k"``, textbook SEP): :func:`fedsep_client_step` and
     :func:`server_step`. Arguments as :func:`fedep`; the settings' ranges are :class:`FedSEPConfig`'s.
     FedSEP's clients keep no state, so it has no personal posterior."""
-    if init not in INITS:
-        raise ValueError(f"fedsep: init must be one of {', '.join(INITS)}; got {init!r}")
-    if sep_power not in SEP_POWERS:
-        raise ValueError(f"fedsep: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
-    policy = _as_policy(damping)
-    uniform = init == "uniform"
-    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform)
+    policy, start = _sep_setup(init, sep_power, damping, alpha_cov, prior_precision, total_examples)
 
     def ep_client(key, message, cstate, data):
         msg, info = fedsep_client_step(
@@ -617,6 +624,32 @@ def fedsep(
 
 
 # ----- full covariance (docs/algorithms.md §7, "Full-covariance messages") ----------------------
+
+
+def full_tilted_step(
+    key: jax.Array,
+    message: Broadcast,
+    cavity: gaussian_full.FullGaussian,
+    data: ClientData,
+    inference,
+    trainer: LocalTrainer,
+    *,
+    uniform: bool,
+    adaptive: bool,
+    delta_clip: float | None,
+):
+    """:func:`tilted_step` with dense factors: the tilted approximation ``q^ = inference(cavity)``
+    started at the mean of ``q_g`` (the anchor under ``init="uniform"``) and the damped message
+    ``delta clip(q^ / q_g)``. Returns ``(step, cavity_ok, loss at the broadcast or None, info)``;
+    ``cavity_ok``: finite and positive semi-definite to round-off
+    (:func:`~fedbayes.algorithms.sites.psd_to_roundoff`)."""
+    q = message.q
+    cavity_ok = tree.all_finite(cavity) & psd_to_roundoff(cavity.precision, q.precision)
+    begin = full_safe_mean(q, message.anchor if uniform else q.precision_mean)
+    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
+    tilted, info = inference(key, begin, cavity, data)
+    step = optax.tree.scale(message.damping, clip_joint_norm(gaussian_full.difference(tilted, q), delta_clip))
+    return step, cavity_ok, fit, info
 
 
 def full_client_step(
@@ -656,11 +689,9 @@ def full_client_step(
         lambda: (cstate.site, gaussian_full.quotient(q, cstate.site)),
         lambda: first_site(message, prior, share, rest, start, exact_late_sites, family=gaussian_full),
     )
-    cavity_ok = tree.all_finite(cavity) & psd_to_roundoff(cavity.precision, q.precision)
-    begin = full_safe_mean(q, message.anchor if start.uniform else q.precision_mean)
-    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
-    tilted, info = inference(key, begin, cavity, data)
-    step = optax.tree.scale(message.damping, clip_joint_norm(gaussian_full.difference(tilted, q), delta_clip))
+    step, cavity_ok, fit, info = full_tilted_step(
+        key, message, cavity, data, inference, trainer, uniform=start.uniform, adaptive=adaptive, delta_clip=delta_clip
+    )
     new_site, opt_state = optimizer_step(site_optimizer, site, cstate.opt_state, step)
     proper = psd_to_roundoff(new_site.precision, q.precision)
     ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, proper)
@@ -717,23 +748,29 @@ def fedep_full(
         init, damping, server_optimizer, site_optimizer, alpha_cov, prior_precision, total_examples, exact_late_sites
     )
 
+    client_init, client_update = _stateful_client(
+        gaussian_full.uniform_like, full_client_step, inference, trainer, start, site_optimizer, policy,
+        delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
+    )  # fmt: skip
+    return _full_algorithm("fedep", trainer, server_optimizer, policy, start, client_init, client_update, full_personal_posterior)
+
+
+def _full_algorithm(name, trainer, server_optimizer, policy, start, client_init, client_update, personal_posterior=None) -> Algorithm:
+    """The :class:`Algorithm` of a dense EP method around its client: the server starts at the dense
+    :func:`ep_start` and steps by :func:`full_server_step`."""
+
     def server_init_full(key, params):
         del key
         q, anchor = ep_start(params, start)
         q = gaussian_full.to_full(q)
         return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, policy.init(params))
 
-    client_init, client_update = _stateful_client(
-        gaussian_full.uniform_like, full_client_step, inference, trainer, start, site_optimizer, policy,
-        delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
-    )  # fmt: skip
-
     def server_update(key, state, aggregate):
         del key
         return full_server_step(state, aggregate, server_optimizer, policy)
 
     return Algorithm(
-        name="fedep",
+        name=name,
         server_init=server_init_full,
         broadcast=lambda state: broadcast(state, 0),
         client_init=client_init,
@@ -744,7 +781,7 @@ def fedep_full(
         trainer=trainer,
         server_posterior=full_posterior_moments,
         after_rejected_round=lambda state: state._replace(damping=policy.rejected(state.damping)),
-        personal_posterior=full_personal_posterior,
+        personal_posterior=personal_posterior,
         server_precision=lambda state: state.q.precision,
     )
 
@@ -773,11 +810,9 @@ def fedsep_full_client_step(
     prior = prior_like(q.precision_mean, start.prior_precision)
     power = (total - n) / total if sep_power == "data_fraction" else (num_clients - 1.0) / num_clients
     cavity = gaussian_full.product(prior, gaussian_full.power(gaussian_full.quotient(q, prior), power))
-    cavity_ok = tree.all_finite(cavity) & psd_to_roundoff(cavity.precision, q.precision)
-    begin = full_safe_mean(q, message.anchor if start.uniform else q.precision_mean)
-    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
-    tilted, info = inference(key, begin, cavity, data)
-    step = optax.tree.scale(message.damping, clip_joint_norm(gaussian_full.difference(tilted, q), delta_clip))
+    step, cavity_ok, fit, info = full_tilted_step(
+        key, message, cavity, data, inference, trainer, uniform=start.uniform, adaptive=adaptive, delta_clip=delta_clip
+    )
     return GaussianMessage(step, cavity_ok, fit), info
 
 
@@ -798,19 +833,7 @@ def fedsep_full(
     """FedSEP with a dense global and shared site (docs/algorithms.md §7.12): :func:`fedsep_full_client_step`
     and :func:`full_server_step`, arguments as :func:`fedsep` (no burn-in rounds); ``inference`` as
     :func:`fedep_full`'s. Its clients keep no state, so it has no personal posterior."""
-    if init not in INITS:
-        raise ValueError(f"fedsep: init must be one of {', '.join(INITS)}; got {init!r}")
-    if sep_power not in SEP_POWERS:
-        raise ValueError(f"fedsep: sep_power must be one of {', '.join(SEP_POWERS)}; got {sep_power!r}")
-    policy = _as_policy(damping)
-    uniform = init == "uniform"
-    start = EPStart(uniform, alpha_cov, prior_precision, float(total_examples), uniform)
-
-    def server_init_full(key, params):
-        del key
-        q, anchor = ep_start(params, start)
-        q = gaussian_full.to_full(q)
-        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, policy.init(params))
+    policy, start = _sep_setup(init, sep_power, damping, alpha_cov, prior_precision, total_examples)
 
     def client_update(key, message, cstate, data):
         msg, info = fedsep_full_client_step(
@@ -819,24 +842,7 @@ def fedsep_full(
         )  # fmt: skip
         return msg, cstate, info
 
-    def server_update(key, state, aggregate):
-        del key
-        return full_server_step(state, aggregate, server_optimizer, policy)
-
-    return Algorithm(
-        name="fedsep",
-        server_init=server_init_full,
-        broadcast=lambda state: broadcast(state, 0),
-        client_init=stateless_client_init,
-        client_update=client_update,
-        server_update=server_update,
-        server_params=lambda state: gaussian_full.mean(state.q),
-        message_ok=lambda state, message: full_message_ok(message, state.q),
-        trainer=trainer,
-        server_posterior=full_posterior_moments,
-        after_rejected_round=lambda state: state._replace(damping=policy.rejected(state.damping)),
-        server_precision=lambda state: state.q.precision,
-    )
+    return _full_algorithm("fedsep", trainer, server_optimizer, policy, start, stateless_client_init, client_update)
 
 
 PRESETS = ("posterior", "paper")
