@@ -315,6 +315,11 @@ def _check_complete(out: Path, num_clients: int, rounds: int) -> None:
     assert len(lines) == num_clients * rounds and not any(line["rejected"] or line.get("dropped") for line in lines)
 
 
+# Rerun once: the kill after round 1 is recorded can land after SuperNode 1 has already pulled
+# round 2's message, and that reply is then lost (a dropped client, as a deployment should count
+# it; seen twice in about a dozen CI runs), while the comparison with the simulator needs every
+# reply. A defect that drops or changes a reply fails both runs.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.slow
 def test_real_federation_runs_equal_the_simulator_and_survive_a_restart(tmp_path):
     """A SuperLink and 3 SuperNodes over TLS (certificates made here): FedAvg, FedEP (identity)
