@@ -855,7 +855,7 @@ DEFAULT_DAMPING = 0.5  # the posterior preset's fixed delta before the adaptive 
 # a small step averages that noise over about 2 / delta rounds (docs/results/posterior_full.md).
 NUTS_DAMPING = 0.1
 # the diagonal NGVI's settings, which the dense ngvi method (natural-gradient VI) does not take: their defaults
-FULL_NGVI_FIXED = {"scale": 1.0, "ngvi_epochs": 5, "ngvi_beta": 0.99, "ngvi_bias_correction": True}
+FULL_NGVI_FIXED = {f: TiltedSettings.model_fields[f].default for f in ("scale", "ngvi_epochs", "ngvi_beta", "ngvi_bias_correction")}
 
 
 class EPConfig(TiltedSettings):
