@@ -74,11 +74,13 @@ DATA = {"dataset": "breast_cancer", "num_clients": 10, "partition": "dirichlet",
 METHODS: dict[str, tuple[str, dict]] = {
     "fedep_laplace": ("FedEP (laplace)", {"name": "fedep", "method": "laplace"}),
     "fedep_laplace_full": ("FedEP (laplace, covariance full)", {"name": "fedep", "method": "laplace", "covariance": "full"}),
+    "fedep_laplace_last_layer": ("FedEP (laplace, covariance last_layer)", {"name": "fedep", "method": "laplace", "covariance": "last_layer"}),
     "fedep_nuts_full": ("FedEP (nuts, covariance full)", {"name": "fedep", "method": "nuts", "covariance": "full"}),
     "pvi": ("PVI", {"name": "pvi"}),
     "pvi_full": ("PVI (covariance full)", {"name": "pvi", "covariance": "full"}),
     "fedlap_cov": ("FedLap-Cov", {"name": "fedlap_cov"}),
     "fedlap_cov_full": ("FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}),
+    "fedlap_cov_last_layer": ("FedLap-Cov (covariance last_layer)", {"name": "fedlap_cov", "covariance": "last_layer"}),
     "vbnn": ("VBNN (mean-field)", {"name": "vbnn"}),
     "fedavg": ("FedAvg (point)", {"name": "fedavg"}),
 }
@@ -300,7 +302,9 @@ def predictives(exp, state, rounds: int, num_train: int, x_test) -> dict[str, tu
         mean, var = alg.server_posterior(server)
         how = "marginal variances"
         if alg.server_precision is not None:
-            var, how = dense_spread(mean, alg.server_precision(server)), "dense precision"
+            precision = alg.server_precision(server)
+            structure = "dense precision" if getattr(precision, "ndim", None) == 2 else "dense last-layer precision, diagonal elsewhere"
+            var, how = dense_spread(mean, precision), structure
         probs = make_marginal_probabilities(parts.apply_fn, num_samples=e.marginal_samples)(jax.random.key(0), mean, var, x_test)
         out["posterior"] = (np.asarray(probs), f"{e.marginal_samples} draws, all weights, {how}, sampled network")
     return out

@@ -47,6 +47,7 @@ __all__ = [
     "kl",
     "log_prob",
     "lower_transpose_solve",
+    "matvec",
     "mean",
     "num_params",
     "power",
@@ -54,8 +55,10 @@ __all__ = [
     "product",
     "project_to_diag",
     "quotient",
+    "row_bound",
     "sample",
     "scale_tril",
+    "shifted",
     "to_full",
     "uniform_like",
     "variance",
@@ -205,6 +208,24 @@ def lower_transpose_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
     """``L^{-T} b`` for a lower-triangular ``L``, one matrix at a time under ``vmap``: with ``L`` the
     Cholesky factor of a precision and ``b ~ N(0, I)``, a draw of ``N(0, (L L^T)^{-1})``."""
     return _lower_t_solve(chol, b)
+
+
+def matvec(precision: jax.Array, x: PyTree) -> PyTree:
+    """``Lambda x`` for a parameter pytree ``x`` (ravel order)."""
+    flat, unravel = ravel_pytree(x)
+    return unravel(precision @ flat.astype(precision.dtype))
+
+
+def row_bound(precision: jax.Array, params: PyTree) -> PyTree:
+    """Per coordinate, the Gershgorin bound ``sum_j |Lambda_ij|`` on the curvature of ``x^T Lambda x / 2``,
+    shaped like ``params`` (a local step's control, :func:`fedbayes.inference.sgd.stiff_step_control`)."""
+    flat, unravel = ravel_pytree(params)
+    return unravel(jnp.sum(jnp.abs(precision), axis=1).astype(flat.dtype))
+
+
+def shifted(precision: jax.Array, c: float | jax.Array) -> jax.Array:
+    """``Lambda + c I`` (a prior precision added or removed)."""
+    return precision + jnp.asarray(c, precision.dtype) * jnp.eye(precision.shape[0], dtype=precision.dtype)
 
 
 def mean(g: FullGaussian) -> PyTree:

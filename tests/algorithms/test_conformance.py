@@ -27,7 +27,7 @@ from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, Fed
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.config.schema import validate
 from fedbayes.hparams import HParams
-from fedbayes.models import init_params, make_model
+from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs.build import build_experiment
 from fedbayes.runs.checkpoint import load_checkpoint, save_checkpoint
@@ -57,11 +57,15 @@ VARIANTS = {
     "fedep+ngvi_full": ("fedep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedsep+ngvi_full": ("fedsep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedlap_cov+full": ("fedlap_cov", {"covariance": "full"}),
+    "fedlap_cov+last_layer": ("fedlap_cov", {"covariance": "last_layer"}),
+    "fedep+last_layer": ("fedep", {"covariance": "last_layer"}),
     # the sampler at its smallest (10 warm-up transitions, 4 draws, trees of at most 8 steps): the
     # defaults (500 and 1000, trees of up to 1024 steps) are for a posterior; the suite checks the protocol
     "fedep+nuts": ("fedep", {"covariance": "full", "method": "nuts", "nuts_warmup": 10, "nuts_draws": 4, "nuts_curvature_draws": 2, "nuts_max_doublings": 3}),
 }
 NAMES = (*registry.names(), HALF_STEP.name, *VARIANTS)
+# variants whose structure needs a network (hidden widths of the MLP they run on): a last layer and other layers
+NETWORK_VARIANTS = {"fedlap_cov+last_layer": (8,), "fedep+last_layer": (8,)}
 # PVI's dense message inverts its Cholesky factor in float32: a rounding difference between two
 # compilations of the same client grows by that factor's condition number (digits' constant pixels
 # keep the prior's variance beside well-determined weights)
@@ -90,6 +94,10 @@ def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm
     fed = digits_federation(SIZES)
     model, params, trainer = logreg_setup(epochs=2, batch_size=16)
     keyed = None
+    if name in NETWORK_VARIANTS:
+        model = make_model("mlp", 10, hidden=NETWORK_VARIANTS[name])
+        params = init_params(model, jax.random.key(1), (8, 8, 1))
+        trainer = trainer._replace(loss_fn=loss_fn(model, "classification"))
     name, settings = _method(name)
     spec = registry.get(name)
     if spec.needs_variational_model:
@@ -246,9 +254,12 @@ def test_the_server_info_is_a_typed_named_tuple_of_scalars(name):
 
 def _config(name: str):
     """A small digits run of ``name`` with its default settings (a variant's own), as a config file would give it."""
+    network = NETWORK_VARIANTS.get(name)
     name, settings = _method(name)
     spec = registry.get(name)
     model = {"name": "mlp", "hidden": [8], "variational": True} if spec.needs_variational_model else {"name": "logreg"}
+    if network is not None:
+        model = {"name": "mlp", "hidden": list(network)}
     epochs = max(2, spec.min_local_epochs(spec.hparams(name=name))[0])
     return validate({
         "name": name, "rounds": 1, "algorithm": {"name": name, **settings}, "model": model, "evaluation": {"marginal_samples": 2},

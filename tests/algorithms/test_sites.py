@@ -86,3 +86,24 @@ def test_a_model_over_the_dense_bound_is_refused_before_the_run(name):
     sizes = [int(b.replace(",", "")) for b in re.findall(r"\(([\d,]+) bytes\)", str(err.value))]
     assert sizes == [4 * (d + d * d), 4 * (sites.MAX_FULL_PARAMS + sites.MAX_FULL_PARAMS**2), 8 * d]
     assert f"{4 * (d + d * d) / 1e6:.1f} MB" in str(err.value) and "against the bound's 100.0 MB" in str(err.value)
+
+
+def test_psd_to_roundoff_scales_with_the_larger_of_the_global_and_the_matrix():
+    """A client's first GGN site is large against a prior-only global: its float32 round-off (a
+    smallest eigenvalue of -1e-8 of its largest) passes, a real negative direction does not; a
+    last-layer precision is checked block by block."""
+    from fedbayes.gaussian_block import BlockPrecision
+
+    rng = np.random.default_rng(0)
+    j = rng.normal(size=(6, 40)).astype(np.float32)
+    ggn = 500.0 * (j.T @ j) / 6  # rank 6 of 40: 34 zero eigenvalues
+    u = np.linalg.eigh(ggn.astype(np.float64))[1][:, 0]
+    rounded = jnp.asarray(ggn - 3e-8 * np.abs(ggn).max() * np.outer(u, u), jnp.float32)  # round-off below zero
+    prior = jnp.eye(40, dtype=jnp.float32)
+    assert bool(sites.psd_to_roundoff(rounded, prior))
+    negative = jnp.asarray(ggn - 1e-2 * np.abs(ggn).max() * np.outer(u, u), jnp.float32)
+    assert not bool(sites.psd_to_roundoff(negative, prior))
+    block = lambda dense, diag: BlockPrecision({"h": jnp.asarray(diag, jnp.float32)}, dense, "output")  # noqa: E731
+    assert bool(sites.psd_to_roundoff(block(rounded, [0.0, 1.0]), block(prior, [1.0, 1.0])))
+    assert not bool(sites.psd_to_roundoff(block(negative, [0.0, 1.0]), block(prior, [1.0, 1.0])))
+    assert not bool(sites.psd_to_roundoff(block(rounded, [-0.5, 1.0]), block(prior, [1.0, 1.0])))

@@ -80,9 +80,10 @@ def test_small_arrays_travel_inline_in_the_config_record_and_large_ones_as_a_pac
 
 
 def test_structured_gaussian_messages_round_trip_exactly():
-    """A dense (full-covariance) and a low-rank-plus-diagonal Gaussian message travel as any pytree:
-    the [D, D] precision and the factors come back bit for bit, and a precision of another shape is refused."""
-    from fedbayes import gaussian_full, gaussian_lowrank
+    """A dense (full-covariance), a low-rank-plus-diagonal and a last-layer Gaussian message travel as
+    any pytree: the [D, D] precision, the factors and the blocks come back bit for bit, and a
+    precision of another shape is refused."""
+    from fedbayes import gaussian_block, gaussian_full, gaussian_lowrank
     from fedbayes.gaussian import DiagGaussian
 
     mean = {"dense": {"kernel": jnp.arange(6.0).reshape(3, 2), "bias": jnp.ones(2)}}
@@ -91,7 +92,9 @@ def test_structured_gaussian_messages_round_trip_exactly():
     full = gaussian_full.FullGaussian(precision_mean=mean, precision=a @ a.T + jnp.eye(d))
     diag = DiagGaussian(precision_mean=mean, precision=jax.tree.map(lambda m: jnp.full_like(m, 2.0), mean))
     low = gaussian_lowrank.from_diag(diag, rank=2)
-    for message in (full, low):
+    net = {"hidden_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}, **{"output": mean["dense"]}}
+    block = gaussian_block.BlockGaussian(net, gaussian_block.scaled_identity(net, 2.0))
+    for message in (full, low, block):
         back = decode(encode(message), message)
         assert type(back) is type(message)
         for x, y in zip(jax.tree.leaves(message), jax.tree.leaves(back), strict=True):

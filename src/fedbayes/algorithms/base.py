@@ -227,6 +227,9 @@ class BuildContext(NamedTuple):
         between the two (PVI's local step).
       num_params: the model's scalar parameters, for methods whose messages grow with it faster
         than linearly (FedEP's dense precisions); ``None``: not known.
+      last_layer_params: the scalar parameters of the model's last layer
+        (:func:`fedbayes.gaussian_block.dense_size`), the side of a last-layer structure's dense
+        block; ``None``: not known, or the parameters are no dict of layers.
     """
 
     trainer: LocalTrainer
@@ -239,6 +242,7 @@ class BuildContext(NamedTuple):
     feature_spec: jax.ShapeDtypeStruct | None = None
     hidden_layers: bool = False
     num_params: int | None = None
+    last_layer_params: int | None = None
 
 
 class BuildFn(Protocol):

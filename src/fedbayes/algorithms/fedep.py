@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field, model_validator
 
-from fedbayes import gaussian, gaussian_full, tree
+from fedbayes import gaussian, gaussian_block, gaussian_full, tree
 from fedbayes.aggregators import Aggregate
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms import sites
@@ -92,7 +92,7 @@ from fedbayes.inference.vi_full import NATURAL_STEPS
 
 PyTree = Any
 INITS = ("benchmark", "uniform")
-COVARIANCES = ("diagonal", "full")
+COVARIANCES = ("diagonal", "full", "last_layer")
 MAX_FULL_PARAMS = sites.MAX_FULL_PARAMS
 SEP_POWERS = ("data_fraction", "one_over_k")
 
@@ -648,7 +648,7 @@ def full_tilted_step(
     begin = full_safe_mean(q, message.anchor if uniform else q.precision_mean)
     fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
     tilted, info = inference(key, begin, cavity, data)
-    step = optax.tree.scale(message.damping, clip_joint_norm(gaussian_full.difference(tilted, q), delta_clip))
+    step = optax.tree.scale(message.damping, clip_joint_norm(sites.dense_family(q).difference(tilted, q), delta_clip))
     return step, cavity_ok, fit, info
 
 
@@ -682,12 +682,13 @@ def full_client_step(
     n = data.num_examples.astype(jnp.float32)
     total = start.total_examples
     q = message.q
+    family = sites.dense_family(q)
     prior = prior_like(q.precision_mean, start.prior_precision)
     share, rest = n / total, (total - n) / total
     site, cavity = jax.lax.cond(
         cstate.initialized,
-        lambda: (cstate.site, gaussian_full.quotient(q, cstate.site)),
-        lambda: first_site(message, prior, share, rest, start, exact_late_sites, family=gaussian_full),
+        lambda: (cstate.site, family.quotient(q, cstate.site)),
+        lambda: first_site(message, prior, share, rest, start, exact_late_sites, family=family),
     )
     step, cavity_ok, fit, info = full_tilted_step(
         key, message, cavity, data, inference, trainer, uniform=start.uniform, adaptive=adaptive, delta_clip=delta_clip
@@ -706,14 +707,16 @@ def full_server_step(state: ServerState, aggregate: Aggregate, server_optimizer,
     rule watches the mean (of the moment-matched diagonal, :func:`~fedbayes.gaussian_full.project_to_diag`)."""
     q, opt_state, guarded = sites.full_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference)
     info = FedEPInfo(precision_guarded=guarded, damping=state.damping.value)
-    moved = damping.update(state.damping, gaussian_full.project_to_diag(state.q), gaussian_full.project_to_diag(q), aggregate.mean.loss)
+    family = sites.dense_family(q)
+    moved = damping.update(state.damping, family.project_to_diag(state.q), family.project_to_diag(q), aggregate.mean.loss)
     return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, moved), info
 
 
 def full_posterior_moments(state: ServerState) -> tuple[PyTree, PyTree]:
     """``(mean, marginal variances)`` of a dense ``q_g``: ``Lambda^{-1} eta`` and ``diag(Lambda^{-1})``
     (:func:`~fedbayes.gaussian_full.mean`, :func:`~fedbayes.gaussian_full.variance`)."""
-    return gaussian_full.mean(state.q), gaussian_full.variance(state.q)
+    family = sites.dense_family(state.q)
+    return family.mean(state.q), family.variance(state.q)
 
 
 def full_personal_posterior(state: ServerState, cstate: ClientState, weight) -> tuple[PyTree, PyTree]:
@@ -737,32 +740,37 @@ def fedep_full(
     delta_clip: float | None = None,
     allow_improper_sites: bool = False,
     exact_late_sites: bool = False,
+    covariance: str = "full",
 ) -> Algorithm:
     """FedEP with dense (full-covariance) sites, cavity, tilted approximations and global
     (:class:`~fedbayes.gaussian_full.FullGaussian`; docs/algorithms.md §7, "Full-covariance
     messages"): :func:`full_client_step` and :func:`full_server_step`, arguments as :func:`fedep`
     (no burn-in rounds). ``inference`` maps a dense cavity to a dense tilted approximation
-    (:func:`~fedbayes.inference.tilted.make_full_laplace_inference`)."""
+    (:func:`~fedbayes.inference.tilted.make_full_laplace_inference`). With ``covariance =
+    "last_layer"`` every factor is a :class:`~fedbayes.gaussian_block.BlockGaussian` (dense over the
+    last layer, diagonal elsewhere) and the same steps run in that family."""
     del num_clients
     policy, site_optimizer, start = _stateful_setup(
         init, damping, server_optimizer, site_optimizer, alpha_cov, prior_precision, total_examples, exact_late_sites
     )
 
+    family = DENSE_FAMILIES[covariance]
     client_init, client_update = _stateful_client(
-        gaussian_full.uniform_like, full_client_step, inference, trainer, start, site_optimizer, policy,
+        family.uniform_like, full_client_step, inference, trainer, start, site_optimizer, policy,
         delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
     )  # fmt: skip
-    return _full_algorithm("fedep", trainer, server_optimizer, policy, start, client_init, client_update, full_personal_posterior)
+    return _full_algorithm("fedep", trainer, server_optimizer, policy, start, client_init, client_update, full_personal_posterior, family=family)
 
 
-def _full_algorithm(name, trainer, server_optimizer, policy, start, client_init, client_update, personal_posterior=None) -> Algorithm:
+def _full_algorithm(name, trainer, server_optimizer, policy, start, client_init, client_update, personal_posterior=None, family=gaussian_full) -> Algorithm:
     """The :class:`Algorithm` of a dense EP method around its client: the server starts at the dense
-    :func:`ep_start` and steps by :func:`full_server_step`."""
+    :func:`ep_start` (in ``family``: :mod:`fedbayes.gaussian_full`, or :mod:`fedbayes.gaussian_block`
+    for the last-layer structure) and steps by :func:`full_server_step`."""
 
     def server_init_full(key, params):
         del key
         q, anchor = ep_start(params, start)
-        q = gaussian_full.to_full(q)
+        q = family.product(family.uniform_like(params), q)  # the diagonal start, promoted exactly
         return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, policy.init(params))
 
     def server_update(key, state, aggregate):
@@ -776,7 +784,7 @@ def _full_algorithm(name, trainer, server_optimizer, policy, start, client_init,
         client_init=client_init,
         client_update=client_update,
         server_update=server_update,
-        server_params=lambda state: gaussian_full.mean(state.q),
+        server_params=lambda state: family.mean(state.q),
         message_ok=lambda state, message: full_message_ok(message, state.q),
         trainer=trainer,
         server_posterior=full_posterior_moments,
@@ -846,6 +854,7 @@ def fedsep_full(
 
 
 PRESETS = ("posterior", "paper")
+DENSE_FAMILIES = {"full": gaussian_full, "last_layer": gaussian_block}
 # The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
 # fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
 PAPER_SETTINGS = {"method": "identity", "scale": 500.0, "clip_ratio": 2.0, "weight_decay": 1e-4, "prior_precision": 0.0, "ngvi_bias_correction": False}
@@ -903,10 +912,11 @@ class EPConfig(TiltedSettings):
     )
     covariance: Literal[COVARIANCES] = Field(  # type: ignore[valid-type]
         "diagonal",
-        description="the Gaussian family of the sites, cavities, tilted approximations and q_g: diagonal (default) or full, a dense [D, D] "
-        f"precision over all D parameters (cavity q_g / t_k and product exact in the family; the laplace method with the dense GGN, or nuts; "
-        f"for models up to {MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'; FedEP only, laplace or nuts method, no burn-in, "
-        "no robust aggregation or privacy)",
+        description="the Gaussian family of the sites, cavities, tilted approximations and q_g: diagonal (default), full, a dense [D, D] "
+        f"precision over all D parameters (cavity q_g / t_k and product exact in the family; the laplace method with the dense GGN, ngvi or nuts; "
+        f"for models up to {MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'), or last_layer, dense over the last layer's weights and "
+        "diagonal elsewhere (FedEP's laplace method with that block of the GGN; Laplace Redux's last-layer structure); full and last_layer "
+        "take no burn-in, robust aggregation or privacy",
     )
 
     @model_validator(mode="before")
@@ -953,8 +963,12 @@ class EPConfig(TiltedSettings):
                     f"(docs/algorithms.md §7.12) and the likelihood's scale; leave {', '.join(changed)} at "
                     + ", ".join(f"{f} = {FULL_NGVI_FIXED[f]}" for f in changed)
                 )
-        if self.covariance == "full" and self.burn_in_rounds > 0:
-            raise ValueError(f"algorithm.covariance: 'full' runs EP from the first round; set burn_in_rounds = 0; got {self.burn_in_rounds}")
+        if self.covariance == "last_layer" and self.method != "laplace":
+            raise ValueError(
+                f"algorithm.covariance: 'last_layer' takes the laplace method (the GGN's last-layer block at the tilted mode); got method {self.method!r}"
+            )
+        if self.covariance != "diagonal" and self.burn_in_rounds > 0:
+            raise ValueError(f"algorithm.covariance: {self.covariance!r} runs EP from the first round; set burn_in_rounds = 0; got {self.burn_in_rounds}")
         if self.method in ("identity", "mcmc") and not self.alpha_cov > 0:
             raise ValueError(
                 f"algorithm.initial_precision: the {self.method} method's precision is alpha_cov = scale * (initial_precision + weight_decay) "
@@ -986,6 +1000,11 @@ class FedSEPConfig(EPConfig):
 
     @model_validator(mode="after")
     def _dense_needs_moments(self):
+        if self.covariance == "last_layer":
+            raise ValueError(
+                "algorithm.covariance: fedsep takes diagonal or full; its shared site's laplace fixed point is far from the Laplace in a dense "
+                "family (docs/results/posterior_full.md); use name = 'fedep' for the last-layer structure"
+            )
         if self.covariance == "full" and self.method == "laplace":
             raise ValueError(
                 "algorithm.method: fedsep with covariance = 'full' takes the ngvi or nuts method; with laplace its shared site's fixed point "
@@ -1004,7 +1023,7 @@ def _common(hp: EPConfig, ctx: BuildContext) -> dict:
 
 
 def build_fedep(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
-    if hp.covariance == "full":
+    if hp.covariance != "diagonal":
         return _build_fedep_full(hp, ctx)
     return fedep(
         ctx.trainer, ctx.server_optimizer, allow_improper_sites=hp.improper_sites == "allow", exact_late_sites=hp.preset == "posterior", **_common(hp, ctx)
@@ -1012,8 +1031,12 @@ def build_fedep(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
 
 
 def _full_inference(hp: EPConfig, ctx: BuildContext):
-    """The dense tilted inference of ``hp.method`` (laplace, ngvi or nuts), after the size check."""
-    sites.check_full_size(ctx.num_params)
+    """The dense tilted inference of ``hp.method`` (laplace, ngvi or nuts; the last-layer structure:
+    laplace), after the size check."""
+    if hp.covariance == "last_layer":
+        sites.check_last_layer_size(ctx.last_layer_params, ctx.num_params)
+    else:
+        sites.check_full_size(ctx.num_params)
     if hp.method == "nuts":
         return make_full_nuts_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task, max_examples=max(ctx.federation.client_sizes))
     if hp.method == "ngvi":
@@ -1027,7 +1050,7 @@ def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
         ctx.trainer, ctx.server_optimizer, inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
         damping=damping_policy.from_setting(hp.default_damping(ctx.clients_per_round)), alpha_cov=hp.alpha_cov, init=hp.init,
         prior_precision=hp.prior_precision, delta_clip=hp.delta_clip, allow_improper_sites=hp.improper_sites == "allow",
-        exact_late_sites=hp.preset == "posterior",
+        exact_late_sites=hp.preset == "posterior", covariance=hp.covariance,
     )  # fmt: skip
 
 
@@ -1074,12 +1097,15 @@ _EP_TRAITS = dict(
     ),
     divergence_hint="the tilted precisions of FedEP's laplace/ngvi methods",
     default_predictive=lambda hp: "sample" if hp.method == "mcmc" else "linearised",  # mcmc: moments of samples; else a Gaussian about the mean
-    # + sum_k scale F_k; a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there
+    # + sum_k scale F_k; a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there; the last-layer
+    # structure's search reads its blocks (evaluation.prior_precision)
     posterior_prior_precision=lambda hp: (
-        (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") and hp.covariance == "diagonal" else None
+        (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") and hp.covariance != "full" else None
     ),
     # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
-    settings_aggregator_policy=lambda hp: ("own", sites.FULL_AGGREGATOR_NOTE) if hp.covariance == "full" else None,
+    settings_aggregator_policy=lambda hp: {"full": ("own", sites.FULL_AGGREGATOR_NOTE), "last_layer": ("own", sites.LAST_LAYER_AGGREGATOR_NOTE)}.get(
+        hp.covariance
+    ),
     stored_meaning=_stored_meaning,
 )
 FEDEP = AlgorithmSpec("fedep", FedEPConfig, build_fedep, "expectation propagation with stateful Gaussian sites", **_EP_TRAITS)

@@ -58,6 +58,17 @@ fixed point is still the MAP, and ``S_g`` there is the dense GGN Laplace precisi
 GGN is the Hessian). A client whose GGN is not finite or has a negative diagonal entry flags its
 message. For models of at most :data:`~fedbayes.algorithms.sites.MAX_FULL_PARAMS` parameters; no
 robust aggregation or privacy.
+
+**Last-layer structure** (``covariance = "last_layer"``; docs/algorithms.md §10.2): the same update
+with :data:`BLOCK` precisions (:mod:`fedbayes.gaussian_block`): dense over the last layer's
+weights, diagonal elsewhere, and ``H_k`` the GGN in that structure
+(:func:`fedbayes.inference.curvature.data_block_ggn`: the last layer's dense GGN block, the
+diagonal GGN of the other weights). Every update acts on the two blocks independently, each as its
+family's (the diagonal's floor on the diagonal block, nothing to floor on the dense one), so the
+fixed point is still the MAP and ``S_g`` there is Laplace Redux's last-layer GGN precision with the
+rest diagonal (Daxberger et al. 2021, "Laplace Redux", Sec. 3; FedLap-Cov's Sec. 3.3 leaves the
+structure open). For last layers of at most ``MAX_FULL_PARAMS`` parameters (a network's output
+layer: 1,010 for the (200, 100) MLP on ten classes); no robust aggregation or privacy.
 """
 
 from __future__ import annotations
@@ -71,7 +82,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field
 
-from fedbayes import gaussian, gaussian_full, tree
+from fedbayes import gaussian, gaussian_block, gaussian_full, tree
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms import sites
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
@@ -79,11 +90,12 @@ from fedbayes.algorithms.laplace_sites import check_settings, training_start
 from fedbayes.algorithms.sites import BROADCAST_LOSS_TAG, GaussianMessage, full_personal_moments, gaussian_message_ok, personal_moments
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_full import FullGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import LocalSolver
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
-from fedbayes.inference.curvature import data_curvature, data_full_ggn
+from fedbayes.inference.curvature import data_block_ggn, data_curvature, data_full_ggn
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, per_example, run_sgd, stiff_step_control
 
 PyTree = Any
@@ -92,9 +104,10 @@ DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_d
 STEP_CAP = 1.0
 Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
 INIT_PRECISIONS = ("delta", "zero")
-COVARIANCES = ("diagonal", "full")
+COVARIANCES = ("diagonal", "full", "last_layer")
 
 __all__ = [
+    "BLOCK",
     "COVARIANCES",
     "DENSE",
     "DIAGONAL",
@@ -151,19 +164,9 @@ DIAGONAL = PrecisionOps(
 )
 
 
-def _dense_matvec(p: jax.Array, x: PyTree) -> PyTree:
-    flat, unravel = ravel_pytree(x)
-    return unravel(p @ flat.astype(p.dtype))
-
-
 def _dense_solve(p: jax.Array, x: PyTree) -> PyTree:
     flat, unravel = ravel_pytree(x)
     return unravel(jax.scipy.linalg.cho_solve((gaussian_full.cholesky(p), True), flat.astype(p.dtype)))  # on the server: never batched
-
-
-def _dense_row_bound(p: jax.Array, params: PyTree) -> PyTree:
-    flat, unravel = ravel_pytree(params)
-    return unravel(jnp.sum(jnp.abs(p), axis=1).astype(flat.dtype))
 
 
 def _dense_identity(params: PyTree, c: float) -> jax.Array:
@@ -172,15 +175,33 @@ def _dense_identity(params: PyTree, c: float) -> jax.Array:
 
 
 DENSE = PrecisionOps(
-    matvec=_dense_matvec,
+    matvec=gaussian_full.matvec,
     solve=_dense_solve,  # a Cholesky solve (S_g is positive definite: delta I plus PSD sites)
     scaled_identity=_dense_identity,
     at_least=lambda p, c: p,  # S_g - delta I is a sum of PSD matrices: nothing to floor
     make=FullGaussian,
     family=gaussian_full,
     to_diag=gaussian_full.project_to_diag,
-    row_bound=_dense_row_bound,
+    row_bound=gaussian_full.row_bound,
 )
+
+
+def _block_at_least(p: BlockPrecision, c: float) -> BlockPrecision:
+    # the diagonal's running sum is floored as the diagonal family's; the dense block is delta I plus PSD sites
+    return BlockPrecision(DIAGONAL.at_least(p.diagonal, c), p.dense, p.key)
+
+
+BLOCK = PrecisionOps(
+    matvec=gaussian_block.matvec,
+    solve=gaussian_block.solve,
+    scaled_identity=gaussian_block.scaled_identity,
+    at_least=_block_at_least,
+    make=BlockGaussian,
+    family=gaussian_block,
+    to_diag=gaussian_block.project_to_diag,
+    row_bound=gaussian_block.row_bound,
+)
+OPS = {"diagonal": DIAGONAL, "full": DENSE, "last_layer": BLOCK}
 
 
 class ServerState(NamedTuple):
@@ -308,13 +329,20 @@ def server_step(
 
 
 def _valid_curvature(h) -> jax.Array:
-    return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.stack([jnp.all(x >= 0) for x in jax.tree.leaves(h)])))
+    return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.asarray([jnp.all(x >= 0) for x in jax.tree.leaves(h)] or [True])))
 
 
 def _valid_dense_curvature(h: jax.Array) -> jax.Array:
     """A dense GGN: finite with a non-negative diagonal (it is PSD by construction; off-diagonal
     entries may be negative)."""
     return jnp.logical_and(tree.all_finite(h), jnp.all(jnp.diagonal(h) >= 0))
+
+
+def _valid_block_curvature(h: BlockPrecision) -> jax.Array:
+    return jnp.logical_and(_valid_curvature(h.diagonal), _valid_dense_curvature(h.dense))
+
+
+VALID = {"diagonal": _valid_curvature, "full": _valid_dense_curvature, "last_layer": _valid_block_curvature}
 
 
 def fedlap_cov(
@@ -339,7 +367,8 @@ def fedlap_cov(
         (:func:`fedbayes.algorithms.damping.adaptive`).
       init_precision: ``"delta"`` or ``"zero"``, the ``S_g`` clients use in round 1.
       solver: the local solver, ``run_sgd`` by default (tests pass an exact one).
-      covariance: ``"diagonal"`` or ``"full"`` (:data:`DENSE` precisions; module docstring).
+      covariance: ``"diagonal"``, ``"full"`` (:data:`DENSE` precisions) or ``"last_layer"``
+        (:data:`BLOCK` precisions: dense over the last layer, diagonal elsewhere; module docstring).
     """
     if not isinstance(damping, damping_policy.Damping):
         check_settings("fedlap_cov", delta, damping)
@@ -350,9 +379,7 @@ def fedlap_cov(
         raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
     if covariance not in COVARIANCES:
         raise ValueError(f"fedlap_cov: covariance must be one of {', '.join(COVARIANCES)}; got {covariance!r}")
-    dense = covariance == "full"
-    ops = DENSE if dense else DIAGONAL
-    valid = _valid_dense_curvature if dense else _valid_curvature
+    ops, valid = OPS[covariance], VALID[covariance]
 
     def client_update(key, message: Broadcast, site, data):
         fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer) if damping.adaptive else None
@@ -368,12 +395,12 @@ def fedlap_cov(
         return gaussian_message_ok(message)
 
     def server_posterior(state):
-        if dense:
-            return state.params, gaussian_full.variance(state.q)
-        return state.params, jax.tree.map(jnp.reciprocal, state.q.precision)
+        if covariance == "diagonal":
+            return state.params, jax.tree.map(jnp.reciprocal, state.q.precision)
+        return state.params, ops.family.variance(state.q)
 
     def personal_posterior(state, site, weight):
-        if dense:
+        if covariance != "diagonal":
             return full_personal_moments(state.q, site, weight)
         return personal_moments(state.q, site, weight, state.params)  # q_g t_k^w (docs/algorithms.md §13.8); V_k >= 0 keeps it proper
 
@@ -390,7 +417,7 @@ def fedlap_cov(
         server_posterior=server_posterior,
         after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
         personal_posterior=personal_posterior,
-        server_precision=(lambda state: state.q.precision) if dense else None,
+        server_precision=(lambda state: state.q.precision) if covariance != "diagonal" else None,
     )
 
 
@@ -409,9 +436,10 @@ class FedLapCovConfig(HParams):
     )
     covariance: Literal[COVARIANCES] = Field(  # type: ignore[valid-type]
         "diagonal",
-        description="the precision of the sites and q_g: diagonal (default, the diagonal GGN) or full, a dense [D, D] GGN over all D "
-        f"parameters (the full Laplace at the fixed point; for models up to {sites.MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'; "
-        "no robust aggregation or privacy)",
+        description="the precision of the sites and q_g: diagonal (default, the diagonal GGN), full, a dense [D, D] GGN over all D "
+        f"parameters (the full Laplace at the fixed point; for models up to {sites.MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'), "
+        "or last_layer, a dense GGN over the last layer's weights and the diagonal GGN elsewhere (Laplace Redux's last-layer structure; "
+        f"for last layers up to {sites.MAX_FULL_PARAMS} parameters); full and last_layer take no robust aggregation or privacy",
     )
 
 
@@ -422,12 +450,18 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
         raise ValueError(
             f"fedlap_cov: needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {ctx.task!r}"
         )
+    apply_fn, task, batch_size = ctx.apply_fn, ctx.task, ctx.trainer.batch_size
     if hp.covariance == "full":
         sites.check_full_size(ctx.num_params)
-        apply_fn, task, batch_size = ctx.apply_fn, ctx.task, ctx.trainer.batch_size
 
         def curvature(params, data):
             return data_full_ggn(apply_fn, params, data, batch_size=batch_size, task=task)
+
+    elif hp.covariance == "last_layer":
+        sites.check_last_layer_size(ctx.last_layer_params, ctx.num_params)
+
+        def curvature(params, data):
+            return data_block_ggn(apply_fn, params, data, batch_size=batch_size, task=task)
 
     else:
         curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
@@ -451,10 +485,11 @@ SPEC = AlgorithmSpec(
         "to predict with a narrower posterior, choose its prior precision on held-out data (evaluation.prior_precision = \"validation\", "
         "data.validation_fraction > 0), or train with a larger algorithm.delta, the prior precision (docs/algorithms.md §10)"
     ),
-    # S_g = delta + sum_k V_k: diagonal-GGN Laplace; a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there
-    default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta if hp.covariance == "diagonal" else None, local_budget="converged",
+    # S_g = delta + sum_k V_k: a GGN Laplace; the last-layer structure's search reads its dense block (evaluation.prior_precision);
+    # a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there
+    default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta if hp.covariance != "full" else None, local_budget="converged",
     stored_meaning=_stored_meaning,
     # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
-    settings_aggregator_policy=lambda hp: ("own", sites.FULL_AGGREGATOR_NOTE) if hp.covariance == "full" else None,
+    settings_aggregator_policy=lambda hp: {"full": ("own", sites.FULL_AGGREGATOR_NOTE), "last_layer": ("own", sites.LAST_LAYER_AGGREGATOR_NOTE)}.get(hp.covariance),
 )  # fmt: skip
 SPECS = (SPEC,)

@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedbayes import gaussian, gaussian_full, tree
+from fedbayes import gaussian, gaussian_block, gaussian_full, tree
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_full import FullGaussian
 
 PyTree = Any
@@ -46,7 +47,10 @@ PyTree = Any
 __all__ = [
     "BROADCAST_LOSS_TAG",
     "FULL_AGGREGATOR_NOTE",
+    "LAST_LAYER_AGGREGATOR_NOTE",
     "MAX_FULL_PARAMS",
+    "check_last_layer_size",
+    "dense_family",
     "GaussianMessage",
     "all_positive",
     "all_non_negative",
@@ -229,6 +233,7 @@ def burn_in_switch(burn_in_rounds: int, over: jax.Array, main: Callable, burn_in
 
 MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family is for GLMs and small heads
 FULL_AGGREGATOR_NOTE = "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines"
+LAST_LAYER_AGGREGATOR_NOTE = "with covariance = 'last_layer' sends a dense precision over the last layer, which only the weighted mean combines"
 FLOAT32_BYTES = 4
 
 
@@ -258,19 +263,47 @@ def check_full_size(num_params: int | None) -> None:
         )
 
 
-def psd_to_roundoff(precision: jax.Array, reference: jax.Array, rtol: float = 1e-5) -> jax.Array:
+def check_last_layer_size(last_layer_params: int | None, num_params: int | None) -> None:
+    """Raises ValueError (one line naming ``algorithm.covariance``) where the last layer has more
+    than :data:`MAX_FULL_PARAMS` parameters (its dense block's message); ``None``: not known (a
+    model whose parameters are no dict of layers is refused by
+    :func:`fedbayes.gaussian_block.last_layer_key` when the method starts)."""
+    if last_layer_params is not None and last_layer_params > MAX_FULL_PARAMS:
+        rest = 0 if num_params is None else num_params - last_layer_params
+        size = natural_bytes(last_layer_params, "full") + natural_bytes(rest, "diagonal")
+        raise ValueError(
+            f"algorithm.covariance: 'last_layer' keeps a dense precision over the last layer, for last layers up to {MAX_FULL_PARAMS} parameters; "
+            f"this model's has {last_layer_params}, whose messages would be {_size(size)} each; use covariance = 'diagonal' or a narrower last layer"
+        )
+
+
+def dense_family(g: Any):
+    """The algebra of a structured Gaussian: :mod:`fedbayes.gaussian_block` for a
+    :class:`~fedbayes.gaussian_block.BlockGaussian` (the last-layer structure), else
+    :mod:`fedbayes.gaussian_full`. The ``full_*`` helpers below take either."""
+    return gaussian_block if isinstance(g, BlockGaussian) else gaussian_full
+
+
+def psd_to_roundoff(precision: jax.Array | BlockPrecision, reference: jax.Array | BlockPrecision, rtol: float = 1e-5) -> jax.Array:
     """Whether a dense precision is positive semi-definite up to float round-off: ``precision + eps I``
-    has a Cholesky factor, ``eps = rtol max_i |reference_ii|`` (the global's scale, from which sites
-    and cavities are differences), the dense counterpart of :func:`non_negative_to_roundoff`. A
-    zero matrix (a flat factor) passes."""
-    eps = (rtol * jnp.max(jnp.abs(jnp.diagonal(reference)))).astype(precision.dtype)
+    has a Cholesky factor, ``eps = rtol max_i max(|reference_ii|, |precision_ii|)`` (the larger of
+    the global's scale, from which sites and cavities are differences, and the matrix's own: a
+    first site is a client's GGN, a float32 sum of PSD terms whose smallest eigenvalues come out at
+    -1e-8 of its largest), the dense counterpart of :func:`non_negative_to_roundoff`. A zero matrix
+    (a flat factor) passes. A last-layer precision: its diagonal block by
+    :func:`non_negative_to_roundoff`, its dense block so."""
+    if isinstance(precision, BlockPrecision):
+        diagonal = non_negative_to_roundoff(precision.diagonal, reference.diagonal, rtol) if jax.tree.leaves(precision.diagonal) else jnp.asarray(True)
+        return diagonal & psd_to_roundoff(precision.dense, reference.dense, rtol)
+    eps = (rtol * jnp.maximum(jnp.max(jnp.abs(jnp.diagonal(reference))), jnp.max(jnp.abs(jnp.diagonal(precision))))).astype(precision.dtype)
     chol = gaussian_full.cholesky(precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype))
     return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
 
 
-def full_safe_mean(q: FullGaussian, fallback: PyTree) -> PyTree:
+def full_safe_mean(q: FullGaussian | BlockGaussian, fallback: PyTree) -> PyTree:
     """``mean(q)`` where ``q`` is proper, else ``fallback`` (the dense :func:`safe_mean`)."""
-    mean, proper = gaussian_full.mean(q), gaussian_full.is_proper(q)
+    family = dense_family(q)
+    mean, proper = family.mean(q), family.is_proper(q)
     return jax.tree.map(lambda m, f: jnp.where(proper, m, f), mean, fallback)
 
 
@@ -278,7 +311,8 @@ def full_message_ok(message: GaussianMessage, q: FullGaussian) -> jax.Array:
     """The server's test of a dense message: finite, flagged valid by its client, and ``q_g`` plus
     the message proper (a Cholesky factor exists; :func:`~fedbayes.gaussian_full.is_proper`)."""
     ok = jnp.logical_and(tree.all_finite(message.difference), message.ok)
-    return jnp.logical_and(ok, gaussian_full.is_proper(gaussian_full.product(q, message.difference)))
+    family = dense_family(q)
+    return jnp.logical_and(ok, family.is_proper(family.product(q, message.difference)))
 
 
 def full_server_step(optimizer: optax.GradientTransformation, q: FullGaussian, opt_state, total: FullGaussian):
@@ -287,14 +321,15 @@ def full_server_step(optimizer: optax.GradientTransformation, q: FullGaussian, o
     ``Lambda_g`` not positive definite (a momentum overshoot) keeps the old ``q_g`` whole. Returns
     ``(q, opt_state, guarded)``, ``guarded`` all ``D`` coordinates then, else 0."""
     new_q, opt_state = optimizer_step(optimizer, q, opt_state, total)
-    proper = gaussian_full.is_proper(new_q)
+    proper = dense_family(q).is_proper(new_q)
     kept = jax.tree.map(lambda a, b: jnp.where(proper, a, b), new_q, q)
-    return kept, opt_state, jnp.where(proper, 0, q.precision.shape[0]).astype(jnp.int32)
+    return kept, opt_state, jnp.where(proper, 0, gaussian_full.num_params(q.precision_mean)).astype(jnp.int32)
 
 
 def full_personal_moments(q: FullGaussian, site: FullGaussian, weight: float | jax.Array) -> tuple[PyTree, PyTree]:
     """``(mean, marginal variances)`` of client ``k``'s ``q_g t_k^w`` with dense factors
     (:func:`personalised`'s product); where that product is not proper, ``q_g``'s moments."""
-    q_k = gaussian_full.product(q, gaussian_full.power(site, weight))
-    q_k = jax.tree.map(lambda a, b: jnp.where(gaussian_full.is_proper(q_k), a, b), q_k, q)
-    return gaussian_full.mean(q_k), gaussian_full.variance(q_k)
+    family = dense_family(q)
+    q_k = family.product(q, family.power(site, weight))
+    q_k = jax.tree.map(lambda a, b: jnp.where(family.is_proper(q_k), a, b), q_k, q)
+    return family.mean(q_k), family.variance(q_k)

@@ -64,10 +64,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from fedbayes import gaussian_block
 from fedbayes.bench.truth import NUTSSettings, nuts_reference
 from fedbayes.config.schema import validate
 from fedbayes.evaluation.distances import kl_diag, relative_l2, variance_ratio
 from fedbayes.evaluation.reference import affine_predictive_metrics, laplace_covariance, negative_log_joint, references
+from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.runs.build import DataSpec, build_experiment, build_model, prepare_split
 from fedbayes.runs.folder import write_atomic
 
@@ -344,7 +346,10 @@ def _dense_covariance(exp, server_state) -> np.ndarray | None:
     """The ``[P, P]`` covariance of a dense posterior (``Algorithm.server_precision``), in float64; else None."""
     if exp.algorithm.server_precision is None:
         return None
-    precision = np.asarray(exp.algorithm.server_precision(server_state), np.float64)
+    precision = exp.algorithm.server_precision(server_state)
+    if isinstance(precision, BlockPrecision):  # the [P, P] matrix of a last-layer structure
+        precision = gaussian_block.precision_matrix(BlockGaussian(exp.algorithm.server_params(server_state), precision))
+    precision = np.asarray(precision, np.float64)
     cov = np.linalg.inv(0.5 * (precision + precision.T))
     return 0.5 * (cov + cov.T)
 

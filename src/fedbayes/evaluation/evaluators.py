@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedbayes import gaussian_full
+from fedbayes import gaussian_block, gaussian_full
 from fedbayes.evaluation import metrics, multilabel, next_word
+from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_full import FullGaussian
 
 
@@ -95,20 +96,24 @@ PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
 SUBSETS = ("all", "last_layer")  # restrict_to_subset's choices
 
 
-def dense_spread(mean, precision: jax.Array) -> FullGaussian:
-    """The spread of a dense posterior ``N(mean, Lambda^{-1})`` about its mean, as the marginalised
-    prediction takes it in place of the marginal variances: the zero-mean
+def dense_spread(mean, precision: jax.Array | BlockPrecision) -> FullGaussian | BlockGaussian:
+    """The spread of a posterior with a dense precision ``N(mean, Lambda^{-1})`` about its mean, as
+    the marginalised prediction takes it in place of the marginal variances: the zero-mean
     :class:`~fedbayes.gaussian_full.FullGaussian` with precision ``Lambda`` (``[D, D]``, ravel order
     of ``mean``), from which ``theta_s - mean = L^{-T} eps_s`` is drawn
-    (:func:`fedbayes.gaussian_full.sample`)."""
+    (:func:`fedbayes.gaussian_full.sample`); for a last-layer structure
+    (:class:`~fedbayes.gaussian_block.BlockPrecision`), the zero-mean
+    :class:`~fedbayes.gaussian_block.BlockGaussian` (draws dense over the last layer, diagonal elsewhere)."""
+    if isinstance(precision, BlockPrecision):
+        return BlockGaussian(precision_mean=optax.tree.zeros_like(mean), precision=precision)
     return FullGaussian(precision_mean=optax.tree.zeros_like(mean), precision=jnp.asarray(precision))
 
 
 def restrict_to_subset(variance, subset: str):
     """The posterior's variance over the weights the marginalised prediction draws: ``"all"``, or
-    ``"last_layer"``: the last top-level entry of the parameter tree (the output layer of
-    fedbayes's models, whose parameters are created in call order), the other weights at the mean
-    (variance 0). The last-layer Laplace is Laplace Redux's default (Daxberger et al., "Laplace
+    ``"last_layer"``: the last layer (:func:`fedbayes.gaussian_block.last_layer_key`: the output
+    layer of fedbayes's models), the other weights at the mean (variance 0); a last-layer
+    structure's spread (:func:`dense_spread`) keeps its dense block and makes the rest a point. The last-layer Laplace is Laplace Redux's default (Daxberger et al., "Laplace
     Redux -- Effortless Bayesian Deep Learning", NeurIPS 2021): a diagonal posterior over every
     weight of a network ignores the correlations between them, and its predictive is far wider
     than the network's function-space uncertainty (docs/algorithms.md §13.3)."""
@@ -116,6 +121,10 @@ def restrict_to_subset(variance, subset: str):
         raise ValueError(f"subset_of_weights must be one of {', '.join(SUBSETS)}; got {subset!r}")
     if subset == "all":
         return variance
+    if isinstance(variance, BlockGaussian):  # the other layers' precision infinite: their draws are the mean
+        p = variance.precision
+        point = jax.tree.map(lambda d: jnp.full_like(d, jnp.inf), p.diagonal)
+        return BlockGaussian(variance.precision_mean, BlockPrecision(point, p.dense, p.key))
     if isinstance(variance, FullGaussian):
         raise ValueError(
             "evaluation.subset_of_weights: 'last_layer' keeps the last layer's marginal variances; a dense posterior (covariance = 'full') "
@@ -123,7 +132,7 @@ def restrict_to_subset(variance, subset: str):
         )
     if not isinstance(variance, dict) or not variance:
         raise ValueError(f"subset_of_weights 'last_layer' needs parameters as a dict of layers; got {type(variance).__name__}")
-    last = list(variance)[-1]
+    last = gaussian_block.last_layer_key(variance)
     return {k: v if k == last else jax.tree.map(jnp.zeros_like, v) for k, v in variance.items()}
 
 
@@ -237,7 +246,10 @@ def _marginal_stats(apply_fn, key, mean, variance, data, num_samples: int, num_b
 
 def _weight_steps(key, mean, variance, num_samples: int):
     """``theta_s - mean = sqrt(variance) * eps_s``, ``[S, ...]`` per leaf: the same draws for every
-    batch; for a :func:`dense_spread`, draws of the zero-mean full Gaussian."""
+    batch; for a :func:`dense_spread`, draws of the zero-mean full or last-layer Gaussian."""
+    if isinstance(variance, BlockGaussian):
+        draws = gaussian_block.sample(key, variance, num_samples)
+        return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
     if isinstance(variance, FullGaussian):
         draws = gaussian_full.sample(key, variance, num_samples)
         return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)

@@ -14,6 +14,13 @@ the prior ``N(0, I / delta)``. The method says what its ``delta`` is
 variance 0 (a point coordinate: FedEP's burn-in, an improper site) has ``G = inf`` and stays a
 point; it takes no part in either objective.
 
+**A last-layer posterior** (``covariance = "last_layer"``: a dense precision ``Lambda_L`` over the
+last layer, diagonal elsewhere; :mod:`fedbayes.gaussian_block`) arrives as its spread, not its
+marginals: ``G = Lambda - delta I`` block by block, the last layer's block eigendecomposed once
+(:class:`BlockCurvature`), and ``delta'`` gives the precision ``G + delta' I``. Its log-determinant
+is ``sum_j log(g_j + delta')`` over ``G_L``'s eigenvalues ``g_j`` beside the diagonal's terms: the
+same objective, with the last layer's correlations.
+
 **Marginal likelihood** (:func:`log_marginal_likelihood`). The Laplace approximation of the
 evidence, ``p(D) ~= p(D | theta*) p(theta*) (2 pi)^{P/2} det(Lambda)^{-1/2}`` with ``Lambda =
 G + delta'`` the posterior precision over the ``P`` Gaussian coordinates, is
@@ -48,6 +55,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
+from jax.flatten_util import ravel_pytree
+
+from fedbayes import gaussian_block
+from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 
 PyTree = Any
 
@@ -60,6 +72,7 @@ __all__ = [
     "GRID_DECADES",
     "GRID_POINTS",
     "SEARCHES",
+    "BlockCurvature",
     "curvature",
     "log_marginal_likelihood",
     "make_prior_precision_search",
@@ -70,15 +83,52 @@ __all__ = [
 ]
 
 
-def curvature(variance: PyTree, prior_precision: float) -> PyTree:
-    """``G = 1 / variance - delta``, floored at 0 (the methods keep their precision at least
-    ``delta``; the floor absorbs round-off); ``inf`` where the variance is 0 (a point coordinate)."""
+@struct.dataclass
+class BlockCurvature:
+    """``G`` of a last-layer posterior (:class:`~fedbayes.gaussian_block.BlockGaussian` spread):
+    the other layers' diagonal ``G_R`` (``inf`` at a point coordinate) and the eigendecomposition
+    ``G_L = V diag(g) V^T`` of the last layer's dense block, so that ``log det(G_L + delta' I) =
+    sum_j log(g_j + delta')`` costs nothing per candidate ``delta'``.
+
+    Attributes:
+      rest: ``G_R``, a pytree like the other layers.
+      eigenvalues: ``g`` (``[B]``, floored at 0).
+      eigenvectors: ``V`` (``[B, B]``).
+      zeros: the spread's zero ``eta`` (the parameters' structure).
+      key: the last layer's name (static).
+    """
+
+    rest: PyTree
+    eigenvalues: jax.Array
+    eigenvectors: jax.Array
+    zeros: PyTree
+    key: str = struct.field(pytree_node=False)
+
+
+def _diag_curvature(variance: PyTree, prior_precision) -> PyTree:
     return jax.tree.map(lambda v: jnp.where(v > 0, jnp.maximum(1.0 / jnp.where(v > 0, v, 1.0) - prior_precision, 0.0), jnp.inf), variance)
 
 
-def with_prior_precision(curv: PyTree, prior_precision) -> PyTree:
+def curvature(variance: PyTree | BlockGaussian, prior_precision: float) -> PyTree | BlockCurvature:
+    """``G = 1 / variance - delta``, floored at 0 (the methods keep their precision at least
+    ``delta``; the floor absorbs round-off); ``inf`` where the variance is 0 (a point coordinate).
+    For a last-layer spread (a :class:`~fedbayes.gaussian_block.BlockGaussian` of precision
+    ``Lambda``): ``G = Lambda - delta I`` block by block, a :class:`BlockCurvature`."""
+    if isinstance(variance, BlockGaussian):
+        p = variance.precision
+        rest = jax.tree.map(lambda d: jnp.where(jnp.isfinite(d), jnp.maximum(d - prior_precision, 0.0), jnp.inf), p.diagonal)
+        g, v = jnp.linalg.eigh(0.5 * (p.dense + p.dense.T) - prior_precision * jnp.eye(p.dense.shape[0], dtype=p.dense.dtype))
+        return BlockCurvature(rest, jnp.maximum(g, 0.0), v, variance.precision_mean, p.key)
+    return _diag_curvature(variance, prior_precision)
+
+
+def with_prior_precision(curv: PyTree | BlockCurvature, prior_precision) -> PyTree | BlockGaussian:
     """The variance ``1 / (G + delta')`` of the posterior with prior precision ``delta'`` (0 where
-    ``G`` is infinite)."""
+    ``G`` is infinite); for a :class:`BlockCurvature`, the spread of precision ``G + delta' I``."""
+    if isinstance(curv, BlockCurvature):
+        rest = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g + prior_precision, jnp.inf), curv.rest)
+        dense = (curv.eigenvectors * (curv.eigenvalues + prior_precision)[None, :]) @ curv.eigenvectors.T
+        return BlockGaussian(curv.zeros, BlockPrecision(rest, dense.astype(curv.eigenvectors.dtype), curv.key))
     return jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), 1.0 / (jnp.where(jnp.isfinite(g), g, 0.0) + prior_precision), 0.0), curv)
 
 
@@ -104,6 +154,11 @@ def log_marginal_likelihood(mean: PyTree, curv: PyTree, prior_precision, log_lik
         log_det = jnp.log(g0 + delta) - log_2pi
         return jnp.sum(jnp.where(gauss, log_prior - 0.5 * log_det, 0.0))
 
+    if isinstance(curv, BlockCurvature):  # the last layer's block: its log-determinant from G_L's eigenvalues
+        rest, last = gaussian_block.split(mean, curv.key)
+        m = ravel_pytree(last)[0]
+        dense = -0.5 * delta * jnp.sum(jnp.square(m)) + 0.5 * m.size * jnp.log(delta) - 0.5 * jnp.sum(jnp.log(curv.eigenvalues + delta))
+        return log_likelihood + dense + sum(jax.tree.leaves(jax.tree.map(leaf, rest, curv.rest)))
     return log_likelihood + sum(jax.tree.leaves(jax.tree.map(leaf, mean, curv)))
 
 
@@ -139,6 +194,8 @@ def maximise_log_scale(objective: Callable[[jax.Array], jax.Array], center: floa
 
 
 def _any_gaussian(curv: PyTree) -> jax.Array:
+    if isinstance(curv, BlockCurvature):
+        return jnp.asarray(True)
     return jnp.any(jnp.stack([jnp.any(jnp.isfinite(g)) for g in jax.tree.leaves(curv)]))
 
 

@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
+from fedbayes import gaussian_block
 from fedbayes.data.batches import ClientData, get_batch, steps_per_epoch
 from fedbayes.models.layers import find_layers, layer_of
 
@@ -89,6 +90,7 @@ __all__ = [
     "batch_diag_fisher",
     "batch_diag_ggn",
     "batch_full_ggn",
+    "data_block_ggn",
     "data_curvature",
     "data_full_ggn",
     "diag_empirical_fisher",
@@ -452,3 +454,29 @@ def data_full_ggn(apply_fn: ApplyFn, params: PyTree, data: ClientData, *, batch_
         return total + batch_full_ggn(apply_fn, params, x, mask, task=task).astype(total.dtype)
 
     return over_client_data(data, batch_size, body, jnp.zeros((d, d), ravel_pytree(params)[0].dtype))
+
+
+def data_block_ggn(apply_fn: ApplyFn, params: PyTree, data: ClientData, *, batch_size: int, task: str = "classification") -> gaussian_block.BlockPrecision:
+    """The GGN of a client's sum loss at ``params`` in the last-layer block structure
+    (:class:`~fedbayes.gaussian_block.BlockPrecision`): the dense ``[B, B]`` GGN of the last layer's
+    ``B`` parameters (:func:`batch_full_ggn` of the outputs as a function of the last layer, the
+    other weights held at ``params``) and the diagonal GGN of every other weight
+    (:func:`batch_diag_ggn`); one pass over the client's examples in minibatches of ``batch_size``,
+    the batches of :func:`data_curvature`. The blocks are those of the full GGN: the cross terms
+    between the last layer and the rest are dropped (Laplace Redux's last-layer and diagonal
+    structures, Daxberger et al. 2021)."""
+    key = gaussian_block.last_layer_key(params)
+    rest, last = gaussian_block.split(params, key)
+    last_flat = ravel_pytree(last)[0]
+
+    def last_layer_outputs(theta_last, x):
+        return apply_fn(gaussian_block.join(rest, theta_last, key), x)
+
+    def body(total, step, batch):
+        x, y, mask = batch
+        diag = gaussian_block.split(batch_diag_ggn(apply_fn, params, x, y, mask, task=task), key)[0]
+        dense = batch_full_ggn(last_layer_outputs, last, x, mask, task=task)
+        return gaussian_block.BlockPrecision(optax.tree.add(total.diagonal, diag), total.dense + dense.astype(total.dense.dtype), key)
+
+    start = gaussian_block.BlockPrecision(optax.tree.zeros_like(rest), jnp.zeros((last_flat.size, last_flat.size), last_flat.dtype), key)
+    return over_client_data(data, batch_size, body, start)

@@ -65,14 +65,16 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field
 
+from fedbayes import gaussian_block, gaussian_full
 from fedbayes.data.batches import ClientData, steps_per_epoch
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_block import BlockGaussian
 from fedbayes.gaussian_full import FullGaussian
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_norm
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
-from fedbayes.inference.curvature import batch_diag_fisher, data_full_ggn, over_client_data
+from fedbayes.inference.curvature import batch_diag_fisher, data_block_ggn, data_full_ggn, over_client_data
 from fedbayes.inference.iasg import epoch_of_sample, epoch_samples
 from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
 from fedbayes.inference.vi_full import NATURAL_STEPS, natural_full_vi
@@ -330,6 +332,12 @@ def make_full_laplace_inference(trainer: LocalTrainer, settings: TiltedSettings 
     with ``GGN_k = sum_n J_n^T H_n J_n`` the dense generalised Gauss-Newton of the client's sum loss
     over one pass of its data (:func:`fedbayes.inference.curvature.data_full_ggn`) and ``c`` the
     local-precision scale (1 by default: the likelihood's).
+
+    A last-layer cavity (:class:`~fedbayes.gaussian_block.BlockGaussian`: dense over the last layer,
+    diagonal elsewhere) gives a last-layer tilted approximation by the same steps in that structure:
+    ``GGN_k`` the last layer's dense block and the other weights' diagonal
+    (:func:`fedbayes.inference.curvature.data_block_ggn`), the penalty's products and bounds the
+    block family's (:mod:`fedbayes.gaussian_block`).
     """
     s = settings
     if task not in CURVATURE_TASKS:
@@ -337,24 +345,27 @@ def make_full_laplace_inference(trainer: LocalTrainer, settings: TiltedSettings 
             f"the laplace method needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {task!r}"
         )
 
-    def infer(key, start, cavity: FullGaussian, data: ClientData) -> tuple[FullGaussian, dict]:
+    def infer(key, start, cavity: FullGaussian | BlockGaussian, data: ClientData) -> tuple[FullGaussian | BlockGaussian, dict]:
+        block = isinstance(cavity, BlockGaussian)
+        family = gaussian_block if block else gaussian_full
         n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
-        eta_c, unravel = ravel_pytree(cavity.precision_mean)
-        eye = jnp.eye(eta_c.size, dtype=cavity.precision.dtype)
-        lam_p = cavity.precision + (s.weight_decay * n).astype(eye.dtype) * eye
+        lam_p = family.shifted(cavity.precision, s.weight_decay * n)
         inv_n = 1.0 / n
 
         def penalty(theta):
-            flat, _ = ravel_pytree(theta)
-            return inv_n * (0.5 * flat @ (lam_p @ flat) - eta_c @ flat)
+            return inv_n * (0.5 * optax.tree.vdot(theta, family.matvec(lam_p, theta)) - optax.tree.vdot(cavity.precision_mean, theta))
 
-        bound = unravel(jnp.sum(jnp.abs(lam_p), axis=1))
+        bound = family.row_bound(lam_p, start)
         key_mc, _ = jax.random.split(key)
         mu, _, info = _penalised_moments(key_mc, start, penalty, data, stiff_step_control(trainer, bound, data.num_examples, s.step_cap))
-        ggn = data_full_ggn(apply_fn, mu, data, batch_size=trainer.batch_size, task=task)
-        lam = cavity.precision + s.scale * (ggn.astype(eye.dtype) + (s.weight_decay * n).astype(eye.dtype) * eye)
+        curvature = data_block_ggn if block else data_full_ggn
+        ggn = family.shifted(curvature(apply_fn, mu, data, batch_size=trainer.batch_size, task=task), s.weight_decay * n)
+        lam = jax.tree.map(lambda c, g: c + s.scale * g.astype(c.dtype), cavity.precision, ggn)
+        if block:
+            lam = lam.replace(dense=0.5 * (lam.dense + lam.dense.T))
+            return BlockGaussian(precision_mean=family.matvec(lam, mu), precision=lam), info
         lam = 0.5 * (lam + lam.T)
-        return FullGaussian(precision_mean=unravel(lam @ ravel_pytree(mu)[0]), precision=lam), info
+        return FullGaussian(precision_mean=family.matvec(lam, mu), precision=lam), info
 
     return infer
 

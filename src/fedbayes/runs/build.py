@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from fedbayes import algorithms as algs
-from fedbayes import protocol
+from fedbayes import gaussian_block, protocol
 from fedbayes import tree as tree_lib
 from fedbayes.algorithms import registry
 from fedbayes.config.schema import ConfigError, RunConfig
@@ -433,6 +433,7 @@ def build_context(config: RunConfig, spec: DataSpec, federation: registry.Federa
         feature_spec=jax.ShapeDtypeStruct(tuple(spec.feature_shape), spec.x_dtype),
         hidden_layers=has_hidden_layers(model.params),
         num_params=tree_lib.num_params(model.params),
+        last_layer_params=gaussian_block.dense_size(model.params) if isinstance(model.params, dict) and model.params else None,
     )
 
 

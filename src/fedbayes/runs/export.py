@@ -9,8 +9,11 @@ the parameters' tree paths joined by ``/`` under a prefix:
   ``q_g`` of the Bayesian methods (FedEP, FedSEP, PVI), absent for the others (a dense ``q_g``:
   its mean and marginal variances);
 * ``posterior_precision``: a dense ``q_g``'s ``[D, D]`` precision over the parameters raveled in
-  :func:`jax.flatten_util.ravel_pytree` order (FedEP, PVI and FedLap-Cov with ``covariance = "full"``),
-  absent otherwise.
+  :func:`jax.flatten_util.ravel_pytree` order (FedEP, FedSEP, PVI and FedLap-Cov with ``covariance = "full"``),
+  absent otherwise;
+* ``posterior_precision_last_layer``: a last-layer ``q_g``'s (``covariance = "last_layer"``) dense
+  ``[B, B]`` precision over its last layer (:func:`fedbayes.gaussian_block.last_layer_key`), raveled
+  as that layer's subtree; the other weights' precisions are ``1 / posterior_variance``.
 
 ``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`
 (its ``[algorithm]`` table as stored), the parameters as the nested dict the model's ``apply`` takes,
@@ -24,10 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from fedbayes import gaussian_block
+from fedbayes.gaussian_block import BlockPrecision
 from fedbayes.runs import folder
 from fedbayes.tree import to_named_arrays
 
 MODEL_FILE = folder.MODEL
+LAST_LAYER_PRECISION = "posterior_precision_last_layer"
 PREFIXES = ("params", "posterior_mean", "posterior_variance")
 
 
@@ -58,19 +64,36 @@ def save_model(path: str | Path, algorithm, server_state) -> Path:
         arrays.update(flatten(mean, "posterior_mean"))
         arrays.update(flatten(variance, "posterior_variance"))
     if getattr(algorithm, "server_precision", None) is not None:
-        arrays["posterior_precision"] = np.asarray(algorithm.server_precision(server_state))
+        precision = algorithm.server_precision(server_state)
+        if isinstance(precision, BlockPrecision):
+            arrays[LAST_LAYER_PRECISION] = np.asarray(precision.dense)
+        else:
+            arrays["posterior_precision"] = np.asarray(precision)
     return folder.write_atomic(path, lambda f: np.savez(f, **arrays))
 
 
 def load_model(path: str | Path) -> dict[str, dict]:
     """``{"params": ..., "posterior_mean": ..., "posterior_variance": ..., "posterior_precision": ...}``
-    (the posterior's when present; ``posterior_precision`` the dense ``[D, D]`` array)."""
+    (the posterior's when present; ``posterior_precision`` the dense ``[D, D]`` array, or a
+    last-layer posterior's :class:`~fedbayes.gaussian_block.BlockPrecision`)."""
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
     out = {p: unflatten(arrays, p) for p in PREFIXES if any(k.startswith(p + "/") for k in arrays)}
     if "posterior_precision" in arrays:
         out["posterior_precision"] = arrays["posterior_precision"]
+    if LAST_LAYER_PRECISION in arrays and "posterior_variance" in out:
+        variance = out["posterior_variance"]
+        rest, _ = gaussian_block.split(variance)
+        out["posterior_precision"] = BlockPrecision(
+            {k: _reciprocal(v) for k, v in rest.items()}, arrays[LAST_LAYER_PRECISION], gaussian_block.last_layer_key(variance)
+        )
     return out
+
+
+def _reciprocal(tree):
+    if isinstance(tree, dict):
+        return {k: _reciprocal(v) for k, v in tree.items()}
+    return 1.0 / np.asarray(tree)
 
 
 def load_run(run_dir: str | Path):

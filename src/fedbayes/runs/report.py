@@ -183,7 +183,8 @@ def message_value(name, s, recs):
     round (``summary.json``'s ``message_bytes``, from the run's message template; "—" for a run
     recorded before the field existed). A site method's structure sets it: its natural-parameter
     difference is ``2 D`` float32 numbers with ``covariance = "diagonal"``, ``D + D^2`` with
-    ``"full"``, beside a few scalars (the validity flag, the loss)."""
+    ``"full"``, ``2 D - B + B^2`` with ``"last_layer"`` (``B`` the last layer's weights), beside a few
+    scalars (the validity flag, the loss)."""
     up = (s.get("message_bytes") or {}).get("up")
     return "—" if up is None else bytes_text(int(up))
 
