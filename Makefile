@@ -34,7 +34,7 @@ demo: env
 # in 37 runs of the same test alone.
 PYTEST_CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 test: env
-	$(BIN)/python -m pytest -q -n 2 $(PYTEST_CRASH_RERUN)
+	$(BIN)/python -m pytest -q -n 2 --durations=30 $(PYTEST_CRASH_RERUN)
 
 # The Flower adapter's tests, real SuperLink/SuperNode processes included, in a venv of their own:
 # flwr pins older typer, rich and protobuf than the main environment's (.ci/run runs this too).

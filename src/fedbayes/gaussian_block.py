@@ -55,6 +55,7 @@ __all__ = [
     "parts",
     "power",
     "precision_matrix",
+    "predictive_variance",
     "product",
     "project_to_diag",
     "quotient",
@@ -312,6 +313,37 @@ def entropy(g: BlockGaussian) -> jax.Array:
     """Differential entropy: the sum of the blocks' entropies."""
     diag, full = parts(g)
     return gaussian.entropy(diag) + gaussian_full.entropy(full)
+
+
+def _block_indices(g: BlockGaussian) -> tuple[np.ndarray, np.ndarray]:
+    """The ravel-order positions (over all parameters) of the other layers' coordinates, in their
+    own ravel order, and of the last layer's."""
+    flat, unravel = ravel_pytree(jax.tree.map(lambda x: np.zeros(np.shape(x)), g.precision_mean))
+    index = unravel(np.arange(flat.size, dtype=np.float64))
+    rest, last = split(index, g.precision.key)
+    rest_flat = ravel_pytree(rest)[0] if rest else np.zeros((0,))
+    return np.asarray(rest_flat).astype(int), np.asarray(ravel_pytree(last)[0]).astype(int)
+
+
+def predictive_variance(g: BlockGaussian, jacobian: jax.Array) -> jax.Array:
+    """The variance of the linearised predictive f(theta) ~ f(mu) + J (theta - mu): J Sigma J^T, the
+    sum of the blocks' ``J_R diag(1 / lambda_R) J_R^T`` and ``J_L Lambda_L^{-1} J_L^T``
+    (:func:`fedbayes.gaussian_full.predictive_variance`).
+
+    Args:
+      g: a proper Gaussian over ``D`` parameters.
+      jacobian: J, ``[K, D]`` (the outputs' Jacobian in :func:`jax.flatten_util.ravel_pytree` order
+        over all the parameters).
+
+    Returns:
+      ``[K, K]``.
+    """
+    diag, full = parts(g)
+    rest_index, last_index = _block_indices(g)
+    jacobian = jnp.asarray(jacobian)
+    rest_precision = ravel_pytree(diag.precision)[0] if diag.precision else jnp.zeros((0,), jacobian.dtype)
+    j_rest = jacobian[:, rest_index]
+    return (j_rest / rest_precision[None, :]) @ j_rest.T + gaussian_full.predictive_variance(full, jacobian[:, last_index])
 
 
 def project_to_diag(g: BlockGaussian) -> DiagGaussian:

@@ -93,6 +93,7 @@ from fedbayes.inference.vi_full import NATURAL_STEPS
 PyTree = Any
 INITS = ("benchmark", "uniform")
 COVARIANCES = ("diagonal", "full", "last_layer")
+DENSE_FAMILIES = {"full": gaussian_full, "last_layer": gaussian_block}  # the algebra of a structured covariance
 MAX_FULL_PARAMS = sites.MAX_FULL_PARAMS
 SEP_POWERS = ("data_fraction", "one_over_k")
 
@@ -854,7 +855,6 @@ def fedsep_full(
 
 
 PRESETS = ("posterior", "paper")
-DENSE_FAMILIES = {"full": gaussian_full, "last_layer": gaussian_block}
 # The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
 # fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
 PAPER_SETTINGS = {"method": "identity", "scale": 500.0, "clip_ratio": 2.0, "weight_decay": 1e-4, "prior_precision": 0.0, "ngvi_bias_correction": False}
