@@ -334,3 +334,56 @@ def test_stiff_step_control_keeps_the_mode_and_sgd_where_not_stiff():
     plain, controlled = _penalty_only(lam, eta, lr=0.1, epochs=6, momentum=0.9)
     assert abs(float(plain[1])) > 100  # the mode is 0.002
     np.testing.assert_allclose(float(controlled[1]), 2.0 / 1000.0, rtol=0.1)  # heavy ball converges slower
+
+
+class _TemperedOutput(nn.Module):
+    """An output layer whose output is scaled afterwards by a learnt temperature."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(4, name="hidden")(x))
+        out = nn.Dense(NUM_CLASSES, name="output")(h)
+        return out * jnp.exp(self.param("temperature", nn.initializers.normal(0.5), ()))
+
+
+class _SharedLast(nn.Module):
+    """A last layer called twice: no Kronecker form (the per-example Jacobians instead)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(NUM_CLASSES, name="hidden")(x)
+        shared = nn.Dense(NUM_CLASSES, name="shared")
+        return shared(jnp.tanh(shared(h)))
+
+
+def _module_setup(module):
+    x = jax.random.normal(jax.random.key(0), (BATCH, 4), jnp.float64)
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), module.init(jax.random.key(1), x)["params"])
+    return (lambda p, xx: module.apply({"params": p}, xx)), params, x, jnp.asarray([0, 1, 2, 1, 0]), "classification"
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "linear", "tempered", "shared_last"])
+def test_block_ggn_is_the_last_layer_block_of_the_ggn_and_the_diagonal_elsewhere(name):
+    """:func:`batch_block_ggn`'s dense block (the Kronecker form for a Dense last layer, whatever
+    follows it) equals the per-example Jacobians' dense GGN of the last layer, and its diagonal the
+    diagonal GGN of the other layers; :func:`data_block_ggn` sums it over minibatches."""
+    from fedbayes import gaussian_block
+
+    with jax.enable_x64(True):
+        if name == "tempered":
+            apply, params, x, y, task = _module_setup(_TemperedOutput())
+        elif name == "shared_last":
+            apply, params, x, y, task = _module_setup(_SharedLast())
+        else:
+            apply, params, x, y, task = _setup(name, BATCH, 3)
+        mask = jnp.asarray([1.0, 0.0, 1.0, 1.0, 1.0], jnp.float64)
+        got = cv.batch_block_ggn(apply, params, x, y, mask, task=task)
+        key = gaussian_block.last_layer_key(params)
+        assert got.key == key == {"tempered": "output", "shared_last": "shared"}.get(name, key)
+        others, last = gaussian_block.split(params, key)
+        dense = cv.batch_full_ggn(lambda t, xs: apply(gaussian_block.join(others, t, key), xs), last, x, mask, task=task)
+        scale = float(jnp.max(jnp.abs(dense)))
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(got.dense), np.asarray(dense), rtol=0, atol=1e-8 * scale)
+        if jax.tree.leaves(others):
+            _assert_close(got.diagonal, gaussian_block.split(cv.batch_diag_ggn(apply, params, x, y, mask, task=task), key)[0], rtol=1e-10)

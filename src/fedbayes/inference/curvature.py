@@ -85,6 +85,7 @@ FLAVOURS = ("ggn", "fisher", "empirical")
 
 __all__ = [
     "FLAVOURS",
+    "batch_block_ggn",
     "batch_curvature",
     "batch_diag_empirical_fisher",
     "batch_diag_fisher",
@@ -237,13 +238,26 @@ def batch_curvature(
             raise ValueError("diag_fisher needs a key for the sampled labels")
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+    layers, inputs, grads, u = _output_gradients(flavour, apply_fn, params, x, y, mask, task, key, num_samples)
+    return _assemble_diag(apply_fn, params, x, layers, inputs, grads, u)
+
+
+def _output_gradients(flavour, apply_fn, params, x, y, mask, task, key, num_samples):
+    """``(layers, inputs, grads, u)``: the structured layers, their inputs, the gradients of
+    ``u_k . f`` in their outputs for the ``K`` output-space vectors ``u`` (``{path: [K, B, ...]}``),
+    and ``u``: one forward pass and ``K`` backward passes (the module docstring)."""
     layers, _ = find_layers(apply_fn, params, x)
     pert0 = {path: jnp.zeros(shape.shape, shape.dtype) for path, (_, shape) in layers.items()}
     fwd = instrumented_forward(apply_fn, params, x, layers)
     out, vjp_fn, inputs = jax.vjp(fwd, pert0, has_aux=True)
     u = _output_vectors(flavour, task, jax.lax.stop_gradient(out), y, mask, key, num_samples)
     (grads,) = jax.vmap(vjp_fn)(u.astype(out.dtype))  # {path: [K, B, ...out shape]}
+    return layers, inputs, grads, u
 
+
+def _assemble_diag(apply_fn, params, x, layers, inputs, grads, u):
+    """The diagonal, shaped like ``params``, from :func:`_output_gradients`'s parts (the fallback's
+    per-example gradients for parameters outside the structured layers)."""
     result = jax.tree.map(jnp.zeros_like, params)
     for path, (layer, _) in layers.items():
         node = params
@@ -456,27 +470,58 @@ def data_full_ggn(apply_fn: ApplyFn, params: PyTree, data: ClientData, *, batch_
     return over_client_data(data, batch_size, body, jnp.zeros((d, d), ravel_pytree(params)[0].dtype))
 
 
+def _dense_block(a: jax.Array, g: jax.Array, has_bias: bool) -> jax.Array:
+    """The dense GGN block of one Dense layer over a batch, ``[P, P]`` in the ravel order of its
+    ``{"bias", "kernel"}`` (bias first, then the kernel row-major), from its inputs ``a [B, I]`` and
+    output gradients ``g [K, B, O]``: example ``n``'s gradient of ``u_k . f`` in the kernel is
+    ``a_n g_kn^T``, so the block is ``sum_n (a~_n a~_n^T) kron (sum_k g_kn g_kn^T)`` with ``a~_n =
+    (1, a_n)`` (the bias's input 1 first) -- ``B I^2 O^2`` work, where the same sum through
+    per-example Jacobians of the ``C`` outputs costs ``C`` times more."""
+    q = jnp.einsum("kbo,kbp->bop", g, g)
+    if has_bias:
+        a = jnp.concatenate([jnp.ones((a.shape[0], 1), a.dtype), a], axis=1)
+    size = a.shape[1] * g.shape[-1]
+    return jnp.einsum("bi,bj,bop->iojp", a, a, q).reshape(size, size)
+
+
+def batch_block_ggn(apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array, mask: jax.Array, *, task: str = "classification"):
+    """The GGN of one batch in the last-layer block structure (:func:`data_block_ggn`), as a
+    :class:`~fedbayes.gaussian_block.BlockPrecision`. One forward and ``C`` backward passes give the
+    other layers' diagonal (as :func:`batch_diag_ggn`) and, when the last layer is a ``Dense``
+    layer found by :func:`fedbayes.models.layers.find_layers` (a network's output layer), its dense
+    block in Kronecker form (:func:`_dense_block`); any other last layer takes the per-example
+    Jacobians of :func:`batch_full_ggn`."""
+    if task not in TASKS:
+        raise ValueError(f"curvature: task {task!r} has no curvature here (a likelihood over sequences); allowed: {', '.join(TASKS)}")
+    key = gaussian_block.last_layer_key(params)
+    layers, inputs, grads, u = _output_gradients("ggn", apply_fn, params, x, y, mask, task, None, 1)
+    rest = gaussian_block.split(_assemble_diag(apply_fn, params, x, layers, inputs, grads, u), key)[0]
+    layer = layers.get((key,))
+    last = params[key]
+    if layer is not None and layer[0].kind == "dense" and inputs[(key,)].ndim == 2 and grads[(key,)].ndim == 3:
+        dense = _dense_block(jax.lax.stop_gradient(inputs[(key,)]), grads[(key,)], "bias" in last)
+    else:
+        others = gaussian_block.split(params, key)[0]
+        dense = batch_full_ggn(lambda t, xs: apply_fn(gaussian_block.join(others, t, key), xs), last, x, mask, task=task)
+    return gaussian_block.BlockPrecision(rest, dense.astype(ravel_pytree(last)[0].dtype), key)
+
+
 def data_block_ggn(apply_fn: ApplyFn, params: PyTree, data: ClientData, *, batch_size: int, task: str = "classification") -> gaussian_block.BlockPrecision:
     """The GGN of a client's sum loss at ``params`` in the last-layer block structure
     (:class:`~fedbayes.gaussian_block.BlockPrecision`): the dense ``[B, B]`` GGN of the last layer's
-    ``B`` parameters (:func:`batch_full_ggn` of the outputs as a function of the last layer, the
-    other weights held at ``params``) and the diagonal GGN of every other weight
-    (:func:`batch_diag_ggn`); one pass over the client's examples in minibatches of ``batch_size``,
-    the batches of :func:`data_curvature`. The blocks are those of the full GGN: the cross terms
+    ``B`` parameters (the outputs as a function of the last layer, the other weights held at
+    ``params``) and the diagonal GGN of every other weight, by :func:`batch_block_ggn` over one
+    pass of the client's examples in minibatches of ``batch_size``, the batches of
+    :func:`data_curvature`. The blocks are those of the full GGN: the cross terms
     between the last layer and the rest are dropped (Laplace Redux's last-layer and diagonal
     structures, Daxberger et al. 2021)."""
     key = gaussian_block.last_layer_key(params)
     rest, last = gaussian_block.split(params, key)
     last_flat = ravel_pytree(last)[0]
 
-    def last_layer_outputs(theta_last, x):
-        return apply_fn(gaussian_block.join(rest, theta_last, key), x)
-
     def body(total, step, batch):
         x, y, mask = batch
-        diag = gaussian_block.split(batch_diag_ggn(apply_fn, params, x, y, mask, task=task), key)[0]
-        dense = batch_full_ggn(last_layer_outputs, last, x, mask, task=task)
-        return gaussian_block.BlockPrecision(optax.tree.add(total.diagonal, diag), total.dense + dense.astype(total.dense.dtype), key)
+        return jax.tree.map(jnp.add, total, batch_block_ggn(apply_fn, params, x, y, mask, task=task))
 
     start = gaussian_block.BlockPrecision(optax.tree.zeros_like(rest), jnp.zeros((last_flat.size, last_flat.size), last_flat.dtype), key)
     return over_client_data(data, batch_size, body, start)
