@@ -61,8 +61,8 @@ def test_the_local_vi_is_a_setting_with_its_refusals():
     natural = validate({"algorithm": {"name": "pvi", "local_vi": "natural"}}).algorithm
     sgd = validate({"algorithm": {"name": "pvi", "local_vi": "sgd"}}).algorithm
     assert (natural.local_vi, sgd.local_vi) == ("natural", "sgd") and plain.local_vi in ("natural", "sgd")
-    # one antithetic pair per step by default; samples sets it
-    assert (default_samples(natural), default_samples(sgd), NATURAL_SAMPLES) == (2, 1, 2)
+    # the natural client's draws per step by default; samples sets it
+    assert (default_samples(natural), default_samples(sgd)) == (NATURAL_SAMPLES, 1)
     assert default_samples(validate({"algorithm": {"name": "pvi", "local_vi": "natural", "samples": 6}}).algorithm) == 6
     # a run stored before the setting existed kept the SGD client; a dense one has no diagonal local VI
     old = {"algorithm": {"name": "pvi", "rho": "adaptive", "estimator": "local", "init_std": "auto", "init_mean": "auto"}}

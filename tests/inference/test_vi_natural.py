@@ -83,7 +83,8 @@ def test_a_linear_gaussian_client_reaches_its_exact_mean_field_posterior(batch_s
 
 def test_a_logistic_regression_client_reaches_the_central_mean_field_optimum():
     """For a GLM with its canonical link the GGN is the Hessian, so the fixed point is the
-    mean-field VI optimum (fedbayes.evaluation.reference.mean_field_vi, float64 Newton on the ELBO)."""
+    mean-field VI optimum (fedbayes.evaluation.reference.mean_field_vi, float64 Newton on the ELBO);
+    the whole data in one batch, so only the draws are noise (the tail average takes it out)."""
     rng = np.random.default_rng(0)
     n, d = 60, 3
     x = rng.normal(size=(n, d)).astype(np.float32)
@@ -92,13 +93,13 @@ def test_a_logistic_regression_client_reaches_the_central_mean_field_optimum():
     params = init_params(model, jax.random.key(1), (d,))
     apply = lambda p, xs: model.apply({"params": p}, xs)  # noqa: E731
     prior = DiagGaussian(jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda p: jnp.full_like(p, LAMBDA), params))
-    fit = natural_diag_vi(LocalTrainer(loss_fn(model, "classification"), optax.sgd(0.0), 1, 16), apply_fn=apply, samples=8, passes=150)
+    fit = natural_diag_vi(LocalTrainer(loss_fn(model, "classification"), optax.sgd(0.0), 1, 60), apply_fn=apply, samples=8, step_size=0.2, passes=1, min_steps=100)
     q, info = jax.jit(fit)(jax.random.key(0), prior, prior, _client(x, y))
     mean, var = mean_field_vi(apply, jax.tree.map(jnp.zeros_like, params), x, y, LAMBDA)
     m_ref, v_ref = ravel_pytree(mean)[0], ravel_pytree(var)[0]
-    np.testing.assert_allclose(ravel_pytree(gaussian.mean(q))[0], m_ref, atol=0.03 * float(jnp.abs(m_ref).max()))
-    np.testing.assert_allclose(ravel_pytree(gaussian.variance(q))[0], v_ref, rtol=0.08)
-    assert int(info["steps"]) == 150 * 4 and np.isfinite(float(info["loss"]))
+    np.testing.assert_allclose(ravel_pytree(gaussian.mean(q))[0], m_ref, atol=0.03 * float(jnp.abs(m_ref).max()))  # measured 1.3%
+    np.testing.assert_allclose(ravel_pytree(gaussian.variance(q))[0], v_ref, rtol=0.05)  # measured 1.9%
+    assert int(info["steps"]) == 100 and np.isfinite(float(info["loss"]))
 
 
 def test_bad_settings_are_refused():

@@ -15,9 +15,13 @@ every site starts as the uniform factor, so ``q_g`` starts as the prior). In a r
 
        q_k = argmin_{q mean-field}  E_q[l_k(theta)] + KL(q || q_{\\k})
 
-   by reparameterised stochastic gradients (:func:`fedbayes.inference.vi.reparameterised_vi`: ``S`` samples per minibatch,
-   the client's optax optimizer, ``E`` epochs through :func:`fedbayes.inference.sgd.run_sgd`,
-   starting from ``q_g``);
+   by reparameterised stochastic gradients (``local_vi = "sgd"``, the default:
+   :func:`fedbayes.inference.vi.reparameterised_vi`: ``S`` samples per minibatch, the client's
+   optax optimizer, ``E`` epochs through :func:`fedbayes.inference.sgd.run_sgd`, starting from
+   ``q_g``), or by natural-gradient steps with the cavity as the prior (``local_vi = "natural"``:
+   :func:`fedbayes.inference.vi_natural.natural_diag_vi`, VOGN of Khan et al. 2018 Eqs. 8-10,
+   ``P <- (1 - b) P + b (P_c + n_k E_q[diag GGN])``, ``m <- m - b (n_k E_q[grad] + P_c (m - mu_c)) / P``;
+   every site an average of GGN diagonals, docs/algorithms.md §8.2);
 3. sends the damped natural-parameter difference ``Delta_k = rho (lambda_{q_k} - lambda_{q_g})`` and
    keeps the site ``t_k <- t_k Delta_k`` (``lambda_{t_k} += Delta_k``; Swaroop et al. 2025 Eq. 6).
 
