@@ -93,7 +93,9 @@ def test_a_logistic_regression_client_reaches_the_central_mean_field_optimum():
     params = init_params(model, jax.random.key(1), (d,))
     apply = lambda p, xs: model.apply({"params": p}, xs)  # noqa: E731
     prior = DiagGaussian(jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda p: jnp.full_like(p, LAMBDA), params))
-    fit = natural_diag_vi(LocalTrainer(loss_fn(model, "classification"), optax.sgd(0.0), 1, 60), apply_fn=apply, samples=8, step_size=0.2, passes=1, min_steps=100)
+    fit = natural_diag_vi(
+        LocalTrainer(loss_fn(model, "classification"), optax.sgd(0.0), 1, 60), apply_fn=apply, samples=8, step_size=0.2, passes=1, min_steps=100
+    )
     q, info = jax.jit(fit)(jax.random.key(0), prior, prior, _client(x, y))
     mean, var = mean_field_vi(apply, jax.tree.map(jnp.zeros_like, params), x, y, LAMBDA)
     m_ref, v_ref = ravel_pytree(mean)[0], ravel_pytree(var)[0]
