@@ -55,7 +55,8 @@ VARIANTS = {
     "fedep+full": ("fedep", {"covariance": "full"}),
     # one draw (pair) and a few iterations of the natural client: the suite checks the protocol, not the posterior
     "pvi+full": ("pvi", {"covariance": "full", "samples": 1, "natural_steps": 4}),
-    "pvi+natural": ("pvi", {"local_vi": "natural"}),
+    # one antithetic pair per step (the default is four): the suite checks the protocol, not the posterior
+    "pvi+natural": ("pvi", {"local_vi": "natural", "samples": 2}),
     "fedep+ngvi_full": ("fedep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedsep+ngvi_full": ("fedsep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedlap_cov+full": ("fedlap_cov", {"covariance": "full"}),
