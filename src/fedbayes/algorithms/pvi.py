@@ -478,7 +478,9 @@ class PVIConfig(HParams):
     """PVI (docs/algorithms.md §8): mean-field Gaussian sites, damped synchronous updates, a
     reparameterised VI local step with the client optimizer (``client.optimizer``, ``client.lr``,
     ``client.epochs``, ``client.batch_size``; keep ``client.weight_decay = 0``: the prior is the
-    regulariser, and decay would also shrink the local log-standard-deviations)."""
+    regulariser, and decay would also shrink the local log-standard-deviations), or with
+    ``local_vi = "natural"`` natural-gradient steps with the Gauss-Newton curvature (only
+    ``client.batch_size`` and the laid-out epochs are used)."""
 
     name: Literal["pvi"]
     delta: float = Field(1.0, gt=0, description="prior precision: p(theta) = N(0, 1/delta), on the sum-loss scale")
@@ -559,8 +561,8 @@ class PVIConfig(HParams):
 
 
 def default_samples(hp: PVIConfig) -> int:
-    """``samples`` if set, else 1, :data:`~fedbayes.inference.vi_natural.NATURAL_SAMPLES` (one
-    antithetic pair) with the natural diagonal client, or :data:`FULL_SAMPLES` with
+    """``samples`` if set, else 1, :data:`~fedbayes.inference.vi_natural.NATURAL_SAMPLES` (four
+    antithetic pairs) with the natural diagonal client, or :data:`FULL_SAMPLES` with
     ``covariance = "full"``: the dense message's precision ``(C C^T)^{-1}`` is convex in the noise
     of the local step's Cholesky factor, and with one draw per step the variances stayed far below
     the optimum's, where eight draws reach it (docs/results/posterior_full.md)."""
@@ -604,7 +606,8 @@ def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
 def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``; one
     written before ``estimator`` existed drew weights (the default until 2026-11-27 stored the key);
-    one written before ``init_std`` and ``init_mean`` had ``"auto"`` started at the global."""
+    one written before ``init_std`` and ``init_mean`` had ``"auto"`` started at the global; one written
+    before ``full_vi`` or ``local_vi`` used the Cholesky dense client or the SGD diagonal one."""
     if "rho" not in table:
         table["rho"] = 1.0 / stored_setting(stored, "server", "clients_per_round", 10)
     table.setdefault("estimator", "weights")
