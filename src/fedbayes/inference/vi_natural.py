@@ -131,7 +131,7 @@ def natural_diag_vi(
         weight = jnp.maximum(jnp.sum(jnp.clip(mask, 0.0, None)), 1.0)
 
         def one(s):
-            sign = jnp.where((s % 2 == 1) & (s < samples), -1.0, 1.0)
+            sign = jnp.where(s % 2 == 1, -1.0, 1.0)  # pairs (eps, -eps); an odd last draw alone
             theta = jax.tree.map(lambda mi, pi, e: mi + sign.astype(mi.dtype) * e[s // 2] * jax.lax.rsqrt(pi), m, p, eps)
             loss, grad = jax.value_and_grad(trainer.loss_fn)(theta, jax.random.fold_in(key, 1 + s), x, y, mask)
             ggn = batch_diag_ggn(apply_fn, theta, x, y, mask, task=task)
