@@ -27,6 +27,7 @@ from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, Fed
 from fedbayes.algorithms.fedavg import fedavg
 from fedbayes.config.schema import validate
 from fedbayes.hparams import HParams
+from fedbayes.inference.vi_natural import NATURAL_MIN_STEPS, NATURAL_PASSES
 from fedbayes.models import init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs.build import build_experiment
@@ -54,6 +55,8 @@ VARIANTS = {
     "fedep+full": ("fedep", {"covariance": "full"}),
     # one draw (pair) and a few iterations of the natural client: the suite checks the protocol, not the posterior
     "pvi+full": ("pvi", {"covariance": "full", "samples": 1, "natural_steps": 4}),
+    # one antithetic pair per step (the default is four): the suite checks the protocol, not the posterior
+    "pvi+natural": ("pvi", {"local_vi": "natural", "samples": 2}),
     "fedep+ngvi_full": ("fedep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedsep+ngvi_full": ("fedsep", {"covariance": "full", "method": "ngvi", "ngvi_samples": 1, "natural_steps": 4}),
     "fedlap_cov+full": ("fedlap_cov", {"covariance": "full"}),
@@ -211,6 +214,8 @@ def _steps(name: str, sizes: np.ndarray) -> np.ndarray:
         return np.full(len(sizes), settings["nuts_warmup"] + settings["nuts_draws"])
     if settings.get("covariance") == "full" and (settings.get("method") == "ngvi" or _method(name)[0] == "pvi"):
         return np.full(len(sizes), settings["natural_steps"])  # fedbayes.inference.vi_full.natural_full_vi: its iterations
+    if settings.get("local_vi") == "natural":  # fedbayes.inference.vi_natural.natural_diag_vi: its passes, at least its minimum
+        return np.maximum(NATURAL_PASSES * -(-sizes // 16), NATURAL_MIN_STEPS)
     return 2 * -(-sizes // 16)
 
 

@@ -15,9 +15,13 @@ every site starts as the uniform factor, so ``q_g`` starts as the prior). In a r
 
        q_k = argmin_{q mean-field}  E_q[l_k(theta)] + KL(q || q_{\\k})
 
-   by reparameterised stochastic gradients (:func:`fedbayes.inference.vi.reparameterised_vi`: ``S`` samples per minibatch,
-   the client's optax optimizer, ``E`` epochs through :func:`fedbayes.inference.sgd.run_sgd`,
-   starting from ``q_g``);
+   by reparameterised stochastic gradients (``local_vi = "sgd"``, the default:
+   :func:`fedbayes.inference.vi.reparameterised_vi`: ``S`` samples per minibatch, the client's
+   optax optimizer, ``E`` epochs through :func:`fedbayes.inference.sgd.run_sgd`, starting from
+   ``q_g``), or by natural-gradient steps with the cavity as the prior (``local_vi = "natural"``:
+   :func:`fedbayes.inference.vi_natural.natural_diag_vi`, VOGN of Khan et al. 2018 Eqs. 8-10,
+   ``P <- (1 - b) P + b (P_c + n_k E_q[diag GGN])``, ``m <- m - b (n_k E_q[grad] + P_c (m - mu_c)) / P``;
+   every site an average of GGN diagonals, docs/algorithms.md §8.2);
 3. sends the damped natural-parameter difference ``Delta_k = rho (lambda_{q_k} - lambda_{q_g})`` and
    keeps the site ``t_k <- t_k Delta_k`` (``lambda_{t_k} += Delta_k``; Swaroop et al. 2025 Eq. 6).
 
@@ -117,11 +121,14 @@ from fedbayes.inference.base import CavityInference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss
 from fedbayes.inference.vi import ESTIMATORS, PARAMETERISATIONS, reparameterised_vi
 from fedbayes.inference.vi_full import NATURAL_STEPS, full_covariance_vi, natural_full_vi
+from fedbayes.inference.vi_natural import NATURAL_SAMPLES, natural_diag_vi
 
 PyTree = Any
 INIT_MEANS = ("global", "model")
 COVARIANCES = ("diagonal", "full")
 FULL_VIS = ("natural", "cholesky")
+LOCAL_VIS = ("natural", "sgd")  # the diagonal local VI (docs/algorithms.md §8.2)
+DEFAULT_LOCAL_VI = "sgd"
 FULL_SAMPLES = 8  # the draws per step of the dense local VI by default (docs/results/posterior_full.md)
 AUTO = "auto"
 NETWORK_INIT_STD = 0.03  # the local std's start on a network under "auto" (docs/algorithms.md §8.2)
@@ -132,6 +139,7 @@ __all__ = [
     "COVARIANCES",
     "FULL_SAMPLES",
     "INIT_MEANS",
+    "LOCAL_VIS",
     "NETWORK_INIT_STD",
     "Broadcast",
     "ClientState",
@@ -470,7 +478,9 @@ class PVIConfig(HParams):
     """PVI (docs/algorithms.md §8): mean-field Gaussian sites, damped synchronous updates, a
     reparameterised VI local step with the client optimizer (``client.optimizer``, ``client.lr``,
     ``client.epochs``, ``client.batch_size``; keep ``client.weight_decay = 0``: the prior is the
-    regulariser, and decay would also shrink the local log-standard-deviations)."""
+    regulariser, and decay would also shrink the local log-standard-deviations), or with
+    ``local_vi = "natural"`` natural-gradient steps with the Gauss-Newton curvature (only
+    ``client.batch_size`` and the laid-out epochs are used)."""
 
     name: Literal["pvi"]
     delta: float = Field(1.0, gt=0, description="prior precision: p(theta) = N(0, 1/delta), on the sum-loss scale")
@@ -518,6 +528,12 @@ class PVIConfig(HParams):
     natural_steps: int = Field(
         NATURAL_STEPS, ge=2, description="natural-gradient iterations per client and round of the natural dense client (each a pass per draw)"
     )
+    local_vi: Literal[LOCAL_VIS] = Field(  # type: ignore[valid-type]
+        DEFAULT_LOCAL_VI,
+        description="the local VI with covariance = 'diagonal': natural (natural-gradient steps whose precision is the cavity's plus the "
+        "expected diagonal Gauss-Newton matrix under q, VOGN with the cavity as prior) or sgd (reparameterised gradients of the mean and "
+        "log standard deviation with the client optimizer)",
+    )
 
     @model_validator(mode="after")
     def _full_vi_needs_full(self):
@@ -530,17 +546,31 @@ class PVIConfig(HParams):
                 f"algorithm.natural_steps: sets the natural dense client's iterations; it needs covariance = 'full' and full_vi = 'natural'; "
                 f"got covariance {self.covariance!r}, full_vi {self.full_vi!r}"
             )
+        if self.local_vi != DEFAULT_LOCAL_VI and self.covariance != "diagonal":
+            raise ValueError(
+                f"algorithm.local_vi: chooses the diagonal local VI; with covariance = 'full' the local VI is full_vi; got local_vi {self.local_vi!r}"
+            )
+        if self.local_vi == "natural" and self.covariance == "diagonal":
+            for key, default in (("estimator", "local"), ("parameterisation", "log")):
+                if getattr(self, key) != default:
+                    raise ValueError(
+                        f"algorithm.{key}: a setting of the sgd local VI, which the natural one has no use for; set local_vi = 'sgd' or drop {key}; "
+                        f"got {getattr(self, key)!r}"
+                    )
         return self
 
 
 def default_samples(hp: PVIConfig) -> int:
-    """``samples`` if set, else 1, or :data:`FULL_SAMPLES` with ``covariance = "full"``: the dense
-    message's precision ``(C C^T)^{-1}`` is convex in the noise of the local step's Cholesky factor,
-    and with one draw per step the variances stayed far below the optimum's, where eight draws
-    reach it (docs/results/posterior_full.md)."""
+    """``samples`` if set, else 1, :data:`~fedbayes.inference.vi_natural.NATURAL_SAMPLES` (four
+    antithetic pairs) with the natural diagonal client, or :data:`FULL_SAMPLES` with
+    ``covariance = "full"``: the dense message's precision ``(C C^T)^{-1}`` is convex in the noise
+    of the local step's Cholesky factor, and with one draw per step the variances stayed far below
+    the optimum's, where eight draws reach it (docs/results/posterior_full.md)."""
     if hp.samples is not None:
         return hp.samples
-    return FULL_SAMPLES if hp.covariance == "full" else 1
+    if hp.covariance == "full":
+        return FULL_SAMPLES
+    return NATURAL_SAMPLES if hp.local_vi == "natural" else 1
 
 
 def local_start(init_mean: str, init_std: float | str, hidden_layers: bool) -> tuple[str, float | None]:
@@ -564,6 +594,13 @@ def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
         if hp.full_vi == "natural":
             local = natural_full_vi(ctx.trainer, apply_fn=ctx.apply_fn, task=ctx.task, samples=default_samples(hp), steps=hp.natural_steps)
     init_mean, init_std = local_start(hp.init_mean, hp.init_std, ctx.hidden_layers)
+    if hp.covariance == "diagonal" and hp.local_vi == "natural":
+        if ctx.hidden_layers:  # its mean diverged where the drawn weights' GGN vanishes (docs/results/pvi_natural.md)
+            raise ValueError(
+                "algorithm.local_vi: 'natural' is for generalised linear models (model.name = 'logreg'); on a network its local mean diverged "
+                "(Fashion-MNIST MLP: accuracy 0.10, 39 of 40 messages rejected; docs/results/pvi_natural.md); use local_vi = 'sgd'"
+            )
+        local = natural_diag_vi(ctx.trainer, apply_fn=ctx.apply_fn, task=ctx.task, samples=default_samples(hp), init_std=init_std)
     return pvi(
         ctx.trainer, ctx.server_optimizer, prior_precision=hp.delta, damping=damping_policy.from_setting(hp.rho),
         samples=default_samples(hp), parameterisation=hp.parameterisation, init_std=init_std, init_mean=init_mean,
@@ -574,7 +611,8 @@ def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
 def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``; one
     written before ``estimator`` existed drew weights (the default until 2026-11-27 stored the key);
-    one written before ``init_std`` and ``init_mean`` had ``"auto"`` started at the global."""
+    one written before ``init_std`` and ``init_mean`` had ``"auto"`` started at the global; one written
+    before ``full_vi`` or ``local_vi`` used the Cholesky dense client or the SGD diagonal one."""
     if "rho" not in table:
         table["rho"] = 1.0 / stored_setting(stored, "server", "clients_per_round", 10)
     table.setdefault("estimator", "weights")
@@ -583,6 +621,8 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
     table.setdefault("init_mean", "global")
     if table.get("covariance") == "full":  # before full_vi (2026-11-29) the dense local VI was the Cholesky one
         table.setdefault("full_vi", "cholesky")
+    elif table.get("covariance", "diagonal") == "diagonal":  # before local_vi (2026-11-29) the diagonal local VI was SGD's
+        table.setdefault("local_vi", "sgd")
     return table
 
 

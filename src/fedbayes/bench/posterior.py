@@ -175,6 +175,8 @@ METHODS: tuple[Method, ...] = (
         "truth",
     ),
     Method("pvi", "PVI", {"name": "pvi"}, "mfvi"),
+    Method("pvi_natural", "PVI (local_vi natural)", {"name": "pvi", "local_vi": "natural"}, "mfvi"),
+    Method("pvi_sgd", "PVI (local_vi sgd)", {"name": "pvi", "local_vi": "sgd"}, "mfvi"),
     Method("pvi_full", "PVI (covariance full)", {"name": "pvi", "covariance": "full"}, "full_vi"),
     Method("fedlap_cov", "FedLap-Cov", {"name": "fedlap_cov"}, "diag_laplace"),
     Method("fedlap_cov_full", "FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}, "laplace"),
