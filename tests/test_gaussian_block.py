@@ -159,6 +159,20 @@ def test_draws_have_the_block_covariance():
         assert jax.tree.structure(one) == jax.tree.structure(B.mean(g))
 
 
+def test_draws_by_scales_have_the_scales_covariance():
+    with jax.enable_x64(True):
+        g, lam, mu = _block(np.random.default_rng(5), STRUCTURES[0])
+        rest, last = B.split(B.mean(g))
+        b = ravel_pytree(last)[0].size
+        root = np.tril(np.random.default_rng(6).normal(size=(b, b)))
+        scale = B.BlockScale(jax.tree.map(lambda x: jnp.full_like(x, 0.5), rest), jnp.asarray(root), g.precision.key)
+        draws = B.sample_scaled(jax.random.key(1), scale, B.mean(g), 40_000)
+        assert jax.tree.structure(jax.tree.map(lambda x: x[0], draws)) == jax.tree.structure(B.mean(g))
+        r, l = B.split(draws)
+        np.testing.assert_allclose(np.cov(np.asarray(jax.vmap(lambda t: ravel_pytree(t)[0])(l)).T), root @ root.T, atol=0.06 * np.abs(root @ root.T).max())
+        np.testing.assert_allclose(np.asarray(jax.vmap(lambda t: ravel_pytree(t)[0])(r)).std(0), 0.5, rtol=0.03)
+
+
 def test_under_jit_and_vmap():
     g, _, _ = _block(np.random.default_rng(2), STRUCTURES[0])
     g = jax.tree.map(lambda x: x.astype(jnp.float32), g)

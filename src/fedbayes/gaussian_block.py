@@ -40,6 +40,7 @@ from fedbayes.gaussian_full import FullGaussian
 __all__ = [
     "BlockGaussian",
     "BlockPrecision",
+    "BlockScale",
     "damp",
     "dense_size",
     "difference",
@@ -61,6 +62,7 @@ __all__ = [
     "quotient",
     "row_bound",
     "sample",
+    "sample_scaled",
     "scaled_identity",
     "shifted",
     "solve",
@@ -131,6 +133,35 @@ class BlockGaussian:
 
     precision_mean: PyTree
     precision: BlockPrecision
+
+
+@struct.dataclass
+class BlockScale:
+    """A zero-mean Gaussian of the last-layer structure given by its scales, the form that draws
+    without a factorisation (a predictive's spread, differentiable in the scales): ``std``, the
+    other layers' standard deviations (a pytree like :func:`split`'s ``rest``), and ``root``, a
+    ``[B, B]`` square root of the last layer's covariance, ``Sigma_L = root root^T``.
+
+    Attributes:
+      std: the other layers' standard deviations.
+      root: the last layer's covariance root.
+      key: the last layer's name (static).
+    """
+
+    std: PyTree
+    root: jax.Array
+    key: str = struct.field(pytree_node=False)
+
+
+def sample_scaled(key: jax.Array, s: BlockScale, like: PyTree, num_samples: int) -> PyTree:
+    """``num_samples`` draws of the zero-mean :class:`BlockScale` ``s``: ``std * eps`` on the other
+    layers, ``root eps`` on the last (unravelled like ``like``'s last layer); leaves ``[num_samples, ...]``."""
+    k_rest, k_last = jax.random.split(key)
+    keys = optax.tree.split_key_like(k_rest, s.std)
+    rest = jax.tree.map(lambda k, sd: sd[None] * jax.random.normal(k, (num_samples, *jnp.shape(sd)), jnp.result_type(sd)), keys, s.std)
+    _, unravel = ravel_pytree(split(like, s.key)[1])
+    eps = jax.random.normal(k_last, (s.root.shape[1], num_samples), s.root.dtype)
+    return join(rest, jax.vmap(unravel)((s.root @ eps).T), s.key)
 
 
 def _check(*gs: Any) -> None:

@@ -116,7 +116,7 @@ def test_network_reaches_the_map_and_the_block_laplace_precision(tmp_path):
     # the marglik search: the chosen prior precision maximises the block's Laplace evidence
     tune = make_prior_precision_search("marglik", DELTA)
     tuned, chosen = tune(jax.random.key(2), mean, spread)
-    assert isinstance(tuned, gaussian_block.BlockGaussian) and 1e-6 * DELTA < float(chosen) < 1e6 * DELTA
+    assert isinstance(tuned, gaussian_block.BlockScale) and 1e-6 * DELTA < float(chosen) < 1e6 * DELTA
     g = np.linalg.eigvalsh(np.asarray(prec.dense) - DELTA * np.eye(15)).clip(0)
     m = np.asarray(ravel_pytree(last)[0], np.float64)
 
@@ -125,7 +125,14 @@ def test_network_reaches_the_map_and_the_block_laplace_precision(tmp_path):
 
     grid = np.exp(np.linspace(np.log(chosen) - 1, np.log(chosen) + 1, 41))
     assert evidence(float(chosen)) >= max(evidence(d) for d in grid) - 1e-4
-    np.testing.assert_allclose(np.asarray(tuned.precision.dense), np.asarray(prec.dense) + (float(chosen) - DELTA) * np.eye(15), rtol=1e-4, atol=1e-4)
+    root = np.asarray(tuned.root, np.float64)
+    expected = np.linalg.inv(np.asarray(prec.dense, np.float64) + (float(chosen) - DELTA) * np.eye(15))
+    np.testing.assert_allclose(root @ root.T, expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max())
+    assert all(float(jnp.max(s)) == 0.0 for s in jax.tree.leaves(tuned.std))  # the other layers stay a point
+    # the validation search differentiates through the draws of the searched spread
+    nll = marginal_metrics(apply, fed.x, fed.y, num_samples=4, predictive="linearised")
+    searched, picked = make_prior_precision_search("validation", DELTA, validation_nll=lambda k, m, v: nll(k, m, v)["nll"])(jax.random.key(3), mean, spread)
+    assert isinstance(searched, gaussian_block.BlockScale) and np.isfinite(float(picked))
 
 
 def test_last_layer_is_a_fedlap_cov_setting():

@@ -21,7 +21,7 @@ import optax
 
 from fedbayes import gaussian_block, gaussian_full
 from fedbayes.evaluation import metrics, multilabel, next_word
-from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
+from fedbayes.gaussian_block import BlockGaussian, BlockPrecision, BlockScale
 from fedbayes.gaussian_full import FullGaussian
 
 
@@ -247,6 +247,9 @@ def _marginal_stats(apply_fn, key, mean, variance, data, num_samples: int, num_b
 def _weight_steps(key, mean, variance, num_samples: int):
     """``theta_s - mean = sqrt(variance) * eps_s``, ``[S, ...]`` per leaf: the same draws for every
     batch; for a :func:`dense_spread`, draws of the zero-mean full or last-layer Gaussian."""
+    if isinstance(variance, BlockScale):  # a searched prior precision's spread (fedbayes.evaluation.prior_precision)
+        draws = gaussian_block.sample_scaled(key, variance, mean, num_samples)
+        return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
     if isinstance(variance, BlockGaussian):
         draws = gaussian_block.sample(key, variance, num_samples)
         return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)

@@ -17,7 +17,7 @@ point; it takes no part in either objective.
 **A last-layer posterior** (``covariance = "last_layer"``: a dense precision ``Lambda_L`` over the
 last layer, diagonal elsewhere; :mod:`fedbayes.gaussian_block`) arrives as its spread, not its
 marginals: ``G = Lambda - delta I`` block by block, the last layer's block eigendecomposed once
-(:class:`BlockCurvature`), and ``delta'`` gives the precision ``G + delta' I``. Its log-determinant
+(:class:`BlockCurvature`), and ``delta'`` gives the precision ``G + delta' I`` (drawn from by its scales). Its log-determinant
 is ``sum_j log(g_j + delta')`` over ``G_L``'s eigenvalues ``g_j`` beside the diagonal's terms: the
 same objective, with the last layer's correlations.
 
@@ -59,7 +59,7 @@ from flax import struct
 from jax.flatten_util import ravel_pytree
 
 from fedbayes import gaussian_block
-from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
+from fedbayes.gaussian_block import BlockGaussian, BlockScale
 
 PyTree = Any
 
@@ -94,14 +94,12 @@ class BlockCurvature:
       rest: ``G_R``, a pytree like the other layers.
       eigenvalues: ``g`` (``[B]``, floored at 0).
       eigenvectors: ``V`` (``[B, B]``).
-      zeros: the spread's zero ``eta`` (the parameters' structure).
       key: the last layer's name (static).
     """
 
     rest: PyTree
     eigenvalues: jax.Array
     eigenvectors: jax.Array
-    zeros: PyTree
     key: str = struct.field(pytree_node=False)
 
 
@@ -118,17 +116,20 @@ def curvature(variance: PyTree | BlockGaussian, prior_precision: float) -> PyTre
         p = variance.precision
         rest = jax.tree.map(lambda d: jnp.where(jnp.isfinite(d), jnp.maximum(d - prior_precision, 0.0), jnp.inf), p.diagonal)
         g, v = jnp.linalg.eigh(0.5 * (p.dense + p.dense.T) - prior_precision * jnp.eye(p.dense.shape[0], dtype=p.dense.dtype))
-        return BlockCurvature(rest, jnp.maximum(g, 0.0), v, variance.precision_mean, p.key)
+        return BlockCurvature(rest, jnp.maximum(g, 0.0), v, p.key)
     return _diag_curvature(variance, prior_precision)
 
 
-def with_prior_precision(curv: PyTree | BlockCurvature, prior_precision) -> PyTree | BlockGaussian:
+def with_prior_precision(curv: PyTree | BlockCurvature, prior_precision) -> PyTree | BlockScale:
     """The variance ``1 / (G + delta')`` of the posterior with prior precision ``delta'`` (0 where
-    ``G`` is infinite); for a :class:`BlockCurvature`, the spread of precision ``G + delta' I``."""
+    ``G`` is infinite); for a :class:`BlockCurvature`, the spread of precision ``G + delta' I`` by its
+    scales (:class:`~fedbayes.gaussian_block.BlockScale`: ``1 / sqrt(G_R + delta')`` and the root
+    ``V diag(g + delta')^{-1/2}`` of the last layer's covariance), which draws without a
+    factorisation, so a search differentiates through its draws."""
     if isinstance(curv, BlockCurvature):
-        rest = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g + prior_precision, jnp.inf), curv.rest)
-        dense = (curv.eigenvectors * (curv.eigenvalues + prior_precision)[None, :]) @ curv.eigenvectors.T
-        return BlockGaussian(curv.zeros, BlockPrecision(rest, dense.astype(curv.eigenvectors.dtype), curv.key))
+        std = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), jax.lax.rsqrt(jnp.where(jnp.isfinite(g), g, 0.0) + prior_precision), 0.0), curv.rest)
+        root = curv.eigenvectors * jax.lax.rsqrt(curv.eigenvalues + prior_precision)[None, :]
+        return BlockScale(std, root.astype(curv.eigenvectors.dtype), curv.key)
     return jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), 1.0 / (jnp.where(jnp.isfinite(g), g, 0.0) + prior_precision), 0.0), curv)
 
 
