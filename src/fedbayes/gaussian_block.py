@@ -244,19 +244,26 @@ def _promote(g: Any, key: str | None = None) -> BlockGaussian:
     raise TypeError(f"expected BlockGaussian, DiagGaussian or IsoGaussian, got {type(g).__name__}")
 
 
+def _block_indices(g: BlockGaussian) -> tuple[np.ndarray, np.ndarray]:
+    """The ravel-order positions (over all parameters) of the other layers' coordinates, in their
+    own ravel order, and of the last layer's."""
+    flat, unravel = ravel_pytree(jax.tree.map(lambda x: np.zeros(np.shape(x)), g.precision_mean))
+    index = unravel(np.arange(flat.size, dtype=np.float64))
+    rest, last = split(index, g.precision.key)
+    rest_flat = ravel_pytree(rest)[0] if rest else np.zeros((0,))
+    return np.asarray(rest_flat).astype(int), np.asarray(ravel_pytree(last)[0]).astype(int)
+
+
 def precision_matrix(g: BlockGaussian) -> np.ndarray:
     """The ``[D, D]`` precision over all parameters in :func:`jax.flatten_util.ravel_pytree` order
     (for tests and small models: it is mostly zeros)."""
     _check(g)
-    flat, unravel = ravel_pytree(g.precision_mean)
-    index = unravel(jnp.arange(flat.size).astype(flat.dtype))  # each coordinate's position in ravel order
-    rest_index, last_index = split(index, g.precision.key)
-    out = np.zeros((flat.size, flat.size), np.asarray(g.precision.dense).dtype)
-    for i, d in zip(jax.tree.leaves(rest_index), jax.tree.leaves(g.precision.diagonal), strict=True):
-        i = np.asarray(i).astype(int).ravel()
-        out[i, i] = np.asarray(d).ravel()
-    li = np.asarray(ravel_pytree(last_index)[0]).astype(int)
-    out[np.ix_(li, li)] = np.asarray(g.precision.dense)
+    rest_index, last_index = _block_indices(g)
+    size = rest_index.size + last_index.size
+    out = np.zeros((size, size), np.asarray(g.precision.dense).dtype)
+    if rest_index.size:
+        out[rest_index, rest_index] = np.asarray(ravel_pytree(g.precision.diagonal)[0])
+    out[np.ix_(last_index, last_index)] = np.asarray(g.precision.dense)
     return out
 
 
@@ -344,16 +351,6 @@ def entropy(g: BlockGaussian) -> jax.Array:
     """Differential entropy: the sum of the blocks' entropies."""
     diag, full = parts(g)
     return gaussian.entropy(diag) + gaussian_full.entropy(full)
-
-
-def _block_indices(g: BlockGaussian) -> tuple[np.ndarray, np.ndarray]:
-    """The ravel-order positions (over all parameters) of the other layers' coordinates, in their
-    own ravel order, and of the last layer's."""
-    flat, unravel = ravel_pytree(jax.tree.map(lambda x: np.zeros(np.shape(x)), g.precision_mean))
-    index = unravel(np.arange(flat.size, dtype=np.float64))
-    rest, last = split(index, g.precision.key)
-    rest_flat = ravel_pytree(rest)[0] if rest else np.zeros((0,))
-    return np.asarray(rest_flat).astype(int), np.asarray(ravel_pytree(last)[0]).astype(int)
 
 
 def predictive_variance(g: BlockGaussian, jacobian: jax.Array) -> jax.Array:
