@@ -5,10 +5,11 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-flower env lint docs results
 
-$(BIN)/fedbayes: pyproject.toml
+# constraints.txt pins the numeric stack (jax, numpy, flax, optax, ...): the committed results reproduce to the digit.
+$(BIN)/fedbayes: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	@touch $@
 
 env: $(BIN)/fedbayes
@@ -70,8 +71,8 @@ results: env
 
 # The documentation site (mkdocs-material + mkdocstrings, the docs extra) into site/, in strict mode:
 # a broken link or a missing reference fails. Nothing is fetched while it builds.
-$(BIN)/mkdocs: pyproject.toml | $(BIN)/fedbayes
-	$(BIN)/pip install -q -e ".[test,docs]"
+$(BIN)/mkdocs: pyproject.toml constraints.txt | $(BIN)/fedbayes
+	$(BIN)/pip install -q -c constraints.txt -e ".[test,docs]"
 	@touch $@
 
 docs: $(BIN)/mkdocs

@@ -8,7 +8,7 @@ Runs, each into a fresh folder under runs/results/:
    one: when the code changes what the job prints, that test fails until this script is run again.
 
 Then writes, between the `<!-- generated:begin -->` and `<!-- generated:end -->` markers of
-docs/results/fmnist_compare.md, the provenance (date, commit, machine) and the table as compare.md
+docs/results/fmnist_compare.md, the provenance (date, commit, machine, versions of the numeric stack) and the table as compare.md
 writes it; copies the plot to docs/results/fmnist_compare.png; and writes
 docs/results/fmnist_compare_check.md (the short job's table, its command and the same provenance).
 Needs Fashion-MNIST (Debian's dataset-fashion-mnist). From the repository's root:
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ SHORT = ["rounds=6", "checkpoint_every=0"]  # FedPA/FedEP/FedSEP leave their 5 b
 FULL_OUT, SHORT_OUT = "runs/results/fmnist_compare", "runs/results/fmnist_compare_check"
 PAGE, CHECK, PLOT = ROOT / "docs/results/fmnist_compare.md", ROOT / "docs/results/fmnist_compare_check.md", ROOT / "docs/results/fmnist_compare.png"
 BEGIN, END = "<!-- generated:begin -->", "<!-- generated:end -->"
+STACK = ("jax", "jaxlib", "numpy", "flax", "optax")  # what decides the last digits; pinned in constraints.txt
 
 
 def short_command(out: str = SHORT_OUT) -> list[str]:
@@ -53,9 +55,11 @@ def provenance() -> str:
     commit = _git("rev-parse", "--short", "HEAD")
     dirty = " with uncommitted changes to src/ (commit them and run this again)" if _git("status", "--porcelain", "src") else ""
     date = datetime.date.today().isoformat()
+    stack = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in STACK)
     return (
         f"> Provenance: measured on {date} at commit {commit}{dirty} by `make results` (scripts/fmnist_results.py), one seed (0), "
-        f"on a {os.cpu_count()}-core machine. The runs are deterministic: the same commit, seed and machine give the same numbers; "
+        f"on a {os.cpu_count()}-core machine, with {stack} (constraints.txt). "
+        "The runs are deterministic: the same commit, seed, machine and versions give the same numbers; "
         "`train s` depends on the machine and its load. tests/runs/test_main_job_table.py reruns the short version "
         "(fmnist_compare_check.md) and fails when the code no longer prints these numbers."
     )

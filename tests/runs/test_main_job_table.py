@@ -3,6 +3,7 @@ gives the committed fmnist_compare_check.md (written with fmnist_compare.md by `
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shlex
@@ -18,6 +19,19 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE, CHECK = ROOT / "docs/results/fmnist_compare.md", ROOT / "docs/results/fmnist_compare_check.md"
 NOT_COMPARED = ("train s (total)",)  # the machine's speed and load
 TOLERANCE = 2e-3  # printed to 4 decimals; about 1e-7 between device layouts and CPUs (docs/design.md)
+CONSTRAINTS = ROOT / "constraints.txt"
+
+
+def _pins() -> dict[str, str]:
+    """constraints.txt: package -> pinned version."""
+    lines = [line.split("#")[0].strip() for line in CONSTRAINTS.read_text().splitlines()]
+    return dict(line.split("==") for line in lines if line)
+
+
+def _made_with(markdown: str) -> dict[str, str]:
+    """The versions the provenance line names: "with jax 0.10.2, numpy 2.4.6 (constraints.txt)"."""
+    listed = re.search(r"^> Provenance: .*?, with (.*?) \(constraints\.txt\)", markdown, re.M).group(1)
+    return dict(item.split(" ") for item in listed.split(", "))
 
 
 def _table(markdown: str) -> dict[str, dict[str, str]]:
@@ -48,6 +62,30 @@ def test_the_committed_tables_are_one_regeneration_of_the_main_job():
     provenance = re.compile(r"^> Provenance: .*$", re.M)
     assert provenance.search(check).group(0) == provenance.search(page).group(0), "regenerate both with `make results`"
     assert "uncommitted changes" not in provenance.search(page).group(0)
+    made_with, pins = _made_with(check), _pins()
+    assert {"jax", "jaxlib", "numpy", "flax", "optax"} <= set(made_with)
+    differ = {name: (version, pins.get(name)) for name, version in made_with.items() if pins.get(name) != version}
+    assert not differ, f"made with versions that constraints.txt does not pin (made with, pinned): {differ}; `make env` then `make results`"
+
+
+def test_the_pins_are_exact_releases_inside_the_packages_ranges():
+    """Every pin of constraints.txt is one release, and one that pyproject.toml's range for that
+    package allows (else `make env` cannot resolve); the packages the job computes with are pinned."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins()
+    assert {"jax", "jaxlib", "numpy", "flax", "optax"} <= set(pins)
+    for name, version in pins.items():
+        assert re.fullmatch(r"\d+(\.\d+)*", version), f"{name}=={version}: pin an exact release"
+    ranged = [Requirement(spec) for spec in [*project["dependencies"], *project["optional-dependencies"]["test"]]]
+    checked = [r.name for r in ranged if r.name in pins]
+    assert {"jax", "numpy", "flax", "optax"} <= set(checked)
+    for requirement in ranged:
+        if requirement.name in pins:
+            assert requirement.specifier.contains(pins[requirement.name]), f"constraints.txt pins {requirement.name}=={pins[requirement.name]}, outside pyproject's {requirement}"
 
 
 @pytest.mark.slow
@@ -65,6 +103,9 @@ def test_a_rerun_of_the_short_job_prints_the_committed_table(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "", "COLUMNS": "200", "PYTHONPATH": str(ROOT / "src")}
     res = subprocess.run([sys.executable, "-m", "fedbayes.cli", *command], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
+    installed = {name: importlib.metadata.version(name) for name in _made_with(check)}
+    made_with = _made_with(check)
+    versions = "" if installed == made_with else f" (this environment has {installed}, the table was made with {made_with}: install with `-c constraints.txt`)"
     committed, rerun = _table(check), _table((tmp_path / "short" / "compare.md").read_text())
     assert list(rerun) == list(committed)
     for method, row in committed.items():
@@ -73,6 +114,6 @@ def test_a_rerun_of_the_short_job_prints_the_committed_table(tmp_path):
                 continue
             now, then = rerun[method][column], _number(cell)
             if then is None or _number(now) is None:
-                assert now == cell, f"{method} {column}: {now} now, {cell} committed; regenerate with `make results`"
+                assert now == cell, f"{method} {column}: {now} now, {cell} committed; regenerate with `make results`{versions}"
             else:
-                assert abs(_number(now) - then) <= TOLERANCE, f"{method} {column}: {now} now, {cell} committed; regenerate with `make results`"
+                assert abs(_number(now) - then) <= TOLERANCE, f"{method} {column}: {now} now, {cell} committed; regenerate with `make results`{versions}"
