@@ -85,7 +85,9 @@ def test_the_pins_are_exact_releases_inside_the_packages_ranges():
     assert {"jax", "numpy", "flax", "optax"} <= set(checked)
     for requirement in ranged:
         if requirement.name in pins:
-            assert requirement.specifier.contains(pins[requirement.name]), f"constraints.txt pins {requirement.name}=={pins[requirement.name]}, outside pyproject's {requirement}"
+            assert requirement.specifier.contains(pins[requirement.name]), (
+                f"constraints.txt pins {requirement.name}=={pins[requirement.name]}, outside pyproject's {requirement}"
+            )
 
 
 @pytest.mark.slow
