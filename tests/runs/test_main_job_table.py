@@ -105,8 +105,8 @@ def test_a_rerun_of_the_short_job_prints_the_committed_table(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "", "COLUMNS": "200", "PYTHONPATH": str(ROOT / "src")}
     res = subprocess.run([sys.executable, "-m", "fedbayes.cli", *command], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    installed = {name: importlib.metadata.version(name) for name in _made_with(check)}
     made_with = _made_with(check)
+    installed = {name: importlib.metadata.version(name) for name in made_with}
     versions = "" if installed == made_with else f" (this environment has {installed}, the table was made with {made_with}: install with `-c constraints.txt`)"
     committed, rerun = _table(check), _table((tmp_path / "short" / "compare.md").read_text())
     assert list(rerun) == list(committed)
