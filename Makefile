@@ -32,7 +32,11 @@ demo: env
 # no error). The summary counts the reruns ("1 rerun"), and a test that crashes twice fails. Why:
 # XLA's CPU runtime segfaulted in deserialize_executable, loading a round's program from the
 # persistent compilation cache (conftest.py), twice in about five full runs of the suite, and never
-# in 37 runs of the same test alone.
+# in 37 runs of the same test alone. Likely cause: jax 0.10 writes a cache entry without its file
+# lock when no size cap is set (as here), so one worker can read the other's half-written entry. A
+# folder per worker avoids that but costs the hits between workers: the conformance suite's cohort
+# and resume tests (66 tests, -n 2, cache empty) took 12:18 with a folder per worker against 10:38
+# and 10:32 shared (CPU 23:36 against 20:37 and 20:28); with the shared folder warm, 6:33.
 PYTEST_CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 test: env
 	$(BIN)/python -m pytest -q -n 2 --durations=30 $(PYTEST_CRASH_RERUN)
