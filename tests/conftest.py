@@ -56,9 +56,11 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` run first; tests marked ``benchmark`` are deselected unless
     ``--benchmarks`` is given: their bounds on time and memory hold on a quiet machine, not beside
     another worker's tests."""
-    # The tests marked slow (minutes each) go first: pytest-xdist hands tests out in this order, so
-    # the two workers share the long ones and finish on short ones, instead of one worker running
-    # a 5-minute test alone at the end. The order within each group is kept.
+    # The tests marked slow (minutes each) go first, so that no worker runs a 5-minute test alone
+    # at the end. pytest-xdist's load scheduler (xdist/scheduler/load.py, LoadScheduling.schedule)
+    # gives each worker a first chunk of a quarter of its share of consecutive tests, so the slow
+    # ones all land in the first worker's chunk; the other worker takes more of the rest, and both
+    # finish on short tests. The order within each group is kept.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if config.getoption("--benchmarks"):
         return
