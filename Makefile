@@ -36,7 +36,9 @@ demo: env
 # lock when no size cap is set (as here), so one worker can read the other's half-written entry. A
 # folder per worker avoids that but costs the hits between workers: the conformance suite's cohort
 # and resume tests (66 tests, -n 2, cache empty) took 12:18 with a folder per worker against 10:38
-# and 10:32 shared (CPU 23:36 against 20:37 and 20:28); with the shared folder warm, 6:33.
+# and 10:32 shared (CPU 23:36 against 20:37 and 20:28); with the shared folder warm, 6:33
+# (2026-11-29, this 2-core machine otherwise idle; each run: rm -rf DIR; FEDBAYES_CACHE=DIR
+# .venv/bin/python -m pytest -q -n 2 tests/algorithms/test_conformance.py -k "cohort_equals or resume_from").
 PYTEST_CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 test: env
 	$(BIN)/python -m pytest -q -n 2 --durations=30 $(PYTEST_CRASH_RERUN)
