@@ -37,7 +37,7 @@ demo: env
 # folder per worker avoids that but costs the hits between workers: the conformance suite's cohort
 # and resume tests (66 tests, -n 2, cache empty) took 12:18 with a folder per worker against 10:38
 # and 10:32 shared (CPU 23:36 against 20:37 and 20:28); with the shared folder warm, 6:33
-# (2026-11-29, this 2-core machine otherwise idle; each run: rm -rf DIR; FEDBAYES_CACHE=DIR
+# (2026-11-29, this 2-core machine otherwise idle; the shared runs: rm -rf DIR; FEDBAYES_CACHE=DIR
 # .venv/bin/python -m pytest -q -n 2 tests/algorithms/test_conformance.py -k "cohort_equals or resume_from").
 PYTEST_CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 test: env
