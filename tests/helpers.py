@@ -117,5 +117,12 @@ def plain_loop_round(sim: Simulator, state, client_update=None):
         msgs.append(m)
         new_states.append(s)
     w = jnp.asarray(protocol.client_weights(sim.sizes[cohort], sim.weighting))
-    server, ok, _ = protocol.server_step(protocol.server_key(sim.seed, state.round), alg, state.server_state, tree.stack(msgs), w)
+    server, ok, _ = jitted_server_step(alg)(protocol.server_key(sim.seed, state.round), state.server_state, tree.stack(msgs), w)
     return server, cohort, new_states, np.asarray(ok)
+
+
+def jitted_server_step(alg, aggregator=None):
+    """:func:`fedbayes.protocol.server_step` of ``alg`` as one compiled program ``(key, state, messages,
+    weights)``: run op by op, a dense method's step dispatches hundreds of small programs, each
+    compiled once per process."""
+    return jax.jit(lambda key, state, messages, weights: protocol.server_step(key, alg, state, messages, weights, aggregator))
