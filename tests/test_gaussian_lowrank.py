@@ -8,6 +8,7 @@ cavities of EP) and ranks above the dimension.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import scipy.stats
 from hypothesis import given
 from hypothesis import strategies as st
@@ -157,3 +158,18 @@ def test_samples_have_the_moments():
         flat = np.asarray(jax.vmap(lambda t: ravel_pytree(t)[0])(draws))
         np.testing.assert_allclose(flat.mean(0), mu, atol=4 * np.sqrt(np.diag(cov).max() / 40_000))
         np.testing.assert_allclose(np.cov(flat.T), cov, atol=0.05 * np.abs(cov).max())
+
+
+def test_a_layers_marginal_is_drawn_as_the_joints_sub_vector():
+    with jax.enable_x64(True):
+        g, lam, mu = _lowrank(np.random.default_rng(4), {"w": (2, 2), "b": (2,)}, 3)
+        m = L.marginal(g, "w")
+        draws = L.sample_marginal(jax.random.key(0), m, 40_000)
+        np.testing.assert_array_equal(np.asarray(draws["b"]), np.broadcast_to(np.asarray(L.mean(g)["b"]), (40_000, 2)))
+        # the ravel order is b then w: the marginal covariance is the joint covariance's w block
+        cov = np.linalg.inv(lam)[2:, 2:]
+        w = np.asarray(draws["w"]).reshape(40_000, 4)
+        np.testing.assert_allclose(w.mean(axis=0), mu[2:], atol=0.03)
+        np.testing.assert_allclose(np.cov(w.T), cov, atol=0.03 * np.abs(cov).max())
+        with pytest.raises(ValueError, match="no top-level entry 'output'"):
+            L.marginal(g, "output")

@@ -40,6 +40,7 @@ from fedbayes import gaussian
 from fedbayes.gaussian import DiagGaussian, IsoGaussian
 
 __all__ = [
+    "LayerMarginal",
     "LowRankGaussian",
     "damp",
     "difference",
@@ -48,6 +49,7 @@ __all__ = [
     "is_proper",
     "kl",
     "log_prob",
+    "marginal",
     "mean",
     "power",
     "precision_matrix",
@@ -57,6 +59,7 @@ __all__ = [
     "quotient",
     "rank",
     "sample",
+    "sample_marginal",
     "truncate",
     "uniform_like",
     "variance",
@@ -82,6 +85,34 @@ class LowRankGaussian:
     diag: PyTree
     factors: jax.Array
     weights: jax.Array
+
+
+@struct.dataclass
+class LayerMarginal:
+    """The marginal of a :class:`LowRankGaussian` ``joint`` over one top-level entry ``key`` of its
+    parameter dict (a network's layer): a Gaussian's marginal is its draws' sub-vector, so it is drawn
+    as the joint with every other entry at its mean (:func:`sample_marginal`)."""
+
+    joint: LowRankGaussian
+    key: str = struct.field(pytree_node=False)
+
+
+def marginal(g: LowRankGaussian, key: str) -> LayerMarginal:
+    """The marginal of ``g`` over its parameter dict's entry ``key``."""
+    g = _check(g)
+    if not isinstance(g.precision_mean, dict) or key not in g.precision_mean:
+        raise ValueError(f"marginal: the parameters have no top-level entry {key!r}")
+    return LayerMarginal(g, key)
+
+
+def sample_marginal(key: jax.Array, m: LayerMarginal, num_samples: int | None = None) -> PyTree:
+    """Draws of the joint with every entry but ``m.key`` at the joint's mean (exact draws of the
+    marginal over ``m.key``)."""
+    draws = sample(key, m.joint, num_samples)
+    centre = mean(m.joint)
+    if num_samples is not None:
+        centre = jax.tree.map(lambda c: jnp.broadcast_to(c, (num_samples, *jnp.shape(c))), centre)
+    return {k: (v if k == m.key else centre[k]) for k, v in draws.items()}
 
 
 def rank(g: LowRankGaussian) -> int:

@@ -68,6 +68,8 @@ VARIANTS = {
     "fedlap_cov+full": ("fedlap_cov", {"covariance": "full"}),
     "fedlap_cov+last_layer": ("fedlap_cov", {"covariance": "last_layer"}),
     "fedep+last_layer": ("fedep", {"covariance": "last_layer"}),
+    # two basis rounds: the suite's three rounds cross the step where the basis is fixed
+    "fedlap_cov+low_rank": ("fedlap_cov", {"covariance": "low_rank", "rank": 4, "basis_rounds": 2}),
     # the sampler at its smallest (10 warm-up transitions, 4 draws, trees of at most 8 steps): the
     # defaults (500 and 1000, trees of up to 1024 steps) are for a posterior; the suite checks the protocol
     "fedep+nuts": ("fedep", {"covariance": "full", "method": "nuts", "nuts_warmup": 10, "nuts_draws": 4, "nuts_curvature_draws": 2, "nuts_max_doublings": 3}),
@@ -78,7 +80,7 @@ NAMES = (*registry.names(), HALF_STEP.name, *VARIANTS)
 # curvature, natural-gradient and sampler steps cost O(D^2) to O(D^3) per step.
 DENSE_VARIANTS = ("fedep+full", "pvi+full", "fedep+ngvi_full", "fedsep+ngvi_full", "fedlap_cov+full", "fedep+nuts")
 # variants whose structure needs a network (hidden widths of the MLP they run on): a last layer and other layers
-NETWORK_VARIANTS = {"fedlap_cov+last_layer": (8,), "fedep+last_layer": (8,)}
+NETWORK_VARIANTS = {"fedlap_cov+last_layer": (8,), "fedep+last_layer": (8,), "fedlap_cov+low_rank": (8,)}
 # PVI's dense message inverts its Cholesky factor in float32: a rounding difference between two
 # compilations of the same client grows by that factor's condition number (digits' constant pixels
 # keep the prior's variance beside well-determined weights)

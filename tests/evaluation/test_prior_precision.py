@@ -153,3 +153,54 @@ def test_the_last_layer_subset_keeps_only_the_output_layers_variance():
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(last["output"]), jax.tree.leaves(var["output"])))
     with pytest.raises(ValueError, match="subset_of_weights must be one of all, last_layer; got 'first'"):
         restrict_to_subset(var, "first")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_low_rank_posterior_is_searched_in_its_own_structure(seed):
+    """A low-rank spread (precision diag(d) + U diag(s) U^T): the objective against dense algebra,
+    the swapped prior keeps U and s, and the marglik search meets MacKay's fixed point on G's
+    eigenvalues."""
+    from jax.flatten_util import ravel_pytree
+
+    from fedbayes.gaussian_lowrank import LowRankGaussian
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(seed)
+        size, rank, delta = 12, 3, 2.0
+        g_diag = rng.exponential(5.0, size) * (rng.random(size) < 0.7)
+        u = np.linalg.qr(rng.normal(size=(size, rank)))[0]
+        s = rng.uniform(5.0, 80.0, rank)
+        g = np.diag(g_diag) + (u * s) @ u.T  # the curvature, PSD
+        mean = {"w": jnp.asarray(rng.normal(0, 0.7, size))}
+        spread = LowRankGaussian({"w": jnp.zeros(size)}, {"w": jnp.asarray(g_diag + delta)}, jnp.asarray(u), jnp.asarray(s))
+        curv = pp.curvature(spread, delta)
+        assert isinstance(curv, pp.LowRankCurvature)
+        wider = pp.with_prior_precision(curv, delta / 10)
+        np.testing.assert_allclose(np.asarray(wider.diag["w"]), g_diag + delta / 10, rtol=1e-12)
+        np.testing.assert_array_equal(np.asarray(wider.factors), u)
+        m = np.asarray(ravel_pytree(mean)[0])
+        for other in (0.1, 3.0):
+            dense = -0.5 * other * m @ m + 0.5 * size * np.log(other) - 0.5 * np.linalg.slogdet(g + other * np.eye(size))[1]
+            np.testing.assert_allclose(float(pp.log_marginal_likelihood(mean, curv, other)), dense, rtol=1e-6)  # delta' in float32
+        found = float(pp.marglik_prior_precision(mean, spread, delta))
+        eig = np.linalg.eigvalsh(g)
+        np.testing.assert_allclose(found, np.sum(eig / (eig + found)) / (m @ m), rtol=1e-4)
+
+
+def test_a_low_rank_layer_marginal_keeps_its_layer_through_the_search():
+    """The last layer's marginal of a low-rank posterior: the evidence is the whole structure's,
+    and the chosen prior precision gives the marginal of the same layer."""
+    from fedbayes import gaussian_lowrank
+
+    rng = np.random.default_rng(2)
+    shapes = {"hidden": (6,), "output": (3,)}
+    u = np.linalg.qr(rng.normal(size=(9, 2)))[0].astype(np.float32)
+    diag = {k: jnp.asarray(rng.uniform(1.5, 4.0, s), jnp.float32) for k, s in shapes.items()}
+    joint = gaussian_lowrank.LowRankGaussian({k: jnp.zeros(s) for k, s in shapes.items()}, diag, jnp.asarray(u), jnp.asarray([20.0, 5.0]))
+    mean = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    whole = float(pp.marglik_prior_precision(mean, joint, 1.0))
+    layer = pp.make_prior_precision_search("marglik", 1.0)
+    spread, chosen = layer(jax.random.key(0), mean, gaussian_lowrank.marginal(joint, "output"))
+    np.testing.assert_allclose(float(chosen), whole, rtol=1e-6)
+    assert isinstance(spread, gaussian_lowrank.LayerMarginal) and spread.key == "output"
+    np.testing.assert_allclose(np.asarray(spread.joint.diag["hidden"]), np.asarray(diag["hidden"]) - 1.0 + whole, rtol=1e-5)

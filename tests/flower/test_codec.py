@@ -80,9 +80,9 @@ def test_small_arrays_travel_inline_in_the_config_record_and_large_ones_as_a_pac
 
 
 def test_structured_gaussian_messages_round_trip_exactly():
-    """A dense (full-covariance), a low-rank-plus-diagonal and a last-layer Gaussian message travel as
-    any pytree: the [D, D] precision, the factors and the blocks come back bit for bit, and a
-    precision of another shape is refused."""
+    """A dense (full-covariance), a low-rank-plus-diagonal, a last-layer and a shared-basis
+    low-rank Gaussian message travel as any pytree: the [D, D] precision, the factors, the blocks,
+    the core and the sketch come back bit for bit, and a precision of another shape is refused."""
     from fedbayes import gaussian_block, gaussian_full, gaussian_lowrank
     from fedbayes.gaussian import DiagGaussian
 
@@ -94,7 +94,13 @@ def test_structured_gaussian_messages_round_trip_exactly():
     low = gaussian_lowrank.from_diag(diag, rank=2)
     net = {"hidden_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}, **{"output": mean["dense"]}}
     block = gaussian_block.BlockGaussian(net, gaussian_block.scaled_identity(net, 2.0))
-    for message in (full, low, block):
+    from fedbayes import gaussian_subspace
+    from fedbayes.algorithms.sites import GaussianMessage
+
+    # the low-rank structure in a shared basis: coordinates, a validity flag and the [D, r] sketch
+    core = gaussian_subspace.SubspaceGaussian(mean, gaussian_subspace.SubspacePrecision(diag.precision, jnp.eye(2) * 3.0))
+    shared = GaussianMessage(core, jnp.asarray(True), None, jax.random.normal(jax.random.key(1), (8, 2)))
+    for message in (full, low, block, shared):
         back = decode(encode(message), message)
         assert type(back) is type(message)
         for x, y in zip(jax.tree.leaves(message), jax.tree.leaves(back), strict=True):

@@ -275,6 +275,22 @@ def test_in_process_rounds_equal_the_simulator_for_a_stateful_method(tmp_path, a
     assert len(seen) == 6 and set(seen) == {(arrays == "records",) * 2}
 
 
+def test_in_process_rounds_equal_the_simulator_for_low_rank_sites(tmp_path):
+    """FedLap-Cov with the low-rank structure over 3 rounds through the ClientApp's handler: the
+    basis and its flag in the broadcast, the core and the curvature sketch in the replies, the round
+    where the basis is fixed crossed."""
+    from fedbayes.flower.node import prepare_data
+
+    raw = raw_config("fedlap_cov", rounds=3)
+    raw["algorithm"].update(covariance="low_rank", rank=4, basis_rounds=1)
+    cfg = validate(raw)
+    run_experiment(cfg, tmp_path / "sim")
+    prepare_data(build_experiment(cfg), dict.fromkeys(range(3), tmp_path / "nodes"))
+    run_experiment(cfg, tmp_path / "flower", rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
+    assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-5)
+    assert records(tmp_path / "flower" / "metrics.jsonl")[-1]["dropped"] == 0
+
+
 def test_simulator_only_settings_are_refused_naming_the_field(fedep_experiment):
     from fedbayes.errors import BadInputError
 

@@ -387,3 +387,30 @@ def test_block_ggn_is_the_last_layer_block_of_the_ggn_and_the_diagonal_elsewhere
         np.testing.assert_allclose(np.asarray(got.dense), np.asarray(dense), rtol=0, atol=1e-8 * scale)
         if jax.tree.leaves(others):
             _assert_close(got.diagonal, gaussian_block.split(cv.batch_diag_ggn(apply, params, x, y, mask, task=task), key)[0], rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["mlp", "linear", "logreg"])
+def test_ggn_matmat_and_the_subspace_pass_equal_the_dense_ggn(name):
+    """:func:`batch_ggn_matmat` is the dense GGN times the vectors (padding masked out), and
+    :func:`data_subspace_ggn` sums ``(diag G, G B)`` over a client's minibatches."""
+    from jax.flatten_util import ravel_pytree
+
+    from fedbayes.data.batches import ClientData
+
+    with jax.enable_x64(True):
+        apply, params, x, y, task = _setup(name, BATCH, 4)
+        dim = ravel_pytree(params)[0].size
+        vectors = jax.random.normal(jax.random.key(5), (dim, 3), jnp.float64)
+        mask = jnp.asarray([1.0, 0.0, 1.0, 1.0, 1.0], jnp.float64)
+        dense = np.asarray(cv.batch_full_ggn(apply, params, x, mask, task=task))
+        scale = np.abs(dense).max()
+        assert scale > 0
+        np.testing.assert_allclose(
+            np.asarray(cv.batch_ggn_matmat(apply, params, x, mask, vectors, task=task)), dense @ np.asarray(vectors), atol=1e-9 * scale * dim
+        )
+        # a client of the batch's 4 real examples, in minibatches of 2 (the padded one left out)
+        real = np.asarray([0, 2, 3, 4])
+        data = ClientData(x[real], y[real], jnp.arange(len(real), dtype=jnp.int32), jnp.int32(0), jnp.int32(len(real)))
+        diag, product = cv.data_subspace_ggn(apply, params, data, vectors, batch_size=2, task=task)
+        np.testing.assert_allclose(np.asarray(product), dense @ np.asarray(vectors), atol=1e-9 * scale * dim)
+        np.testing.assert_allclose(np.asarray(ravel_pytree(diag)[0]), np.diag(dense), rtol=1e-8, atol=1e-12 * scale)

@@ -15,9 +15,13 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   zero and keeps its old state.
 * ``server_posterior(server_state) -> (mean, variance)`` (optional, Bayesian methods): the
   diagonal Gaussian ``q_g`` in moments, for marginalised predictions; ``None`` for point methods.
-* ``server_precision(server_state) -> [D, D]`` (optional, methods whose ``q_g`` has a dense
-  precision: FedEP with ``covariance = "full"``): that precision over the raveled parameters
-  (:func:`jax.flatten_util.ravel_pytree` order), exported as ``model.npz``'s ``posterior_precision``.
+* ``server_precision(server_state) -> precision`` (optional, methods whose ``q_g`` has a
+  structured precision): a dense ``[D, D]`` array over the raveled parameters
+  (:func:`jax.flatten_util.ravel_pytree` order; ``covariance = "full"``), a last-layer
+  :class:`~fedbayes.gaussian_block.BlockPrecision`, or a low-rank
+  :class:`~fedbayes.gaussian_lowrank.LowRankGaussian` with a zero mean (``covariance =
+  "low_rank"``); exported to ``model.npz`` (:mod:`fedbayes.runs.export`), and the marginalised
+  prediction draws from it.
 * ``personal_posterior(server_state, client_state, weight) -> (mean, variance)`` (optional,
   methods whose clients keep a Gaussian site): client ``k``'s personalised posterior
   ``q_k ∝ q_g t_k^weight`` in moments (:func:`fedbayes.algorithms.sites.personalised`);
@@ -147,7 +151,7 @@ class Algorithm(NamedTuple):
     server_on_one_device: bool = False
     after_rejected_round: Any = None  # server_state -> server_state; None: kept
     personal_posterior: Any = None  # (server_state, client_state, weight) -> (mean, variance); None: fine-tuning
-    server_precision: Any = None  # server_state -> the [D, D] dense precision of q_g (ravel order); None: not dense
+    server_precision: Any = None  # server_state -> q_g's structured precision (dense, last-layer or low-rank); None: diagonal
 
     @property
     def local_epochs(self) -> int:

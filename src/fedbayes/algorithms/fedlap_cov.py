@@ -69,6 +69,24 @@ fixed point is still the MAP and ``S_g`` there is Laplace Redux's last-layer GGN
 rest diagonal (Daxberger et al. 2021, "Laplace Redux", Sec. 3; FedLap-Cov's Sec. 3.3 leaves the
 structure open). For last layers of at most ``MAX_FULL_PARAMS`` parameters (a network's output
 layer: 1,010 for the (200, 100) MLP on ten classes); no robust aggregation or privacy.
+
+**Low-rank structure in a shared basis** (``covariance = "low_rank"``; docs/algorithms.md §10.3):
+every precision is ``diag(d) + B S B^T`` (:mod:`fedbayes.gaussian_subspace`) with one orthonormal
+basis ``B`` (``[D, r]``, ``r = rank``) that the server broadcasts, so the server's product stays a
+sum of the sites' coordinates ``(v, d, S)``. A client's curvature target is ``H_k`` in that
+structure, from its diagonal GGN and ``Y_k = G_k B`` (:func:`fedbayes.inference.curvature.data_subspace_ggn`):
+``S = B^T G_k B`` and ``d = diag((I - P) G_k (I - P))``, ``P = B B^T``. The basis is found by
+subspace iteration spread over the first ``basis_rounds`` rounds: ``B_0`` is random (the server's
+key), and after round ``t`` the server sets ``B_{t+1} = orth(sum_k Y_k)``, the cohort's sketch of the
+GGN's leading eigenspace (Halko, Martinsson and Tropp 2011, "Finding structure with randomness",
+Alg. 4.3, the power scheme, one power step a round). During those rounds the sites' cores stay zero
+(the targets are the diagonal method's: ``d = diag(G_k)``, ``S = 0``), so no site ever has to be
+re-expressed in a new basis; from round ``basis_rounds`` on ``B`` is fixed and the cores grow. The
+fixed point is still the MAP, and ``S_g`` there is ``delta I + diag((I - P) G (I - P)) + P G P``
+for the total GGN ``G`` at the MAP and ``P`` of the fixed basis: exact in the span of ``B``,
+diagonal outside it (Laplace Redux's low-rank Laplace, Daxberger et al. 2021, Sec. 3, keeps the
+top eigenpairs and the prior only). Every message also carries its ``Y_k`` (``D r`` numbers), which
+the server uses only in the basis rounds. No robust aggregation or privacy.
 """
 
 from __future__ import annotations
@@ -82,7 +100,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field
 
-from fedbayes import gaussian, gaussian_block, gaussian_full, tree
+from fedbayes import gaussian, gaussian_block, gaussian_full, gaussian_subspace, tree
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms import sites
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
@@ -92,10 +110,11 @@ from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_full import FullGaussian
+from fedbayes.gaussian_subspace import SubspaceGaussian, SubspacePrecision
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import LocalSolver
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
-from fedbayes.inference.curvature import data_block_ggn, data_curvature, data_full_ggn
+from fedbayes.inference.curvature import data_block_ggn, data_curvature, data_full_ggn, data_subspace_ggn
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, per_example, run_sgd, stiff_step_control
 
 PyTree = Any
@@ -104,7 +123,9 @@ DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_d
 STEP_CAP = 1.0
 Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
 INIT_PRECISIONS = ("delta", "zero")
-COVARIANCES = ("diagonal", "full", "last_layer")
+COVARIANCES = ("diagonal", "full", "last_layer", "low_rank")
+DEFAULT_RANK = 10  # covariance = "low_rank": directions of the shared basis
+DEFAULT_BASIS_ROUNDS = 3  # covariance = "low_rank": rounds of subspace iteration before the basis is fixed
 
 __all__ = [
     "BLOCK",
@@ -120,9 +141,11 @@ __all__ = [
     "ServerState",
     "client_step",
     "fedlap_cov",
+    "local_fit",
     "server_step",
     "site_terms",
     "site_update",
+    "subspace_ops",
 ]
 
 
@@ -144,6 +167,10 @@ class PrecisionOps(NamedTuple):
         on the curvature of the quadratic ``x^T precision x / 2`` (the absolute value of a diagonal;
         a dense matrix's Gershgorin row sums ``sum_j |P_ij|``), for the local step's control
         (:func:`~fedbayes.inference.sgd.stiff_step_control`).
+      quad: ``(precision, x) -> x^T precision x``, or ``None``. Given, the client's site and cavity
+        terms are one quadratic in ``w`` whose linear and constant parts are formed once a round
+        (:func:`local_fit`): each local step then applies the precision once, not twice (the
+        low-rank structure's basis is ``D r`` numbers, read from memory at every application).
     """
 
     matvec: Callable
@@ -154,6 +181,7 @@ class PrecisionOps(NamedTuple):
     family: Any = gaussian
     to_diag: Callable = lambda g: g
     row_bound: Callable = lambda p, params: jax.tree.map(jnp.abs, p)
+    quad: Callable | None = None
 
 
 DIAGONAL = PrecisionOps(
@@ -204,6 +232,24 @@ BLOCK = PrecisionOps(
 OPS = {"diagonal": DIAGONAL, "full": DENSE, "last_layer": BLOCK}
 
 
+def subspace_ops(basis: jax.Array) -> PrecisionOps:
+    """:class:`PrecisionOps` of the low-rank structure in the basis ``basis``
+    (:func:`fedbayes.gaussian_subspace.in_basis`); the diagonal's running sum is floored as the
+    diagonal family's, the core is a sum of PSD sites' cores."""
+    family = gaussian_subspace.in_basis(basis)
+    return PrecisionOps(
+        matvec=family.matvec,
+        solve=family.solve,
+        scaled_identity=family.scaled_identity,
+        at_least=family.at_least,
+        make=SubspaceGaussian,
+        family=family,
+        to_diag=family.project_to_diag,
+        row_bound=family.row_bound,
+        quad=family.quad,
+    )
+
+
 class ServerState(NamedTuple):
     """FedLap-Cov server state.
 
@@ -214,6 +260,8 @@ class ServerState(NamedTuple):
       round: rounds done.
       damping: the site damping the next round's clients use
         (:class:`~fedbayes.algorithms.damping.DampingState`).
+      basis: ``covariance = "low_rank"``: the shared orthonormal basis ``[D, r]`` of every
+        precision; ``None`` (no leaf) otherwise.
     """
 
     params: optax.Params
@@ -221,16 +269,20 @@ class ServerState(NamedTuple):
     init: optax.Params
     round: jax.Array
     damping: damping_policy.DampingState | None = None
+    basis: jax.Array | None = None
 
 
 class Broadcast(NamedTuple):
-    """What clients receive: ``w_g``, the precision ``S_g`` they use, where training starts, and the
-    round's site damping ``rho``."""
+    """What clients receive: ``w_g``, the precision ``S_g`` they use, where training starts, the
+    round's site damping ``rho``, and with ``covariance = "low_rank"`` the basis and whether it is
+    fixed (the sites' cores grow from then on); ``None`` (no leaf) otherwise."""
 
     anchor: optax.Params
     precision: PyTree
     start: optax.Params
     damping: jax.Array | float = 1.0
+    basis: jax.Array | None = None
+    basis_fixed: jax.Array | None = None
 
 
 class FedLapCovInfo(NamedTuple):
@@ -286,15 +338,34 @@ def client_step(
     features reaches first, through its largest eigenvalue), the step is scaled down coordinate by
     coordinate (:func:`~fedbayes.inference.sgd.stiff_step_control` with ``ops.row_bound``; the
     local optimum is unchanged, every other coordinate steps as the optimizer does)."""
-
-    def penalty(w):
-        return per_example(site_terms(w, message, site, ops), data.num_examples)
-
-    cavity_precision = jax.tree.map(jnp.subtract, message.precision, site.precision)
-    controlled = stiff_step_control(trainer, ops.row_bound(cavity_precision, message.start), data.num_examples, STEP_CAP)
-    w_k, info = solver(key, message.start, data, controlled, penalty)
+    w_k, info = local_fit(key, message, site, data, trainer, ops=ops, solver=solver)
     h_k = curvature(w_k, data)
     return w_k, h_k, site_update(site, w_k, message, h_k, damping, ops), info
+
+
+def local_fit(
+    key: jax.Array, message: Broadcast, site, data: ClientData, trainer: LocalTrainer, *, ops: PrecisionOps = DIAGONAL, solver: LocalSolver = run_sgd
+):
+    """The client's local optimisation of :func:`client_step`: ``(w_k, info)``. With ``ops.quad``
+    the site and cavity terms are written as the one quadratic ``1/2 w^T (S_g - V_k) w - w^T (S_g
+    w_g - v_k) + 1/2 w_g^T S_g w_g`` (:func:`site_terms` expanded), its linear and constant parts
+    formed once."""
+    cavity_precision = jax.tree.map(jnp.subtract, message.precision, site.precision)
+    if ops.quad is None:
+
+        def penalty(w):
+            return per_example(site_terms(w, message, site, ops), data.num_examples)
+
+    else:
+        anchored = ops.matvec(message.precision, message.anchor)
+        linear = optax.tree.sub(anchored, site.precision_mean)
+        constant = 0.5 * optax.tree.vdot(message.anchor, anchored)
+
+        def penalty(w):
+            return per_example(0.5 * ops.quad(cavity_precision, w) - optax.tree.vdot(w, linear) + constant, data.num_examples)
+
+    controlled = stiff_step_control(trainer, ops.row_bound(cavity_precision, message.start), data.num_examples, STEP_CAP)
+    return solver(key, message.start, data, controlled, penalty)
 
 
 def server_init(params, delta: float, ops: PrecisionOps = DIAGONAL, damping: damping_policy.Damping | None = None) -> ServerState:
@@ -354,6 +425,8 @@ def fedlap_cov(
     init_precision: str = "delta",
     solver: LocalSolver = run_sgd,
     covariance: str = "diagonal",
+    rank: int = DEFAULT_RANK,
+    basis_rounds: int = DEFAULT_BASIS_ROUNDS,
 ) -> Algorithm:
     """FedLap-Cov (docs/algorithms.md §10) with diagonal precisions, or dense ones (``covariance = "full"``).
 
@@ -367,8 +440,14 @@ def fedlap_cov(
         (:func:`fedbayes.algorithms.damping.adaptive`).
       init_precision: ``"delta"`` or ``"zero"``, the ``S_g`` clients use in round 1.
       solver: the local solver, ``run_sgd`` by default (tests pass an exact one).
-      covariance: ``"diagonal"``, ``"full"`` (:data:`DENSE` precisions) or ``"last_layer"``
-        (:data:`BLOCK` precisions: dense over the last layer, diagonal elsewhere; module docstring).
+      covariance: ``"diagonal"``, ``"full"`` (:data:`DENSE` precisions), ``"last_layer"``
+        (:data:`BLOCK` precisions: dense over the last layer, diagonal elsewhere) or ``"low_rank"``
+        (:func:`subspace_ops`: diagonal plus rank ``rank`` in a shared basis; ``curvature`` is then
+        ``(params, data, basis) -> (diag GGN, GGN basis)``, e.g.
+        :func:`fedbayes.inference.curvature.data_subspace_ggn`; module docstring).
+      rank: ``covariance = "low_rank"``: the basis's directions ``r``.
+      basis_rounds: ``covariance = "low_rank"``: the rounds of subspace iteration before the basis
+        is fixed, at least 1.
     """
     if not isinstance(damping, damping_policy.Damping):
         check_settings("fedlap_cov", delta, damping)
@@ -379,6 +458,10 @@ def fedlap_cov(
         raise ValueError(f"fedlap_cov: init_precision must be one of {', '.join(INIT_PRECISIONS)}; got {init_precision!r}")
     if covariance not in COVARIANCES:
         raise ValueError(f"fedlap_cov: covariance must be one of {', '.join(COVARIANCES)}; got {covariance!r}")
+    if covariance == "low_rank":
+        if rank < 1 or basis_rounds < 1:
+            raise ValueError(f"fedlap_cov: rank and basis_rounds must be at least 1; got {rank} and {basis_rounds}")
+        return _low_rank(trainer, curvature, delta=delta, damping=damping, init_precision=init_precision, solver=solver, rank=rank, basis_rounds=basis_rounds)
     ops, valid = OPS[covariance], VALID[covariance]
 
     def client_update(key, message: Broadcast, site, data):
@@ -421,6 +504,76 @@ def fedlap_cov(
     )
 
 
+def _valid_subspace_curvature(h: SubspacePrecision) -> jax.Array:
+    return jnp.logical_and(_valid_curvature(h.diagonal), _valid_dense_curvature(h.core))
+
+
+def _low_rank(trainer, curvature, *, delta, damping, init_precision, solver, rank, basis_rounds) -> Algorithm:
+    """FedLap-Cov with ``covariance = "low_rank"`` (module docstring): the basis rides in the server
+    state and the broadcast, and every precision is a :class:`~fedbayes.gaussian_subspace.SubspacePrecision`
+    in it."""
+
+    def init(key, params):
+        dim = ravel_pytree(params)[0].size
+        basis = gaussian_subspace.orthonormal_basis(jax.random.normal(key, (dim, rank), ravel_pytree(params)[0].dtype))
+        return server_init(params, delta, subspace_ops(basis), damping=damping)._replace(basis=basis)
+
+    def send(state):
+        return broadcast(state, init_precision)._replace(basis=state.basis, basis_fixed=state.round >= basis_rounds)
+
+    def client_update(key, message: Broadcast, site, data):
+        ops = subspace_ops(message.basis)
+        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer) if damping.adaptive else None
+        w_k, info = local_fit(key, message, site, data, trainer, ops=ops, solver=solver)
+        diag, sketch = curvature(w_k, data, message.basis)
+        structured = gaussian_subspace.from_curvature(diag, sketch, message.basis)
+        # the basis rounds' target is the diagonal method's: the sites' cores stay zero until the basis is fixed
+        h_k = SubspacePrecision(
+            jax.tree.map(lambda a, b: jnp.where(message.basis_fixed, a, b), structured.diagonal, diag),
+            jnp.where(message.basis_fixed, structured.core, jnp.zeros_like(structured.core)),
+        )
+        new_site = site_update(site, w_k, message, h_k, message.damping, ops)
+        return GaussianMessage(gaussian_subspace.difference(new_site, site), _valid_subspace_curvature(h_k), fit, sketch), new_site, info
+
+    def server_update(key, state, aggregate):
+        del key
+        new = server_step(state, aggregate.total.difference, delta, subspace_ops(state.basis), damping=damping, loss=aggregate.mean.loss)
+        # a basis round: the cohort's sketch G B gives the next basis (one step of subspace iteration);
+        # the cores are zero then, and the projection keeps that exact
+        moving = state.round < basis_rounds
+        basis = jnp.where(moving, gaussian_subspace.orthonormal_basis(aggregate.total.sketch), state.basis)
+        q = jax.tree.map(lambda a, b: jnp.where(moving, a, b), gaussian_subspace.project(new.q, state.basis, basis), new.q)
+        params = jax.tree.map(lambda a, b: jnp.where(moving, a, b), subspace_ops(basis).solve(q.precision, q.precision_mean), new.params)
+        return new._replace(q=q, params=params, basis=basis), FedLapCovInfo(state.damping.value)
+
+    def server_posterior(state):
+        return state.params, gaussian_subspace.in_basis(state.basis).variance(state.q)
+
+    def personal_posterior(state, site, weight):
+        family = gaussian_subspace.in_basis(state.basis)
+        q_k = family.product(state.q, family.power(site, weight))
+        q_k = jax.tree.map(lambda a, b: jnp.where(family.is_proper(q_k), a, b), q_k, state.q)
+        return family.mean(q_k), family.variance(q_k)
+
+    return Algorithm(
+        name="fedlap_cov",
+        server_init=init,
+        broadcast=send,
+        client_init=lambda params: gaussian_subspace.uniform_like(params, rank),
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: state.params,
+        message_ok=lambda state, message: gaussian_message_ok(message) & tree.all_finite(message.sketch),
+        trainer=trainer,
+        server_posterior=server_posterior,
+        after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
+        personal_posterior=personal_posterior,
+        server_precision=lambda state: gaussian_subspace.in_basis(state.basis).to_lowrank(
+            SubspaceGaussian(optax.tree.zeros_like(state.params), state.q.precision)
+        ),
+    )
+
+
 class FedLapCovConfig(HParams):
     """FedLap-Cov (docs/algorithms.md §10)."""
 
@@ -438,8 +591,14 @@ class FedLapCovConfig(HParams):
         "diagonal",
         description="the precision of the sites and q_g: diagonal (default, the diagonal GGN), full, a dense [D, D] GGN over all D "
         f"parameters (the full Laplace at the fixed point; for models up to {sites.MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'), "
-        "or last_layer, a dense GGN over the last layer's weights and the diagonal GGN elsewhere (Laplace Redux's last-layer structure; "
-        f"for last layers up to {sites.MAX_FULL_PARAMS} parameters); full and last_layer take no robust aggregation or privacy",
+        "last_layer, a dense GGN over the last layer's weights and the diagonal GGN elsewhere (Laplace Redux's last-layer structure; "
+        f"for last layers up to {sites.MAX_FULL_PARAMS} parameters), or low_rank, the GGN exact in a shared basis of rank directions "
+        "that the first basis_rounds rounds find (its leading eigenvectors) and diagonal outside it, for networks; "
+        "full, last_layer and low_rank take no robust aggregation or privacy",
+    )
+    rank: int = Field(DEFAULT_RANK, ge=1, description="covariance = low_rank: the directions r of the shared basis; each message adds D r + r^2 numbers")
+    basis_rounds: int = Field(
+        DEFAULT_BASIS_ROUNDS, ge=1, description="covariance = low_rank: rounds of subspace iteration on the cohort's GGN before the basis is fixed"
     )
 
 
@@ -463,11 +622,25 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
         def curvature(params, data):
             return data_block_ggn(apply_fn, params, data, batch_size=batch_size, task=task)
 
+    elif hp.covariance == "low_rank":
+        sites.check_low_rank_size(hp.rank, ctx.num_params)
+
+        def curvature(params, data, basis):
+            return data_subspace_ggn(apply_fn, params, data, basis, batch_size=batch_size, task=task)
+
     else:
         curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
-    return fedlap_cov(
-        ctx.trainer, curvature, delta=hp.delta, damping=damping_policy.from_setting(hp.rho), init_precision=hp.init_precision, covariance=hp.covariance
+    algorithm = fedlap_cov(
+        ctx.trainer,
+        curvature,
+        delta=hp.delta,
+        damping=damping_policy.from_setting(hp.rho),
+        init_precision=hp.init_precision,
+        covariance=hp.covariance,
+        rank=hp.rank,
+        basis_rounds=hp.basis_rounds,
     )
+    return algorithm
 
 
 def _stored_meaning(table: dict, stored: dict) -> dict:
@@ -487,9 +660,12 @@ SPEC = AlgorithmSpec(
     ),
     # S_g = delta + sum_k V_k: a GGN Laplace; the last-layer structure's search reads its dense block (evaluation.prior_precision);
     # a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there
+    # the low-rank structure's prior precision is re-chosen on its own structure, its last layer's marginal drawn
     default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta if hp.covariance != "full" else None, local_budget="converged",
     stored_meaning=_stored_meaning,
     # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
-    settings_aggregator_policy=lambda hp: {"full": ("own", sites.FULL_AGGREGATOR_NOTE), "last_layer": ("own", sites.LAST_LAYER_AGGREGATOR_NOTE)}.get(hp.covariance),
+    settings_aggregator_policy=lambda hp: {
+        "full": ("own", sites.FULL_AGGREGATOR_NOTE), "last_layer": ("own", sites.LAST_LAYER_AGGREGATOR_NOTE), "low_rank": ("own", sites.LOW_RANK_AGGREGATOR_NOTE),
+    }.get(hp.covariance),
 )  # fmt: skip
 SPECS = (SPEC,)

@@ -48,6 +48,7 @@ __all__ = [
     "BROADCAST_LOSS_TAG",
     "FULL_AGGREGATOR_NOTE",
     "LAST_LAYER_AGGREGATOR_NOTE",
+    "LOW_RANK_AGGREGATOR_NOTE",
     "MAX_FULL_PARAMS",
     "GaussianMessage",
     "all_positive",
@@ -56,6 +57,7 @@ __all__ = [
     "burn_in_switch",
     "check_full_size",
     "check_last_layer_size",
+    "check_low_rank_size",
     "checked_cavity",
     "clip_joint_norm",
     "damped_difference",
@@ -81,13 +83,17 @@ BROADCAST_LOSS_TAG = 0x6C6F7373  # folded into a client's round key for its broa
 
 class GaussianMessage(NamedTuple):
     """A site method's message: a natural-parameter difference (a factor, usually improper), the
-    client's own validity flag (a proper cavity, a valid site or curvature), and its mean data loss
+    client's own validity flag (a proper cavity, a valid site or curvature), its mean data loss
     at the broadcast mean (:func:`fedbayes.inference.sgd.broadcast_loss`; ``None``: not measured, no
-    leaf), whose weighted mean over the cohort the adaptive damping watches."""
+    leaf), whose weighted mean over the cohort the adaptive damping watches, and the product
+    ``G_k B`` of its curvature with the broadcast basis (``[D, r]``; ``None``: no leaf), whose sum
+    over the cohort the low-rank structure's server turns into its next basis
+    (:mod:`fedbayes.gaussian_subspace`)."""
 
     difference: DiagGaussian
     ok: jax.Array
     loss: jax.Array | None = None
+    sketch: jax.Array | None = None
 
 
 def checked_cavity(cavity: DiagGaussian, q: DiagGaussian, rtol: float = 1e-5) -> tuple[DiagGaussian, jax.Array]:
@@ -234,16 +240,23 @@ def burn_in_switch(burn_in_rounds: int, over: jax.Array, main: Callable, burn_in
 MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family is for GLMs and small heads
 FULL_AGGREGATOR_NOTE = "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines"
 LAST_LAYER_AGGREGATOR_NOTE = "with covariance = 'last_layer' sends a dense precision over the last layer, which only the weighted mean combines"
+LOW_RANK_AGGREGATOR_NOTE = "with covariance = 'low_rank' sends a core in a shared basis and a curvature sketch, which only the weighted mean combines"
 FLOAT32_BYTES = 4
 
 
-def natural_bytes(num_params: int, covariance: str) -> int:
+def natural_bytes(num_params: int, covariance: str, rank: int = 0) -> int:
     """The bytes of a float32 Gaussian over ``D = num_params`` parameters in natural parameters,
     what a site method's message difference holds: ``2 D`` numbers (``eta``, the diagonal
-    precision) for ``"diagonal"``, ``D + D^2`` (``eta``, the dense precision) for ``"full"``. The
-    message adds its few scalars (validity flag, loss)."""
-    d = int(num_params)
-    return FLOAT32_BYTES * (d + d * d if covariance == "full" else 2 * d)
+    precision) for ``"diagonal"``, ``D + D^2`` (``eta``, the dense precision) for ``"full"``, and
+    ``2 D + r^2 + D r`` for ``"low_rank"`` of rank ``r`` (``eta``, the diagonal, the ``r x r``
+    core, and the ``[D, r]`` curvature sketch beside it). The message adds its few scalars
+    (validity flag, loss)."""
+    d, r = int(num_params), int(rank)
+    if covariance == "full":
+        return FLOAT32_BYTES * (d + d * d)
+    if covariance == "low_rank":
+        return FLOAT32_BYTES * (2 * d + r * r + d * r)
+    return FLOAT32_BYTES * 2 * d
 
 
 def _size(num_bytes: int) -> str:
@@ -274,6 +287,26 @@ def check_last_layer_size(last_layer_params: int | None, num_params: int | None)
         raise ValueError(
             f"algorithm.covariance: 'last_layer' keeps a dense precision over the last layer, for last layers up to {MAX_FULL_PARAMS} parameters; "
             f"this model's has {last_layer_params}, whose messages would be {_size(size)} each; use covariance = 'diagonal' or a narrower last layer"
+        )
+
+
+def check_low_rank_size(rank: int, num_params: int | None) -> None:
+    """Raises ValueError (one line naming ``algorithm.rank``) where the rank is not below the
+    model's number of parameters (the structure would then be the dense one, at more cost), or the
+    message (:func:`natural_bytes`) would exceed the dense family's bound."""
+    if num_params is None:
+        return
+    if rank >= num_params:
+        raise ValueError(
+            f"algorithm.rank: must be below the model's {num_params} parameters for covariance = 'low_rank'; got {rank} "
+            "(covariance = 'full' keeps the whole dense precision)"
+        )
+    bound = natural_bytes(MAX_FULL_PARAMS, "full")
+    if natural_bytes(num_params, "low_rank", rank) > bound:
+        raise ValueError(
+            f"algorithm.rank: a rank-{rank} message over this model's {num_params} parameters would be "
+            f"{_size(natural_bytes(num_params, 'low_rank', rank))} (2 D + r^2 + D r float32 numbers) against the bound's {_size(bound)}; "
+            "use a smaller rank or covariance = 'last_layer'"
         )
 
 

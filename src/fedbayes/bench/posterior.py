@@ -27,6 +27,10 @@ own family's centralised optimum, and the run stops once
 * ``mfvi``, the exact mean-field Gaussian VI optimum: PVI and the variational BNN;
 * ``full_vi``, the full-covariance Gaussian VI optimum (its marginals,
   :func:`~fedbayes.evaluation.reference.full_covariance_vi`): PVI with ``covariance = "full"``;
+* ``low_rank_laplace``, ``N(theta*, (lambda I + diag((I - P) G (I - P)) + P G P)^{-1})`` (its
+  marginals) with ``G`` the GGN of the pooled data at ``theta*`` and ``P = B B^T`` for the basis
+  ``B`` the method holds at the check: FedLap-Cov with ``covariance = "low_rank"``, whose fixed
+  point is that Laplace in its own basis (docs/algorithms.md §10.3);
 * ``map``, the MAP (means only): FedEP/FedSEP with identity or mcmc clients, whose variance is
   set by their ``scale`` hyperparameter and not by the data, and FedAvg (a point).
 
@@ -64,12 +68,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from fedbayes import gaussian_block
+from fedbayes import gaussian_block, gaussian_lowrank
 from fedbayes.bench.truth import NUTSSettings, nuts_reference
 from fedbayes.config.schema import validate
 from fedbayes.evaluation.distances import kl_diag, relative_l2, variance_ratio
 from fedbayes.evaluation.reference import affine_predictive_metrics, laplace_covariance, negative_log_joint, references
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
+from fedbayes.gaussian_lowrank import LowRankGaussian
 from fedbayes.runs.build import DataSpec, build_experiment, build_model, prepare_split
 from fedbayes.runs.folder import write_atomic
 
@@ -90,7 +95,16 @@ __all__ = [
 PRIOR_PRECISION = 1.0  # lambda: the prior N(0, I / lambda) on every parameter
 MEAN_TOLERANCE = 0.05  # the bar: relative L2 of the mean to the family optimum ...
 VARIANCE_BAND = (0.8, 1.25)  # ... and the median variance ratio to it
-FAMILIES = ("diag_laplace", "laplace", "ngvi", "mfvi", "full_vi", "map", "truth")  # truth: NUTS's own moments (a moment-matching method's target)
+FAMILIES = (
+    "diag_laplace",
+    "laplace",
+    "ngvi",
+    "mfvi",
+    "full_vi",
+    "low_rank_laplace",
+    "map",
+    "truth",
+)  # truth: NUTS's own moments (a moment-matching method's target)
 LOGREG = {"name": "logreg"}
 LINEAR_VARIATIONAL = {"name": "mlp", "hidden": [], "variational": True}
 
@@ -180,6 +194,7 @@ METHODS: tuple[Method, ...] = (
     Method("pvi_full", "PVI (covariance full)", {"name": "pvi", "covariance": "full"}, "full_vi"),
     Method("fedlap_cov", "FedLap-Cov", {"name": "fedlap_cov"}, "diag_laplace"),
     Method("fedlap_cov_full", "FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}, "laplace"),
+    Method("fedlap_cov_low_rank", "FedLap-Cov (covariance low_rank)", {"name": "fedlap_cov", "covariance": "low_rank"}, "low_rank_laplace"),
     Method("vbnn", "VBNN (linear, kernel only)", {"name": "vbnn"}, "mfvi", model=dict(LINEAR_VARIATIONAL), kernel_only=True),
     Method("fedavg", "FedAvg (point)", {"name": "fedavg"}, "map"),
 )
@@ -351,20 +366,38 @@ def _dense_covariance(exp, server_state) -> np.ndarray | None:
     precision = exp.algorithm.server_precision(server_state)
     if isinstance(precision, BlockPrecision):  # the [P, P] matrix of a last-layer structure
         precision = gaussian_block.precision_matrix(BlockGaussian(exp.algorithm.server_params(server_state), precision))
+    elif isinstance(precision, LowRankGaussian):  # the [P, P] matrix of a low-rank structure
+        precision = gaussian_lowrank.precision_matrix(precision)
     precision = np.asarray(precision, np.float64)
     cov = np.linalg.inv(0.5 * (precision + precision.T))
     return 0.5 * (cov + cov.T)
 
 
+def _low_rank_marginals(hessian: np.ndarray, basis: Any, like: Any) -> Any:
+    """The marginal variances of the Laplace in a low-rank structure: ``hessian`` is ``G + lambda I``
+    at the MAP (float64), ``basis`` the ``[P, r]`` orthonormal basis; shaped like ``like``."""
+    b = np.asarray(basis, np.float64)
+    ggn = hessian - PRIOR_PRECISION * np.eye(len(hessian))
+    proj = b @ b.T
+    rest = (np.eye(len(ggn)) - proj) @ ggn @ (np.eye(len(ggn)) - proj)
+    precision = PRIOR_PRECISION * np.eye(len(ggn)) + np.diag(np.diag(rest)) + proj @ ggn @ proj
+    _, unravel = ravel_pytree(like)
+    return unravel(jnp.asarray(np.diag(np.linalg.inv(precision)), jnp.float32))
+
+
 def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log) -> dict:
     raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
     exp = build_experiment(validate(raw))
+    hessian = None
+    if method.family == "low_rank_laplace":  # its reference moves with the method's basis: from the full Laplace's Hessian at each check
+        hessian = np.linalg.inv(laplace_covariance(negative_log_joint(apply_fn, dataset.x_train, dataset.y_train, PRIOR_PRECISION), refs.map))
     family_mean, family_var = {
         "diag_laplace": refs.diag_laplace,
         "laplace": refs.laplace_marginals,
         "ngvi": refs.ngvi,
         "mfvi": refs.mfvi,
         "full_vi": (refs.full_vi[0], _marginals(refs.full_vi)),
+        "low_rank_laplace": (refs.map, None),
         "map": (refs.map, None),
         "truth": (nuts.mean, nuts.variance),
     }[method.family]
@@ -384,6 +417,8 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         if r % settings.check_every and r != settings.max_rounds:
             continue
         mean, var = _posterior(exp, state.server_state)
+        if hessian is not None:
+            family_var = _low_rank_marginals(hessian, state.server_state.basis, mean)
         comparison = _compare(mean, var, family_mean, family_var, method.kernel_only)
         if not all(bool(np.all(np.isfinite(np.asarray(leaf)))) for leaf in jax.tree.leaves((mean, var))):
             raise FloatingPointError(f"the server posterior is not finite at round {r}")
@@ -610,6 +645,7 @@ FAMILY_NAMES = {
     "ngvi": "NGVI fixed point",
     "mfvi": "MFVI",
     "full_vi": "full-covariance VI (marginals)",
+    "low_rank_laplace": "low-rank Laplace in its basis (marginals)",
     "map": "MAP (mean only)",
 }
 

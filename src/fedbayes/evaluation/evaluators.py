@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedbayes import gaussian_block, gaussian_full
+from fedbayes import gaussian_block, gaussian_full, gaussian_lowrank
 from fedbayes.evaluation import metrics, multilabel, next_word
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision, BlockScale
 from fedbayes.gaussian_full import FullGaussian
+from fedbayes.gaussian_lowrank import LowRankGaussian
 
 
 def make_evaluator(
@@ -96,16 +97,20 @@ PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
 SUBSETS = ("all", "last_layer")  # restrict_to_subset's choices
 
 
-def dense_spread(mean, precision: jax.Array | BlockPrecision) -> FullGaussian | BlockGaussian:
+def dense_spread(mean, precision: jax.Array | BlockPrecision | LowRankGaussian) -> FullGaussian | BlockGaussian | LowRankGaussian:
     """The spread of a posterior with a dense precision ``N(mean, Lambda^{-1})`` about its mean, as
     the marginalised prediction takes it in place of the marginal variances: the zero-mean
     :class:`~fedbayes.gaussian_full.FullGaussian` with precision ``Lambda`` (``[D, D]``, ravel order
     of ``mean``), from which ``theta_s - mean = L^{-T} eps_s`` is drawn
     (:func:`fedbayes.gaussian_full.sample`); for a last-layer structure
     (:class:`~fedbayes.gaussian_block.BlockPrecision`), the zero-mean
-    :class:`~fedbayes.gaussian_block.BlockGaussian` (draws dense over the last layer, diagonal elsewhere)."""
+    :class:`~fedbayes.gaussian_block.BlockGaussian` (draws dense over the last layer, diagonal
+    elsewhere); for a low-rank one (a :class:`~fedbayes.gaussian_lowrank.LowRankGaussian`, the
+    precision ``diag(d) + U diag(s) U^T``), itself with a zero mean (draws at ``O(D r)`` each)."""
     if isinstance(precision, BlockPrecision):
         return BlockGaussian(precision_mean=optax.tree.zeros_like(mean), precision=precision)
+    if isinstance(precision, LowRankGaussian):  # a low-rank structure's precision diag(d) + U diag(s) U^T
+        return precision.replace(precision_mean=optax.tree.zeros_like(mean))
     return FullGaussian(precision_mean=optax.tree.zeros_like(mean), precision=jnp.asarray(precision))
 
 
@@ -125,6 +130,8 @@ def restrict_to_subset(variance, subset: str):
         p = variance.precision
         point = jax.tree.map(lambda d: jnp.full_like(d, jnp.inf), p.diagonal)
         return BlockGaussian(variance.precision_mean, BlockPrecision(point, p.dense, p.key))
+    if isinstance(variance, LowRankGaussian):  # the last layer's marginal: the joint's draws, the other layers at the mean
+        return gaussian_lowrank.marginal(variance, gaussian_block.last_layer_key(variance.precision_mean))
     if isinstance(variance, FullGaussian):
         raise ValueError(
             "evaluation.subset_of_weights: 'last_layer' keeps the last layer's marginal variances; a dense posterior (covariance = 'full') "
@@ -255,6 +262,12 @@ def _weight_steps(key, mean, variance, num_samples: int):
         return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
     if isinstance(variance, FullGaussian):
         draws = gaussian_full.sample(key, variance, num_samples)
+        return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
+    if isinstance(variance, LowRankGaussian):
+        draws = gaussian_lowrank.sample(key, variance, num_samples)
+        return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
+    if isinstance(variance, gaussian_lowrank.LayerMarginal):
+        draws = gaussian_lowrank.sample_marginal(key, variance, num_samples)
         return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
     keys = optax.tree.split_key_like(key, mean)
     return jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)

@@ -21,6 +21,13 @@ marginals: ``G = Lambda - delta I`` block by block, the last layer's block eigen
 is ``sum_j log(g_j + delta')`` over ``G_L``'s eigenvalues ``g_j`` beside the diagonal's terms: the
 same objective, with the last layer's correlations.
 
+**A low-rank posterior** (``covariance = "low_rank"``: a precision ``Lambda = diag(d) + U diag(s)
+U^T``, :class:`~fedbayes.gaussian_lowrank.LowRankGaussian`) also arrives as its spread: ``G = Lambda
+- delta I`` keeps ``U`` and ``s`` and lowers the diagonal (:class:`LowRankCurvature`), ``delta'``
+gives the precision ``G + delta' I`` (drawn from with the same normal draws for every candidate),
+and ``log det(G + delta' I)`` is the low-rank family's log-determinant (``O(D r^2)``, through
+:func:`fedbayes.gaussian_lowrank.entropy`).
+
 **Marginal likelihood** (:func:`log_marginal_likelihood`). The Laplace approximation of the
 evidence, ``p(D) ~= p(D | theta*) p(theta*) (2 pi)^{P/2} det(Lambda)^{-1/2}`` with ``Lambda =
 G + delta'`` the posterior precision over the ``P`` Gaussian coordinates, is
@@ -58,8 +65,9 @@ import optax
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from fedbayes import gaussian_block
+from fedbayes import gaussian_block, gaussian_lowrank
 from fedbayes.gaussian_block import BlockGaussian, BlockScale
+from fedbayes.gaussian_lowrank import LowRankGaussian
 
 PyTree = Any
 
@@ -73,6 +81,7 @@ __all__ = [
     "GRID_POINTS",
     "SEARCHES",
     "BlockCurvature",
+    "LowRankCurvature",
     "curvature",
     "log_marginal_likelihood",
     "make_prior_precision_search",
@@ -103,6 +112,29 @@ class BlockCurvature:
     key: str = struct.field(pytree_node=False)
 
 
+@struct.dataclass
+class LowRankCurvature:
+    """``G = diag(g) + U diag(s) U^T`` of a low-rank posterior (a
+    :class:`~fedbayes.gaussian_lowrank.LowRankGaussian` spread of precision ``G + delta I``), kept as
+    that spread with its diagonal lowered by ``delta``.
+
+    Attributes:
+      spread: the zero-mean :class:`~fedbayes.gaussian_lowrank.LowRankGaussian` whose diagonal is ``g``.
+    """
+
+    spread: LowRankGaussian
+    key: str | None = struct.field(pytree_node=False, default=None)
+
+    def with_diagonal_raised(self, c) -> LowRankGaussian:
+        """The zero-mean spread of precision ``G + c I``."""
+        return self.spread.replace(diag=jax.tree.map(lambda g: g + jnp.asarray(c, g.dtype), self.spread.diag))
+
+    def posterior(self, c) -> LowRankGaussian | gaussian_lowrank.LayerMarginal:
+        """The spread of precision ``G + c I``, or its marginal over the layer ``key``."""
+        joint = self.with_diagonal_raised(c)
+        return joint if self.key is None else gaussian_lowrank.marginal(joint, self.key)
+
+
 def _diag_curvature(variance: PyTree, prior_precision) -> PyTree:
     return jax.tree.map(lambda v: jnp.where(v > 0, jnp.maximum(1.0 / jnp.where(v > 0, v, 1.0) - prior_precision, 0.0), jnp.inf), variance)
 
@@ -112,6 +144,10 @@ def curvature(variance: PyTree | BlockGaussian, prior_precision: float) -> PyTre
     ``delta``; the floor absorbs round-off); ``inf`` where the variance is 0 (a point coordinate).
     For a last-layer spread (a :class:`~fedbayes.gaussian_block.BlockGaussian` of precision
     ``Lambda``): ``G = Lambda - delta I`` block by block, a :class:`BlockCurvature`."""
+    if isinstance(variance, gaussian_lowrank.LayerMarginal):  # the evidence is the whole posterior's; the draws stay the layer's
+        return LowRankCurvature(curvature(variance.joint, prior_precision).spread, variance.key)
+    if isinstance(variance, LowRankGaussian):
+        return LowRankCurvature(variance.replace(diag=jax.tree.map(lambda d: d - jnp.asarray(prior_precision, d.dtype), variance.diag)))
     if isinstance(variance, BlockGaussian):
         p = variance.precision
         rest = jax.tree.map(lambda d: jnp.where(jnp.isfinite(d), jnp.maximum(d - prior_precision, 0.0), jnp.inf), p.diagonal)
@@ -126,6 +162,8 @@ def with_prior_precision(curv: PyTree | BlockCurvature, prior_precision) -> PyTr
     scales (:class:`~fedbayes.gaussian_block.BlockScale`: ``1 / sqrt(G_R + delta')`` and the root
     ``V diag(g + delta')^{-1/2}`` of the last layer's covariance), which draws without a
     factorisation, so a search differentiates through its draws."""
+    if isinstance(curv, LowRankCurvature):
+        return curv.posterior(prior_precision)
     if isinstance(curv, BlockCurvature):
         std = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), jax.lax.rsqrt(jnp.where(jnp.isfinite(g), g, 0.0) + prior_precision), 0.0), curv.rest)
         root = curv.eigenvectors * jax.lax.rsqrt(curv.eigenvalues + prior_precision)[None, :]
@@ -155,6 +193,11 @@ def log_marginal_likelihood(mean: PyTree, curv: PyTree, prior_precision, log_lik
         log_det = jnp.log(g0 + delta) - log_2pi
         return jnp.sum(jnp.where(gauss, log_prior - 0.5 * log_det, 0.0))
 
+    if isinstance(curv, LowRankCurvature):  # log det(G + delta' I) = D (1 + log 2 pi) - 2 H of the spread
+        m = ravel_pytree(mean)[0]
+        size = m.size
+        log_det = size * (1.0 + log_2pi) - 2.0 * gaussian_lowrank.entropy(curv.with_diagonal_raised(delta))
+        return log_likelihood - 0.5 * delta * jnp.sum(jnp.square(m)) + 0.5 * size * jnp.log(delta) - 0.5 * log_det
     if isinstance(curv, BlockCurvature):  # the last layer's block: its log-determinant from G_L's eigenvalues
         rest, last = gaussian_block.split(mean, curv.key)
         m = ravel_pytree(last)[0]
@@ -195,7 +238,7 @@ def maximise_log_scale(objective: Callable[[jax.Array], jax.Array], center: floa
 
 
 def _any_gaussian(curv: PyTree) -> jax.Array:
-    if isinstance(curv, BlockCurvature):
+    if isinstance(curv, (BlockCurvature, LowRankCurvature)):
         return jnp.asarray(True)
     return jnp.any(jnp.stack([jnp.any(jnp.isfinite(g)) for g in jax.tree.leaves(curv)]))
 

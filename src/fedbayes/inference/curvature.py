@@ -91,9 +91,11 @@ __all__ = [
     "batch_diag_fisher",
     "batch_diag_ggn",
     "batch_full_ggn",
+    "batch_ggn_matmat",
     "data_block_ggn",
     "data_curvature",
     "data_full_ggn",
+    "data_subspace_ggn",
     "diag_empirical_fisher",
     "diag_fisher",
     "diag_ggn",
@@ -525,3 +527,48 @@ def data_block_ggn(apply_fn: ApplyFn, params: PyTree, data: ClientData, *, batch
 
     start = gaussian_block.BlockPrecision(optax.tree.zeros_like(rest), jnp.zeros((last_flat.size, last_flat.size), last_flat.dtype), key)
     return over_client_data(data, batch_size, body, start)
+
+
+def batch_ggn_matmat(apply_fn: ApplyFn, params: PyTree, x: jax.Array, mask: jax.Array, vectors: jax.Array, *, task: str = "classification") -> jax.Array:
+    """``G V``: the GGN ``sum_n m_n J_n^T H_n J_n`` of one batch times ``vectors`` (``[D, r]`` over
+    the raveled parameters), without forming ``G`` or a Jacobian: per column, one forward-mode
+    product ``J v`` (``jax.jvp``) and one reverse-mode product ``J^T (H J v)`` (``jax.vjp``), the
+    Gauss-Newton-vector product of Schraudolph 2002 ("Fast curvature matrix-vector products for
+    second-order gradient descent", Sec. 3). ``r`` columns cost about ``r`` forward and backward
+    passes over the batch. Arguments as :func:`batch_full_ggn`."""
+    if task not in TASKS:
+        raise ValueError(f"curvature: task {task!r} has no curvature here (a likelihood over sequences); allowed: {', '.join(TASKS)}")
+    flat, unravel = ravel_pytree(params)
+
+    def outputs(theta):
+        return apply_fn(unravel(theta), x)
+
+    out, pullback = jax.vjp(outputs, flat)
+    size = out.shape[0]
+    hess = _output_hessian(task, jax.lax.stop_gradient(out).reshape(size, -1))
+    hess = hess * jnp.clip(mask, 0.0, None).astype(out.dtype)[:, None, None]
+
+    def column(v):
+        _, jv = jax.jvp(outputs, (flat,), (v.astype(flat.dtype),))
+        u = jnp.einsum("bce,be->bc", hess, jv.reshape(size, -1))
+        return pullback(u.reshape(out.shape).astype(out.dtype))[0]
+
+    return jax.vmap(column, in_axes=1, out_axes=1)(vectors)
+
+
+def data_subspace_ggn(
+    apply_fn: ApplyFn, params: PyTree, data: ClientData, basis: jax.Array, *, batch_size: int, task: str = "classification"
+) -> tuple[PyTree, jax.Array]:
+    """``(diag(G), G B)`` for the GGN ``G`` of a client's sum loss at ``params`` and a basis ``B``
+    (``[D, r]``): one pass over its examples (the first laid-out epoch) in the minibatches of
+    :func:`data_curvature`, :func:`batch_diag_ggn` and :func:`batch_ggn_matmat` per batch. What
+    the diagonal-plus-low-rank structure in a shared basis needs
+    (:func:`fedbayes.gaussian_subspace.from_curvature`)."""
+
+    def body(total, step, batch):
+        x, y, mask = batch
+        diag, prod = total
+        diag = optax.tree.add(diag, batch_diag_ggn(apply_fn, params, x, y, mask, task=task))
+        return diag, prod + batch_ggn_matmat(apply_fn, params, x, mask, basis, task=task).astype(prod.dtype)
+
+    return over_client_data(data, batch_size, body, (optax.tree.zeros_like(params), jnp.zeros(basis.shape, ravel_pytree(params)[0].dtype)))

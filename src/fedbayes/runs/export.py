@@ -13,7 +13,11 @@ the parameters' tree paths joined by ``/`` under a prefix:
   absent otherwise;
 * ``posterior_precision_last_layer``: a last-layer ``q_g``'s (``covariance = "last_layer"``) dense
   ``[B, B]`` precision over its last layer (:func:`fedbayes.gaussian_block.last_layer_key`), raveled
-  as that layer's subtree; the other weights' precisions are ``1 / posterior_variance``.
+  as that layer's subtree; the other weights' precisions are ``1 / posterior_variance``;
+* ``posterior_precision_diag/<path>``, ``posterior_precision_factors`` and
+  ``posterior_precision_weights``: a low-rank ``q_g``'s (``covariance = "low_rank"``) precision
+  ``diag(d) + U diag(s) U^T``: ``d`` shaped like the parameters, ``U`` ``[D, r]`` over them raveled
+  in :func:`jax.flatten_util.ravel_pytree` order, ``s`` ``[r]``.
 
 ``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`
 (its ``[algorithm]`` table as stored), the parameters as the nested dict the model's ``apply`` takes,
@@ -29,11 +33,13 @@ import numpy as np
 
 from fedbayes import gaussian_block
 from fedbayes.gaussian_block import BlockPrecision
+from fedbayes.gaussian_lowrank import LowRankGaussian
 from fedbayes.runs import folder
 from fedbayes.tree import to_named_arrays
 
 MODEL_FILE = folder.MODEL
 LAST_LAYER_PRECISION = "posterior_precision_last_layer"
+LOW_RANK_DIAG, LOW_RANK_FACTORS, LOW_RANK_WEIGHTS = "posterior_precision_diag", "posterior_precision_factors", "posterior_precision_weights"
 PREFIXES = ("params", "posterior_mean", "posterior_variance")
 
 
@@ -67,6 +73,10 @@ def save_model(path: str | Path, algorithm, server_state) -> Path:
         precision = algorithm.server_precision(server_state)
         if isinstance(precision, BlockPrecision):
             arrays[LAST_LAYER_PRECISION] = np.asarray(precision.dense)
+        elif isinstance(precision, LowRankGaussian):
+            arrays.update(flatten(precision.diag, LOW_RANK_DIAG))
+            arrays[LOW_RANK_FACTORS] = np.asarray(precision.factors)
+            arrays[LOW_RANK_WEIGHTS] = np.asarray(precision.weights)
         else:
             arrays["posterior_precision"] = np.asarray(precision)
     return folder.write_atomic(path, lambda f: np.savez(f, **arrays))
@@ -74,13 +84,17 @@ def save_model(path: str | Path, algorithm, server_state) -> Path:
 
 def load_model(path: str | Path) -> dict[str, dict]:
     """``{"params": ..., "posterior_mean": ..., "posterior_variance": ..., "posterior_precision": ...}``
-    (the posterior's when present; ``posterior_precision`` the dense ``[D, D]`` array, or a
-    last-layer posterior's :class:`~fedbayes.gaussian_block.BlockPrecision`)."""
+    (the posterior's when present; ``posterior_precision`` the dense ``[D, D]`` array, a
+    last-layer posterior's :class:`~fedbayes.gaussian_block.BlockPrecision`, or a low-rank one's
+    :class:`~fedbayes.gaussian_lowrank.LowRankGaussian` with a zero mean)."""
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
     out = {p: unflatten(arrays, p) for p in PREFIXES if any(k.startswith(p + "/") for k in arrays)}
     if "posterior_precision" in arrays:
         out["posterior_precision"] = arrays["posterior_precision"]
+    if LOW_RANK_FACTORS in arrays and LOW_RANK_WEIGHTS in arrays:
+        diag = unflatten(arrays, LOW_RANK_DIAG)
+        out["posterior_precision"] = LowRankGaussian(_zeros(diag), diag, arrays[LOW_RANK_FACTORS], arrays[LOW_RANK_WEIGHTS])
     if LAST_LAYER_PRECISION in arrays and "posterior_variance" in out:
         variance = out["posterior_variance"]
         rest, _ = gaussian_block.split(variance)
@@ -88,6 +102,12 @@ def load_model(path: str | Path) -> dict[str, dict]:
             {k: _reciprocal(v) for k, v in rest.items()}, arrays[LAST_LAYER_PRECISION], gaussian_block.last_layer_key(variance)
         )
     return out
+
+
+def _zeros(tree):
+    if isinstance(tree, dict):
+        return {k: _zeros(v) for k, v in tree.items()}
+    return np.zeros_like(np.asarray(tree))
 
 
 def _reciprocal(tree):
