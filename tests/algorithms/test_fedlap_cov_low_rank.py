@@ -90,23 +90,18 @@ def test_the_basis_rounds_find_the_leading_eigenspace():
 
 
 def test_logistic_clients_reach_the_central_laplace_in_the_structure():
-    from test_fedep_full import NUM_CLIENTS, PER_CLIENT, _central_laplace, _problem
+    from test_fedep_full import PER_CLIENT, _central_laplace, _problem
+    from test_fedlap_cov_last_layer import _run
 
     from fedbayes.inference import LocalTrainer
     from fedbayes.models import loss_fn
-    from fedbayes.sim.simulator import Simulator
 
     fed, model, params = _problem()
     apply = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     trainer = LocalTrainer(loss_fn(model, "classification"), optax.sgd(0.2), 200, PER_CLIENT)
     alg = _algorithm(apply, trainer, task="classification", rho=damping_policy.adaptive(), rank=4, basis_rounds=3)
-    sim = Simulator(alg, fed, clients_per_round=NUM_CLIENTS, seed=0)
-    state = sim.init(params)
-    for _ in range(30):
-        state, info = sim.run_round(state)
-        assert len(info.rejected) == 0
+    server = _run(alg, fed, params, 30)  # every round's messages accepted
     map_flat, hessian = _central_laplace(model, params, fed.x, fed.y)
-    server = state.server_state
     np.testing.assert_allclose(ravel_pytree(alg.server_params(server))[0], map_flat, atol=1e-3)
     lam = np.asarray(gaussian_subspace.in_basis(server.basis).precision_matrix(server.q.precision))
     want = _structured(hessian - np.eye(len(hessian)), np.asarray(server.basis), 1.0)  # the Hessian holds the prior's delta = 1
