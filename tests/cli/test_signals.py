@@ -38,6 +38,20 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+def _wait_for_handler(proc: subprocess.Popen, sig: int, timeout: float = 60) -> None:
+    """Until the child catches ``sig`` (its bit in ``SigCgt`` of ``/proc/PID/status``): the CLI
+    installs its handlers before its first imports, but a loaded machine can take longer than the
+    first delay to start the interpreter, and a signal before then is the default action's (exit
+    -15 for SIGTERM), which no program can handle. Without ``/proc``: returns at once."""
+    status = Path(f"/proc/{proc.pid}/status")
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and status.exists():
+        caught = next((line.split()[1] for line in status.read_text().splitlines() if line.startswith("SigCgt:")), "0")
+        if int(caught, 16) >> (int(sig) - 1) & 1:
+            return
+        time.sleep(0.005)
+
+
 def _check(proc: subprocess.Popen, out: Path, finished_ok: bool = False) -> str:
     _, err = proc.communicate(timeout=120)
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith(("round ", "[", "warning:"))]
@@ -52,9 +66,11 @@ def _check(proc: subprocess.Popen, out: Path, finished_ok: bool = False) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_start_up_is_one_line_and_exit_130(tmp_path, sig):
-    """From the first imports (the handlers go in before them) to the first round."""
+    """From the first imports (the handlers go in before them) to the first round: each delay
+    counts from the moment the child catches the signal."""
     for i, delay in enumerate((0.15, 0.4, 0.8, 1.5)):
         proc = _start(tmp_path, tmp_path / f"o{i}", rounds=400)
+        _wait_for_handler(proc, sig)
         time.sleep(delay)
         proc.send_signal(sig)
         _check(proc, tmp_path / f"o{i}")
