@@ -82,6 +82,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "fedlap_cov_full": ("FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}),
     "fedlap_cov_last_layer": ("FedLap-Cov (covariance last_layer)", {"name": "fedlap_cov", "covariance": "last_layer"}),
     "fedlap_cov_low_rank": ("FedLap-Cov (covariance low_rank)", {"name": "fedlap_cov", "covariance": "low_rank"}),
+    "fedlap_cov_kron": ("FedLap-Cov (covariance kron)", {"name": "fedlap_cov", "covariance": "kron"}),
     "vbnn": ("VBNN (mean-field)", {"name": "vbnn"}),
     "fedavg": ("FedAvg (point)", {"name": "fedavg"}),
 }
@@ -307,6 +308,8 @@ def predictives(exp, state, rounds: int, num_train: int, x_test) -> dict[str, tu
             structure = "dense precision" if getattr(precision, "ndim", None) == 2 else "dense last-layer precision, diagonal elsewhere"
             if getattr(exp.config.algorithm, "covariance", None) == "low_rank":
                 structure = f"diagonal plus rank-{exp.config.algorithm.rank} precision in its basis"
+            if getattr(exp.config.algorithm, "covariance", None) == "kron":
+                structure = "precision diagonal in per-layer Kronecker eigenbases"
             var, how = dense_spread(mean, precision), structure
         probs = make_marginal_probabilities(parts.apply_fn, num_samples=e.marginal_samples)(jax.random.key(0), mean, var, x_test)
         out["posterior"] = (np.asarray(probs), f"{e.marginal_samples} draws, all weights, {how}, sampled network")

@@ -5,7 +5,9 @@ with only its name set, against NUTS and its family's central optimum, 300 round
     PYTHONPATH=src python benchmarks/posterior_unseen.py --out runs/posterior_unseen
 
 With ``--method fedep_laplace_full`` (and the other ``*_full`` methods of ``FULL_METHODS``) the dense-covariance
-rows run instead (docs/results/posterior_full.md).
+rows run instead (docs/results/posterior_full.md); with ``--method fedlap_cov_kron`` or
+``fedlap_cov_low_rank`` (``STRUCTURED_METHODS``), FedLap-Cov's network structures
+(docs/results/kron.md).
 
 Problems (none of them is in ``fedbayes.bench.posterior.PROBLEMS``, where the defaults were
 measured):
@@ -30,6 +32,8 @@ from fedbayes.bench.posterior import FULL, Problem, run_posterior_bench, write_l
 METHODS = ("fedep_laplace", "fedep_ngvi", "fedsep_laplace", "fedsep_ngvi", "pvi", "fedlap_cov", "vbnn")
 # the dense-covariance rows (algorithm.covariance = "full"), run when named with --method
 FULL_METHODS = ("fedep_laplace_full", "fedep_ngvi_full", "fedsep_ngvi_full", "fedlap_cov_full", "pvi_full")
+# FedLap-Cov's Kronecker and low-rank structures, run when named with --method
+STRUCTURED_METHODS = ("fedlap_cov_kron", "fedlap_cov_low_rank")
 
 
 def _write_wine(folder: Path) -> None:
@@ -74,7 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/posterior_unseen")
     ap.add_argument("--problem", action="append", default=None, choices=list(PROBLEMS))
-    ap.add_argument("--method", action="append", default=None, choices=list(METHODS + FULL_METHODS))
+    ap.add_argument("--method", action="append", default=None, choices=list(METHODS + FULL_METHODS + STRUCTURED_METHODS))
     ap.add_argument("--max-rounds", type=int, default=300)
     ap.add_argument("--keep-going", action="store_true", help="run every method to the last round, recording where it met the bar")
     ap.add_argument("--client", default="{}", help="[client] settings for every method as JSON (default: the methods' defaults)")

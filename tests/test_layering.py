@@ -33,7 +33,20 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fedbayes"
 
 # Bottom to top; the units of one layer may import each other.
 LAYERS = (
-    ("typing", "gaussian", "gaussian_full", "gaussian_lowrank", "gaussian_block", "gaussian_subspace", "tree", "hparams", "errors", "registries"),
+    (
+        "typing",
+        "gaussian",
+        "gaussian_full",
+        "gaussian_lowrank",
+        "gaussian_block",
+        "gaussian_shared",
+        "gaussian_subspace",
+        "gaussian_kron",
+        "tree",
+        "hparams",
+        "errors",
+        "registries",
+    ),
     ("protocol", "aggregators", "models"),
     ("data",),
     ("inference", "evaluation"),

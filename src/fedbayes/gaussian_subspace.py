@@ -39,6 +39,7 @@ from jax.flatten_util import ravel_pytree
 from fedbayes import gaussian_lowrank
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_lowrank import LowRankGaussian
+from fedbayes.gaussian_shared import damp, difference, power, product, quotient
 
 __all__ = [
     "InBasis",
@@ -87,31 +88,6 @@ def scaled_identity(params: PyTree, c: float | jax.Array, rank: int) -> Subspace
 def uniform_like(params: PyTree, rank: int) -> SubspaceGaussian:
     """The improper uniform factor (all zeros), the identity of :func:`product`."""
     return SubspaceGaussian(optax.tree.zeros_like(params), scaled_identity(params, 0.0, rank))
-
-
-def product(a: SubspaceGaussian, b: SubspaceGaussian) -> SubspaceGaussian:
-    """Product of densities in one basis: the coordinates added."""
-    return jax.tree.map(jnp.add, a, b)
-
-
-def quotient(a: SubspaceGaussian, b: SubspaceGaussian) -> SubspaceGaussian:
-    """Quotient ``a / b`` in one basis: the coordinates subtracted (EP's cavity)."""
-    return jax.tree.map(jnp.subtract, a, b)
-
-
-def difference(new: SubspaceGaussian, old: SubspaceGaussian) -> SubspaceGaussian:
-    """``new / old``: the factor that turns ``old`` into ``new`` (a message)."""
-    return quotient(new, old)
-
-
-def power(g: SubspaceGaussian, a: float | jax.Array) -> SubspaceGaussian:
-    """``g^a``: the coordinates scaled."""
-    return jax.tree.map(lambda x: a * x, g)
-
-
-def damp(old: SubspaceGaussian, new: SubspaceGaussian, damping: float | jax.Array) -> SubspaceGaussian:
-    """``old^(1 - rho) new^rho``: the convex combination of the coordinates."""
-    return jax.tree.map(lambda o, n: (1.0 - damping) * o + damping * n, old, new)
 
 
 def orthonormal_basis(sketch: jax.Array) -> jax.Array:

@@ -275,14 +275,19 @@ def test_in_process_rounds_equal_the_simulator_for_a_stateful_method(tmp_path, a
     assert len(seen) == 6 and set(seen) == {(arrays == "records",) * 2}
 
 
-def test_in_process_rounds_equal_the_simulator_for_low_rank_sites(tmp_path):
-    """FedLap-Cov with the low-rank structure over 3 rounds through the ClientApp's handler: the
-    basis and its flag in the broadcast, the core and the curvature sketch in the replies, the round
-    where the basis is fixed crossed."""
+@pytest.mark.parametrize(
+    "structure", [{"covariance": "low_rank", "rank": 4, "basis_rounds": 1}, {"covariance": "kron", "basis_rounds": 1}], ids=["low_rank", "kron"]
+)
+def test_in_process_rounds_equal_the_simulator_for_shared_basis_sites(tmp_path, structure):
+    """FedLap-Cov with a structure in a shared basis over 3 rounds through the ClientApp's handler,
+    crossing the round where the basis is fixed: the low-rank basis and its flag in the broadcast,
+    the core and the curvature sketch in the replies; the Kronecker bases (identity sides absent),
+    the eigenvalues and the layers' Kronecker factors in the replies, and the sites' flag in the
+    node's state."""
     from fedbayes.flower.node import prepare_data
 
     raw = raw_config("fedlap_cov", rounds=3)
-    raw["algorithm"].update(covariance="low_rank", rank=4, basis_rounds=1)
+    raw["algorithm"].update(structure)
     cfg = validate(raw)
     run_experiment(cfg, tmp_path / "sim")
     prepare_data(build_experiment(cfg), dict.fromkeys(range(3), tmp_path / "nodes"))

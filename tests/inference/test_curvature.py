@@ -414,3 +414,58 @@ def test_ggn_matmat_and_the_subspace_pass_equal_the_dense_ggn(name):
         diag, product = cv.data_subspace_ggn(apply, params, data, vectors, batch_size=2, task=task)
         np.testing.assert_allclose(np.asarray(product), dense @ np.asarray(vectors), atol=1e-9 * scale * dim)
         np.testing.assert_allclose(np.asarray(ravel_pytree(diag)[0]), np.diag(dense), rtol=1e-8, atol=1e-12 * scale)
+
+
+class _SmallConv(nn.Module):
+    """A conv layer (3 filters of 2 x 2 over 2 channels) and two dense layers: small enough for the
+    dense GGN (190 parameters; the library's CNN has 20,791)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Conv(3, (2, 2), name="conv")(x.reshape(x.shape[0], 4, 4, 2)))
+        h = jnp.tanh(nn.Dense(5, name="hidden")(h.reshape(h.shape[0], -1)))
+        return nn.Dense(NUM_CLASSES, name="output")(h)
+
+
+@pytest.mark.parametrize("name", ["mlp", "small_conv", "logreg", "linear"])
+def test_kron_pass_is_the_dense_ggn_in_the_factors_eigenbases(name):
+    """:func:`batch_kron_ggn`: in the identity bases the diagonal GGN; in the eigenbases of its
+    own Kronecker factors ``diag(U^T G U)`` of the dense GGN (dense and conv layers), the factors
+    the inputs' (or patches') masked second moments; :func:`data_kron_ggn` sums them over
+    minibatches."""
+    from jax.flatten_util import ravel_pytree
+
+    from fedbayes import gaussian_kron
+    from fedbayes.data.batches import ClientData
+
+    with jax.enable_x64(True):
+        if name == "small_conv":
+            module = _SmallConv()
+            x = jax.random.normal(jax.random.key(0), (BATCH, 32), jnp.float64)
+            params = jax.tree.map(lambda a: a.astype(jnp.float64), module.init(jax.random.key(1), x)["params"])
+            apply, y, task = (lambda p, xx: module.apply({"params": p}, xx)), jnp.asarray([0, 1, 2, 1, 0]), "classification"
+        else:
+            apply, params, x, y, task = _setup(name, BATCH, 6)
+        mask = jnp.asarray([1.0, 0.0, 1.0, 1.0, 1.0], jnp.float64)
+        identity = gaussian_kron.identity_bases(params)
+        diag, factors = cv.batch_kron_ggn(apply, params, x, y, mask, identity, task=task)
+        _assert_close(diag, cv.batch_diag_ggn(apply, params, x, y, mask, task=task), rtol=1e-10)
+        bases = gaussian_kron.bases_from_factors(factors)
+        moved = [b for b in jax.tree.leaves(bases, is_leaf=lambda b: isinstance(b, gaussian_kron.KronBasis)) if b.left is not None]
+        assert moved and all(np.abs(np.abs(np.asarray(b.left)) - np.eye(b.left.shape[0])).max() > 0.05 for b in moved if b.left.shape[0] > 1)
+        rotated, _ = cv.batch_kron_ggn(apply, params, x, y, mask, bases, task=task)
+        dense = np.asarray(cv.batch_full_ggn(apply, params, x, mask, task=task))
+        u = np.asarray(gaussian_kron.dense_rotation(params, bases))
+        scale = np.abs(dense).max()
+        np.testing.assert_allclose(np.asarray(ravel_pytree(rotated)[0]), np.diag(u.T @ dense @ u), rtol=1e-8, atol=1e-10 * scale)
+        if name != "small_conv":  # a first dense layer's input factor is sum_n m_n x_n x_n^T
+            first = next(iter(params))
+            kernel = factors[first]["kernel"] if "kernel" in factors[first] else factors[first]
+            xm = np.asarray(x).reshape(BATCH, -1) * np.sqrt(np.asarray(mask))[:, None]
+            np.testing.assert_allclose(np.asarray(kernel.left), xm.T @ xm, rtol=1e-10)
+        # a client's pass over minibatches sums the batches (the padded example left out)
+        real = np.asarray([0, 2, 3, 4])
+        data = ClientData(x[real], y[real], jnp.arange(len(real), dtype=jnp.int32), jnp.int32(0), jnp.int32(len(real)))
+        summed, summed_factors = cv.data_kron_ggn(apply, params, data, bases, batch_size=2, task=task)
+        _assert_close(summed, rotated, rtol=1e-8)
+        _assert_close(summed_factors, factors, rtol=1e-8)

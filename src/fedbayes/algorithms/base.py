@@ -20,7 +20,8 @@ An :class:`Algorithm` is a named tuple of pure functions (typed by the Protocols
   (:func:`jax.flatten_util.ravel_pytree` order; ``covariance = "full"``), a last-layer
   :class:`~fedbayes.gaussian_block.BlockPrecision`, or a low-rank
   :class:`~fedbayes.gaussian_lowrank.LowRankGaussian` with a zero mean (``covariance =
-  "low_rank"``); exported to ``model.npz`` (:mod:`fedbayes.runs.export`), and the marginalised
+  "low_rank"``), or a :class:`~fedbayes.gaussian_kron.KronSpread` (``covariance = "kron"``);
+  exported to ``model.npz`` (:mod:`fedbayes.runs.export`), and the marginalised
   prediction draws from it.
 * ``personal_posterior(server_state, client_state, weight) -> (mean, variance)`` (optional,
   methods whose clients keep a Gaussian site): client ``k``'s personalised posterior
@@ -151,7 +152,7 @@ class Algorithm(NamedTuple):
     server_on_one_device: bool = False
     after_rejected_round: Any = None  # server_state -> server_state; None: kept
     personal_posterior: Any = None  # (server_state, client_state, weight) -> (mean, variance); None: fine-tuning
-    server_precision: Any = None  # server_state -> q_g's structured precision (dense, last-layer or low-rank); None: diagonal
+    server_precision: Any = None  # server_state -> q_g's structured precision (dense, last-layer, low-rank or Kronecker); None: diagonal
 
     @property
     def local_epochs(self) -> int:
@@ -234,6 +235,9 @@ class BuildContext(NamedTuple):
       last_layer_params: the scalar parameters of the model's last layer
         (:func:`fedbayes.gaussian_block.dense_size`), the side of a last-layer structure's dense
         block; ``None``: not known, or the parameters are no dict of layers.
+      param_shapes: the model's parameters as shape structs (``jax.ShapeDtypeStruct`` leaves), for
+        methods whose messages depend on the layers' shapes (the Kronecker structure's factors);
+        ``None``: not known.
     """
 
     trainer: LocalTrainer
@@ -247,6 +251,7 @@ class BuildContext(NamedTuple):
     hidden_layers: bool = False
     num_params: int | None = None
     last_layer_params: int | None = None
+    param_shapes: Any = None
 
 
 class BuildFn(Protocol):

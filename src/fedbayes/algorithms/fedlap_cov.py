@@ -87,6 +87,22 @@ for the total GGN ``G`` at the MAP and ``P`` of the fixed basis: exact in the sp
 diagonal outside it (Laplace Redux's low-rank Laplace, Daxberger et al. 2021, Sec. 3, keeps the
 top eigenpairs and the prior only). Every message also carries its ``Y_k`` (``D r`` numbers), which
 the server uses only in the basis rounds. No robust aggregation or privacy.
+
+**Kronecker-factored structure** (``covariance = "kron"``; docs/algorithms.md §10.4): every
+precision is ``U diag(s) U^T`` with ``U = L kron R`` per dense or conv layer
+(:mod:`fedbayes.gaussian_kron`), bases the server broadcasts, so the server's product is a sum of
+the eigenvalues. A client's curvature target is ``s = diag(U^T G_k U)``, EKFAC's corrected
+eigenvalues (George et al. 2018, Sec. 3.2), and its message carries its layers' Kronecker factors
+(K-FAC's input and output-gradient second moments, Martens and Grosse 2015, Sec. 3;
+:func:`fedbayes.inference.curvature.data_kron_ggn`). The bases are the identity (the diagonal
+method) for ``basis_rounds`` rounds; then the server sets them to the eigenvectors of the cohort's
+summed factors and moves ``q_g``'s eigenvalues into them by the diagonal projection
+(:func:`fedbayes.gaussian_kron.project`, linear, so it commutes with the sum over sites). A site
+from the basis rounds is projected the same way when its client next takes part
+(:class:`KronSite` records which sites have moved), so the server's product stays the sites'
+product whoever was absent. The fixed point is still the MAP, and ``S_g`` there is
+``U diag(delta + diag(U^T G U)) U^T`` (Laplace Redux's KFAC Laplace, Daxberger et al. 2021,
+Sec. 3, with EKFAC's eigenvalues). No robust aggregation or privacy.
 """
 
 from __future__ import annotations
@@ -100,7 +116,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field
 
-from fedbayes import gaussian, gaussian_block, gaussian_full, gaussian_subspace, tree
+from fedbayes import gaussian, gaussian_block, gaussian_full, gaussian_kron, gaussian_subspace, tree
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms import sites
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, stored_setting
@@ -110,11 +126,12 @@ from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_full import FullGaussian
+from fedbayes.gaussian_kron import KronGaussian
 from fedbayes.gaussian_subspace import SubspaceGaussian, SubspacePrecision
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import LocalSolver
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
-from fedbayes.inference.curvature import data_block_ggn, data_curvature, data_full_ggn, data_subspace_ggn
+from fedbayes.inference.curvature import data_block_ggn, data_curvature, data_full_ggn, data_kron_ggn, data_subspace_ggn
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, per_example, run_sgd, stiff_step_control
 
 PyTree = Any
@@ -123,9 +140,9 @@ DEFAULT_RHO = 0.5  # the config's default site damping (docs/results/posterior_d
 STEP_CAP = 1.0
 Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
 INIT_PRECISIONS = ("delta", "zero")
-COVARIANCES = ("diagonal", "full", "last_layer", "low_rank")
+COVARIANCES = ("diagonal", "full", "last_layer", "low_rank", "kron")
 DEFAULT_RANK = 10  # covariance = "low_rank": directions of the shared basis
-DEFAULT_BASIS_ROUNDS = 3  # covariance = "low_rank": rounds of subspace iteration before the basis is fixed
+DEFAULT_BASIS_ROUNDS = 3  # covariance = "low_rank" / "kron": rounds before the basis is fixed
 
 __all__ = [
     "BLOCK",
@@ -137,10 +154,12 @@ __all__ = [
     "Curvature",
     "FedLapCovConfig",
     "FedLapCovInfo",
+    "KronSite",
     "PrecisionOps",
     "ServerState",
     "client_step",
     "fedlap_cov",
+    "kron_ops",
     "local_fit",
     "server_step",
     "site_terms",
@@ -232,22 +251,44 @@ BLOCK = PrecisionOps(
 OPS = {"diagonal": DIAGONAL, "full": DENSE, "last_layer": BLOCK}
 
 
-def subspace_ops(basis: jax.Array) -> PrecisionOps:
-    """:class:`PrecisionOps` of the low-rank structure in the basis ``basis``
-    (:func:`fedbayes.gaussian_subspace.in_basis`); the diagonal's running sum is floored as the
-    diagonal family's, the core is a sum of PSD sites' cores."""
-    family = gaussian_subspace.in_basis(basis)
+def _family_ops(family, make: Callable) -> PrecisionOps:
+    """:class:`PrecisionOps` of a family in a shared basis (its algebra object): the diagonal part's
+    running sum is floored as the diagonal family's, the rest is a sum of PSD sites."""
     return PrecisionOps(
         matvec=family.matvec,
         solve=family.solve,
         scaled_identity=family.scaled_identity,
         at_least=family.at_least,
-        make=SubspaceGaussian,
+        make=make,
         family=family,
         to_diag=family.project_to_diag,
         row_bound=family.row_bound,
         quad=family.quad,
     )
+
+
+def subspace_ops(basis: jax.Array) -> PrecisionOps:
+    """:class:`PrecisionOps` of the low-rank structure in the basis ``basis``
+    (:func:`fedbayes.gaussian_subspace.in_basis`); the diagonal's running sum is floored as the
+    diagonal family's, the core is a sum of PSD sites' cores."""
+    return _family_ops(gaussian_subspace.in_basis(basis), SubspaceGaussian)
+
+
+def kron_ops(bases: PyTree) -> PrecisionOps:
+    """:class:`PrecisionOps` of the Kronecker-factored structure in the bases ``bases``
+    (:func:`fedbayes.gaussian_kron.in_bases`): the eigenvalues' running sum is floored as the
+    diagonal family's (``delta I`` is ``delta`` in every orthonormal basis)."""
+    return _family_ops(gaussian_kron.in_bases(bases), KronGaussian)
+
+
+class KronSite(NamedTuple):
+    """A client's site under ``covariance = "kron"``: the factor, and whether its eigenvalues are in
+    the fixed bases (1) or still in the identity bases of the basis rounds (0: projected when the
+    client next takes part, :func:`fedbayes.gaussian_kron.project`, as the server projected its
+    product when it fixed the bases)."""
+
+    factor: KronGaussian
+    fixed: jax.Array
 
 
 class ServerState(NamedTuple):
@@ -261,7 +302,8 @@ class ServerState(NamedTuple):
       damping: the site damping the next round's clients use
         (:class:`~fedbayes.algorithms.damping.DampingState`).
       basis: ``covariance = "low_rank"``: the shared orthonormal basis ``[D, r]`` of every
-        precision; ``None`` (no leaf) otherwise.
+        precision; ``"kron"``: the layers' Kronecker eigenbases
+        (:class:`~fedbayes.gaussian_kron.KronBasis` per leaf); ``None`` (no leaf) otherwise.
     """
 
     params: optax.Params
@@ -274,8 +316,8 @@ class ServerState(NamedTuple):
 
 class Broadcast(NamedTuple):
     """What clients receive: ``w_g``, the precision ``S_g`` they use, where training starts, the
-    round's site damping ``rho``, and with ``covariance = "low_rank"`` the basis and whether it is
-    fixed (the sites' cores grow from then on); ``None`` (no leaf) otherwise."""
+    round's site damping ``rho``, and with ``covariance = "low_rank"`` or ``"kron"`` the basis and
+    whether it is fixed (the sites' structure grows from then on); ``None`` (no leaf) otherwise."""
 
     anchor: optax.Params
     precision: PyTree
@@ -428,7 +470,7 @@ def fedlap_cov(
     rank: int = DEFAULT_RANK,
     basis_rounds: int = DEFAULT_BASIS_ROUNDS,
 ) -> Algorithm:
-    """FedLap-Cov (docs/algorithms.md §10) with diagonal precisions, or dense ones (``covariance = "full"``).
+    """FedLap-Cov (docs/algorithms.md §10) with diagonal precisions, or a structured one (``covariance``).
 
     Args:
       trainer: local training (mean loss, optimizer, epochs, batch size).
@@ -445,9 +487,13 @@ def fedlap_cov(
         (:func:`subspace_ops`: diagonal plus rank ``rank`` in a shared basis; ``curvature`` is then
         ``(params, data, basis) -> (diag GGN, GGN basis)``, e.g.
         :func:`fedbayes.inference.curvature.data_subspace_ggn`; module docstring).
+        With ``"kron"`` (:func:`kron_ops`: eigenvalues in per-layer Kronecker eigenbases),
+        ``curvature`` is ``(params, data, bases) -> (eigenvalues, Kronecker factors)``, e.g.
+        :func:`fedbayes.inference.curvature.data_kron_ggn`.
       rank: ``covariance = "low_rank"``: the basis's directions ``r``.
       basis_rounds: ``covariance = "low_rank"``: the rounds of subspace iteration before the basis
-        is fixed, at least 1.
+        is fixed; ``"kron"``: the rounds in the identity bases before the Kronecker bases are set;
+        at least 1.
     """
     if not isinstance(damping, damping_policy.Damping):
         check_settings("fedlap_cov", delta, damping)
@@ -462,6 +508,10 @@ def fedlap_cov(
         if rank < 1 or basis_rounds < 1:
             raise ValueError(f"fedlap_cov: rank and basis_rounds must be at least 1; got {rank} and {basis_rounds}")
         return _low_rank(trainer, curvature, delta=delta, damping=damping, init_precision=init_precision, solver=solver, rank=rank, basis_rounds=basis_rounds)
+    if covariance == "kron":
+        if basis_rounds < 1:
+            raise ValueError(f"fedlap_cov: basis_rounds must be at least 1; got {basis_rounds}")
+        return _kron(trainer, curvature, delta=delta, damping=damping, init_precision=init_precision, solver=solver, basis_rounds=basis_rounds)
     ops, valid = OPS[covariance], VALID[covariance]
 
     def client_update(key, message: Broadcast, site, data):
@@ -555,11 +605,33 @@ def _low_rank(trainer, curvature, *, delta, damping, init_precision, solver, ran
         q_k = jax.tree.map(lambda a, b: jnp.where(family.is_proper(q_k), a, b), q_k, state.q)
         return family.mean(q_k), family.variance(q_k)
 
+    return _with_basis(
+        trainer,
+        damping,
+        init=init,
+        send=send,
+        client_init=lambda params: gaussian_subspace.uniform_like(params, rank),
+        client_update=client_update,
+        server_update=server_update,
+        server_posterior=server_posterior,
+        personal_posterior=personal_posterior,
+        server_precision=lambda state: gaussian_subspace.in_basis(state.basis).to_lowrank(
+            SubspaceGaussian(optax.tree.zeros_like(state.params), state.q.precision)
+        ),
+    )
+
+
+def _with_basis(
+    trainer, damping, *, init, send, client_init, client_update, server_update, server_posterior, personal_posterior, server_precision
+) -> Algorithm:
+    """The :class:`~fedbayes.algorithms.base.Algorithm` of a structure in a shared basis: the
+    basis rides in the server state and the broadcast, a message carries a sketch or factors (which
+    must be finite too)."""
     return Algorithm(
         name="fedlap_cov",
         server_init=init,
         broadcast=send,
-        client_init=lambda params: gaussian_subspace.uniform_like(params, rank),
+        client_init=client_init,
         client_update=client_update,
         server_update=server_update,
         server_params=lambda state: state.params,
@@ -568,9 +640,72 @@ def _low_rank(trainer, curvature, *, delta, damping, init_precision, solver, ran
         server_posterior=server_posterior,
         after_rejected_round=lambda state: state._replace(damping=damping.rejected(state.damping)),
         personal_posterior=personal_posterior,
-        server_precision=lambda state: gaussian_subspace.in_basis(state.basis).to_lowrank(
-            SubspaceGaussian(optax.tree.zeros_like(state.params), state.q.precision)
-        ),
+        server_precision=server_precision,
+    )
+
+
+def _where(flag, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
+
+
+def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_rounds) -> Algorithm:
+    """FedLap-Cov with ``covariance = "kron"`` (module docstring): the bases ride in the server
+    state and the broadcast, every precision is a pytree of eigenvalues in them
+    (:mod:`fedbayes.gaussian_kron`), and each site remembers whether it is in the fixed bases."""
+
+    def init(key, params):
+        del key
+        bases = gaussian_kron.identity_bases(params)
+        return server_init(params, delta, kron_ops(bases), damping=damping)._replace(basis=bases)
+
+    def send(state):
+        return broadcast(state, init_precision)._replace(basis=state.basis, basis_fixed=state.round >= basis_rounds)
+
+    def current(site: KronSite, fixed, bases) -> KronGaussian:
+        # a site from the basis rounds, in the identity bases, as the server's product holds it since the bases were fixed
+        moved = gaussian_kron.project(site.factor.precision, gaussian_kron.identity_bases(site.factor.precision), bases)
+        return KronGaussian(site.factor.precision_mean, _where(fixed & (site.fixed == 0), moved, site.factor.precision))
+
+    def client_update(key, message: Broadcast, site: KronSite, data):
+        ops = kron_ops(message.basis)
+        fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer) if damping.adaptive else None
+        old = current(site, message.basis_fixed, message.basis)
+        w_k, info = local_fit(key, message, old, data, trainer, ops=ops, solver=solver)
+        h_k, factors = curvature(w_k, data, message.basis)
+        new = site_update(old, w_k, message, h_k, message.damping, ops)
+        fixed = jnp.asarray(message.basis_fixed, site.fixed.dtype)
+        return GaussianMessage(gaussian_kron.difference(new, old), _valid_curvature(h_k), fit, factors), KronSite(new, fixed), info
+
+    def server_update(key, state, aggregate):
+        del key
+        new = server_step(state, aggregate.total.difference, delta, kron_ops(state.basis), damping=damping, loss=aggregate.mean.loss)
+        # the last basis round: the cohort's Kronecker factors give the bases, and q_g's eigenvalues move into them
+        moving = state.round == basis_rounds - 1
+        bases = _where(moving, gaussian_kron.bases_from_factors(aggregate.total.sketch), state.basis)
+        q = KronGaussian(new.q.precision_mean, _where(moving, gaussian_kron.project(new.q.precision, state.basis, bases), new.q.precision))
+        params = kron_ops(bases).solve(q.precision, q.precision_mean)
+        return new._replace(q=q, params=params, basis=bases), FedLapCovInfo(state.damping.value)
+
+    def server_posterior(state):
+        return state.params, gaussian_kron.in_bases(state.basis).variance(state.q)
+
+    def personal_posterior(state, site: KronSite, weight):
+        family = gaussian_kron.in_bases(state.basis)
+        q_k = family.product(state.q, family.power(current(site, state.round >= basis_rounds, state.basis), weight))
+        q_k = _where(family.is_proper(q_k), q_k, state.q)
+        return family.mean(q_k), family.variance(q_k)
+
+    return _with_basis(
+        trainer,
+        damping,
+        init=init,
+        send=send,
+        client_init=lambda params: KronSite(gaussian_kron.uniform_like(params), jnp.zeros((), jnp.int32)),
+        client_update=client_update,
+        server_update=server_update,
+        server_posterior=server_posterior,
+        personal_posterior=personal_posterior,
+        server_precision=lambda state: gaussian_kron.KronSpread(state.q.precision, state.basis),
     )
 
 
@@ -593,12 +728,16 @@ class FedLapCovConfig(HParams):
         f"parameters (the full Laplace at the fixed point; for models up to {sites.MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'), "
         "last_layer, a dense GGN over the last layer's weights and the diagonal GGN elsewhere (Laplace Redux's last-layer structure; "
         f"for last layers up to {sites.MAX_FULL_PARAMS} parameters), or low_rank, the GGN exact in a shared basis of rank directions "
-        "that the first basis_rounds rounds find (its leading eigenvectors) and diagonal outside it, for networks; "
-        "full, last_layer and low_rank take no robust aggregation or privacy",
+        "that the first basis_rounds rounds find (its leading eigenvectors) and diagonal outside it, for networks, or kron, per dense "
+        "or conv layer the GGN's diagonal in the eigenbases of its two Kronecker factors (EKFAC), the bases fixed after basis_rounds rounds; "
+        "full, last_layer, low_rank and kron take no robust aggregation or privacy",
     )
     rank: int = Field(DEFAULT_RANK, ge=1, description="covariance = low_rank: the directions r of the shared basis; each message adds D r + r^2 numbers")
     basis_rounds: int = Field(
-        DEFAULT_BASIS_ROUNDS, ge=1, description="covariance = low_rank: rounds of subspace iteration on the cohort's GGN before the basis is fixed"
+        DEFAULT_BASIS_ROUNDS,
+        ge=1,
+        description="covariance = low_rank: rounds of subspace iteration on the cohort's GGN before the basis is fixed; "
+        "kron: rounds of the diagonal method before the bases are fixed from the cohort's Kronecker factors",
     )
 
 
@@ -627,6 +766,13 @@ def build(hp: FedLapCovConfig, ctx: BuildContext) -> Algorithm:
 
         def curvature(params, data, basis):
             return data_subspace_ggn(apply_fn, params, data, basis, batch_size=batch_size, task=task)
+
+    elif hp.covariance == "kron":
+        if ctx.param_shapes is not None:
+            sites.check_kron_size(ctx.param_shapes)
+
+        def curvature(params, data, bases):
+            return data_kron_ggn(apply_fn, params, data, bases, batch_size=batch_size, task=task)
 
     else:
         curvature = data_curvature(ctx.apply_fn, task=ctx.task, batch_size=ctx.trainer.batch_size)
@@ -660,12 +806,13 @@ SPEC = AlgorithmSpec(
     ),
     # S_g = delta + sum_k V_k: a GGN Laplace; the last-layer structure's search reads its dense block (evaluation.prior_precision);
     # a dense posterior's marginals are not 1 / (G_ii + delta): no post-hoc prior search there
-    # the low-rank structure's prior precision is re-chosen on its own structure, its last layer's marginal drawn
+    # the low-rank and Kronecker structures' prior precision is re-chosen on their own structure, the last layer's marginal drawn
     default_predictive="linearised", posterior_prior_precision=lambda hp: hp.delta if hp.covariance != "full" else None, local_budget="converged",
     stored_meaning=_stored_meaning,
     # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
     settings_aggregator_policy=lambda hp: {
         "full": ("own", sites.FULL_AGGREGATOR_NOTE), "last_layer": ("own", sites.LAST_LAYER_AGGREGATOR_NOTE), "low_rank": ("own", sites.LOW_RANK_AGGREGATOR_NOTE),
+        "kron": ("own", sites.KRON_AGGREGATOR_NOTE),
     }.get(hp.covariance),
 )  # fmt: skip
 SPECS = (SPEC,)

@@ -29,6 +29,7 @@ FedPA share.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedbayes import gaussian, gaussian_block, gaussian_full, tree
+from fedbayes import gaussian, gaussian_block, gaussian_full, gaussian_kron, tree
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
@@ -57,6 +58,7 @@ __all__ = [
     "burn_in_switch",
     "check_full_size",
     "check_last_layer_size",
+    "check_kron_size",
     "check_low_rank_size",
     "checked_cavity",
     "clip_joint_norm",
@@ -241,6 +243,9 @@ MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family i
 FULL_AGGREGATOR_NOTE = "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines"
 LAST_LAYER_AGGREGATOR_NOTE = "with covariance = 'last_layer' sends a dense precision over the last layer, which only the weighted mean combines"
 LOW_RANK_AGGREGATOR_NOTE = "with covariance = 'low_rank' sends a core in a shared basis and a curvature sketch, which only the weighted mean combines"
+KRON_AGGREGATOR_NOTE = (
+    "with covariance = 'kron' sends eigenvalues in shared Kronecker eigenbases and the layers' Kronecker factors, which only the weighted mean combines"
+)
 FLOAT32_BYTES = 4
 
 
@@ -250,8 +255,11 @@ def natural_bytes(num_params: int, covariance: str, rank: int = 0) -> int:
     precision) for ``"diagonal"``, ``D + D^2`` (``eta``, the dense precision) for ``"full"``, and
     ``2 D + r^2 + D r`` for ``"low_rank"`` of rank ``r`` (``eta``, the diagonal, the ``r x r``
     core, and the ``[D, r]`` curvature sketch beside it). The message adds its few scalars
-    (validity flag, loss)."""
+    (validity flag, loss). For ``"kron"``, ``rank`` is the number of the layers' Kronecker factors'
+    entries (``sum m^2 + n^2``, sent beside ``2 D``: :func:`fedbayes.gaussian_kron.factor_numbers`)."""
     d, r = int(num_params), int(rank)
+    if covariance == "kron":
+        return FLOAT32_BYTES * (2 * d + r)
     if covariance == "full":
         return FLOAT32_BYTES * (d + d * d)
     if covariance == "low_rank":
@@ -307,6 +315,19 @@ def check_low_rank_size(rank: int, num_params: int | None) -> None:
             f"algorithm.rank: a rank-{rank} message over this model's {num_params} parameters would be "
             f"{_size(natural_bytes(num_params, 'low_rank', rank))} (2 D + r^2 + D r float32 numbers) against the bound's {_size(bound)}; "
             "use a smaller rank or covariance = 'last_layer'"
+        )
+
+
+def check_kron_size(params: Any) -> None:  # arrays or shape structs
+    """Raises ValueError (one line naming ``algorithm.covariance``) where a ``"kron"`` message
+    (:func:`natural_bytes`: ``2 D`` numbers and the Kronecker factors) would exceed the dense
+    family's bound: a layer of many inputs (a ``[4096, n]`` kernel's input factor alone is 67 MB)."""
+    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    size, bound = natural_bytes(num_params, "kron", gaussian_kron.factor_numbers(params)), natural_bytes(MAX_FULL_PARAMS, "full")
+    if size > bound:
+        raise ValueError(
+            f"algorithm.covariance: a 'kron' message over this model's layers would be {_size(size)} (2 D numbers and each layer's "
+            f"[m, m] and [n, n] Kronecker factors) against the bound's {_size(bound)}; use covariance = 'low_rank' or 'diagonal'"
         )
 
 

@@ -31,6 +31,9 @@ own family's centralised optimum, and the run stops once
   marginals) with ``G`` the GGN of the pooled data at ``theta*`` and ``P = B B^T`` for the basis
   ``B`` the method holds at the check: FedLap-Cov with ``covariance = "low_rank"``, whose fixed
   point is that Laplace in its own basis (docs/algorithms.md §10.3);
+* ``kron_laplace``, ``N(theta*, (U diag(lambda + diag(U^T G U)) U^T)^{-1})`` (its marginals) for the
+  per-layer Kronecker eigenbases ``U`` the method holds at the check: FedLap-Cov with ``covariance =
+  "kron"``, whose fixed point is that Laplace in its own bases (docs/algorithms.md §10.4);
 * ``map``, the MAP (means only): FedEP/FedSEP with identity or mcmc clients, whose variance is
   set by their ``scale`` hyperparameter and not by the data, and FedAvg (a point).
 
@@ -68,12 +71,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from fedbayes import gaussian_block, gaussian_lowrank
+from fedbayes import gaussian_block, gaussian_kron, gaussian_lowrank
 from fedbayes.bench.truth import NUTSSettings, nuts_reference
 from fedbayes.config.schema import validate
 from fedbayes.evaluation.distances import kl_diag, relative_l2, variance_ratio
 from fedbayes.evaluation.reference import affine_predictive_metrics, laplace_covariance, negative_log_joint, references
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
+from fedbayes.gaussian_kron import KronSpread
 from fedbayes.gaussian_lowrank import LowRankGaussian
 from fedbayes.runs.build import DataSpec, build_experiment, build_model, prepare_split
 from fedbayes.runs.folder import write_atomic
@@ -102,6 +106,7 @@ FAMILIES = (
     "mfvi",
     "full_vi",
     "low_rank_laplace",
+    "kron_laplace",
     "map",
     "truth",
 )  # truth: NUTS's own moments (a moment-matching method's target)
@@ -195,6 +200,7 @@ METHODS: tuple[Method, ...] = (
     Method("fedlap_cov", "FedLap-Cov", {"name": "fedlap_cov"}, "diag_laplace"),
     Method("fedlap_cov_full", "FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}, "laplace"),
     Method("fedlap_cov_low_rank", "FedLap-Cov (covariance low_rank)", {"name": "fedlap_cov", "covariance": "low_rank"}, "low_rank_laplace"),
+    Method("fedlap_cov_kron", "FedLap-Cov (covariance kron)", {"name": "fedlap_cov", "covariance": "kron"}, "kron_laplace"),
     Method("vbnn", "VBNN (linear, kernel only)", {"name": "vbnn"}, "mfvi", model=dict(LINEAR_VARIATIONAL), kernel_only=True),
     Method("fedavg", "FedAvg (point)", {"name": "fedavg"}, "map"),
 )
@@ -368,6 +374,8 @@ def _dense_covariance(exp, server_state) -> np.ndarray | None:
         precision = gaussian_block.precision_matrix(BlockGaussian(exp.algorithm.server_params(server_state), precision))
     elif isinstance(precision, LowRankGaussian):  # the [P, P] matrix of a low-rank structure
         precision = gaussian_lowrank.precision_matrix(precision)
+    elif isinstance(precision, KronSpread):  # the [P, P] matrix of a Kronecker-factored structure
+        precision = gaussian_kron.in_bases(precision.bases).precision_matrix(precision.precision)
     precision = np.asarray(precision, np.float64)
     cov = np.linalg.inv(0.5 * (precision + precision.T))
     return 0.5 * (cov + cov.T)
@@ -385,11 +393,20 @@ def _low_rank_marginals(hessian: np.ndarray, basis: Any, like: Any) -> Any:
     return unravel(jnp.asarray(np.diag(np.linalg.inv(precision)), jnp.float32))
 
 
+def _kron_marginals(hessian: np.ndarray, bases: Any, like: Any) -> Any:
+    """The marginal variances of the Laplace in a Kronecker-factored structure: ``hessian`` is ``G +
+    lambda I`` at the MAP (float64), ``bases`` the per-leaf eigenbases; shaped like ``like``."""
+    u = np.asarray(gaussian_kron.dense_rotation(like, bases), np.float64)
+    eigenvalues = np.diag(u.T @ hessian @ u)  # lambda I is lambda in every basis
+    _, unravel = ravel_pytree(like)
+    return unravel(jnp.asarray(np.square(u) @ (1.0 / eigenvalues), jnp.float32))
+
+
 def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log) -> dict:
     raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
     exp = build_experiment(validate(raw))
     hessian = None
-    if method.family == "low_rank_laplace":  # its reference moves with the method's basis: from the full Laplace's Hessian at each check
+    if method.family in ("low_rank_laplace", "kron_laplace"):  # its reference moves with the method's basis: from the full Laplace's Hessian at each check
         hessian = np.linalg.inv(laplace_covariance(negative_log_joint(apply_fn, dataset.x_train, dataset.y_train, PRIOR_PRECISION), refs.map))
     family_mean, family_var = {
         "diag_laplace": refs.diag_laplace,
@@ -398,6 +415,7 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         "mfvi": refs.mfvi,
         "full_vi": (refs.full_vi[0], _marginals(refs.full_vi)),
         "low_rank_laplace": (refs.map, None),
+        "kron_laplace": (refs.map, None),
         "map": (refs.map, None),
         "truth": (nuts.mean, nuts.variance),
     }[method.family]
@@ -418,7 +436,8 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
             continue
         mean, var = _posterior(exp, state.server_state)
         if hessian is not None:
-            family_var = _low_rank_marginals(hessian, state.server_state.basis, mean)
+            marginals = _kron_marginals if method.family == "kron_laplace" else _low_rank_marginals
+            family_var = marginals(hessian, state.server_state.basis, mean)
         comparison = _compare(mean, var, family_mean, family_var, method.kernel_only)
         if not all(bool(np.all(np.isfinite(np.asarray(leaf)))) for leaf in jax.tree.leaves((mean, var))):
             raise FloatingPointError(f"the server posterior is not finite at round {r}")
@@ -646,6 +665,7 @@ FAMILY_NAMES = {
     "mfvi": "MFVI",
     "full_vi": "full-covariance VI (marginals)",
     "low_rank_laplace": "low-rank Laplace in its basis (marginals)",
+    "kron_laplace": "Kronecker-factored Laplace in its bases (marginals)",
     "map": "MAP (mean only)",
 }
 

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedbayes import gaussian_block, gaussian_full, gaussian_lowrank
+from fedbayes import gaussian_block, gaussian_full, gaussian_kron, gaussian_lowrank
 from fedbayes.evaluation import metrics, multilabel, next_word
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision, BlockScale
 from fedbayes.gaussian_full import FullGaussian
+from fedbayes.gaussian_kron import KronSpread
 from fedbayes.gaussian_lowrank import LowRankGaussian
 
 
@@ -97,7 +98,7 @@ PREDICTIVES = ("sample", "linearised")  # make_marginal_evaluator's choices
 SUBSETS = ("all", "last_layer")  # restrict_to_subset's choices
 
 
-def dense_spread(mean, precision: jax.Array | BlockPrecision | LowRankGaussian) -> FullGaussian | BlockGaussian | LowRankGaussian:
+def dense_spread(mean, precision: jax.Array | BlockPrecision | LowRankGaussian | KronSpread) -> FullGaussian | BlockGaussian | LowRankGaussian | KronSpread:
     """The spread of a posterior with a dense precision ``N(mean, Lambda^{-1})`` about its mean, as
     the marginalised prediction takes it in place of the marginal variances: the zero-mean
     :class:`~fedbayes.gaussian_full.FullGaussian` with precision ``Lambda`` (``[D, D]``, ravel order
@@ -106,7 +107,10 @@ def dense_spread(mean, precision: jax.Array | BlockPrecision | LowRankGaussian) 
     (:class:`~fedbayes.gaussian_block.BlockPrecision`), the zero-mean
     :class:`~fedbayes.gaussian_block.BlockGaussian` (draws dense over the last layer, diagonal
     elsewhere); for a low-rank one (a :class:`~fedbayes.gaussian_lowrank.LowRankGaussian`, the
-    precision ``diag(d) + U diag(s) U^T``), itself with a zero mean (draws at ``O(D r)`` each)."""
+    precision ``diag(d) + U diag(s) U^T``), itself with a zero mean (draws at ``O(D r)`` each); a
+    Kronecker-factored one (a :class:`~fedbayes.gaussian_kron.KronSpread`) is its own spread."""
+    if isinstance(precision, KronSpread):
+        return precision
     if isinstance(precision, BlockPrecision):
         return BlockGaussian(precision_mean=optax.tree.zeros_like(mean), precision=precision)
     if isinstance(precision, LowRankGaussian):  # a low-rank structure's precision diag(d) + U diag(s) U^T
@@ -132,6 +136,8 @@ def restrict_to_subset(variance, subset: str):
         return BlockGaussian(variance.precision_mean, BlockPrecision(point, p.dense, p.key))
     if isinstance(variance, LowRankGaussian):  # the last layer's marginal: the joint's draws, the other layers at the mean
         return gaussian_lowrank.marginal(variance, gaussian_block.last_layer_key(variance.precision_mean))
+    if isinstance(variance, KronSpread):  # block-diagonal over the leaves: the last layer's own blocks
+        return gaussian_kron.marginal(variance, gaussian_block.last_layer_key(variance.precision))
     if isinstance(variance, FullGaussian):
         raise ValueError(
             "evaluation.subset_of_weights: 'last_layer' keeps the last layer's marginal variances; a dense posterior (covariance = 'full') "
@@ -268,6 +274,9 @@ def _weight_steps(key, mean, variance, num_samples: int):
         return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
     if isinstance(variance, gaussian_lowrank.LayerMarginal):
         draws = gaussian_lowrank.sample_marginal(key, variance, num_samples)
+        return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
+    if isinstance(variance, KronSpread):
+        draws = gaussian_kron.sample_spread(key, variance, num_samples)
         return jax.tree.map(lambda d, m: d.astype(m.dtype), draws, mean)
     keys = optax.tree.split_key_like(key, mean)
     return jax.tree.map(lambda k, m, v: _safe_sqrt(v)[None] * jax.random.normal(k, (num_samples, *m.shape), m.dtype), keys, mean, variance)

@@ -28,6 +28,13 @@ gives the precision ``G + delta' I`` (drawn from with the same normal draws for 
 and ``log det(G + delta' I)`` is the low-rank family's log-determinant (``O(D r^2)``, through
 :func:`fedbayes.gaussian_lowrank.entropy`).
 
+**A Kronecker-factored posterior** (``covariance = "kron"``: a precision ``U diag(s) U^T`` in per-layer
+Kronecker eigenbases, :class:`~fedbayes.gaussian_kron.KronSpread`) is the diagonal case in the
+rotated coordinates: ``delta I`` is ``delta`` in every orthonormal basis, so ``G = s - delta`` keeps
+the bases (:class:`KronCurvature`), ``delta'`` gives the eigenvalues ``G + delta'``, and the
+objective below is the diagonal one over the eigenvalues with ``theta*`` rotated (``U^T theta*``,
+the same norm).
+
 **Marginal likelihood** (:func:`log_marginal_likelihood`). The Laplace approximation of the
 evidence, ``p(D) ~= p(D | theta*) p(theta*) (2 pi)^{P/2} det(Lambda)^{-1/2}`` with ``Lambda =
 G + delta'`` the posterior precision over the ``P`` Gaussian coordinates, is
@@ -65,8 +72,9 @@ import optax
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from fedbayes import gaussian_block, gaussian_lowrank
+from fedbayes import gaussian_block, gaussian_kron, gaussian_lowrank
 from fedbayes.gaussian_block import BlockGaussian, BlockScale
+from fedbayes.gaussian_kron import KronSpread
 from fedbayes.gaussian_lowrank import LowRankGaussian
 
 PyTree = Any
@@ -81,6 +89,7 @@ __all__ = [
     "GRID_POINTS",
     "SEARCHES",
     "BlockCurvature",
+    "KronCurvature",
     "LowRankCurvature",
     "curvature",
     "log_marginal_likelihood",
@@ -135,6 +144,22 @@ class LowRankCurvature:
         return joint if self.key is None else gaussian_lowrank.marginal(joint, self.key)
 
 
+@struct.dataclass
+class KronCurvature:
+    """``G = U diag(g) U^T`` of a Kronecker-factored posterior (a
+    :class:`~fedbayes.gaussian_kron.KronSpread` of eigenvalues ``g + delta``).
+
+    Attributes:
+      eigenvalues: ``g``, shaped like the parameters, floored at 0.
+      bases: the spread's bases.
+      key: the layer the spread draws (``None``: all weights; static).
+    """
+
+    eigenvalues: PyTree
+    bases: PyTree
+    key: str | None = struct.field(pytree_node=False, default=None)
+
+
 def _diag_curvature(variance: PyTree, prior_precision) -> PyTree:
     return jax.tree.map(lambda v: jnp.where(v > 0, jnp.maximum(1.0 / jnp.where(v > 0, v, 1.0) - prior_precision, 0.0), jnp.inf), variance)
 
@@ -146,6 +171,10 @@ def curvature(variance: PyTree | BlockGaussian, prior_precision: float) -> PyTre
     ``Lambda``): ``G = Lambda - delta I`` block by block, a :class:`BlockCurvature`."""
     if isinstance(variance, gaussian_lowrank.LayerMarginal):  # the evidence is the whole posterior's; the draws stay the layer's
         return LowRankCurvature(curvature(variance.joint, prior_precision).spread, variance.key)
+    if isinstance(variance, KronSpread):
+        return KronCurvature(
+            jax.tree.map(lambda s: jnp.maximum(s - jnp.asarray(prior_precision, s.dtype), 0.0), variance.precision), variance.bases, variance.key
+        )
     if isinstance(variance, LowRankGaussian):
         return LowRankCurvature(variance.replace(diag=jax.tree.map(lambda d: d - jnp.asarray(prior_precision, d.dtype), variance.diag)))
     if isinstance(variance, BlockGaussian):
@@ -164,6 +193,8 @@ def with_prior_precision(curv: PyTree | BlockCurvature, prior_precision) -> PyTr
     factorisation, so a search differentiates through its draws."""
     if isinstance(curv, LowRankCurvature):
         return curv.posterior(prior_precision)
+    if isinstance(curv, KronCurvature):
+        return KronSpread(jax.tree.map(lambda g: g + jnp.asarray(prior_precision, g.dtype), curv.eigenvalues), curv.bases, curv.key)
     if isinstance(curv, BlockCurvature):
         std = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), jax.lax.rsqrt(jnp.where(jnp.isfinite(g), g, 0.0) + prior_precision), 0.0), curv.rest)
         root = curv.eigenvectors * jax.lax.rsqrt(curv.eigenvalues + prior_precision)[None, :]
@@ -193,6 +224,8 @@ def log_marginal_likelihood(mean: PyTree, curv: PyTree, prior_precision, log_lik
         log_det = jnp.log(g0 + delta) - log_2pi
         return jnp.sum(jnp.where(gauss, log_prior - 0.5 * log_det, 0.0))
 
+    if isinstance(curv, KronCurvature):  # the diagonal objective over the eigenvalues, theta* in the bases (whole posterior's evidence)
+        return log_likelihood + sum(jax.tree.leaves(jax.tree.map(leaf, gaussian_kron.rotate(mean, curv.bases), curv.eigenvalues)))
     if isinstance(curv, LowRankCurvature):  # log det(G + delta' I) = D (1 + log 2 pi) - 2 H of the spread
         m = ravel_pytree(mean)[0]
         size = m.size
@@ -238,7 +271,7 @@ def maximise_log_scale(objective: Callable[[jax.Array], jax.Array], center: floa
 
 
 def _any_gaussian(curv: PyTree) -> jax.Array:
-    if isinstance(curv, (BlockCurvature, LowRankCurvature)):
+    if isinstance(curv, (BlockCurvature, LowRankCurvature, KronCurvature)):
         return jnp.asarray(True)
     return jnp.any(jnp.stack([jnp.any(jnp.isfinite(g)) for g in jax.tree.leaves(curv)]))
 

@@ -92,9 +92,11 @@ __all__ = [
     "batch_diag_ggn",
     "batch_full_ggn",
     "batch_ggn_matmat",
+    "batch_kron_ggn",
     "data_block_ggn",
     "data_curvature",
     "data_full_ggn",
+    "data_kron_ggn",
     "data_subspace_ggn",
     "diag_empirical_fisher",
     "diag_fisher",
@@ -572,3 +574,103 @@ def data_subspace_ggn(
         return diag, prod + batch_ggn_matmat(apply_fn, params, x, mask, basis, task=task).astype(prod.dtype)
 
     return over_client_data(data, batch_size, body, (optax.tree.zeros_like(params), jnp.zeros(basis.shape, ravel_pytree(params)[0].dtype)))
+
+
+def _at(tree, path):
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
+def _kron_dense(a, g, mask, kernel_basis, bias_basis):
+    """A Dense layer's EKFAC eigenvalues and Kronecker factors over one batch, from its inputs
+    ``a [B, I]`` and output gradients ``g [K, B, O]``: example ``n``'s kernel gradient ``a_n
+    g_kn^T`` is ``(L^T a_n) (R^T g_kn)^T`` in the basis, so ``diag(U^T G U) = ((a L)^2)^T sum_k (g_k
+    R)^2`` (the identity of :func:`_dense_diag` in rotated coordinates); the factors are ``sum_n m_n
+    a_n a_n^T`` and ``sum_kn g_kn g_kn^T``."""
+    rotated_g = jnp.sum(jnp.square(g @ kernel_basis.right), axis=0)  # [B, O]
+    kernel = jnp.square(a @ kernel_basis.left).T @ rotated_g
+    weights = jnp.clip(mask, 0.0, None).astype(a.dtype)
+    a_factor = (a * weights[:, None]).T @ a
+    g_factor = jnp.einsum("kbo,kbp->op", g, g)
+    bias = None if bias_basis is None else jnp.sum(jnp.square(g @ bias_basis.right), axis=(0, 1))
+    return kernel, bias, a_factor, g_factor
+
+
+def _kron_conv(a, g, mask, attrs, kernel_shape, kernel_basis, bias_basis):
+    """A Conv layer's EKFAC eigenvalues and Kronecker factors (KFC, Grosse and Martens 2016, Sec.
+    3: the patches' and the output gradients' second moments over examples and positions), the
+    per-example kernel gradients ``sum_p patch_p g_p^T`` rotated and squared."""
+    ks, strides, padding, lhs_dil, rhs_dil = attrs
+    patches = jax.lax.conv_general_dilated_patches(
+        a, ks, strides, padding, lhs_dilation=lhs_dil, rhs_dilation=rhs_dil, dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    b, cin, cout = a.shape[0], a.shape[-1], g.shape[-1]
+    # the kernel's row-major matrix [kh * kw * cin, cout]: the window position slowest, then the channel
+    patches = patches.reshape(b, -1, cin, ks[0] * ks[1]).transpose(0, 1, 3, 2).reshape(b, -1, ks[0] * ks[1] * cin)
+    gg = g.reshape(g.shape[0], b, -1, cout)
+    per = jnp.einsum("bpm,kbpo->kbmo", patches, gg)
+    rotated = jnp.einsum("kbmo,mi,oj->kbij", per, kernel_basis.left, kernel_basis.right)
+    kernel = jnp.sum(jnp.square(rotated), axis=(0, 1)).reshape(kernel_shape)
+    weights = jnp.clip(mask, 0.0, None).astype(a.dtype)
+    a_factor = jnp.einsum("bpm,bpn,b->mn", patches, patches, weights)
+    g_factor = jnp.einsum("kbpo,kbpq->oq", gg, gg)
+    bias = None
+    if bias_basis is not None:
+        summed = jnp.sum(gg, axis=2)  # [K, B, O]: the bias's per-example gradients
+        bias = jnp.sum(jnp.square(summed @ bias_basis.right), axis=(0, 1))
+    return kernel, bias, a_factor, g_factor
+
+
+def batch_kron_ggn(apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array, mask: jax.Array, bases: PyTree, *, task: str = "classification"):
+    """``(s, factors)`` over one batch: the GGN's diagonal in the Kronecker eigenbases ``bases``
+    (:mod:`fedbayes.gaussian_kron`; ``s = diag(U^T G U)``, EKFAC's corrected eigenvalues, George et
+    al. 2018, Eq. 11, with the exact GGN's output vectors in place of sampled ones) and each leaf's
+    Kronecker factors (:class:`~fedbayes.gaussian_kron.KronBasis` of the inputs' and the output
+    gradients' second moments; zero where the leaf has none). One forward and ``C`` backward passes
+    (:func:`batch_diag_ggn`'s); the Dense and Conv layers of
+    :func:`fedbayes.models.layers.find_layers` are rotated, every other leaf (identity bases) keeps
+    the plain diagonal."""
+    if task not in TASKS:
+        raise ValueError(f"curvature: task {task!r} has no curvature here (a likelihood over sequences); allowed: {', '.join(TASKS)}")
+    layers, inputs, grads, u = _output_gradients("ggn", apply_fn, params, x, y, mask, task, None, 1)
+    diag = _assemble_diag(apply_fn, params, x, layers, inputs, grads, u)
+    factors = jax.tree.map(jnp.zeros_like, bases)
+    for path, (layer, _) in layers.items():
+        node, basis = _at(params, path), _at(bases, path)
+        kernel_basis, bias_basis = basis["kernel"], basis.get("bias")
+        a = jax.lax.stop_gradient(inputs[path])
+        if layer.kind == "dense":
+            k, bb, af, gf = _kron_dense(a, grads[path], mask, kernel_basis, bias_basis)
+        else:
+            k, bb, af, gf = _kron_conv(a, grads[path], mask, layer.attrs, node["kernel"].shape, kernel_basis, bias_basis)
+        entry = {"kernel": k.astype(node["kernel"].dtype)}
+        found = {"kernel": type(kernel_basis)(af.astype(node["kernel"].dtype), gf.astype(node["kernel"].dtype))}
+        if "bias" in node:
+            entry["bias"] = bb.astype(node["bias"].dtype)
+            found["bias"] = type(kernel_basis)(
+                None, gf.astype(node["bias"].dtype) if layer.kind == "dense" else _bias_factor(grads[path]).astype(node["bias"].dtype)
+            )
+        diag = _set(diag, path, {**_at(diag, path), **entry})
+        factors = _set(factors, path, {**_at(factors, path), **found})
+    return diag, factors
+
+
+def _bias_factor(g: jax.Array) -> jax.Array:
+    """A conv bias's factor: the second moment of its per-example gradients ``sum_p g_p``."""
+    summed = jnp.sum(g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1]), axis=2)
+    return jnp.einsum("kbo,kbp->op", summed, summed)
+
+
+def data_kron_ggn(
+    apply_fn: ApplyFn, params: PyTree, data: ClientData, bases: PyTree, *, batch_size: int, task: str = "classification"
+) -> tuple[PyTree, PyTree]:
+    """``(s, factors)`` of a client's sum loss at ``params``: :func:`batch_kron_ggn` summed over one
+    pass of its examples (the first laid-out epoch) in the minibatches of :func:`data_curvature`.
+    What the Kronecker-factored structure needs (:mod:`fedbayes.gaussian_kron`)."""
+
+    def body(total, step, batch):
+        x, y, mask = batch
+        return jax.tree.map(jnp.add, total, batch_kron_ggn(apply_fn, params, x, y, mask, bases, task=task))
+
+    return over_client_data(data, batch_size, body, (optax.tree.zeros_like(params), jax.tree.map(jnp.zeros_like, bases)))

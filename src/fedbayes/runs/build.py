@@ -434,6 +434,7 @@ def build_context(config: RunConfig, spec: DataSpec, federation: registry.Federa
         hidden_layers=has_hidden_layers(model.params),
         num_params=tree_lib.num_params(model.params),
         last_layer_params=gaussian_block.dense_size(model.params) if isinstance(model.params, dict) and model.params else None,
+        param_shapes=jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), model.params),
     )
 
 

@@ -17,7 +17,12 @@ the parameters' tree paths joined by ``/`` under a prefix:
 * ``posterior_precision_diag/<path>``, ``posterior_precision_factors`` and
   ``posterior_precision_weights``: a low-rank ``q_g``'s (``covariance = "low_rank"``) precision
   ``diag(d) + U diag(s) U^T``: ``d`` shaped like the parameters, ``U`` ``[D, r]`` over them raveled
-  in :func:`jax.flatten_util.ravel_pytree` order, ``s`` ``[r]``.
+  in :func:`jax.flatten_util.ravel_pytree` order, ``s`` ``[r]``;
+* ``posterior_precision_eigenvalues/<path>``, ``posterior_precision_left/<path>`` and
+  ``posterior_precision_right/<path>``: a Kronecker-factored ``q_g``'s (``covariance = "kron"``)
+  precision ``U diag(s) U^T``: per leaf the eigenvalues ``s`` (the leaf's shape) and the two
+  orthonormal bases ``L`` and ``R`` of ``U = L kron R`` over the leaf read as ``[m, n]`` (a side
+  absent where it is the identity, e.g. a bias's left; :mod:`fedbayes.gaussian_kron`).
 
 ``load_run(DIR)`` returns ``(config, params, metrics)``: the run's :class:`~fedbayes.config.schema.RunConfig`
 (its ``[algorithm]`` table as stored), the parameters as the nested dict the model's ``apply`` takes,
@@ -29,10 +34,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from fedbayes import gaussian_block
 from fedbayes.gaussian_block import BlockPrecision
+from fedbayes.gaussian_kron import KronBasis, KronSpread
 from fedbayes.gaussian_lowrank import LowRankGaussian
 from fedbayes.runs import folder
 from fedbayes.tree import to_named_arrays
@@ -40,6 +47,7 @@ from fedbayes.tree import to_named_arrays
 MODEL_FILE = folder.MODEL
 LAST_LAYER_PRECISION = "posterior_precision_last_layer"
 LOW_RANK_DIAG, LOW_RANK_FACTORS, LOW_RANK_WEIGHTS = "posterior_precision_diag", "posterior_precision_factors", "posterior_precision_weights"
+KRON_EIGENVALUES, KRON_LEFT, KRON_RIGHT = "posterior_precision_eigenvalues", "posterior_precision_left", "posterior_precision_right"
 PREFIXES = ("params", "posterior_mean", "posterior_variance")
 
 
@@ -73,6 +81,13 @@ def save_model(path: str | Path, algorithm, server_state) -> Path:
         precision = algorithm.server_precision(server_state)
         if isinstance(precision, BlockPrecision):
             arrays[LAST_LAYER_PRECISION] = np.asarray(precision.dense)
+        elif isinstance(precision, KronSpread):
+            arrays.update(flatten(precision.precision, KRON_EIGENVALUES))
+            for name, basis in flatten_bases(precision.precision, precision.bases).items():
+                if basis.left is not None:
+                    arrays[f"{KRON_LEFT}/{name}"] = np.asarray(basis.left)
+                if basis.right is not None:
+                    arrays[f"{KRON_RIGHT}/{name}"] = np.asarray(basis.right)
         elif isinstance(precision, LowRankGaussian):
             arrays.update(flatten(precision.diag, LOW_RANK_DIAG))
             arrays[LOW_RANK_FACTORS] = np.asarray(precision.factors)
@@ -95,6 +110,12 @@ def load_model(path: str | Path) -> dict[str, dict]:
     if LOW_RANK_FACTORS in arrays and LOW_RANK_WEIGHTS in arrays:
         diag = unflatten(arrays, LOW_RANK_DIAG)
         out["posterior_precision"] = LowRankGaussian(_zeros(diag), diag, arrays[LOW_RANK_FACTORS], arrays[LOW_RANK_WEIGHTS])
+    if any(k.startswith(KRON_EIGENVALUES + "/") for k in arrays):
+        eigenvalues = unflatten(arrays, KRON_EIGENVALUES)
+        names = flatten(eigenvalues, "")
+        bases = [KronBasis(arrays.get(f"{KRON_LEFT}/{n}"), arrays.get(f"{KRON_RIGHT}/{n}")) for n in names]
+        treedef = jax.tree.structure(eigenvalues)
+        out["posterior_precision"] = KronSpread(eigenvalues, jax.tree.unflatten(treedef, bases))
     if LAST_LAYER_PRECISION in arrays and "posterior_variance" in out:
         variance = out["posterior_variance"]
         rest, _ = gaussian_block.split(variance)
@@ -102,6 +123,12 @@ def load_model(path: str | Path) -> dict[str, dict]:
             {k: _reciprocal(v) for k, v in rest.items()}, arrays[LAST_LAYER_PRECISION], gaussian_block.last_layer_key(variance)
         )
     return out
+
+
+def flatten_bases(like: Any, bases: Any) -> dict[str, KronBasis]:
+    """``{<tree path>: KronBasis}`` for each leaf of ``like`` (the names of :func:`flatten`)."""
+    names = list(flatten(like, ""))
+    return dict(zip(names, jax.tree.leaves(bases, is_leaf=lambda x: isinstance(x, KronBasis)), strict=True))
 
 
 def _zeros(tree):
