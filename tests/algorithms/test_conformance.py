@@ -26,7 +26,7 @@ from fedbayes import gaussian_kron, protocol, tree
 from fedbayes.algorithms import registry
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, FederationInfo
 from fedbayes.algorithms.fedavg import fedavg
-from fedbayes.algorithms.fedlap_cov import KronSite
+from fedbayes.algorithms.fedlap_cov import KronFrame, KronSite
 from fedbayes.config.schema import validate
 from fedbayes.data.federation import Federation
 from fedbayes.hparams import HParams
@@ -158,16 +158,16 @@ def _basis_free(server, client=None):
     bases are eigenvectors, whose order and signs within a cluster of eigenvalues equal to round-off
     (digits' constant pixels give the input factor a null space) follow the summation order of the
     cohort's factors; the precisions they describe do not. Other states pass unchanged."""
-    bases = getattr(server, "basis", None)
-    if bases is None or not isinstance(jax.tree.leaves(bases, is_leaf=lambda x: isinstance(x, gaussian_kron.KronBasis))[0], gaussian_kron.KronBasis):
+    frame = getattr(server, "basis", None)
+    if not isinstance(frame, KronFrame):
         return server, client
 
     def dense(g, b):
         return gaussian_kron.KronGaussian(g.precision_mean, gaussian_kron.in_bases(b).precision_matrix(g.precision))
 
-    server = server._replace(q=dense(server.q, bases), basis=None)
+    server = server._replace(q=dense(server.q, frame.bases), basis=frame.anchor)
     if client is not None:
-        b = bases if int(client.fixed) else gaussian_kron.identity_bases(client.factor.precision)
+        b = frame.bases if int(client.fixed) else gaussian_kron.identity_bases(client.factor.precision)
         client = KronSite(dense(client.factor, b), client.fixed)
     return server, client
 

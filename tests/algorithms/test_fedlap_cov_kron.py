@@ -19,9 +19,9 @@ from least_squares import DIM, Problem, newton_solver, run_rounds
 from fedbayes import gaussian_kron, protocol
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms import sites
-from fedbayes.algorithms.fedlap_cov import fedlap_cov
+from fedbayes.algorithms.fedlap_cov import fedlap_cov, move_site
 from fedbayes.config.schema import ConfigError, validate
-from fedbayes.inference.curvature import data_kron_ggn
+from fedbayes.inference.curvature import data_curvature, data_kron_ggn
 
 # ravel order of the linear model's {"dense": {"bias", "kernel"}} against least_squares' [kernel, bias]
 PERM = [DIM, *range(DIM)]
@@ -50,30 +50,37 @@ def test_least_squares_reach_the_map_and_the_layer_blocks(tmp_path):
         state, cstates, history = run_rounds(alg, prob, 30)
         h = sum(prob.hessians())[np.ix_(PERM, PERM)]
         # the kernel's input factor is sum_k X_k^T X_k, the kernel's Hessian block: its eigenbasis holds that block exactly
-        lam = np.asarray(gaussian_kron.in_bases(state.basis).precision_matrix(state.q.precision))
+        lam = np.asarray(gaussian_kron.in_bases(state.basis.bases).precision_matrix(state.q.precision))
         np.testing.assert_allclose(lam, delta * np.eye(DIM + 1) + _layer_blocks(h), rtol=1e-9, atol=1e-10)
         np.testing.assert_allclose(history[-1], prob.map(delta), rtol=1e-8, atol=1e-10)
+        # the basis rounds are the diagonal method, and fixing the bases re-expresses q_g about its mean: the
+        # server's mean after round 2 is the diagonal method's
+        curvature = data_curvature(prob.apply_fn, task="regression", batch_size=prob.trainer.batch_size)
+        diagonal = fedlap_cov(prob.trainer, curvature, delta=delta, damping=1.0, solver=newton_solver)
+        _, _, diagonal_history = run_rounds(diagonal, prob, 2)
+        np.testing.assert_allclose(history[1], diagonal_history[1], rtol=1e-10, atol=1e-12)
+        assert np.abs(history[2] - history[1]).max() > 1e-6  # and it moves on from there
         # the bases moved once, after round 2: the identity is not an eigenbasis of that block
-        left = np.asarray(state.basis["dense"]["kernel"].left)
+        left = np.asarray(state.basis.bases["dense"]["kernel"].left)
         assert np.abs(np.abs(left) - np.eye(DIM)).max() > 0.1
         assert all(int(c.fixed) == 1 for c in cstates)
         _, variance = alg.server_posterior(state)
         np.testing.assert_allclose(ravel_pytree(variance)[0], np.diag(np.linalg.inv(lam)), rtol=1e-9)
         mean_k, var_k = alg.personal_posterior(state, cstates[1], 0.5)
-        family = gaussian_kron.in_bases(state.basis)
+        family = gaussian_kron.in_bases(state.basis.bases)
         lam_k = lam + 0.5 * np.asarray(family.precision_matrix(cstates[1].factor.precision))
         eta = ravel_pytree(state.q.precision_mean)[0] + 0.5 * ravel_pytree(cstates[1].factor.precision_mean)[0]
         np.testing.assert_allclose(ravel_pytree(mean_k)[0], np.linalg.solve(lam_k, eta), rtol=1e-8)
         np.testing.assert_allclose(ravel_pytree(var_k)[0], np.diag(np.linalg.inv(lam_k)), rtol=1e-8)
 
 
-def _sum_of_sites(alg, state, cstates, delta):
-    """``delta + sum_k V_k`` with each site in the server's bases (a site from the basis rounds projected)."""
-    total = jax.tree.map(lambda p: jnp.full_like(p, delta), state.params)
-    identity = gaussian_kron.identity_bases(state.params)
+def _sum_of_sites(state, cstates, delta):
+    """The prior times the sites, ``(sum_k v_k, delta + sum_k V_k)``, each site in the server's
+    bases (a site from the basis rounds moved as its client will move it)."""
+    total = gaussian_kron.KronGaussian(jax.tree.map(jnp.zeros_like, state.params), jax.tree.map(lambda p: jnp.full_like(p, delta), state.params))
     for c in cstates:
-        v = c.factor.precision if int(c.fixed) else gaussian_kron.project(c.factor.precision, identity, state.basis)
-        total = jax.tree.map(jnp.add, total, v)
+        site = c.factor if int(c.fixed) else move_site(c.factor, state.basis.bases, state.basis.anchor)
+        total = gaussian_kron.product(total, site)
     return total
 
 
@@ -96,7 +103,9 @@ def test_absent_clients_sites_are_projected_when_they_return():
             assert bool(jnp.all(accepted))
             for k, o in outs.items():
                 cstates[k] = o[1]
-            np.testing.assert_allclose(ravel_pytree(state.q.precision)[0], ravel_pytree(_sum_of_sites(alg, state, cstates, delta))[0], rtol=1e-10)
+            total = _sum_of_sites(state, cstates, delta)
+            np.testing.assert_allclose(ravel_pytree(state.q.precision)[0], ravel_pytree(total.precision)[0], rtol=1e-10)
+            np.testing.assert_allclose(ravel_pytree(state.q.precision_mean)[0], ravel_pytree(total.precision_mean)[0], rtol=1e-9, atol=1e-12)
         assert [int(c.fixed) for c in cstates] == [1, 1, 0, 1]  # client 2 has not come back: its site waits in the identity bases
         # without the projection the server's product and the sites disagree: the test can fail
         raw = jax.tree.map(lambda p: jnp.full_like(p, delta), state.params)
@@ -119,8 +128,8 @@ def test_logistic_clients_reach_the_central_laplace_in_the_structure():
     server = _run(alg, fed, params, 30)
     map_flat, hessian = _central_laplace(model, params, fed.x, fed.y)
     np.testing.assert_allclose(ravel_pytree(alg.server_params(server))[0], map_flat, atol=1e-3)
-    u = np.asarray(gaussian_kron.dense_rotation(params, server.basis))
-    lam = np.asarray(gaussian_kron.in_bases(server.basis).precision_matrix(server.q.precision))
+    u = np.asarray(gaussian_kron.dense_rotation(params, server.basis.bases))
+    lam = np.asarray(gaussian_kron.in_bases(server.basis.bases).precision_matrix(server.q.precision))
     want = u @ np.diag(np.diag(u.T @ hessian @ u)) @ u.T  # the Hessian holds the prior's delta = 1, basis-invariant
     np.testing.assert_allclose(lam, want, rtol=2e-2, atol=2e-3 * np.abs(want).max())  # float32 clients
     full = np.diag(np.linalg.inv(hessian))
@@ -146,7 +155,7 @@ def test_model_file_and_marglik_keep_the_structure(tmp_path):
         prob = Problem()
         alg = _algorithm(prob.apply_fn, prob.trainer, task="regression", rho=1.0, basis_rounds=1, solver=newton_solver, delta=delta)
         state, _, _ = run_rounds(alg, prob, 12)
-        lam = np.asarray(gaussian_kron.in_bases(state.basis).precision_matrix(state.q.precision))
+        lam = np.asarray(gaussian_kron.in_bases(state.basis.bases).precision_matrix(state.q.precision))
         path = save_model(tmp_path / "model.npz", alg, state)
         with np.load(path) as z:
             assert z["posterior_precision_left/dense/kernel"].shape == (DIM, DIM) and "posterior_precision_left/dense/bias" not in z.files

@@ -154,12 +154,14 @@ __all__ = [
     "Curvature",
     "FedLapCovConfig",
     "FedLapCovInfo",
+    "KronFrame",
     "KronSite",
     "PrecisionOps",
     "ServerState",
     "client_step",
     "fedlap_cov",
     "kron_ops",
+    "move_site",
     "local_fit",
     "server_step",
     "site_terms",
@@ -648,49 +650,70 @@ def _where(flag, a, b):
     return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
 
 
+class KronFrame(NamedTuple):
+    """``covariance = "kron"``'s basis in the server state and the broadcast: the per-leaf bases
+    (:class:`~fedbayes.gaussian_kron.KronBasis`) and ``anchor``, the global mean ``w_s`` at the
+    round the bases were fixed (zeros before), about which the sites of the basis rounds are moved
+    (:func:`move_site`)."""
+
+    bases: PyTree
+    anchor: PyTree
+
+
+def move_site(site: KronGaussian, bases: PyTree, anchor: PyTree) -> KronGaussian:
+    """A site of the basis rounds (a diagonal precision ``V``, identity bases) moved into the fixed
+    bases: ``V' = project(V)`` and ``v' = v + (V' - V) w_s``. Applied to every site and the prior,
+    it keeps the global mean where it was (``eta_g' = Lambda_g' w_s``), and it is linear, so the
+    server's product stays the sites' product."""
+    moved = gaussian_kron.project(site.precision, gaussian_kron.identity_bases(site.precision), bases)
+    shift = optax.tree.sub(kron_ops(bases).matvec(moved, anchor), jax.tree.map(jnp.multiply, site.precision, anchor))
+    return KronGaussian(optax.tree.add(site.precision_mean, shift), moved)
+
+
 def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_rounds) -> Algorithm:
     """FedLap-Cov with ``covariance = "kron"`` (module docstring): the bases ride in the server
-    state and the broadcast, every precision is a pytree of eigenvalues in them
+    state and the broadcast (:class:`KronFrame`), every precision is a pytree of eigenvalues in them
     (:mod:`fedbayes.gaussian_kron`), and each site remembers whether it is in the fixed bases."""
 
     def init(key, params):
         del key
-        bases = gaussian_kron.identity_bases(params)
-        return server_init(params, delta, kron_ops(bases), damping=damping)._replace(basis=bases)
+        frame = KronFrame(gaussian_kron.identity_bases(params), optax.tree.zeros_like(params))
+        return server_init(params, delta, kron_ops(frame.bases), damping=damping)._replace(basis=frame)
 
     def send(state):
         return broadcast(state, init_precision)._replace(basis=state.basis, basis_fixed=state.round >= basis_rounds)
 
-    def current(site: KronSite, fixed, bases) -> KronGaussian:
+    def current(site: KronSite, fixed, frame: KronFrame) -> KronGaussian:
         # a site from the basis rounds, in the identity bases, as the server's product holds it since the bases were fixed
-        moved = gaussian_kron.project(site.factor.precision, gaussian_kron.identity_bases(site.factor.precision), bases)
-        return KronGaussian(site.factor.precision_mean, _where(fixed & (site.fixed == 0), moved, site.factor.precision))
+        return _where(fixed & (site.fixed == 0), move_site(site.factor, frame.bases, frame.anchor), site.factor)
 
     def client_update(key, message: Broadcast, site: KronSite, data):
-        ops = kron_ops(message.basis)
+        ops = kron_ops(message.basis.bases)
         fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), message.start, data, trainer) if damping.adaptive else None
         old = current(site, message.basis_fixed, message.basis)
         w_k, info = local_fit(key, message, old, data, trainer, ops=ops, solver=solver)
-        h_k, factors = curvature(w_k, data, message.basis)
+        h_k, factors = curvature(w_k, data, message.basis.bases)
         new = site_update(old, w_k, message, h_k, message.damping, ops)
         fixed = jnp.asarray(message.basis_fixed, site.fixed.dtype)
         return GaussianMessage(gaussian_kron.difference(new, old), _valid_curvature(h_k), fit, factors), KronSite(new, fixed), info
 
     def server_update(key, state, aggregate):
         del key
-        new = server_step(state, aggregate.total.difference, delta, kron_ops(state.basis), damping=damping, loss=aggregate.mean.loss)
-        # the last basis round: the cohort's Kronecker factors give the bases, and q_g's eigenvalues move into them
+        new = server_step(state, aggregate.total.difference, delta, kron_ops(state.basis.bases), damping=damping, loss=aggregate.mean.loss)
+        # the last basis round: the cohort's Kronecker factors give the bases; q_g's eigenvalues move
+        # into them about its mean, which stays where it is (the prior delta I is delta in every basis)
         moving = state.round == basis_rounds - 1
-        bases = _where(moving, gaussian_kron.bases_from_factors(aggregate.total.sketch), state.basis)
-        q = KronGaussian(new.q.precision_mean, _where(moving, gaussian_kron.project(new.q.precision, state.basis, bases), new.q.precision))
-        params = kron_ops(bases).solve(q.precision, q.precision_mean)
-        return new._replace(q=q, params=params, basis=bases), FedLapCovInfo(state.damping.value)
+        bases = _where(moving, gaussian_kron.bases_from_factors(aggregate.total.sketch), state.basis.bases)
+        precision = gaussian_kron.project(new.q.precision, state.basis.bases, bases)
+        q = _where(moving, KronGaussian(kron_ops(bases).matvec(precision, new.params), precision), new.q)
+        frame = KronFrame(bases, _where(moving, new.params, state.basis.anchor))
+        return new._replace(q=q, basis=frame), FedLapCovInfo(state.damping.value)
 
     def server_posterior(state):
-        return state.params, gaussian_kron.in_bases(state.basis).variance(state.q)
+        return state.params, gaussian_kron.in_bases(state.basis.bases).variance(state.q)
 
     def personal_posterior(state, site: KronSite, weight):
-        family = gaussian_kron.in_bases(state.basis)
+        family = gaussian_kron.in_bases(state.basis.bases)
         q_k = family.product(state.q, family.power(current(site, state.round >= basis_rounds, state.basis), weight))
         q_k = _where(family.is_proper(q_k), q_k, state.q)
         return family.mean(q_k), family.variance(q_k)
@@ -705,7 +728,7 @@ def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_r
         server_update=server_update,
         server_posterior=server_posterior,
         personal_posterior=personal_posterior,
-        server_precision=lambda state: gaussian_kron.KronSpread(state.q.precision, state.basis),
+        server_precision=lambda state: gaussian_kron.KronSpread(state.q.precision, state.basis.bases),
     )
 
 

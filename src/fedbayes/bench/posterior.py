@@ -437,7 +437,8 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         mean, var = _posterior(exp, state.server_state)
         if hessian is not None:
             marginals = _kron_marginals if method.family == "kron_laplace" else _low_rank_marginals
-            family_var = marginals(hessian, state.server_state.basis, mean)
+            basis = state.server_state.basis
+            family_var = marginals(hessian, basis.bases if method.family == "kron_laplace" else basis, mean)
         comparison = _compare(mean, var, family_mean, family_var, method.kernel_only)
         if not all(bool(np.all(np.isfinite(np.asarray(leaf)))) for leaf in jax.tree.leaves((mean, var))):
             raise FloatingPointError(f"the server posterior is not finite at round {r}")
