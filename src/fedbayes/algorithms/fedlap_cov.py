@@ -97,10 +97,10 @@ eigenvalues (George et al. 2018, Sec. 3.2), and its message carries its layers' 
 :func:`fedbayes.inference.curvature.data_kron_ggn`). The bases are the identity (the diagonal
 method) for ``basis_rounds`` rounds; then the server sets them to the eigenvectors of the cohort's
 summed factors and moves ``q_g``'s eigenvalues into them by the diagonal projection
-(:func:`fedbayes.gaussian_kron.project`, linear, so it commutes with the sum over sites). A site
-from the basis rounds is projected the same way when its client next takes part
-(:class:`KronSite` records which sites have moved), so the server's product stays the sites'
-product whoever was absent. The fixed point is still the MAP, and ``S_g`` there is
+(:func:`fedbayes.gaussian_kron.project`, linear, so it commutes with the sum over sites), keeping
+its mean ``w_s`` (``eta' = Lambda' w_s``). A site from the basis rounds is moved about the same
+``w_s`` when its client next takes part (:func:`move_site`; :class:`KronSite` records which sites
+have moved), so the server's product stays the sites' product whoever was absent. The fixed point is still the MAP, and ``S_g`` there is
 ``U diag(delta + diag(U^T G U)) U^T`` (Laplace Redux's KFAC Laplace, Daxberger et al. 2021,
 Sec. 3, with EKFAC's eigenvalues). No robust aggregation or privacy.
 """
