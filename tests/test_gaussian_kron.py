@@ -160,6 +160,7 @@ def test_projection_is_the_diagonal_in_the_new_bases(case):
         from_diag = _flat(K.project(unravel(jnp.asarray(d)), identity, new))
         np.testing.assert_allclose(from_diag, np.diag(u_new.T @ np.diag(d) @ u_new), rtol=1e-10)
         assert from_diag.min() >= d.min() - 1e-12
+        np.testing.assert_allclose(_flat(K.project(unravel(jnp.asarray(d)), None, new)), from_diag, rtol=1e-12)  # None: the identity
         # the same bases: nothing moves
         np.testing.assert_allclose(_flat(K.project(g.precision, old, old)), _flat(g.precision), rtol=1e-10)
 

@@ -176,19 +176,23 @@ def bases_from_factors(factors: PyTree) -> PyTree:
     return jax.tree.map(lambda f: KronBasis(side(f.left), side(f.right)), factors, is_leaf=_is_basis)
 
 
-def project(precision: PyTree, old: PyTree, new: PyTree) -> PyTree:
+def project(precision: PyTree, old: PyTree | None, new: PyTree) -> PyTree:
     """Eigenvalues ``s`` in bases ``old`` moved to bases ``new``: ``diag(N^T O diag(s) O^T N)``, per
     leaf ``(M_L o M_L) S (M_R o M_R)^T`` with ``M = N^T O`` on each side. Exact when the bases
     agree; otherwise the diagonal of the same matrix in the new bases (the off-diagonal part is
-    dropped), linear in ``s`` and non-negative for ``s >= 0``."""
+    dropped), linear in ``s`` and non-negative for ``s >= 0``. ``old = None``: the identity bases
+    (``M = N^T``, no product formed)."""
 
-    def one(s, o, n):
+    def one(s, n, o=None):
         if n.left is None and n.right is None:
             return s
-        mix = KronBasis(*(None if b is None else jnp.square(b.T @ a) for a, b in zip(o, n, strict=True)))
+        sides = zip(o, n, strict=True) if o is not None else ((None, b) for b in n)
+        mix = KronBasis(*(None if b is None else jnp.square(b.T if a is None else b.T @ a) for a, b in sides))
         return _sandwich(s, mix)
 
-    return jax.tree.map(one, precision, old, new, is_leaf=_is_basis)
+    if old is None:
+        return jax.tree.map(one, precision, new, is_leaf=_is_basis)
+    return jax.tree.map(one, precision, new, old, is_leaf=_is_basis)
 
 
 class InBases(NamedTuple):

@@ -665,7 +665,7 @@ def move_site(site: KronGaussian, bases: PyTree, anchor: PyTree) -> KronGaussian
     bases: ``V' = project(V)`` and ``v' = v + (V' - V) w_s``. Applied to every site and the prior,
     it keeps the global mean where it was (``eta_g' = Lambda_g' w_s``), and it is linear, so the
     server's product stays the sites' product."""
-    moved = gaussian_kron.project(site.precision, gaussian_kron.identity_bases(site.precision), bases)
+    moved = gaussian_kron.project(site.precision, None, bases)
     shift = optax.tree.sub(kron_ops(bases).matvec(moved, anchor), jax.tree.map(jnp.multiply, site.precision, anchor))
     return KronGaussian(optax.tree.add(site.precision_mean, shift), moved)
 
@@ -685,7 +685,8 @@ def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_r
 
     def current(site: KronSite, fixed, frame: KronFrame) -> KronGaussian:
         # a site from the basis rounds, in the identity bases, as the server's product holds it since the bases were fixed
-        return _where(fixed & (site.fixed == 0), move_site(site.factor, frame.bases, frame.anchor), site.factor)
+        # (a cond: a client run on its own moves its site only once; under vmap it is a select)
+        return jax.lax.cond(fixed & (site.fixed == 0), lambda: move_site(site.factor, frame.bases, frame.anchor), lambda: site.factor)
 
     def client_update(key, message: Broadcast, site: KronSite, data):
         ops = kron_ops(message.basis.bases)
@@ -702,11 +703,14 @@ def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_r
         new = server_step(state, aggregate.total.difference, delta, kron_ops(state.basis.bases), damping=damping, loss=aggregate.mean.loss)
         # the last basis round: the cohort's Kronecker factors give the bases; q_g's eigenvalues move
         # into them about its mean, which stays where it is (the prior delta I is delta in every basis)
-        moving = state.round == basis_rounds - 1
-        bases = _where(moving, gaussian_kron.bases_from_factors(aggregate.total.sketch), state.basis.bases)
-        precision = gaussian_kron.project(new.q.precision, state.basis.bases, bases)
-        q = _where(moving, KronGaussian(kron_ops(bases).matvec(precision, new.params), precision), new.q)
-        frame = KronFrame(bases, _where(moving, new.params, state.basis.anchor))
+        # (a cond: the factors' eigendecompositions run in that round only)
+
+        def fix_bases():
+            bases = gaussian_kron.bases_from_factors(aggregate.total.sketch)
+            precision = gaussian_kron.project(new.q.precision, None, bases)
+            return KronGaussian(kron_ops(bases).matvec(precision, new.params), precision), KronFrame(bases, new.params)
+
+        q, frame = jax.lax.cond(state.round == basis_rounds - 1, fix_bases, lambda: (new.q, state.basis))
         return new._replace(q=q, basis=frame), FedLapCovInfo(state.damping.value)
 
     def server_posterior(state):
