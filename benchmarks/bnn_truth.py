@@ -75,6 +75,8 @@ METHODS: dict[str, tuple[str, dict]] = {
     "fedep_laplace": ("FedEP (laplace)", {"name": "fedep", "method": "laplace"}),
     "fedep_laplace_full": ("FedEP (laplace, covariance full)", {"name": "fedep", "method": "laplace", "covariance": "full"}),
     "fedep_laplace_last_layer": ("FedEP (laplace, covariance last_layer)", {"name": "fedep", "method": "laplace", "covariance": "last_layer"}),
+    "fedep_laplace_kron": ("FedEP (laplace, covariance kron)", {"name": "fedep", "method": "laplace", "covariance": "kron"}),
+    "fedep_laplace_low_rank": ("FedEP (laplace, covariance low_rank)", {"name": "fedep", "method": "laplace", "covariance": "low_rank"}),
     "fedep_nuts_full": ("FedEP (nuts, covariance full)", {"name": "fedep", "method": "nuts", "covariance": "full"}),
     "pvi": ("PVI", {"name": "pvi"}),
     "pvi_full": ("PVI (covariance full)", {"name": "pvi", "covariance": "full"}),

@@ -6,7 +6,7 @@ with only its name set, against NUTS and its family's central optimum, 300 round
 
 With ``--method fedep_laplace_full`` (and the other ``*_full`` methods of ``FULL_METHODS``) the dense-covariance
 rows run instead (docs/results/posterior_full.md); with ``--method fedlap_cov_kron`` or
-``fedlap_cov_low_rank`` (``STRUCTURED_METHODS``), FedLap-Cov's network structures
+``fedlap_cov_low_rank`` (``STRUCTURED_METHODS``, with FedEP's ``fedep_laplace_kron`` and ``fedep_laplace_low_rank``), the network structures
 (docs/results/kron.md).
 
 Problems (none of them is in ``fedbayes.bench.posterior.PROBLEMS``, where the defaults were
@@ -33,7 +33,7 @@ METHODS = ("fedep_laplace", "fedep_ngvi", "fedsep_laplace", "fedsep_ngvi", "pvi"
 # the dense-covariance rows (algorithm.covariance = "full"), run when named with --method
 FULL_METHODS = ("fedep_laplace_full", "fedep_ngvi_full", "fedsep_ngvi_full", "fedlap_cov_full", "pvi_full")
 # FedLap-Cov's Kronecker and low-rank structures, run when named with --method
-STRUCTURED_METHODS = ("fedlap_cov_kron", "fedlap_cov_low_rank")
+STRUCTURED_METHODS = ("fedlap_cov_kron", "fedlap_cov_low_rank", "fedep_laplace_kron", "fedep_laplace_low_rank")
 
 
 def _write_wine(folder: Path) -> None:

@@ -43,6 +43,7 @@ from fedbayes.gaussian_shared import damp, difference, power, product, quotient
 __all__ = [
     "InBases",
     "KronBasis",
+    "KronFrame",
     "KronGaussian",
     "KronSpread",
     "bases_from_factors",
@@ -53,6 +54,7 @@ __all__ = [
     "identity_bases",
     "in_bases",
     "marginal",
+    "move",
     "power",
     "product",
     "project",
@@ -193,6 +195,26 @@ def project(precision: PyTree, old: PyTree | None, new: PyTree) -> PyTree:
     if old is None:
         return jax.tree.map(one, precision, new, is_leaf=_is_basis)
     return jax.tree.map(one, precision, new, old, is_leaf=_is_basis)
+
+
+class KronFrame(NamedTuple):
+    """The bases a method keeps in its server state and broadcast: the per-leaf bases
+    (:class:`KronBasis`) and ``anchor``, the global mean ``w_s`` at the round they were fixed
+    (zeros before), about which factors of the identity bases are moved (:func:`move`)."""
+
+    bases: PyTree
+    anchor: PyTree
+
+
+def move(g: KronGaussian, bases: PyTree, anchor: PyTree) -> KronGaussian:
+    """A factor of the identity bases (a diagonal precision ``V``) moved into ``bases`` about
+    ``anchor`` (``w_s``): ``V' = project(V)`` and ``v' = v + (V' - V) w_s``. Applied to every factor
+    of a product it keeps the product's mean at ``w_s`` when that was its mean
+    (``eta' = Lambda' w_s``), and it is linear, so a product of moved factors is the moved product
+    (docs/algorithms.md §10.4)."""
+    moved = project(g.precision, None, bases)
+    shift = optax.tree.sub(in_bases(bases).matvec(moved, anchor), jax.tree.map(jnp.multiply, g.precision, anchor))
+    return KronGaussian(optax.tree.add(g.precision_mean, shift), moved)
 
 
 class InBases(NamedTuple):

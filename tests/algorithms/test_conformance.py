@@ -26,9 +26,10 @@ from fedbayes import gaussian_kron, protocol, tree
 from fedbayes.algorithms import registry
 from fedbayes.algorithms.base import Algorithm, AlgorithmSpec, BuildContext, FederationInfo
 from fedbayes.algorithms.fedavg import fedavg
-from fedbayes.algorithms.fedlap_cov import KronFrame, KronSite
+from fedbayes.algorithms.fedlap_cov import KronSite
 from fedbayes.config.schema import validate
 from fedbayes.data.federation import Federation
+from fedbayes.gaussian_kron import KronFrame
 from fedbayes.hparams import HParams
 from fedbayes.inference.vi_natural import NATURAL_MIN_STEPS, NATURAL_PASSES
 from fedbayes.models import init_params, loss_fn, make_model
@@ -73,6 +74,8 @@ VARIANTS = {
     "fedlap_cov+low_rank": ("fedlap_cov", {"covariance": "low_rank", "rank": 4, "basis_rounds": 2}),
     # two basis rounds: the suite's three rounds cross the step where the Kronecker bases are fixed
     "fedlap_cov+kron": ("fedlap_cov", {"covariance": "kron", "basis_rounds": 2}),
+    "fedep+kron": ("fedep", {"covariance": "kron", "basis_rounds": 2}),
+    "fedep+low_rank": ("fedep", {"covariance": "low_rank", "rank": 4, "basis_rounds": 2}),
     # the sampler at its smallest (10 warm-up transitions, 4 draws, trees of at most 8 steps): the
     # defaults (500 and 1000, trees of up to 1024 steps) are for a posterior; the suite checks the protocol
     "fedep+nuts": ("fedep", {"covariance": "full", "method": "nuts", "nuts_warmup": 10, "nuts_draws": 4, "nuts_curvature_draws": 2, "nuts_max_doublings": 3}),
@@ -83,7 +86,14 @@ NAMES = (*registry.names(), HALF_STEP.name, *VARIANTS)
 # curvature, natural-gradient and sampler steps cost O(D^2) to O(D^3) per step.
 DENSE_VARIANTS = ("fedep+full", "pvi+full", "fedep+ngvi_full", "fedsep+ngvi_full", "fedlap_cov+full", "fedep+nuts")
 # variants whose structure needs a network (hidden widths of the MLP they run on): a last layer and other layers
-NETWORK_VARIANTS = {"fedlap_cov+last_layer": (8,), "fedep+last_layer": (8,), "fedlap_cov+low_rank": (8,), "fedlap_cov+kron": (8,)}
+NETWORK_VARIANTS = {
+    "fedlap_cov+last_layer": (8,),
+    "fedep+last_layer": (8,),
+    "fedlap_cov+low_rank": (8,),
+    "fedlap_cov+kron": (8,),
+    "fedep+kron": (8,),
+    "fedep+low_rank": (8,),
+}
 # PVI's dense message inverts its Cholesky factor in float32: a rounding difference between two
 # compilations of the same client grows by that factor's condition number (digits' constant pixels
 # keep the prior's variance beside well-determined weights)
@@ -166,9 +176,10 @@ def _basis_free(server, client=None):
         return gaussian_kron.KronGaussian(g.precision_mean, gaussian_kron.in_bases(b).precision_matrix(g.precision))
 
     server = server._replace(q=dense(server.q, frame.bases), basis=frame.anchor)
-    if client is not None:
-        b = frame.bases if int(client.fixed) else gaussian_kron.identity_bases(client.factor.precision)
-        client = KronSite(dense(client.factor, b), client.fixed)
+    if client is not None:  # FedLap-Cov's KronSite, or FedEP's ClientState
+        factor = client.factor if isinstance(client, KronSite) else client.site
+        b = frame.bases if int(client.fixed) else gaussian_kron.identity_bases(factor.precision)
+        client = KronSite(dense(factor, b), client.fixed) if isinstance(client, KronSite) else client._replace(site=dense(factor, b))
     return server, client
 
 

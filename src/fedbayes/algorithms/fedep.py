@@ -56,9 +56,10 @@ from typing import Annotated, Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 from pydantic import Field, model_validator
 
-from fedbayes import gaussian, gaussian_block, gaussian_full, tree
+from fedbayes import gaussian, gaussian_block, gaussian_full, gaussian_kron, gaussian_subspace, tree
 from fedbayes.aggregators import Aggregate
 from fedbayes.algorithms import damping as damping_policy
 from fedbayes.algorithms import sites
@@ -84,22 +85,35 @@ from fedbayes.algorithms.sites import (
 )
 from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
+from fedbayes.gaussian_kron import KronFrame, KronGaussian
+from fedbayes.gaussian_subspace import SubspaceGaussian, SubspacePrecision
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.nuts import make_full_nuts_inference
 from fedbayes.inference.sgd import LocalTrainer, broadcast_loss, run_sgd
-from fedbayes.inference.tilted import METHODS, TiltedSettings, make_full_laplace_inference, make_full_ngvi_inference, make_tilted_inference
+from fedbayes.inference.tilted import (
+    METHODS,
+    TiltedSettings,
+    make_full_laplace_inference,
+    make_full_ngvi_inference,
+    make_shared_basis_laplace_inference,
+    make_tilted_inference,
+)
 from fedbayes.inference.vi_full import NATURAL_STEPS
 
 PyTree = Any
 INITS = ("benchmark", "uniform")
-COVARIANCES = ("diagonal", "full", "last_layer")
+COVARIANCES = ("diagonal", "full", "last_layer", "kron", "low_rank")
 DENSE_FAMILIES = {"full": gaussian_full, "last_layer": gaussian_block}  # the algebra of a structured covariance
 MAX_FULL_PARAMS = sites.MAX_FULL_PARAMS
+DEFAULT_BASIS_ROUNDS = sites.DEFAULT_BASIS_ROUNDS
+DEFAULT_RANK = sites.DEFAULT_RANK
 SEP_POWERS = ("data_fraction", "one_over_k")
 
 __all__ = [
     "COVARIANCES",
+    "DEFAULT_BASIS_ROUNDS",
     "DEFAULT_DAMPING",
+    "DEFAULT_RANK",
     "MAX_FULL_PARAMS",
     "INITS",
     "PAPER_SETTINGS",
@@ -121,9 +135,13 @@ __all__ = [
     "fedep_cavity",
     "fedep_client_step",
     "fedep_full",
+    "fedep_shared_basis",
     "fedsep_full",
     "fedsep_full_client_step",
     "full_tilted_step",
+    "SharedBasis",
+    "shared_basis_client_step",
+    "shared_basis_server_step",
     "full_client_step",
     "full_posterior_moments",
     "full_server_step",
@@ -154,6 +172,8 @@ class ServerState(NamedTuple):
         ``exact_late_sites``: the EP start's model; else ``None``.
       damping: the damping the next EP round's clients use and what its rule compares with
         (:class:`~fedbayes.algorithms.damping.DampingState`; kept through burn-in).
+      basis: ``covariance = "kron"``: the layers' Kronecker eigenbases and the mean they were fixed
+        about (:class:`~fedbayes.gaussian_kron.KronFrame`); ``None`` (no leaf) otherwise.
     """
 
     q: DiagGaussian
@@ -162,24 +182,32 @@ class ServerState(NamedTuple):
     round: jax.Array
     anchor: PyTree = None
     damping: damping_policy.DampingState | None = None
+    basis: KronFrame | None = None
 
 
 class Broadcast(NamedTuple):
-    """What clients receive: ``q_g``, whether this is an EP round, the uniform-init anchor, and the
-    round's damping ``delta``."""
+    """What clients receive: ``q_g``, whether this is an EP round, the uniform-init anchor, the
+    round's damping ``delta``, and with ``covariance = "kron"`` the bases and whether they are fixed
+    (``None``, no leaf, otherwise)."""
 
     q: DiagGaussian
     ep: jax.Array
     anchor: PyTree = None
     damping: jax.Array | float = 1.0
+    basis: KronFrame | None = None
+    basis_fixed: jax.Array | None = None
 
 
 class ClientState(NamedTuple):
-    """A FedEP site, its optimizer state, and whether it has been initialised."""
+    """A FedEP site, its optimizer state, whether it has been initialised, and with ``covariance =
+    "kron"`` whether its eigenvalues are in the fixed bases (1) or still in the identity bases of
+    the basis rounds (0: moved when the client next takes part, :func:`fedbayes.gaussian_kron.move`);
+    ``None`` (no leaf) otherwise."""
 
     site: DiagGaussian
     opt_state: optax.OptState
     initialized: jax.Array
+    fixed: jax.Array | None = None
 
 
 class FedEPInfo(NamedTuple):
@@ -239,19 +267,23 @@ def ep_start(theta: PyTree, start: EPStart) -> tuple[DiagGaussian, PyTree]:
 # ----- the cavities -------------------------------------------------------------------------------
 
 
-def first_site(message: Broadcast, prior: DiagGaussian, share: jax.Array, rest: jax.Array, start: EPStart, exact_late_sites: bool, family=gaussian):
+def first_site(
+    message: Broadcast, prior: DiagGaussian, share: jax.Array, rest: jax.Array, start: EPStart, exact_late_sites: bool, family=gaussian, promote=None
+):
     """``(site, cavity)`` of a FedEP client sampled for the first time: uniform (``init="uniform"``),
     else its share ``(q / p_0)^(n_k / N)`` of the likelihoods, with ``q`` the EP start's global
     (``exact_late_sites``: ``q_g = p_0 prod_k q_k`` stays exact for a client first sampled late) or
     the current ``q_g`` (the paper's; the cavity is then ``p_0 (q_g / p_0)^(1 - n_k/N)``, bitwise
     the paper's ``q_g^(1 - n_k/N)`` without a prior). The prior stays one factor of ``q_g``.
     ``family``: the algebra of the factors, :mod:`fedbayes.gaussian` or the dense
-    :mod:`fedbayes.gaussian_full` (which promotes the diagonal prior and EP start exactly)."""
+    :mod:`fedbayes.gaussian_full` (which promotes the diagonal prior and EP start exactly);
+    ``promote`` maps the diagonal EP start into a family that does not (the Kronecker one's)."""
     q = message.q
     if start.uniform:
         return family.uniform_like(q.precision_mean), q
     if exact_late_sites:
-        site = family.power(family.quotient(ep_start(message.anchor, start)[0], prior), share)
+        begin = ep_start(message.anchor, start)[0]
+        site = family.power(family.quotient(promote(begin) if promote else begin, prior), share)
         return site, family.quotient(q, site)
     likelihoods = family.quotient(q, prior)
     return family.power(likelihoods, share), family.product(prior, family.power(likelihoods, rest))
@@ -624,7 +656,7 @@ def fedsep(
     return _ep_algorithm("fedsep", trainer, server_optimizer, policy, start, burn_in_rounds, stateless_client_init, ep_client)
 
 
-# ----- full covariance (docs/algorithms.md §7, "Full-covariance messages") ----------------------
+# ----- full covariance (docs/algorithms.md §7.12) --------------------------------------------------
 
 
 def full_tilted_step(
@@ -854,6 +886,274 @@ def fedsep_full(
     return _full_algorithm("fedsep", trainer, server_optimizer, policy, start, stateless_client_init, client_update)
 
 
+# ----- structures in a shared basis (docs/algorithms.md §7.12, "Structures in a shared basis") ----
+
+
+class SharedBasis(NamedTuple):
+    """A structure whose basis the server keeps and broadcasts, so that every factor is written in
+    it and a sum of messages is the exact product (docs/algorithms.md §1.1), static.
+
+    Attributes:
+      covariance: ``"kron"`` (:mod:`fedbayes.gaussian_kron`: per-layer Kronecker eigenbases, a
+        :class:`~fedbayes.gaussian_kron.KronFrame` in the state) or ``"low_rank"``
+        (:mod:`fedbayes.gaussian_subspace`: an orthonormal ``[D, rank]`` basis).
+      basis_rounds: rounds before the basis is fixed.
+      rank: ``"low_rank"``'s ``r``.
+    """
+
+    covariance: str
+    basis_rounds: int
+    rank: int = 0
+
+    def family(self, frame):
+        """The algebra of the factors in ``frame``."""
+        return gaussian_kron.in_bases(frame.bases) if self.covariance == "kron" else gaussian_subspace.in_basis(frame)
+
+    def bases(self, frame):
+        """What the curvature takes: the per-leaf bases, or ``B``."""
+        return frame.bases if self.covariance == "kron" else frame
+
+    def init_frame(self, key: jax.Array, params: PyTree):
+        """The identity bases (``"kron"``), or a random orthonormal ``B_0`` (``"low_rank"``, the
+        server's key; Halko et al. 2011, Alg. 4.1)."""
+        if self.covariance == "kron":
+            return KronFrame(gaussian_kron.identity_bases(params), optax.tree.zeros_like(params))
+        flat, _ = ravel_pytree(params)
+        return gaussian_subspace.orthonormal_basis(jax.random.normal(key, (flat.size, self.rank), flat.dtype))
+
+    def lift(self, g: DiagGaussian):
+        """A diagonal factor whose precision is constant on every leaf (the prior, the EP start) in
+        the structure: ``c I`` is the same in every orthonormal basis (``c`` eigenvalues; diagonal
+        ``c`` and a zero core), and ``eta`` keeps its coordinates."""
+        if self.covariance == "kron":
+            return KronGaussian(precision_mean=g.precision_mean, precision=g.precision)
+        flat, _ = ravel_pytree(g.precision)
+        return SubspaceGaussian(g.precision_mean, SubspacePrecision(g.precision, jnp.zeros((self.rank, self.rank), flat.dtype)))
+
+    def non_negative(self, precision, reference, rtol: float = 1e-5) -> jax.Array:
+        """Positive semi-definite to round-off: every eigenvalue (``"kron"``), or the diagonal
+        coordinatewise and the core's eigenvalues (``"low_rank"``), at least ``-rtol`` times the
+        reference's scale (:func:`~fedbayes.algorithms.sites.non_negative_to_roundoff`)."""
+        if self.covariance == "kron":
+            return non_negative_to_roundoff(precision, reference, rtol)
+        diagonal = non_negative_to_roundoff(precision.diagonal, reference.diagonal, rtol)
+        scale = jnp.maximum(jnp.max(jnp.abs(jnp.diagonal(reference.core))), jnp.max(jnp.abs(jnp.diagonal(precision.core))))
+        return diagonal & (jnp.min(jnp.linalg.eigvalsh(0.5 * (precision.core + precision.core.T))) >= -rtol * scale)
+
+    def clamp(self, g):
+        """Round-off below zero set to zero: the eigenvalues, or the diagonal and the core's
+        eigenvalues. The core changes by its negative eigenpairs only, so the rest of it (its
+        round-off asymmetry included) passes through: a cavity that lost part of ``q_g``'s core
+        would send ``-delta`` times that part back from every client, a loop that grows it by
+        ``|1 - delta K|`` a round."""
+        if self.covariance == "kron":
+            return KronGaussian(g.precision_mean, jax.tree.map(lambda v: jnp.maximum(v, 0.0), g.precision))
+        values, vectors = jnp.linalg.eigh(0.5 * (g.precision.core + g.precision.core.T))
+        core = g.precision.core - (vectors * jnp.minimum(values, 0.0)[None, :]) @ vectors.T
+        return SubspaceGaussian(g.precision_mean, SubspacePrecision(jax.tree.map(lambda v: jnp.maximum(v, 0.0), g.precision.diagonal), core))
+
+    def stale(self, fixed: jax.Array | bool, cstate: ClientState) -> jax.Array:
+        """Whether a site is still in the identity bases of the basis rounds while the broadcast's
+        are fixed (``"kron"``); a low-rank site's core is zero until the basis is fixed, so it never
+        is."""
+        if self.covariance != "kron":
+            return jnp.zeros((), jnp.bool_)
+        return jnp.asarray(fixed) & cstate.initialized & (cstate.fixed == 0)
+
+    def move(self, site, frame):
+        """A stale site moved into the fixed bases about the mean they were fixed at
+        (:func:`fedbayes.gaussian_kron.move`)."""
+        return gaussian_kron.move(site, frame.bases, frame.anchor) if self.covariance == "kron" else site
+
+    def refresh(self, q, sketch, frame, round_: jax.Array):
+        """The server's basis step after round ``round_``'s product: ``"kron"``, at the last basis
+        round, the eigenvectors of the cohort's summed Kronecker factors, and ``q_g`` moved into them
+        about its mean (:func:`fedbayes.gaussian_kron.move`) with a fresh optimizer state;
+        ``"low_rank"``, in every basis round, one step of subspace iteration ``B <- orth(sum_k G_k
+        B)`` (Halko et al. 2011, Alg. 4.3), ``q_g``'s core (zero then) carried along exactly.
+        Returns ``(q, frame, reset)``."""
+        if self.covariance == "kron":
+
+            def fix_bases():  # a cond: the factors' eigendecompositions run in that round only
+                mean = self.family(frame).mean(q)
+                bases = gaussian_kron.bases_from_factors(sketch)
+                return gaussian_kron.move(q, bases, mean), KronFrame(bases, mean), jnp.ones((), jnp.bool_)
+
+            return jax.lax.cond(round_ == self.basis_rounds - 1, fix_bases, lambda: (q, frame, jnp.zeros((), jnp.bool_)))
+        moving = round_ < self.basis_rounds
+        basis = jnp.where(moving, gaussian_subspace.orthonormal_basis(sketch), frame)
+        return jax.tree.map(lambda a, b: jnp.where(moving, a, b), gaussian_subspace.project(q, frame, basis), q), basis, jnp.zeros((), jnp.bool_)
+
+    def spread(self, q, frame):
+        """``q_g``'s precision for the evaluation and ``model.npz``: a
+        :class:`~fedbayes.gaussian_kron.KronSpread`, or the low-rank family's
+        :class:`~fedbayes.gaussian_lowrank.LowRankGaussian`."""
+        if self.covariance == "kron":
+            return gaussian_kron.KronSpread(q.precision, frame.bases)
+        return gaussian_subspace.in_basis(frame).to_lowrank(SubspaceGaussian(optax.tree.zeros_like(q.precision_mean), q.precision))
+
+
+def shared_basis_client_step(
+    key: jax.Array,
+    message: Broadcast,
+    cstate: ClientState,
+    data: ClientData,
+    inference,
+    trainer: LocalTrainer,
+    *,
+    structure: SharedBasis,
+    start: EPStart,
+    site_optimizer: optax.GradientTransformation,
+    adaptive: bool,
+    delta_clip: float | None = None,
+    allow_improper_sites: bool = False,
+    exact_late_sites: bool = False,
+):
+    """One FedEP client in a structure whose basis the server broadcasts (:func:`full_client_step`
+    with the factors in that basis, :class:`SharedBasis`): a Kronecker site of the basis rounds is
+    first moved into the fixed bases about the mean the server fixed them at
+    (:func:`fedbayes.gaussian_kron.move`, as the server moved ``q_g``; its optimizer state starts
+    afresh), then the cavity ``q_g / t_k``, the tilted Laplace approximation in the structure
+    (:func:`~fedbayes.inference.tilted.make_shared_basis_laplace_inference`), the damped message
+    ``delta clip(q^ / q_g)`` with the client's Kronecker factors or curvature sketch beside it, and
+    the site update, as the diagonal method's. A cavity that is not positive semi-definite to
+    round-off flags the message, and so does (unless ``allow_improper_sites``) a new site that is
+    not. Returns ``(message, client_state, info)``."""
+    n = data.num_examples.astype(jnp.float32)
+    total = start.total_examples
+    q, frame = message.q, message.basis
+    family = structure.family(frame)
+    prior = structure.lift(prior_like(q.precision_mean, start.prior_precision))
+    share, rest = n / total, (total - n) / total
+    # a cond: a client run on its own moves its site only when it must; under vmap it is a select
+    site, opt_state = jax.lax.cond(
+        structure.stale(message.basis_fixed, cstate),
+        lambda: (lambda moved: (moved, site_optimizer.init(moved)))(structure.move(cstate.site, frame)),
+        lambda: (cstate.site, cstate.opt_state),
+    )
+    site, cavity = jax.lax.cond(
+        cstate.initialized,
+        lambda: (site, family.quotient(q, site)),
+        lambda: first_site(message, prior, share, rest, start, exact_late_sites, family=family, promote=structure.lift),
+    )
+    cavity_ok = tree.all_finite(cavity) & structure.non_negative(cavity.precision, q.precision)
+    cavity = structure.clamp(cavity)
+    begin = jax.tree.map(lambda m, f: jnp.where(family.is_proper(q), m, f), family.mean(q), message.anchor if start.uniform else q.precision_mean)
+    fit = broadcast_loss(jax.random.fold_in(key, BROADCAST_LOSS_TAG), begin, data, trainer) if adaptive else None
+    tilted, sketch, info = inference(key, begin, cavity, data, structure.bases(frame), message.basis_fixed)
+    step = optax.tree.scale(message.damping, clip_joint_norm(family.difference(tilted, q), delta_clip))
+    new_site, opt_state = optimizer_step(site_optimizer, site, opt_state, step)
+    proper = structure.non_negative(new_site.precision, q.precision)
+    ok = cavity_ok if allow_improper_sites else jnp.logical_and(cavity_ok, proper)
+    fixed = None if cstate.fixed is None else jnp.asarray(message.basis_fixed, cstate.fixed.dtype)
+    return GaussianMessage(step, ok, fit, sketch), ClientState(new_site, opt_state, jnp.ones((), jnp.bool_), fixed), info
+
+
+def shared_basis_server_step(
+    state: ServerState, aggregate: Aggregate, server_optimizer, damping: damping_policy.Damping, structure: SharedBasis
+) -> tuple[ServerState, FedEPInfo]:
+    """The server in a structure whose basis it broadcasts: :func:`full_server_step`'s product and
+    guard in the current basis, then the basis step (:meth:`SharedBasis.refresh`): the Kronecker
+    bases fixed at the end of round ``basis_rounds`` from the cohort's summed factors, ``q_g``
+    moved into them about its mean ``w_s`` (``eta' = Lambda' w_s``), as every site is when its
+    client next takes part, so ``q_g`` stays ``p_0 prod_k t_k`` (the natural-parameter optimizer's
+    state starts afresh there); or the low-rank basis moved by one step of subspace iteration in
+    each of the first ``basis_rounds`` rounds, while every core is zero."""
+    family = structure.family(state.basis)
+    q, opt_state, guarded = sites.full_server_step(server_optimizer, state.q, state.opt_state, aggregate.total.difference, family=family)
+    moved = damping.update(state.damping, family.project_to_diag(state.q), family.project_to_diag(q), aggregate.mean.loss)
+    q, frame, reset = structure.refresh(q, aggregate.total.sketch, state.basis, state.round)
+    opt_state = jax.tree.map(lambda a, b: jnp.where(reset, a, b), server_optimizer.init(q), opt_state)
+    info = FedEPInfo(precision_guarded=guarded, damping=state.damping.value)
+    return ServerState(q, state.fedavg_opt_state, opt_state, state.round + 1, state.anchor, moved, frame), info
+
+
+def fedep_shared_basis(
+    trainer: LocalTrainer,
+    server_optimizer: optax.GradientTransformation,
+    inference,
+    *,
+    structure: SharedBasis,
+    total_examples: int,
+    damping: float | damping_policy.Damping,
+    alpha_cov: float,
+    site_optimizer: optax.GradientTransformation | None = None,
+    init: str = "benchmark",
+    prior_precision: float = 0.0,
+    delta_clip: float | None = None,
+    allow_improper_sites: bool = False,
+    exact_late_sites: bool = False,
+) -> Algorithm:
+    """FedEP in a structure whose basis the server shares (docs/algorithms.md §7.12, "Structures in
+    a shared basis"): :func:`shared_basis_client_step` and :func:`shared_basis_server_step`,
+    arguments as :func:`fedep_full`; ``inference`` maps a cavity in the basis to the tilted
+    approximation and the client's Kronecker factors or curvature sketch
+    (:func:`~fedbayes.inference.tilted.make_shared_basis_laplace_inference`). The basis is the
+    identity (``"kron"``) or found by subspace iteration (``"low_rank"``) for
+    ``structure.basis_rounds`` rounds, then fixed."""
+    policy, site_optimizer, start = _stateful_setup(
+        init, damping, server_optimizer, site_optimizer, alpha_cov, prior_precision, total_examples, exact_late_sites
+    )
+    kron = structure.covariance == "kron"
+
+    def server_init(key, params):
+        q, anchor = ep_start(params, start)
+        q = structure.lift(q)
+        frame = structure.init_frame(key, params)
+        return ServerState(q, server_optimizer.init(params), server_optimizer.init(q), jnp.zeros((), jnp.int32), anchor, policy.init(params), frame)
+
+    def send(state):
+        return Broadcast(state.q, jnp.ones((), jnp.bool_), state.anchor, state.damping.value, state.basis, state.round >= structure.basis_rounds)
+
+    def client_init(params):
+        site = structure.lift(prior_like(params, 0.0))  # uniform: all zeros
+        return ClientState(site, site_optimizer.init(site), jnp.zeros((), jnp.bool_), jnp.zeros((), jnp.int32) if kron else None)
+
+    def client_update(key, message, cstate, data):
+        return shared_basis_client_step(
+            key, message, cstate, data, inference, trainer, structure=structure, start=start, site_optimizer=site_optimizer,
+            adaptive=policy.adaptive, delta_clip=delta_clip, allow_improper_sites=allow_improper_sites, exact_late_sites=exact_late_sites,
+        )  # fmt: skip
+
+    def server_update(key, state, aggregate):
+        del key
+        return shared_basis_server_step(state, aggregate, server_optimizer, policy, structure)
+
+    def moments(state):
+        family = structure.family(state.basis)
+        return family.mean(state.q), family.variance(state.q)
+
+    def personal_posterior(state, cstate: ClientState, weight):
+        family = structure.family(state.basis)
+        site = jax.lax.cond(
+            structure.stale(state.round >= structure.basis_rounds, cstate), lambda: structure.move(cstate.site, state.basis), lambda: cstate.site
+        )
+        q_k = family.product(state.q, family.power(site, weight))
+        q_k = jax.tree.map(lambda a, b: jnp.where(family.is_proper(q_k), a, b), q_k, state.q)
+        return family.mean(q_k), family.variance(q_k)
+
+    def message_ok(state, message):
+        family = structure.family(state.basis)
+        ok = jnp.logical_and(tree.all_finite(message.difference), message.ok) & tree.all_finite(message.sketch)
+        return jnp.logical_and(ok, family.is_proper(family.product(state.q, message.difference)))
+
+    return Algorithm(
+        name="fedep",
+        server_init=server_init,
+        broadcast=send,
+        client_init=client_init,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda state: structure.family(state.basis).mean(state.q),
+        message_ok=message_ok,
+        trainer=trainer,
+        server_posterior=moments,
+        after_rejected_round=lambda state: state._replace(damping=policy.rejected(state.damping)),
+        personal_posterior=personal_posterior,
+        server_precision=lambda state: structure.spread(state.q, state.basis),
+    )
+
+
 PRESETS = ("posterior", "paper")
 # The paper's heuristics (Guo et al. 2023 (FedEP) Table 7 and its reference code), filled in for the
 # fields a ``preset = "paper"`` config leaves unset; damping then defaults to 1 / clients_per_round.
@@ -867,7 +1167,7 @@ NUTS_DAMPING = 0.1
 FULL_NGVI_FIXED = {f: TiltedSettings.model_fields[f].default for f in ("scale", "ngvi_epochs", "ngvi_beta", "ngvi_bias_correction")}
 
 
-class EPConfig(TiltedSettings):
+class EPConfig(TiltedSettings, sites.SharedBasisSettings):
     """Settings shared by FedEP and FedSEP (docs/algorithms.md §7; Guo et al. 2023 (FedEP) Table 7): the client method's
     (:class:`~fedbayes.inference.tilted.TiltedSettings`, declared once there) and the EP ones.
 
@@ -915,8 +1215,11 @@ class EPConfig(TiltedSettings):
         description="the Gaussian family of the sites, cavities, tilted approximations and q_g: diagonal (default), full, a dense [D, D] "
         f"precision over all D parameters (cavity q_g / t_k and product exact in the family; the laplace method with the dense GGN, ngvi or nuts; "
         f"for models up to {MAX_FULL_PARAMS} parameters, e.g. model.name = 'logreg'), or last_layer, dense over the last layer's weights and "
-        "diagonal elsewhere (FedEP's laplace method with that block of the GGN; Laplace Redux's last-layer structure); full and last_layer "
-        "take no burn-in, robust aggregation or privacy",
+        "diagonal elsewhere (FedEP's laplace method with that block of the GGN; Laplace Redux's last-layer structure), or kron, per dense or "
+        "conv layer the GGN's diagonal in the eigenbases of its two Kronecker factors (EKFAC; FedEP's laplace method, for networks), the "
+        "bases fixed after basis_rounds rounds, or low_rank, the GGN exact in a shared basis of rank directions that the first basis_rounds "
+        "rounds find (its leading eigenvectors) and diagonal outside it (FedEP's laplace method); full, last_layer, kron and low_rank take "
+        "no burn-in, robust aggregation or privacy",
     )
 
     @model_validator(mode="before")
@@ -967,6 +1270,10 @@ class EPConfig(TiltedSettings):
             raise ValueError(
                 f"algorithm.covariance: 'last_layer' takes the laplace method (the GGN's last-layer block at the tilted mode); got method {self.method!r}"
             )
+        if self.covariance in ("kron", "low_rank") and self.method != "laplace":
+            raise ValueError(
+                f"algorithm.covariance: {self.covariance!r} takes the laplace method (the GGN in the shared basis at the tilted mode); got method {self.method!r}"
+            )
         if self.covariance != "diagonal" and self.burn_in_rounds > 0:
             raise ValueError(f"algorithm.covariance: {self.covariance!r} runs EP from the first round; set burn_in_rounds = 0; got {self.burn_in_rounds}")
         if self.method in ("identity", "mcmc") and not self.alpha_cov > 0:
@@ -1000,10 +1307,10 @@ class FedSEPConfig(EPConfig):
 
     @model_validator(mode="after")
     def _dense_needs_moments(self):
-        if self.covariance == "last_layer":
+        if self.covariance in ("last_layer", "kron", "low_rank"):
             raise ValueError(
                 "algorithm.covariance: fedsep takes diagonal or full; its shared site's laplace fixed point is far from the Laplace in a dense "
-                "family (docs/results/posterior_full.md); use name = 'fedep' for the last-layer structure"
+                f"family (docs/results/posterior_full.md); use name = 'fedep' for the {self.covariance} structure"
             )
         if self.covariance == "full" and self.method == "laplace":
             raise ValueError(
@@ -1045,6 +1352,18 @@ def _full_inference(hp: EPConfig, ctx: BuildContext):
 
 
 def _build_fedep_full(hp: FedEPConfig, ctx: BuildContext) -> Algorithm:
+    if hp.covariance in ("kron", "low_rank"):
+        if hp.covariance == "low_rank":
+            sites.check_low_rank_size(hp.rank, ctx.num_params)
+        elif ctx.param_shapes is not None:
+            sites.check_kron_size(ctx.param_shapes)
+        inference = make_shared_basis_laplace_inference(ctx.trainer, hp, apply_fn=ctx.apply_fn, task=ctx.task, covariance=hp.covariance)
+        return fedep_shared_basis(
+            ctx.trainer, ctx.server_optimizer, inference, structure=SharedBasis(hp.covariance, hp.basis_rounds, hp.rank),
+            total_examples=ctx.federation.total_examples, damping=damping_policy.from_setting(hp.default_damping(ctx.clients_per_round)),
+            alpha_cov=hp.alpha_cov, init=hp.init, prior_precision=hp.prior_precision, delta_clip=hp.delta_clip,
+            allow_improper_sites=hp.improper_sites == "allow", exact_late_sites=hp.preset == "posterior",
+        )  # fmt: skip
     inference = _full_inference(hp, ctx)
     return fedep_full(
         ctx.trainer, ctx.server_optimizer, inference, total_examples=ctx.federation.total_examples, num_clients=ctx.federation.num_clients,
@@ -1103,9 +1422,11 @@ _EP_TRAITS = dict(
         (hp.prior_precision, hp.scale * hp.weight_decay) if hp.method in ("laplace", "ngvi") and hp.covariance != "full" else None
     ),
     # a dense precision is no vector of coordinates: a robust rule's per-coordinate statistics, a precision cap and DP's clip and noise have no meaning for it
-    settings_aggregator_policy=lambda hp: {"full": ("own", sites.FULL_AGGREGATOR_NOTE), "last_layer": ("own", sites.LAST_LAYER_AGGREGATOR_NOTE)}.get(
-        hp.covariance
-    ),
+    settings_aggregator_policy=lambda hp: {
+        "full": ("own", sites.FULL_AGGREGATOR_NOTE),
+        "last_layer": ("own", sites.LAST_LAYER_AGGREGATOR_NOTE),
+        "kron": ("own", sites.KRON_AGGREGATOR_NOTE),
+    }.get(hp.covariance),  # fmt: skip
     stored_meaning=_stored_meaning,
 )
 FEDEP = AlgorithmSpec("fedep", FedEPConfig, build_fedep, "expectation propagation with stateful Gaussian sites", **_EP_TRAITS)

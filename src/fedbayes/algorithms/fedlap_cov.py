@@ -99,7 +99,7 @@ method) for ``basis_rounds`` rounds; then the server sets them to the eigenvecto
 summed factors and moves ``q_g``'s eigenvalues into them by the diagonal projection
 (:func:`fedbayes.gaussian_kron.project`, linear, so it commutes with the sum over sites), keeping
 its mean ``w_s`` (``eta' = Lambda' w_s``). A site from the basis rounds is moved about the same
-``w_s`` when its client next takes part (:func:`move_site`; :class:`KronSite` records which sites
+``w_s`` when its client next takes part (:func:`fedbayes.gaussian_kron.move`; :class:`KronSite` records which sites
 have moved), so the server's product stays the sites' product whoever was absent. The fixed point is still the MAP, and ``S_g`` there is
 ``U diag(delta + diag(U^T G U)) U^T`` (Laplace Redux's KFAC Laplace, Daxberger et al. 2021,
 Sec. 3, with EKFAC's eigenvalues). No robust aggregation or privacy.
@@ -126,9 +126,8 @@ from fedbayes.data.batches import ClientData
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_full import FullGaussian
-from fedbayes.gaussian_kron import KronGaussian
+from fedbayes.gaussian_kron import KronFrame, KronGaussian
 from fedbayes.gaussian_subspace import SubspaceGaussian, SubspacePrecision
-from fedbayes.hparams import HParams
 from fedbayes.inference.base import LocalSolver
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
 from fedbayes.inference.curvature import data_block_ggn, data_curvature, data_full_ggn, data_kron_ggn, data_subspace_ggn
@@ -141,8 +140,8 @@ STEP_CAP = 1.0
 Curvature = Callable[[PyTree, ClientData], PyTree]  # (params, data) -> diagonal curvature of the sum loss
 INIT_PRECISIONS = ("delta", "zero")
 COVARIANCES = ("diagonal", "full", "last_layer", "low_rank", "kron")
-DEFAULT_RANK = 10  # covariance = "low_rank": directions of the shared basis
-DEFAULT_BASIS_ROUNDS = 3  # covariance = "low_rank" / "kron": rounds before the basis is fixed
+DEFAULT_RANK = sites.DEFAULT_RANK
+DEFAULT_BASIS_ROUNDS = sites.DEFAULT_BASIS_ROUNDS
 
 __all__ = [
     "BLOCK",
@@ -154,14 +153,12 @@ __all__ = [
     "Curvature",
     "FedLapCovConfig",
     "FedLapCovInfo",
-    "KronFrame",
     "KronSite",
     "PrecisionOps",
     "ServerState",
     "client_step",
     "fedlap_cov",
     "kron_ops",
-    "move_site",
     "local_fit",
     "server_step",
     "site_terms",
@@ -650,29 +647,9 @@ def _where(flag, a, b):
     return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
 
 
-class KronFrame(NamedTuple):
-    """``covariance = "kron"``'s basis in the server state and the broadcast: the per-leaf bases
-    (:class:`~fedbayes.gaussian_kron.KronBasis`) and ``anchor``, the global mean ``w_s`` at the
-    round the bases were fixed (zeros before), about which the sites of the basis rounds are moved
-    (:func:`move_site`)."""
-
-    bases: PyTree
-    anchor: PyTree
-
-
-def move_site(site: KronGaussian, bases: PyTree, anchor: PyTree) -> KronGaussian:
-    """A site of the basis rounds (a diagonal precision ``V``, identity bases) moved into the fixed
-    bases: ``V' = project(V)`` and ``v' = v + (V' - V) w_s``. Applied to every site and the prior,
-    it keeps the global mean where it was (``eta_g' = Lambda_g' w_s``), and it is linear, so the
-    server's product stays the sites' product."""
-    moved = gaussian_kron.project(site.precision, None, bases)
-    shift = optax.tree.sub(kron_ops(bases).matvec(moved, anchor), jax.tree.map(jnp.multiply, site.precision, anchor))
-    return KronGaussian(optax.tree.add(site.precision_mean, shift), moved)
-
-
 def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_rounds) -> Algorithm:
     """FedLap-Cov with ``covariance = "kron"`` (module docstring): the bases ride in the server
-    state and the broadcast (:class:`KronFrame`), every precision is a pytree of eigenvalues in them
+    state and the broadcast (:class:`~fedbayes.gaussian_kron.KronFrame`), every precision is a pytree of eigenvalues in them
     (:mod:`fedbayes.gaussian_kron`), and each site remembers whether it is in the fixed bases."""
 
     def init(key, params):
@@ -686,7 +663,7 @@ def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_r
     def current(site: KronSite, fixed, frame: KronFrame) -> KronGaussian:
         # a site from the basis rounds, in the identity bases, as the server's product holds it since the bases were fixed
         # (a cond: a client run on its own moves its site only once; under vmap it is a select)
-        return jax.lax.cond(fixed & (site.fixed == 0), lambda: move_site(site.factor, frame.bases, frame.anchor), lambda: site.factor)
+        return jax.lax.cond(fixed & (site.fixed == 0), lambda: gaussian_kron.move(site.factor, frame.bases, frame.anchor), lambda: site.factor)
 
     def client_update(key, message: Broadcast, site: KronSite, data):
         ops = kron_ops(message.basis.bases)
@@ -736,7 +713,7 @@ def _kron(trainer, curvature, *, delta, damping, init_precision, solver, basis_r
     )
 
 
-class FedLapCovConfig(HParams):
+class FedLapCovConfig(sites.SharedBasisSettings):
     """FedLap-Cov (docs/algorithms.md §10)."""
 
     name: Literal["fedlap_cov"]
@@ -758,13 +735,6 @@ class FedLapCovConfig(HParams):
         "that the first basis_rounds rounds find (its leading eigenvectors) and diagonal outside it, for networks, or kron, per dense "
         "or conv layer the GGN's diagonal in the eigenbases of its two Kronecker factors (EKFAC), the bases fixed after basis_rounds rounds; "
         "full, last_layer, low_rank and kron take no robust aggregation or privacy",
-    )
-    rank: int = Field(DEFAULT_RANK, ge=1, description="covariance = low_rank: the directions r of the shared basis; each message adds D r + r^2 numbers")
-    basis_rounds: int = Field(
-        DEFAULT_BASIS_ROUNDS,
-        ge=1,
-        description="covariance = low_rank: rounds of subspace iteration on the cohort's GGN before the basis is fixed; "
-        "kron: rounds of the diagonal method before the bases are fixed from the cohort's Kronecker factors",
     )
 
 

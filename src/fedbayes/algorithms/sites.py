@@ -36,12 +36,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from pydantic import Field
 
 from fedbayes import gaussian, gaussian_block, gaussian_full, gaussian_kron, tree
 from fedbayes.algorithms.server_opt import apply_server_optimizer
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_full import FullGaussian
+from fedbayes.hparams import HParams
 
 PyTree = Any
 
@@ -50,7 +52,10 @@ __all__ = [
     "FULL_AGGREGATOR_NOTE",
     "LAST_LAYER_AGGREGATOR_NOTE",
     "LOW_RANK_AGGREGATOR_NOTE",
+    "DEFAULT_BASIS_ROUNDS",
+    "DEFAULT_RANK",
     "MAX_FULL_PARAMS",
+    "SharedBasisSettings",
     "GaussianMessage",
     "all_positive",
     "all_non_negative",
@@ -239,7 +244,24 @@ def burn_in_switch(burn_in_rounds: int, over: jax.Array, main: Callable, burn_in
 
 # ----- dense (full-covariance) factors ------------------------------------------------------------
 
+DEFAULT_BASIS_ROUNDS = 3  # covariance = "low_rank" / "kron": rounds before the basis is fixed
+DEFAULT_RANK = 10  # covariance = "low_rank": directions of the shared basis
 MAX_FULL_PARAMS = 5000  # a [D, D] float32 message of 100 MB: the dense family is for GLMs and small heads
+
+
+class SharedBasisSettings(HParams):
+    """The settings of a structure in a shared basis (``covariance = "low_rank"`` or ``"kron"``),
+    the same for every method that takes one (FedLap-Cov, FedEP)."""
+
+    rank: int = Field(DEFAULT_RANK, ge=1, description="covariance = low_rank: the directions r of the shared basis; each message adds D r + r^2 numbers")
+    basis_rounds: int = Field(
+        DEFAULT_BASIS_ROUNDS,
+        ge=1,
+        description="covariance = low_rank: rounds of subspace iteration on the cohort's GGN before the basis is fixed; "
+        "kron: rounds of the diagonal method before the bases are fixed from the cohort's Kronecker factors",
+    )
+
+
 FULL_AGGREGATOR_NOTE = "with covariance = 'full' sends dense [D, D] precisions, which only the weighted mean combines"
 LAST_LAYER_AGGREGATOR_NOTE = "with covariance = 'last_layer' sends a dense precision over the last layer, which only the weighted mean combines"
 LOW_RANK_AGGREGATOR_NOTE = "with covariance = 'low_rank' sends a core in a shared basis and a curvature sketch, which only the weighted mean combines"
@@ -369,13 +391,15 @@ def full_message_ok(message: GaussianMessage, q: FullGaussian) -> jax.Array:
     return jnp.logical_and(ok, family.is_proper(family.product(q, message.difference)))
 
 
-def full_server_step(optimizer: optax.GradientTransformation, q: FullGaussian, opt_state, total: FullGaussian):
+def full_server_step(optimizer: optax.GradientTransformation, q: FullGaussian, opt_state, total: FullGaussian, family=None):
     """The dense :func:`site_server_step`: ``q_g <- q_g + ServerOpt(sum_k Delta_k)`` (with
     ``optax.sgd(1)`` the exact product of the accepted factors into ``q_g``); a step that leaves
     ``Lambda_g`` not positive definite (a momentum overshoot) keeps the old ``q_g`` whole. Returns
-    ``(q, opt_state, guarded)``, ``guarded`` all ``D`` coordinates then, else 0."""
+    ``(q, opt_state, guarded)``, ``guarded`` all ``D`` coordinates then, else 0. ``family``: the
+    algebra of a structure in a shared basis (:func:`fedbayes.gaussian_kron.in_bases`); by default
+    :func:`dense_family`'s."""
     new_q, opt_state = optimizer_step(optimizer, q, opt_state, total)
-    proper = dense_family(q).is_proper(new_q)
+    proper = (family or dense_family(q)).is_proper(new_q)
     kept = jax.tree.map(lambda a, b: jnp.where(proper, a, b), new_q, q)
     return kept, opt_state, jnp.where(proper, 0, gaussian_full.num_params(q.precision_mean)).astype(jnp.int32)
 

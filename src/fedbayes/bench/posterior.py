@@ -185,6 +185,10 @@ METHODS: tuple[Method, ...] = (
     *_ep_methods("fedep", "FedEP"),
     *_ep_methods("fedsep", "FedSEP"),
     Method("fedep_laplace_full", "FedEP (laplace, covariance full)", {"name": "fedep", "method": "laplace", "covariance": "full"}, "laplace"),
+    Method("fedep_laplace_kron", "FedEP (laplace, covariance kron)", {"name": "fedep", "method": "laplace", "covariance": "kron"}, "kron_laplace"),
+    Method(
+        "fedep_laplace_low_rank", "FedEP (laplace, covariance low_rank)", {"name": "fedep", "method": "laplace", "covariance": "low_rank"}, "low_rank_laplace"
+    ),
     Method("fedep_ngvi_full", "FedEP (ngvi, covariance full)", {"name": "fedep", "method": "ngvi", "covariance": "full"}, "full_vi"),
     Method("fedsep_ngvi_full", "FedSEP (ngvi, covariance full)", {"name": "fedsep", "method": "ngvi", "covariance": "full"}, "full_vi"),
     Method(

@@ -65,16 +65,17 @@ import optax
 from jax.flatten_util import ravel_pytree
 from pydantic import Field
 
-from fedbayes import gaussian_block, gaussian_full
+from fedbayes import gaussian_block, gaussian_full, gaussian_kron, gaussian_subspace
 from fedbayes.data.batches import ClientData, steps_per_epoch
 from fedbayes.gaussian import DiagGaussian
 from fedbayes.gaussian_block import BlockGaussian
 from fedbayes.gaussian_full import FullGaussian
+from fedbayes.gaussian_subspace import SubspacePrecision
 from fedbayes.hparams import HParams
 from fedbayes.inference.base import CavityInference
 from fedbayes.inference.clipping import ApplyFn, clip_by_spread, tree_scale_to_norm
 from fedbayes.inference.curvature import TASKS as CURVATURE_TASKS
-from fedbayes.inference.curvature import batch_diag_fisher, data_block_ggn, data_full_ggn, over_client_data
+from fedbayes.inference.curvature import batch_diag_fisher, data_block_ggn, data_full_ggn, data_kron_ggn, data_subspace_ggn, over_client_data
 from fedbayes.inference.iasg import epoch_of_sample, epoch_samples
 from fedbayes.inference.sgd import LocalTrainer, stiff_step_control
 from fedbayes.inference.vi_full import NATURAL_STEPS, natural_full_vi
@@ -87,9 +88,11 @@ DIAGONAL_METHODS = ("identity", "mcmc", "laplace", "ngvi")
 __all__ = [
     "DIAGONAL_METHODS",
     "METHODS",
+    "SHARED_BASIS_COVARIANCES",
     "TiltedSettings",
     "make_full_laplace_inference",
     "make_full_ngvi_inference",
+    "make_shared_basis_laplace_inference",
     "make_tilted_inference",
     "sgmcmc_moments",
 ]
@@ -315,7 +318,7 @@ def make_full_laplace_inference(trainer: LocalTrainer, settings: TiltedSettings 
     """The laplace method with a dense precision: ``infer(key, start, cavity, data) -> (FullGaussian, info)``
     for a :class:`~fedbayes.gaussian_full.FullGaussian` cavity ``(eta_c, Lambda_c)`` (Guo et al.
     2023 (FedEP) Sec. 2.2.2 with the full-covariance family of Vehtari et al. 2020, "Expectation
-    propagation as a way of life", Sec. 3-4; docs/algorithms.md §7, "Full-covariance messages").
+    propagation as a way of life", Sec. 3-4; docs/algorithms.md §7.12).
 
     The tilted prior is the cavity plus weight decay, ``Lambda_p = Lambda_c + lambda_wd n_k I``. The
     mode is found by the same local optimisation as the diagonal method's (:func:`sgmcmc_moments`'s
@@ -366,6 +369,74 @@ def make_full_laplace_inference(trainer: LocalTrainer, settings: TiltedSettings 
             return BlockGaussian(precision_mean=family.matvec(lam, mu), precision=lam), info
         lam = 0.5 * (lam + lam.T)
         return FullGaussian(precision_mean=family.matvec(lam, mu), precision=lam), info
+
+    return infer
+
+
+SHARED_BASIS_COVARIANCES = ("kron", "low_rank")
+
+
+def make_shared_basis_laplace_inference(
+    trainer: LocalTrainer, settings: TiltedSettings = TiltedSettings(), *, apply_fn: ApplyFn, task: str = "classification", covariance: str = "kron"
+):
+    """The laplace method in a structure whose basis the server shares: ``infer(key, start, cavity,
+    data, basis, basis_fixed) -> (tilted, sketch, info)`` for a cavity in that structure
+    (docs/algorithms.md §7.12, "Structures in a shared basis").
+
+    The steps of :func:`make_full_laplace_inference` with the structure's algebra: the mode of
+    ``F_k`` with the penalty's products and Gershgorin bounds in the basis, then at the mode the
+    cavity's precision plus ``c (GGN_k(mu^) + lambda_wd n_k I)`` in the structure and
+    ``eta^ = Lambda^ mu^``:
+
+    * ``covariance = "kron"`` (:mod:`fedbayes.gaussian_kron`; ``basis`` the per-leaf Kronecker
+      eigenbases): the GGN's diagonal in the bases, ``diag(U^T GGN_k U)``, EKFAC's eigenvalues
+      (George et al. 2018, Sec. 3.2), and as ``sketch`` the client's Kronecker factors (K-FAC's
+      second moments, Martens and Grosse 2015, Sec. 3), from
+      :func:`fedbayes.inference.curvature.data_kron_ggn`;
+    * ``covariance = "low_rank"`` (:mod:`fedbayes.gaussian_subspace`; ``basis`` ``B``, ``[D, r]``):
+      the GGN exact in the span of ``B`` and diagonal outside it
+      (:func:`fedbayes.gaussian_subspace.from_curvature`), or while the basis is not yet fixed
+      (``basis_fixed`` false) its diagonal alone, and as ``sketch`` ``GGN_k B``, from
+      :func:`fedbayes.inference.curvature.data_subspace_ggn`.
+
+    ``lambda_wd n_k I`` is the same in every orthonormal basis (the structure's ``scaled_identity``).
+    """
+    s = settings
+    if task not in CURVATURE_TASKS:
+        raise ValueError(
+            f"the laplace method needs the curvature of the task's likelihood, which fedbayes has for {', '.join(CURVATURE_TASKS)}; got task {task!r}"
+        )
+    if covariance not in SHARED_BASIS_COVARIANCES:
+        raise ValueError(f"covariance must be one of {', '.join(SHARED_BASIS_COVARIANCES)}; got {covariance!r}")
+
+    def curvature(mu, data, basis, basis_fixed):
+        if covariance == "kron":
+            return data_kron_ggn(apply_fn, mu, data, basis, batch_size=trainer.batch_size, task=task)
+        diag, sketch = data_subspace_ggn(apply_fn, mu, data, basis, batch_size=trainer.batch_size, task=task)
+        structured = gaussian_subspace.from_curvature(diag, sketch, basis)
+        # until the basis is fixed the target is the diagonal method's: the cores stay zero
+        h = SubspacePrecision(
+            jax.tree.map(lambda a, b: jnp.where(basis_fixed, a, b), structured.diagonal, diag),
+            jnp.where(basis_fixed, structured.core, jnp.zeros_like(structured.core)),
+        )
+        return h, sketch
+
+    def infer(key, start, cavity, data: ClientData, basis: PyTree, basis_fixed: jax.Array):
+        family = gaussian_kron.in_bases(basis) if covariance == "kron" else gaussian_subspace.in_basis(basis)
+        n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
+        decay = family.scaled_identity(start, s.weight_decay * n)
+        lam_p = jax.tree.map(jnp.add, cavity.precision, decay)
+        inv_n = 1.0 / n
+
+        def penalty(theta):
+            return inv_n * (0.5 * family.quad(lam_p, theta) - optax.tree.vdot(cavity.precision_mean, theta))
+
+        bound = family.row_bound(lam_p, start)
+        key_mc, _ = jax.random.split(key)
+        mu, _, info = _penalised_moments(key_mc, start, penalty, data, stiff_step_control(trainer, bound, data.num_examples, s.step_cap))
+        ggn, sketch = curvature(mu, data, basis, basis_fixed)
+        lam = jax.tree.map(lambda c, g, w: c + s.scale * (g.astype(c.dtype) + w), cavity.precision, ggn, decay)
+        return type(cavity)(precision_mean=family.matvec(lam, mu), precision=lam), sketch, info
 
     return infer
 
