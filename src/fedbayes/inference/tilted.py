@@ -314,6 +314,22 @@ def make_tilted_inference(
     return infer
 
 
+def _tilted_mode(key, start: PyTree, eta_c: PyTree, quad, bound: PyTree, data: ClientData, trainer: LocalTrainer, step_cap: float):
+    """The mode of the tilted objective ``F_k(theta) = (1/n_k) [l_k(theta) + quad(theta) / 2 - eta_c^T
+    theta]`` (``quad(theta) = theta^T Lambda_p theta`` in the cavity's structure) by the diagonal
+    method's local optimisation (:func:`sgmcmc_moments`'s mean of the end-of-epoch iterates, from
+    ``start``), each coordinate's step scaled by ``bound``, a Gershgorin bound on ``Lambda_p``'s
+    rows (:func:`fedbayes.inference.sgd.stiff_step_control`). Returns ``(mode, info)``."""
+    inv_n = 1.0 / jnp.maximum(data.num_examples, 1).astype(jnp.float32)
+
+    def penalty(theta):
+        return inv_n * (0.5 * quad(theta) - optax.tree.vdot(eta_c, theta))
+
+    key_mc, _ = jax.random.split(key)
+    mu, _, info = _penalised_moments(key_mc, start, penalty, data, stiff_step_control(trainer, bound, data.num_examples, step_cap))
+    return mu, info
+
+
 def make_full_laplace_inference(trainer: LocalTrainer, settings: TiltedSettings = TiltedSettings(), *, apply_fn: ApplyFn, task: str = "classification"):
     """The laplace method with a dense precision: ``infer(key, start, cavity, data) -> (FullGaussian, info)``
     for a :class:`~fedbayes.gaussian_full.FullGaussian` cavity ``(eta_c, Lambda_c)`` (Guo et al.
@@ -353,14 +369,8 @@ def make_full_laplace_inference(trainer: LocalTrainer, settings: TiltedSettings 
         family = gaussian_block if block else gaussian_full
         n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
         lam_p = family.shifted(cavity.precision, s.weight_decay * n)
-        inv_n = 1.0 / n
-
-        def penalty(theta):
-            return inv_n * (0.5 * optax.tree.vdot(theta, family.matvec(lam_p, theta)) - optax.tree.vdot(cavity.precision_mean, theta))
-
-        bound = family.row_bound(lam_p, start)
-        key_mc, _ = jax.random.split(key)
-        mu, _, info = _penalised_moments(key_mc, start, penalty, data, stiff_step_control(trainer, bound, data.num_examples, s.step_cap))
+        quad = lambda theta: optax.tree.vdot(theta, family.matvec(lam_p, theta))  # noqa: E731
+        mu, info = _tilted_mode(key, start, cavity.precision_mean, quad, family.row_bound(lam_p, start), data, trainer, s.step_cap)
         curvature = data_block_ggn if block else data_full_ggn
         ggn = family.shifted(curvature(apply_fn, mu, data, batch_size=trainer.batch_size, task=task), s.weight_decay * n)
         lam = jax.tree.map(lambda c, g: c + s.scale * g.astype(c.dtype), cavity.precision, ggn)
@@ -426,14 +436,8 @@ def make_shared_basis_laplace_inference(
         n = jnp.maximum(data.num_examples, 1).astype(jnp.float32)
         decay = family.scaled_identity(start, s.weight_decay * n)
         lam_p = jax.tree.map(jnp.add, cavity.precision, decay)
-        inv_n = 1.0 / n
-
-        def penalty(theta):
-            return inv_n * (0.5 * family.quad(lam_p, theta) - optax.tree.vdot(cavity.precision_mean, theta))
-
-        bound = family.row_bound(lam_p, start)
-        key_mc, _ = jax.random.split(key)
-        mu, _, info = _penalised_moments(key_mc, start, penalty, data, stiff_step_control(trainer, bound, data.num_examples, s.step_cap))
+        quad = lambda theta: family.quad(lam_p, theta)  # noqa: E731
+        mu, info = _tilted_mode(key, start, cavity.precision_mean, quad, family.row_bound(lam_p, start), data, trainer, s.step_cap)
         ggn, sketch = curvature(mu, data, basis, basis_fixed)
         lam = jax.tree.map(lambda c, g, w: c + s.scale * (g.astype(c.dtype) + w), cavity.precision, ggn, decay)
         return type(cavity)(precision_mean=family.matvec(lam, mu), precision=lam), sketch, info
