@@ -159,3 +159,20 @@ def test_a_dense_posterior_row_is_predicted_with_its_full_covariance(tmp_path):
         # the full predictive and the marginal-only one are both reported, and they differ
         assert set(row["predictive_marginals"]) == set(row["predictive"]) == {"accuracy", "nll", "ece"}
         assert row["predictive"]["nll"] != row["predictive_marginals"]["nll"]
+
+
+def test_fedsep_can_be_measured_against_seps_own_fixed_point(bench):
+    """A method of family ``sep_laplace`` is compared with SEP's fixed point on the problem's split,
+    which gets a central row of its own saying how far it is from EP's answer; the METHODS rows
+    (FedSEP's included) keep EP's families and the table computes no SEP reference for them."""
+    out, result, _ = bench
+    assert not any(row["key"].startswith("central_sep_") for row in result["problems"][0]["rows"])
+    assert {m.family for m in posterior.METHODS if m.algorithm["name"] == "fedsep"} <= {"diag_laplace", "ngvi", "map", "full_vi"}
+    method = posterior.Method("fedsep_vs_sep", "FedSEP vs SEP", {"name": "fedsep", "method": "laplace"}, "sep_laplace")
+    problem = posterior.run_problem(TINY, out, SETTINGS, [method])
+    rows = {row["key"]: row for row in problem["rows"]}
+    central = rows["central_sep_laplace"]
+    assert central["family"] == "sep_laplace" and central["vs_family"]["mean_rel_l2"] == 0.0
+    assert 0.01 < central["vs_ep_family"]["mean_rel_l2"] < 0.2  # 3 clients of Dirichlet(5) data: near EP's answer (0.07), not at it
+    row = rows["fedsep_vs_sep"]
+    assert "error" not in row and row["family"] == "sep_laplace" and row["trajectory"][-1]["mean_rel_l2"] == row["vs_family"]["mean_rel_l2"]

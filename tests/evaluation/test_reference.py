@@ -24,6 +24,7 @@ from fedbayes.evaluation.reference import (
     mean_field_vi,
     negative_log_joint,
     references,
+    sep_fixed_point,
 )
 from fedbayes.models import init_params, make_model
 
@@ -301,3 +302,62 @@ def test_full_covariance_vi_converges_where_the_unit_step_swings(monkeypatch):
         data_term = np.asarray(a.T @ residual)
     grad = data_term - flat64(mean)  # the mean's stationarity condition (prior precision 1)
     assert np.max(np.abs(grad)) < 1e-3 * np.max(np.abs(data_term))
+
+
+@pytest.mark.parametrize("tilted", ["laplace", "ngvi"])
+def test_sep_fixed_point_of_one_factor_or_identical_factors_is_the_pooled_one(tilted):
+    """One factor: the cavity is the prior and SEP's fixed point is the pooled tilted fit itself
+    (the diagonal Laplace, or the expected-Fisher Laplace). K identical factors: the average site
+    is each factor's own, so SEP is EP, whose fixed point is the same fit of the pooled data."""
+    model, apply_fn, params0, x, y = _problem(n=30, d=2)
+    xs, ys = np.concatenate([x] * 3), np.concatenate([y] * 3)
+    for data, parts in (((x, y), [np.arange(30)]), ((xs, ys), [np.arange(30) + 30 * k for k in range(3)])):
+        loss = negative_log_joint(apply_fn, *data, LAMBDA)
+        theta = map_estimate(loss, params0)
+        want = diagonal_laplace(loss, theta) if tilted == "laplace" else expected_fisher_laplace(apply_fn, theta, data[0], LAMBDA)
+        got = sep_fixed_point(apply_fn, params0, *data, parts, LAMBDA, tilted=tilted)
+        assert relative_l2(got[0], want[0]) < 1e-5
+        np.testing.assert_allclose(flat64(got[1]), flat64(want[1]), rtol=1e-5)
+
+
+def test_sep_fixed_point_solves_its_equations_and_is_not_ep_on_unlike_factors():
+    """Three label-skewed factors: at the returned q, each factor's Laplace fit of its tilted
+    distribution, with the cavity p_0 (q / p_0)^(1 - n_k / N) and the mode found by scipy and the
+    Hessian in closed form, averages back to q in natural parameters; and q is not EP's fixed
+    point (the pooled diagonal Laplace), which a cavity that removed each factor's own share
+    would reach."""
+    model, apply_fn, params0, x, y = _problem(n=60, d=2, seed=3)
+    order = np.argsort(y + 0.3 * np.random.default_rng(0).normal(size=len(y)))
+    parts = [order[:12], order[12:36], order[36:]]
+    mean, var = sep_fixed_point(apply_fn, params0, x, y, parts, LAMBDA)
+    m, unravel = ravel_pytree(mean)
+    m, precision = np.asarray(m, np.float64), 1.0 / flat64(var)
+    eta = precision * m
+    sites_eta, sites_precision = [], []
+    for idx in parts:
+        rest = 1.0 - len(idx) / len(y)
+        cav_precision, cav_eta = LAMBDA + rest * (precision - LAMBDA), rest * eta
+        data_loss = negative_log_joint(apply_fn, x[idx], y[idx], 1.0)
+
+        def tilted(z, data_loss=data_loss, cav_precision=cav_precision, cav_eta=cav_eta):
+            with jax.enable_x64(True):
+                value = float(data_loss(unravel(jnp.asarray(z)))) - 0.5 * float(np.sum(np.square(z)))  # drop the helper's unit prior
+            return value + 0.5 * np.sum(cav_precision * z * z) - cav_eta @ z
+
+        mode = scipy.optimize.minimize(tilted, m, method="BFGS", options={"gtol": 1e-10}).x
+        curvature = np.diag(_closed_form_hessian(unravel(jnp.asarray(mode, jnp.float32)), x[idx], y[idx])) - LAMBDA
+        sites_precision.append(cav_precision + curvature)
+        sites_eta.append((cav_precision + curvature) * mode)
+    np.testing.assert_allclose(np.mean(sites_precision, axis=0), precision, rtol=1e-4)
+    np.testing.assert_allclose(np.mean(sites_eta, axis=0) / np.mean(sites_precision, axis=0), m, rtol=1e-3, atol=1e-4)
+    loss = negative_log_joint(apply_fn, x, y, LAMBDA)
+    ep_mean, _ = diagonal_laplace(loss, map_estimate(loss, params0))
+    assert relative_l2(mean, ep_mean) > 0.02
+
+
+def test_sep_fixed_point_rejects_unknown_settings():
+    model, apply_fn, params0, x, y = _problem(n=20, d=2)
+    with pytest.raises(ValueError, match="tilted must be one of laplace, ngvi"):
+        sep_fixed_point(apply_fn, params0, x, y, [np.arange(20)], LAMBDA, tilted="nuts")
+    with pytest.raises(ValueError, match="power must be one of"):
+        sep_fixed_point(apply_fn, params0, x, y, [np.arange(20)], LAMBDA, power="half")

@@ -34,6 +34,11 @@ own family's centralised optimum, and the run stops once
 * ``kron_laplace``, ``N(theta*, (U diag(lambda + diag(U^T G U)) U^T)^{-1})`` (its marginals) for the
   per-layer Kronecker eigenbases ``U`` the method holds at the check: FedLap-Cov with ``covariance =
   "kron"``, whose fixed point is that Laplace in its own bases (docs/algorithms.md §10.4);
+* ``sep_laplace`` / ``sep_ngvi``, stochastic EP's own fixed point on the problem's split
+  (:func:`~fedbayes.evaluation.reference.sep_fixed_point`, Laplace or NGVI factors): what FedSEP
+  converges to once its clients solve their tilted problems exactly. It is not one of
+  :data:`METHODS`' families (FedSEP's rows are measured against EP's, the posterior a user asks
+  for); ``benchmarks/sep_fixed_point.py`` runs FedSEP against it;
 * ``map``, the MAP (means only): FedEP/FedSEP with identity or mcmc clients, whose variance is
   set by their ``scale`` hyperparameter and not by the data, and FedAvg (a point).
 
@@ -75,7 +80,7 @@ from fedbayes import gaussian_block, gaussian_kron, gaussian_lowrank
 from fedbayes.bench.truth import NUTSSettings, nuts_reference
 from fedbayes.config.schema import validate
 from fedbayes.evaluation.distances import kl_diag, relative_l2, variance_ratio
-from fedbayes.evaluation.reference import affine_predictive_metrics, laplace_covariance, negative_log_joint, references
+from fedbayes.evaluation.reference import affine_predictive_metrics, laplace_covariance, negative_log_joint, references, sep_fixed_point
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_kron import KronSpread
 from fedbayes.gaussian_lowrank import LowRankGaussian
@@ -107,6 +112,8 @@ FAMILIES = (
     "full_vi",
     "low_rank_laplace",
     "kron_laplace",
+    "sep_laplace",
+    "sep_ngvi",
     "map",
     "truth",
 )  # truth: NUTS's own moments (a moment-matching method's target)
@@ -406,7 +413,9 @@ def _kron_marginals(hessian: np.ndarray, bases: Any, like: Any) -> Any:
     return unravel(jnp.asarray(np.square(u) @ (1.0 / eigenvalues), jnp.float32))
 
 
-def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log) -> dict:
+def _run_method(
+    problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log, sep: dict | None = None
+) -> dict:
     raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
     exp = build_experiment(validate(raw))
     hessian = None
@@ -422,6 +431,7 @@ def _run_method(problem: Problem, folder: Path, method: Method, refs, nuts, data
         "kron_laplace": (refs.map, None),
         "map": (refs.map, None),
         "truth": (nuts.mean, nuts.variance),
+        **{f"sep_{tilted}": fixed_point for tilted, fixed_point in (sep or {}).items()},
     }[method.family]
     sim = exp.simulator
     state = sim.init(exp.params)
@@ -546,6 +556,17 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
         ),
         ("central_ngvi", "central NGVI fixed point (Fisher averaged over q, at the MAP)", *refs.ngvi, "ngvi"),
     )
+    # SEP's fixed point depends on the split: computed only for a method measured against it
+    sep = {
+        family.removeprefix("sep_"): sep_fixed_point(
+            model.apply_fn, jax.tree.map(jnp.zeros_like, model.params), x, y, parts, PRIOR_PRECISION, tilted=family.removeprefix("sep_")
+        )
+        for family in sorted({m.family for m in methods if m.family.startswith("sep_")})
+    }
+    central += tuple(
+        (f"central_sep_{tilted}", f"central SEP fixed point ({tilted} factors, this split)", *fixed_point, f"sep_{tilted}")
+        for tilted, fixed_point in sep.items()
+    )
     for key, label, mean, var, family in central:
         row = _row_stats(label, mean, var, nuts, model.apply_fn, dataset.x_test, dataset.y_test)
         if key == "central_laplace_marginals":  # its predictive keeps the correlations: the full Laplace's
@@ -554,6 +575,8 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
         if key == "central_full_vi":
             row["predictive"] = affine_predictive_metrics(model.apply_fn, mean, None, dataset.x_test, dataset.y_test, covariance=refs.full_vi[1])
         row.update(key=key, family=family, vs_family={"mean_rel_l2": 0.0, **({"var_ratio": [1.0, 1.0, 1.0]} if var is not None else {})} if family else None)
+        if key.startswith("central_sep_"):  # how far SEP's approximation is from EP's (the pooled data's) with the same factors
+            row["vs_ep_family"] = _compare(mean, var, *(refs.diag_laplace if family == "sep_laplace" else refs.ngvi), False)
         rows.append(row)
     rule = _stopping_rule(settings)
     for method in methods:
@@ -570,7 +593,7 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
                 rows.append(cached)
                 continue
         try:
-            row = _run_method(problem, folder, method, refs, nuts, dataset, model.apply_fn, settings, log)
+            row = _run_method(problem, folder, method, refs, nuts, dataset, model.apply_fn, settings, log, sep)
         except Exception as exc:  # a method that cannot be built or run is a row that says why
             row = {"label": method.label, "key": method.key, "family": method.family, "error": f"{type(exc).__name__}: {exc}", "config": raw}
             log(f"  {method.label}: {row['error']}")

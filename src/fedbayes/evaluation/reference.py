@@ -33,7 +33,7 @@ the first-order solvers stop at their tolerances.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -483,6 +483,146 @@ def full_covariance_vi(
             last = change
             m, precision = m + step * (new_m - m), precision + step * (new_precision - precision)
     raise ValueError(f"full_covariance_vi: the fixed-point iteration did not converge in {max_steps} steps")
+
+
+SEP_TILTED = ("laplace", "ngvi")
+SEP_POWERS = ("data_fraction", "one_over_k")
+
+
+def sep_fixed_point(
+    apply_fn: Callable[[PyTree, jax.Array], jax.Array],
+    params0: PyTree,
+    x: Any,
+    y: Any,
+    parts: Sequence[Any],
+    prior_precision: float,
+    *,
+    tilted: str = "laplace",
+    power: str = "data_fraction",
+    nodes: int = GAUSS_HERMITE_NODES,
+    max_steps: int = 5000,
+    tol: float = 1e-10,
+) -> tuple[PyTree, PyTree]:
+    """The fixed point of stochastic (averaged) EP over a partition of the data, diagonal family,
+    for an affine 2-class model: what FedSEP with all clients in every round converges to.
+
+    SEP (Li, Hernandez-Lobato & Turner 2015, "Stochastic Expectation Propagation"; FedSEP: Guo et
+    al. 2023 (FedEP) Sec. 2.2.4) keeps one average site ``f`` with ``q = p_0 f^K`` instead of one
+    site per factor. Factor ``k`` (client ``k``'s data ``D_k``, ``n_k`` of the ``N`` examples) sees
+    the cavity ``c_k = p_0 (q / p_0)^(1 - r_k)``, ``r_k = n_k / N`` (``power="data_fraction"``)
+    or ``1 / K`` (``"one_over_k"``), fits its tilted distribution ``c_k p(D_k | theta)`` with a
+    diagonal Gaussian ``t_k``, and the server moves ``q`` by ``sum_k (t_k - q)`` in natural
+    parameters, so the fixed point is
+
+        q = (1 / K) sum_k t_k(q)        (natural parameters: precision-means and precisions).
+
+    ``t_k`` is, for ``tilted="laplace"``, ``N(m_k, 1 / (Lambda_{c_k} + diag GGN_k(m_k)))`` with
+    ``m_k`` the tilted mode; for ``"ngvi"`` the same mean with the precision ``P_k = Lambda_{c_k}
+    + E_{N(m_k, 1 / P_k)}[diag GGN_k]`` (:func:`expected_fisher_laplace`'s fixed point, per
+    factor). With Gaussian likelihoods ``t_k = c_k p(D_k | theta)`` exactly and the fixed point is
+    the posterior; otherwise a factor's cavity removes the *average* site, not its own share, and
+    the fixed point differs from EP's (the diagonal Laplace of the pooled data, for Laplace
+    factors) by an amount that grows with how unlike the factors are.
+
+    Solved in float64: each tilted mode by Newton (the previous mode as the start; the objective
+    is strongly convex once ``Lambda_{c_k} > 0``), the outer map damped like
+    :func:`full_covariance_vi`'s (the step halved after an iteration whose change grew, grown by
+    half after one whose change shrank), started at the pooled data's diagonal Laplace.
+
+    Args:
+        parts: the clients' example indices into ``x`` / ``y`` (a partition).
+        tilted: ``"laplace"`` or ``"ngvi"``.
+        power: ``"data_fraction"`` or ``"one_over_k"``.
+
+    Returns:
+        ``(mean, variance)`` float32 pytrees shaped like ``params0``.
+
+    Raises:
+        ValueError: for a model that is not affine with 2 classes, an unknown ``tilted`` or
+            ``power``, a cavity with a non-positive precision, or no convergence.
+    """
+    if tilted not in SEP_TILTED:
+        raise ValueError(f"sep_fixed_point: tilted must be one of {', '.join(SEP_TILTED)}; got {tilted!r}")
+    if power not in SEP_POWERS:
+        raise ValueError(f"sep_fixed_point: power must be one of {', '.join(SEP_POWERS)}; got {power!r}")
+    affine = affine_logit_difference(apply_fn, params0, x)
+    loss = negative_log_joint(apply_fn, x, y, prior_precision)
+    labels = np.asarray(y)
+    num, k_clients = len(labels), len(parts)
+    with jax.enable_x64(True):
+        map64 = _map64(loss, params0)
+        h, unravel = _hessian64(loss, map64)
+        m, _ = ravel_pytree(map64)
+        precision = jnp.asarray(np.diag(h))
+        eta = precision * m
+        t, w = _hermite(nodes)
+        factors = []
+        for idx in parts:
+            idx = np.asarray(idx, np.int64)
+            a = jnp.asarray(affine.a[idx])
+            share = len(idx) / num if power == "data_fraction" else 1.0 / k_clients
+            factors.append((a, jnp.asarray(affine.c[idx]), jnp.asarray(2.0 * labels[idx] - 1.0), 1.0 - share))
+
+        @jax.jit
+        def newton_step(theta, a, c, sign, cav_eta, cav_precision):
+            g = a @ theta + c
+            p = jax.nn.sigmoid(g)
+            grad = -a.T @ (sign * jax.nn.sigmoid(-sign * g)) + cav_precision * theta - cav_eta
+            hess = (a * (p * (1.0 - p))[:, None]).T @ a + jnp.diag(cav_precision)
+            return theta - jnp.linalg.solve(hess, grad), jnp.max(jnp.abs(grad))
+
+        @jax.jit
+        def mode_curvature(theta, a, c):  # diag GGN_k at theta
+            p = jax.nn.sigmoid(a @ theta + c)
+            return jnp.square(a).T @ (p * (1.0 - p))
+
+        @jax.jit
+        def expected_curvature(theta, a, c, site_precision):  # E_{N(theta, 1 / site_precision)}[diag GGN_k]
+            sd = jnp.sqrt(jnp.square(a) @ (1.0 / site_precision))
+            p = jax.nn.sigmoid((a @ theta + c)[:, None] + sd[:, None] * t)
+            return jnp.square(a).T @ jnp.sum(w * p * (1.0 - p), axis=-1)
+
+        def tilted_fit(k, eta, precision, theta):
+            a, c, sign, rest = factors[k]
+            cav_precision = prior_precision + rest * (precision - prior_precision)
+            cav_eta = rest * eta  # the prior's precision-mean is 0
+            if not bool(jnp.all(cav_precision > 0)):
+                raise ValueError("sep_fixed_point: a cavity has a non-positive precision")
+            for _ in range(100):
+                theta, gmax = newton_step(theta, a, c, sign, cav_eta, cav_precision)
+                if float(gmax) <= 1e-12 * max(1.0, float(jnp.max(jnp.abs(cav_precision * theta)))):
+                    break
+            else:
+                raise ValueError("sep_fixed_point: a tilted mode did not converge in 100 Newton steps")
+            site = cav_precision + mode_curvature(theta, a, c)
+            if tilted == "ngvi":
+                for _ in range(500):
+                    new = cav_precision + expected_curvature(theta, a, c, site)
+                    done = float(jnp.max(jnp.abs(new - site) / site)) < tol
+                    site = new
+                    if done:
+                        break
+                else:
+                    raise ValueError("sep_fixed_point: a factor's NGVI precision did not converge")
+            return theta, site
+
+        modes = [m] * k_clients
+        step, last = 1.0, np.inf
+        for _ in range(max_steps):
+            fits = [tilted_fit(k, eta, precision, modes[k]) for k in range(k_clients)]
+            modes = [theta for theta, _ in fits]
+            new_precision = sum(site for _, site in fits) / k_clients
+            new_eta = sum(site * theta for theta, site in fits) / k_clients
+            change = max(
+                float(jnp.max(jnp.abs(new_precision - precision) / precision)),
+                float(jnp.max(jnp.abs(new_eta / new_precision - eta / precision)) / max(float(jnp.max(jnp.abs(eta / precision))), 1e-12)),
+            )
+            if change < tol:
+                return _to32(unravel(new_eta / new_precision)), _to32(unravel(1.0 / new_precision))
+            step = max(step / 2.0, MIN_VI_STEP) if change > last else min(1.0, 1.5 * step)
+            last = change
+            eta, precision = eta + step * (new_eta - eta), precision + step * (new_precision - precision)
+    raise ValueError(f"sep_fixed_point: the fixed-point iteration did not converge in {max_steps} steps")
 
 
 class References(NamedTuple):
