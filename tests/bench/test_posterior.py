@@ -176,3 +176,7 @@ def test_fedsep_can_be_measured_against_seps_own_fixed_point(bench):
     assert 0.01 < central["vs_ep_family"]["mean_rel_l2"] < 0.2  # 3 clients of Dirichlet(5) data: near EP's answer (0.07), not at it
     row = rows["fedsep_vs_sep"]
     assert "error" not in row and row["family"] == "sep_laplace" and row["trajectory"][-1]["mean_rel_l2"] == row["vs_family"]["mean_rel_l2"]
+    # the reference follows the cavity's power, so one run cannot mix two
+    other = posterior.Method("fedsep_k", "FedSEP 1/K", {"name": "fedsep", "method": "laplace", "sep_power": "one_over_k"}, "sep_laplace")
+    with pytest.raises(ValueError, match="must share algorithm.sep_power"):
+        posterior.run_problem(TINY, out, SETTINGS, [method, other])

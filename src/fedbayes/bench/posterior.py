@@ -35,8 +35,9 @@ own family's centralised optimum, and the run stops once
   per-layer Kronecker eigenbases ``U`` the method holds at the check: FedLap-Cov with ``covariance =
   "kron"``, whose fixed point is that Laplace in its own bases (docs/algorithms.md §10.4);
 * ``sep_laplace`` / ``sep_ngvi``, stochastic EP's own fixed point on the problem's split
-  (:func:`~fedbayes.evaluation.reference.sep_fixed_point`, Laplace or NGVI factors): what FedSEP
-  converges to once its clients solve their tilted problems exactly. It is not one of
+  (:func:`~fedbayes.evaluation.reference.sep_fixed_point`, Laplace or NGVI factors, the cavity's
+  power the method's ``sep_power``): what FedSEP converges to once its clients solve their tilted
+  problems exactly. It is not one of
   :data:`METHODS`' families (FedSEP's rows are measured against EP's, the posterior a user asks
   for); ``benchmarks/sep_fixed_point.py`` runs FedSEP against it;
 * ``map``, the MAP (means only): FedEP/FedSEP with identity or mcmc clients, whose variance is
@@ -556,13 +557,16 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
         ),
         ("central_ngvi", "central NGVI fixed point (Fisher averaged over q, at the MAP)", *refs.ngvi, "ngvi"),
     )
-    # SEP's fixed point depends on the split: computed only for a method measured against it
-    sep = {
-        family.removeprefix("sep_"): sep_fixed_point(
-            model.apply_fn, jax.tree.map(jnp.zeros_like, model.params), x, y, parts, PRIOR_PRECISION, tilted=family.removeprefix("sep_")
+    # SEP's fixed point depends on the split and the cavity's power: computed only for a method measured against it
+    sep = {}
+    for family in sorted({m.family for m in methods if m.family.startswith("sep_")}):
+        powers = {m.algorithm.get("sep_power", "data_fraction") for m in methods if m.family == family}
+        if len(powers) > 1:
+            raise ValueError(f"the {family} methods of one run must share algorithm.sep_power; got {sorted(powers)}")
+        tilted = family.removeprefix("sep_")
+        sep[tilted] = sep_fixed_point(
+            model.apply_fn, jax.tree.map(jnp.zeros_like, model.params), x, y, parts, PRIOR_PRECISION, tilted=tilted, power=powers.pop()
         )
-        for family in sorted({m.family for m in methods if m.family.startswith("sep_")})
-    }
     central += tuple(
         (f"central_sep_{tilted}", f"central SEP fixed point ({tilted} factors, this split)", *fixed_point, f"sep_{tilted}")
         for tilted, fixed_point in sep.items()
