@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,12 @@ from fedbayes.config.schema import read_toml
 ROOT = Path(__file__).resolve().parents[2]
 PAGE, CHECK = ROOT / "docs/results/fmnist_compare.md", ROOT / "docs/results/fmnist_compare_check.md"
 NOT_COMPARED = ("train s (total)",)  # the machine's speed and load
-TOLERANCE = 2e-3  # printed to 4 decimals; about 1e-7 between device layouts and CPUs (docs/design.md)
+TOLERANCE = 2e-3  # printed to 4 decimals; about 1e-7 between device layouts on one CPU (docs/design.md)
+# On another CPU type XLA:CPU's kernels round differently and six rounds of training carry it:
+# docs/results/fmnist_compare.md ("Across CPU types") measured up to 0.0048 in an accuracy, 0.0102
+# in an NLL and 0.26 points of ECE. A rerun outside TOLERANCE but inside these passes with a warning.
+ACROSS_CPU_TYPES = {"NLL": 0.02, "ECE": 1.0}  # by the column's first word; other numbers (accuracies): 0.01
+ACROSS_CPU_TYPES_OTHER = 0.01
 CONSTRAINTS = ROOT / "constraints.txt"
 
 
@@ -110,6 +116,7 @@ def test_a_rerun_of_the_short_job_prints_the_committed_table(tmp_path):
     versions = "" if installed == made_with else f" (this environment has {installed}, the table was made with {made_with}: install with `-c constraints.txt`)"
     committed, rerun = _table(check), _table((tmp_path / "short" / "compare.md").read_text())
     assert list(rerun) == list(committed)
+    outside = []  # (method, column, now, committed, within the spread across CPU types)
     for method, row in committed.items():
         for column, cell in row.items():
             if column in NOT_COMPARED:
@@ -117,5 +124,12 @@ def test_a_rerun_of_the_short_job_prints_the_committed_table(tmp_path):
             now, then = rerun[method][column], _number(cell)
             if then is None or _number(now) is None:
                 assert now == cell, f"{method} {column}: {now} now, {cell} committed; regenerate with `make results`{versions}"
-            else:
-                assert abs(_number(now) - then) <= TOLERANCE, f"{method} {column}: {now} now, {cell} committed; regenerate with `make results`{versions}"
+            elif abs(_number(now) - then) > TOLERANCE:
+                bound = ACROSS_CPU_TYPES.get(column.split(" ")[0], ACROSS_CPU_TYPES_OTHER)
+                outside.append((method, column, now, cell, abs(_number(now) - then) <= bound))
+    listed = "; ".join(f"{m} {c}: {now} now, {cell} committed" for m, c, now, cell, _ in outside)
+    assert all(ok for *_, ok in outside), f"{listed}; regenerate with `make results`{versions}"
+    if outside:
+        warnings.warn(
+            f"the rerun is within the spread between CPU types but not within {TOLERANCE} (another CPU type than the table's?): {listed}", stacklevel=1
+        )
