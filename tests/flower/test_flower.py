@@ -276,17 +276,16 @@ def test_in_process_rounds_equal_the_simulator_for_a_stateful_method(tmp_path, a
 
 
 @pytest.mark.parametrize(
-    "name, structure, rtol",
+    "name, structure",
     [
-        ("fedlap_cov", {"covariance": "low_rank", "rank": 4, "basis_rounds": 1}, 0.0),
-        ("fedlap_cov", {"covariance": "kron", "basis_rounds": 1}, 0.0),
-        # FedEP's precisions reach a few hundred on this problem: a float32 ulp there is 1.5e-5
-        ("fedep", {"covariance": "kron", "basis_rounds": 1}, 1e-6),
-        ("fedep", {"covariance": "low_rank", "rank": 4, "basis_rounds": 1}, 1e-6),
+        ("fedlap_cov", {"covariance": "low_rank", "rank": 4, "basis_rounds": 1}),
+        ("fedlap_cov", {"covariance": "kron", "basis_rounds": 1}),
+        ("fedep", {"covariance": "kron", "basis_rounds": 1}),
+        ("fedep", {"covariance": "low_rank", "rank": 4, "basis_rounds": 1}),
     ],
     ids=["low_rank", "kron", "fedep_kron", "fedep_low_rank"],
 )
-def test_in_process_rounds_equal_the_simulator_for_shared_basis_sites(tmp_path, name, structure, rtol):
+def test_in_process_rounds_equal_the_simulator_for_shared_basis_sites(tmp_path, name, structure):
     """FedLap-Cov and FedEP with a structure in a shared basis over 3 rounds through the ClientApp's
     handler, crossing the round where the basis is fixed: the low-rank basis and its flag in the
     broadcast, the core and the curvature sketch in the replies; the Kronecker bases (identity sides
@@ -300,7 +299,9 @@ def test_in_process_rounds_equal_the_simulator_for_shared_basis_sites(tmp_path, 
     run_experiment(cfg, tmp_path / "sim")
     prepare_data(build_experiment(cfg), dict.fromkeys(range(3), tmp_path / "nodes"))
     run_experiment(cfg, tmp_path / "flower", rounds=lambda exp: FlowerRounds(exp, InProcess(3, tmp_path / "nodes")))
-    assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-5, rtol=rtol)
+    # the precisions reach 87 (FedLap-Cov) and a few hundred (FedEP) on this problem, where a float32
+    # ulp is 7.6e-6 and 3e-5: one ulp of a reordered sum exceeds 1e-5 alone (seen on an AMD Zen 4 CPU)
+    assert_same_server_state(tmp_path / "sim", tmp_path / "flower", tol=1e-5, rtol=1e-6)
     assert records(tmp_path / "flower" / "metrics.jsonl")[-1]["dropped"] == 0
 
 
