@@ -32,7 +32,7 @@ from fedbayes.data.federation import Federation
 from fedbayes.gaussian_kron import KronFrame
 from fedbayes.hparams import HParams
 from fedbayes.inference.vi_natural import NATURAL_MIN_STEPS, NATURAL_PASSES
-from fedbayes.models import init_params, loss_fn, make_model
+from fedbayes.models import has_hidden_layers, init_params, loss_fn, make_model
 from fedbayes.models.variational import apply_with_key
 from fedbayes.runs.build import build_experiment
 from fedbayes.runs.checkpoint import load_checkpoint, save_checkpoint
@@ -79,8 +79,13 @@ VARIANTS = {
     # the sampler at its smallest (10 warm-up transitions, 4 draws, trees of at most 8 steps): the
     # defaults (500 and 1000, trees of up to 1024 steps) are for a posterior; the suite checks the protocol
     "fedep+nuts": ("fedep", {"covariance": "full", "method": "nuts", "nuts_warmup": 10, "nuts_draws": 4, "nuts_curvature_draws": 2, "nuts_max_doublings": 3}),
+    # the linear variational model: its default client is IVON with one whole-data step an epoch
+    # (the network's is Bayes-by-backprop); 4 draws a step instead of 64: the suite checks the protocol
+    "vbnn+linear": ("vbnn", {"ivon_samples": 4}),
 }
 NAMES = (*registry.names(), HALF_STEP.name, *VARIANTS)
+# hidden widths of the variational MLP a variational method runs on (default: one hidden layer of 8)
+VARIATIONAL_HIDDEN = {"vbnn+linear": ()}
 # Variants with a dense [D, D] precision run on digits pooled to 4 x 4 pixels (D = 170 rather than
 # 650 for the logistic regression): the suite checks the protocol, and a dense client's
 # curvature, natural-gradient and sampler steps cost O(D^2) to O(D^3) per step.
@@ -141,16 +146,17 @@ def _simulator(name: str, *, layout="sequential", clients_per_round=3, algorithm
         model = make_model("mlp", 10, hidden=NETWORK_VARIANTS[name])
         params = init_params(model, jax.random.key(1), (8, 8, 1))
         trainer = trainer._replace(loss_fn=loss_fn(model, "classification"))
+    hidden = VARIATIONAL_HIDDEN.get(name, (8,))
     name, settings = _method(name)
     spec = registry.get(name)
     if spec.needs_variational_model:
-        model = make_model("mlp", 10, variational=True, hidden=(8,))
+        model = make_model("mlp", 10, variational=True, hidden=hidden)
         params = init_params(model, jax.random.key(1), (8, 8, 1))
         keyed = apply_with_key(model)
     ctx = BuildContext(
         trainer, optax.sgd(1.0), FederationInfo.from_sizes(fed.sizes), clients_per_round,
         apply_fn=lambda p, x: model.apply({"params": p}, x), keyed_apply_fn=keyed,
-        feature_spec=jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype),
+        feature_spec=jax.ShapeDtypeStruct(fed.x.shape[1:], fed.x.dtype), hidden_layers=has_hidden_layers(params),
     )  # fmt: skip
     alg = algorithm or spec.build(spec.hparams(name=name, **settings), ctx)
     return Simulator(alg, fed, clients_per_round=clients_per_round, seed=SEED, layout=layout), params
@@ -278,6 +284,8 @@ def _steps(name: str, sizes: np.ndarray) -> np.ndarray:
         return np.full(len(sizes), settings["natural_steps"])  # fedbayes.inference.vi_full.natural_full_vi: its iterations
     if settings.get("local_vi") == "natural":  # fedbayes.inference.vi_natural.natural_diag_vi: its passes, at least its minimum
         return np.maximum(NATURAL_PASSES * -(-sizes // 16), NATURAL_MIN_STEPS)
+    if name in VARIATIONAL_HIDDEN and not VARIATIONAL_HIDDEN[name]:  # the VBNN's IVON client on a linear model: one whole-data step an epoch
+        return np.full(len(sizes), 2)
     return 2 * -(-sizes // 16)
 
 
@@ -323,9 +331,10 @@ def test_the_server_info_is_a_typed_named_tuple_of_scalars(name):
 def _config(name: str):
     """A small digits run of ``name`` with its default settings (a variant's own), as a config file would give it."""
     network = NETWORK_VARIANTS.get(name)
+    hidden = list(VARIATIONAL_HIDDEN.get(name, (8,)))
     name, settings = _method(name)
     spec = registry.get(name)
-    model = {"name": "mlp", "hidden": [8], "variational": True} if spec.needs_variational_model else {"name": "logreg"}
+    model = {"name": "mlp", "hidden": hidden, "variational": True} if spec.needs_variational_model else {"name": "logreg"}
     if network is not None:
         model = {"name": "mlp", "hidden": list(network)}
     epochs = max(2, spec.min_local_epochs(spec.hparams(name=name))[0])

@@ -180,3 +180,33 @@ def test_fedsep_can_be_measured_against_seps_own_fixed_point(bench):
     other = posterior.Method("fedsep_k", "FedSEP 1/K", {"name": "fedsep", "method": "laplace", "sep_power": "one_over_k"}, "sep_laplace")
     with pytest.raises(ValueError, match="must share algorithm.sep_power"):
         posterior.run_problem(TINY, out, SETTINGS, [method, other])
+
+
+def test_the_vbnn_is_measured_against_its_own_objectives_optimum_and_meets_the_bar(bench):
+    """The linear VBNN's bias is a point without a prior: its family is the mean-field optimum
+    with that bias (central row ``central_mfvi_point_bias``, which also says how far it is from
+    the all-Gaussian one). With only its name set (IVON, one whole-data step a round) it meets
+    the bar on the tiny problem."""
+    import dataclasses
+
+    out, _, _ = bench
+    settings = dataclasses.replace(SETTINGS, max_rounds=300, check_every=10)
+    result = posterior.run_posterior_bench(out, settings, ["tiny"], ["vbnn"], extra_problems={"tiny": TINY})
+    rows = {row["key"]: row for row in result["problems"][0]["rows"]}
+    central = rows["central_mfvi_point_bias"]
+    assert central["family"] == "mfvi_point_bias" and 0 < central["vs_mfvi"]["mean_rel_l2"] < 0.2
+    row = rows["vbnn"]
+    assert row["family"] == "mfvi_point_bias" and row["reached_round"] is not None, row.get("trajectory", [])[-3:]
+    assert row["steps_per_client_round"] == 1.0  # one whole-data step per client and round
+    assert "| VBNN (linear, kernel only) | MFVI, the bias a point | yes |" in (out / "posterior_quality.md").read_text()
+
+
+def test_a_cohort_and_a_seed_reach_the_runs_and_their_cache_key(bench):
+    import dataclasses
+
+    out, _, _ = bench
+    settings = dataclasses.replace(SETTINGS, max_rounds=2, clients_per_round=2, seed=1)
+    result = posterior.run_posterior_bench(out, settings, ["tiny"], ["vbnn"], extra_problems={"tiny": TINY})
+    row = result["problems"][0]["rows"][-1]
+    assert row["resolved_config"]["server"]["clients_per_round"] == 2 and row["resolved_config"]["seed"] == 1
+    assert row["rounds"] == 2  # not the cached all-client row of the test before

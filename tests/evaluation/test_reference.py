@@ -153,6 +153,46 @@ def test_mean_field_vi_is_the_elbo_optimum():
     assert abs(mc - best) < 5 * stderr + 1e-6
 
 
+def test_mean_field_vi_with_a_point_bias_is_its_objectives_optimum():
+    """``points``: the bias a point without a prior (a variational layer's deterministic bias).
+    Against scipy's L-BFGS on that objective written out independently (Gauss-Hermite on the
+    logit difference, the KL over the kernel alone); and not the all-Gaussian optimum."""
+    _, apply_fn, params0, x, y = _problem(n=60, d=4, seed=3)
+    points = {"dense": {"kernel": False, "bias": True}}
+    mean, var = mean_field_vi(apply_fn, params0, x, y, LAMBDA, points=points)
+    assert np.all(np.asarray(var["dense"]["bias"]) == 0) and np.all(np.asarray(var["dense"]["kernel"]) > 0)
+    flat, unravel = ravel_pytree(params0)
+    bias = np.asarray(ravel_pytree({"dense": {"kernel": jnp.zeros_like(params0["dense"]["kernel"]), "bias": jnp.ones_like(params0["dense"]["bias"])}})[0]) > 0
+    affine = affine_logit_difference(apply_fn, params0, x)
+    a, c = np.asarray(affine.a, np.float64), np.asarray(affine.c, np.float64)
+    sign = 2.0 * np.asarray(y, np.float64) - 1.0
+    t, w = np.polynomial.hermite_e.hermegauss(60)
+    w = w / w.sum()
+    p = flat.shape[0]
+
+    def negative_elbo(z):
+        m, log_v = z[:p], z[p:]
+        v = np.zeros(p)
+        v[~bias] = np.exp(log_v)
+        g = sign[:, None] * (a @ m + c)[:, None] + np.sqrt(np.square(a) @ v)[:, None] * t[None]
+        expected = np.sum(-np.logaddexp(0.0, -g) @ w)
+        mk = m[~bias]
+        kl = 0.5 * np.sum(LAMBDA * np.exp(log_v) + LAMBDA * mk**2 - 1.0 - np.log(LAMBDA) - log_v)
+        return kl - expected
+
+    # stationary (central differences of the independent objective at the returned optimum) ...
+    z = np.concatenate([flat64(mean), np.log(np.asarray(var["dense"]["kernel"], np.float64)).ravel()])
+    step = 1e-5
+    grad = np.array([(negative_elbo(z + step * e) - negative_elbo(z - step * e)) / (2 * step) for e in np.eye(z.shape[0])])
+    assert np.max(np.abs(grad)) < 1e-3, grad
+    # ... and the minimum scipy finds from zeros
+    res = scipy.optimize.minimize(negative_elbo, np.zeros_like(z), method="L-BFGS-B", options={"maxiter": 5000, "gtol": 1e-9, "ftol": 1e-14})
+    np.testing.assert_allclose(z, res.x, atol=2e-3)
+    assert negative_elbo(z) <= res.fun + 1e-6
+    gaussian, _ = mean_field_vi(apply_fn, params0, x, y, LAMBDA)
+    assert relative_l2(mean["dense"]["kernel"], gaussian["dense"]["kernel"]) > 1e-3  # the bias's prior and variance move the kernel
+
+
 def _full_elbo(affine, y, m, scale):
     """The full-covariance ELBO by Gauss-Hermite, written independently: q = N(m, C C^T)."""
     a, c = jnp.asarray(affine.a), jnp.asarray(affine.c)

@@ -47,6 +47,30 @@ def test_one_step_equals_algorithm_1_by_hand():
         np.testing.assert_allclose(np.asarray(var), 1.0 / (ess * (h + delta)), rtol=1e-14)
 
 
+def test_points_are_not_drawn_and_keep_their_hessian():
+    """``points``: a leaf marked True is the model's own parameter: theta = m there, its h stays at
+    its init, and its step is the debiased momentum over h + delta (the other leaf as Algorithm 1)."""
+    with jax.enable_x64(True):
+        params = {"w": jnp.asarray([0.2, -0.4]), "b": jnp.asarray([0.5])}
+        h0 = {"w": jnp.asarray([0.7, 1.5]), "b": jnp.asarray([0.3])}
+        opt = ivon(0.2, 40.0, 0.0, beta1=0.9, beta2=0.9, num_samples=4, antithetic=True, points={"w": False, "b": True})
+        state = opt.init(params, h0)
+        theta, eps = opt.sample(jax.random.key(0), state, params)
+        np.testing.assert_array_equal(np.asarray(theta["b"]), np.broadcast_to(np.asarray(params["b"]), (4, 1)))
+        assert np.all(np.asarray(eps["b"]) == 0) and np.all(np.std(np.asarray(theta["w"]), axis=0) > 0)
+        grads = jax.tree.map(lambda t: 2.0 * t - 1.0, theta)
+        updates, new = opt.update(grads, state, params, eps)
+        np.testing.assert_array_equal(np.asarray(new.hessian["b"]), np.asarray(h0["b"]))
+        assert not np.allclose(np.asarray(new.hessian["w"]), np.asarray(h0["w"]))
+        # one step: the debiased momentum is the gradient at the mean itself
+        np.testing.assert_allclose(np.asarray(updates["b"]), -0.2 * (2.0 * np.asarray(params["b"]) - 1.0) / np.asarray(h0["b"]), rtol=1e-12)
+        # the unmarked leaf is drawn and updated exactly as without points
+        plain = ivon(0.2, 40.0, 0.0, beta1=0.9, beta2=0.9, num_samples=4, antithetic=True)
+        plain_updates, plain_new = plain.update(grads, plain.init(params, h0), params, eps)
+        np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(plain_updates["w"]), rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(new.hessian["w"]), np.asarray(plain_new.hessian["w"]), rtol=1e-12)
+
+
 def test_hessian_stays_positive_under_a_large_negative_estimate():
     # h_hat far below -delta: without the correction term h + delta would turn negative
     opt = ivon(0.1, 10.0, 0.0, beta2=0.5)

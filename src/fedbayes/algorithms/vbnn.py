@@ -52,6 +52,23 @@ per weight and example (``8e-5`` for 6,000 examples), and the data term's scales
 
 Either step's state starts afresh every round like the client optimizer's.
 
+**The client (``method``).** ``"bbb"`` is Bayes-by-backprop as above; ``"ivon"`` trains the means
+and variances together by IVON's natural-gradient steps (:func:`run_ivon`); ``"auto"`` (the
+default) is IVON on a generalised linear model and Bayes-by-backprop on a network. IVON's batch
+(``ivon_batch``): ``"client"`` takes the ``[client]`` minibatches; ``"whole"`` takes one step per
+epoch on the client's whole data (the trainer's batch is then the largest client's size);
+``"auto"`` is whole on a generalised linear model. One whole-data step a round is the central
+IVON step exactly: with the ``bayes`` CF rule under FVBWA (``beta_k = n_k / N``), client ``k``
+sends ``m_k = m - alpha (g_k + delta m) / (h_k + delta)`` with precision ``lambda (h_k + delta)``,
+and the rule's precision-weighted mean is ``m - alpha (sum_k beta_k g_k + delta m) / (sum_k beta_k
+h_k + delta)``, the step of IVON on the pooled data with the clients' draws; its precision is
+``lambda`` times the pooled ``h + delta``. So the federation has no client drift, and its fixed
+point is the mean-field optimum of its objective (the bias a point without a prior). More local
+steps would move each client towards its own data's optimum, which the rule does not combine into
+the federation's (docs/results/vbnn_natural.md measured that drift for Bayes-by-backprop). On a
+network the whole-data step is not the default: measured with minibatches, IVON's steps diverge
+there at its defaults (docs/results/vbnn_ivon.md), so a network keeps Bayes-by-backprop.
+
 **The published code (``variant = "paper"``)**, for reproducing the paper's tables: log-variances
 drawn from ``N(-9, 0.001^2)`` at :meth:`server_init`, clamped to [-8, 8] in the forward pass and
 the KL (:func:`fedbayes.models.variational.paper_clamp`; the gradient of every log-variance is then
@@ -91,6 +108,11 @@ from fedbayes.models.variational import (
 
 __all__ = [
     "CLIENT_METHODS",
+    "IVON_BATCHES",
+    "IVON_MINIBATCH",
+    "IVON_WHOLE_DATA",
+    "ivon_settings_for",
+    "resolve_client",
     "DEFAULT_LOGVAR_LR",
     "DEFAULT_NATURAL_LOGVAR_LR",
     "LOGVAR_OPTIMIZERS",
@@ -108,7 +130,8 @@ __all__ = [
 DEFAULT_LOGVAR_LR = 1e-3  # Adam's rate on the log-variances
 DEFAULT_NATURAL_LOGVAR_LR = 0.1  # the natural-gradient step's rate (docs/results/vbnn_natural.md)
 NATURAL_LOGVAR_MAX_STEP = 1.0  # the most a log-variance moves in one natural step (a factor e)
-CLIENT_METHODS = ("bbb", "ivon")  # Bayes-by-backprop; IVON
+CLIENT_METHODS = ("auto", "bbb", "ivon")  # IVON on a GLM, else Bayes-by-backprop; Bayes-by-backprop; IVON
+IVON_BATCHES = ("auto", "client", "whole")  # whole on a GLM, else client; the [client] minibatches; one whole-data step an epoch
 LOGVAR_OPTIMIZERS = ("auto", "natural", "adam")
 
 # ----- the client -------------------------------------------------------------------------------
@@ -204,6 +227,27 @@ class IVONClient(NamedTuple):
     clip: float | None = None
 
 
+# The IVON client's defaults with minibatches (``ivon_batch = "client"``) and with one whole-data
+# step an epoch (``"whole"``). The whole-data client takes one step a round, so it needs a larger
+# step and a faster Hessian average than the minibatch one (which takes 1-9 steps a round on the
+# benchmark's clients), and more draws, which are its only noise; a smaller h_0 makes its first
+# steps larger. Chosen on the posterior benchmark's two logistic regressions
+# (docs/results/vbnn_ivon.md, "One whole-data step a round").
+IVON_MINIBATCH = IVONClient()
+IVON_WHOLE_DATA = IVONClient(lr=0.1, beta2=0.97, hess_init=0.03, samples=64)
+
+
+def resolve_client(method: str, ivon_batch: str, hidden_layers: bool, variant: str = "bayes") -> tuple[str, str]:
+    """``(method, batch)`` with the ``"auto"`` choices made: IVON with whole-data steps on a
+    generalised linear model (``hidden_layers`` False) in the ``bayes`` variant, Bayes-by-backprop
+    elsewhere (module docstring); ``batch`` is ``"client"`` for Bayes-by-backprop."""
+    if method == "auto":
+        method = "ivon" if variant == "bayes" and not hidden_layers else "bbb"
+    if method != "ivon":
+        return method, "client"
+    return method, ("client" if hidden_layers else "whole") if ivon_batch == "auto" else ivon_batch
+
+
 def ivon_init(params: Any, hess_init: float, ess: float, prior_variance: float | str = 1.0) -> Any:
     """The tree with every log-variance at IVON's start ``h = hess_init`` (Shen et al. 2024,
     Algorithm 1's ``h_0``): ``log(1 / (lambda (h_0 + delta_j)))`` with ``lambda = ess`` and
@@ -244,9 +288,10 @@ def run_ivon(
     broadcast means and ``h`` at ``1 / (lambda sigma^2) - delta`` of the broadcast variances
     (:func:`~fedbayes.inference.ivon.hessian_from_variance`), so the Hessian estimate carries over
     rounds through the server's rule; at the end the client returns ``m`` and
-    ``log(1 / (lambda (h + delta)))``. The deterministic leaves are drawn and updated like the
-    weights (their ``h`` starts at ``settings.hess_init`` every round) and returned as their
-    means. The model is evaluated at each draw ``theta`` with every log-variance at the models'
+    ``log(1 / (lambda (h + delta)))``. The deterministic leaves (biases) are IVON's points: the
+    model's own parameters, not drawn (the VBNN's objective has them as points without a prior),
+    their ``h`` fixed at ``settings.hess_init``, so their step is IVON's momentum times
+    ``lr / hess_init``. The model is evaluated at each draw ``theta`` with every log-variance at the models'
     floor :data:`~fedbayes.models.variational.LOGVAR_MIN` (``sigma^2 = e^-30``): the layer's forward
     pass at ``theta``, up to its numerical noise floor (an output standard deviation of about 1e-4).
 
@@ -260,6 +305,7 @@ def run_ivon(
     opt = ivon(
         settings.lr, ess, delta, beta1=settings.beta1, beta2=settings.beta2, hess_init=settings.hess_init,
         num_samples=settings.samples, antithetic=settings.antithetic, clip_radius=settings.clip,
+        points=(jax.tree.map(lambda _: False, means), jax.tree.map(lambda _: True, det)),
     )  # fmt: skip
     start = (means, det)
     hessian = (
@@ -394,7 +440,8 @@ def vbnn(
             the means and Adam at ``logvar_lr`` on the log-variances) or ``"ivon"`` (:func:`run_ivon`,
             ``bayes`` only: IVON's natural-gradient steps move every variance by its own curvature
             estimate; ``trainer.optimizer`` and ``logvar_lr`` are not used, the epochs and batch
-            size are).
+            size are: a batch of the largest client's size is one whole-data step an epoch). The
+            config's ``"auto"`` is resolved before this (:func:`resolve_client`).
         ivon_settings: the IVON client's settings (``None``: :class:`IVONClient`'s defaults).
         logvar_optimizer: the Bayes-by-backprop client's step on the log-variances (``bayes``):
             ``"natural"``, ``"adam"`` or ``"auto"`` (natural on a generalised linear model, Adam
@@ -413,8 +460,8 @@ def vbnn(
         raise ValueError(f"logvar_lr must be > 0, got {logvar_lr}")
     if not kl_weight > 0 or (variant == "paper" and kl_weight != 1.0):
         raise ValueError(f"kl_weight must be > 0 (and 1 in the paper variant), got {kl_weight}")
-    if method not in CLIENT_METHODS or (method == "ivon" and variant != "bayes"):
-        raise ValueError(f"method must be one of {', '.join(CLIENT_METHODS)} (ivon in the bayes variant only), got {method!r} in {variant!r}")
+    if method not in ("bbb", "ivon") or (method == "ivon" and variant != "bayes"):
+        raise ValueError(f"method must be bbb or ivon (ivon in the bayes variant only; resolve auto with resolve_client), got {method!r} in {variant!r}")
     aggregator = variational_rule(aggregation, population, accumulation, variant)
     paper = variant == "paper"
     ivon_settings = IVONClient() if ivon_settings is None else ivon_settings
@@ -507,21 +554,44 @@ class VBNNConfig(HParams):
     )
     kl_weight: float = Field(1.0, gt=0, description="the KL's weight lambda (variant bayes): 1 the variational posterior, < 1 a tempered one")
     method: Literal[CLIENT_METHODS] = Field(  # type: ignore[valid-type]
-        "bbb",
-        description="the client: bbb (Bayes-by-backprop, Adam on the log-variances) or ivon (IVON's natural-gradient steps, Shen et al. 2024; variant bayes)",
+        "auto",
+        description="the client: bbb (Bayes-by-backprop), ivon (IVON's natural-gradient steps, Shen et al. 2024; variant bayes), "
+        "or auto: ivon on a generalised linear model (variant bayes), bbb on a network",
+    )
+    ivon_batch: Literal[IVON_BATCHES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="ivon: client (the [client] minibatches and epochs) or whole (one step an epoch on the client's whole data; "
+        "one a round is the central IVON step), or auto: whole on a generalised linear model, client on a network",
     )
     logvar_optimizer: Literal[LOGVAR_OPTIMIZERS] = Field(  # type: ignore[valid-type]
         "auto",
         description="the bbb client's step on the log-variances (variant bayes): natural (every variance relaxes to its own optimum), "
         "adam (the variances of a layer move in lockstep), or auto: natural on a generalised linear model, adam on a network",
     )
-    ivon_lr: float = Field(IVONClient().lr, gt=0, description="ivon: the step size alpha")
-    ivon_beta1: float = Field(IVONClient().beta1, ge=0, lt=1, description="ivon: the momentum's decay")
-    ivon_beta2: float = Field(IVONClient().beta2, ge=0, lt=1, description="ivon: the Hessian estimate's decay per local step")
-    ivon_hess_init: float = Field(
-        IVONClient().hess_init, gt=0, description="ivon: h_0, the initial Hessian estimate (the weights' at the server's start, the biases' every round)"
+    ivon_lr: float | None = Field(
+        None,
+        gt=0,
+        description=f"ivon: the step size alpha; unset: {IVON_WHOLE_DATA.lr} times the cohort's share of the clients with whole-data steps, "
+        f"{IVON_MINIBATCH.lr} with minibatches",
     )
-    ivon_samples: int = Field(IVONClient().samples, ge=1, description="ivon: weight draws per step (even with ivon_antithetic)")
+    ivon_beta1: float = Field(IVONClient().beta1, ge=0, lt=1, description="ivon: the momentum's decay")
+    ivon_beta2: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description=f"ivon: the Hessian estimate's decay per local step; unset: {IVON_WHOLE_DATA.beta2} with whole-data steps, {IVON_MINIBATCH.beta2} with minibatches",
+    )
+    ivon_hess_init: float | None = Field(
+        None,
+        gt=0,
+        description="ivon: h_0, the initial Hessian estimate (the weights' at the server's start, the biases' throughout); "
+        f"unset: {IVON_WHOLE_DATA.hess_init} with whole-data steps, {IVON_MINIBATCH.hess_init} with minibatches",
+    )
+    ivon_samples: int | None = Field(
+        None,
+        ge=1,
+        description=f"ivon: weight draws per step (even with ivon_antithetic); unset: {IVON_WHOLE_DATA.samples} with whole-data steps, {IVON_MINIBATCH.samples} with minibatches",
+    )
     ivon_antithetic: bool = Field(IVONClient().antithetic, description="ivon: draw the weights in pairs eps, -eps")
     ivon_clip: float | None = Field(IVONClient().clip, gt=0, description="ivon: clip each preconditioned step of the means to this radius (unset: no clip)")
 
@@ -535,7 +605,7 @@ class VBNNConfig(HParams):
             raise ValueError(f"algorithm.method: ivon runs in the bayes variant, got variant {self.variant!r}")
         if self.logvar_optimizer == "natural" and self.variant != "bayes":
             raise ValueError(f"algorithm.logvar_optimizer: natural runs in the bayes variant, got variant {self.variant!r}")
-        if self.method == "ivon" and self.ivon_antithetic and self.ivon_samples % 2:
+        if self.method != "bbb" and self.ivon_antithetic and self.ivon_samples is not None and self.ivon_samples % 2:
             raise ValueError(f"algorithm.ivon_samples must be even with ivon_antithetic, got {self.ivon_samples}")
         if self.accumulation != "exact" and self.variant != "paper":
             raise ValueError(
@@ -544,28 +614,52 @@ class VBNNConfig(HParams):
         return self
 
 
+def ivon_settings_for(hp: VBNNConfig, batch: str, participation: float = 1.0) -> IVONClient:
+    """The IVON client's settings: ``hp``'s where set, else the batch's defaults
+    (:data:`IVON_WHOLE_DATA` for ``"whole"``, :data:`IVON_MINIBATCH` for ``"client"``).
+
+    With whole-data steps and a cohort of ``M`` of ``K`` clients (``participation = M / K``), the
+    default step is ``IVON_WHOLE_DATA.lr * M / K``: the combined step is then the cohort's estimate
+    of the pooled one, a stochastic step over clients whose noise does not shrink at a fixed step,
+    and the scaled step moves the posterior as far in ``K / M`` rounds (a pass over the federation
+    in expectation) as one round of all clients at the full step."""
+    base = IVON_WHOLE_DATA if batch == "whole" else IVON_MINIBATCH
+    if batch == "whole":
+        base = base._replace(lr=base.lr * min(1.0, max(participation, 0.0)))
+    given = {"lr": hp.ivon_lr, "beta2": hp.ivon_beta2, "hess_init": hp.ivon_hess_init, "samples": hp.ivon_samples}
+    return base._replace(beta1=hp.ivon_beta1, antithetic=hp.ivon_antithetic, clip=hp.ivon_clip, **{k: v for k, v in given.items() if v is not None})
+
+
 def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     if ctx.keyed_apply_fn is None:
         raise ValueError("vbnn needs a variational model's keyed apply function (model.variational = true)")
+    method, batch = resolve_client(hp.method, hp.ivon_batch, ctx.hidden_layers, hp.variant)
+    trainer = ctx.trainer
+    if batch == "whole":  # one step an epoch on every client's whole data
+        trainer = trainer._replace(batch_size=max(max(ctx.federation.client_sizes, default=1), 1))
     return vbnn(
-        ctx.trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance,
+        trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance,
         accumulation=hp.accumulation, variant=hp.variant, total_examples=ctx.federation.total_examples, logvar_lr=hp.logvar_lr,
-        kl_weight=hp.kl_weight, method=hp.method, logvar_optimizer=hp.logvar_optimizer,
-        ivon_settings=IVONClient(hp.ivon_lr, hp.ivon_beta1, hp.ivon_beta2, hp.ivon_hess_init, hp.ivon_samples, hp.ivon_antithetic, hp.ivon_clip),
+        kl_weight=hp.kl_weight, method=method, logvar_optimizer=hp.logvar_optimizer,
+        ivon_settings=ivon_settings_for(hp, batch, ctx.clients_per_round / max(ctx.federation.num_clients, 1)),
     )  # fmt: skip
 
 
 def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before the variants ran the published code's (``variant = "paper"``); one
-    written before ``logvar_optimizer`` trained the log-variances with Adam."""
+    written before ``logvar_optimizer`` trained the log-variances with Adam; one written before
+    ``method`` had ``"auto"`` stored its client (Bayes-by-backprop where it lacks the key), and
+    one written before ``ivon_batch`` ran IVON on the ``[client]`` minibatches."""
     del stored
     table.setdefault("variant", "paper")
     table.setdefault("logvar_optimizer", "adam")
+    table.setdefault("method", "bbb")
+    table.setdefault("ivon_batch", "client")
     return table
 
 
 SPEC = AlgorithmSpec(
-    "vbnn", VBNNConfig, build, "variational BNN clients (Bayes-by-backprop, the prior once); six rules to combine their posteriors",
+    "vbnn", VBNNConfig, build, "variational BNN clients (IVON on a linear model, Bayes-by-backprop on a network; the prior once); six rules to combine their posteriors",
     bayesian=True, aggregator_policy="own",
     aggregator_note="combines variational parameters with its own rule (algorithm.aggregation), not natural-parameter deltas that a robust rule, a precision cap or DP noise could act on",
     needs_variational_model=True, stored_meaning=_stored_meaning,

@@ -24,7 +24,12 @@ own family's centralised optimum, and the run stops once
 * ``ngvi``, ``N(theta*, 1 / P)`` with ``P = lambda + E_{N(theta*, 1/P)}[diag GGN]``: FedEP/FedSEP
   with NGVI clients, whose precision is the Fisher averaged over the approximation itself
   (:func:`~fedbayes.evaluation.reference.expected_fisher_laplace`);
-* ``mfvi``, the exact mean-field Gaussian VI optimum: PVI and the variational BNN;
+* ``mfvi``, the exact mean-field Gaussian VI optimum: PVI;
+* ``mfvi_point_bias``, the same with the bias a point without a prior
+  (:func:`~fedbayes.evaluation.reference.mean_field_vi` with ``points``): the variational BNN, whose
+  layer's bias is deterministic and outside its KL, so that this, not ``mfvi``, is the optimum of
+  its objective (computed only when such a method is run; its central row also reports
+  ``vs_mfvi``, how far the two optima are apart);
 * ``full_vi``, the full-covariance Gaussian VI optimum (its marginals,
   :func:`~fedbayes.evaluation.reference.full_covariance_vi`): PVI with ``covariance = "full"``;
 * ``low_rank_laplace``, ``N(theta*, (lambda I + diag((I - P) G (I - P)) + P G P)^{-1})`` (its
@@ -81,7 +86,7 @@ from fedbayes import gaussian_block, gaussian_kron, gaussian_lowrank
 from fedbayes.bench.truth import NUTSSettings, nuts_reference
 from fedbayes.config.schema import validate
 from fedbayes.evaluation.distances import kl_diag, relative_l2, variance_ratio
-from fedbayes.evaluation.reference import affine_predictive_metrics, laplace_covariance, negative_log_joint, references, sep_fixed_point
+from fedbayes.evaluation.reference import affine_predictive_metrics, laplace_covariance, mean_field_vi, negative_log_joint, references, sep_fixed_point
 from fedbayes.gaussian_block import BlockGaussian, BlockPrecision
 from fedbayes.gaussian_kron import KronSpread
 from fedbayes.gaussian_lowrank import LowRankGaussian
@@ -110,6 +115,7 @@ FAMILIES = (
     "laplace",
     "ngvi",
     "mfvi",
+    "mfvi_point_bias",
     "full_vi",
     "low_rank_laplace",
     "kron_laplace",
@@ -213,7 +219,7 @@ METHODS: tuple[Method, ...] = (
     Method("fedlap_cov_full", "FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}, "laplace"),
     Method("fedlap_cov_low_rank", "FedLap-Cov (covariance low_rank)", {"name": "fedlap_cov", "covariance": "low_rank"}, "low_rank_laplace"),
     Method("fedlap_cov_kron", "FedLap-Cov (covariance kron)", {"name": "fedlap_cov", "covariance": "kron"}, "kron_laplace"),
-    Method("vbnn", "VBNN (linear, kernel only)", {"name": "vbnn"}, "mfvi", model=dict(LINEAR_VARIATIONAL), kernel_only=True),
+    Method("vbnn", "VBNN (linear, kernel only)", {"name": "vbnn"}, "mfvi_point_bias", model=dict(LINEAR_VARIATIONAL), kernel_only=True),
     Method("fedavg", "FedAvg (point)", {"name": "fedavg"}, "map"),
 )
 
@@ -291,6 +297,8 @@ class PosteriorBenchSettings:
         stop_at_bar: end a method's run at the first check that meets the bar (the default);
             ``False`` runs all ``max_rounds`` rounds, and the row also says how far the method
             strayed after first meeting it (``after_bar``): whether it stays there.
+        clients_per_round: the cohort a round (default: every client, the benchmark's setting).
+        seed: the runs' seed (the split and NUTS stay the problem's).
     """
 
     max_rounds: int = 1000
@@ -298,6 +306,8 @@ class PosteriorBenchSettings:
     nuts: NUTSSettings = NUTSSettings()
     client: dict = dataclasses.field(default_factory=dict)
     stop_at_bar: bool = True
+    clients_per_round: int | None = None
+    seed: int = 0
 
 
 FULL = PosteriorBenchSettings()
@@ -307,10 +317,12 @@ QUICK = PosteriorBenchSettings(max_rounds=60, check_every=5, nuts=NUTSSettings(c
 # ----- one problem --------------------------------------------------------------------------------
 
 
-def _config(problem: Problem, folder: Path, method: Method, num_train: int, rounds: int, client: dict | None = None) -> dict:
+def _config(
+    problem: Problem, folder: Path, method: Method, num_train: int, rounds: int, client: dict | None = None, settings: PosteriorBenchSettings | None = None
+) -> dict:
     raw: dict[str, Any] = {
         "name": method.key,
-        "seed": 0,
+        "seed": 0 if settings is None else settings.seed,
         "rounds": rounds,
         "checkpoint_every": 0,
         "data": {**problem.data(folder), **problem.split},
@@ -320,8 +332,14 @@ def _config(problem: Problem, folder: Path, method: Method, num_train: int, roun
     }
     for section, values in PRIOR_MATCH[method.algorithm["name"]](PRIOR_PRECISION, num_train, method.algorithm).items():
         raw.setdefault(section, {}).update(values)
-    raw["server"] = {"clients_per_round": problem.split["num_clients"]}
+    cohort = None if settings is None else settings.clients_per_round
+    raw["server"] = {"clients_per_round": problem.split["num_clients"] if cohort is None else cohort}
     return raw
+
+
+def _bias_leaves(params: Any) -> Any:
+    """A bool pytree like ``params``: True at the leaves named ``bias``."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "bias", params)
 
 
 def _kernel(tree: Any) -> Any:
@@ -415,9 +433,11 @@ def _kron_marginals(hessian: np.ndarray, bases: Any, like: Any) -> Any:
 
 
 def _run_method(
-    problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log, sep: dict | None = None
+    problem: Problem, folder: Path, method: Method, refs, nuts, dataset, apply_fn, settings: PosteriorBenchSettings, log, extra: dict | None = None
 ) -> dict:
-    raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
+    """One method's row; ``extra`` holds the families computed only when asked for (``sep_*``,
+    ``mfvi_point_bias``) as ``family -> (mean, variance)``."""
+    raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client, settings)
     exp = build_experiment(validate(raw))
     hessian = None
     if method.family in ("low_rank_laplace", "kron_laplace"):  # its reference moves with the method's basis: from the full Laplace's Hessian at each check
@@ -432,7 +452,7 @@ def _run_method(
         "kron_laplace": (refs.map, None),
         "map": (refs.map, None),
         "truth": (nuts.mean, nuts.variance),
-        **{f"sep_{tilted}": fixed_point for tilted, fixed_point in (sep or {}).items()},
+        **(extra or {}),
     }[method.family]
     sim = exp.simulator
     state = sim.init(exp.params)
@@ -571,21 +591,35 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
         (f"central_sep_{tilted}", f"central SEP fixed point ({tilted} factors, this split)", *fixed_point, f"sep_{tilted}")
         for tilted, fixed_point in sep.items()
     )
+    extra = {f"sep_{tilted}": fixed_point for tilted, fixed_point in sep.items()}
+    if any(m.family == "mfvi_point_bias" for m in methods):
+        zeros = jax.tree.map(jnp.zeros_like, model.params)
+        extra["mfvi_point_bias"] = mean_field_vi(model.apply_fn, zeros, x, y, PRIOR_PRECISION, points=_bias_leaves(zeros))
+        central += (
+            (
+                "central_mfvi_point_bias",
+                "central mean-field VI, the bias a point without a prior (exact optimum)",
+                *extra["mfvi_point_bias"],
+                "mfvi_point_bias",
+            ),
+        )
     for key, label, mean, var, family in central:
-        row = _row_stats(label, mean, var, nuts, model.apply_fn, dataset.x_test, dataset.y_test)
+        row = _row_stats(label, mean, var, nuts, model.apply_fn, dataset.x_test, dataset.y_test, kernel_only=key == "central_mfvi_point_bias")
         if key == "central_laplace_marginals":  # its predictive keeps the correlations: the full Laplace's
             cov = laplace_covariance(negative_log_joint(model.apply_fn, x, y, PRIOR_PRECISION), refs.map)
             row["predictive"] = affine_predictive_metrics(model.apply_fn, mean, None, dataset.x_test, dataset.y_test, covariance=cov)
         if key == "central_full_vi":
             row["predictive"] = affine_predictive_metrics(model.apply_fn, mean, None, dataset.x_test, dataset.y_test, covariance=refs.full_vi[1])
         row.update(key=key, family=family, vs_family={"mean_rel_l2": 0.0, **({"var_ratio": [1.0, 1.0, 1.0]} if var is not None else {})} if family else None)
+        if key == "central_mfvi_point_bias":  # how far the VBNN's objective's optimum is from the all-Gaussian one
+            row["vs_mfvi"] = _compare(mean, var, *refs.mfvi, True)
         if key.startswith("central_sep_"):  # how far SEP's approximation is from EP's (the pooled data's) with the same factors
             row["vs_ep_family"] = _compare(mean, var, *(refs.diag_laplace if family == "sep_laplace" else refs.ngvi), False)
         rows.append(row)
     rule = _stopping_rule(settings)
     for method in methods:
         cache = folder / "rows" / f"{method.key}.json"
-        raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client)
+        raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client, settings)
         try:
             full = validate(raw).model_dump(mode="json")  # every default written out: a changed default reruns the row
         except Exception:  # noqa: BLE001  (the row's own run reports why it does not build)
@@ -597,7 +631,7 @@ def run_problem(problem: Problem, out: Path, settings: PosteriorBenchSettings, m
                 rows.append(cached)
                 continue
         try:
-            row = _run_method(problem, folder, method, refs, nuts, dataset, model.apply_fn, settings, log, sep)
+            row = _run_method(problem, folder, method, refs, nuts, dataset, model.apply_fn, settings, log, extra)
         except Exception as exc:  # a method that cannot be built or run is a row that says why
             row = {"label": method.label, "key": method.key, "family": method.family, "error": f"{type(exc).__name__}: {exc}", "config": raw}
             log(f"  {method.label}: {row['error']}")
@@ -695,6 +729,9 @@ FAMILY_NAMES = {
     "laplace": "full Laplace (marginals)",
     "ngvi": "NGVI fixed point",
     "mfvi": "MFVI",
+    "mfvi_point_bias": "MFVI, the bias a point",
+    "sep_laplace": "SEP fixed point (Laplace)",
+    "sep_ngvi": "SEP fixed point (NGVI)",
     "full_vi": "full-covariance VI (marginals)",
     "low_rank_laplace": "low-rank Laplace in its basis (marginals)",
     "kron_laplace": "Kronecker-factored Laplace in its bases (marginals)",

@@ -300,22 +300,37 @@ def _expected_log_sigmoid(mu: jax.Array, sd: jax.Array, nodes: int) -> jax.Array
 
 
 def mean_field_elbo(
-    affine: AffineLogits, y: Any, prior_precision: float, mean: jax.Array, log_variance: jax.Array, nodes: int = GAUSS_HERMITE_NODES
+    affine: AffineLogits,
+    y: Any,
+    prior_precision: float,
+    mean: jax.Array,
+    log_variance: jax.Array,
+    nodes: int = GAUSS_HERMITE_NODES,
+    random: np.ndarray | None = None,
 ) -> jax.Array:
     """The ELBO of ``q = N(mean, diag(exp(log_variance)))`` (flat vectors) for an affine 2-class model.
 
     ``ELBO = sum_i E_q[log sigmoid(s_i g_i)] - KL(q || N(0, I / lambda))`` with ``s_i = 2 y_i - 1``
     and ``g_i ~ N(a_i^T m + c_i, sum_j a_ij^2 v_j)`` under q; the expectation by Gauss-Hermite.
-    Call under ``jax.enable_x64`` for float64.
+    With ``random`` (a flat bool mask), only those coordinates are Gaussian: ``log_variance`` holds
+    theirs alone, and the others are points with no prior (no variance, no KL term), as a
+    variational layer's deterministic bias. Call under ``jax.enable_x64`` for float64.
     """
     a, c = jnp.asarray(affine.a), jnp.asarray(affine.c)
     sign = 2.0 * jnp.asarray(np.asarray(y), a.dtype) - 1.0
     var = jnp.exp(log_variance)
-    mu = sign * (a @ mean + c)
-    sd = jnp.sqrt(jnp.square(a) @ var)
-    expected = jnp.sum(_expected_log_sigmoid(mu, sd, nodes))
     lam = prior_precision
-    kl = 0.5 * jnp.sum(lam * var + lam * jnp.square(mean) - 1.0 - jnp.log(lam) - log_variance)
+    if random is None:
+        kl_mean = mean
+        full_var = var
+    else:
+        index = np.flatnonzero(random)
+        kl_mean = mean[index]
+        full_var = jnp.zeros(mean.shape, var.dtype).at[index].set(var)
+    mu = sign * (a @ mean + c)
+    sd = jnp.sqrt(jnp.square(a) @ full_var)
+    expected = jnp.sum(_expected_log_sigmoid(mu, sd, nodes))
+    kl = 0.5 * jnp.sum(lam * var + lam * jnp.square(kl_mean) - 1.0 - jnp.log(lam) - log_variance)
     return expected - kl
 
 
@@ -329,12 +344,19 @@ def mean_field_vi(
     max_steps: int = 100,
     tol: float = 1e-9,
     nodes: int = GAUSS_HERMITE_NODES,
+    points: PyTree | None = None,
 ) -> tuple[PyTree, PyTree]:
     """The exact optimum of the mean-field Gaussian ELBO of an affine 2-class model.
 
     Maximises :func:`mean_field_elbo` over the mean and the log-variance by damped Newton in
     float64, started from the diagonal Laplace approximation at the MAP. ``params0`` fixes the
     parameter structure and starts the MAP search.
+
+    ``points``, a pytree of bools like ``params0``, makes the marked parameters points without a
+    prior: they are optimised with the mean (at no variance, with no KL term), and their variance is
+    returned as 0. That is the objective of a variational layer whose bias is deterministic and
+    carries no prior (the VBNN's, :mod:`fedbayes.models.variational`): its clients' ELBO has no
+    term for the bias but the data's, so its optimum is this one, not the all-Gaussian one.
 
     Returns:
         ``(mean, variance)`` float32 pytrees shaped like ``params0``.
@@ -345,14 +367,19 @@ def mean_field_vi(
     """
     affine = affine_logit_difference(apply_fn, params0, x)
     loss = negative_log_joint(apply_fn, x, y, prior_precision)
+    random = None
+    if points is not None:
+        random = ~np.asarray(ravel_pytree(jax.tree.map(lambda p, b: jnp.full(jnp.shape(p), bool(b)), params0, points))[0], bool)
     with jax.enable_x64(True):
         map64 = _map64(loss, params0, max_steps, tol)
         h, unravel = _hessian64(loss, map64)
         m0, _ = ravel_pytree(map64)
-        z0 = jnp.concatenate([m0, jnp.asarray(-np.log(np.diag(h)))])
+        log_v0 = -np.log(np.diag(h))
+        z0 = jnp.concatenate([m0, jnp.asarray(log_v0 if random is None else log_v0[random])])
         p = m0.shape[0]
-        z = _newton(lambda z: -mean_field_elbo(affine, y, prior_precision, z[:p], z[p:], nodes), z0, max_steps, tol, "mean_field_vi")
-        return _to32(unravel(z[:p])), _to32(unravel(jnp.exp(z[p:])))
+        z = _newton(lambda z: -mean_field_elbo(affine, y, prior_precision, z[:p], z[p:], nodes, random), z0, max_steps, tol, "mean_field_vi")
+        var = jnp.exp(z[p:]) if random is None else jnp.zeros(p, z.dtype).at[np.flatnonzero(random)].set(jnp.exp(z[p:]))
+        return _to32(unravel(z[:p])), _to32(unravel(var))
 
 
 def expected_fisher_laplace(

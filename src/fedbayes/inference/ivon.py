@@ -31,7 +31,10 @@ pair's ``h_hat = (g(m + sigma eps) - g(m - sigma eps)) eps / (2 sigma)`` cancels
 ``grad l(m) eps / sigma`` of the single-draw estimate, whose variance ``lambda (h + delta)
 (grad l(m))^2`` dominates wherever the minibatch gradient at the mean is not small; it is still
 unbiased (each draw is marginally ``N(0, I)``). Optional (not part of Algorithm 1): a clip of every
-preconditioned step to ``[-clip_radius, clip_radius]``.
+preconditioned step to ``[-clip_radius, clip_radius]``; and ``points``, leaves that are parameters
+of the model, not of the posterior (a variational layer's deterministic bias): they are not drawn
+(``theta = m`` there) and their ``h`` stays where :func:`init` put it, so their step is the
+momentum over ``h + delta``, a preconditioned gradient step.
 
 The interface (key first, pure, jit- and vmap-safe; the mean is the parameters, kept by the
 caller as in optax):
@@ -101,6 +104,7 @@ def ivon(
     num_samples: int = 1,
     antithetic: bool = False,
     clip_radius: float | None = None,
+    points: Any = None,
 ) -> IVON:
     """IVON (Shen et al. 2024, Algorithm 1; module docstring).
 
@@ -117,6 +121,9 @@ def ivon(
         antithetic: draw ``eps`` in pairs ``(eps, -eps)`` (``S`` must be even).
         clip_radius: clip every preconditioned step ``(g_bar + delta m) / (h + delta)``
             elementwise to this radius (``None``: no clip, as Algorithm 1).
+        points: ``None`` (every leaf is drawn, as Algorithm 1) or a pytree of bools like the
+            parameters: the leaves marked True are points, neither drawn nor given a Hessian
+            update (module docstring).
 
     Raises:
         ValueError: for ``ess <= 0``, betas outside [0, 1), ``num_samples < 1``, an odd
@@ -154,6 +161,8 @@ def ivon(
             return eps if stacked else eps[0]
 
         eps = jax.tree.unflatten(treedef, [draw(k, p) for k, p in zip(keys, leaves, strict=True)])
+        if points is not None:
+            eps = jax.tree.map(lambda e, point: jnp.zeros_like(e) if point else e, eps, points)
         lead = (lambda x: x[None]) if stacked else (lambda x: x)
         theta = jax.tree.map(lambda p, s, e: lead(p) + lead(s) * e, params, std(state, params), eps)
         return theta, eps
@@ -169,6 +178,8 @@ def ivon(
             lambda h, hh, d: beta2 * h + (1.0 - beta2) * hh + 0.5 * (1.0 - beta2) ** 2 * jnp.square(h - hh) / (h + d),
             state.hessian, h_hat, delta,
         )  # fmt: skip
+        if points is not None:
+            hessian = jax.tree.map(lambda new, old, point: old if point else new, hessian, state.hessian, points)
         count = state.count + 1
         alpha = schedule(state.count)
 
