@@ -9,7 +9,7 @@ import optax
 import pytest
 from helpers import digits_vbnn_run
 
-from fedbayes.algorithms.vbnn import IVON_MINIBATCH, IVON_WHOLE_DATA, IVONClient, ivon_settings_for, resolve_client, run_ivon, vbnn
+from fedbayes.algorithms.vbnn import IVON_MINIBATCH, IVON_WHOLE_DATA, IVONClient, ivon_init, ivon_settings_for, resolve_client, run_ivon, vbnn
 from fedbayes.data.batches import ClientData
 from fedbayes.inference import LocalTrainer
 from fedbayes.models import init_params, make_model
@@ -149,11 +149,8 @@ def test_one_whole_data_step_a_round_combined_by_cf_is_the_pooled_ivon_step():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(n, 5)), jnp.float32)
     y = jnp.asarray((np.asarray(x) @ rng.normal(size=5) > 0).astype(np.int32))
-    params = jax.tree.map(lambda a: a, init_params(model, jax.random.key(0), (5,)))
     settings = IVON_WHOLE_DATA
-    from fedbayes.algorithms.vbnn import ivon_init
-
-    params = ivon_init(params, settings.hess_init, float(n))
+    params = ivon_init(init_params(model, jax.random.key(0), (5,)), settings.hess_init, float(n))
     key = jax.random.key(7)  # every client draws what the pooled step draws
 
     def step(data, batch):

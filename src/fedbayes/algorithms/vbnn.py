@@ -636,7 +636,7 @@ def build(hp: VBNNConfig, ctx: BuildContext) -> Algorithm:
     method, batch = resolve_client(hp.method, hp.ivon_batch, ctx.hidden_layers, hp.variant)
     trainer = ctx.trainer
     if batch == "whole":  # one step an epoch on every client's whole data
-        trainer = trainer._replace(batch_size=max(max(ctx.federation.client_sizes, default=1), 1))
+        trainer = trainer._replace(batch_size=max((*ctx.federation.client_sizes, 1)))
     return vbnn(
         trainer, ctx.keyed_apply_fn, aggregation=hp.aggregation, population=hp.population, prior_variance=hp.prior_variance,
         accumulation=hp.accumulation, variant=hp.variant, total_examples=ctx.federation.total_examples, logvar_lr=hp.logvar_lr,
