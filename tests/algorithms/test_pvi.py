@@ -352,6 +352,32 @@ def test_a_stored_config_without_the_start_meant_the_global():
     assert (a.init_mean, a.init_std) == ("auto", "auto")
 
 
+def test_a_stored_automatic_start_without_network_std_meant_the_old_network_std():
+    """Written between "auto" (2026-11-28) and ``network_std`` (2026-11-30), "auto" started a
+    network's local std at 0.03; a config written since records ``network_std`` and keeps it."""
+    from fedbayes.algorithms.pvi import NETWORK_INIT_STD, STORED_NETWORK_STD
+    from fedbayes.config.schema import stored_meaning
+
+    old = {"algorithm": {"name": "pvi", "init_mean": "auto", "init_std": "auto", "rho": "adaptive", "estimator": "local"}}
+    assert validate(stored_meaning(old)).algorithm.network_std == STORED_NETWORK_STD == 0.03
+    written = validate({"algorithm": {"name": "pvi"}}).model_dump(mode="json")
+    assert written["algorithm"]["network_std"] == NETWORK_INIT_STD == 0.1
+    assert validate(stored_meaning(written)).algorithm.network_std == NETWORK_INIT_STD
+    explicit = {"algorithm": {"name": "pvi", "init_mean": "model", "init_std": 0.05, "estimator": "local"}}
+    assert "network_std" not in stored_meaning(explicit)["algorithm"]
+
+
+def test_network_std_sets_the_automatic_start_and_is_refused_where_it_does_nothing():
+    from fedbayes.algorithms.pvi import local_start
+
+    assert local_start("auto", "auto", hidden_layers=True, network_std=0.05) == ("model", 0.05)
+    assert local_start("auto", "auto", hidden_layers=False, network_std=0.05) == ("global", None)
+    assert validate({"algorithm": {"name": "pvi", "network_std": 0.05}}).algorithm.network_std == 0.05
+    for init_std in (0.05, "global"):
+        with pytest.raises(ConfigError, match="algorithm.network_std"):
+            validate({"algorithm": {"name": "pvi", "init_std": init_std, "network_std": 0.05}})
+
+
 def test_cli_run_writes_metrics_and_the_posterior(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(

@@ -131,7 +131,8 @@ LOCAL_VIS = ("natural", "sgd")  # the diagonal local VI (docs/algorithms.md §8.
 DEFAULT_LOCAL_VI = "sgd"
 FULL_SAMPLES = 8  # the draws per step of the dense local VI by default (docs/results/posterior_full.md)
 AUTO = "auto"
-NETWORK_INIT_STD = 0.03  # the local std's start on a network under "auto" (docs/algorithms.md §8.2)
+NETWORK_INIT_STD = 0.1  # the local std's start on a network under "auto" (docs/algorithms.md §8.2)
+STORED_NETWORK_STD = 0.03  # what "auto" gave on a network in a config written before ``network_std`` (2026-11-28 to 2026-11-30)
 DEFAULT_RHO = 0.5  # the adaptive damping's start and the fixed default before it (docs/results/posterior_defaults.md)
 
 __all__ = [
@@ -141,6 +142,7 @@ __all__ = [
     "INIT_MEANS",
     "LOCAL_VIS",
     "NETWORK_INIT_STD",
+    "STORED_NETWORK_STD",
     "Broadcast",
     "ClientState",
     "PVIConfig",
@@ -505,7 +507,13 @@ class PVIConfig(HParams):
     init_std: Annotated[float, Field(gt=0)] | Literal["auto", "global"] = Field(
         AUTO,
         description="start the local std at min(global std, init_std), or at the global std (global); auto (the default): "
-        f"{NETWORK_INIT_STD} on a network, the global std on a generalised linear model",
+        "network_std on a network, the global std on a generalised linear model",
+    )
+    network_std: float = Field(
+        NETWORK_INIT_STD,
+        gt=0,
+        description="init_std = auto on a network: the local std starts at min(global std, network_std); its local mean's pull to the "
+        "cavity grows as 1 / network_std^2, so a smaller one slows a network's training",
     )
     init_mean: Literal[INIT_MEANS + (AUTO,)] = Field(  # type: ignore[valid-type]
         AUTO,
@@ -537,6 +545,11 @@ class PVIConfig(HParams):
 
     @model_validator(mode="after")
     def _full_vi_needs_full(self):
+        if self.network_std != NETWORK_INIT_STD and self.init_std != AUTO:
+            raise ValueError(
+                f"algorithm.network_std: sets where init_std = 'auto' starts a network's local std; with init_std {self.init_std!r} it has no "
+                "effect: drop it, or set init_std to the value you want"
+            )
         if self.full_vi != "natural" and self.covariance != "full":
             raise ValueError(
                 f"algorithm.full_vi: {self.full_vi!r} is a dense local VI; set covariance = 'full' or drop full_vi; got covariance {self.covariance!r}"
@@ -573,17 +586,21 @@ def default_samples(hp: PVIConfig) -> int:
     return NATURAL_SAMPLES if hp.local_vi == "natural" else 1
 
 
-def local_start(init_mean: str, init_std: float | str, hidden_layers: bool) -> tuple[str, float | None]:
+def local_start(init_mean: str, init_std: float | str, hidden_layers: bool, network_std: float = NETWORK_INIT_STD) -> tuple[str, float | None]:
     """The local step's start, ``(init_mean, init_std)`` as :func:`pvi` takes them, from the
     settings, where ``"auto"`` depends on the model (docs/algorithms.md §8.2). On a network
     (``hidden_layers``): the model's initial weights and a standard deviation of at most
-    :data:`NETWORK_INIT_STD`, since zeros make every hidden unit alike and weights drawn with the
-    prior's width make the sampled network predict noise. On a generalised linear model: the
+    ``network_std`` (:data:`NETWORK_INIT_STD` by default), since zeros make every hidden unit alike
+    and weights drawn with the prior's width make the sampled network predict noise. The local
+    standard deviations barely move within a round, so the global's precision settles near
+    ``1 / network_std^2`` and the cavity pulls the local mean with about that precision: a much
+    smaller start holds every round's step near the cavity (docs/results/posterior_defaults.md,
+    "PVI's start on a network"). On a generalised linear model: the
     global, as Ashman et al. (2022) start it; a small first standard deviation there makes the
     first sites far too precise for the local SGD to undo (docs/results/posterior_defaults.md)."""
     mean = ("model" if hidden_layers else "global") if init_mean == AUTO else init_mean
     if init_std == AUTO:
-        return mean, NETWORK_INIT_STD if hidden_layers else None
+        return mean, network_std if hidden_layers else None
     return mean, None if init_std == "global" else float(init_std)
 
 
@@ -593,7 +610,7 @@ def build(hp: PVIConfig, ctx: BuildContext) -> Algorithm:
         sites.check_full_size(ctx.num_params)
         if hp.full_vi == "natural":
             local = natural_full_vi(ctx.trainer, apply_fn=ctx.apply_fn, task=ctx.task, samples=default_samples(hp), steps=hp.natural_steps)
-    init_mean, init_std = local_start(hp.init_mean, hp.init_std, ctx.hidden_layers)
+    init_mean, init_std = local_start(hp.init_mean, hp.init_std, ctx.hidden_layers, hp.network_std)
     if hp.covariance == "diagonal" and hp.local_vi == "natural":
         if ctx.hidden_layers:  # its mean diverged where the drawn weights' GGN vanishes (docs/results/pvi_natural.md)
             raise ValueError(
@@ -612,13 +629,16 @@ def _stored_meaning(table: dict, stored: dict) -> dict:
     """A config written before ``rho`` had a value of its own meant ``1 / clients_per_round``; one
     written before ``estimator`` existed drew weights (the default until 2026-11-27 stored the key);
     one written before ``init_std`` and ``init_mean`` had ``"auto"`` started at the global; one written
-    before ``full_vi`` or ``local_vi`` used the Cholesky dense client or the SGD diagonal one."""
+    before ``full_vi`` or ``local_vi`` used the Cholesky dense client or the SGD diagonal one; one
+    written before ``network_std`` started a network's local std at :data:`STORED_NETWORK_STD`."""
     if "rho" not in table:
         table["rho"] = 1.0 / stored_setting(stored, "server", "clients_per_round", 10)
     table.setdefault("estimator", "weights")
     # before "auto" (2026-11-28): no init_std meant the global's, and init_mean was always written
     table.setdefault("init_std", "global")
     table.setdefault("init_mean", "global")
+    if table["init_std"] == AUTO:  # before network_std (2026-11-30) "auto" gave 0.03 on a network
+        table.setdefault("network_std", STORED_NETWORK_STD)
     if table.get("covariance") == "full":  # before full_vi (2026-11-29) the dense local VI was the Cholesky one
         table.setdefault("full_vi", "cholesky")
     elif table.get("covariance", "diagonal") == "diagonal":  # before local_vi (2026-11-29) the diagonal local VI was SGD's
@@ -633,7 +653,7 @@ SPEC = AlgorithmSpec(
     calibration_advice="set algorithm.init_std (e.g. 0.1) or give the local steps more room (client.epochs, client.lr); see docs/algorithms.md §8.2",
     # a network's local VI from the prior's zero mean and unit standard deviation learns nothing
     divergence_hint="a local step started nearer the model (algorithm.init_mean = 'model' and a smaller algorithm.init_std; 'auto' gives 'model' "
-    "and 0.03 on a network; docs/algorithms.md §8.2)",
+    f"and {NETWORK_INIT_STD} on a network; docs/algorithms.md §8.2)",
     default_predictive="sample",  # a variational posterior over the weights themselves
     local_budget="converged",  # the tilted mean-field optimum, each round
     stored_meaning=_stored_meaning,
