@@ -41,6 +41,10 @@ def predictive_log_probs(apply_fn: Callable, params: Any, key: jax.Array, x: jax
     return jax.nn.logsumexp(log_p, axis=0) - jnp.log(float(num_samples))
 
 
+# apply_fn and the sample count are static: the compiled program is found again for the same model.
+_compiled_log_probs = jax.jit(predictive_log_probs, static_argnums=(0, 4))
+
+
 def predictive_metrics(
     apply_fn: Callable,
     params: Any,
@@ -55,11 +59,11 @@ def predictive_metrics(
     """Accuracy, NLL and ECE (``num_bins`` bins) of the marginalised predictive on ``(x, y)``, plus
     ``std_norm``, the L2 norm of the learned standard deviations ``exp(logvar / 2)`` as stored
     (Ozer et al. 2022 (VBNN aggregation) Table 4; ``std_norm_clamped`` with the forward pass's clamp). Batched over
-    examples; batch ``b`` uses ``fold_in(key, b)``."""
-    predict = jax.jit(lambda p, k, xb: predictive_log_probs(apply_fn, p, k, xb, num_samples))
+    examples; batch ``b`` uses ``fold_in(key, b)``. Compiled once per ``(apply_fn, num_samples)``
+    and batch shape, not once per call: a run evaluates every round."""
     chunks = []
     for b, start in enumerate(range(0, len(x), batch_size)):
-        chunks.append(predict(params, jax.random.fold_in(key, b), jnp.asarray(x[start : start + batch_size])))
+        chunks.append(_compiled_log_probs(apply_fn, params, jax.random.fold_in(key, b), jnp.asarray(x[start : start + batch_size]), num_samples))
     log_probs = jnp.concatenate(chunks)
     out = {k: float(v) for k, v in classification_metrics(log_probs, jnp.asarray(y), num_bins).items()}
     out["std_norm"] = float(std_norm(params))
