@@ -331,3 +331,26 @@ def test_every_commands_help_shows_brackets_as_written():
     command = PlainHelpCommand("deploy", params=[escaped], help="Run on [flower].", rich_markup_mode=None)
     text = command.get_help(command.context_class(command, info_name="deploy"))
     assert "the run's TOML  [required]" in text and "Run on [flower]." in text and "\\[" not in text
+
+
+def test_a_gpu_run_notes_once_how_to_repeat_it_bit_for_bit(tmp_path, monkeypatch):
+    """On a GPU (JAX's backend faked here), a command prints the repeatability note once, however
+    many runs it makes; with XLA's deterministic GPU kernels asked for, or on the CPU, none."""
+    import jax
+
+    from fedbayes.cli.common import DETERMINISTIC_GPU_FLAG
+
+    base = DIGITS.format(rounds=1, ckpt=0, algorithm="fedavg", extra="").replace("[", "[base.").replace('name = "digits_test"', "")
+    p = tmp_path / "cmp.toml"
+    p.write_text("[base]\nrounds = 1\n" + base.replace("rounds = 1\n", "") + "\n[variants.a]\n[variants.b]\nseed = 1\n")
+    cpu = runner.invoke(app, ["compare", str(p), "--out", str(tmp_path / "cpu")])
+    assert cpu.exit_code == 0, cpu.output
+    assert "note: on a GPU" not in cpu.output
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    gpu = runner.invoke(app, ["compare", str(p), "--out", str(tmp_path / "gpu")])
+    assert gpu.exit_code == 0, gpu.output
+    assert gpu.output.count("note: on a GPU") == 1 and DETERMINISTIC_GPU_FLAG in gpu.output
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " " + DETERMINISTIC_GPU_FLAG)
+    asked = runner.invoke(app, ["compare", str(p), "--out", str(tmp_path / "asked")])
+    assert asked.exit_code == 0, asked.output
+    assert "note: on a GPU" not in asked.output

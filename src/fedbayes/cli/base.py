@@ -106,12 +106,14 @@ class CommandContext:
       resume_target: the comparison or sweep whose ``fedbayes resume`` continues the interrupted run.
       compile_seconds: JAX's compilation in each run folder this command ran (the tables' "compile
         s", which the runs' own files leave out: it belongs to the process, not to the run).
+      noted: the notes this command has printed (each once, however many runs it makes).
     """
 
     stack: contextlib.ExitStack
     folder: Path | None = None
     resume_target: Path | None = None
     compile_seconds: dict[Path, float] = dataclasses.field(default_factory=dict)
+    noted: set[str] = dataclasses.field(default_factory=set)
 
     def hold(self, folder: Path, what: str) -> None:
         """Holds ``folder``'s run lock until the command ends (see :mod:`fedbayes.runs.runlock`)."""

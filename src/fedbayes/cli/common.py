@@ -46,6 +46,33 @@ def check_out(out: Path, overwrite: bool, resume: bool = False, what: str = "run
         fail(f"error: {out} is not empty (an earlier {what}?); pass --overwrite to replace it, {hint}, or choose another --out")
 
 
+DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def gpu_repeatability_note(backend: str, xla_flags: str) -> str | None:
+    """The line a run on a GPU prints once when XLA may sum in a different order from one run to
+    the next (``backend`` as :func:`jax.default_backend` names it, ``xla_flags`` the environment's
+    ``XLA_FLAGS``); ``None`` on a CPU, or with XLA's deterministic GPU kernels asked for."""
+    name = DETERMINISTIC_GPU_FLAG.split("=")[0]
+    given = [f.partition("=") for f in xla_flags.split() if f.partition("=")[0] == name]
+    if backend != "gpu" or (given and given[-1][2].lower() in ("", "true", "1")):  # the last one counts, as for XLA
+        return None
+    return (
+        "note: on a GPU two runs of one config, or a resumed run and an uninterrupted one, can end a little apart; "
+        f"XLA_FLAGS={DETERMINISTIC_GPU_FLAG} makes them repeat bit for bit, at about 3/4 of the rounds per second (docs/gpu.md)"
+    )
+
+
+def _note_gpu_repeatability(ctx: CommandContext) -> None:
+    import os
+
+    import jax
+
+    if "gpu_repeatability" not in ctx.noted and (line := gpu_repeatability_note(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))) is not None:
+        ctx.noted.add("gpu_repeatability")
+        print(line, file=sys.stderr, flush=True)
+
+
 def load(path: Path, overrides: list[str], stored: bool = False) -> RunConfig:
     """The validated config of a run file with ``--set`` overrides; a bad one exits 2 with one line.
     ``stored``: the file is a run folder's config.toml, read as it meant when written (:func:`stored_meaning`)."""
@@ -81,6 +108,7 @@ def run_one(
     from fedbayes.runs.health import Diverged
 
     ctx.folder = out
+    _note_gpu_repeatability(ctx)
     try:
         # overwrite: the command has checked the folder already (check_out, or a comparison's own rule)
         with CompileClock() as compiling:
