@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedbayes.evaluation.variational import predictive_log_probs, predictive_metrics
+from fedbayes.evaluation.variational import make_predictive_metrics, predictive_log_probs, predictive_metrics
 
 
 def _noisy_linear(traces: list):
@@ -46,15 +46,18 @@ def test_metrics_are_those_of_the_mean_of_the_passes_probabilities():
 
 
 def test_compiled_once_for_every_evaluation_of_a_run():
-    """A run evaluates every round: the second call with the same model and shapes reuses the
-    compiled program (the model is traced for the two batch shapes of the first call only)."""
+    """A run evaluates every round: the evaluator it builds once reuses its compiled program (the
+    model is traced for the two batch shapes of the first call only), with the same numbers as
+    the one-off function."""
     x, y, params = _problem()
     traces: list = []
     apply_fn = _noisy_linear(traces)
-    first = predictive_metrics(apply_fn, params, jax.random.key(0), x, y, num_samples=3, batch_size=20)
+    metrics = make_predictive_metrics(apply_fn, num_samples=3, batch_size=20)
+    first = metrics(params, jax.random.key(0), x, y)
     traced = len(traces)
     assert traced > 0
     moved = jax.tree.map(lambda a: a + 0.1, params)
-    second = predictive_metrics(apply_fn, moved, jax.random.key(1), x, y, num_samples=3, batch_size=20)
+    second = metrics(moved, jax.random.key(1), x, y)
     assert len(traces) == traced
     assert second["nll"] != first["nll"]
+    assert predictive_metrics(apply_fn, moved, jax.random.key(1), x, y, num_samples=3, batch_size=20) == second

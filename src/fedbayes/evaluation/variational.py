@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from fedbayes.evaluation.metrics import classification_metrics
 from fedbayes.models.variational import std_norm
 
-__all__ = ["predictive_log_probs", "predictive_metrics"]
+__all__ = ["make_predictive_metrics", "predictive_log_probs", "predictive_metrics"]
 
 
 def predictive_log_probs(apply_fn: Callable, params: Any, key: jax.Array, x: jax.Array, num_samples: int = 10) -> jax.Array:
@@ -41,8 +41,23 @@ def predictive_log_probs(apply_fn: Callable, params: Any, key: jax.Array, x: jax
     return jax.nn.logsumexp(log_p, axis=0) - jnp.log(float(num_samples))
 
 
-# apply_fn and the sample count are static: the compiled program is found again for the same model.
-_compiled_log_probs = jax.jit(predictive_log_probs, static_argnums=(0, 4))
+def make_predictive_metrics(apply_fn: Callable, *, num_samples: int = 10, num_bins: int = 15, batch_size: int = 1000) -> Callable[..., dict[str, float]]:
+    """Returns ``metrics(params, key, x, y) -> dict``, :func:`predictive_metrics` with its program
+    compiled once (per batch shape) for every call: a run evaluates every round, and builds this
+    once. The compiled program lives as long as the returned function."""
+    predict = jax.jit(lambda p, k, xb: predictive_log_probs(apply_fn, p, k, xb, num_samples))
+
+    def metrics(params: Any, key: jax.Array, x: jax.Array, y: jax.Array) -> dict[str, float]:
+        chunks = []
+        for b, start in enumerate(range(0, len(x), batch_size)):
+            chunks.append(predict(params, jax.random.fold_in(key, b), jnp.asarray(x[start : start + batch_size])))
+        log_probs = jnp.concatenate(chunks)
+        out = {k: float(v) for k, v in classification_metrics(log_probs, jnp.asarray(y), num_bins).items()}
+        out["std_norm"] = float(std_norm(params))
+        out["std_norm_clamped"] = float(std_norm(params, clamp=True))
+        return out
+
+    return metrics
 
 
 def predictive_metrics(
@@ -59,13 +74,6 @@ def predictive_metrics(
     """Accuracy, NLL and ECE (``num_bins`` bins) of the marginalised predictive on ``(x, y)``, plus
     ``std_norm``, the L2 norm of the learned standard deviations ``exp(logvar / 2)`` as stored
     (Ozer et al. 2022 (VBNN aggregation) Table 4; ``std_norm_clamped`` with the forward pass's clamp). Batched over
-    examples; batch ``b`` uses ``fold_in(key, b)``. Compiled once per ``(apply_fn, num_samples)``
-    and batch shape, not once per call: a run evaluates every round."""
-    chunks = []
-    for b, start in enumerate(range(0, len(x), batch_size)):
-        chunks.append(_compiled_log_probs(apply_fn, params, jax.random.fold_in(key, b), jnp.asarray(x[start : start + batch_size]), num_samples))
-    log_probs = jnp.concatenate(chunks)
-    out = {k: float(v) for k, v in classification_metrics(log_probs, jnp.asarray(y), num_bins).items()}
-    out["std_norm"] = float(std_norm(params))
-    out["std_norm_clamped"] = float(std_norm(params, clamp=True))
-    return out
+    examples; batch ``b`` uses ``fold_in(key, b)``. Compiles its program at every call: to
+    evaluate repeatedly, build :func:`make_predictive_metrics` once."""
+    return make_predictive_metrics(apply_fn, num_samples=num_samples, num_bins=num_bins, batch_size=batch_size)(params, key, x, y)

@@ -533,14 +533,15 @@ def _variational(algorithm: algs.Algorithm, config: RunConfig, keyed_apply_fn, d
     ``S = evaluation.marginal_samples`` stochastic forward passes (a variational network has no
     deterministic forward pass; Ozer et al. 2022 report these), and ``std_norm``, the L2 norm of
     its learned standard deviations. The passes' key depends on the seed and the round only."""
-    from fedbayes.evaluation.variational import predictive_metrics
+    from fedbayes.evaluation.variational import make_predictive_metrics
+
+    # built once: its program compiled for the run, not at every round's evaluation
+    metrics = make_predictive_metrics(
+        keyed_apply_fn, num_samples=config.evaluation.marginal_samples, num_bins=config.ece_bins, batch_size=config.eval_batch_size
+    )
 
     def evaluate(server_state, round_idx: int) -> dict[str, float]:
-        out = predictive_metrics(
-            keyed_apply_fn, algorithm.server_params(server_state), protocol.evaluation_key(config.seed, round_idx),
-            dataset.x_test, dataset.y_test, num_samples=config.evaluation.marginal_samples, num_bins=config.ece_bins,
-            batch_size=config.eval_batch_size,
-        )  # fmt: skip
+        out = metrics(algorithm.server_params(server_state), protocol.evaluation_key(config.seed, round_idx), dataset.x_test, dataset.y_test)
         out.pop("std_norm_clamped", None)
         return out
 
