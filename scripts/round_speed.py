@@ -2,15 +2,16 @@
 
     python scripts/round_speed.py cpu=runs/demo gpu=runs/demo_gpu > speed.md
 
-Each ``LABEL=FOLDER`` is a comparison's output folder (its ``compare.json`` is keyed by the methods, each
-method's ``metrics.jsonl`` holds the cumulative training seconds after every round; in a folder
-without ``compare.json``, an unfinished comparison, every subfolder with a ``metrics.jsonl`` up to
-the round it reached). A round's time
-is the difference of two consecutive ``seconds``: wall time from the round's start to its outputs,
-evaluation, checkpoints and compilation left out (``fedbayes.runs.loop``). Per method and folder the
-table gives the final accuracy, NLL and ECE, the training seconds in all, the median round with its
-range, and rounds per second (with the rounds run) (rounds over training seconds). With two folders or more, the last
-column divides each folder's rounds per second by the first folder's.
+Each ``LABEL=FOLDER`` is a comparison's output folder: its ``compare.json`` is keyed by the methods,
+and each method's ``metrics.jsonl`` holds the cumulative training seconds at every evaluated round.
+A comparison over seeds gives one row per method and seed (``METHOD/seed_S``); a folder without
+``compare.json`` (an unfinished comparison) gives every subfolder with a ``metrics.jsonl``, up to
+the round it reached. A round's time is the growth of ``seconds`` between two evaluations divided
+by the rounds between them: wall time from a round's start to its outputs, with evaluation,
+checkpoints and compilation left out (``fedbayes.runs.loop``). Per method and folder the table gives
+the rounds run, the final accuracy, NLL and ECE, the training seconds in all, the median round with
+its range, and rounds per second (rounds over training seconds). With two folders or more, the last
+columns divide each folder's rounds per second by the first folder's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def method_speed(run: Path) -> dict:
     if not records:
         raise SystemExit(f"{run / 'metrics.jsonl'}: no round was recorded")
     seconds = [r["seconds"] for r in records]
-    rounds = [b - a for a, b in zip([0.0, *seconds[:-1]], seconds)]
+    done = [r["round"] for r in records]
+    rounds = [(b - a) / (rb - ra) for a, b, ra, rb in zip([0.0, *seconds[:-1]], seconds, [0, *done[:-1]], done)]  # per round between evaluations
     last = records[-1]
     total = seconds[-1]
     return {
@@ -48,7 +50,12 @@ def folder_speeds(folder: Path) -> dict[str, dict]:
     """``{method: method_speed}`` for every run of a comparison folder, in its order."""
     compare = folder / "compare.json"
     if compare.is_file():
-        return {name: method_speed(folder / name) for name in json.loads(compare.read_text())}
+        out = {}
+        for name in json.loads(compare.read_text()):
+            seeds = sorted((folder / name).glob("seed_*/metrics.jsonl"))
+            for run in [p.parent for p in seeds] or [folder / name]:
+                out[name if run == folder / name else f"{name}/{run.name}"] = method_speed(run)
+        return out
     runs = sorted(p.parent for p in folder.glob("*/metrics.jsonl"))
     if not runs:
         raise SystemExit(f"{folder}: neither a compare.json nor a run folder with a metrics.jsonl")

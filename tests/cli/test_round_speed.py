@@ -54,3 +54,22 @@ def test_refuses_a_folder_that_is_not_a_comparison(tmp_path):
     res = _run(f"gpu={tmp_path}")
     assert res.returncode == 1 and "neither a compare.json" in res.stderr
     assert _run(str(tmp_path)).returncode == 2
+
+
+def test_rounds_between_evaluations_and_seed_folders(tmp_path):
+    """Evaluated every 2nd round: a round's time is the seconds between evaluations over 2; a
+    comparison over seeds gives a row per seed."""
+    root = tmp_path / "cmp"
+    root.mkdir()
+    (root / "compare.json").write_text(json.dumps({"fedavg": {}}))
+    for seed, step in ((0, 0.1), (1, 0.3)):
+        run = root / "fedavg" / f"seed_{seed}"
+        run.mkdir(parents=True)
+        lines = [{"round": 0, "accuracy": 0.1, "nll": 2.3, "ece": 0.0, "seconds": 0.0}]
+        lines += [{"round": r, "accuracy": 0.5, "nll": 1.0, "ece": 0.01, "seconds": round(step * r, 3)} for r in (2, 4, 6)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    res = _run(f"a={root}")
+    assert res.returncode == 0, res.stderr
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in res.stdout.splitlines()[2:]}
+    assert rows["fedavg/seed_0"][1] == "6" and rows["fedavg/seed_0"][6] == "100.0 ms (100.0-100.0)" and rows["fedavg/seed_0"][7].strip(" |") == "10.0"
+    assert rows["fedavg/seed_1"][6] == "300.0 ms (300.0-300.0)"
