@@ -1,6 +1,8 @@
 """Rounds per second of each method of one or more ``fedbayes compare`` folders, side by side.
 
-    python scripts/round_speed.py cpu=runs/demo gpu=runs/demo_gpu > speed.md
+    .venv/bin/python scripts/round_speed.py cpu=runs/demo gpu=runs/demo_gpu > speed.md
+
+(any Python that imports fedbayes: it reads the files with :func:`fedbayes.runs.folder.read_metrics`).
 
 Each ``LABEL=FOLDER`` is a comparison's output folder: its ``compare.json`` is keyed by the methods,
 and each method's ``metrics.jsonl`` holds the cumulative training seconds at every evaluated round.
@@ -21,11 +23,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from fedbayes.runs.folder import read_metrics
+
 
 def method_speed(run: Path) -> dict:
     """Final metrics and round times of one run folder."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    records = [r for r in records if r["round"] > 0]
+    records = [r for r in read_metrics(run / "metrics.jsonl") if r["round"] > 0]  # a line torn by a kill ends the records
     if not records:
         raise SystemExit(f"{run / 'metrics.jsonl'}: no round was recorded")
     seconds = [r["seconds"] for r in records]
@@ -110,7 +113,7 @@ def table(speeds: dict[str, dict[str, dict]]) -> str:
 
 def main(argv: list[str]) -> int:
     if not argv or any("=" not in a for a in argv):
-        print("usage: python scripts/round_speed.py LABEL=COMPARE_FOLDER [LABEL=COMPARE_FOLDER ...]", file=sys.stderr)
+        print("usage: .venv/bin/python scripts/round_speed.py LABEL=COMPARE_FOLDER [LABEL=COMPARE_FOLDER ...]", file=sys.stderr)
         return 2
     speeds = {}
     for a in argv:

@@ -42,8 +42,11 @@ def test_rounds_per_second_median_and_ratio(tmp_path):
 
 
 def test_an_unfinished_comparison_gives_the_rounds_it_reached(tmp_path):
+    """Without compare.json, every run folder up to its last whole line."""
     folder = _compare_folder(tmp_path / "gpu", {"fedavg": [0.1, 0.1], "vbnn": [0.2]})
     (folder / "compare.json").unlink()
+    with open(folder / "fedavg" / "metrics.jsonl", "a") as f:
+        f.write('{"round": 3, "accuracy": 0.5')  # the line a kill tore: not a round
     res = _run(f"gpu={folder}")
     assert res.returncode == 0, res.stderr
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in res.stdout.splitlines()[2:]}
