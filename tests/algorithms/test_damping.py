@@ -86,6 +86,25 @@ def test_a_swing_that_grows_in_some_directions_shrinks_the_damping():
     assert run(0.8, 0.3) == pytest.approx(0.2)
 
 
+def test_residuals_that_keep_their_direction_grow_the_damping_only_while_they_shrink():
+    """A residual that turns 0.5 rad a round keeps its direction (rho_hat = f cos 0.5 > 0): shrinking
+    (f = 0.95, g_hat 0.95) the damping is too cautious and grows; growing (f = 1.05, g_hat 1.05,
+    rho_hat 0.92, neither a swing nor past DIVERGING) it is held: a larger damping would move the
+    global further along a change that is getting larger (the CNN of posterior_defaults.md)."""
+
+    def run(factor):
+        policy = damping.adaptive(initial=0.2, minimum=0.01)
+        t, mean = policy.init(jnp.zeros(2)), np.zeros(2)
+        for k in range(damping.WINDOW + 1):
+            step = float(t.value) * factor**k * np.array([np.cos(0.5 * k), np.sin(0.5 * k)])
+            t = policy.update(t, _gaussian(mean, [1.0, 1.0]), _gaussian(mean + step, [1.0, 1.0]))
+            mean = mean + step
+        return float(t.value)
+
+    assert run(0.95) == pytest.approx(0.25)
+    assert run(1.05) == pytest.approx(0.2)
+
+
 def test_a_rise_of_the_loss_at_the_broadcast_halves_the_damping_that_made_it_and_caps_it():
     """The loss at round t's broadcast measures round t-1's update: a rise past LOSS_RISE halves
     the damping that update used (not again once lowered) and caps any later growth there."""

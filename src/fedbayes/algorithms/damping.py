@@ -33,8 +33,13 @@ and then (a changed damping starts a new window):
   different rates, the best fixed damping overshoots the fastest ones a little (``rho`` near -0.5
   there) to move the slowest at a useful rate, and stochastic local steps keep exciting those fast
   oscillating directions;
-* ``rho_hat > 0`` (the changes keep their direction: too cautious) and the clients' loss at the
-  broadcast (below) no higher than when the window began: ``delta <- min(delta_max, delta * grow)``;
+* ``rho_hat > 0`` and ``g_hat < 1`` (the changes keep their direction and shrink: too cautious)
+  and the clients' loss at the broadcast (below) no higher than when the window began:
+  ``delta <- min(delta_max, delta * grow)``. A residual that keeps its direction but does not
+  shrink says the iteration is not contracting at this damping, and a longer step along it is no
+  remedy: growth waits for a window that shrinks, as a trust region grows its radius only after
+  steps that succeed (Nocedal & Wright 2006, "Numerical Optimization", Algorithm 4.1). Growing
+  there is what lost a CNN its accuracy (docs/results/posterior_defaults.md, "A CNN, not tuned on");
 * otherwise ``delta`` stays: residuals that are only the jitter of stochastic local steps about
   the fixed point are nearly uncorrelated, and give no reason to move it;
 * a round whose every message the server rejected (the step would have made the global improper,
@@ -84,7 +89,7 @@ from fedbayes.gaussian import DiagGaussian
 
 PyTree = Any
 
-INITIAL = 0.2  # the first rounds' damping: cautious; it grows while the changes keep their direction
+INITIAL = 0.2  # the first rounds' damping: cautious; it grows while the changes keep their direction and shrink
 MINIMUM = 0.1  # the paper's 1 / K for ten clients: the floor keeps a run that only jitters moving towards its fixed point
 MAXIMUM = 1.0
 GROW = 1.25
@@ -178,7 +183,7 @@ def fixed(value: float) -> Damping:
 def adaptive(initial: float = INITIAL, minimum: float = MINIMUM, maximum: float = MAXIMUM, grow: float = GROW, shrink: float = SHRINK) -> Damping:
     """The windowed bold-driver damping of the module docstring, starting at ``initial``, kept in
     ``[minimum, maximum]``, multiplied by ``grow`` after a window whose changes kept their direction
-    and by ``shrink`` after one whose changes swung back or grew."""
+    and shrank, and by ``shrink`` after one whose changes swung back or grew."""
     if not 0 < minimum <= initial <= maximum <= 1:
         raise ValueError(f"adaptive damping needs 0 < minimum <= initial <= maximum <= 1; got {minimum}, {initial}, {maximum}")
     if not (grow >= 1 and 0 < shrink < 1):
@@ -204,7 +209,7 @@ def adaptive(initial: float = INITIAL, minimum: float = MINIMUM, maximum: float 
         shrunk = jnp.maximum(minimum, state.value * shrink)
         grown = jnp.minimum(state.ceiling, state.value * grow)
         unstable = (rho < REVERSED) | (rho > DIVERGING) | ((rho < 0) & (growth > GROWING)) | window_rose
-        cautious = (rho > 0) & jnp.logical_not(window_worse)
+        cautious = (rho > 0) & (growth < 1.0) & jnp.logical_not(window_worse)
         verdict = jnp.where(unstable, shrunk, jnp.where(cautious, jnp.maximum(grown, state.value), state.value))
         value = jnp.where(decide, verdict, state.value)
         window_cap = jnp.where(decide & window_rose, shrunk, state.ceiling)
