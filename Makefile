@@ -42,7 +42,8 @@ demo: env
 # The cause is not settled: the two crashes of 2026-11-29 evening, one from an empty cache and one
 # from a warm one (where no entry is being written), were both in tests/sim/test_pipeline.py's
 # plain loop after its pipelined runs, and that test passed 3 times alone on the same warm cache.
-# Two threads of one process loading programs at once is the other candidate (docs/results/suite_time.md).
+# Two threads of one process loading programs at once was the other candidate; a crash of 2026-12-01
+# fits neither (a whole entry, one thread loading: docs/results/suite_time.md).
 PYTEST_CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 test: env
 	$(BIN)/python -m pytest -q -n 2 --durations=30 $(PYTEST_CRASH_RERUN)
