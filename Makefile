@@ -30,20 +30,12 @@ demo: env
 # A test whose worker process dies runs once more in a fresh worker (pytest-rerunfailures' crash
 # recovery: --reruns 1); an ordinary failure is never rerun (--only-rerun with a pattern that matches
 # no error). The summary counts the reruns ("1 rerun"), and a test that crashes twice fails. Why:
-# XLA's CPU runtime segfaulted in deserialize_executable, loading a round's program from the
-# persistent compilation cache (conftest.py), twice in about five full runs of the suite, and never
-# in 37 runs of the same test alone. Likely cause: jax 0.10 writes a cache entry without its file
-# lock when no size cap is set (as here), so one worker can read the other's half-written entry. A
-# folder per worker avoids that but costs the hits between workers: the conformance suite's cohort
-# and resume tests (66 tests, -n 2, cache empty) took 12:18 with a folder per worker against 10:38
-# and 10:32 shared (CPU 23:36 against 20:37 and 20:28); with the shared folder warm, 6:33
-# (2026-11-29, this 2-core machine otherwise idle; the shared runs: rm -rf DIR; FEDBAYES_CACHE=DIR
-# .venv/bin/python -m pytest -q -n 2 tests/algorithms/test_conformance.py -k "cohort_equals or resume_from").
-# The cause is not settled: the two crashes of 2026-11-29 evening, one from an empty cache and one
-# from a warm one (where no entry is being written), were both in tests/sim/test_pipeline.py's
-# plain loop after its pipelined runs, and that test passed 3 times alone on the same warm cache.
-# Two threads of one process loading programs at once was the other candidate; a crash of 2026-12-01
-# fits neither (a whole entry, one thread loading: docs/results/suite_time.md).
+# until 2026-12-01 a worker died in most full runs, in XLA's deserialize_executable under
+# tests/sim/test_pipeline.py. The cause: JAX keeps every compiled program, each in memory mappings
+# of its own, and a worker passed Linux's cap of 65,530 mappings; the next program's memory could
+# not be mapped, and jaxlib crashed instead of raising (docs/results/suite_time.md, "The crash in
+# deserialize_executable"). tests/conftest.py now releases the programs past half the cap
+# (fedbayes.sim.compiled); the rerun stays as a net for a crash of another cause.
 PYTEST_CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 test: env
 	$(BIN)/python -m pytest -q -n 2 --durations=30 $(PYTEST_CRASH_RERUN)

@@ -24,9 +24,13 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # in a process of its own set FEDBAYES_CACHE themselves (off, or a folder they test).
 os.environ.setdefault("FEDBAYES_CACHE", os.path.join(tempfile.gettempdir(), "fedbayes-tests-xla-cache"))
 
+import time  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+from fedbayes.sim.compiled import release_if_crowded  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Dtype promotion stays "standard" (docs/style.md asks for "strict"): optax 0.2.8 promotes implicitly
@@ -68,6 +72,21 @@ def pytest_collection_modifyitems(config, items):
     if len(chosen) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("benchmark") is not None])
         items[:] = chosen
+
+
+_last_release_check = [0.0]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """A worker runs about a thousand tests in one process, and JAX keeps the compiled programs of
+    each: past the kernel's cap on memory mappings the next program crashes the worker
+    (fedbayes.sim.compiled). Counting the mappings reads /proc/self/maps (tens of milliseconds at
+    30,000), so it runs at most every 2 seconds; a test loads far fewer than the half of the cap
+    that release_if_crowded leaves free."""
+    now = time.monotonic()
+    if now - _last_release_check[0] >= 2.0:
+        _last_release_check[0] = now
+        release_if_crowded()
 
 
 @pytest.fixture

@@ -92,6 +92,7 @@ from fedbayes.gaussian_kron import KronSpread
 from fedbayes.gaussian_lowrank import LowRankGaussian
 from fedbayes.runs.build import DataSpec, build_experiment, build_model, prepare_split
 from fedbayes.runs.folder import write_atomic
+from fedbayes.sim.compiled import release_if_crowded
 
 __all__ = [
     "FAMILIES",
@@ -438,6 +439,7 @@ def _run_method(
     """One method's row; ``extra`` holds the families computed only when asked for (``sep_*``,
     ``mfvi_point_bias``) as ``family -> (mean, variance)``."""
     raw = _config(problem, folder, method, dataset.num_train, settings.max_rounds, settings.client, settings)
+    release_if_crowded()  # one process runs every method's rows
     exp = build_experiment(validate(raw))
     hessian = None
     if method.family in ("low_rank_laplace", "kron_laplace"):  # its reference moves with the method's basis: from the full Laplace's Hessian at each check

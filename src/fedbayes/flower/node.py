@@ -35,6 +35,7 @@ import numpy as np
 from fedbayes import protocol
 from fedbayes.data.batches import ClientData, layout_orders
 from fedbayes.flower.nodedata import check_examples, read_file, refuse_server_path
+from fedbayes.sim.compiled import release_if_crowded
 
 KEEP_ROUNDS = 4  # state files kept per client besides the base (a resumed server may go back this far)
 
@@ -171,6 +172,7 @@ def node_setup(config, client: int, state_dir: str | Path, spec: dict, source: d
         return _SETUPS[memo]
     x, y = node_examples(config, client, state_dir, source)
     x, y = check_examples(x, y, spec, source.get("data-file", f"client {client}'s examples"))
+    release_if_crowded()  # a warm node builds run after run: its compiled programs stay below the mapping cap
     dspec = DataSpec(int(spec["num_classes"]), tuple(spec["feature_shape"]), np.dtype(spec["x_dtype"]), str(spec["task"]))
     model = build_model(config, dspec)
     algorithm, _ = build_algorithm_and_aggregator(config, FederationInfo.from_sizes(spec["sizes"]), dspec, model)

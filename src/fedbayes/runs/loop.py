@@ -70,6 +70,7 @@ from fedbayes.runs.plotting import plot_curves
 from fedbayes.runs.resume import check_resume_config, check_store_dir, claim_store, config_hash, record_changes
 from fedbayes.runs.strictjson import dumps_record, restore_record
 from fedbayes.runs.summaries import summarize
+from fedbayes.sim.compiled import release_if_crowded
 
 __all__ = ["Pending", "RunRecorder", "run_experiment", "train_loss"]
 
@@ -294,6 +295,10 @@ def run_experiment(
     ``rounds``, ``server_params``, ``algorithm``, ``counts_dropped``) that runs the rounds instead of
     ``exp.simulator`` (the Flower deployment, :class:`fedbayes.flower.rounds.FlowerRounds`);
     ``None``: the simulator.
+
+    A process that has run many experiments may hold the compiled programs of all of them; where
+    they crowd the kernel's cap on memory mappings, the run first releases them
+    (:func:`fedbayes.sim.compiled.release_if_crowded`).
     """
     out = Path(out_dir)
     if not (resume or overwrite) and out.is_dir() and any(p.name != runlock.LOCK_NAME for p in out.iterdir()):
@@ -301,6 +306,9 @@ def run_experiment(
             f"error: {out} is not empty (an earlier run?); pass overwrite=True to replace it, resume=True to continue it, or choose another folder"
         )
     given = _given_dataset(config, data)
+    # A process that runs experiment after experiment keeps the compiled programs of each; before
+    # they reach the kernel's cap on memory mappings (a crash, not an error), let them go.
+    release_if_crowded()
     with runlock.hold(out_dir), claim_store(config, out, resume):
         return _run_experiment(config, out, resume, reporter or PlainReporter(), tuple(accept_changes), warn or _stderr, rounds, given, model)
 
