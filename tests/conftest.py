@@ -77,6 +77,7 @@ def pytest_collection_modifyitems(config, items):
 _last_release_check = [0.0]
 
 
+@pytest.hookimpl(trylast=True)  # after the test's fixtures are gone, with whatever programs they held
 def pytest_runtest_teardown(item, nextitem):
     """A worker runs about a thousand tests in one process, and JAX keeps the compiled programs of
     each: past the kernel's cap on memory mappings the next program crashes the worker
