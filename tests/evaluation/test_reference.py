@@ -90,6 +90,24 @@ def test_map_raises_when_newton_cannot_converge():
         map_estimate(loss, params0, max_steps=1)
 
 
+def test_map_takes_the_full_newton_step_where_the_objective_cannot_resolve_the_decrease():
+    """At ``w0 = 1``, 2^-45 from the minimum of a quadratic of curvature 2^40 next to a constant
+    of 100, the gradient is 0.03 but the decrease left (4e-16) is below the float64 rounding of
+    ``f`` (1.4e-14); the last term stands for that rounding: every other point reads one ulp
+    higher. Armijo's test rejects every step there; the full Newton step lands on the minimum."""
+    offset, curvature = 2.0**-45, 2.0**40
+
+    def loss(params):
+        w = params["w"]
+        with jax.enable_x64(True):
+            centre = jnp.asarray(1.0 - offset, jnp.float64)
+            rounding = jnp.where(jnp.all(w == 1.0), 0.0, 2e-14)
+            return 100.0 + 0.5 * curvature * jnp.sum(jnp.square(w - centre)) + rounding
+
+    theta = map_estimate(loss, {"w": jnp.ones(3, jnp.float32)})
+    np.testing.assert_array_equal(np.asarray(theta["w"]), np.ones(3, np.float32))  # 1 - 2^-45 in float32
+
+
 def test_negative_log_joint_rejects_bad_input():
     _, apply_fn, _, x, y = _problem()
     with pytest.raises(ValueError, match="prior_precision"):

@@ -114,12 +114,21 @@ def negative_log_joint(apply_fn: Callable[[PyTree, jax.Array], jax.Array], x: An
     return loss
 
 
+# A decrease ``f`` cannot resolve in float64: a few units of its relative rounding.
+_ROUNDING = 16 * float(np.finfo(np.float64).eps)
+
+
 def _newton(f: Callable[[jax.Array], jax.Array], z0: jax.Array, max_steps: int, tol: float, what: str) -> jax.Array:
     """Damped Newton minimisation of ``f`` on a flat float64 vector (call under x64).
 
     Levenberg-style damping ``H + mu I`` when the Hessian is not positive definite, then an Armijo
     backtracking line search. Converged when ``max |grad| <= tol * max(1, |f|)``, or when the
     line search can no longer decrease ``f`` and the Newton decrement is at float64 rounding.
+    Where the decrement ``g^T (H + mu I)^{-1} g`` (twice the decrease the quadratic model
+    predicts; Boyd and Vandenberghe 2004, Section 9.5.1) is below the rounding of ``f`` itself,
+    Armijo's test compares rounding errors, so at a positive definite ``H`` the full Newton step
+    is taken without it: there the quadratic model is exact to that order, and one such step takes
+    the gradient from what ``f`` can no longer resolve to float64 rounding.
     Hand-written: optax has no Newton method and scipy is not a runtime dependency; with the exact
     Hessian of these small problems (a few hundred parameters) it reaches float64 rounding in a
     few steps, which the references need (L-BFGS stops orders of magnitude earlier).
@@ -127,7 +136,7 @@ def _newton(f: Callable[[jax.Array], jax.Array], z0: jax.Array, max_steps: int, 
     value_and_grad = jax.jit(jax.value_and_grad(f))
     hessian = jax.jit(jax.hessian(f))
     f_jit = jax.jit(f)
-    z = z0
+    z, rounded = z0, False
     for _ in range(max_steps):
         value, grad = value_and_grad(z)
         value, grad = float(value), np.asarray(grad)
@@ -146,6 +155,11 @@ def _newton(f: Callable[[jax.Array], jax.Array], z0: jax.Array, max_steps: int, 
                 mu = max(2.0 * mu, 1e-10 * scale)
         direction = -np.linalg.solve(chol.T, np.linalg.solve(chol, grad))
         decrement = -float(grad @ direction)  # g^T (H + mu I)^{-1} g >= 0
+        if mu == 0.0 and decrement <= _ROUNDING * max(1.0, abs(value)):
+            if rounded:  # a full step at rounding already taken: the gradient is what f resolves
+                return z
+            z, rounded = z + direction, True
+            continue
         step, accepted = 1.0, False
         while step > 1e-12:
             trial = z + step * direction
