@@ -260,11 +260,15 @@ def _initial_params(config):
     if getattr(config.algorithm, "variant", "bayes") == "paper":
         params = paper_init(protocol.server_init_key(config.seed), params)
     if getattr(config.algorithm, "method", "bbb") == "ivon":  # the server's IVON start, h = h_0
-        from fedbayes.algorithms.vbnn import ivon_init
+        from fedbayes.algorithms.vbnn import ivon_init, ivon_settings_for
+        from fedbayes.config.schema import validate_algorithm
         from fedbayes.runs.build import prepare_split
 
+        # a stored [algorithm] holds the keys the run set; the settings give the defaults of the rest
+        algorithm = validate_algorithm(config.algorithm.model_dump())
+        hess_init = ivon_settings_for(algorithm, "client").hess_init  # a network's IVON client takes minibatches
         total = sum(len(p) for p in prepare_split(config)[1])
-        params = ivon_init(params, config.algorithm.ivon_hess_init, total / config.algorithm.kl_weight, config.algorithm.prior_variance)
+        params = ivon_init(params, hess_init, total / algorithm.kl_weight, algorithm.prior_variance)
     return params
 
 
