@@ -80,6 +80,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "fedep_nuts_full": ("FedEP (nuts, covariance full)", {"name": "fedep", "method": "nuts", "covariance": "full"}),
     "pvi": ("PVI", {"name": "pvi"}),
     "pvi_full": ("PVI (covariance full)", {"name": "pvi", "covariance": "full"}),
+    "pvi_std003": ("PVI (network_std 0.03, the start before 2026-11-30)", {"name": "pvi", "network_std": 0.03}),
     "fedlap_cov": ("FedLap-Cov", {"name": "fedlap_cov"}),
     "fedlap_cov_full": ("FedLap-Cov (covariance full)", {"name": "fedlap_cov", "covariance": "full"}),
     "fedlap_cov_last_layer": ("FedLap-Cov (covariance last_layer)", {"name": "fedlap_cov", "covariance": "last_layer"}),
